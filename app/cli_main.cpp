@@ -1,0 +1,148 @@
+// diffract-cli: the headless front end.
+#include <chrono>
+#include <filesystem>
+#include <iostream>
+
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+
+#include "core/io/diffusers_folder.h"
+#include "core/io/safetensors.h"
+#include "core/models/text_encoders/clip_text.h"
+#include "core/text/clip_tokenizer.h"
+#include "core/util/build_info.h"
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+namespace fs = std::filesystem;
+using namespace diffract;
+
+namespace {
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+text::CLIPTokenizer open_tokenizer(const fs::path& path) {
+  if (fs::is_directory(path)) return text::CLIPTokenizer::from_folder(path);
+  return text::CLIPTokenizer::from_openai_bpe(path);
+}
+
+int inspect(const fs::path& path) {
+  if (fs::is_directory(path)) {
+    std::cout << io::DiffusersFolder::open(path).summary() << "\n";
+    return 0;
+  }
+  auto archive = io::SafetensorsArchive::open(path);
+  std::size_t bytes = 0;
+  for (const auto& t : archive->tensors()) {
+    bytes += t.nbytes;
+    std::cout << t.name << "  " << io::dtype_name(t.dtype) << " [";
+    for (std::size_t i = 0; i < t.shape.size(); ++i) std::cout << (i ? ", " : "") << t.shape[i];
+    std::cout << "]\n";
+  }
+  std::cout << archive->tensors().size() << " tensors, " << bytes / 1e6 << " MB\n";
+  return 0;
+}
+
+int tokenize(const fs::path& tokenizer, const std::string& prompt) {
+  const auto tok = open_tokenizer(tokenizer);
+  const auto t = tok.tokenize(prompt);
+  for (int i = 0; i < t.length; ++i) std::cout << (i ? " " : "") << t.ids[static_cast<std::size_t>(i)];
+  std::cout << "\n";
+  if (t.dropped > 0)
+    log::get("text").warn(log::str("prompt is ", t.dropped, " tokens over the limit of ", tok.max_length(),
+                                   ": the end was cut off"));
+  return 0;
+}
+
+int encode(const fs::path& model, const std::string& component, const std::string& prompt) {
+  const auto log = log::get("cli");
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto folder = io::DiffusersFolder::open(model);
+  const std::string suffix = component.substr(std::string("text_encoder").size());
+  const auto& tok_c = folder.require("tokenizer" + suffix);
+  const auto& enc_c = folder.require(component);
+  const auto tok = text::CLIPTokenizer::from_folder(tok_c.dir);
+  const bool projected = enc_c.class_name == "CLIPTextModelWithProjection";
+  if (!projected && enc_c.class_name != "CLIPTextModel")
+    throw Error(enc_c.dir.string() + ": text encoder class '" + enc_c.class_name + "' is not supported yet");
+  models::CLIPTextModel plain{nullptr};
+  models::CLIPTextModelWithProjection with_proj{nullptr};
+  if (projected) with_proj = models::load_clip_text_model_with_projection(enc_c.dir);
+  else plain = models::load_clip_text_model(enc_c.dir);
+  const double load_ms = ms_since(t0);
+
+  const auto t1 = std::chrono::steady_clock::now();
+  const auto tokens = tok.tokenize(prompt);
+  const double tokenize_ms = ms_since(t1);
+  if (tokens.dropped > 0)
+    log.warn(log::str("prompt is ", tokens.dropped, " tokens over the limit of ", tok.max_length(),
+                      ": the end was cut off"));
+  auto ids = at::tensor(at::ArrayRef<int>(tokens.ids), at::kLong).unsqueeze(0);
+
+  const auto t2 = std::chrono::steady_clock::now();
+  at::NoGradGuard no_grad;
+  auto out = projected ? with_proj->forward(ids, true) : plain->forward(ids, true);
+  const double encode_ms = ms_since(t2);
+
+  auto stats = [](const at::Tensor& x) {
+    return "shape " + std::string(c10::str(x.sizes())) + ", mean " + std::to_string(x.mean().item<double>()) +
+           ", std " + std::to_string(x.std().item<double>());
+  };
+  std::cout << "tokens: " << tokens.length << " of " << tok.max_length() << "\n"
+            << "last_hidden_state: " << stats(out.last_hidden_state) << "\n"
+            << "penultimate hidden state: " << stats(out.hidden_states[out.hidden_states.size() - 2]) << "\n"
+            << "pooled: " << stats(out.pooled) << "\n";
+  if (projected) std::cout << "text_embeds: " << stats(out.text_embeds) << "\n";
+  std::cout << "timings: load " << load_ms << " ms, tokenize " << tokenize_ms << " ms, text encode " << encode_ms
+            << " ms\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Diffract: fast diffusion image generation (headless)"};
+  app.require_subcommand(1);
+  bool verbose = false;
+  app.add_flag("-v,--verbose", verbose, "Debug output from every component");
+  app.set_version_flag("--version", [] { return describe(build_info()); });
+
+  auto* info_cmd = app.add_subcommand("info", "What this build and machine offer");
+
+  std::string inspect_path;
+  auto* inspect_cmd = app.add_subcommand("inspect", "List a model folder's components or a checkpoint's tensors");
+  inspect_cmd->add_option("path", inspect_path, "diffusers folder or .safetensors / .index.json file")->required();
+
+  std::string tok_path, prompt;
+  auto* tok_cmd = app.add_subcommand("tokenize", "Print the CLIP token ids of a prompt");
+  tok_cmd->add_option("--tokenizer", tok_path, "tokenizer folder or bpe_simple_vocab_16e6.txt.gz")->required();
+  tok_cmd->add_option("--prompt", prompt, "text")->required();
+
+  std::string model_path, component = "text_encoder";
+  auto* enc_cmd = app.add_subcommand("encode", "Run a model's CLIP text encoder on a prompt");
+  enc_cmd->add_option("--model", model_path, "diffusers model folder")->required();
+  enc_cmd->add_option("--prompt", prompt, "text")->required();
+  enc_cmd->add_option("--component", component, "text_encoder or text_encoder_2")
+      ->check(CLI::IsMember({"text_encoder", "text_encoder_2"}));
+
+  CLI11_PARSE(app, argc, argv);
+  log::set_verbose(verbose);
+  try {
+    if (info_cmd->parsed()) {
+      std::cout << describe(build_info()) << "\n";
+      return 0;
+    }
+    if (inspect_cmd->parsed()) return inspect(inspect_path);
+    if (tok_cmd->parsed()) return tokenize(tok_path, prompt);
+    if (enc_cmd->parsed()) return encode(model_path, component, prompt);
+  } catch (const Error& e) {
+    log::get("cli").error(e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    log::get("cli").error(std::string("internal error: ") + e.what());
+    return 2;
+  }
+  return 0;
+}

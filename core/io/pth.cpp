@@ -1,0 +1,345 @@
+#include "core/io/pth.h"
+
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <variant>
+
+#include <ATen/ATen.h>
+#include <caffe2/serialize/inline_container.h>
+
+#include "core/util/error.h"
+
+namespace diffract::io {
+
+namespace {
+
+struct Value;
+using ValuePtr = std::shared_ptr<Value>;
+
+struct Global {
+  std::string module, name;
+};
+struct StorageRef {
+  c10::ScalarType dtype;
+  std::string key;
+  int64_t numel;
+};
+struct Tuple {
+  std::vector<ValuePtr> items;
+};
+struct Dict {
+  std::vector<std::pair<ValuePtr, ValuePtr>> items;
+};
+struct Mark {};
+struct Opaque {};  // the result of a call this reader does not model
+
+struct Value {
+  std::variant<std::monostate, bool, int64_t, double, std::string, Global, StorageRef, Tuple, Dict, at::Tensor, Mark,
+               Opaque>
+      v;
+};
+
+ValuePtr make(decltype(Value::v) v) { return std::make_shared<Value>(Value{std::move(v)}); }
+
+c10::ScalarType storage_dtype(const std::string& name, const std::string& where) {
+  static const std::map<std::string, c10::ScalarType> kTypes = {
+      {"FloatStorage", c10::kFloat},        {"DoubleStorage", c10::kDouble},
+      {"HalfStorage", c10::kHalf},          {"BFloat16Storage", c10::kBFloat16},
+      {"LongStorage", c10::kLong},          {"IntStorage", c10::kInt},
+      {"ShortStorage", c10::kShort},        {"CharStorage", c10::kChar},
+      {"ByteStorage", c10::kByte},          {"BoolStorage", c10::kBool},
+      {"Float8_e4m3fnStorage", c10::kFloat8_e4m3fn}, {"Float8_e5m2Storage", c10::kFloat8_e5m2},
+  };
+  auto it = kTypes.find(name);
+  if (it == kTypes.end()) throw Error(where + ": unsupported storage type torch." + name);
+  return it->second;
+}
+
+class Unpickler {
+ public:
+  Unpickler(const std::string& where, caffe2::serialize::PyTorchStreamReader& zip) : where_(where), zip_(zip) {}
+
+  ValuePtr run(const char* data, std::size_t size) {
+    p_ = data;
+    end_ = data + size;
+    while (true) {
+      const auto op = u8();
+      switch (op) {
+        case 0x80: u8(); break;                          // PROTO
+        case 0x95: bytes(8); break;                      // FRAME
+        case '.': return pop();                          // STOP
+        case '(': push(make(Mark{})); break;             // MARK
+        case '0': pop(); break;                          // POP
+        case '1': pop_mark(); break;                     // POP_MARK
+        case 'N': push(make(std::monostate{})); break;   // NONE
+        case 0x88: push(make(true)); break;              // NEWTRUE
+        case 0x89: push(make(false)); break;             // NEWFALSE
+        case 'K': push(make(int64_t(u8()))); break;      // BININT1
+        case 'M': push(make(int64_t(le<uint16_t>()))); break;  // BININT2
+        case 'J': push(make(int64_t(le<int32_t>()))); break;   // BININT
+        case 0x8a: push(make(long1())); break;           // LONG1
+        case 'G': push(make(be_double())); break;        // BINFLOAT
+        case 'X': push(make(str(le<uint32_t>()))); break;      // BINUNICODE
+        case 0x8c: push(make(str(u8()))); break;         // SHORT_BINUNICODE
+        case 0x8d: push(make(str(le<uint64_t>()))); break;     // BINUNICODE8
+        case 'U': push(make(str(u8()))); break;          // SHORT_BINSTRING
+        case 'T': push(make(str(le<uint32_t>()))); break;      // BINSTRING
+        case 'c': {                                      // GLOBAL
+          auto module = line();
+          auto name = line();
+          push(make(Global{module, name}));
+          break;
+        }
+        case 'q': memo_[u8()] = top(); break;            // BINPUT
+        case 'r': memo_[le<uint32_t>()] = top(); break;  // LONG_BINPUT
+        case 0x94: memo_[memo_.size()] = top(); break;   // MEMOIZE
+        case 'h': push(memo(u8())); break;               // BINGET
+        case 'j': push(memo(le<uint32_t>())); break;     // LONG_BINGET
+        case ')': push(make(Tuple{})); break;            // EMPTY_TUPLE
+        case 0x85: push(make(Tuple{pop_n(1)})); break;   // TUPLE1
+        case 0x86: push(make(Tuple{pop_n(2)})); break;   // TUPLE2
+        case 0x87: push(make(Tuple{pop_n(3)})); break;   // TUPLE3
+        case 't': push(make(Tuple{pop_mark()})); break;  // TUPLE
+        case ']': push(make(Tuple{})); break;            // EMPTY_LIST (lists are read as tuples)
+        case 'l': push(make(Tuple{pop_mark()})); break;  // LIST
+        case 'a': {                                      // APPEND
+          auto v = pop();
+          as<Tuple>(top(), "APPEND").items.push_back(v);
+          break;
+        }
+        case 'e': {                                      // APPENDS
+          auto items = pop_mark();
+          auto& list = as<Tuple>(top(), "APPENDS").items;
+          list.insert(list.end(), items.begin(), items.end());
+          break;
+        }
+        case '}': push(make(Dict{})); break;             // EMPTY_DICT
+        case 'd': push(make(dict_of(pop_mark()))); break;  // DICT
+        case 's': {                                      // SETITEM
+          auto v = pop();
+          auto k = pop();
+          as<Dict>(top(), "SETITEM").items.emplace_back(k, v);
+          break;
+        }
+        case 'u': {                                      // SETITEMS
+          auto kv = dict_of(pop_mark());
+          auto& d = as<Dict>(top(), "SETITEMS").items;
+          d.insert(d.end(), kv.items.begin(), kv.items.end());
+          break;
+        }
+        case 'b': pop(); break;  // BUILD: object state (a state dict's _metadata) is not needed
+        case 'Q': push(persistent_load(pop())); break;   // BINPERSID
+        case 'R': {                                      // REDUCE
+          auto args = pop();
+          auto fn = pop();
+          push(reduce(fn, args));
+          break;
+        }
+        default: {
+          char hex[8];
+          std::snprintf(hex, sizeof hex, "0x%02x", op);
+          throw Error(where_ + ": unsupported pickle opcode " + hex + " (not a plain state dict?)");
+        }
+      }
+    }
+  }
+
+ private:
+  [[noreturn]] void corrupt(const std::string& why) const { throw Error(where_ + ": corrupt pickle: " + why); }
+
+  const char* bytes(std::size_t n) {
+    if (static_cast<std::size_t>(end_ - p_) < n) corrupt("unexpected end of data");
+    const char* b = p_;
+    p_ += n;
+    return b;
+  }
+  uint8_t u8() { return static_cast<uint8_t>(*bytes(1)); }
+  template <typename T>
+  T le() {
+    T v;
+    std::memcpy(&v, bytes(sizeof(T)), sizeof(T));
+    return v;
+  }
+  double be_double() {
+    const char* b = bytes(8);
+    char r[8];
+    for (int i = 0; i < 8; ++i) r[i] = b[7 - i];
+    double d;
+    std::memcpy(&d, r, 8);
+    return d;
+  }
+  int64_t long1() {
+    const auto n = u8();
+    if (n > 8) corrupt("integer wider than 64 bits");
+    const char* b = bytes(n);
+    uint64_t v = 0;
+    for (int i = 0; i < n; ++i) v |= uint64_t(static_cast<uint8_t>(b[i])) << (8 * i);
+    if (n > 0 && n < 8 && (static_cast<uint8_t>(b[n - 1]) & 0x80)) v |= ~uint64_t(0) << (8 * n);
+    return static_cast<int64_t>(v);
+  }
+  std::string str(uint64_t n) { return std::string(bytes(n), n); }
+  std::string line() {
+    const char* nl = static_cast<const char*>(std::memchr(p_, '\n', static_cast<std::size_t>(end_ - p_)));
+    if (!nl) corrupt("unterminated GLOBAL");
+    std::string s(p_, nl);
+    p_ = nl + 1;
+    return s;
+  }
+
+  void push(ValuePtr v) { stack_.push_back(std::move(v)); }
+  ValuePtr pop() {
+    if (stack_.empty()) corrupt("stack underflow");
+    auto v = stack_.back();
+    stack_.pop_back();
+    return v;
+  }
+  ValuePtr& top() {
+    if (stack_.empty()) corrupt("stack underflow");
+    return stack_.back();
+  }
+  std::vector<ValuePtr> pop_n(std::size_t n) {
+    if (stack_.size() < n) corrupt("stack underflow");
+    std::vector<ValuePtr> out(stack_.end() - static_cast<long>(n), stack_.end());
+    stack_.resize(stack_.size() - n);
+    return out;
+  }
+  std::vector<ValuePtr> pop_mark() {
+    for (std::size_t i = stack_.size(); i-- > 0;)
+      if (std::holds_alternative<Mark>(stack_[i]->v)) {
+        std::vector<ValuePtr> out(stack_.begin() + static_cast<long>(i) + 1, stack_.end());
+        stack_.resize(i);
+        return out;
+      }
+    corrupt("MARK not found");
+  }
+  ValuePtr memo(uint32_t i) {
+    auto it = memo_.find(i);
+    if (it == memo_.end()) corrupt("memo entry " + std::to_string(i) + " used before it is set");
+    return it->second;
+  }
+  template <typename T>
+  T& as(const ValuePtr& v, const char* op) {
+    if (auto* t = std::get_if<T>(&v->v)) return *t;
+    corrupt(std::string(op) + " on the wrong kind of object");
+  }
+  Dict dict_of(const std::vector<ValuePtr>& flat) {
+    if (flat.size() % 2) corrupt("odd number of dict items");
+    Dict d;
+    for (std::size_t i = 0; i < flat.size(); i += 2) d.items.emplace_back(flat[i], flat[i + 1]);
+    return d;
+  }
+  int64_t int_of(const ValuePtr& v) {
+    if (auto* i = std::get_if<int64_t>(&v->v)) return *i;
+    corrupt("expected an integer");
+  }
+  std::vector<int64_t> ints_of(const ValuePtr& v) {
+    std::vector<int64_t> out;
+    for (const auto& x : as<Tuple>(v, "tensor shape").items) out.push_back(int_of(x));
+    return out;
+  }
+
+  ValuePtr persistent_load(const ValuePtr& pid) {
+    // ('storage', torch.<Type>Storage, key, location, numel)
+    const auto& t = as<Tuple>(pid, "BINPERSID").items;
+    if (t.size() < 5) corrupt("storage reference with " + std::to_string(t.size()) + " fields");
+    const auto* type = std::get_if<Global>(&t[1]->v);
+    const auto* key = std::get_if<std::string>(&t[2]->v);
+    if (!type || !key) corrupt("malformed storage reference");
+    return make(StorageRef{storage_dtype(type->name, where_), *key, int_of(t[4])});
+  }
+
+  at::Tensor storage_tensor(const StorageRef& s) {
+    auto it = storages_.find(s.key);
+    if (it != storages_.end()) return it->second;
+    const std::string record = "data/" + s.key;
+    if (!zip_.hasRecord(record)) throw Error(where_ + ": storage record '" + record + "' is missing");
+    auto [ptr, size] = zip_.getRecord(record);
+    const auto bytes_needed = static_cast<std::size_t>(s.numel) * c10::elementSize(s.dtype);
+    if (size != bytes_needed)
+      throw Error(where_ + ": storage '" + s.key + "' holds " + std::to_string(size) + " bytes, expected " +
+                  std::to_string(bytes_needed));
+    auto t = at::empty({s.numel}, at::TensorOptions().dtype(s.dtype));
+    std::memcpy(t.data_ptr(), ptr.get(), size);
+    storages_.emplace(s.key, t);
+    return t;
+  }
+
+  ValuePtr reduce(const ValuePtr& fn, const ValuePtr& args) {
+    const auto* g = std::get_if<Global>(&fn->v);
+    if (!g) return make(Opaque{});
+    if (g->module == "collections" && (g->name == "OrderedDict" || g->name == "defaultdict")) return make(Dict{});
+    const auto& a = as<Tuple>(args, "REDUCE").items;
+    if (g->module == "torch._utils" && g->name == "_rebuild_tensor_v2") {
+      // (storage, storage_offset, size, stride, requires_grad, backward_hooks[, metadata])
+      if (a.size() < 4) corrupt("_rebuild_tensor_v2 with too few arguments");
+      const auto& s = std::get_if<StorageRef>(&a[0]->v);
+      if (!s) corrupt("_rebuild_tensor_v2 without a storage");
+      auto storage = storage_tensor(*s);
+      const auto offset = int_of(a[1]);
+      const auto size = ints_of(a[2]), stride = ints_of(a[3]);
+      int64_t extent = 1;  // the last element the view reaches, plus one
+      for (std::size_t i = 0; i < size.size(); ++i)
+        if (size[i] == 0) extent = 0;
+      if (extent) {
+        for (std::size_t i = 0; i < size.size(); ++i) extent += (size[i] - 1) * stride[i];
+        if (offset < 0 || offset + extent > s->numel) throw Error(where_ + ": a tensor reaches past its storage '" + s->key + "'");
+      }
+      return make(storage.as_strided(size, stride, offset));
+    }
+    if (g->module == "torch._utils" && (g->name == "_rebuild_parameter" || g->name == "_rebuild_parameter_with_state")) {
+      if (a.empty() || !std::holds_alternative<at::Tensor>(a[0]->v)) corrupt("_rebuild_parameter without a tensor");
+      return a[0];
+    }
+    return make(Opaque{});
+  }
+
+  std::string where_;
+  caffe2::serialize::PyTorchStreamReader& zip_;
+  const char* p_ = nullptr;
+  const char* end_ = nullptr;
+  std::vector<ValuePtr> stack_;
+  std::map<uint32_t, ValuePtr> memo_;
+  std::map<std::string, at::Tensor> storages_;
+};
+
+StateDict to_state_dict(const ValuePtr& root, const std::string& where, bool nested = false) {
+  const auto* d = std::get_if<Dict>(&root->v);
+  if (!d) throw Error(where + ": does not hold a state dict (a dict of tensors)");
+  StateDict out;
+  for (const auto& [k, v] : d->items) {
+    const auto* key = std::get_if<std::string>(&k->v);
+    if (!key) continue;
+    if (const auto* t = std::get_if<at::Tensor>(&v->v)) out[*key] = *t;
+    else if (!nested && *key == "state_dict" && std::holds_alternative<Dict>(v->v)) return to_state_dict(v, where, true);
+  }
+  if (out.empty()) throw Error(where + ": no tensors found in the pickled dict");
+  return out;
+}
+
+}  // namespace
+
+StateDict load_pth(const std::filesystem::path& path) {
+  const std::string where = path.string();
+  if (!std::filesystem::exists(path)) throw Error(where + ": no such file");
+  {
+    std::ifstream in(path, std::ios::binary);
+    char magic[2] = {};
+    in.read(magic, 2);
+    if (magic[0] != 'P' || magic[1] != 'K')
+      throw Error(where + ": not a torch.save zip archive (legacy pickled checkpoints are not supported; "
+                  "re-save it with torch.save or convert it to safetensors)");
+  }
+  try {
+    caffe2::serialize::PyTorchStreamReader zip(path.string());
+    if (!zip.hasRecord("data.pkl")) throw Error(where + ": no data.pkl in the archive");
+    auto [ptr, size] = zip.getRecord("data.pkl");
+    Unpickler unpickler(where, zip);
+    return to_state_dict(unpickler.run(static_cast<const char*>(ptr.get()), size), where);
+  } catch (const c10::Error& e) {
+    throw Error(where + ": cannot read the torch.save archive: " + e.what_without_backtrace());
+  }
+}
+
+}  // namespace diffract::io

@@ -1,0 +1,146 @@
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/io/safetensors.h"
+#include "core/io/weights.h"
+#include "core/util/error.h"
+#include "test_util.h"
+
+using namespace diffract;
+namespace fs = std::filesystem;
+
+namespace {
+
+// Writes a safetensors file from a raw header string and `data_bytes` zero bytes.
+fs::path write_raw(const fs::path& dir, const std::string& name, const std::string& header, std::size_t data_bytes,
+                   std::int64_t declared_len = -1) {
+  const auto path = dir / name;
+  std::ofstream out(path, std::ios::binary);
+  std::uint64_t len = declared_len < 0 ? header.size() : static_cast<std::uint64_t>(declared_len);
+  out.write(reinterpret_cast<const char*>(&len), 8);
+  out << header;
+  out << std::string(data_bytes, '\0');
+  return path;
+}
+
+}  // namespace
+
+class TestSafetensors : public QObject {
+  Q_OBJECT
+ private slots:
+  void readsEveryDtypeWithPythonValues() {
+    auto archive = io::SafetensorsArchive::open(test::fixtures() / "dtypes.safetensors");
+    std::ifstream in(test::fixtures() / "dtypes.json");
+    const auto expected = nlohmann::json::parse(in);
+    QCOMPARE(archive->tensors().size(), expected.size());
+    std::shared_ptr<const io::SafetensorsArchive> shared = archive;
+    for (const auto& [name, e] : expected.items()) {
+      const auto& info = archive->at(name);
+      QCOMPARE(info.shape, e["shape"].get<std::vector<std::int64_t>>());
+      auto t = io::to_tensor(shared, info);
+      if (t.numel() > 0)
+        QVERIFY2(t.data_ptr() == static_cast<const void*>(info.data), (name + ": must view the mapping, not a copy").c_str());
+      auto values = e["values"].get<std::vector<double>>();
+      auto got = t.to(at::kDouble).flatten();
+      QCOMPARE(got.numel(), static_cast<std::int64_t>(values.size()));
+      for (std::size_t i = 0; i < values.size(); ++i)
+        QVERIFY2(got[static_cast<std::int64_t>(i)].item<double>() == values[i], name.c_str());
+    }
+    QCOMPARE(archive->metadata().at("made_by"), std::string("oracle"));
+    QCOMPARE(io::dtype_name(archive->at("f8_e4m3").dtype), std::string_view("F8_E4M3"));
+  }
+
+  void tensorsOutliveTheArchiveHandle() {
+    at::Tensor t;
+    {
+      auto state = io::load_state_dict(test::fixtures() / "dtypes.safetensors");
+      t = state.at("f32");
+    }
+    QCOMPARE(t[1][2].item<float>(), 100.0f);
+  }
+
+  void readsShardedCheckpoints() {
+    const auto dir = test::fixtures() / "sharded";
+    auto archive = io::SafetensorsArchive::open(dir / "model.safetensors.index.json");
+    QCOMPARE(archive->tensors().size(), std::size_t(5));
+    QCOMPARE(archive->file_of("layer.4.weight").filename().string(), std::string("model-00002-of-00002.safetensors"));
+    auto got = io::load_state_dict(dir / "model.safetensors.index.json");
+    auto expected = io::load_state_dict(dir / "expected.safetensors");
+    QCOMPARE(got.size(), expected.size());
+    for (const auto& [k, v] : expected) QVERIFY(at::equal(got.at(k), v));
+  }
+
+  void rejectsTruncatedFile() {
+    QTemporaryDir tmp;
+    const auto p = fs::path(tmp.path().toStdString()) / "short.safetensors";
+    std::ofstream(p, std::ios::binary) << "abc";
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "short.safetensors", "truncated");
+  }
+
+  void rejectsHeaderLengthPastEnd() {
+    QTemporaryDir tmp;
+    auto p = write_raw(tmp.path().toStdString(), "long.safetensors", "{}", 0, 5000);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "long.safetensors", "header length 5000 runs past the end");
+  }
+
+  void rejectsMalformedJson() {
+    QTemporaryDir tmp;
+    auto p = write_raw(tmp.path().toStdString(), "bad.safetensors", R"({"a": {"dtype": "F32", )", 0);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "bad.safetensors", "malformed header JSON");
+  }
+
+  void rejectsUnknownDtype() {
+    QTemporaryDir tmp;
+    auto p = write_raw(tmp.path().toStdString(), "dt.safetensors",
+                       R"({"w": {"dtype": "F7", "shape": [2], "data_offsets": [0, 8]}})", 8);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "dt.safetensors", "tensor 'w'", "unknown dtype 'F7'");
+  }
+
+  void rejectsDtypeShapeMismatch() {
+    QTemporaryDir tmp;
+    auto p = write_raw(tmp.path().toStdString(), "mm.safetensors",
+                       R"({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}})", 12);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "tensor 'w'", "needs 16 bytes but data_offsets span 12");
+  }
+
+  void rejectsOffsetsOutsideData() {
+    QTemporaryDir tmp;
+    auto p = write_raw(tmp.path().toStdString(), "oob.safetensors",
+                       R"({"w": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]}})", 16);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "oob.safetensors", "tensor 'w'", "outside the data area");
+    auto q = write_raw(tmp.path().toStdString(), "rev.safetensors",
+                       R"({"w": {"dtype": "F32", "shape": [0], "data_offsets": [8, 4]}})", 16);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(q), "tensor 'w'", "end before they begin");
+  }
+
+  void rejectsOverlappingTensors() {
+    QTemporaryDir tmp;
+    auto p = write_raw(tmp.path().toStdString(), "ov.safetensors",
+                       R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                           "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})",
+                       12);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "ov.safetensors", "'a' and 'b' overlap");
+  }
+
+  void rejectsBadShardIndexes() {
+    QTemporaryDir tmp;
+    const fs::path dir = tmp.path().toStdString();
+    std::ofstream(dir / "m.safetensors.index.json") << R"({"weight_map": {"x": "gone.safetensors"}})";
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(dir / "m.safetensors.index.json"), "shard 'gone.safetensors' is missing");
+    write_raw(dir, "s1.safetensors", R"({"y": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}})", 1);
+    std::ofstream(dir / "n.safetensors.index.json") << R"({"weight_map": {"x": "s1.safetensors", "y": "s1.safetensors"}})";
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(dir / "n.safetensors.index.json"), "absent from their shard", "x (in s1.safetensors)");
+    std::ofstream(dir / "o.safetensors.index.json") << R"({"metadata": {}})";
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(dir / "o.safetensors.index.json"), "no 'weight_map'");
+  }
+
+  void namesMissingTensor() {
+    auto archive = io::SafetensorsArchive::open(test::fixtures() / "dtypes.safetensors");
+    DIFFRACT_EXPECT_ERROR(archive->at("nope"), "dtypes.safetensors", "no tensor 'nope'");
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(test::fixtures() / "absent.safetensors"), "absent.safetensors", "no such file");
+  }
+};
+
+QTEST_GUILESS_MAIN(TestSafetensors)
+#include "test_safetensors.moc"

@@ -1,0 +1,53 @@
+#pragma once
+// Helpers shared by the Qt Test files: where the oracle's fixtures are, tensor comparison.
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <QtTest>
+
+namespace diffract::test {
+
+inline std::filesystem::path fixtures() {
+  const char* d = std::getenv("DIFFRACT_FIXTURES");
+  return d ? std::filesystem::path(d) : std::filesystem::path("fixtures");
+}
+
+inline std::filesystem::path shared_dir() {
+  const char* d = std::getenv("DIFFRACT_SHARED");
+  return d ? std::filesystem::path(d) : std::filesystem::path("../shared");
+}
+
+// Max absolute difference, checked against a tolerance stated by the caller.
+inline double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+}  // namespace diffract::test
+
+// Fails the test (with both shapes and the max difference) unless a ≈ b within atol.
+#define DIFFRACT_COMPARE_TENSORS(a, b, atol)                                                                \
+  do {                                                                                                      \
+    const at::Tensor _a = (a), _b = (b);                                                                    \
+    QVERIFY2(_a.sizes() == _b.sizes(),                                                                      \
+             qPrintable(QString("shape %1 vs %2").arg(c10::str(_a.sizes()).c_str(), c10::str(_b.sizes()).c_str()))); \
+    const double _d = diffract::test::max_abs_diff(_a, _b);                                                 \
+    QVERIFY2(_d <= (atol), qPrintable(QString("%1: max |diff| %2 > %3").arg(#a).arg(_d).arg(atol)));        \
+  } while (0)
+
+// Runs `expr`, which must throw diffract::Error whose message contains every fragment.
+#define DIFFRACT_EXPECT_ERROR(expr, ...)                                                                    \
+  do {                                                                                                      \
+    bool _thrown = false;                                                                                   \
+    try {                                                                                                   \
+      (void)(expr);                                                                                         \
+    } catch (const diffract::Error& _e) {                                                                   \
+      _thrown = true;                                                                                       \
+      const std::string _msg = _e.what();                                                                   \
+      for (const char* _frag : {__VA_ARGS__})                                                               \
+        QVERIFY2(_msg.find(_frag) != std::string::npos,                                                     \
+                 qPrintable(QString("error '%1' lacks '%2'").arg(_msg.c_str(), _frag)));                    \
+    }                                                                                                       \
+    QVERIFY2(_thrown, "expected a diffract::Error from " #expr);                                            \
+  } while (0)

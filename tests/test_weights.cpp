@@ -1,0 +1,100 @@
+#include <fstream>
+
+#include <torch/nn.h>
+
+#include "core/io/weights.h"
+#include "core/util/error.h"
+#include "test_util.h"
+
+using namespace diffract;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct SmallImpl : torch::nn::Module {
+  SmallImpl() {
+    proj = register_module("proj", torch::nn::Linear(3, 2));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({2})));
+    scale = register_buffer("scale", torch::ones({2}));
+  }
+  torch::nn::Linear proj{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+  at::Tensor scale;
+};
+TORCH_MODULE(Small);
+
+io::StateDict good_weights() {
+  return {{"proj.weight", at::arange(6, at::kHalf).view({2, 3})}, {"proj.bias", at::zeros({2})},
+          {"norm.weight", at::full({2}, 2.0)}, {"norm.bias", at::zeros({2})}, {"scale", at::full({2}, 3.0)}};
+}
+
+}  // namespace
+
+class TestWeights : public QObject {
+  Q_OBJECT
+ private slots:
+  void readsTorchSaveArchivesLikeTorchLoad() {
+    for (const char* part : {"encoder", "decoder"}) {
+      const auto pth = test::shared_dir() / "data" / "taesd" / (std::string("taef2_") + part + ".pth");
+      auto got = io::load_state_dict(pth);
+      auto expected = io::load_state_dict(test::fixtures() / (std::string("taef2_") + part + ".expected.safetensors"));
+      QCOMPARE(got.size(), expected.size());
+      for (const auto& [k, v] : expected) {
+        QVERIFY2(got.count(k), k.c_str());
+        QVERIFY2(got.at(k).dtype() == v.dtype() && at::equal(got.at(k), v), k.c_str());
+      }
+    }
+  }
+
+  void rejectsNonZipPickles() {
+    QTemporaryDir tmp;
+    const fs::path p = fs::path(tmp.path().toStdString()) / "old.pth";
+    std::ofstream(p, std::ios::binary) << "\x80\x02}q\x00.";
+    DIFFRACT_EXPECT_ERROR(io::load_state_dict(p), "old.pth", "not a torch.save zip archive");
+    const fs::path z = fs::path(tmp.path().toStdString()) / "broken.pth";
+    std::ofstream(z, std::ios::binary) << "PK\x03\x04 truncated zip";
+    DIFFRACT_EXPECT_ERROR(io::load_state_dict(z), "broken.pth", "cannot read the torch.save archive");
+    DIFFRACT_EXPECT_ERROR(io::load_state_dict(fs::path(tmp.path().toStdString()) / "weights.onnx"),
+                          "weights.onnx", "unknown checkpoint format");
+  }
+
+  void bindsByNameConvertingDtype() {
+    Small m;
+    auto report = io::bind(*m, good_weights(), "small.safetensors");
+    QCOMPARE(report.bound, std::size_t(5));
+    QCOMPARE(m->proj->weight.dtype(), at::kFloat);
+    QCOMPARE(m->proj->weight[1][2].item<float>(), 5.0f);
+    QCOMPARE(m->scale[0].item<float>(), 3.0f);
+  }
+
+  void strictBindListsEveryProblem() {
+    Small m;
+    const at::Tensor before = m->proj->weight.clone();
+    auto w = good_weights();
+    w.erase("norm.bias");
+    w.erase("scale");
+    w["extra.weight"] = at::zeros({1});
+    w["proj.bias"] = at::zeros({3});
+    DIFFRACT_EXPECT_ERROR(io::bind(*m, w, "small.safetensors"), "small.safetensors", "missing keys (2)", "norm.bias",
+                          "scale", "unexpected keys (1)", "extra.weight", "shape mismatches (1)",
+                          "proj.bias: checkpoint [3] vs model [2]");
+    QVERIFY2(at::equal(m->proj->weight, before), "a failed strict bind must leave the module untouched");
+
+    io::BindOptions lenient;
+    lenient.strict = false;
+    auto report = io::bind(*m, w, "small.safetensors", lenient);
+    QCOMPARE(report.missing.size(), std::size_t(2));
+    QCOMPARE(report.unexpected.size(), std::size_t(1));
+    QCOMPARE(report.mismatched.size(), std::size_t(1));
+    QCOMPARE(report.bound, std::size_t(2));
+
+    io::BindOptions ignoring;
+    ignoring.ignore_unexpected = {"extra.weight"};
+    auto w2 = good_weights();
+    w2["extra.weight"] = at::zeros({1});
+    QCOMPARE(io::bind(*m, w2, "small", ignoring).bound, std::size_t(5));
+  }
+};
+
+QTEST_GUILESS_MAIN(TestWeights)
+#include "test_weights.moc"
