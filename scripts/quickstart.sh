@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Sets everything up, builds Diffract and runs the main job on a tiny model.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+./scripts/setup.sh
+source scripts/env.sh
+cmake --preset default >/dev/null
+cmake --build --preset default -j "$jobs"
+
+cli=build/default/app/diffract-cli
+models=build/default/fixtures
+if [ ! -f "$models/STAMP" ]; then
+  echo "[quickstart] making the tiny reference models (diffusers, CPU, seeded)"
+  .venv/bin/python tests/reference/make_fixtures.py --out "$models" --shared "$root/../shared" >/dev/null 2>&1
+fi
+"$cli" info
+"$cli" inspect "$models/tiny-sdxl"
+"$cli" encode --model "$models/tiny-sdxl" --component text_encoder_2 \
+  --prompt "a studio packshot of a red apple on a white background"
