@@ -222,6 +222,29 @@ def make_pipelines(out, enc_l, enc_g, tok_l, tok_g):
     xl = StableDiffusionXLPipeline(vae=vae, text_encoder=enc_l, text_encoder_2=enc_g, tokenizer=tok_l, tokenizer_2=tok_g,
                                    unet=unet_xl, scheduler=sched)
     xl.save_pretrained(os.path.join(out, "tiny-sdxl"))
+    return sd, xl
+
+
+def make_unet_cases(out, sd, xl):
+    """One denoiser call per UNet on seeded inputs, odd latent sizes included."""
+    g = torch.Generator().manual_seed(5)
+    cases = {}
+    for name, unet, ctx_dim in (("sd", sd.unet, 32), ("xl", xl.unet, 64)):
+        for h, w in ((16, 16), (13, 10)):
+            key = f"{name}.{h}x{w}"
+            x = torch.randn(2, 4, h, w, generator=g)
+            t = torch.tensor([999.0, 421.5])
+            ctx = torch.randn(2, 77, ctx_dim, generator=g)
+            kwargs = {}
+            if name == "xl":
+                text_embeds = torch.randn(2, 24, generator=g)
+                time_ids = torch.tensor([[64.0, 64.0, 0.0, 0.0, 64.0, 64.0], [80.0, 48.0, 8.0, 4.0, 64.0, 64.0]])
+                kwargs["added_cond_kwargs"] = {"text_embeds": text_embeds, "time_ids": time_ids}
+                cases[key + ".text_embeds"] = text_embeds
+                cases[key + ".time_ids"] = time_ids
+            y = unet(x, t, encoder_hidden_states=ctx, **kwargs).sample
+            cases.update({key + ".x": x, key + ".t": t, key + ".context": ctx, key + ".out": y})
+    save_file(cases, os.path.join(out, "unet_cases.safetensors"))
 
 
 def main():
@@ -234,7 +257,8 @@ def main():
     make_pth(args.out, args.shared)
     tok_l, tok_g = make_tokenizers(args.out, os.path.join(args.shared, "data", "clip", "bpe_simple_vocab_16e6.txt.gz"))
     enc_l, enc_g = make_text_encoders(args.out, tok_l, tok_g)
-    make_pipelines(args.out, enc_l, enc_g, tok_l, tok_g)
+    sd, xl = make_pipelines(args.out, enc_l, enc_g, tok_l, tok_g)
+    make_unet_cases(args.out, sd, xl)
     with open(os.path.join(args.out, "STAMP"), "w") as f:
         f.write("ok\n")
 

@@ -1,6 +1,7 @@
 #include "core/models/common/attention.h"
 
 #include <ATen/ATen.h>
+#include <torch/nn/modules/dropout.h>
 
 #include "core/util/error.h"
 
@@ -32,6 +33,60 @@ at::Tensor apply_activation(Activation act, const at::Tensor& x) {
     case Activation::SiLU: return at::silu(x);
   }
   return x;
+}
+
+namespace nn = torch::nn;
+
+AttentionImpl::AttentionImpl(const AttentionOptions& o) : options(o) {
+  const int64_t inner = o.heads * o.dim_head;
+  const int64_t kv_dim = o.cross_attention_dim > 0 ? o.cross_attention_dim : o.query_dim;
+  if (o.norm_num_groups > 0)
+    group_norm = register_module(
+        "group_norm", nn::GroupNorm(nn::GroupNormOptions(o.norm_num_groups, o.query_dim).eps(o.norm_eps)));
+  to_q = register_module("to_q", nn::Linear(nn::LinearOptions(o.query_dim, inner).bias(o.bias)));
+  to_k = register_module("to_k", nn::Linear(nn::LinearOptions(kv_dim, inner).bias(o.bias)));
+  to_v = register_module("to_v", nn::Linear(nn::LinearOptions(kv_dim, inner).bias(o.bias)));
+  to_out = register_module("to_out", nn::ModuleList(nn::Linear(inner, o.query_dim), nn::Dropout(0.0)));
+}
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context) {
+  const bool spatial = x.dim() == 4;
+  at::Tensor h = x;
+  int64_t b = x.size(0), c = 0, height = 0, width = 0;
+  if (spatial) {
+    c = x.size(1), height = x.size(2), width = x.size(3);
+    h = x.view({b, c, height * width}).transpose(1, 2);
+  }
+  if (group_norm) h = group_norm->forward(h.transpose(1, 2)).transpose(1, 2);
+  const at::Tensor& kv = context.defined() ? context : h;
+  auto out = multi_head_attention(to_q->forward(h), to_k->forward(kv), to_v->forward(kv), options.heads);
+  out = to_out[0]->as<nn::Linear>()->forward(out);
+  if (spatial) out = out.transpose(1, 2).reshape({b, c, height, width});
+  if (options.residual_connection) out = out + x;
+  if (options.rescale_output_factor != 1.0) out = out / options.rescale_output_factor;
+  return out;
+}
+
+namespace {
+// GEGLU's projection; a module of its own so the key reads net.0.proj.
+class GEGLUImpl : public nn::Module {
+ public:
+  GEGLUImpl(int64_t dim, int64_t inner) { proj = register_module("proj", nn::Linear(dim, inner * 2)); }
+  at::Tensor forward(const at::Tensor& x) {
+    auto parts = proj->forward(x).chunk(2, -1);
+    return parts[0] * at::gelu(parts[1]);
+  }
+  nn::Linear proj{nullptr};
+};
+TORCH_MODULE(GEGLU);
+}  // namespace
+
+FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t inner_dim) {
+  net = register_module("net", nn::ModuleList(GEGLU(dim, inner_dim), nn::Dropout(0.0), nn::Linear(inner_dim, dim)));
+}
+
+at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
+  return net[2]->as<nn::Linear>()->forward(net[0]->as<GEGLU>()->forward(x));
 }
 
 }  // namespace diffract::models

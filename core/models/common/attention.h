@@ -1,7 +1,13 @@
 #pragma once
+#include <optional>
 #include <string>
 
 #include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
 
 namespace diffract::models {
 
@@ -17,5 +23,41 @@ enum class Activation { QuickGELU, GELU, GELUTanh, SiLU };
 // "gelu_pytorch_tanh", "silu"); anything else is an error naming `where`.
 Activation parse_activation(const std::string& name, const std::string& where);
 at::Tensor apply_activation(Activation act, const at::Tensor& x);
+
+// diffusers' Attention (self or cross), as UNet transformer blocks and the VAE mid-block
+// use it: keys to_q, to_k, to_v, to_out.0 and, for the VAE, group_norm.
+struct AttentionOptions {
+  int64_t query_dim = 0;
+  int64_t cross_attention_dim = 0;  // 0: self-attention
+  int64_t heads = 8;
+  int64_t dim_head = 64;
+  bool bias = false;                // on to_q / to_k / to_v
+  int64_t norm_num_groups = 0;      // > 0: GroupNorm over channels first (VAE)
+  double norm_eps = 1e-5;
+  bool residual_connection = false;
+  double rescale_output_factor = 1.0;
+};
+
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const AttentionOptions& o);
+  // x: [B, T, C] or [B, C, H, W]; context: [B, S, Cc] or undefined (self-attention).
+  // Returns the same shape as x.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& context = {});
+  AttentionOptions options;
+  torch::nn::GroupNorm group_norm{nullptr};
+  torch::nn::Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
+  torch::nn::ModuleList to_out{nullptr};
+};
+TORCH_MODULE(Attention);
+
+// diffusers' FeedForward with GEGLU: net.0.proj (dim -> 2*inner), net.2 (inner -> dim).
+class FeedForwardImpl : public torch::nn::Module {
+ public:
+  FeedForwardImpl(int64_t dim, int64_t inner_dim);
+  at::Tensor forward(const at::Tensor& x);  // [B, T, dim] -> [B, T, dim]
+  torch::nn::ModuleList net{nullptr};
+};
+TORCH_MODULE(FeedForward);
 
 }  // namespace diffract::models

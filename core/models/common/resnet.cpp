@@ -1,0 +1,48 @@
+#include "core/models/common/resnet.h"
+
+#include <ATen/ATen.h>
+
+namespace diffract::models {
+
+namespace nn = torch::nn;
+
+ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options(o) {
+  if (options.out_channels == 0) options.out_channels = o.in_channels;
+  const auto in = o.in_channels, out = options.out_channels;
+  norm1 = register_module("norm1", nn::GroupNorm(nn::GroupNormOptions(o.groups, in).eps(o.eps)));
+  conv1 = register_module("conv1", nn::Conv2d(nn::Conv2dOptions(in, out, 3).padding(1)));
+  if (o.temb_channels > 0) time_emb_proj = register_module("time_emb_proj", nn::Linear(o.temb_channels, out));
+  norm2 = register_module("norm2", nn::GroupNorm(nn::GroupNormOptions(o.groups, out).eps(o.eps)));
+  conv2 = register_module("conv2", nn::Conv2d(nn::Conv2dOptions(out, out, 3).padding(1)));
+  if (in != out) conv_shortcut = register_module("conv_shortcut", nn::Conv2d(nn::Conv2dOptions(in, out, 1)));
+}
+
+at::Tensor ResnetBlock2DImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
+  auto h = conv1->forward(at::silu(norm1->forward(x)));
+  if (time_emb_proj && temb.defined()) h = h + time_emb_proj->forward(at::silu(temb)).unsqueeze(-1).unsqueeze(-1);
+  h = conv2->forward(at::silu(norm2->forward(h)));
+  auto skip = conv_shortcut ? conv_shortcut->forward(x) : x;
+  auto out = skip + h;
+  return options.output_scale_factor == 1.0 ? out : out / options.output_scale_factor;
+}
+
+Downsample2DImpl::Downsample2DImpl(int64_t channels, int64_t out_channels, int64_t pad) : padding(pad) {
+  conv = register_module("conv", nn::Conv2d(nn::Conv2dOptions(channels, out_channels, 3).stride(2).padding(pad)));
+}
+
+at::Tensor Downsample2DImpl::forward(const at::Tensor& x) {
+  if (padding == 0) return conv->forward(at::constant_pad_nd(x, {0, 1, 0, 1}, 0));
+  return conv->forward(x);
+}
+
+Upsample2DImpl::Upsample2DImpl(int64_t channels, int64_t out_channels) {
+  conv = register_module("conv", nn::Conv2d(nn::Conv2dOptions(channels, out_channels, 3).padding(1)));
+}
+
+at::Tensor Upsample2DImpl::forward(const at::Tensor& x, at::IntArrayRef size) {
+  at::Tensor up = size.empty() ? at::upsample_nearest2d(x, {x.size(2) * 2, x.size(3) * 2})
+                               : at::upsample_nearest2d(x, size);
+  return conv->forward(up);
+}
+
+}  // namespace diffract::models

@@ -1,0 +1,397 @@
+#include "core/models/unets/unet_2d_condition.h"
+
+#include <ATen/ATen.h>
+
+#include "core/io/diffusers_folder.h"
+#include "core/io/json_file.h"
+#include "core/io/weights.h"
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+namespace diffract::models {
+
+namespace nn = torch::nn;
+
+namespace {
+
+bool has_cross_attention(const std::string& block_type) { return block_type.rfind("CrossAttn", 0) == 0; }
+
+// A scalar or a per-block list in config.json, as a list of `n`.
+std::vector<int64_t> per_block(const io::JsonFile& j, const std::string& key, size_t n, int64_t fallback) {
+  if (!j.has(key)) return std::vector<int64_t>(n, fallback);
+  const auto& v = j.json()[key];
+  if (v.is_number_integer()) return std::vector<int64_t>(n, v.get<int64_t>());
+  if (v.is_array() && v.size() == n) {
+    std::vector<int64_t> out;
+    for (const auto& x : v) {
+      if (!x.is_number_integer())
+        throw Error(j.path().string() + ": '" + key + "' must hold integers per block, got " + v.dump());
+      out.push_back(x.get<int64_t>());
+    }
+    return out;
+  }
+  throw Error(j.path().string() + ": '" + key + "' must be an integer or a list of " + std::to_string(n) +
+              " (one per block), got " + v.dump());
+}
+
+}  // namespace
+
+UNet2DConditionConfig UNet2DConditionConfig::sd15() {
+  UNet2DConditionConfig c;
+  c.down_block_types = {"CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"};
+  c.up_block_types = {"UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"};
+  c.block_out_channels = {320, 640, 1280, 1280};
+  c.layers_per_block = {2, 2, 2, 2};
+  c.cross_attention_dim = {768, 768, 768, 768};
+  c.transformer_layers_per_block = {1, 1, 1, 1};
+  c.reverse_transformer_layers_per_block = {1, 1, 1, 1};
+  c.num_attention_heads = {8, 8, 8, 8};
+  return c;
+}
+
+UNet2DConditionConfig UNet2DConditionConfig::sd21() {
+  auto c = sd15();
+  c.sample_size = 96;
+  c.cross_attention_dim = {1024, 1024, 1024, 1024};
+  c.num_attention_heads = {5, 10, 20, 20};
+  c.use_linear_projection = true;
+  return c;
+}
+
+UNet2DConditionConfig UNet2DConditionConfig::sdxl_base() {
+  UNet2DConditionConfig c;
+  c.sample_size = 128;
+  c.down_block_types = {"DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"};
+  c.up_block_types = {"CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"};
+  c.block_out_channels = {320, 640, 1280};
+  c.layers_per_block = {2, 2, 2};
+  c.cross_attention_dim = {2048, 2048, 2048};
+  c.transformer_layers_per_block = {1, 2, 10};
+  c.reverse_transformer_layers_per_block = {10, 2, 1};
+  c.num_attention_heads = {5, 10, 20};
+  c.use_linear_projection = true;
+  c.addition_embed_type = "text_time";
+  c.addition_time_embed_dim = 256;
+  c.projection_class_embeddings_input_dim = 2816;
+  return c;
+}
+
+UNet2DConditionConfig UNet2DConditionConfig::from_json(const std::filesystem::path& path) {
+  const auto j = io::JsonFile::read(path);
+  const std::string where = path.string();
+  auto unsupported = [&](const std::string& key, const std::string& why) {
+    throw Error(where + ": '" + key + "' = " + j.json()[key].dump() + " is not supported (" + why + ")");
+  };
+  // Options that change the architecture beyond SD 1.x / 2.x / XL.
+  for (const char* key : {"class_embed_type", "encoder_hid_dim", "encoder_hid_dim_type", "time_cond_proj_dim",
+                          "num_class_embeds", "timestep_post_act"})
+    if (j.has(key)) unsupported(key, "not used by SD 1.5, SD 2.x or SDXL");
+  if (j.optional<bool>("dual_cross_attention", false)) unsupported("dual_cross_attention", "not used by SD models");
+  if (j.has("only_cross_attention") && j.json()["only_cross_attention"] != false)
+    unsupported("only_cross_attention", "not used by SD models");
+  if (j.optional<std::string>("resnet_time_scale_shift", "default") != "default")
+    unsupported("resnet_time_scale_shift", "only 'default'");
+  if (j.optional<std::string>("time_embedding_type", "positional") != "positional")
+    unsupported("time_embedding_type", "only 'positional'");
+  if (j.optional<std::string>("attention_type", "default") != "default") unsupported("attention_type", "only 'default'");
+  if (j.optional<int64_t>("conv_in_kernel", 3) != 3) unsupported("conv_in_kernel", "only 3");
+  if (j.optional<int64_t>("conv_out_kernel", 3) != 3) unsupported("conv_out_kernel", "only 3");
+  if (j.optional<std::string>("act_fn", "silu") != "silu") unsupported("act_fn", "only silu");
+  if (j.optional<std::string>("mid_block_type", "UNetMidBlock2DCrossAttn") != "UNetMidBlock2DCrossAttn")
+    unsupported("mid_block_type", "only UNetMidBlock2DCrossAttn");
+
+  UNet2DConditionConfig c;
+  c.in_channels = j.optional<int64_t>("in_channels", 4);
+  c.out_channels = j.optional<int64_t>("out_channels", 4);
+  c.sample_size = j.optional<int64_t>("sample_size", 64);
+  c.flip_sin_to_cos = j.optional<bool>("flip_sin_to_cos", true);
+  c.freq_shift = j.optional<double>("freq_shift", 0.0);
+  c.down_block_types = j.required<std::vector<std::string>>("down_block_types");
+  c.up_block_types = j.required<std::vector<std::string>>("up_block_types");
+  c.block_out_channels = j.required<std::vector<int64_t>>("block_out_channels");
+  const size_t n = c.down_block_types.size();
+  if (n == 0 || c.up_block_types.size() != n || c.block_out_channels.size() != n)
+    throw Error(where + ": down_block_types, up_block_types and block_out_channels must have the same non-zero length");
+  for (const auto& t : c.down_block_types)
+    if (t != "DownBlock2D" && t != "CrossAttnDownBlock2D")
+      throw Error(where + ": down block type '" + t + "' is not supported (DownBlock2D, CrossAttnDownBlock2D)");
+  for (const auto& t : c.up_block_types)
+    if (t != "UpBlock2D" && t != "CrossAttnUpBlock2D")
+      throw Error(where + ": up block type '" + t + "' is not supported (UpBlock2D, CrossAttnUpBlock2D)");
+  c.layers_per_block = per_block(j, "layers_per_block", n, 2);
+  c.cross_attention_dim = per_block(j, "cross_attention_dim", n, 1280);
+  c.transformer_layers_per_block = per_block(j, "transformer_layers_per_block", n, 1);
+  if (j.has("reverse_transformer_layers_per_block")) {
+    // Per up block, a list per resnet; SD-family checkpoints use one value per block.
+    for (const auto& v : j.json()["reverse_transformer_layers_per_block"]) {
+      if (v.is_array()) {
+        if (v.empty() || std::any_of(v.begin(), v.end(), [&](const auto& x) { return x != v[0]; }))
+          unsupported("reverse_transformer_layers_per_block", "only one depth per up block");
+        c.reverse_transformer_layers_per_block.push_back(v[0].get<int64_t>());
+      } else {
+        c.reverse_transformer_layers_per_block.push_back(v.get<int64_t>());
+      }
+    }
+    if (c.reverse_transformer_layers_per_block.size() != n)
+      unsupported("reverse_transformer_layers_per_block", "needs one entry per up block");
+  } else {
+    c.reverse_transformer_layers_per_block.assign(c.transformer_layers_per_block.rbegin(),
+                                                  c.transformer_layers_per_block.rend());
+  }
+  // diffusers reads the head count from attention_head_dim when num_attention_heads is absent
+  // (a naming mix-up it keeps for compatibility).
+  c.num_attention_heads = j.has("num_attention_heads") ? per_block(j, "num_attention_heads", n, 8)
+                                                       : per_block(j, "attention_head_dim", n, 8);
+  c.downsample_padding = j.optional<int64_t>("downsample_padding", 1);
+  c.mid_block_scale_factor = j.optional<double>("mid_block_scale_factor", 1.0);
+  c.norm_num_groups = j.optional<int64_t>("norm_num_groups", 32);
+  c.norm_eps = j.optional<double>("norm_eps", 1e-5);
+  c.use_linear_projection = j.optional<bool>("use_linear_projection", false);
+  c.addition_embed_type = j.optional<std::string>("addition_embed_type", "");
+  if (!c.addition_embed_type.empty() && c.addition_embed_type != "text_time")
+    unsupported("addition_embed_type", "only 'text_time' (SDXL)");
+  c.addition_time_embed_dim = j.optional<int64_t>("addition_time_embed_dim", 256);
+  c.projection_class_embeddings_input_dim = j.optional<int64_t>("projection_class_embeddings_input_dim", 0);
+  if (c.addition_embed_type == "text_time" && c.projection_class_embeddings_input_dim <= 0)
+    throw Error(where + ": addition_embed_type 'text_time' needs projection_class_embeddings_input_dim");
+  for (size_t i = 0; i < n; ++i) {
+    if (c.block_out_channels[i] % c.norm_num_groups != 0)
+      throw Error(where + ": block_out_channels " + std::to_string(c.block_out_channels[i]) +
+                  " is not divisible by norm_num_groups " + std::to_string(c.norm_num_groups));
+    if (c.block_out_channels[i] % c.num_attention_heads[i] != 0)
+      throw Error(where + ": block_out_channels " + std::to_string(c.block_out_channels[i]) +
+                  " is not divisible by its " + std::to_string(c.num_attention_heads[i]) + " attention heads");
+  }
+  return c;
+}
+
+BasicTransformerBlockImpl::BasicTransformerBlockImpl(int64_t dim, int64_t heads, int64_t dim_head,
+                                                     int64_t cross_attention_dim) {
+  auto ln = [&] { return nn::LayerNorm(nn::LayerNormOptions({dim}).eps(1e-5)); };
+  AttentionOptions self;
+  self.query_dim = dim;
+  self.heads = heads;
+  self.dim_head = dim_head;
+  AttentionOptions cross = self;
+  cross.cross_attention_dim = cross_attention_dim;
+  norm1 = register_module("norm1", ln());
+  attn1 = register_module("attn1", Attention(self));
+  norm2 = register_module("norm2", ln());
+  attn2 = register_module("attn2", Attention(cross));
+  norm3 = register_module("norm3", ln());
+  ff = register_module("ff", FeedForward(dim, dim * 4));
+}
+
+at::Tensor BasicTransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& context) {
+  auto h = x + attn1->forward(norm1->forward(x));
+  h = h + attn2->forward(norm2->forward(h), context);
+  return h + ff->forward(norm3->forward(h));
+}
+
+Transformer2DModelImpl::Transformer2DModelImpl(int64_t channels, int64_t heads, int64_t layers,
+                                               int64_t cross_attention_dim, int64_t groups, bool linear)
+    : linear_projection(linear) {
+  norm = register_module("norm", nn::GroupNorm(nn::GroupNormOptions(groups, channels).eps(1e-6)));
+  if (linear) proj_in_linear = register_module("proj_in", nn::Linear(channels, channels));
+  else proj_in_conv = register_module("proj_in", nn::Conv2d(nn::Conv2dOptions(channels, channels, 1)));
+  transformer_blocks = register_module("transformer_blocks", nn::ModuleList());
+  for (int64_t i = 0; i < layers; ++i)
+    transformer_blocks->push_back(BasicTransformerBlock(channels, heads, channels / heads, cross_attention_dim));
+  if (linear) proj_out_linear = register_module("proj_out", nn::Linear(channels, channels));
+  else proj_out_conv = register_module("proj_out", nn::Conv2d(nn::Conv2dOptions(channels, channels, 1)));
+}
+
+at::Tensor Transformer2DModelImpl::forward(const at::Tensor& x, const at::Tensor& context) {
+  const auto b = x.size(0), c = x.size(1), h = x.size(2), w = x.size(3);
+  auto to_tokens = [&](const at::Tensor& t) { return t.permute({0, 2, 3, 1}).reshape({b, h * w, c}); };
+  auto hs = norm->forward(x);
+  hs = linear_projection ? proj_in_linear->forward(to_tokens(hs)) : to_tokens(proj_in_conv->forward(hs));
+  for (const auto& block : *transformer_blocks) hs = block->as<BasicTransformerBlock>()->forward(hs, context);
+  at::Tensor out;
+  if (linear_projection) {
+    out = proj_out_linear->forward(hs).reshape({b, h, w, c}).permute({0, 3, 1, 2});
+  } else {
+    out = proj_out_conv->forward(hs.reshape({b, h, w, c}).permute({0, 3, 1, 2}));
+  }
+  return out + x;
+}
+
+DownBlockImpl::DownBlockImpl(const UNet2DConditionConfig& c, size_t i, int64_t in_channels, int64_t out_channels) {
+  const bool cross = has_cross_attention(c.down_block_types[i]);
+  resnets = register_module("resnets", nn::ModuleList());
+  if (cross) attentions = register_module("attentions", nn::ModuleList());
+  for (int64_t l = 0; l < c.layers_per_block[i]; ++l) {
+    ResnetBlock2DOptions r;
+    r.in_channels = l == 0 ? in_channels : out_channels;
+    r.out_channels = out_channels;
+    r.temb_channels = c.time_embed_dim();
+    r.groups = c.norm_num_groups;
+    r.eps = c.norm_eps;
+    resnets->push_back(ResnetBlock2D(r));
+    if (cross)
+      attentions->push_back(Transformer2DModel(out_channels, c.num_attention_heads[i], c.transformer_layers_per_block[i],
+                                               c.cross_attention_dim[i], c.norm_num_groups, c.use_linear_projection));
+  }
+  if (i + 1 < c.down_block_types.size())
+    downsamplers = register_module(
+        "downsamplers", nn::ModuleList(Downsample2D(out_channels, out_channels, c.downsample_padding)));
+}
+
+at::Tensor DownBlockImpl::forward(at::Tensor x, const at::Tensor& temb, const at::Tensor& context,
+                                  std::vector<at::Tensor>& skips) {
+  for (size_t l = 0; l < resnets->size(); ++l) {
+    x = resnets[l]->as<ResnetBlock2D>()->forward(x, temb);
+    if (attentions) x = attentions[l]->as<Transformer2DModel>()->forward(x, context);
+    skips.push_back(x);
+  }
+  if (downsamplers) {
+    x = downsamplers[0]->as<Downsample2D>()->forward(x);
+    skips.push_back(x);
+  }
+  return x;
+}
+
+MidBlockImpl::MidBlockImpl(const UNet2DConditionConfig& c) {
+  const auto ch = c.block_out_channels.back();
+  ResnetBlock2DOptions r;
+  r.in_channels = ch;
+  r.temb_channels = c.time_embed_dim();
+  r.groups = c.norm_num_groups;
+  r.eps = c.norm_eps;
+  r.output_scale_factor = c.mid_block_scale_factor;
+  resnets = register_module("resnets", nn::ModuleList(ResnetBlock2D(r), ResnetBlock2D(r)));
+  attentions = register_module(
+      "attentions", nn::ModuleList(Transformer2DModel(ch, c.num_attention_heads.back(), c.transformer_layers_per_block.back(),
+                                                      c.cross_attention_dim.back(), c.norm_num_groups,
+                                                      c.use_linear_projection)));
+}
+
+at::Tensor MidBlockImpl::forward(at::Tensor x, const at::Tensor& temb, const at::Tensor& context) {
+  x = resnets[0]->as<ResnetBlock2D>()->forward(x, temb);
+  x = attentions[0]->as<Transformer2DModel>()->forward(x, context);
+  return resnets[1]->as<ResnetBlock2D>()->forward(x, temb);
+}
+
+UpBlockImpl::UpBlockImpl(const UNet2DConditionConfig& c, size_t i, int64_t prev_channels, int64_t out_channels,
+                         const std::vector<int64_t>& skip_channels) {
+  const size_t n = c.up_block_types.size();
+  const size_t rev = n - 1 - i;  // the down block this one mirrors
+  const bool cross = has_cross_attention(c.up_block_types[i]);
+  resnets = register_module("resnets", nn::ModuleList());
+  if (cross) attentions = register_module("attentions", nn::ModuleList());
+  for (size_t l = 0; l < skip_channels.size(); ++l) {
+    ResnetBlock2DOptions r;
+    r.in_channels = (l == 0 ? prev_channels : out_channels) + skip_channels[l];
+    r.out_channels = out_channels;
+    r.temb_channels = c.time_embed_dim();
+    r.groups = c.norm_num_groups;
+    r.eps = c.norm_eps;
+    resnets->push_back(ResnetBlock2D(r));
+    if (cross)
+      attentions->push_back(Transformer2DModel(out_channels, c.num_attention_heads[rev],
+                                               c.reverse_transformer_layers_per_block[i], c.cross_attention_dim[rev],
+                                               c.norm_num_groups, c.use_linear_projection));
+  }
+  if (i + 1 < n) upsamplers = register_module("upsamplers", nn::ModuleList(Upsample2D(out_channels, out_channels)));
+}
+
+at::Tensor UpBlockImpl::forward(at::Tensor x, const at::Tensor& temb, const at::Tensor& context,
+                                std::vector<at::Tensor>& skips, at::IntArrayRef upsample_size) {
+  for (size_t l = 0; l < resnets->size(); ++l) {
+    x = at::cat({x, skips.back()}, 1);
+    skips.pop_back();
+    x = resnets[l]->as<ResnetBlock2D>()->forward(x, temb);
+    if (attentions) x = attentions[l]->as<Transformer2DModel>()->forward(x, context);
+  }
+  if (upsamplers) x = upsamplers[0]->as<Upsample2D>()->forward(x, upsample_size);
+  return x;
+}
+
+UNet2DConditionModelImpl::UNet2DConditionModelImpl(const UNet2DConditionConfig& c) : config(c) {
+  const auto& ch = c.block_out_channels;
+  const size_t n = ch.size();
+  conv_in = register_module("conv_in", nn::Conv2d(nn::Conv2dOptions(c.in_channels, ch[0], 3).padding(1)));
+  time_embedding = register_module("time_embedding", TimestepEmbedding(ch[0], c.time_embed_dim()));
+  if (c.addition_embed_type == "text_time")
+    add_embedding = register_module("add_embedding",
+                                    TimestepEmbedding(c.projection_class_embeddings_input_dim, c.time_embed_dim()));
+
+  // Channels of every skip connection, in the order the down path produces them.
+  std::vector<int64_t> skip_channels = {ch[0]};
+  down_blocks = register_module("down_blocks", nn::ModuleList());
+  for (size_t i = 0; i < n; ++i) {
+    down_blocks->push_back(DownBlock(c, i, i == 0 ? ch[0] : ch[i - 1], ch[i]));
+    for (int64_t l = 0; l < c.layers_per_block[i]; ++l) skip_channels.push_back(ch[i]);
+    if (i + 1 < n) skip_channels.push_back(ch[i]);
+  }
+  mid_block = register_module("mid_block", MidBlock(c));
+  up_blocks = register_module("up_blocks", nn::ModuleList());
+  int64_t prev = ch[n - 1];
+  for (size_t i = 0; i < n; ++i) {
+    const size_t rev = n - 1 - i;
+    const auto count = static_cast<size_t>(c.layers_per_block[rev] + 1);
+    std::vector<int64_t> skips(skip_channels.rbegin(), skip_channels.rbegin() + static_cast<long>(count));
+    skip_channels.resize(skip_channels.size() - count);
+    up_blocks->push_back(UpBlock(c, i, prev, ch[rev], skips));
+    prev = ch[rev];
+  }
+  conv_norm_out = register_module("conv_norm_out",
+                                  nn::GroupNorm(nn::GroupNormOptions(c.norm_num_groups, ch[0]).eps(c.norm_eps)));
+  conv_out = register_module("conv_out", nn::Conv2d(nn::Conv2dOptions(ch[0], c.out_channels, 3).padding(1)));
+}
+
+at::Tensor UNet2DConditionModelImpl::embed_time(const at::Tensor& timesteps, const UNetConditioning& cond,
+                                                c10::ScalarType dtype) {
+  const auto ch0 = config.block_out_channels.front();
+  auto emb = time_embedding->forward(
+      timestep_embedding(timesteps, ch0, config.flip_sin_to_cos, config.freq_shift).to(dtype));
+  if (add_embedding) {
+    TORCH_CHECK(cond.text_embeds.defined() && cond.time_ids.defined(),
+                "this UNet (text_time conditioning) needs text_embeds and time_ids");
+    const auto b = cond.time_ids.size(0);
+    auto time_embeds = timestep_embedding(cond.time_ids.flatten(), config.addition_time_embed_dim,
+                                          config.flip_sin_to_cos, config.freq_shift)
+                           .reshape({b, -1});
+    auto added = at::cat({cond.text_embeds, time_embeds.to(cond.text_embeds.dtype())}, -1).to(dtype);
+    emb = emb + add_embedding->forward(added);
+  }
+  return emb;
+}
+
+at::Tensor UNet2DConditionModelImpl::forward(const at::Tensor& sample, const at::Tensor& timesteps,
+                                             const UNetConditioning& cond) {
+  // sample [B, Cin, H, W], timesteps [B] -> [B, Cout, H, W]
+  const auto& context = cond.encoder_hidden_states;
+  const auto t = timesteps.dim() == 0 ? timesteps.expand({sample.size(0)}) : timesteps;
+  const auto temb = embed_time(t, cond, sample.scalar_type());
+  auto x = conv_in->forward(sample);
+  std::vector<at::Tensor> skips = {x};
+  for (const auto& block : *down_blocks) x = block->as<DownBlock>()->forward(x, temb, context, skips);
+  x = mid_block->forward(x, temb, context);
+  for (size_t i = 0; i < up_blocks->size(); ++i) {
+    auto* up = up_blocks[i]->as<UpBlock>();
+    const size_t used = up->resnets->size();
+    // The upsampler targets the size of the skip the next block consumes first, so odd
+    // latent sizes come back exactly.
+    std::vector<int64_t> size;
+    if (i + 1 < up_blocks->size()) {
+      const auto& next = skips[skips.size() - used - 1];
+      size = {next.size(2), next.size(3)};
+    }
+    x = up->forward(x, temb, context, skips, size);
+  }
+  return conv_out->forward(at::silu(conv_norm_out->forward(x)));
+}
+
+UNet2DConditionModel load_unet_2d_condition(const std::filesystem::path& dir, const std::string& variant) {
+  const auto config = UNet2DConditionConfig::from_json(dir / "config.json");
+  const auto weights = io::find_weights(dir, variant);
+  if (!weights) throw Error(dir.string() + ": no weight file (diffusion_pytorch_model.safetensors, ...)");
+  UNet2DConditionModel model(config);
+  model->eval();
+  io::bind(*model, io::load_state_dict(*weights), weights->string());
+  log::get("models").debug(log::str(dir.string(), ": UNet with ", config.block_out_channels.size(), " blocks"));
+  return model;
+}
+
+}  // namespace diffract::models

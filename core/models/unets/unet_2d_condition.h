@@ -1,0 +1,134 @@
+#pragma once
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include "core/models/common/attention.h"
+#include "core/models/common/embeddings.h"
+#include "core/models/common/resnet.h"
+
+namespace diffract::models {
+
+// diffusers' UNet2DConditionModel config, with per-block lists resolved (a scalar in
+// config.json is repeated for every block), as SD 1.5, SD 2.x and SDXL use it.
+struct UNet2DConditionConfig {
+  int64_t in_channels = 4;
+  int64_t out_channels = 4;
+  int64_t sample_size = 64;
+  bool flip_sin_to_cos = true;
+  double freq_shift = 0;
+  std::vector<std::string> down_block_types;
+  std::vector<std::string> up_block_types;
+  std::vector<int64_t> block_out_channels;
+  std::vector<int64_t> layers_per_block;               // per down block
+  std::vector<int64_t> cross_attention_dim;            // per down block
+  std::vector<int64_t> transformer_layers_per_block;   // per down block
+  std::vector<int64_t> reverse_transformer_layers_per_block;  // per up block
+  std::vector<int64_t> num_attention_heads;            // per down block
+  int64_t downsample_padding = 1;
+  double mid_block_scale_factor = 1.0;
+  int64_t norm_num_groups = 32;
+  double norm_eps = 1e-5;
+  bool use_linear_projection = false;
+  std::string addition_embed_type;                     // "" or "text_time" (SDXL)
+  int64_t addition_time_embed_dim = 256;
+  int64_t projection_class_embeddings_input_dim = 0;
+
+  int64_t time_embed_dim() const { return block_out_channels.front() * 4; }
+
+  static UNet2DConditionConfig sd15();
+  static UNet2DConditionConfig sd21();        // v-prediction 768, linear projections, OpenCLIP-H context
+  static UNet2DConditionConfig sdxl_base();
+  // diffusers' config.json; unsupported options are errors naming the file and key.
+  static UNet2DConditionConfig from_json(const std::filesystem::path& config_json);
+};
+
+// Extra conditioning next to the text context: SDXL's pooled text embedding and
+// [orig_h, orig_w, crop_top, crop_left, target_h, target_w] time ids.
+struct UNetConditioning {
+  at::Tensor encoder_hidden_states;  // [B, S, C]
+  at::Tensor text_embeds;            // [B, P]  (text_time only)
+  at::Tensor time_ids;               // [B, 6]  (text_time only)
+};
+
+class BasicTransformerBlockImpl : public torch::nn::Module {
+ public:
+  BasicTransformerBlockImpl(int64_t dim, int64_t heads, int64_t dim_head, int64_t cross_attention_dim);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& context);  // [B, T, C] -> [B, T, C]
+  torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr}, norm3{nullptr};
+  Attention attn1{nullptr}, attn2{nullptr};
+  FeedForward ff{nullptr};
+};
+TORCH_MODULE(BasicTransformerBlock);
+
+// diffusers' Transformer2DModel over a feature map (continuous input).
+class Transformer2DModelImpl : public torch::nn::Module {
+ public:
+  Transformer2DModelImpl(int64_t channels, int64_t heads, int64_t layers, int64_t cross_attention_dim, int64_t groups,
+                         bool linear_projection);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& context);  // [B, C, H, W] -> [B, C, H, W]
+  bool linear_projection;
+  torch::nn::GroupNorm norm{nullptr};
+  // "proj_in" / "proj_out": linear (SD 2.x, SDXL) or 1x1 convolutions (SD 1.5); one of each pair exists.
+  torch::nn::Linear proj_in_linear{nullptr}, proj_out_linear{nullptr};
+  torch::nn::Conv2d proj_in_conv{nullptr}, proj_out_conv{nullptr};
+  torch::nn::ModuleList transformer_blocks{nullptr};
+};
+TORCH_MODULE(Transformer2DModel);
+
+// One down block: resnets (+ attentions) and an optional downsampler.
+class DownBlockImpl : public torch::nn::Module {
+ public:
+  DownBlockImpl(const UNet2DConditionConfig& c, size_t index, int64_t in_channels, int64_t out_channels);
+  // Appends every intermediate output (for the skip connections) to `skips`.
+  at::Tensor forward(at::Tensor x, const at::Tensor& temb, const at::Tensor& context, std::vector<at::Tensor>& skips);
+  torch::nn::ModuleList resnets{nullptr}, attentions{nullptr}, downsamplers{nullptr};
+};
+TORCH_MODULE(DownBlock);
+
+class MidBlockImpl : public torch::nn::Module {
+ public:
+  explicit MidBlockImpl(const UNet2DConditionConfig& c);
+  at::Tensor forward(at::Tensor x, const at::Tensor& temb, const at::Tensor& context);
+  torch::nn::ModuleList resnets{nullptr}, attentions{nullptr};
+};
+TORCH_MODULE(MidBlock);
+
+class UpBlockImpl : public torch::nn::Module {
+ public:
+  UpBlockImpl(const UNet2DConditionConfig& c, size_t index, int64_t prev_channels, int64_t out_channels,
+              const std::vector<int64_t>& skip_channels);
+  // Consumes its skips from the back of `skips`; `upsample_size` is the next skip's size.
+  at::Tensor forward(at::Tensor x, const at::Tensor& temb, const at::Tensor& context, std::vector<at::Tensor>& skips,
+                     at::IntArrayRef upsample_size);
+  torch::nn::ModuleList resnets{nullptr}, attentions{nullptr}, upsamplers{nullptr};
+};
+TORCH_MODULE(UpBlock);
+
+class UNet2DConditionModelImpl : public torch::nn::Module {
+ public:
+  explicit UNet2DConditionModelImpl(const UNet2DConditionConfig& c);
+  // sample: [B, Cin, H, W]; timesteps: [B] (float); cond as above -> [B, Cout, H, W].
+  at::Tensor forward(const at::Tensor& sample, const at::Tensor& timesteps, const UNetConditioning& cond);
+  // The time (+ added) embedding alone: [B] -> [B, time_embed_dim].
+  at::Tensor embed_time(const at::Tensor& timesteps, const UNetConditioning& cond, c10::ScalarType dtype);
+
+  UNet2DConditionConfig config;
+  torch::nn::Conv2d conv_in{nullptr}, conv_out{nullptr};
+  TimestepEmbedding time_embedding{nullptr}, add_embedding{nullptr};
+  torch::nn::ModuleList down_blocks{nullptr}, up_blocks{nullptr};
+  MidBlock mid_block{nullptr};
+  torch::nn::GroupNorm conv_norm_out{nullptr};
+};
+TORCH_MODULE(UNet2DConditionModel);
+
+UNet2DConditionModel load_unet_2d_condition(const std::filesystem::path& dir, const std::string& variant = "");
+
+}  // namespace diffract::models

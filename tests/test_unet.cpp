@@ -1,0 +1,83 @@
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/io/weights.h"
+#include "core/models/unets/unet_2d_condition.h"
+#include "core/util/error.h"
+#include "test_util.h"
+
+using namespace diffract;
+namespace fs = std::filesystem;
+
+namespace {
+
+// fp32 on CPU with the same weights; convolutions and attention accumulate in a different
+// order than PyTorch's Python path, so allow a little more than one ulp of growth per layer.
+constexpr double kAtol = 1e-4;
+
+void run_case(models::UNet2DConditionModel& unet, const io::StateDict& e, const std::string& key) {
+  at::NoGradGuard no_grad;
+  models::UNetConditioning cond;
+  cond.encoder_hidden_states = e.at(key + ".context");
+  if (e.count(key + ".text_embeds")) {
+    cond.text_embeds = e.at(key + ".text_embeds");
+    cond.time_ids = e.at(key + ".time_ids");
+  }
+  auto out = unet->forward(e.at(key + ".x"), e.at(key + ".t"), cond);
+  DIFFRACT_COMPARE_TENSORS(out, e.at(key + ".out"), kAtol);
+}
+
+void edit_config(const fs::path& src, const fs::path& dst, const std::function<void(nlohmann::json&)>& edit) {
+  std::ifstream in(src / "config.json");
+  auto j = nlohmann::json::parse(in);
+  edit(j);
+  fs::create_directories(dst);
+  std::ofstream(dst / "config.json") << j.dump(1);
+  fs::copy_file(src / "diffusion_pytorch_model.safetensors", dst / "diffusion_pytorch_model.safetensors",
+                fs::copy_options::overwrite_existing);
+}
+
+}  // namespace
+
+class TestUNet : public QObject {
+  Q_OBJECT
+ private slots:
+  void sd15StyleMatchesDiffusers() {
+    auto e = io::load_state_dict(test::fixtures() / "unet_cases.safetensors");
+    auto unet = models::load_unet_2d_condition(test::fixtures() / "tiny-sd" / "unet");
+    QVERIFY(!unet->config.use_linear_projection);
+    run_case(unet, e, "sd.16x16");
+    run_case(unet, e, "sd.13x10");
+  }
+
+  void sdxlStyleMatchesDiffusers() {
+    auto e = io::load_state_dict(test::fixtures() / "unet_cases.safetensors");
+    auto unet = models::load_unet_2d_condition(test::fixtures() / "tiny-sdxl" / "unet");
+    QCOMPARE(unet->config.addition_embed_type, std::string("text_time"));
+    QCOMPARE(unet->config.transformer_layers_per_block, (std::vector<int64_t>{1, 2}));
+    run_case(unet, e, "xl.16x16");
+    run_case(unet, e, "xl.13x10");
+  }
+
+  void rejectsBadConfigs() {
+    QTemporaryDir tmp;
+    const fs::path dir = tmp.path().toStdString();
+    const auto src = test::fixtures() / "tiny-sd" / "unet";
+    edit_config(src, dir / "a", [](auto& j) { j.erase("block_out_channels"); });
+    DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "a"), "config.json", "missing key 'block_out_channels'");
+    edit_config(src, dir / "b", [](auto& j) { j["down_block_types"][0] = "SimpleCrossAttnDownBlock2D"; });
+    DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "b"), "down block type 'SimpleCrossAttnDownBlock2D'");
+    edit_config(src, dir / "c", [](auto& j) { j["class_embed_type"] = "timestep"; });
+    DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "c"), "'class_embed_type'", "not supported");
+    edit_config(src, dir / "d", [](auto& j) { j["layers_per_block"] = {1, 2, 3}; });
+    DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "d"), "'layers_per_block' must be an integer or a list of 2");
+    edit_config(src, dir / "e", [](auto& j) { j["cross_attention_dim"] = 48; });
+    DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "e"), "shape mismatches", "attn2.to_k.weight");
+    edit_config(src, dir / "f", [](auto& j) { j["addition_embed_type"] = "text_image"; });
+    DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "f"), "'addition_embed_type'", "only 'text_time'");
+  }
+};
+
+QTEST_GUILESS_MAIN(TestUNet)
+#include "test_unet.moc"
