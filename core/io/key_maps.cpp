@@ -1,6 +1,9 @@
 #include "core/io/key_maps.h"
 
 #include <algorithm>
+#include <cctype>
+
+#include "core/util/error.h"
 
 namespace diffract::io {
 
@@ -18,6 +21,25 @@ StateDict map_clip_text_keys(StateDict weights) {
     const bool inner = starts_with(key, "embeddings.") || starts_with(key, "encoder.") ||
                        starts_with(key, "final_layer_norm.");
     out.emplace(inner ? "text_model." + key : key, std::move(tensor));
+  }
+  return out;
+}
+
+StateDict map_taesd_keys(StateDict weights, const std::string& part) {
+  if (part != "encoder" && part != "decoder")
+    throw Error("map_taesd_keys: part must be \"encoder\" or \"decoder\", got \"" + part + "\"");
+  const int shift = part == "decoder" ? 1 : 0;
+  StateDict out;
+  for (auto& [key, tensor] : weights) {
+    std::size_t digits = 0;
+    while (digits < key.size() && std::isdigit(static_cast<unsigned char>(key[digits]))) ++digits;
+    if (digits == 0 || digits > 6 || digits >= key.size() || key[digits] != '.') {  // diffusers' layout, or unknown
+      out.emplace(key, std::move(tensor));
+      continue;
+    }
+    const int index = std::stoi(key.substr(0, digits)) - shift;
+    if (index < 0) throw Error("TAESD decoder key '" + key + "': index 0 is the parameter-free clamp");
+    out.emplace(part + ".layers." + std::to_string(index) + key.substr(digits), std::move(tensor));
   }
   return out;
 }
