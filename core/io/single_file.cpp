@@ -1,0 +1,467 @@
+#include "core/io/single_file.h"
+
+#include <ATen/ATen.h>
+
+#include <cctype>
+#include <map>
+#include <set>
+
+#include "core/io/key_maps.h"
+#include "core/io/safetensors.h"
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+namespace diffract::io {
+
+namespace {
+
+bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// "N.rest" -> N and rest. False unless `s` starts with digits and a dot.
+bool take_index(const std::string& s, int64_t& index, std::string& rest) {
+  std::size_t digits = 0;
+  while (digits < s.size() && std::isdigit(static_cast<unsigned char>(s[digits]))) ++digits;
+  if (digits == 0 || digits > 9 || digits >= s.size() || s[digits] != '.') return false;
+  index = std::stoll(s.substr(0, digits));
+  rest = s.substr(digits + 1);
+  return true;
+}
+
+// "head.N.rest" -> N and rest.
+bool take_index(const std::string& s, const std::string& head, int64_t& index, std::string& rest) {
+  return starts_with(s, head) && take_index(s.substr(head.size()), index, rest);
+}
+
+// The distinct N of keys "head.N.*", ascending.
+template <typename Keys>
+std::set<int64_t> indices(const Keys& keys, const std::string& head) {
+  std::set<int64_t> out;
+  int64_t n = 0;
+  std::string rest;
+  for (auto it = keys.lower_bound(head); it != keys.end() && starts_with(it->first, head); ++it)
+    if (take_index(it->first, head, n, rest)) out.insert(n);
+  return out;
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// The tensors under `prefix`, with the prefix removed.
+StateDict strip(const StateDict& all, const std::string& prefix) {
+  StateDict out;
+  for (auto it = all.lower_bound(prefix); it != all.end() && starts_with(it->first, prefix); ++it)
+    out.emplace(it->first.substr(prefix.size()), it->second);
+  return out;
+}
+
+// Inside a UNet resnet: LDM ResBlock names -> diffusers' ResnetBlock2D names. Empty when unknown.
+std::string unet_resnet(const std::string& rest) {
+  static const std::pair<const char*, const char*> names[] = {
+      {"in_layers.0.", "norm1."},         {"in_layers.2.", "conv1."}, {"emb_layers.1.", "time_emb_proj."},
+      {"out_layers.0.", "norm2."},        {"out_layers.3.", "conv2."}, {"skip_connection.", "conv_shortcut."}};
+  for (const auto& [ldm, ours] : names)
+    if (starts_with(rest, ldm)) return ours + rest.substr(std::string(ldm).size());
+  return {};
+}
+
+// A 1x1 convolution's weight as the equivalent Linear weight ([out, in, 1, 1] or [out, in, 1] -> [out, in]).
+at::Tensor as_linear(const at::Tensor& t) {
+  if (t.dim() <= 2) return t;
+  for (int64_t d = 2; d < t.dim(); ++d)
+    if (t.size(d) != 1) return t;  // not a 1x1 conv: left for bind() to report as a shape mismatch
+  return t.reshape({t.size(0), t.size(1)});
+}
+
+std::string family_guess(int64_t context_dim, bool label_emb) {
+  if (label_emb || context_dim == 2048) return "SDXL-like";
+  if (context_dim == 768) return "SD 1.x-like";
+  if (context_dim == 1024) return "SD 2.x-like";
+  return "SD-like";
+}
+
+}  // namespace
+
+std::string single_file_family_name(SingleFileFamily family) {
+  switch (family) {
+    case SingleFileFamily::SD1: return "SD 1.x";
+    case SingleFileFamily::SD2: return "SD 2.x";
+    case SingleFileFamily::SDXL: return "SDXL";
+  }
+  return "?";
+}
+
+std::vector<TensorShape> tensor_shapes(const SafetensorsArchive& archive) {
+  std::vector<TensorShape> out;
+  out.reserve(archive.tensors().size());
+  for (const auto& t : archive.tensors()) out.push_back({t.name, t.shape});
+  return out;
+}
+
+std::vector<TensorShape> tensor_shapes(const StateDict& weights) {
+  std::vector<TensorShape> out;
+  out.reserve(weights.size());
+  for (const auto& [name, t] : weights) out.push_back({name, t.sizes().vec()});
+  return out;
+}
+
+// --- detection ---------------------------------------------------------------------------------
+
+SingleFileLayout detect_single_file(const SafetensorsArchive& archive) {
+  return detect_single_file(tensor_shapes(archive), archive.path().string());
+}
+
+SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, const std::string& what) {
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& t : tensors) shapes.emplace(t.name, t.shape);
+  const auto has = [&](const std::string& key) { return shapes.count(key) > 0; };
+  const auto any_prefix = [&](const std::string& prefix) {
+    auto it = shapes.lower_bound(prefix);
+    return it != shapes.end() && starts_with(it->first, prefix);
+  };
+  const auto first_with_prefix = [&](const std::string& prefix) {
+    auto it = shapes.lower_bound(prefix);
+    return it != shapes.end() && starts_with(it->first, prefix) ? it->first : std::string();
+  };
+  const auto any_contains = [&](const std::string& part) {
+    for (const auto& kv : shapes)
+      if (kv.first.find(part) != std::string::npos) return kv.first;
+    return std::string();
+  };
+  const std::string supported = "; only Stable Diffusion 1.x, 2.x and SDXL base single files are supported";
+  const auto unsupported = [&](const std::string& found) { throw Error(what + ": " + found + supported); };
+
+  if (shapes.empty()) throw Error(what + ": holds no tensors, so it is no Stable Diffusion checkpoint");
+
+  // Other architectures, recognised by their distinctive keys.
+  if (auto k = any_contains("joint_blocks."); !k.empty())
+    unsupported("an SD3 / SD3.5 (MMDiT) checkpoint (found '" + k + "')");
+  if (auto k = first_with_prefix("text_encoders."); !k.empty())
+    unsupported("an SD3-style checkpoint with text_encoders.* (found '" + k + "')");
+  if (auto k = any_contains("double_blocks."); !k.empty())
+    unsupported("a FLUX-style checkpoint (found '" + k + "')");
+  if (auto k = first_with_prefix("control_model."); !k.empty()) unsupported("a ControlNet (found '" + k + "')");
+  if (has("edm_mean") || has("edm_std")) unsupported("a Playground v2.5 (EDM) checkpoint (found 'edm_mean')");
+  if (has("conditioner.embedders.0.model.token_embedding.weight") && !has("conditioner.embedders.1.model.token_embedding.weight"))
+    unsupported("an SDXL refiner (only OpenCLIP-bigG, at conditioner.embedders.0.model.)");
+
+  SingleFileLayout layout;
+  const std::string& unet = layout.unet_prefix;
+  const std::string& vae = layout.vae_prefix;
+  const bool has_unet = has(unet + "input_blocks.0.0.weight");
+  if (!has_unet && any_prefix(unet))
+    unsupported("its UNet keys are not the LDM / SGM layout (found '" + first_with_prefix(unet) +
+                "', but no '" + unet + "input_blocks.0.0.weight')");
+  const bool has_vae = has(vae + "encoder.conv_in.weight") && has(vae + "decoder.conv_in.weight");
+  const bool sd1_clip = has("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight") ||
+                        has("cond_stage_model.transformer.embeddings.token_embedding.weight");
+  const bool sd2_clip = has("cond_stage_model.model.token_embedding.weight");
+  const bool xl_l = has("conditioner.embedders.0.transformer.text_model.embeddings.token_embedding.weight");
+  const bool xl_g = has("conditioner.embedders.1.model.token_embedding.weight");
+
+  if (!has_unet && !any_prefix(vae) && !any_prefix("cond_stage_model.") && !any_prefix("conditioner.")) {
+    std::string found;
+    if (has("conv_in.weight") && any_prefix("down_blocks."))
+      found = "a diffusers-layout state dict (conv_in, down_blocks.*): load its diffusers folder instead";
+    else
+      found = "none of model.diffusion_model.*, first_stage_model.*, cond_stage_model.* or conditioner.* (first key '" +
+              shapes.begin()->first + "')";
+    throw Error(what + ": not a Stable Diffusion single-file checkpoint: " + found);
+  }
+
+  // The UNet's shape facts.
+  const bool label_emb = has(unet + "label_emb.0.0.weight");
+  int64_t context_dim = 0;
+  for (auto it = shapes.lower_bound(unet); it != shapes.end() && starts_with(it->first, unet); ++it)
+    if (ends_with(it->first, ".attn2.to_k.weight") && it->second.size() == 2) {
+      context_dim = it->second[1];
+      break;
+    }
+
+  // Which text encoders are there decides the family.
+  std::vector<std::string> missing;
+  std::string family_text;
+  if (xl_l || xl_g) {
+    layout.family = SingleFileFamily::SDXL;
+    family_text = "SDXL";
+    if (!xl_l) missing.push_back("the CLIP-L text encoder (conditioner.embedders.0.transformer.text_model.*)");
+    if (!xl_g) missing.push_back("the OpenCLIP-bigG text encoder (conditioner.embedders.1.model.*)");
+  } else if (sd2_clip) {
+    layout.family = SingleFileFamily::SD2;
+    family_text = "SD 2.x";
+  } else if (sd1_clip) {
+    layout.family = SingleFileFamily::SD1;
+    family_text = "SD 1.x";
+  } else {
+    family_text = has_unet ? family_guess(context_dim, label_emb) : "SD-like";
+    missing.push_back("a text encoder (cond_stage_model.* or conditioner.embedders.*)");
+  }
+  if (!has_unet) missing.insert(missing.begin(), "the UNet (" + unet + "input_blocks.*, ...)");
+  if (!has_vae) missing.insert(missing.begin() + (has_unet ? 0 : 1), "the VAE (" + vae + "encoder.*, decoder.*)");
+  if (!missing.empty()) {
+    std::string msg = what + ": incomplete " + family_text + " single-file checkpoint: it lacks ";
+    for (std::size_t i = 0; i < missing.size(); ++i) msg += (i ? (i + 1 == missing.size() ? " and " : ", ") : "") + missing[i];
+    msg += ". A single file must hold UNet, VAE and text encoder(s); a diffusers folder can combine parts";
+    throw Error(msg);
+  }
+
+  // UNet variants of the same families that this engine does not run.
+  const auto& conv_in = shapes.at(unet + "input_blocks.0.0.weight");
+  const int64_t in_channels = conv_in.size() == 4 ? conv_in[1] : -1;
+  if (has(unet + "label_emb.weight")) unsupported("an x4 upscaler UNet (label_emb.weight: noise-level classes)");
+  if (in_channels == 9) unsupported("an inpainting " + family_text + " UNet (9 input channels)");
+  if (in_channels == 8) unsupported("an instruct-pix2pix " + family_text + " UNet (8 input channels)");
+  if (in_channels != 4)
+    unsupported("a UNet whose input convolution is " + shape_str(conv_in) + " (4 latent channels expected)");
+  if (label_emb && layout.family != SingleFileFamily::SDXL)
+    unsupported("a " + family_text + " UNet with label_emb (unCLIP / class-conditioned)");
+  if (!label_emb && layout.family == SingleFileFamily::SDXL)
+    throw Error(what + ": SDXL text encoders, but the UNet has no label_emb.0.0.weight (the added text/time "
+                "conditioning every SDXL UNet has)");
+  if (context_dim == 0) throw Error(what + ": the UNet has no cross-attention (no *.attn2.to_k.weight)");
+
+  // The text encoders must produce what the UNet attends to.
+  const auto width = [&](const std::string& key) { return shapes.at(key).size() == 2 ? shapes.at(key)[1] : -1; };
+  int64_t text_width = 0;
+  switch (layout.family) {
+    case SingleFileFamily::SD1:
+      layout.text_encoder_prefix = "cond_stage_model.transformer.";
+      text_width = has("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight")
+                       ? width("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight")
+                       : width("cond_stage_model.transformer.embeddings.token_embedding.weight");
+      break;
+    case SingleFileFamily::SD2:
+      layout.text_encoder_prefix = "cond_stage_model.model.";
+      layout.text_encoder_open_clip = true;
+      text_width = width("cond_stage_model.model.token_embedding.weight");
+      break;
+    case SingleFileFamily::SDXL:
+      layout.text_encoder_prefix = "conditioner.embedders.0.transformer.";
+      layout.text_encoder_2_prefix = "conditioner.embedders.1.model.";
+      text_width = width("conditioner.embedders.0.transformer.text_model.embeddings.token_embedding.weight") +
+                   width("conditioner.embedders.1.model.token_embedding.weight");
+      break;
+  }
+  if (text_width != context_dim)
+    throw Error(what + ": the UNet attends to " + std::to_string(context_dim) + "-wide text features but the " +
+                family_text + " text encoder(s) give " + std::to_string(text_width) +
+                " (mixed-up components?)");
+  const std::string open_clip =
+      layout.text_encoder_open_clip ? layout.text_encoder_prefix : layout.text_encoder_2_prefix;
+  if (!open_clip.empty()) {
+    layout.open_clip_blocks = static_cast<int64_t>(indices(shapes, open_clip + "transformer.resblocks.").size());
+    if (layout.open_clip_blocks == 0)
+      throw Error(what + ": the OpenCLIP text encoder at " + open_clip + " has no transformer.resblocks.*");
+  }
+  layout.context_dim = context_dim;
+  layout.v_prediction_hint = has("v_pred");
+  log::get("io").debug(log::str(what, ": ", family_text, " single-file checkpoint, context ", context_dim));
+  return layout;
+}
+
+// --- key mapping -------------------------------------------------------------------------------
+
+StateDict map_ldm_unet(const StateDict& all, const std::string& prefix) {
+  const StateDict ldm = strip(all, prefix);
+  if (ldm.empty()) throw Error("no UNet tensors under '" + prefix + "'");
+
+  // Down path: a resnet (with its attention as sub-module 1) per input block; a downsampler ("op")
+  // closes a down block.
+  struct Slot {
+    int64_t block = 0, layer = 0;
+    bool sampler = false;
+  };
+  std::map<int64_t, Slot> inputs, outputs;
+  {
+    int64_t block = 0, layer = 0;
+    for (auto i : indices(ldm, "input_blocks.")) {
+      if (i == 0) continue;
+      if (ldm.count("input_blocks." + std::to_string(i) + ".0.op.weight")) {
+        inputs[i] = {block, 0, true};
+        ++block;
+        layer = 0;
+      } else {
+        inputs[i] = {block, layer++, false};
+      }
+    }
+  }
+  // Up path: a resnet (+ attention) per output block; the one with an upsampler ("conv" as
+  // sub-module 1, or 2 after an attention) closes an up block.
+  {
+    int64_t block = 0, layer = 0;
+    for (auto i : indices(ldm, "output_blocks.")) {
+      const std::string head = "output_blocks." + std::to_string(i);
+      const bool up = ldm.count(head + ".1.conv.weight") || ldm.count(head + ".2.conv.weight");
+      outputs[i] = {block, layer, up};
+      if (up) {
+        ++block;
+        layer = 0;
+      } else {
+        ++layer;
+      }
+    }
+  }
+
+  static const std::pair<const char*, const char*> fixed[] = {
+      {"time_embed.0.", "time_embedding.linear_1."}, {"time_embed.2.", "time_embedding.linear_2."},
+      {"label_emb.0.0.", "add_embedding.linear_1."}, {"label_emb.0.2.", "add_embedding.linear_2."},
+      {"input_blocks.0.0.", "conv_in."},             {"out.0.", "conv_norm_out."},
+      {"out.2.", "conv_out."}};
+  const auto map_key = [&](const std::string& key) -> std::string {
+    for (const auto& [from, to] : fixed)
+      if (starts_with(key, from)) return to + key.substr(std::string(from).size());
+    int64_t i = 0, sub = 0;
+    std::string rest, inner;
+    if (take_index(key, "input_blocks.", i, rest) && take_index(rest, sub, inner) && inputs.count(i)) {
+      const auto& s = inputs.at(i);
+      const std::string block = "down_blocks." + std::to_string(s.block) + ".";
+      if (s.sampler) return sub == 0 && starts_with(inner, "op.") ? block + "downsamplers.0.conv." + inner.substr(3) : "";
+      if (sub == 0) {
+        auto r = unet_resnet(inner);
+        return r.empty() ? "" : block + "resnets." + std::to_string(s.layer) + "." + r;
+      }
+      return sub == 1 ? block + "attentions." + std::to_string(s.layer) + "." + inner : "";
+    }
+    if (take_index(key, "middle_block.", sub, inner)) {
+      if (sub == 1) return "mid_block.attentions.0." + inner;
+      auto r = unet_resnet(inner);
+      if (r.empty() || (sub != 0 && sub != 2)) return "";
+      return "mid_block.resnets." + std::to_string(sub / 2) + "." + r;
+    }
+    if (take_index(key, "output_blocks.", i, rest) && take_index(rest, sub, inner)) {
+      const auto& s = outputs.at(i);
+      const std::string block = "up_blocks." + std::to_string(s.block) + ".";
+      if (sub == 0) {
+        auto r = unet_resnet(inner);
+        return r.empty() ? "" : block + "resnets." + std::to_string(s.layer) + "." + r;
+      }
+      if ((sub == 1 || sub == 2) && starts_with(inner, "conv.") && s.sampler)
+        return block + "upsamplers.0.conv." + inner.substr(5);
+      return sub == 1 ? block + "attentions." + std::to_string(s.layer) + "." + inner : "";
+    }
+    return "";
+  };
+
+  StateDict out;
+  for (const auto& [key, tensor] : ldm) {
+    const auto mapped = map_key(key);
+    out.emplace(mapped.empty() ? prefix + key : mapped, tensor);
+  }
+  return out;
+}
+
+StateDict map_ldm_vae(const StateDict& all, const std::string& prefix) {
+  const StateDict ldm = strip(all, prefix);
+  if (ldm.empty()) throw Error("no VAE tensors under '" + prefix + "'");
+  const auto ups = indices(ldm, "decoder.up.");
+  const int64_t n_up = ups.empty() ? 0 : *ups.rbegin() + 1;
+
+  const auto resnet = [](const std::string& rest) {
+    return starts_with(rest, "nin_shortcut.") ? "conv_shortcut." + rest.substr(13) : rest;
+  };
+  static const std::pair<const char*, const char*> attention[] = {
+      {"norm.", "group_norm."}, {"q.", "to_q."}, {"k.", "to_k."}, {"v.", "to_v."}, {"proj_out.", "to_out.0."}};
+
+  StateDict out;
+  for (const auto& [key, tensor] : ldm) {
+    if (starts_with(key, "loss.")) continue;  // the training loss (discriminator, logvar)
+    std::string mapped;
+    at::Tensor value = tensor;
+    for (const std::string part : {"encoder.", "decoder."}) {
+      if (!starts_with(key, part)) continue;
+      const std::string r = key.substr(part.size());
+      int64_t i = 0, j = 0;
+      std::string rest, inner;
+      if (part == "encoder." && take_index(r, "down.", i, rest)) {
+        const std::string block = part + "down_blocks." + std::to_string(i) + ".";
+        if (take_index(rest, "block.", j, inner)) mapped = block + "resnets." + std::to_string(j) + "." + resnet(inner);
+        else if (starts_with(rest, "downsample.conv.")) mapped = block + "downsamplers.0.conv." + rest.substr(16);
+      } else if (part == "decoder." && take_index(r, "up.", i, rest) && i < n_up) {
+        const std::string block = part + "up_blocks." + std::to_string(n_up - 1 - i) + ".";
+        if (take_index(rest, "block.", j, inner)) mapped = block + "resnets." + std::to_string(j) + "." + resnet(inner);
+        else if (starts_with(rest, "upsample.conv.")) mapped = block + "upsamplers.0.conv." + rest.substr(14);
+      } else if (starts_with(r, "mid.block_1.")) {
+        mapped = part + "mid_block.resnets.0." + resnet(r.substr(12));
+      } else if (starts_with(r, "mid.block_2.")) {
+        mapped = part + "mid_block.resnets.1." + resnet(r.substr(12));
+      } else if (starts_with(r, "mid.attn_1.")) {
+        const std::string a = r.substr(11);
+        for (const auto& [from, to] : attention)
+          if (starts_with(a, from)) {
+            mapped = part + "mid_block.attentions.0." + to + a.substr(std::string(from).size());
+            value = as_linear(tensor);
+          }
+      } else if (starts_with(r, "norm_out.")) {
+        mapped = part + "conv_norm_out." + r.substr(9);
+      } else if (starts_with(r, "conv_in.") || starts_with(r, "conv_out.")) {
+        mapped = key;
+      }
+    }
+    if (starts_with(key, "quant_conv.") || starts_with(key, "post_quant_conv.")) mapped = key;
+    out.emplace(mapped.empty() ? prefix + key : mapped, value);
+  }
+  return out;
+}
+
+StateDict map_sd_clip(const StateDict& all, const std::string& prefix) {
+  StateDict out = strip(all, prefix);
+  if (out.empty()) throw Error("no CLIP text encoder tensors under '" + prefix + "'");
+  out.erase("text_model.embeddings.position_ids");  // a buffer, rebuilt by the model
+  out.erase("embeddings.position_ids");
+  return map_clip_text_keys(std::move(out));
+}
+
+StateDict map_open_clip(const StateDict& all, const std::string& prefix, int64_t num_layers, bool with_projection) {
+  const StateDict oc = strip(all, prefix);
+  if (oc.empty()) throw Error("no OpenCLIP text encoder tensors under '" + prefix + "'");
+  static const std::pair<const char*, const char*> fixed[] = {
+      {"token_embedding.weight", "text_model.embeddings.token_embedding.weight"},
+      {"positional_embedding", "text_model.embeddings.position_embedding.weight"},
+      {"ln_final.weight", "text_model.final_layer_norm.weight"},
+      {"ln_final.bias", "text_model.final_layer_norm.bias"}};
+  static const std::pair<const char*, const char*> block_names[] = {{"attn.out_proj.", "self_attn.out_proj."},
+                                                                    {"ln_1.", "layer_norm1."},
+                                                                    {"ln_2.", "layer_norm2."},
+                                                                    {"mlp.c_fc.", "mlp.fc1."},
+                                                                    {"mlp.c_proj.", "mlp.fc2."}};
+  StateDict out;
+  for (const auto& [key, tensor] : oc) {
+    if (key == "logit_scale" || key == "attn_mask") continue;  // the contrastive head's scale; a rebuilt buffer
+    if (key == "text_projection") {
+      if (with_projection) out.emplace("text_projection.weight", tensor.t());  // x @ P == Linear with weight P^T
+      continue;
+    }
+    std::string mapped;
+    for (const auto& [from, to] : fixed)
+      if (key == from) mapped = to;
+    int64_t n = 0;
+    std::string rest;
+    if (mapped.empty() && take_index(key, "transformer.resblocks.", n, rest)) {
+      if (num_layers >= 0 && n >= num_layers) continue;  // layers the text model does not use
+      const std::string layer = "text_model.encoder.layers." + std::to_string(n) + ".";
+      if (rest == "attn.in_proj_weight" || rest == "attn.in_proj_bias") {
+        if (tensor.dim() < 1 || tensor.size(0) % 3 != 0)
+          throw Error(prefix + key + ": in_proj of " + shape_str(tensor.sizes().vec()) +
+                      " cannot be split into query, key and value");
+        const auto parts = tensor.chunk(3, 0);
+        const std::string kind = rest == "attn.in_proj_weight" ? "weight" : "bias";
+        out.emplace(layer + "self_attn.q_proj." + kind, parts[0]);
+        out.emplace(layer + "self_attn.k_proj." + kind, parts[1]);
+        out.emplace(layer + "self_attn.v_proj." + kind, parts[2]);
+        continue;
+      }
+      for (const auto& [from, to] : block_names)
+        if (starts_with(rest, from)) mapped = layer + to + rest.substr(std::string(from).size());
+    }
+    out.emplace(mapped.empty() ? prefix + key : mapped, tensor);
+  }
+  return out;
+}
+
+}  // namespace diffract::io

@@ -1,0 +1,398 @@
+#include "core/pipeline/single_file.h"
+
+#include <ATen/ATen.h>
+
+#include <cctype>
+#include <set>
+
+#include "core/io/json_file.h"
+#include "core/io/safetensors.h"
+#include "core/io/weights.h"
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+namespace diffract::pipeline {
+
+namespace fs = std::filesystem;
+using io::SingleFileFamily;
+using io::StateDict;
+
+namespace {
+
+bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Reads shapes of one component's state dict; errors name the component and the key.
+class Shapes {
+ public:
+  Shapes(const StateDict& sd, std::string what) : sd_(sd), what_(std::move(what)) {}
+
+  bool has(const std::string& key) const { return sd_.count(key) > 0; }
+  std::vector<int64_t> shape(const std::string& key) const {
+    auto it = sd_.find(key);
+    if (it == sd_.end()) throw Error(what_ + ": no tensor '" + key + "'");
+    return it->second.sizes().vec();
+  }
+  int64_t dim(const std::string& key, std::size_t d) const {
+    const auto s = shape(key);
+    if (d >= s.size()) throw Error(what_ + ": '" + key + "' has " + std::to_string(s.size()) + " dimensions");
+    return s[d];
+  }
+  // How many consecutive "head.N." exist, from 0.
+  int64_t count(const std::string& head) const {
+    std::set<int64_t> seen;
+    for (auto it = sd_.lower_bound(head); it != sd_.end() && starts_with(it->first, head); ++it) {
+      const std::string rest = it->first.substr(head.size());
+      std::size_t digits = 0;
+      while (digits < rest.size() && std::isdigit(static_cast<unsigned char>(rest[digits]))) ++digits;
+      if (digits > 0 && digits < 10 && digits < rest.size() && rest[digits] == '.')
+        seen.insert(std::stoll(rest.substr(0, digits)));
+    }
+    int64_t n = 0;
+    while (seen.count(n)) ++n;
+    if (n != static_cast<int64_t>(seen.size()))
+      throw Error(what_ + ": '" + head + "N' indices are not consecutive from 0");
+    return n;
+  }
+  [[noreturn]] void fail(const std::string& why) const { throw Error(what_ + ": " + why); }
+
+ private:
+  const StateDict& sd_;
+  std::string what_;
+};
+
+const char* kNeedConfig = "; give a diffusers config folder (config_dir) for this model";
+
+int64_t heads_by_convention(int64_t channels, int64_t head_width, const Shapes& s, const std::string& where) {
+  if (channels % head_width != 0)
+    s.fail("cannot infer the attention heads of " + where + ": " + std::to_string(channels) +
+           " channels are not a multiple of the " + std::to_string(head_width) + "-wide heads the family uses" +
+           kNeedConfig);
+  return channels / head_width;
+}
+
+void check_groups(const std::vector<int64_t>& channels, int64_t groups, const Shapes& s) {
+  for (auto ch : channels)
+    if (ch % groups != 0)
+      s.fail(std::to_string(ch) + " channels are not divisible into the " + std::to_string(groups) +
+             " norm groups SD models use" + kNeedConfig);
+}
+
+std::optional<fs::path> component_config(const SingleFileOptions& options, const std::string& name) {
+  if (options.config_dir.empty()) return std::nullopt;
+  const auto p = options.config_dir / name / "config.json";
+  if (fs::exists(p)) return p;
+  return std::nullopt;
+}
+
+// Resblock count of an OpenCLIP encoder under `prefix`.
+int64_t open_clip_blocks(const StateDict& all, const std::string& prefix, const std::string& what) {
+  StateDict blocks;
+  const std::string head = prefix + "transformer.resblocks.";
+  for (auto it = all.lower_bound(head); it != all.end() && starts_with(it->first, head); ++it)
+    blocks.emplace(it->first, it->second);
+  return Shapes(blocks, what).count(head);
+}
+
+template <typename Model>
+void bind_strict(Model& model, const StateDict& weights, const std::string& what) {
+  model->eval();
+  io::bind(*model, weights, what);
+}
+
+}  // namespace
+
+// --- shape inference ---------------------------------------------------------------------------
+
+models::UNet2DConditionConfig infer_unet_config(const StateDict& unet, SingleFileFamily family,
+                                                int64_t pooled_text_dim, const std::string& what) {
+  const Shapes s(unet, what);
+  models::UNet2DConditionConfig c;
+  c.in_channels = s.dim("conv_in.weight", 1);
+  c.out_channels = s.dim("conv_out.weight", 0);
+  c.sample_size = family == SingleFileFamily::SDXL ? 128 : family == SingleFileFamily::SD2 ? 96 : 64;
+  const int64_t n = s.count("down_blocks.");
+  if (n == 0) s.fail("no down_blocks");
+  if (s.count("up_blocks.") != n)
+    s.fail(std::to_string(n) + " down blocks but " + std::to_string(s.count("up_blocks.")) + " up blocks");
+
+  // One attention block's facts: depth, context width, projection kind.
+  struct Attn {
+    int64_t depth = 0, context = 0;
+    bool linear = false;
+  };
+  const auto attention = [&](const std::string& head) {
+    Attn a;
+    a.depth = s.count(head + "transformer_blocks.");
+    if (a.depth == 0) s.fail("'" + head + "' has no transformer_blocks");
+    a.context = s.dim(head + "transformer_blocks.0.attn2.to_k.weight", 1);
+    a.linear = s.shape(head + "proj_in.weight").size() == 2;
+    return a;
+  };
+  const Attn mid = attention("mid_block.attentions.0.");
+  c.use_linear_projection = mid.linear;
+  const auto check_attn = [&](const Attn& a, const std::string& head) {
+    if (a.linear != mid.linear) s.fail("'" + head + "' mixes linear and convolutional projections (not supported)");
+  };
+
+  std::vector<int64_t> down_depth(n, 0);
+  for (int64_t b = 0; b < n; ++b) {
+    const std::string head = "down_blocks." + std::to_string(b) + ".";
+    const int64_t layers = s.count(head + "resnets.");
+    const int64_t attns = s.count(head + "attentions.");
+    if (layers == 0) s.fail("'" + head + "' has no resnets");
+    if (attns != 0 && attns != layers)
+      s.fail("'" + head + "' has " + std::to_string(layers) + " resnets but " + std::to_string(attns) + " attentions");
+    c.block_out_channels.push_back(s.dim(head + "resnets.0.conv1.weight", 0));
+    c.layers_per_block.push_back(layers);
+    c.down_block_types.push_back(attns ? "CrossAttnDownBlock2D" : "DownBlock2D");
+    int64_t context = mid.context;
+    for (int64_t l = 0; l < attns; ++l) {
+      const std::string ah = head + "attentions." + std::to_string(l) + ".";
+      const Attn a = attention(ah);
+      check_attn(a, ah);
+      if (l > 0 && (a.depth != down_depth[b] || a.context != context))
+        s.fail("'" + head + "' has attentions of different depth or context width (not supported)");
+      down_depth[b] = a.depth;
+      context = a.context;
+    }
+    c.cross_attention_dim.push_back(context);
+    c.transformer_layers_per_block.push_back(attns ? down_depth[b] : 1);
+  }
+  // The mid block takes the last block's depth in this model (as in diffusers' SD configs); a last
+  // block without attention leaves that entry free for it.
+  if (down_depth.back() == 0) c.transformer_layers_per_block.back() = mid.depth;
+  else if (down_depth.back() != mid.depth)
+    s.fail("the mid block's transformer depth " + std::to_string(mid.depth) + " differs from the last down block's " +
+           std::to_string(down_depth.back()) + " (not supported)");
+  if (c.cross_attention_dim.back() != mid.context)
+    s.fail("the mid block's context width differs from the last down block's (not supported)");
+
+  for (int64_t b = 0; b < n; ++b) {
+    const std::string head = "up_blocks." + std::to_string(b) + ".";
+    const auto rev = static_cast<std::size_t>(n - 1 - b);
+    const int64_t layers = s.count(head + "resnets.");
+    const int64_t attns = s.count(head + "attentions.");
+    if (layers != c.layers_per_block[rev] + 1)
+      s.fail("'" + head + "' has " + std::to_string(layers) + " resnets where its down block's " +
+             std::to_string(c.layers_per_block[rev]) + " + 1 were expected");
+    if (attns != 0 && attns != layers)
+      s.fail("'" + head + "' has " + std::to_string(layers) + " resnets but " + std::to_string(attns) + " attentions");
+    c.up_block_types.push_back(attns ? "CrossAttnUpBlock2D" : "UpBlock2D");
+    int64_t depth = 0;
+    for (int64_t l = 0; l < attns; ++l) {
+      const std::string ah = head + "attentions." + std::to_string(l) + ".";
+      const Attn a = attention(ah);
+      check_attn(a, ah);
+      if ((l > 0 && a.depth != depth) || a.context != c.cross_attention_dim[rev])
+        s.fail("'" + head + "' has attentions of different depth or context width (not supported)");
+      depth = a.depth;
+    }
+    c.reverse_transformer_layers_per_block.push_back(attns ? depth : c.transformer_layers_per_block[rev]);
+  }
+
+  for (auto ch : c.block_out_channels) {
+    const std::string where = std::to_string(ch) + "-channel blocks";
+    c.num_attention_heads.push_back(family == SingleFileFamily::SD1 ? 8 : heads_by_convention(ch, 64, s, where));
+    if (ch % c.num_attention_heads.back() != 0)
+      s.fail(std::to_string(ch) + " channels are not divisible into SD 1.x's 8 attention heads" + kNeedConfig);
+  }
+  c.norm_num_groups = 32;
+  check_groups(c.block_out_channels, c.norm_num_groups, s);
+
+  if (s.has("add_embedding.linear_1.weight")) {
+    c.addition_embed_type = "text_time";
+    c.projection_class_embeddings_input_dim = s.dim("add_embedding.linear_1.weight", 1);
+    const int64_t times = c.projection_class_embeddings_input_dim - pooled_text_dim;
+    if (pooled_text_dim <= 0 || times <= 0 || times % 6 != 0)
+      s.fail("the added conditioning takes " + std::to_string(c.projection_class_embeddings_input_dim) +
+             " features, which is not the pooled text width " + std::to_string(pooled_text_dim) +
+             " plus 6 time-id embeddings");
+    c.addition_time_embed_dim = times / 6;
+  }
+  return c;
+}
+
+models::AutoencoderKLConfig infer_vae_config(const StateDict& vae, SingleFileFamily family, const std::string& what) {
+  const Shapes s(vae, what);
+  auto c = family == SingleFileFamily::SDXL ? models::AutoencoderKLConfig::sdxl() : models::AutoencoderKLConfig::sd();
+  if (family == SingleFileFamily::SD2) c.sample_size = 768;
+  const int64_t n = s.count("encoder.down_blocks.");
+  if (n == 0) s.fail("no encoder.down_blocks");
+  if (s.count("decoder.up_blocks.") != n)
+    s.fail(std::to_string(n) + " encoder blocks but " + std::to_string(s.count("decoder.up_blocks.")) + " decoder blocks");
+  c.block_out_channels.clear();
+  c.layers_per_block = s.count("encoder.down_blocks.0.resnets.");
+  for (int64_t b = 0; b < n; ++b) {
+    const std::string down = "encoder.down_blocks." + std::to_string(b) + ".";
+    const std::string up = "decoder.up_blocks." + std::to_string(b) + ".";
+    if (s.count(down + "resnets.") != c.layers_per_block || s.count(up + "resnets.") != c.layers_per_block + 1)
+      s.fail("blocks with different resnet counts are not an AutoencoderKL (expected " +
+             std::to_string(c.layers_per_block) + " per encoder block and one more per decoder block)");
+    c.block_out_channels.push_back(s.dim(down + "resnets.0.conv1.weight", 0));
+  }
+  c.down_block_types.assign(static_cast<std::size_t>(n), "DownEncoderBlock2D");
+  c.up_block_types.assign(static_cast<std::size_t>(n), "UpDecoderBlock2D");
+  c.in_channels = s.dim("encoder.conv_in.weight", 1);
+  c.out_channels = s.dim("decoder.conv_out.weight", 0);
+  c.latent_channels = s.dim("decoder.conv_in.weight", 1);
+  c.use_quant_conv = s.has("quant_conv.weight");
+  c.use_post_quant_conv = s.has("post_quant_conv.weight");
+  c.mid_block_add_attention = s.has("encoder.mid_block.attentions.0.to_q.weight");
+  c.norm_num_groups = 32;
+  check_groups(c.block_out_channels, c.norm_num_groups, s);
+  return c;
+}
+
+models::CLIPTextConfig infer_clip_text_config(const StateDict& text_encoder, const std::string& hidden_act,
+                                              const std::string& what) {
+  const Shapes s(text_encoder, what);
+  models::CLIPTextConfig c;
+  c.vocab_size = s.dim("text_model.embeddings.token_embedding.weight", 0);
+  c.hidden_size = s.dim("text_model.embeddings.token_embedding.weight", 1);
+  c.max_position_embeddings = s.dim("text_model.embeddings.position_embedding.weight", 0);
+  c.num_hidden_layers = s.count("text_model.encoder.layers.");
+  if (c.num_hidden_layers == 0) s.fail("no text_model.encoder.layers");
+  c.intermediate_size = s.dim("text_model.encoder.layers.0.mlp.fc1.weight", 0);
+  c.num_attention_heads = heads_by_convention(c.hidden_size, 64, s, "the text encoder");
+  c.hidden_act = hidden_act;
+  c.projection_dim = s.has("text_projection.weight") ? s.dim("text_projection.weight", 0) : c.hidden_size;
+  c.eos_token_id = 2;  // legacy: pooled at the highest id, which is the end token
+  return c;
+}
+
+// --- loading -----------------------------------------------------------------------------------
+
+SingleFileModels load_single_file(const fs::path& file, const SingleFileOptions& options) {
+  const std::string what = file.string();
+  if (!fs::is_regular_file(file)) throw Error(what + ": no such checkpoint file");
+  if (!options.config_dir.empty() && !fs::is_directory(options.config_dir))
+    throw Error(options.config_dir.string() + ": config folder for " + what + " does not exist");
+
+  StateDict all;
+  io::SingleFileLayout layout;
+  if (ends_with(file.filename().string(), ".safetensors")) {
+    std::shared_ptr<const io::SafetensorsArchive> archive = io::SafetensorsArchive::open(file);
+    layout = io::detect_single_file(*archive);  // header only: nothing is read before the family is known
+    for (const auto& t : archive->tensors()) all.emplace(t.name, io::to_tensor(archive, t));
+  } else {
+    all = io::load_state_dict(file);
+    layout = io::detect_single_file(io::tensor_shapes(all), what);
+  }
+
+  SingleFileModels m;
+  m.path = file;
+  m.family = layout.family;
+  const auto part = [&](const std::string& name, const std::string& prefix) {
+    return what + " (" + name + " at " + prefix + "*)";
+  };
+
+  // Text encoders first: SDXL's UNet config needs the pooled width.
+  {
+    const std::string where = part("text_encoder", layout.text_encoder_prefix);
+    const auto json = component_config(options, "text_encoder");
+    StateDict te;
+    models::CLIPTextConfig config;
+    if (layout.text_encoder_open_clip) {
+      int64_t keep = layout.open_clip_blocks - 1;  // SD 2.x takes the penultimate layer: the last is unused
+      if (json) keep = models::CLIPTextConfig::from_json(*json).num_hidden_layers;
+      te = io::map_open_clip(all, layout.text_encoder_prefix, keep, /*with_projection=*/false);
+      config = json ? models::CLIPTextConfig::from_json(*json) : infer_clip_text_config(te, "gelu", where);
+    } else {
+      te = io::map_sd_clip(all, layout.text_encoder_prefix);
+      config = json ? models::CLIPTextConfig::from_json(*json) : infer_clip_text_config(te, "quick_gelu", where);
+    }
+    if (json) m.configured.push_back("text_encoder");
+    m.text_encoder = models::CLIPTextModel(config);
+    bind_strict(m.text_encoder, te, where);
+    m.tokenizer.max_length = static_cast<int>(config.max_position_embeddings);
+    if (layout.family == SingleFileFamily::SD2) m.tokenizer.pad_token = "!";
+  }
+  int64_t pooled_dim = 0;
+  if (layout.family == SingleFileFamily::SDXL) {
+    const std::string where = part("text_encoder_2", layout.text_encoder_2_prefix);
+    const auto json = component_config(options, "text_encoder_2");
+    auto te = io::map_open_clip(all, layout.text_encoder_2_prefix, -1, /*with_projection=*/true);
+    const auto config = json ? models::CLIPTextConfig::from_json(*json) : infer_clip_text_config(te, "gelu", where);
+    if (json) m.configured.push_back("text_encoder_2");
+    m.text_encoder_2 = models::CLIPTextModelWithProjection(config);
+    bind_strict(m.text_encoder_2, te, where);
+    pooled_dim = config.projection_dim;
+    text::CLIPTokenizerOptions tok;
+    tok.pad_token = "!";
+    tok.max_length = static_cast<int>(config.max_position_embeddings);
+    m.tokenizer_2 = tok;
+  }
+  {
+    const std::string where = part("unet", layout.unet_prefix);
+    const auto json = component_config(options, "unet");
+    auto unet = io::map_ldm_unet(all, layout.unet_prefix);
+    const auto config = json ? models::UNet2DConditionConfig::from_json(*json)
+                             : infer_unet_config(unet, layout.family, pooled_dim, where);
+    if (json) m.configured.push_back("unet");
+    m.unet = models::UNet2DConditionModel(config);
+    bind_strict(m.unet, unet, where);
+  }
+  {
+    const std::string where = part("vae", layout.vae_prefix);
+    const auto json = component_config(options, "vae");
+    auto vae = io::map_ldm_vae(all, layout.vae_prefix);
+    const auto config = json ? models::AutoencoderKLConfig::from_json(*json) : infer_vae_config(vae, layout.family, where);
+    if (json) m.configured.push_back("vae");
+    m.vae = models::AutoencoderKL(config);
+    bind_strict(m.vae, vae, where);
+  }
+
+  m.prediction_type = layout.v_prediction_hint || layout.family == SingleFileFamily::SD2 ? "v_prediction" : "epsilon";
+  if (!options.config_dir.empty()) {
+    const auto sched = options.config_dir / "scheduler" / "scheduler_config.json";
+    if (fs::exists(sched)) {
+      m.prediction_type = io::JsonFile::read(sched).optional<std::string>("prediction_type", "epsilon");
+      m.configured.push_back("scheduler");
+    }
+  }
+  log::get("pipeline").info(log::str(what, ": ", io::single_file_family_name(m.family), " single file, ",
+                                     all.size(), " tensors, prediction ", m.prediction_type,
+                                     m.configured.empty() ? "" : ", configs from " + options.config_dir.string()));
+  return m;
+}
+
+// --- tokenizer ---------------------------------------------------------------------------------
+
+fs::path find_clip_bpe(const fs::path& bpe_gz) {
+  if (!bpe_gz.empty()) {
+    if (fs::is_regular_file(bpe_gz)) return bpe_gz;
+    throw Error(bpe_gz.string() + ": CLIP BPE vocabulary (bpe_simple_vocab_16e6.txt.gz) not found");
+  }
+  const fs::path relative = fs::path("resources") / "clip" / "bpe_simple_vocab_16e6.txt.gz";
+  std::vector<fs::path> tried;
+  const auto found = [&](const fs::path& p) {
+    tried.push_back(p);
+    std::error_code ec;
+    return fs::is_regular_file(p, ec);
+  };
+  std::error_code ec;
+  const auto exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    for (auto dir = exe.parent_path(); !dir.empty(); dir = dir.parent_path()) {
+      if (found(dir / relative)) return dir / relative;
+      if (found(dir / "share" / "diffract" / relative)) return dir / "share" / "diffract" / relative;
+      if (dir == dir.parent_path()) break;
+    }
+  }
+  // This file is core/pipeline/single_file.cpp of the source tree.
+  const auto source = fs::path(__FILE__).parent_path().parent_path().parent_path() / relative;
+  if (found(source)) return source;
+  std::string msg = "CLIP BPE vocabulary " + relative.string() + " not found; tried:";
+  for (const auto& p : tried) msg += "\n  " + p.string();
+  throw Error(msg);
+}
+
+text::CLIPTokenizer make_clip_tokenizer(const text::CLIPTokenizerOptions& options, const fs::path& bpe_gz) {
+  return text::CLIPTokenizer::from_openai_bpe(find_clip_bpe(bpe_gz), options);
+}
+
+}  // namespace diffract::pipeline
