@@ -6,7 +6,9 @@
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
+#include "core/engine/engine.h"
 #include "core/io/diffusers_folder.h"
+#include "core/io/image.h"
 #include "core/io/safetensors.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/text/clip_tokenizer.h"
@@ -100,6 +102,51 @@ int encode(const fs::path& model, const std::string& component, const std::strin
   return 0;
 }
 
+fs::path numbered(const fs::path& out, int index, int count) {
+  if (count == 1) return out;
+  return out.parent_path() / (out.stem().string() + "_" + std::to_string(index) + out.extension().string());
+}
+
+int generate(const engine::GenerationRequest& request, const fs::path& out, const std::string& preview_dir) {
+  if (out.extension() != ".png") throw Error("--out " + out.string() + ": the output must be a .png file");
+  if (!out.parent_path().empty() && !fs::is_directory(out.parent_path()))
+    throw Error("--out " + out.string() + ": folder " + out.parent_path().string() + " does not exist");
+  if (!preview_dir.empty()) fs::create_directories(preview_dir);
+  engine::JobObserver observer;
+  observer.on_step = [](const engine::StepEvent& e) {
+    std::cerr << "\rstep " << e.index + 1 << "/" << e.total << " (" << static_cast<int>(e.step_ms) << " ms)" << std::flush;
+  };
+  if (!preview_dir.empty())
+    observer.on_preview = [&](const engine::PreviewEvent& e) {
+      char name[32];
+      std::snprintf(name, sizeof name, "step_%03d.png", e.index + 1);
+      io::write_png(fs::path(preview_dir) / name, e.image);
+    };
+  engine::Engine eng;
+  engine::CancelToken never;
+  auto request_with_previews = request;
+  if (preview_dir.empty()) request_with_previews.preview_every = 0;
+  const auto result = eng.run(request_with_previews, observer, never);
+  std::cerr << "\n";
+  const int n = static_cast<int>(result.images.size());
+  for (int i = 0; i < n; ++i) {
+    const auto path = numbered(out, i, n);
+    io::write_png(path, result.images[static_cast<std::size_t>(i)],
+                  {{"parameters", result.a1111_parameters}, {"diffract", result.metadata_json}});
+    std::cout << "wrote " << path.string() << "\n";
+  }
+  const auto& t = result.timings;
+  double steps = 0;
+  for (double s : t.step_ms) steps += s;
+  double previews = 0;
+  for (double s : t.preview_ms) previews += s;
+  std::cout << "timings (ms): load " << t.load_ms << ", tokenize " << t.tokenize_ms << ", text encode "
+            << t.text_encode_ms << ", denoise " << steps << " (" << t.step_ms.size() << " steps, "
+            << (t.step_ms.empty() ? 0 : steps / t.step_ms.size()) << " per step), previews " << previews
+            << ", VAE decode " << t.vae_decode_ms << ", total " << t.total_ms << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -127,6 +174,25 @@ int main(int argc, char** argv) {
   enc_cmd->add_option("--component", component, "text_encoder or text_encoder_2")
       ->check(CLI::IsMember({"text_encoder", "text_encoder_2"}));
 
+  engine::GenerationRequest req;
+  std::string out_path, preview_dir;
+  auto* gen_cmd = app.add_subcommand("generate", "Text to image; writes a PNG carrying its parameters");
+  gen_cmd->add_option("--model", req.model, "diffusers folder or single-file checkpoint")->required();
+  gen_cmd->add_option("--prompt", req.prompt, "text")->required();
+  gen_cmd->add_option("--negative", req.negative_prompt, "negative prompt");
+  gen_cmd->add_option("--steps", req.steps, "denoising steps")->capture_default_str();
+  gen_cmd->add_option("--cfg", req.cfg, "classifier-free guidance scale (<= 1: off)")->capture_default_str();
+  gen_cmd->add_option("--seed", req.seed, "noise seed")->capture_default_str();
+  gen_cmd->add_option("--width", req.width, "pixels (default: the model's native size)");
+  gen_cmd->add_option("--height", req.height, "pixels (default: the model's native size)");
+  gen_cmd->add_option("--scheduler", req.sampler,
+                      "euler, euler-ancestral, ddim, ddpm, dpmpp-2m, dpmpp-2m-karras (default: the model's own)");
+  gen_cmd->add_option("--device", req.device, "cpu or cuda:N")->capture_default_str();
+  gen_cmd->add_option("--taesd", req.taesd, "TAESD for previews (folder or .pth pair)");
+  gen_cmd->add_option("--batch", req.batch, "images per prompt")->capture_default_str();
+  gen_cmd->add_option("--preview-dir", preview_dir, "write each step's preview here");
+  gen_cmd->add_option("--out", out_path, "output .png")->required();
+
   CLI11_PARSE(app, argc, argv);
   log::set_verbose(verbose);
   try {
@@ -137,6 +203,7 @@ int main(int argc, char** argv) {
     if (inspect_cmd->parsed()) return inspect(inspect_path);
     if (tok_cmd->parsed()) return tokenize(tok_path, prompt);
     if (enc_cmd->parsed()) return encode(model_path, component, prompt);
+    if (gen_cmd->parsed()) return generate(req, out_path, preview_dir);
   } catch (const Error& e) {
     log::get("cli").error(e.what());
     return 1;

@@ -210,6 +210,13 @@ def make_pipelines(out, enc_l, enc_g, tok_l, tok_g):
                                  safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     sd.save_pretrained(os.path.join(out, "tiny-sd"))
     sd.save_pretrained(os.path.join(out, "tiny-sd-fp16"), variant="fp16")
+    # A model whose UNet output is NaN, for the NaN-detection test.
+    nan_dir = os.path.join(out, "tiny-sd-nan")
+    sd.save_pretrained(nan_dir)
+    from safetensors.torch import load_file
+    w = load_file(os.path.join(nan_dir, "unet", "diffusion_pytorch_model.safetensors"))
+    w["conv_out.bias"] = torch.full_like(w["conv_out.bias"], float("nan"))
+    save_file(w, os.path.join(nan_dir, "unet", "diffusion_pytorch_model.safetensors"))
 
     torch.manual_seed(3)
     unet_xl = UNet2DConditionModel(block_out_channels=(32, 64), layers_per_block=2, sample_size=16, in_channels=4,
@@ -247,6 +254,49 @@ def make_unet_cases(out, sd, xl):
     save_file(cases, os.path.join(out, "unet_cases.safetensors"))
 
 
+SAMPLERS = {
+    "euler": ("EulerDiscreteScheduler", {}),
+    "euler-ancestral": ("EulerAncestralDiscreteScheduler", {}),
+    "ddim": ("DDIMScheduler", {}),
+    "ddpm": ("DDPMScheduler", {}),
+    "dpmpp-2m": ("DPMSolverMultistepScheduler", {}),
+    "dpmpp-2m-karras": ("DPMSolverMultistepScheduler", {"use_karras_sigmas": True}),
+}
+
+
+def make_pipeline_cases(out, sd, xl):
+    """Whole text-to-image runs through diffusers, as the C++ pipeline must reproduce them."""
+    import diffusers
+
+    cases, index = {}, []
+
+    def run(name, pipe, sampler, **kw):
+        cls, extra = SAMPLERS[sampler]
+        pipe.scheduler = getattr(diffusers, cls).from_config(pipe.scheduler.config, **extra)
+        seed = kw.pop("seed")
+        image = pipe(generator=torch.Generator().manual_seed(seed), output_type="np", **kw).images
+        cases[name] = torch.from_numpy(image)
+        entry = {"name": name, "sampler": sampler, "seed": seed, **kw}
+        entry.setdefault("negative_prompt", "")
+        entry["negative_prompt"] = entry["negative_prompt"] or ""
+        index.append(entry)
+
+    base = dict(prompt="a red apple on a white background", num_inference_steps=5, guidance_scale=7.5,
+                height=64, width=64)
+    for sampler in SAMPLERS:
+        run(f"sd.{sampler}", sd, sampler, seed=11, **base)
+    run("sd.nocfg", sd, "euler", seed=3, **{**base, "guidance_scale": 1.0})
+    run("sd.negative.batch2", sd, "euler-ancestral", seed=5,
+        **{**base, "negative_prompt": "blurry, low quality", "num_images_per_prompt": 2, "width": 48})
+    xl_base = dict(base, height=64, width=96)
+    run("xl.euler", xl, "euler", seed=21, **xl_base)
+    run("xl.dpmpp-2m-karras", xl, "dpmpp-2m-karras", seed=22, **xl_base)
+    run("xl.negative", xl, "ddim", seed=23, **{**xl_base, "negative_prompt": "dark"})
+    cases["randn.seed42"] = torch.randn((1, 4, 8, 8), generator=torch.Generator().manual_seed(42))
+    save_file({k: v.contiguous() for k, v in cases.items()}, os.path.join(out, "pipeline_cases.safetensors"))
+    write_json(os.path.join(out, "pipeline_cases.json"), index)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
@@ -259,6 +309,7 @@ def main():
     enc_l, enc_g = make_text_encoders(args.out, tok_l, tok_g)
     sd, xl = make_pipelines(args.out, enc_l, enc_g, tok_l, tok_g)
     make_unet_cases(args.out, sd, xl)
+    make_pipeline_cases(args.out, sd, xl)
     with open(os.path.join(args.out, "STAMP"), "w") as f:
         f.write("ok\n")
 

@@ -1,0 +1,99 @@
+#include "core/engine/engine.h"
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "core/pipeline/stable_diffusion.h"
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+namespace diffract::engine {
+
+struct Engine::Impl {
+  std::mutex mutex;               // guards queue and stopping
+  std::condition_variable wake;
+  std::deque<std::pair<std::shared_ptr<Job>, std::pair<GenerationRequest, JobObserver>>> queue;
+  std::shared_ptr<Job> running;
+  bool stopping = false;
+  std::mutex model_mutex;         // one job at a time uses the model
+  std::unique_ptr<pipeline::StableDiffusion> model;
+  std::thread worker;
+
+  pipeline::StableDiffusion& model_for(const GenerationRequest& r) {
+    if (r.model.empty()) throw Error("no model chosen");
+    if (!model || model->path() != r.model || model->device() != r.device) {
+      model.reset();  // free the old one first: two SDXL models may not fit
+      model = pipeline::StableDiffusion::load(r.model, r.device);
+    }
+    return *model;
+  }
+
+  GenerationResult run(const GenerationRequest& r, const JobObserver& o, const CancelToken& c) {
+    std::lock_guard lock(model_mutex);
+    return model_for(r).generate(r, o, c);
+  }
+
+  void loop() {
+    while (true) {
+      std::shared_ptr<Job> job;
+      GenerationRequest request;
+      JobObserver observer;
+      {
+        std::unique_lock lock(mutex);
+        wake.wait(lock, [&] { return stopping || !queue.empty(); });
+        if (stopping && queue.empty()) return;
+        job = queue.front().first;
+        request = std::move(queue.front().second.first);
+        observer = std::move(queue.front().second.second);
+        queue.pop_front();
+        running = job;
+      }
+      try {
+        if (job->token().cancelled()) throw Cancelled{};
+        auto result = run(request, observer, job->token());
+        if (observer.on_done) observer.on_done(result);
+      } catch (const Cancelled&) {
+        if (observer.on_cancelled) observer.on_cancelled();
+      } catch (const std::exception& e) {
+        // Out-of-memory and other torch errors arrive here too; the engine stays usable.
+        log::get("engine").error(e.what());
+        if (observer.on_error) observer.on_error(e.what());
+      }
+      std::lock_guard lock(mutex);
+      running.reset();
+    }
+  }
+};
+
+Engine::Engine() : impl_(std::make_unique<Impl>()) {
+  impl_->worker = std::thread([this] { impl_->loop(); });
+}
+
+Engine::~Engine() {
+  {
+    std::lock_guard lock(impl_->mutex);
+    impl_->stopping = true;
+    for (auto& q : impl_->queue) q.first->cancel();
+    if (impl_->running) impl_->running->cancel();
+  }
+  impl_->wake.notify_all();
+  impl_->worker.join();
+}
+
+std::shared_ptr<Job> Engine::submit(GenerationRequest request, JobObserver observer) {
+  auto job = std::make_shared<Job>();
+  {
+    std::lock_guard lock(impl_->mutex);
+    impl_->queue.emplace_back(job, std::make_pair(std::move(request), std::move(observer)));
+  }
+  impl_->wake.notify_one();
+  return job;
+}
+
+GenerationResult Engine::run(const GenerationRequest& request, const JobObserver& observer, const CancelToken& cancel) {
+  return impl_->run(request, observer, cancel);
+}
+
+}  // namespace diffract::engine

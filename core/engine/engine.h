@@ -1,0 +1,38 @@
+#pragma once
+#include <memory>
+
+#include "core/engine/generation.h"
+
+namespace diffract::engine {
+
+class Job {
+ public:
+  void cancel() { token_.cancel(); }
+  const CancelToken& token() const { return token_; }
+
+ private:
+  CancelToken token_;
+};
+
+// Runs generation jobs one at a time on its own worker thread and keeps the last model
+// loaded, so the next job with the same model and device starts without loading.
+class Engine {
+ public:
+  Engine();
+  ~Engine();  // cancels queued and running jobs, then joins the worker
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Queues a job; its observer hears from the worker thread. The returned handle cancels it.
+  std::shared_ptr<Job> submit(GenerationRequest request, JobObserver observer);
+
+  // Runs a job on the calling thread (the CLI), with the same model cache. Throws
+  // diffract::Error or Cancelled.
+  GenerationResult run(const GenerationRequest& request, const JobObserver& observer, const CancelToken& cancel);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace diffract::engine

@@ -1,0 +1,24 @@
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace diffract::io {
+
+// An 8-bit RGB image, rows top to bottom, no padding.
+struct Image {
+  int width = 0;
+  int height = 0;
+  std::vector<std::uint8_t> rgb;  // width * height * 3
+};
+
+// PNG text chunks: key -> UTF-8 value (written as uncompressed iTXt, read from tEXt/zTXt/iTXt).
+using PngText = std::vector<std::pair<std::string, std::string>>;
+
+void write_png(const std::filesystem::path& path, const Image& image, const PngText& text = {});
+// Reads any 8/16-bit PNG as RGB8 (alpha dropped, palette and grey expanded) with its text chunks.
+Image read_png(const std::filesystem::path& path, PngText* text = nullptr);
+
+}  // namespace diffract::io

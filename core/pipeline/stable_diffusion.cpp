@@ -1,0 +1,368 @@
+#include "core/pipeline/stable_diffusion.h"
+
+#include <chrono>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+#include <torch/cuda.h>
+
+#include "core/io/diffusers_folder.h"
+#include "core/io/json_file.h"
+#include "core/models/autoencoders/autoencoder_kl.h"
+#include "core/models/autoencoders/taesd.h"
+#include "core/models/text_encoders/clip_text.h"
+#include "core/models/unets/unet_2d_condition.h"
+#include "core/schedulers/sampler.h"
+#include "core/text/clip_tokenizer.h"
+#include "core/util/build_info.h"
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+namespace diffract::pipeline {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+
+at::Device parse_device(const std::string& name) {
+  if (name == "cpu") return at::Device(at::kCPU);
+  if (name.rfind("cuda", 0) == 0) {
+    if (!torch::cuda::is_available()) throw Error("device '" + name + "': no CUDA device is available");
+    at::Device d(name == "cuda" ? std::string("cuda:0") : name);
+    if (d.index() >= static_cast<int>(torch::cuda::device_count()))
+      throw Error("device '" + name + "': only " + std::to_string(torch::cuda::device_count()) + " CUDA device(s)");
+    return d;
+  }
+  throw Error("device '" + name + "' is not 'cpu' or 'cuda:N'");
+}
+
+// Channel -> RGB projections of the latent spaces, for previews without a TAESD: least-squares
+// fits of decoded colours to latents, as the SD community uses them.
+at::Tensor latent_rgb_factors(Family family) {
+  if (family == Family::SDXL)
+    return at::tensor({0.3651, 0.4232, 0.4341, -0.2533, -0.0042, 0.1068, 0.1076, 0.1111, -0.0362, -0.3165, -0.2492,
+                       -0.2188},
+                      at::kFloat)
+        .view({4, 3});
+  return at::tensor({0.3512, 0.2297, 0.3227, 0.3250, 0.4974, 0.2350, -0.2829, 0.1762, 0.2721, -0.2120, -0.2616,
+                     -0.7177},
+                    at::kFloat)
+      .view({4, 3});
+}
+
+// [B, 3, H, W] in [-1, 1] -> 8-bit RGB images, rounded as diffusers' PIL conversion does.
+std::vector<io::Image> to_images(const at::Tensor& x) {
+  auto u8 = ((x.to(at::kFloat) / 2 + 0.5).clamp(0, 1) * 255).round().to(at::kByte).permute({0, 2, 3, 1}).contiguous().cpu();
+  std::vector<io::Image> out;
+  for (int64_t b = 0; b < u8.size(0); ++b) {
+    io::Image img;
+    img.height = static_cast<int>(u8.size(1));
+    img.width = static_cast<int>(u8.size(2));
+    const auto* p = u8[b].data_ptr<std::uint8_t>();
+    img.rgb.assign(p, p + static_cast<std::size_t>(img.width) * img.height * 3);
+    out.push_back(std::move(img));
+  }
+  return out;
+}
+
+std::string a1111_sampler(schedulers::SamplerKind k) {
+  using K = schedulers::SamplerKind;
+  switch (k) {
+    case K::Euler: return "Euler";
+    case K::EulerAncestral: return "Euler a";
+    case K::DDIM: return "DDIM";
+    case K::DDPM: return "DDPM";
+    case K::DPMPP2M: return "DPM++ 2M";
+    case K::DPMPP2MKarras: return "DPM++ 2M Karras";
+  }
+  return "";
+}
+
+std::string format_number(double v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+}  // namespace
+
+std::string family_name(Family f) {
+  switch (f) {
+    case Family::SD1: return "sd1";
+    case Family::SD2: return "sd2";
+    case Family::SDXL: return "sdxl";
+  }
+  return "";
+}
+
+struct StableDiffusion::Impl {
+  fs::path path;
+  std::string device_name;
+  at::Device device{at::kCPU};
+  at::ScalarType dtype = at::kFloat;
+  Family family = Family::SD1;
+  std::unique_ptr<text::CLIPTokenizer> tokenizer, tokenizer_2;
+  models::CLIPTextModel text_encoder{nullptr};
+  models::CLIPTextModelWithProjection text_encoder_2{nullptr};
+  models::UNet2DConditionModel unet{nullptr};
+  models::AutoencoderKL vae{nullptr};
+  fs::path scheduler_config;
+  bool force_zeros_for_empty_prompt = false;
+  std::string taesd_path;
+  models::TAESD taesd{nullptr};
+  double load_ms = 0;
+
+  int vae_factor() const { return static_cast<int>(vae->config.downscale_factor()); }
+
+  struct Conditioning {
+    at::Tensor context, pooled;
+  };
+
+  // Text for one prompt (repeated `batch` times); `zeros` gives SDXL's empty negative.
+  Conditioning encode(const std::string& prompt, int batch, bool zeros, engine::StageTimings& t) {
+    at::NoGradGuard no_grad;
+    auto run_tokenizer = [&](const text::CLIPTokenizer& tok) {
+      const auto t0 = Clock::now();
+      auto tokens = tok.tokenize(prompt);
+      t.tokenize_ms += ms_since(t0);
+      if (tokens.dropped > 0)
+        log::get("pipeline").warn(log::str("prompt is ", tokens.dropped, " tokens over CLIP's ", tok.max_length(),
+                                           "-token limit: the end was cut off ('", prompt.substr(0, 40), "...')"));
+      return at::tensor(at::ArrayRef<int>(tokens.ids), at::kLong).unsqueeze(0).to(device);
+    };
+    Conditioning c;
+    if (family == Family::SDXL) {
+      auto ids1 = run_tokenizer(*tokenizer);
+      auto ids2 = run_tokenizer(*tokenizer_2);
+      const auto t0 = Clock::now();
+      auto o1 = text_encoder->forward(ids1, true);
+      auto o2 = text_encoder_2->forward(ids2, true);
+      c.context = at::cat({o1.hidden_states[o1.hidden_states.size() - 2], o2.hidden_states[o2.hidden_states.size() - 2]}, -1);
+      c.pooled = o2.text_embeds;
+      t.text_encode_ms += ms_since(t0);
+      if (zeros) {
+        c.context = at::zeros_like(c.context);
+        c.pooled = at::zeros_like(c.pooled);
+      }
+    } else {
+      auto ids = run_tokenizer(*tokenizer);
+      const auto t0 = Clock::now();
+      c.context = text_encoder->forward(ids).last_hidden_state;
+      t.text_encode_ms += ms_since(t0);
+    }
+    c.context = c.context.repeat({batch, 1, 1});
+    if (c.pooled.defined()) c.pooled = c.pooled.repeat({batch, 1});
+    return c;
+  }
+
+  at::Tensor preview(const at::Tensor& x0) {
+    at::NoGradGuard no_grad;
+    if (taesd) return taesd->decode(x0.to(taesd->parameters().front().dtype()));
+    auto rgb = at::einsum("bchw,cr->brhw", {x0.to(at::kFloat), latent_rgb_factors(family).to(x0.device())});
+    if (family == Family::SDXL) rgb = rgb + at::tensor({0.1084, -0.0175, -0.0011}, rgb.options()).view({1, 3, 1, 1});
+    return rgb.clamp(-1, 1);
+  }
+};
+
+StableDiffusion::StableDiffusion(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+StableDiffusion::~StableDiffusion() = default;
+Family StableDiffusion::family() const { return impl_->family; }
+const fs::path& StableDiffusion::path() const { return impl_->path; }
+const std::string& StableDiffusion::device() const { return impl_->device_name; }
+int StableDiffusion::native_size() const {
+  return static_cast<int>(impl_->unet->config.sample_size) * impl_->vae_factor();
+}
+
+std::unique_ptr<StableDiffusion> StableDiffusion::load(const fs::path& model, const std::string& device) {
+  const auto t0 = Clock::now();
+  auto p = std::make_unique<Impl>();
+  p->path = model;
+  p->device_name = device;
+  p->device = parse_device(device);
+  p->dtype = p->device.is_cuda() ? at::kBFloat16 : at::kFloat;
+
+  const auto folder = io::DiffusersFolder::open(model);
+  const auto& unet_c = folder.require("unet");
+  const auto& vae_c = folder.require("vae");
+  const auto& te_c = folder.require("text_encoder");
+  const auto& tok_c = folder.require("tokenizer");
+  p->scheduler_config = folder.require("scheduler").config;
+  p->unet = models::load_unet_2d_condition(unet_c.dir, unet_c.variant);
+  p->vae = models::load_autoencoder_kl(vae_c.dir, vae_c.variant);
+  p->text_encoder = models::load_clip_text_model(te_c.dir, te_c.variant);
+  p->tokenizer = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(tok_c.dir));
+  if (p->unet->config.addition_embed_type == "text_time") {
+    p->family = Family::SDXL;
+    const auto& te2 = folder.require("text_encoder_2");
+    p->text_encoder_2 = models::load_clip_text_model_with_projection(te2.dir, te2.variant);
+    p->tokenizer_2 = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(folder.require("tokenizer_2").dir));
+    const auto index = io::JsonFile::read(model / "model_index.json");
+    p->force_zeros_for_empty_prompt = index.optional<bool>("force_zeros_for_empty_prompt", true);
+  } else {
+    // SD 2.x pairs an OpenCLIP-H encoder (gelu, 1024 wide) with its UNet; SD 1.x uses CLIP-L.
+    const auto& te = p->text_encoder->text_model->config;
+    p->family = te.hidden_act == "gelu" || te.hidden_size == 1024 ? Family::SD2 : Family::SD1;
+  }
+  at::NoGradGuard no_grad;
+  p->unet->to(p->device, p->dtype);
+  p->text_encoder->to(p->device, p->dtype);
+  if (p->text_encoder_2) p->text_encoder_2->to(p->device, p->dtype);
+  p->vae->to(p->device, p->dtype);
+  p->load_ms = ms_since(t0);
+  log::get("pipeline").info(log::str("loaded ", model.string(), " (", family_name(p->family), ") on ", device, " in ",
+                                     static_cast<int>(p->load_ms), " ms"));
+  return std::unique_ptr<StableDiffusion>(new StableDiffusion(std::move(p)));
+}
+
+engine::GenerationResult StableDiffusion::generate(const engine::GenerationRequest& request,
+                                                   const engine::JobObserver& observer,
+                                                   const engine::CancelToken& cancel) {
+  auto& p = *impl_;
+  const auto start = Clock::now();
+  engine::GenerationResult result;
+  result.request = request;
+  auto& req = result.request;
+  auto& timings = result.timings;
+  timings.load_ms = std::exchange(p.load_ms, 0.0);
+  result.family = family_name(p.family);
+
+  // Everything a user can get wrong is checked before any work starts.
+  const int factor = p.vae_factor();
+  if (req.width == 0) req.width = native_size();
+  if (req.height == 0) req.height = native_size();
+  if (req.width < factor || req.height < factor || req.width % factor || req.height % factor)
+    throw Error("size " + std::to_string(req.width) + "x" + std::to_string(req.height) + " is not a positive multiple of " +
+                std::to_string(factor) + " (the model's latent factor)");
+  if (req.width > 8192 || req.height > 8192)
+    throw Error("size " + std::to_string(req.width) + "x" + std::to_string(req.height) + " is above 8192 pixels a side");
+  if (!(req.cfg >= 0)) throw Error("CFG scale " + format_number(req.cfg) + " must be 0 or more");
+  if (req.batch < 1 || req.batch > 64) throw Error("batch " + std::to_string(req.batch) + " must be between 1 and 64");
+  if (req.preview_every < 0) throw Error("preview interval must be 0 (none) or more");
+
+  schedulers::SamplerKind kind;
+  if (req.sampler.empty()) {
+    auto native = schedulers::native_sampler(p.scheduler_config);
+    kind = native.value_or(schedulers::SamplerKind::Euler);
+    if (!native)
+      log::get("pipeline").info("the model's own scheduler is not supported here; using euler (choose with --scheduler)");
+  } else {
+    kind = schedulers::parse_sampler_or_throw(req.sampler);
+  }
+  req.sampler = std::string(schedulers::sampler_name(kind));
+  const auto config = schedulers::SchedulerConfig::from_json(p.scheduler_config, kind);
+  if (req.steps < 1 || req.steps > config.num_train_timesteps)
+    throw Error("steps " + std::to_string(req.steps) + " must be between 1 and the model's " +
+                std::to_string(config.num_train_timesteps) + " training timesteps");
+  auto sampler = schedulers::Sampler::create(kind, config, req.steps);
+
+  if (!req.taesd.empty() && req.taesd != p.taesd_path) {
+    p.taesd = models::load_taesd(req.taesd);
+    p.taesd->to(p.device, p.dtype);
+    p.taesd_path = req.taesd;
+  } else if (req.taesd.empty()) {
+    p.taesd = nullptr;
+    p.taesd_path.clear();
+  }
+
+  at::NoGradGuard no_grad;
+  const bool cfg = req.cfg > 1.0;
+  const auto stage = [&](const char* name, double ms) {
+    if (observer.on_stage) observer.on_stage(name, ms);
+  };
+  auto positive = p.encode(req.prompt, req.batch, false, timings);
+  Impl::Conditioning negative;
+  if (cfg)
+    negative = p.encode(req.negative_prompt, req.batch,
+                        p.family == Family::SDXL && req.negative_prompt.empty() && p.force_zeros_for_empty_prompt, timings);
+  stage("tokenize", timings.tokenize_ms);
+  stage("text_encode", timings.text_encode_ms);
+
+  models::UNetConditioning cond;
+  cond.encoder_hidden_states = cfg ? at::cat({negative.context, positive.context}) : positive.context;
+  if (p.family == Family::SDXL) {
+    const auto h = static_cast<double>(req.height), w = static_cast<double>(req.width);
+    auto ids = at::tensor({h, w, 0.0, 0.0, h, w}, at::kFloat).view({1, 6}).repeat({req.batch * (cfg ? 2 : 1), 1});
+    cond.time_ids = ids.to(p.device, p.dtype);
+    cond.text_embeds = cfg ? at::cat({negative.pooled, positive.pooled}) : positive.pooled;
+  }
+
+  // Initial noise comes from a CPU generator so a seed gives diffusers' latents on any device.
+  at::Generator gen = at::detail::createCPUGenerator(req.seed);
+  const int64_t channels = p.unet->config.in_channels;
+  auto latents = at::randn({req.batch, channels, req.height / factor, req.width / factor}, gen, at::kFloat) *
+                 sampler->init_noise_sigma();
+  latents = latents.to(p.device, p.dtype);
+
+  const int total = sampler->num_steps();
+  for (int i = 0; i < total; ++i) {
+    if (cancel.cancelled()) throw engine::Cancelled{};
+    const auto t0 = Clock::now();
+    const double t = sampler->timesteps()[static_cast<std::size_t>(i)];
+    auto x_in = sampler->scale_model_input(cfg ? at::cat({latents, latents}) : latents, i);
+    auto timestep = at::full({x_in.size(0)}, t, at::TensorOptions().dtype(at::kFloat).device(p.device));
+    auto out = p.unet->forward(x_in.to(p.dtype), timestep, cond);
+    if (cfg) {
+      auto parts = out.chunk(2);
+      out = parts[0] + req.cfg * (parts[1] - parts[0]);
+    }
+    const auto before = latents;
+    latents = sampler->step(out, i, latents, gen);
+    if (p.device.is_cpu() && !at::isfinite(latents).all().item<bool>())
+      throw Error("the latents hold NaN or Inf after step " + std::to_string(i + 1) +
+                  ": the model's weights or settings are broken (try another sampler or fp32)");
+    if (p.device.is_cuda()) torch::cuda::synchronize(p.device.index());
+    const double step_ms = ms_since(t0);
+    timings.step_ms.push_back(step_ms);
+    if (observer.on_step) observer.on_step({i, total, t, step_ms});
+    if (req.preview_every > 0 && observer.on_preview && ((i + 1) % req.preview_every == 0 || i + 1 == total)) {
+      const auto tp = Clock::now();
+      auto image = p.preview(sampler->predict_x0(out, i, before).narrow(0, 0, 1));
+      engine::PreviewEvent ev;
+      ev.index = i;
+      ev.image = std::move(to_images(image).front());
+      ev.decode_ms = ms_since(tp);
+      timings.preview_ms.push_back(ev.decode_ms);
+      observer.on_preview(ev);
+    }
+  }
+  if (!at::isfinite(latents).all().item<bool>())
+    throw Error("the final latents hold NaN or Inf: the model's weights or settings are broken");
+  if (cancel.cancelled()) throw engine::Cancelled{};
+
+  const auto td = Clock::now();
+  auto images = p.vae->decode(p.vae->unscale_latents(latents.to(p.dtype)));
+  if (!at::isfinite(images).all().item<bool>())
+    throw Error("the VAE decode produced NaN or Inf (an fp16 overflow? the VAE may need fp32)");
+  result.images = to_images(images);
+  timings.vae_decode_ms = ms_since(td);
+  stage("vae_decode", timings.vae_decode_ms);
+  timings.total_ms = ms_since(start) + timings.load_ms;
+  stage("total", timings.total_ms);
+
+  const std::string model_name = p.path.filename().string();
+  result.a1111_parameters = req.prompt + "\nNegative prompt: " + req.negative_prompt + "\nSteps: " +
+                            std::to_string(req.steps) + ", Sampler: " + a1111_sampler(kind) +
+                            ", CFG scale: " + format_number(req.cfg) + ", Seed: " + std::to_string(req.seed) +
+                            ", Size: " + std::to_string(req.width) + "x" + std::to_string(req.height) +
+                            ", Model: " + model_name + ", Version: Diffract " + build_info().diffract_version;
+  nlohmann::json meta = {
+      {"diffract_version", build_info().diffract_version},
+      {"model", p.path.string()}, {"family", result.family},
+      {"prompt", req.prompt}, {"negative_prompt", req.negative_prompt},
+      {"width", req.width}, {"height", req.height}, {"steps", req.steps}, {"cfg", req.cfg},
+      {"seed", req.seed}, {"sampler", req.sampler}, {"device", req.device}, {"batch", req.batch},
+      {"taesd", req.taesd},
+      {"timings_ms", {{"load", timings.load_ms}, {"tokenize", timings.tokenize_ms},
+                      {"text_encode", timings.text_encode_ms}, {"steps", timings.step_ms},
+                      {"previews", timings.preview_ms}, {"vae_decode", timings.vae_decode_ms},
+                      {"total", timings.total_ms}}},
+  };
+  result.metadata_json = meta.dump();
+  return result;
+}
+
+}  // namespace diffract::pipeline

@@ -1,0 +1,36 @@
+#pragma once
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "core/engine/generation.h"
+
+namespace diffract::pipeline {
+
+enum class Family { SD1, SD2, SDXL };
+std::string family_name(Family family);
+
+// SD 1.x / 2.x / SDXL text-to-image: prompt -> text encoders -> CFG denoising loop -> VAE.
+// Loads a diffusers folder or a single-file checkpoint once; generate() may run many times.
+class StableDiffusion {
+ public:
+  static std::unique_ptr<StableDiffusion> load(const std::filesystem::path& model, const std::string& device);
+  ~StableDiffusion();
+
+  Family family() const;
+  const std::filesystem::path& path() const;
+  const std::string& device() const;
+  int native_size() const;  // pixels, square
+
+  // Runs one job on the calling thread. Throws diffract::Error with a readable message,
+  // or engine::Cancelled when `cancel` fires (checked between steps).
+  engine::GenerationResult generate(const engine::GenerationRequest& request, const engine::JobObserver& observer,
+                                    const engine::CancelToken& cancel);
+
+ private:
+  struct Impl;
+  explicit StableDiffusion(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace diffract::pipeline
