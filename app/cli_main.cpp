@@ -178,6 +178,7 @@ int main(int argc, char** argv) {
   std::string out_path, preview_dir;
   auto* gen_cmd = app.add_subcommand("generate", "Text to image; writes a PNG carrying its parameters");
   gen_cmd->add_option("--model", req.model, "diffusers folder or single-file checkpoint")->required();
+  gen_cmd->add_option("--config", req.model_config, "single files: diffusers folder describing the components");
   gen_cmd->add_option("--prompt", req.prompt, "text")->required();
   gen_cmd->add_option("--negative", req.negative_prompt, "negative prompt");
   gen_cmd->add_option("--steps", req.steps, "denoising steps")->capture_default_str();

@@ -80,6 +80,25 @@ class TestPipeline : public QObject {
     QCOMPARE(static_cast<int>(result.timings.step_ms.size()), request.steps);
   }
 
+  void singleFileGivesTheFolderImage() {
+    for (const char* name : {"tiny-sd", "tiny-sdxl"}) {
+      engine::GenerationRequest folder;
+      folder.model = (test::fixtures() / name).string();
+      folder.prompt = "a glass bottle of perfume on white";
+      folder.steps = 3;
+      folder.seed = 9;
+      folder.preview_every = 0;
+      auto single = folder;
+      single.model = (test::fixtures() / "single_file" / (std::string(name) + ".safetensors")).string();
+      single.model_config = folder.model;  // tiny models break the families' head-count conventions
+      engine::CancelToken never;
+      const auto a = engine_.run(folder, {}, never);
+      const auto b = engine_.run(single, {}, never);
+      QVERIFY2(a.images.front().rgb == b.images.front().rgb, name);
+      QCOMPARE(b.family, a.family);
+    }
+  }
+
   void streamsEventsAndPreviews() {
     engine::GenerationRequest r;
     r.model = (test::fixtures() / "tiny-sd").string();

@@ -19,13 +19,15 @@ struct Engine::Impl {
   bool stopping = false;
   std::mutex model_mutex;         // one job at a time uses the model
   std::unique_ptr<pipeline::StableDiffusion> model;
+  std::string model_config;
   std::thread worker;
 
   pipeline::StableDiffusion& model_for(const GenerationRequest& r) {
     if (r.model.empty()) throw Error("no model chosen");
-    if (!model || model->path() != r.model || model->device() != r.device) {
+    if (!model || model->path() != r.model || model->device() != r.device || model_config != r.model_config) {
       model.reset();  // free the old one first: two SDXL models may not fit
-      model = pipeline::StableDiffusion::load(r.model, r.device);
+      model = pipeline::StableDiffusion::load(r.model, r.device, r.model_config);
+      model_config = r.model_config;
     }
     return *model;
   }

@@ -12,6 +12,7 @@ namespace diffract::engine {
 
 struct GenerationRequest {
   std::string model;             // diffusers folder or single-file checkpoint
+  std::string model_config;      // single files: optional diffusers folder describing the components
   std::string prompt;
   std::string negative_prompt;
   int width = 0;                 // 0: the model's native size

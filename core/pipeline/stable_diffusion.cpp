@@ -1,6 +1,8 @@
 #include "core/pipeline/stable_diffusion.h"
 
 #include <chrono>
+#include <functional>
+#include <optional>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -13,6 +15,7 @@
 #include "core/models/autoencoders/taesd.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/unets/unet_2d_condition.h"
+#include "core/pipeline/single_file.h"
 #include "core/schedulers/sampler.h"
 #include "core/text/clip_tokenizer.h"
 #include "core/util/build_info.h"
@@ -110,7 +113,10 @@ struct StableDiffusion::Impl {
   models::CLIPTextModelWithProjection text_encoder_2{nullptr};
   models::UNet2DConditionModel unet{nullptr};
   models::AutoencoderKL vae{nullptr};
-  fs::path scheduler_config;
+  // The sampler settings: the folder's scheduler_config.json, or for single files the
+  // scheduler SD checkpoints were trained with.
+  std::function<schedulers::SchedulerConfig(schedulers::SamplerKind)> scheduler_config;
+  std::optional<schedulers::SamplerKind> native_sampler;
   bool force_zeros_for_empty_prompt = false;
   std::string taesd_path;
   models::TAESD taesd{nullptr};
@@ -177,7 +183,78 @@ int StableDiffusion::native_size() const {
   return static_cast<int>(impl_->unet->config.sample_size) * impl_->vae_factor();
 }
 
-std::unique_ptr<StableDiffusion> StableDiffusion::load(const fs::path& model, const std::string& device) {
+namespace {
+
+void load_folder(StableDiffusion::Impl& p, const fs::path& model) {
+  const auto folder = io::DiffusersFolder::open(model);
+  const auto& unet_c = folder.require("unet");
+  const auto& vae_c = folder.require("vae");
+  const auto& te_c = folder.require("text_encoder");
+  const auto& tok_c = folder.require("tokenizer");
+  const auto scheduler_json = folder.require("scheduler").config;
+  p.scheduler_config = [scheduler_json](schedulers::SamplerKind k) {
+    return schedulers::SchedulerConfig::from_json(scheduler_json, k);
+  };
+  p.native_sampler = schedulers::native_sampler(scheduler_json);
+  p.unet = models::load_unet_2d_condition(unet_c.dir, unet_c.variant);
+  p.vae = models::load_autoencoder_kl(vae_c.dir, vae_c.variant);
+  p.text_encoder = models::load_clip_text_model(te_c.dir, te_c.variant);
+  p.tokenizer = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(tok_c.dir));
+  if (p.unet->config.addition_embed_type == "text_time") {
+    p.family = Family::SDXL;
+    const auto& te2 = folder.require("text_encoder_2");
+    p.text_encoder_2 = models::load_clip_text_model_with_projection(te2.dir, te2.variant);
+    p.tokenizer_2 = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(folder.require("tokenizer_2").dir));
+    const auto index = io::JsonFile::read(model / "model_index.json");
+    p.force_zeros_for_empty_prompt = index.optional<bool>("force_zeros_for_empty_prompt", true);
+  } else {
+    // SD 2.x pairs an OpenCLIP-H encoder (gelu, 1024 wide) with its UNet; SD 1.x uses CLIP-L.
+    const auto& te = p.text_encoder->text_model->config;
+    p.family = te.hidden_act == "gelu" || te.hidden_size == 1024 ? Family::SD2 : Family::SD1;
+  }
+}
+
+void load_single(StableDiffusion::Impl& p, const fs::path& file, const fs::path& config_dir) {
+  SingleFileOptions options;
+  options.config_dir = config_dir;
+  auto m = load_single_file(file, options);
+  p.unet = m.unet;
+  p.vae = m.vae;
+  p.text_encoder = m.text_encoder;
+  p.tokenizer = std::make_unique<text::CLIPTokenizer>(make_clip_tokenizer(m.tokenizer));
+  switch (m.family) {
+    case io::SingleFileFamily::SD1: p.family = Family::SD1; break;
+    case io::SingleFileFamily::SD2: p.family = Family::SD2; break;
+    case io::SingleFileFamily::SDXL: p.family = Family::SDXL; break;
+  }
+  if (p.family == Family::SDXL) {
+    p.text_encoder_2 = m.text_encoder_2;
+    p.tokenizer_2 = std::make_unique<text::CLIPTokenizer>(make_clip_tokenizer(*m.tokenizer_2));
+    p.force_zeros_for_empty_prompt = true;
+  }
+  // The noise schedule every SD 1.x / 2.x / XL checkpoint was trained with; a config folder's
+  // scheduler_config.json wins when given.
+  if (!config_dir.empty() && fs::is_regular_file(config_dir / "scheduler" / "scheduler_config.json")) {
+    const auto json = config_dir / "scheduler" / "scheduler_config.json";
+    p.scheduler_config = [json](schedulers::SamplerKind k) { return schedulers::SchedulerConfig::from_json(json, k); };
+    p.native_sampler = schedulers::native_sampler(json);
+    return;
+  }
+  const std::string text = std::string(R"({"_class_name": "EulerDiscreteScheduler", "num_train_timesteps": 1000,
+      "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "steps_offset": 1,
+      "timestep_spacing": "leading", "set_alpha_to_one": false, "clip_sample": false, "prediction_type": ")") +
+                           m.prediction_type + "\"}";
+  const std::string where = file.string() + " (built-in SD scheduler settings)";
+  p.scheduler_config = [text, where](schedulers::SamplerKind k) {
+    return schedulers::SchedulerConfig::from_json_text(text, k, where);
+  };
+  p.native_sampler = schedulers::SamplerKind::Euler;
+}
+
+}  // namespace
+
+std::unique_ptr<StableDiffusion> StableDiffusion::load(const fs::path& model, const std::string& device,
+                                                       const fs::path& config_dir) {
   const auto t0 = Clock::now();
   auto p = std::make_unique<Impl>();
   p->path = model;
@@ -185,27 +262,10 @@ std::unique_ptr<StableDiffusion> StableDiffusion::load(const fs::path& model, co
   p->device = parse_device(device);
   p->dtype = p->device.is_cuda() ? at::kBFloat16 : at::kFloat;
 
-  const auto folder = io::DiffusersFolder::open(model);
-  const auto& unet_c = folder.require("unet");
-  const auto& vae_c = folder.require("vae");
-  const auto& te_c = folder.require("text_encoder");
-  const auto& tok_c = folder.require("tokenizer");
-  p->scheduler_config = folder.require("scheduler").config;
-  p->unet = models::load_unet_2d_condition(unet_c.dir, unet_c.variant);
-  p->vae = models::load_autoencoder_kl(vae_c.dir, vae_c.variant);
-  p->text_encoder = models::load_clip_text_model(te_c.dir, te_c.variant);
-  p->tokenizer = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(tok_c.dir));
-  if (p->unet->config.addition_embed_type == "text_time") {
-    p->family = Family::SDXL;
-    const auto& te2 = folder.require("text_encoder_2");
-    p->text_encoder_2 = models::load_clip_text_model_with_projection(te2.dir, te2.variant);
-    p->tokenizer_2 = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(folder.require("tokenizer_2").dir));
-    const auto index = io::JsonFile::read(model / "model_index.json");
-    p->force_zeros_for_empty_prompt = index.optional<bool>("force_zeros_for_empty_prompt", true);
+  if (fs::is_regular_file(model)) {
+    load_single(*p, model, config_dir);
   } else {
-    // SD 2.x pairs an OpenCLIP-H encoder (gelu, 1024 wide) with its UNet; SD 1.x uses CLIP-L.
-    const auto& te = p->text_encoder->text_model->config;
-    p->family = te.hidden_act == "gelu" || te.hidden_size == 1024 ? Family::SD2 : Family::SD1;
+    load_folder(*p, model);
   }
   at::NoGradGuard no_grad;
   p->unet->to(p->device, p->dtype);
@@ -245,15 +305,14 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
 
   schedulers::SamplerKind kind;
   if (req.sampler.empty()) {
-    auto native = schedulers::native_sampler(p.scheduler_config);
-    kind = native.value_or(schedulers::SamplerKind::Euler);
-    if (!native)
+    kind = p.native_sampler.value_or(schedulers::SamplerKind::Euler);
+    if (!p.native_sampler)
       log::get("pipeline").info("the model's own scheduler is not supported here; using euler (choose with --scheduler)");
   } else {
     kind = schedulers::parse_sampler_or_throw(req.sampler);
   }
   req.sampler = std::string(schedulers::sampler_name(kind));
-  const auto config = schedulers::SchedulerConfig::from_json(p.scheduler_config, kind);
+  const auto config = p.scheduler_config(kind);
   if (req.steps < 1 || req.steps > config.num_train_timesteps)
     throw Error("steps " + std::to_string(req.steps) + " must be between 1 and the model's " +
                 std::to_string(config.num_train_timesteps) + " training timesteps");

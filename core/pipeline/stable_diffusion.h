@@ -14,8 +14,12 @@ std::string family_name(Family family);
 // Loads a diffusers folder or a single-file checkpoint once; generate() may run many times.
 class StableDiffusion {
  public:
-  static std::unique_ptr<StableDiffusion> load(const std::filesystem::path& model, const std::string& device);
+  // `config_dir`: for a single-file checkpoint, a diffusers folder whose config.json files
+  // describe its components (as diffusers' from_single_file(config=...)); optional.
+  static std::unique_ptr<StableDiffusion> load(const std::filesystem::path& model, const std::string& device,
+                                               const std::filesystem::path& config_dir = {});
   ~StableDiffusion();
+  struct Impl;
 
   Family family() const;
   const std::filesystem::path& path() const;
@@ -28,7 +32,6 @@ class StableDiffusion {
                                     const engine::CancelToken& cancel);
 
  private:
-  struct Impl;
   explicit StableDiffusion(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

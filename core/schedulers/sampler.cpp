@@ -294,6 +294,16 @@ SchedulerConfig SchedulerConfig::from_json(const std::filesystem::path& path, Sa
   return resolve(io::JsonFile(path, parse_lenient(path)), kind);
 }
 
+SchedulerConfig SchedulerConfig::from_json_text(const std::string& text, SamplerKind kind, const std::string& where) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw Error(where + ": malformed JSON: " + e.what());
+  }
+  return resolve(io::JsonFile(where, std::move(j)), kind);
+}
+
 void SchedulerConfig::validate(const std::string& where) const {
   const auto fail = [&](const std::string& what) { throw Error(where + ": " + what); };
   if (num_train_timesteps < 2)

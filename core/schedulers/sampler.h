@@ -67,6 +67,8 @@ struct SchedulerConfig {
   // implement (thresholding, exponential / beta / Lu sigmas, learned variance, "sample"
   // prediction, ...) are errors naming the file and the key.
   static SchedulerConfig from_json(const std::filesystem::path& scheduler_config_json, SamplerKind kind);
+  // The same from JSON text (a built-in config, for single-file checkpoints); `where` names it in errors.
+  static SchedulerConfig from_json_text(const std::string& json_text, SamplerKind kind, const std::string& where);
   static SchedulerConfig defaults(SamplerKind kind);
   // Throws an error starting with `where` for a value no sampler can run with.
   void validate(const std::string& where) const;
