@@ -349,12 +349,12 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
     cond.text_embeds = cfg ? at::cat({negative.pooled, positive.pooled}) : positive.pooled;
   }
 
-  // Initial noise comes from a CPU generator so a seed gives diffusers' latents on any device.
+  // Initial noise comes from a CPU generator, drawn in the model's dtype as diffusers' randn_tensor
+  // does, so a seed gives diffusers' latents at the same precision (bf16 draws differ from fp32 ones).
   at::Generator gen = at::detail::createCPUGenerator(req.seed);
   const int64_t channels = p.unet->config.in_channels;
-  auto latents = at::randn({req.batch, channels, req.height / factor, req.width / factor}, gen, at::kFloat) *
-                 sampler->init_noise_sigma();
-  latents = latents.to(p.device, p.dtype);
+  auto latents = at::randn({req.batch, channels, req.height / factor, req.width / factor}, gen, p.dtype)
+                     .to(p.device) * sampler->init_noise_sigma();
 
   const int total = sampler->num_steps();
   for (int i = 0; i < total; ++i) {
