@@ -14,7 +14,10 @@ if [ ! -f "$models/STAMP" ]; then
   echo "[quickstart] making the tiny reference models (diffusers, CPU, seeded)"
   .venv/bin/python tests/reference/make_fixtures.py --out "$models" --shared "$root/../shared" >/dev/null 2>&1
 fi
+mkdir -p out
 "$cli" info
 "$cli" inspect "$models/tiny-sdxl"
-"$cli" encode --model "$models/tiny-sdxl" --component text_encoder_2 \
-  --prompt "a studio packshot of a red apple on a white background"
+"$cli" generate --model "$models/tiny-sdxl" --prompt "a studio packshot of a red apple on a white background" \
+  --negative "blurry" --steps 20 --cfg 7 --seed 42 --scheduler dpmpp-2m-karras \
+  --preview-dir out/previews --out out/apple.png
+echo "[quickstart] the image (with its parameters in PNG text chunks) is out/apple.png, each step's preview in out/previews/"

@@ -125,6 +125,27 @@ class TestPipeline : public QObject {
     QCOMPARE(meta["sampler"].get<std::string>(), std::string("euler"));  // the model's own scheduler
   }
 
+  void previewsThroughTAESD() {
+    engine::GenerationRequest r;
+    r.model = (test::fixtures() / "tiny-sd").string();
+    r.taesd = (test::fixtures() / "vae" / "tiny4").string();  // a 4-channel AutoencoderTiny from the VAE oracle
+    r.prompt = "a cat";
+    r.steps = 2;
+    r.width = 64;
+    r.height = 48;
+    std::vector<std::pair<int, int>> sizes;
+    engine::JobObserver o;
+    o.on_preview = [&](const engine::PreviewEvent& e) { sizes.emplace_back(e.image.width, e.image.height); };
+    engine::CancelToken never;
+    engine_.run(r, o, never);
+    // TAESD decodes to full resolution (its 8x upscale of the tiny model's 32x24 latents), where
+    // the latent projection would give 32x24.
+    QCOMPARE(sizes.size(), std::size_t(2));
+    QCOMPARE(sizes.front(), std::make_pair(256, 192));
+    r.taesd = (test::fixtures() / "nowhere").string();
+    DIFFRACT_EXPECT_ERROR(engine_.run(r, o, never), "nowhere");
+  }
+
   void cancelsPromptlyAndStaysUsable() {
     engine::GenerationRequest r;
     r.model = (test::fixtures() / "tiny-sd").string();
