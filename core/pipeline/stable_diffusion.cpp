@@ -16,6 +16,7 @@
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/unets/unet_2d_condition.h"
 #include "core/pipeline/single_file.h"
+#include "core/parallel/strategies.h"
 #include "core/schedulers/sampler.h"
 #include "core/text/clip_tokenizer.h"
 #include "core/util/build_info.h"
@@ -165,9 +166,9 @@ struct StableDiffusion::Impl {
     return c;
   }
 
-  at::Tensor preview(const at::Tensor& x0) {
+  at::Tensor preview(const at::Tensor& x0, bool use_taesd) {
     at::NoGradGuard no_grad;
-    if (taesd) return taesd->decode(x0.to(taesd->parameters().front().dtype()));
+    if (use_taesd) return taesd->decode(x0.to(taesd->parameters().front().dtype()));
     auto rgb = at::einsum("bchw,cr->brhw", {x0.to(at::kFloat), latent_rgb_factors(family).to(x0.device())});
     if (family == Family::SDXL) rgb = rgb + at::tensor({0.1084, -0.0175, -0.0011}, rgb.options()).view({1, 3, 1, 1});
     return rgb.clamp(-1, 1);
@@ -214,6 +215,20 @@ void load_folder(StableDiffusion::Impl& p, const fs::path& model) {
   }
 }
 
+// The noise schedule every SD 1.x / 2.x / XL checkpoint was trained with, for models that
+// come without a scheduler_config.json.
+void use_builtin_scheduler(StableDiffusion::Impl& p, const std::string& prediction_type, const std::string& what) {
+  const std::string text = std::string(R"({"_class_name": "EulerDiscreteScheduler", "num_train_timesteps": 1000,
+      "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "steps_offset": 1,
+      "timestep_spacing": "leading", "set_alpha_to_one": false, "clip_sample": false, "prediction_type": ")") +
+                           prediction_type + "\"}";
+  const std::string where = what + " (built-in SD scheduler settings)";
+  p.scheduler_config = [text, where](schedulers::SamplerKind k) {
+    return schedulers::SchedulerConfig::from_json_text(text, k, where);
+  };
+  p.native_sampler = schedulers::SamplerKind::Euler;
+}
+
 void load_single(StableDiffusion::Impl& p, const fs::path& file, const fs::path& config_dir) {
   SingleFileOptions options;
   options.config_dir = config_dir;
@@ -240,18 +255,79 @@ void load_single(StableDiffusion::Impl& p, const fs::path& file, const fs::path&
     p.native_sampler = schedulers::native_sampler(json);
     return;
   }
-  const std::string text = std::string(R"({"_class_name": "EulerDiscreteScheduler", "num_train_timesteps": 1000,
-      "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "steps_offset": 1,
-      "timestep_spacing": "leading", "set_alpha_to_one": false, "clip_sample": false, "prediction_type": ")") +
-                           m.prediction_type + "\"}";
-  const std::string where = file.string() + " (built-in SD scheduler settings)";
-  p.scheduler_config = [text, where](schedulers::SamplerKind k) {
-    return schedulers::SchedulerConfig::from_json_text(text, k, where);
-  };
-  p.native_sampler = schedulers::SamplerKind::Euler;
+  use_builtin_scheduler(p, m.prediction_type, file.string());
 }
 
 }  // namespace
+
+std::unique_ptr<StableDiffusion> StableDiffusion::random(Family family, bool tiny, const std::string& device) {
+  const auto t0 = Clock::now();
+  auto p = std::make_unique<Impl>();
+  p->path = std::string("random-") + (tiny ? "tiny-" : "") + family_name(family);
+  p->device_name = device;
+  p->device = parse_device(device);
+  p->dtype = p->device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  p->family = family;
+  at::manual_seed(0);
+  auto unet_c = family == Family::SDXL ? models::UNet2DConditionConfig::sdxl_base()
+                : family == Family::SD2 ? models::UNet2DConditionConfig::sd21()
+                                        : models::UNet2DConditionConfig::sd15();
+  auto vae_c = family == Family::SDXL ? models::AutoencoderKLConfig::sdxl() : models::AutoencoderKLConfig::sd();
+  auto te_c = family == Family::SD2 ? models::CLIPTextConfig::open_clip_h() : models::CLIPTextConfig::clip_l();
+  auto te2_c = models::CLIPTextConfig::open_clip_bigg();
+  auto taesd_c = family == Family::SDXL ? models::TAESDConfig::taesdxl() : models::TAESDConfig::taesd();
+  if (tiny) {  // the same architectures, a few channels wide: for CI
+    unet_c.block_out_channels = {32, 64, 64};
+    unet_c.down_block_types = {"DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"};
+    unet_c.up_block_types = {"CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"};
+    unet_c.layers_per_block = {1, 1, 1};
+    unet_c.num_attention_heads = {2, 2, 2};
+    unet_c.transformer_layers_per_block = {1, 1, 1};
+    unet_c.reverse_transformer_layers_per_block = {1, 1, 1};
+    unet_c.norm_num_groups = 16;
+    te_c.hidden_size = 32, te_c.intermediate_size = 64, te_c.num_hidden_layers = 2, te_c.num_attention_heads = 2;
+    te2_c.hidden_size = 32, te2_c.intermediate_size = 64, te2_c.num_hidden_layers = 2, te2_c.num_attention_heads = 2;
+    te2_c.projection_dim = 32;
+    const int64_t ctx = family == Family::SDXL ? 64 : 32;
+    unet_c.cross_attention_dim = {ctx, ctx, ctx};
+    if (family == Family::SDXL) unet_c.projection_class_embeddings_input_dim = 32 + 6 * unet_c.addition_time_embed_dim;
+    vae_c.block_out_channels = {16, 16, 32, 32};
+    vae_c.norm_num_groups = 8;
+    taesd_c.encoder_block_out_channels = taesd_c.decoder_block_out_channels = {16, 16, 16, 16};
+  }
+  p->unet = models::UNet2DConditionModel(unet_c);
+  p->vae = models::AutoencoderKL(vae_c);
+  p->text_encoder = models::CLIPTextModel(te_c);
+  if (family == Family::SDXL) p->text_encoder_2 = models::CLIPTextModelWithProjection(te2_c);
+  p->taesd = models::TAESD(taesd_c, /*with_encoder=*/false);
+  p->taesd_path = "<random>";
+  {
+    // Halved, as the diffusers anchor does: default init compounds to overflow over 70 blocks.
+    at::NoGradGuard no_grad;
+    for (auto& w : p->unet->parameters()) w.mul_(0.5);
+  }
+  p->tokenizer = std::make_unique<text::CLIPTokenizer>(make_clip_tokenizer({}));
+  if (family == Family::SDXL) {
+    text::CLIPTokenizerOptions bang;
+    bang.pad_token = "!";
+    p->tokenizer_2 = std::make_unique<text::CLIPTokenizer>(make_clip_tokenizer(bang));
+    p->force_zeros_for_empty_prompt = true;
+  }
+  use_builtin_scheduler(*p, family == Family::SD2 ? "v_prediction" : "epsilon", p->path.string());
+  p->unet->eval();
+  p->vae->eval();
+  p->text_encoder->eval();
+  if (p->text_encoder_2) p->text_encoder_2->eval();
+  p->taesd->eval();
+  at::NoGradGuard no_grad;
+  p->unet->to(p->device, p->dtype);
+  p->text_encoder->to(p->device, p->dtype);
+  if (p->text_encoder_2) p->text_encoder_2->to(p->device, p->dtype);
+  p->vae->to(p->device, p->dtype);
+  p->taesd->to(p->device, p->dtype);
+  p->load_ms = ms_since(t0);
+  return std::unique_ptr<StableDiffusion>(new StableDiffusion(std::move(p)));
+}
 
 std::unique_ptr<StableDiffusion> StableDiffusion::load(const fs::path& model, const std::string& device,
                                                        const fs::path& config_dir) {
@@ -278,9 +354,77 @@ std::unique_ptr<StableDiffusion> StableDiffusion::load(const fs::path& model, co
   return std::unique_ptr<StableDiffusion>(new StableDiffusion(std::move(p)));
 }
 
+namespace {
+
+// The denoising loop of a multi-device strategy (core/parallel) on CPU virtual devices. The
+// ranks share the one loaded UNet (read-only in inference); GPU groups will need replicas.
+at::Tensor run_strategy(StableDiffusion::Impl& p, const parallel::Strategy& strategy, const engine::GenerationRequest& req,
+                        schedulers::SamplerKind kind, const schedulers::SchedulerConfig& config,
+                        const StableDiffusion::Impl::Conditioning& positive,
+                        const StableDiffusion::Impl::Conditioning& negative, const at::Tensor& latents,
+                        const at::Generator& gen, const engine::JobObserver& observer, const engine::CancelToken& cancel,
+                        bool use_taesd, engine::StageTimings& timings, std::string& stats) {
+  if (!p.device.is_cpu())
+    throw Error("strategy " + strategy.name() +
+                ": multi-device strategies run on CPU virtual devices for now (the NCCL device group is not built yet)");
+  auto branch = [&](const StableDiffusion::Impl::Conditioning& c) {
+    models::UNetConditioning u;
+    if (!c.context.defined()) return u;
+    u.encoder_hidden_states = c.context;
+    if (p.family == Family::SDXL) {
+      const auto h = static_cast<double>(req.height), w = static_cast<double>(req.width);
+      u.time_ids = at::tensor({h, w, 0.0, 0.0, h, w}, at::kFloat).view({1, 6}).repeat({req.batch, 1}).to(p.device, p.dtype);
+      u.text_embeds = c.pooled;
+    }
+    return u;
+  };
+  const auto pos = branch(positive), neg = req.cfg > 1.0 ? branch(negative) : models::UNetConditioning{};
+  parallel::LoopInputs in;
+  in.kind = kind;
+  in.config = config;
+  in.steps = req.steps;
+  in.latents = latents;
+  in.generator = gen;
+  in.cancel = &cancel;
+  in.make_denoiser = [&p, pos, neg, &req](int, const c10::Device& d) -> std::unique_ptr<parallel::Denoiser> {
+    return std::make_unique<parallel::UNetDenoiser>(p.unet, pos, neg, req.cfg, p.dtype, d);
+  };
+  const auto sampler = schedulers::Sampler::create(kind, config, req.steps);  // timesteps, x0 for previews
+  const int total = req.steps;
+  auto last = Clock::now();
+  in.on_step = [&](int i, const at::Tensor& out, const at::Tensor& before, const at::Tensor&) {
+    const double step_ms = ms_since(last);
+    timings.step_ms.push_back(step_ms);
+    if (observer.on_step) observer.on_step({i, total, sampler->timesteps()[static_cast<std::size_t>(i)], step_ms});
+    if (req.preview_every > 0 && observer.on_preview && ((i + 1) % req.preview_every == 0 || i + 1 == total)) {
+      const auto tp = Clock::now();
+      engine::PreviewEvent ev;
+      ev.index = i;
+      ev.image = std::move(to_images(p.preview(sampler->predict_x0(out, i, before).narrow(0, 0, 1), use_taesd)).front());
+      ev.decode_ms = ms_since(tp);
+      timings.preview_ms.push_back(ev.decode_ms);
+      observer.on_preview(ev);
+    }
+    last = Clock::now();
+  };
+  auto group = parallel::DeviceGroup::virtual_cpu(strategy.devices());
+  auto out = strategy.run(*group, in);
+  stats = out.stats.to_json();
+  return out.latents;
+}
+
+}  // namespace
+
 engine::GenerationResult StableDiffusion::generate(const engine::GenerationRequest& request,
                                                    const engine::JobObserver& observer,
                                                    const engine::CancelToken& cancel) {
+  return generate(request, observer, cancel, nullptr);
+}
+
+engine::GenerationResult StableDiffusion::generate(const engine::GenerationRequest& request,
+                                                   const engine::JobObserver& observer,
+                                                   const engine::CancelToken& cancel,
+                                                   const parallel::Strategy* strategy) {
   auto& p = *impl_;
   const auto start = Clock::now();
   engine::GenerationResult result;
@@ -318,14 +462,13 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
                 std::to_string(config.num_train_timesteps) + " training timesteps");
   auto sampler = schedulers::Sampler::create(kind, config, req.steps);
 
+  // The last TAESD stays loaded for later jobs that name it again.
   if (!req.taesd.empty() && req.taesd != p.taesd_path) {
     p.taesd = models::load_taesd(req.taesd);
     p.taesd->to(p.device, p.dtype);
     p.taesd_path = req.taesd;
-  } else if (req.taesd.empty()) {
-    p.taesd = nullptr;
-    p.taesd_path.clear();
   }
+  const bool use_taesd = !req.taesd.empty();
 
   at::NoGradGuard no_grad;
   const bool cfg = req.cfg > 1.0;
@@ -356,8 +499,12 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
   auto latents = at::randn({req.batch, channels, req.height / factor, req.width / factor}, gen, p.dtype)
                      .to(p.device) * sampler->init_noise_sigma();
 
+  std::string strategy_stats;  // a multi-device strategy (core/parallel) runs the loop instead
+  if (strategy)
+    latents = run_strategy(p, *strategy, req, kind, config, positive, negative, latents, gen, observer, cancel, use_taesd,
+                           timings, strategy_stats);
   const int total = sampler->num_steps();
-  for (int i = 0; i < total; ++i) {
+  for (int i = strategy ? total : 0; i < total; ++i) {
     if (cancel.cancelled()) throw engine::Cancelled{};
     const auto t0 = Clock::now();
     const double t = sampler->timesteps()[static_cast<std::size_t>(i)];
@@ -379,7 +526,7 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
     if (observer.on_step) observer.on_step({i, total, t, step_ms});
     if (req.preview_every > 0 && observer.on_preview && ((i + 1) % req.preview_every == 0 || i + 1 == total)) {
       const auto tp = Clock::now();
-      auto image = p.preview(sampler->predict_x0(out, i, before).narrow(0, 0, 1));
+      auto image = p.preview(sampler->predict_x0(out, i, before).narrow(0, 0, 1), use_taesd);
       engine::PreviewEvent ev;
       ev.index = i;
       ev.image = std::move(to_images(image).front());
@@ -420,6 +567,7 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
                       {"previews", timings.preview_ms}, {"vae_decode", timings.vae_decode_ms},
                       {"total", timings.total_ms}}},
   };
+  if (!strategy_stats.empty()) meta["strategy"] = nlohmann::json::parse(strategy_stats);
   result.metadata_json = meta.dump();
   return result;
 }

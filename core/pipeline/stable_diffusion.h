@@ -5,6 +5,10 @@
 
 #include "core/engine/generation.h"
 
+namespace diffract::parallel {
+class Strategy;
+}
+
 namespace diffract::pipeline {
 
 enum class Family { SD1, SD2, SDXL };
@@ -18,6 +22,9 @@ class StableDiffusion {
   // describe its components (as diffusers' from_single_file(config=...)); optional.
   static std::unique_ptr<StableDiffusion> load(const std::filesystem::path& model, const std::string& device,
                                                const std::filesystem::path& config_dir = {});
+  // The family's full-size architecture (or a few-channel `tiny` one) with random weights,
+  // plus a random TAESD decoder under the name "<random>": for benchmarks, no files needed.
+  static std::unique_ptr<StableDiffusion> random(Family family, bool tiny, const std::string& device);
   ~StableDiffusion();
   struct Impl;
 
@@ -30,6 +37,11 @@ class StableDiffusion {
   // or engine::Cancelled when `cancel` fires (checked between steps).
   engine::GenerationResult generate(const engine::GenerationRequest& request, const engine::JobObserver& observer,
                                     const engine::CancelToken& cancel);
+  // The same with the denoising loop run by a multi-device strategy (core/parallel/strategies.h)
+  // on CPU virtual devices; null runs the built-in loop. Its statistics go into metadata_json
+  // under "strategy".
+  engine::GenerationResult generate(const engine::GenerationRequest& request, const engine::JobObserver& observer,
+                                    const engine::CancelToken& cancel, const parallel::Strategy* strategy);
 
  private:
   explicit StableDiffusion(std::unique_ptr<Impl> impl);

@@ -1,0 +1,176 @@
+// diffract-bench: named benchmark configs on random-weight full-size models (no downloads);
+// prints one JSON object per config and batch.
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+#include <numeric>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/cuda.h>
+#include <torch/version.h>
+
+#ifdef DIFFRACT_HAS_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include "core/pipeline/stable_diffusion.h"
+#include "core/util/build_info.h"
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+using namespace diffract;
+using nlohmann::json;
+
+namespace {
+
+struct BenchConfig {
+  std::string name;
+  pipeline::Family family;
+  bool tiny;
+  int size;
+  int steps;
+  double cfg;
+};
+
+const std::vector<BenchConfig>& configs() {
+  static const std::vector<BenchConfig> all = {
+      {"sdxl-1024", pipeline::Family::SDXL, false, 1024, 30, 7.0},
+      {"sdxl-768", pipeline::Family::SDXL, false, 768, 30, 7.0},
+      {"sd15-512", pipeline::Family::SD1, false, 512, 30, 7.0},
+      {"tiny", pipeline::Family::SDXL, true, 64, 4, 7.0},  // CI: the same code path in seconds on CPU
+  };
+  return all;
+}
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const double pos = q * static_cast<double>(v.size() - 1);
+  const auto lo = static_cast<std::size_t>(pos);
+  const auto hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo));
+}
+
+double mean(const std::vector<double>& v) {
+  return v.empty() ? 0 : std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
+}
+
+json run_config(const BenchConfig& c, int batch, int runs, const std::string& device) {
+  const bool cuda = device.rfind("cuda", 0) == 0;
+#ifdef DIFFRACT_HAS_CUDA
+  const auto index = static_cast<c10::DeviceIndex>(cuda ? at::Device(device == "cuda" ? "cuda:0" : device).index() : 0);
+  if (cuda) {
+    at::empty({1}, at::TensorOptions().device(at::kCUDA, index));  // initialises the caching allocator
+    c10::cuda::CUDACachingAllocator::resetPeakStats(index);
+  }
+#endif
+  auto sd = pipeline::StableDiffusion::random(c.family, c.tiny, device);
+  engine::GenerationRequest req;
+  req.model = "<random>";
+  req.prompt = "a studio packshot of a red perfume bottle on a white background, soft shadow";
+  req.width = req.height = c.size;
+  req.steps = c.steps;
+  req.cfg = c.cfg;
+  req.batch = batch;
+  req.device = device;
+  req.sampler = "euler";
+  req.preview_every = 0;
+  engine::CancelToken never;
+  const auto clock = [] { return std::chrono::steady_clock::now(); };
+  const auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+
+  const auto t0 = clock();
+  auto first = sd->generate(req, {}, never);  // every first-use cost (cuDNN plans, allocator growth)
+  const double first_ms = ms(t0, clock());  // the model build happened before t0
+  std::vector<double> e2e, steps, text, vae;
+  for (int r = 0; r < runs; ++r) {
+    const auto t = clock();
+    auto res = sd->generate(req, {}, never);
+    e2e.push_back(ms(t, clock()));
+    steps.insert(steps.end(), res.timings.step_ms.begin(), res.timings.step_ms.end());
+    text.push_back(res.timings.text_encode_ms);
+    vae.push_back(res.timings.vae_decode_ms);
+  }
+  // The same job with a TAESD preview of every step.
+  auto with_previews = req;
+  with_previews.taesd = "<random>";
+  with_previews.preview_every = 1;
+  engine::JobObserver o;
+  o.on_preview = [](const engine::PreviewEvent&) {};
+  std::vector<double> e2e_p, steps_p, previews;
+  for (int r = 0; r < std::max(1, runs / 2); ++r) {
+    const auto t = clock();
+    auto res = sd->generate(with_previews, o, never);
+    e2e_p.push_back(ms(t, clock()));
+    steps_p.insert(steps_p.end(), res.timings.step_ms.begin(), res.timings.step_ms.end());
+    previews.insert(previews.end(), res.timings.preview_ms.begin(), res.timings.preview_ms.end());
+  }
+  const double denoise = mean(steps) * c.steps;
+  const double denoise_p = mean(steps_p) * c.steps + mean(previews) * c.steps;
+  json j = {
+      {"config", c.name}, {"batch", batch}, {"device", device}, {"width", c.size}, {"height", c.size},
+      {"steps", c.steps}, {"cfg", c.cfg}, {"runs", runs},
+      {"dtype", cuda ? "bf16" : "fp32"},
+      {"model_build_ms", first.timings.load_ms},
+      {"first_image_ms", first_ms},
+      {"end_to_end_ms", {{"median", percentile(e2e, 0.5)}, {"min", *std::min_element(e2e.begin(), e2e.end())}}},
+      {"first_vs_later", first_ms / percentile(e2e, 0.5)},
+      {"text_encode_ms", percentile(text, 0.5)},
+      {"denoiser_step_ms", {{"mean", mean(steps)}, {"p50", percentile(steps, 0.5)}, {"p95", percentile(steps, 0.95)}}},
+      {"vae_decode_ms", percentile(vae, 0.5)},
+      {"preview_decode_ms", mean(previews)},
+      {"end_to_end_with_previews_ms", percentile(e2e_p, 0.5)},
+      {"preview_added_to_denoising_pct", denoise > 0 ? 100.0 * (denoise_p - denoise) / denoise : 0.0},
+  };
+#ifdef DIFFRACT_HAS_CUDA
+  if (cuda) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+    j["peak_vram_gib"] = static_cast<double>(
+        stats.allocated_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak) / (1ull << 30);
+    j["gpu"] = at::cuda::getDeviceProperties(index)->name;
+  }
+#endif
+  return j;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"diffract-bench: Diffract's pipeline on random-weight models, as JSON"};
+  std::vector<std::string> names = {"tiny"};
+  std::vector<int> batches = {1};
+  std::string device = "cpu";
+  int runs = 3;
+  bool verbose = false;
+  std::string names_help = "configs:";
+  for (const auto& c : configs()) names_help += " " + c.name;
+  app.add_option("--config", names, names_help)->delimiter(',');
+  app.add_option("--batch", batches, "images per prompt, e.g. 1,4")->delimiter(',');
+  app.add_option("--device", device, "cpu or cuda:N")->capture_default_str();
+  app.add_option("--runs", runs, "timed runs after the warm-up")->capture_default_str();
+  app.add_flag("-v,--verbose", verbose);
+  CLI11_PARSE(app, argc, argv);
+  log::set_verbose(verbose);
+  try {
+    if (runs < 1) throw Error("--runs must be at least 1");
+    const auto info = build_info();
+    json out = {{"diffract", info.diffract_version}, {"torch", TORCH_VERSION}, {"cuda_devices", info.cuda_devices},
+                {"nccl", info.nccl_version}, {"results", json::array()}};
+    for (const auto& name : names) {
+      auto it = std::find_if(configs().begin(), configs().end(), [&](const BenchConfig& c) { return c.name == name; });
+      if (it == configs().end()) throw Error("unknown config '" + name + "' (" + names_help + ")");
+      for (int b : batches) {
+        if (b < 1) throw Error("--batch values must be at least 1");
+        out["results"].push_back(run_config(*it, b, runs, device));
+        log::get("bench").info(out["results"].back().dump());
+      }
+    }
+    std::cout << out.dump(1) << "\n";
+  } catch (const std::exception& e) {
+    log::get("bench").error(e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,128 @@
+#include "core/parallel/communicator.h"
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+
+#include <ATen/ATen.h>
+
+namespace diffract::parallel {
+
+Communicator::~Communicator() = default;
+
+namespace {
+
+struct Rendezvous {
+  explicit Rendezvous(int n) : size(n), slots(static_cast<std::size_t>(n)) {}
+  const int size;
+  std::mutex mutex;
+  std::condition_variable cv;
+  // all_gather: contributions of the collective in progress, and the last completed one.
+  std::vector<at::Tensor> slots;
+  std::vector<at::Tensor> published;
+  int arrived = 0;
+  std::uint64_t generation = 0;
+  // send / recv mailboxes keyed by (src, dst).
+  std::map<std::pair<int, int>, std::deque<at::Tensor>> mail;
+  bool aborted = false;
+  std::string reason;
+
+  void check() const {
+    if (aborted) throw Aborted("aborted: " + reason);
+  }
+};
+
+at::Tensor copy_in(const at::Tensor& t) { return t.defined() ? t.detach().clone() : at::Tensor(); }
+
+class InProcessCommunicator final : public Communicator {
+ public:
+  InProcessCommunicator(std::shared_ptr<Rendezvous> r, int rank) : r_(std::move(r)), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return r_->size; }
+
+  std::vector<at::Tensor> all_gather(const at::Tensor& t) override {
+    auto copy = copy_in(t);
+    if (copy.defined()) bytes_ += static_cast<std::int64_t>(copy.nbytes());
+    std::unique_lock<std::mutex> lock(r_->mutex);
+    r_->check();
+    r_->slots[static_cast<std::size_t>(rank_)] = std::move(copy);
+    const auto gen = r_->generation;
+    if (++r_->arrived == r_->size) {
+      r_->published = std::move(r_->slots);
+      r_->slots.assign(static_cast<std::size_t>(r_->size), at::Tensor());
+      r_->arrived = 0;
+      ++r_->generation;
+      r_->cv.notify_all();
+    } else {
+      r_->cv.wait(lock, [&] { return r_->generation != gen || r_->aborted; });
+      if (r_->generation == gen) r_->check();
+    }
+    // The next collective cannot complete before this rank joins it, so `published` is ours.
+    return r_->published;
+  }
+
+  at::Tensor broadcast(const at::Tensor& t, int root) override {
+    check_rank(root, "broadcast root");
+    return all_gather(rank_ == root ? t : at::Tensor())[static_cast<std::size_t>(root)];
+  }
+
+  void send(const at::Tensor& t, int dst) override {
+    check_rank(dst, "send destination");
+    auto copy = copy_in(t);
+    bytes_ += static_cast<std::int64_t>(copy.nbytes());
+    std::lock_guard<std::mutex> lock(r_->mutex);
+    r_->check();
+    r_->mail[{rank_, dst}].push_back(std::move(copy));
+    r_->cv.notify_all();
+  }
+
+  void recv(at::Tensor& out, int src) override {
+    check_rank(src, "recv source");
+    std::unique_lock<std::mutex> lock(r_->mutex);
+    auto& box = r_->mail[{src, rank_}];
+    r_->cv.wait(lock, [&] { return !box.empty() || r_->aborted; });
+    r_->check();
+    auto t = std::move(box.front());
+    box.pop_front();
+    lock.unlock();
+    if (!out.defined() || out.sizes() != t.sizes() || out.scalar_type() != t.scalar_type())
+      throw Error("recv from rank " + std::to_string(src) + ": expected a tensor shaped like the one sent");
+    out.copy_(t);
+  }
+
+  void barrier() override { all_gather(at::Tensor()); }
+
+  void abort(const std::string& reason) override {
+    std::lock_guard<std::mutex> lock(r_->mutex);
+    if (!r_->aborted) {
+      r_->aborted = true;
+      r_->reason = reason;
+    }
+    r_->cv.notify_all();
+  }
+
+  std::int64_t bytes_sent() const override { return bytes_; }
+
+ private:
+  void check_rank(int r, const char* what) const {
+    if (r < 0 || r >= r_->size)
+      throw Error(std::string(what) + " " + std::to_string(r) + " is not a rank of this group of " +
+                  std::to_string(r_->size));
+  }
+  std::shared_ptr<Rendezvous> r_;
+  int rank_;
+  std::int64_t bytes_ = 0;
+};
+
+}  // namespace
+
+std::vector<std::unique_ptr<Communicator>> make_in_process_group(int size) {
+  if (size < 1) throw Error("a communicator group needs at least one rank, not " + std::to_string(size));
+  auto r = std::make_shared<Rendezvous>(size);
+  std::vector<std::unique_ptr<Communicator>> out;
+  for (int i = 0; i < size; ++i) out.push_back(std::make_unique<InProcessCommunicator>(r, i));
+  return out;
+}
+
+}  // namespace diffract::parallel

@@ -1,0 +1,67 @@
+#pragma once
+// Collective communication between the ranks of a device group.
+//
+// Every rank of a group holds one Communicator; all ranks call the collectives in the same
+// order (SPMD). Two implementations:
+//  - InProcessCommunicator: N "virtual devices" that are threads of this process exchanging
+//    CPU tensors through a shared rendezvous. Every strategy runs on it in CI.
+//  - NcclCommunicator (declared, not built yet): one rank per GPU of this process, created
+//    together by ncclCommInitAll, collectives enqueued on a communication stream of its own
+//    that waits on (and is waited on by) the rank's compute stream through CUDA events.
+// Spanning hosts later: ranks would be (host, local GPU) pairs; an NCCL communicator would be
+// built from an ncclUniqueId handed out by rank 0 over a side channel (TCP) with
+// ncclCommInitRank instead of ncclCommInitAll, and abort() would use ncclCommAbort. Nothing in
+// the strategies assumes the ranks share an address space: they only exchange tensors through
+// this interface, and every rank replays the same sampler arithmetic on what it receives.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "core/util/error.h"
+
+namespace diffract::parallel {
+
+// Thrown on the ranks still waiting in a collective when another rank failed (see abort()).
+class Aborted : public Error {
+ public:
+  using Error::Error;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator();
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // Every rank's tensor, indexed by rank. An undefined tensor is allowed (a rank with nothing
+  // to contribute this round) in-process; NCCL will need equal shapes and dtypes on all ranks.
+  virtual std::vector<at::Tensor> all_gather(const at::Tensor& t) = 0;
+  // Root's tensor on every rank (others pass anything, e.g. an undefined tensor).
+  virtual at::Tensor broadcast(const at::Tensor& t, int root) = 0;
+  // Point to point. recv fills `out`, which must have the sent tensor's shape and dtype (as
+  // NCCL needs); in-process the sent tensor is copied into it.
+  virtual void send(const at::Tensor& t, int dst) = 0;
+  virtual void recv(at::Tensor& out, int src) = 0;
+  virtual void barrier() = 0;
+  // Called by a failing rank: every pending and later collective on every rank throws
+  // Aborted carrying `reason`, so no rank stays blocked.
+  virtual void abort(const std::string& reason) = 0;
+  // Bytes this rank has contributed to collectives and sends so far (statistics).
+  virtual std::int64_t bytes_sent() const = 0;
+};
+
+// N communicators over one shared in-process rendezvous; element r is rank r's. Tensors are
+// copied on the way in (a rank may overwrite its tensor after the call) and returned on the
+// CPU device they came from.
+std::vector<std::unique_ptr<Communicator>> make_in_process_group(int size);
+
+// What the NCCL implementation will need (not built yet; DIFFRACT_HAS_NCCL builds only):
+//   struct NcclGroupOptions { std::vector<int> cuda_devices; };
+//   std::vector<std::unique_ptr<Communicator>> make_nccl_group(const NcclGroupOptions&);
+// one ncclComm_t per device from ncclCommInitAll, a dedicated cudaStream_t per rank for
+// communication, and cudaEvent_t pairs to order it against the rank's compute stream.
+
+}  // namespace diffract::parallel

@@ -1,0 +1,71 @@
+#include "core/parallel/denoiser.h"
+
+#include <ATen/ATen.h>
+
+#include "core/schedulers/sampler.h"
+#include "core/util/error.h"
+
+namespace diffract::parallel {
+
+Denoiser::~Denoiser() = default;
+
+at::Tensor combine_cfg(const at::Tensor& uncond, const at::Tensor& cond, double scale) {
+  return uncond + scale * (cond - uncond);
+}
+
+double rel_mae(const at::Tensor& cond, const at::Tensor& uncond) {
+  const double den = uncond.to(at::kDouble).abs().mean().item<double>();
+  const double num = (cond.to(at::kDouble) - uncond.to(at::kDouble)).abs().mean().item<double>();
+  return den > 0 ? num / den : 0.0;
+}
+
+at::Tensor eval_at(Denoiser& d, const schedulers::Sampler& sampler, const at::Tensor& x, int step, Branch branch) {
+  return d.eval(sampler.scale_model_input(x, step), sampler.timesteps().at(static_cast<std::size_t>(step)), branch);
+}
+
+namespace {
+models::UNetConditioning cat_conditioning(const models::UNetConditioning& a, const models::UNetConditioning& b) {
+  models::UNetConditioning c;
+  c.encoder_hidden_states = at::cat({a.encoder_hidden_states, b.encoder_hidden_states});
+  if (a.text_embeds.defined()) c.text_embeds = at::cat({a.text_embeds, b.text_embeds});
+  if (a.time_ids.defined()) c.time_ids = at::cat({a.time_ids, b.time_ids});
+  return c;
+}
+models::UNetConditioning narrow(const models::UNetConditioning& a, std::int64_t begin, std::int64_t count) {
+  models::UNetConditioning c;
+  if (!a.encoder_hidden_states.defined()) return c;
+  c.encoder_hidden_states = a.encoder_hidden_states.narrow(0, begin, count);
+  if (a.text_embeds.defined()) c.text_embeds = a.text_embeds.narrow(0, begin, count);
+  if (a.time_ids.defined()) c.time_ids = a.time_ids.narrow(0, begin, count);
+  return c;
+}
+}  // namespace
+
+UNetDenoiser::UNetDenoiser(models::UNet2DConditionModel unet, models::UNetConditioning positive,
+                           models::UNetConditioning negative, double scale, at::ScalarType dtype, at::Device device)
+    : unet_(std::move(unet)), positive_(std::move(positive)), negative_(std::move(negative)), scale_(scale),
+      cfg_(scale > 1.0 && negative_.encoder_hidden_states.defined()), dtype_(dtype), device_(device) {
+  if (cfg_) both_ = cat_conditioning(negative_, positive_);
+}
+
+at::Tensor UNetDenoiser::eval(const at::Tensor& model_input, double timestep, Branch branch) {
+  if (branch == Branch::Uncond && !cfg_) throw Error("the unconditional branch was asked for without CFG");
+  const bool both = branch == Branch::Guided && cfg_;
+  const auto x = (both ? at::cat({model_input, model_input}) : model_input).to(device_, dtype_);
+  const auto& cond = both ? both_ : branch == Branch::Uncond ? negative_ : positive_;
+  auto t = at::full({x.size(0)}, timestep, at::TensorOptions().dtype(at::kFloat).device(device_));
+  auto out = unet_->forward(x, t, cond);
+  if (!both) return out;
+  auto parts = out.chunk(2);
+  return combine_cfg(parts[0], parts[1], scale_);
+}
+
+std::unique_ptr<Denoiser> UNetDenoiser::rows(std::int64_t begin, std::int64_t count) const {
+  if (begin < 0 || count < 1 || begin + count > batch())
+    throw Error("conditioning rows " + std::to_string(begin) + "+" + std::to_string(count) + " are outside the batch of " +
+                std::to_string(batch()));
+  return std::make_unique<UNetDenoiser>(unet_, narrow(positive_, begin, count), narrow(negative_, begin, count), scale_,
+                                        dtype_, device_);
+}
+
+}  // namespace diffract::parallel

@@ -1,0 +1,64 @@
+#pragma once
+// The model evaluation the parallel strategies drive, apart from the pipeline that owns it.
+#include <cstdint>
+#include <memory>
+
+#include <ATen/core/Tensor.h>
+
+#include "core/models/unets/unet_2d_condition.h"
+
+namespace diffract::schedulers {
+class Sampler;
+}
+
+namespace diffract::parallel {
+
+// Cond: the prompt; Uncond: the negative prompt; Guided: both in one batch, combined with the
+// guidance scale (or the prompt alone when CFG is off), as the single-device pipeline does.
+enum class Branch { Cond, Uncond, Guided };
+
+// The denoiser's raw output (eps or v) for a model input at one timestep. One object per rank;
+// eval() may run on several ranks' threads at once when the ranks share the module (CPU
+// virtual devices), so implementations keep no per-call state.
+class Denoiser {
+ public:
+  virtual ~Denoiser();
+  virtual at::Tensor eval(const at::Tensor& model_input, double timestep, Branch branch) = 0;
+  virtual bool cfg() const = 0;          // true when there is an unconditional branch
+  virtual double guidance_scale() const = 0;
+  virtual std::int64_t batch() const = 0;
+  // The same denoiser over conditioning rows [begin, begin + count) (data-parallel batches).
+  virtual std::unique_ptr<Denoiser> rows(std::int64_t begin, std::int64_t count) const = 0;
+};
+
+// eps_u + s * (eps_c - eps_u), written as the pipeline writes it.
+at::Tensor combine_cfg(const at::Tensor& uncond, const at::Tensor& cond, double scale);
+// mean|eps_c - eps_u| / mean|eps_u| (Hybridiff's rel-MAE between the branches).
+double rel_mae(const at::Tensor& cond, const at::Tensor& uncond);
+
+// Sampler step i's model input and timestep, then eval().
+at::Tensor eval_at(Denoiser& d, const schedulers::Sampler& sampler, const at::Tensor& x, int step, Branch branch);
+
+// A UNet2DConditionModel with per-branch conditioning ([B, ...] rows each). `negative` is
+// empty (undefined context) or scale <= 1 for no CFG. The module may be shared between ranks
+// on the CPU; on GPUs each rank gets its own replica on its device.
+class UNetDenoiser final : public Denoiser {
+ public:
+  UNetDenoiser(models::UNet2DConditionModel unet, models::UNetConditioning positive,
+               models::UNetConditioning negative, double scale, at::ScalarType dtype, at::Device device);
+  at::Tensor eval(const at::Tensor& model_input, double timestep, Branch branch) override;
+  bool cfg() const override { return cfg_; }
+  double guidance_scale() const override { return scale_; }
+  std::int64_t batch() const override { return positive_.encoder_hidden_states.size(0); }
+  std::unique_ptr<Denoiser> rows(std::int64_t begin, std::int64_t count) const override;
+
+ private:
+  models::UNet2DConditionModel unet_;
+  models::UNetConditioning positive_, negative_, both_;  // both_: [negative; positive]
+  double scale_;
+  bool cfg_;
+  at::ScalarType dtype_;
+  at::Device device_;
+};
+
+}  // namespace diffract::parallel

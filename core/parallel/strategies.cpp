@@ -1,0 +1,342 @@
+#include "core/parallel/strategies.h"
+
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <mutex>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include "core/util/error.h"
+
+namespace diffract::parallel {
+
+Strategy::~Strategy() = default;
+
+std::string LoopStats::to_json() const {
+  nlohmann::json j = {{"strategy", strategy}, {"devices", devices},     {"steps", steps},
+                      {"rounds", rounds},     {"evaluations", evaluations}, {"bytes_sent", bytes_sent}};
+  if (!rel_mae.empty()) j["rel_mae"] = rel_mae;
+  if (tau1 >= 0) {
+    j["tau1"] = tau1;
+    j["tau2"] = tau2;
+  }
+  if (!note.empty()) j["note"] = note;
+  return j.dump();
+}
+
+namespace {
+
+using schedulers::Sampler;
+
+struct Rank {
+  std::unique_ptr<Sampler> sampler;
+  at::Generator gen;
+  std::unique_ptr<Denoiser> den;
+  at::Tensor x;
+};
+
+void check_group(const Strategy& s, const DeviceGroup& g) {
+  if (g.size() != s.devices())
+    throw Error("strategy " + s.name() + " needs " + std::to_string(s.devices()) + " device(s); the group has " +
+                std::to_string(g.size()));
+}
+
+// Per-rank replicas, made on the calling thread before the workers start.
+std::vector<Rank> prepare(const Strategy& s, DeviceGroup& g, const LoopInputs& in) {
+  check_group(s, g);
+  if (!in.latents.defined() || !in.make_denoiser) throw Error("strategy " + s.name() + ": no latents or denoiser given");
+  std::vector<Rank> ranks(static_cast<std::size_t>(g.size()));
+  for (int r = 0; r < g.size(); ++r) {
+    auto& k = ranks[static_cast<std::size_t>(r)];
+    k.sampler = Sampler::create(in.kind, in.config, in.steps);
+    if (in.generator.defined()) {
+      at::Generator source = in.generator;  // a handle to the same generator
+      std::lock_guard<std::mutex> lock(source.mutex());
+      k.gen = source.clone();
+    }
+    k.den = in.make_denoiser(r, g.device(r));
+    k.x = in.latents.to(g.device(r));
+  }
+  s.validate(ranks[0].den->batch(), ranks[0].den->cfg());
+  return ranks;
+}
+
+void check_cancel(const LoopInputs& in) {
+  if (in.cancel && in.cancel->cancelled()) throw engine::Cancelled{};
+}
+
+// Refines from step i with output `out`: the ordinary update, reported on rank 0.
+at::Tensor refine(Rank& k, int rank, const LoopInputs& in, const at::Tensor& out, int i, const at::Tensor& x) {
+  auto next = k.sampler->step(out, i, x, k.gen);
+  if (rank == 0 && in.on_step) in.on_step(i, out, x, next);
+  return next;
+}
+
+LoopOutput finish(const Strategy& s, const LoopInputs& in, DeviceGroup& g, at::Tensor latents, int rounds,
+                  int evaluations, std::int64_t bytes) {
+  LoopOutput o;
+  o.latents = std::move(latents);
+  o.stats.strategy = s.name();
+  o.stats.devices = g.size();
+  o.stats.steps = in.steps;
+  o.stats.rounds = rounds;
+  o.stats.evaluations = evaluations;
+  o.stats.bytes_sent = bytes;
+  return o;
+}
+
+// CFG-parallel, optionally recording rel-MAE; shared by CfgParallel and HybridCfg.
+LoopOutput run_cfg_parallel(const Strategy& s, DeviceGroup& g, const LoopInputs& in, std::vector<double>& curve) {
+  auto ranks = prepare(s, g, in);
+  std::atomic<int> evals{0};
+  std::atomic<std::int64_t> bytes{0};
+  at::Tensor result;
+  g.run([&](int rank, Communicator& comm) {
+    auto& k = ranks[static_cast<std::size_t>(rank)];
+    const auto dev = g.device(rank);
+    for (int i = 0; i < k.sampler->num_steps(); ++i) {
+      check_cancel(in);
+      auto mine = eval_at(*k.den, *k.sampler, k.x, i, rank == 0 ? Branch::Cond : Branch::Uncond);
+      ++evals;
+      auto both = comm.all_gather(mine);
+      const auto cond = both[0].to(dev), uncond = both[1].to(dev);
+      if (rank == 0) curve.push_back(rel_mae(cond, uncond));
+      k.x = refine(k, rank, in, combine_cfg(uncond, cond, k.den->guidance_scale()), i, k.x);
+    }
+    bytes += comm.bytes_sent();
+    if (rank == 0) result = k.x;
+  });
+  return finish(s, in, g, result, in.steps, evals.load(), bytes.load());
+}
+
+}  // namespace
+
+LoopOutput SingleDevice::run(DeviceGroup& g, const LoopInputs& in) const {
+  auto ranks = prepare(*this, g, in);
+  at::Tensor result;
+  g.run([&](int rank, Communicator&) {
+    auto& k = ranks[0];
+    for (int i = 0; i < k.sampler->num_steps(); ++i) {
+      check_cancel(in);
+      k.x = refine(k, rank, in, eval_at(*k.den, *k.sampler, k.x, i, Branch::Guided), i, k.x);
+    }
+    result = k.x;
+  });
+  return finish(*this, in, g, result, in.steps, in.steps, 0);
+}
+
+void CfgParallel::validate(std::int64_t, bool cfg) const {
+  if (!cfg) throw Error("cfg-parallel needs classifier-free guidance (a CFG scale above 1)");
+}
+
+LoopOutput CfgParallel::run(DeviceGroup& g, const LoopInputs& in) const {
+  std::vector<double> curve;
+  auto o = run_cfg_parallel(*this, g, in, curve);
+  o.stats.rel_mae = std::move(curve);
+  return o;
+}
+
+HybridWindow hybrid_cfg_window(const std::vector<double>& r, int L, double eps, int tau_cap, int k) {
+  if (L < 2) throw Error("hybrid CFG: the slope window L must be 2 or more, not " + std::to_string(L));
+  if (tau_cap < 0 || k < 0) throw Error("hybrid CFG: tau_cap and k must be 0 or more");
+  HybridWindow w;
+  w.slopes.assign(r.size(), std::numeric_limits<double>::quiet_NaN());
+  w.tau1 = -1;
+  // Least-squares slope over x = 0..L-1: sum((x - xm) * y) / sum((x - xm)^2).
+  const double xm = (L - 1) / 2.0;
+  double sxx = 0;
+  for (int x = 0; x < L; ++x) sxx += (x - xm) * (x - xm);
+  for (std::size_t t = static_cast<std::size_t>(L - 1); t < r.size(); ++t) {
+    double sxy = 0;
+    for (int x = 0; x < L; ++x) sxy += (x - xm) * r[t + 1 - static_cast<std::size_t>(L) + static_cast<std::size_t>(x)];
+    w.slopes[t] = sxy / sxx;
+    if (w.tau1 < 0 && w.slopes[t] >= 0 && w.slopes[t] < eps) w.tau1 = static_cast<int>(t);
+  }
+  if (w.tau1 < 0 || w.tau1 > tau_cap) w.tau1 = tau_cap;
+  w.tau2 = w.tau1 + k;
+  return w;
+}
+
+void HybridCfg::validate(std::int64_t, bool cfg) const {
+  if (!cfg) throw Error("hybrid-cfg needs classifier-free guidance (a CFG scale above 1)");
+  if (L < 2 || tau_cap < 0 || k < 0 || !(eps > 0))
+    throw Error("hybrid-cfg: L must be 2 or more, eps above 0, tau_cap and k 0 or more");
+}
+
+LoopOutput HybridCfg::run(DeviceGroup& g, const LoopInputs& in) const {
+  std::vector<double> curve;
+  auto o = run_cfg_parallel(*this, g, in, curve);
+  const auto w = hybrid_cfg_window(curve, L, eps, tau_cap, k);
+  o.stats.rel_mae = std::move(curve);
+  o.stats.tau1 = w.tau1;
+  o.stats.tau2 = w.tau2;
+  o.stats.note = "the [tau1, tau2) window ran CFG-parallel: its layer-split one-step-stale mode needs model-level hooks";
+  return o;
+}
+
+std::string DRiffusion::name() const { return mode == Mode::Aggressive ? "driffusion-aggressive" : "driffusion"; }
+
+void DRiffusion::validate(std::int64_t, bool) const {
+  if (n < 1) throw Error("driffusion needs 1 or more devices, not " + std::to_string(n));
+}
+
+int DRiffusion::expected_rounds(Mode mode, int steps, int n) {
+  if (steps <= 0) return 0;
+  if (mode == Mode::Aggressive) return 1 + (steps - 1 + n - 1) / n;
+  const int r = steps % (n + 1);
+  return 2 * (steps / (n + 1)) + (r == 0 ? 0 : r == 1 ? 1 : 2);
+}
+
+LoopOutput DRiffusion::run(DeviceGroup& g, const LoopInputs& in) const {
+  auto ranks = prepare(*this, g, in);
+  std::atomic<int> evals{0};
+  std::atomic<std::int64_t> bytes{0};
+  int rounds = 0;
+  at::Tensor result;
+  const Mode m = mode;
+  const int devices = n;
+  g.run([&](int rank, Communicator& comm) {
+    auto& k = ranks[static_cast<std::size_t>(rank)];
+    auto& s = *k.sampler;
+    const auto dev = g.device(rank);
+    const int total = s.num_steps();
+    // Evaluates points[r] (state at step first + r) on rank r; every rank gets all outputs.
+    auto round = [&](const std::vector<at::Tensor>& points, int first) {
+      check_cancel(in);
+      at::Tensor mine;
+      if (rank < static_cast<int>(points.size())) {
+        mine = eval_at(*k.den, s, points[static_cast<std::size_t>(rank)], first + rank, Branch::Guided);
+        ++evals;
+      }
+      auto all = comm.all_gather(mine);
+      if (rank == 0) ++rounds;
+      std::vector<at::Tensor> outs;
+      for (std::size_t r = 0; r < points.size(); ++r) outs.push_back(all[r].to(dev));
+      return outs;
+    };
+    at::Tensor stale;  // aggressive: the previous round's last output
+    int i = 0;
+    while (i < total) {
+      const auto anchor = k.x;
+      if (m == Mode::Conservative) {
+        const auto eps_i = round({anchor}, i)[0];
+        k.x = refine(k, rank, in, eps_i, i, anchor);
+        const int drafts = std::min(devices, total - 1 - i);
+        if (drafts > 0) {
+          std::vector<at::Tensor> points{k.x};  // draft for i+1: the refined state itself
+          for (int d = 2; d <= drafts; ++d) points.push_back(s.jump(eps_i, i, i + d, anchor, k.gen));
+          const auto outs = round(points, i + 1);
+          for (int d = 1; d <= drafts; ++d) k.x = refine(k, rank, in, outs[static_cast<std::size_t>(d - 1)], i + d, k.x);
+        }
+        i += drafts + 1;
+      } else {
+        const int drafts = stale.defined() ? std::min(devices - 1, total - 1 - i) : 0;
+        std::vector<at::Tensor> points{anchor};
+        for (int d = 1; d <= drafts; ++d) points.push_back(s.jump(stale, i, i + d, anchor, k.gen));
+        const auto outs = round(points, i);
+        for (int d = 0; d <= drafts; ++d) k.x = refine(k, rank, in, outs[static_cast<std::size_t>(d)], i + d, k.x);
+        stale = outs.back();
+        i += drafts + 1;
+      }
+    }
+    bytes += comm.bytes_sent();
+    if (rank == 0) result = k.x;
+  });
+  return finish(*this, in, g, result, rounds, evals.load(), bytes.load());
+}
+
+void DataParallel::validate(std::int64_t batch, bool) const {
+  if (n < 1) throw Error("data-parallel needs 1 or more devices, not " + std::to_string(n));
+  if (batch < n)
+    throw Error("data-parallel on " + std::to_string(n) + " devices needs a batch of at least " + std::to_string(n) +
+                ", not " + std::to_string(batch));
+}
+
+LoopOutput DataParallel::run(DeviceGroup& g, const LoopInputs& in) const {
+  auto ranks = prepare(*this, g, in);
+  const std::int64_t batch = in.latents.size(0);
+  std::atomic<int> evals{0};
+  std::atomic<std::int64_t> bytes{0};
+  at::Tensor result;
+  g.run([&](int rank, Communicator& comm) {
+    auto& k = ranks[static_cast<std::size_t>(rank)];
+    const std::int64_t base = batch / n, extra = batch % n;
+    const std::int64_t begin = rank * base + std::min<std::int64_t>(rank, extra);
+    const std::int64_t count = base + (rank < extra ? 1 : 0);
+    auto den = k.den->rows(begin, count);
+    auto x = k.x.narrow(0, begin, count).contiguous();
+    for (int i = 0; i < k.sampler->num_steps(); ++i) {
+      check_cancel(in);
+      auto out = eval_at(*den, *k.sampler, x, i, Branch::Guided);
+      ++evals;
+      auto next = k.sampler->step(out, i, x, k.gen);
+      // on_step reports rank 0's slice (the first images of the batch).
+      if (rank == 0 && in.on_step) in.on_step(i, out, x, next);
+      x = next;
+    }
+    auto all = comm.all_gather(x);
+    bytes += comm.bytes_sent();
+    if (rank == 0) {
+      for (auto& t : all) t = t.to(g.device(0));
+      result = at::cat(all);
+    }
+  });
+  return finish(*this, in, g, result, in.steps, evals.load(), bytes.load());
+}
+
+void StepSkipping::validate(std::int64_t, bool) const {
+  if (skip < 1) throw Error("step skipping needs a skip of 1 or more, not " + std::to_string(skip));
+}
+
+LoopOutput StepSkipping::run(DeviceGroup& g, const LoopInputs& in) const {
+  auto ranks = prepare(*this, g, in);
+  int rounds = 0;
+  at::Tensor result;
+  g.run([&](int rank, Communicator&) {
+    auto& k = ranks[0];
+    const int total = k.sampler->num_steps();
+    for (int i = 0; i < total; i += skip) {
+      check_cancel(in);
+      auto out = eval_at(*k.den, *k.sampler, k.x, i, Branch::Guided);
+      ++rounds;
+      const int j = std::min(i + skip, total);
+      if (j == i + 1) {
+        k.x = refine(k, rank, in, out, i, k.x);
+      } else {
+        auto next = k.sampler->jump(out, i, j, k.x, k.gen);
+        if (in.on_step) in.on_step(i, out, k.x, next);
+        k.x = next;
+      }
+    }
+    result = k.x;
+  });
+  return finish(*this, in, g, result, rounds, rounds, 0);
+}
+
+std::unique_ptr<Strategy> make_strategy(const std::string& name, int n) {
+  if (name == "single") return std::make_unique<SingleDevice>();
+  if (name == "cfg-parallel") return std::make_unique<CfgParallel>();
+  if (name == "hybrid-cfg") return std::make_unique<HybridCfg>();
+  if (name == "driffusion" || name == "driffusion-aggressive") {
+    auto s = std::make_unique<DRiffusion>();
+    s->n = n;
+    s->mode = name == "driffusion" ? DRiffusion::Mode::Conservative : DRiffusion::Mode::Aggressive;
+    return s;
+  }
+  if (name == "data-parallel") {
+    auto s = std::make_unique<DataParallel>();
+    s->n = n;
+    return s;
+  }
+  if (name == "step-skip") {
+    auto s = std::make_unique<StepSkipping>();
+    s->skip = n;
+    return s;
+  }
+  throw Error("unknown strategy '" + name +
+              "' (single, cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip)");
+}
+
+}  // namespace diffract::parallel

@@ -1,0 +1,153 @@
+#pragma once
+// Multi-device denoising loops (DESIGN.md "Where a strategy plugs in": loop and evaluation
+// levels). Each takes the sampler settings, the initial latents and a denoiser per rank, and
+// runs the whole loop on a DeviceGroup. Every rank keeps its own sampler replica and generator
+// copy and replays the same sampler arithmetic on the exchanged model outputs, so the ranks
+// stay in lock-step with one exchange per round.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+
+#include "core/engine/generation.h"
+#include "core/parallel/denoiser.h"
+#include "core/parallel/device_group.h"
+#include "core/schedulers/sampler.h"
+
+namespace diffract::parallel {
+
+struct LoopInputs {
+  schedulers::SamplerKind kind = schedulers::SamplerKind::Euler;
+  schedulers::SchedulerConfig config;
+  int steps = 0;
+  at::Tensor latents;      // initial latents (noise * init_noise_sigma), [B, C, h, w]
+  at::Generator generator; // its state after drawing the initial noise; each rank gets a copy
+  // The denoiser of a rank on its device (a replica on GPUs; CPU ranks may share one module).
+  std::function<std::unique_ptr<Denoiser>(int rank, const c10::Device& device)> make_denoiser;
+  // On rank 0's thread after each refined step i: the output it used, the state before, after.
+  std::function<void(int step, const at::Tensor& model_output, const at::Tensor& before, const at::Tensor& after)> on_step;
+  const engine::CancelToken* cancel = nullptr;
+};
+
+struct LoopStats {
+  std::string strategy;
+  int devices = 1;
+  int steps = 0;
+  int rounds = 0;             // sequential model-evaluation rounds (the latency unit)
+  int evaluations = 0;        // model evaluations over all devices (a Guided one counts once)
+  std::int64_t bytes_sent = 0;  // over all ranks
+  std::vector<double> rel_mae;  // CFG-parallel / hybrid: per step
+  int tau1 = -1, tau2 = -1;     // hybrid
+  std::string note;
+  std::string to_json() const;
+};
+
+struct LoopOutput {
+  at::Tensor latents;  // final, on rank 0's device
+  LoopStats stats;
+};
+
+class Strategy {
+ public:
+  virtual ~Strategy();
+  virtual std::string name() const = 0;
+  virtual int devices() const = 0;
+  // Throws diffract::Error when the job cannot run this way (device count, batch, CFG).
+  virtual void validate(std::int64_t batch, bool cfg) const = 0;
+  virtual LoopOutput run(DeviceGroup& group, const LoopInputs& in) const = 0;
+};
+
+// One device, the pipeline's own loop (the reference).
+struct SingleDevice final : Strategy {
+  std::string name() const override { return "single"; }
+  int devices() const override { return 1; }
+  void validate(std::int64_t, bool) const override {}
+  LoopOutput run(DeviceGroup& group, const LoopInputs& in) const override;
+};
+
+// Conditional branch on rank 0, unconditional on rank 1, one all_gather per step. Exact
+// (up to batch-1 vs batch-2 rounding). Records rel-MAE per step.
+struct CfgParallel final : Strategy {
+  std::string name() const override { return "cfg-parallel"; }
+  int devices() const override { return 2; }
+  void validate(std::int64_t batch, bool cfg) const override;
+  LoopOutput run(DeviceGroup& group, const LoopInputs& in) const override;
+};
+
+// Hybridiff's switching rule. slope[t] is the least-squares slope of rel_mae[t-L+1 .. t]
+// (defined from t = L-1; NaN before). tau1 = the first t with 0 <= slope[t] < eps, or
+// tau_cap when none comes first (tau1 <= tau_cap). tau2 = tau1 + k. Steps in [tau1, tau2)
+// run the layer-split one-step-stale mode, the others CFG-parallel. Only rel_mae[0..t] decides
+// whether t is tau1, so the rule can run online.
+struct HybridWindow {
+  int tau1 = 0, tau2 = 0;
+  std::vector<double> slopes;
+};
+HybridWindow hybrid_cfg_window(const std::vector<double>& rel_mae, int L, double eps, int tau_cap, int k);
+
+// Hybrid CFG scheduling (SDXL defaults). For now runs CFG-parallel on every step and reports
+// the rel-MAE curve and tau1 / tau2 the rule picks; the window's layer-split one-step-stale
+// mode needs the model-level block hooks (not built yet). stats.note says so.
+struct HybridCfg final : Strategy {
+  int L = 12;
+  double eps = 4e-4;
+  int tau_cap = 15;
+  int k = 5;
+  std::string name() const override { return "hybrid-cfg"; }
+  int devices() const override { return 2; }
+  void validate(std::int64_t batch, bool cfg) const override;
+  LoopOutput run(DeviceGroup& group, const LoopInputs& in) const override;
+};
+
+// DRiffusion draft-and-refine on n devices. With CFG each device evaluates both branches.
+//  Conservative: round 1 evaluates the anchor x_i exactly; x_{i+1} = step(eps_i); drafts for
+//   steps i+2 .. i+n come from jump(eps_i, i, i+k, x_i), draft i+1 is x_{i+1} itself; round 2
+//   evaluates the n drafts in parallel; refinement runs the ordinary step() along the
+//   trajectory with the drafts' outputs: x_{i+k+1} = step(eps^_{i+k}, i+k, x_{i+k}). The next
+//   anchor is x_{i+n+1}: n+1 steps per 2 rounds (ideal latency 2/(n+1)).
+//  Aggressive: anchor and n-1 drafts in one round; the drafts jump from x_i with the previous
+//   round's last output (the first round has none, so it evaluates the anchor alone): n steps
+//   per round (ideal 1/n).
+// With n = 1 both reduce to the ordinary loop.
+struct DRiffusion final : Strategy {
+  enum class Mode { Aggressive, Conservative };
+  int n = 2;
+  Mode mode = Mode::Conservative;
+  std::string name() const override;
+  int devices() const override { return n; }
+  void validate(std::int64_t batch, bool cfg) const override;
+  LoopOutput run(DeviceGroup& group, const LoopInputs& in) const override;
+  // The number of rounds each mode takes for `steps` steps on `n` devices.
+  static int expected_rounds(Mode mode, int steps, int n);
+};
+
+// The batch split in contiguous rows over n devices (sizes differ by at most 1); latents
+// gathered at the end. Equal to one device for deterministic samplers; stochastic ones (Euler
+// ancestral, DDPM) draw their noise per slice, so their images differ.
+struct DataParallel final : Strategy {
+  int n = 2;
+  std::string name() const override { return "data-parallel"; }
+  int devices() const override { return n; }
+  void validate(std::int64_t batch, bool cfg) const override;
+  LoopOutput run(DeviceGroup& group, const LoopInputs& in) const override;
+};
+
+// Naive baseline at a given speed-up: one device, evaluate every `skip`-th step and jump over
+// the others (jump(i, i + skip)); ceil(steps / skip) rounds.
+struct StepSkipping final : Strategy {
+  int skip = 2;
+  std::string name() const override { return "step-skip"; }
+  int devices() const override { return 1; }
+  void validate(std::int64_t batch, bool cfg) const override;
+  LoopOutput run(DeviceGroup& group, const LoopInputs& in) const override;
+};
+
+// "single", "cfg-parallel", "hybrid-cfg", "driffusion" / "driffusion-aggressive" (n devices),
+// "data-parallel" (n), "step-skip" (skip = n).
+std::unique_ptr<Strategy> make_strategy(const std::string& name, int n);
+
+}  // namespace diffract::parallel

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# On the GPU machine: builds the core and diffract-bench against the installed PyTorch's
+# LibTorch, runs diffract-bench and the diffusers anchor in the same session, prints ratios.
+#   Carried in .carry/: include/CLI (CLI11 headers), whl/ (diffusers), diffusers_sdxl_sd3.py (the anchor).
+#   BENCH_CONFIGS (default sdxl-1024,sdxl-768,sd15-512), BENCH_BATCHES (default 1,4), BENCH_RUNS (default 3).
+set -euo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+out="${OUT:-/tmp/gpu_bench}"
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
+
+cmake --preset gpu -DDIFFRACT_BUILD_CLI=ON -DCLI11_INCLUDE_DIR="$root/.carry/include" \
+  -DDIFFRACT_PYTHON="$(command -v python3)" -DCMAKE_CXX_COMPILER_LAUNCHER= > "$out/configure.log" 2>&1 \
+  || { tail -40 "$out/configure.log"; exit 1; }
+cmake --build build/gpu -j "$(nproc)" --target diffract-bench > "$out/build.log" 2>&1 || { grep -m20 -A5 error "$out/build.log"; exit 1; }
+
+build/gpu/app/diffract-bench --device cuda:0 --config "${BENCH_CONFIGS:-sdxl-1024,sdxl-768,sd15-512}" \
+  --batch "${BENCH_BATCHES:-1,4}" --runs "${BENCH_RUNS:-3}" > "$out/diffract.json" 2> "$out/diffract.log" \
+  || { tail -20 "$out/diffract.log"; exit 1; }
+python3 .carry/diffusers_sdxl_sd3.py > "$out/anchor.log" 2>&1 || { tail -20 "$out/anchor.log"; exit 1; }
+grep '^RESULT ' "$out/anchor.log" | sed 's/^RESULT //' > "$out/anchor.json"
+
+python3 - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+ours = json.load(open(f"{out}/diffract.json"))
+anchor = json.load(open(f"{out}/anchor.json"))
+print("versions:", {k: ours[k] for k in ("diffract", "torch", "nccl")})
+for r in ours["results"]:
+    print(json.dumps(r))
+x = next((r for r in ours["results"] if r["config"] == "sdxl-1024" and r["batch"] == 1), None)
+if x:
+    e2e = x["end_to_end_ms"]["median"] / 1e3
+    rows = [
+        ("SDXL 1024 30 steps end to end (s)", e2e, anchor["pipe_sdxl_1024_30steps_pil_bf16vae_s"]),
+        ("denoiser step batch 2 (ms)", x["denoiser_step_ms"]["mean"], anchor["unet_step_b2_ms"]),
+        ("VAE decode 1024 (ms)", x["vae_decode_ms"], anchor["vae_decode_bf16_ms"]),
+        ("peak VRAM (GiB)", x.get("peak_vram_gib", 0), anchor["pipe_mem_GiB"]),
+    ]
+    print(f"{'figure':40s} {'diffract':>10s} {'diffusers':>10s} {'ratio':>7s}")
+    for name, a, b in rows:
+        print(f"{name:40s} {a:10.3f} {b:10.3f} {a / b:7.3f}")
+    print("preview added to denoising: %.1f%%, first image / later: %.2f" %
+          (x["preview_added_to_denoising_pct"], x["first_vs_later"]))
+    print("anchor extra: graph step b2 %.1f ms, compiled %s" % (anchor.get("unet_step_b2_cudagraph_ms", 0),
+          anchor.get("unet_step_b2_compiled_ms", "not run")))
+PY
