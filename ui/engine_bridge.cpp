@@ -1,0 +1,141 @@
+#include "ui/engine_bridge.h"
+
+#include <QMetaObject>
+#include <cstring>
+#include <exception>
+
+#include "core/engine/engine.h"
+
+namespace diffract::ui {
+
+QImage toQImage(const io::Image& image) {
+  if (image.width <= 0 || image.height <= 0 ||
+      image.rgb.size() < static_cast<std::size_t>(image.width) * image.height * 3)
+    return {};
+  QImage out(image.width, image.height, QImage::Format_RGB888);
+  const auto row = static_cast<std::size_t>(image.width) * 3;
+  for (int y = 0; y < image.height; ++y)  // QImage rows are 4-byte aligned; ours are packed
+    std::memcpy(out.scanLine(y), image.rgb.data() + row * y, row);
+  return out;
+}
+
+io::Image toCoreImage(const QImage& image) {
+  const QImage rgb = image.convertToFormat(QImage::Format_RGB888);
+  io::Image out;
+  out.width = rgb.width();
+  out.height = rgb.height();
+  const auto row = static_cast<std::size_t>(out.width) * 3;
+  out.rgb.resize(row * out.height);
+  for (int y = 0; y < out.height; ++y) std::memcpy(out.rgb.data() + row * y, rgb.constScanLine(y), row);
+  return out;
+}
+
+namespace {
+
+JobTimings toJobTimings(const engine::StageTimings& t) {
+  JobTimings j;
+  j.loadMs = t.load_ms;
+  j.tokenizeMs = t.tokenize_ms;
+  j.textEncodeMs = t.text_encode_ms;
+  j.stepMs = QVector<double>(t.step_ms.begin(), t.step_ms.end());
+  j.previewMs = QVector<double>(t.preview_ms.begin(), t.preview_ms.end());
+  j.vaeDecodeMs = t.vae_decode_ms;
+  j.totalMs = t.total_ms;
+  return j;
+}
+
+}  // namespace
+
+EngineBridge::EngineBridge(QObject* parent) : QObject(parent), m_engine(std::make_unique<engine::Engine>()) {
+  qRegisterMetaType<diffract::ui::JobTimings>();
+}
+
+EngineBridge::~EngineBridge() {
+  // The engine's destructor cancels and joins its worker while this object is still whole, so
+  // no callback can post to a half-destroyed bridge; events already posted die with it.
+  m_engine.reset();
+}
+
+quint64 EngineBridge::start(const engine::GenerationRequest& request) {
+  if (m_job) m_job->cancel();  // its remaining events are stale from here on
+  const quint64 id = ++m_currentJob;
+  m_running = true;
+
+  // Every callback runs on the engine's worker: convert there (deep copies), post, return.
+  // The lambdas run on this object's thread through the event loop and drop stale jobs.
+  engine::JobObserver o;
+  o.on_stage = [this, id](const std::string& stage, double ms) {
+    QMetaObject::invokeMethod(
+        this, [this, id, s = QString::fromStdString(stage), ms] {
+          if (isCurrent(id)) emit stageTimed(s, ms);
+        },
+        Qt::QueuedConnection);
+  };
+  o.on_step = [this, id](const engine::StepEvent& e) {
+    QMetaObject::invokeMethod(
+        this, [this, id, e] {
+          if (isCurrent(id)) emit stepDone(e.index, e.total, e.timestep, e.step_ms);
+        },
+        Qt::QueuedConnection);
+  };
+  o.on_preview = [this, id](const engine::PreviewEvent& e) {
+    QMetaObject::invokeMethod(
+        this, [this, id, index = e.index, image = toQImage(e.image), ms = e.decode_ms] {
+          if (isCurrent(id)) emit previewReady(index, image, ms);
+        },
+        Qt::QueuedConnection);
+  };
+  o.on_done = [this, id](const engine::GenerationResult& r) {
+    QList<QImage> images;
+    for (const auto& image : r.images) images.append(toQImage(image));
+    QMetaObject::invokeMethod(
+        this,
+        [this, id, images, meta = QString::fromStdString(r.metadata_json),
+         params = QString::fromStdString(r.a1111_parameters), timings = toJobTimings(r.timings)] {
+          if (!isCurrent(id)) return;
+          m_running = false;
+          m_job.reset();
+          emit finished(images, meta, params, timings);
+        },
+        Qt::QueuedConnection);
+  };
+  o.on_error = [this, id](const std::string& message) {
+    QMetaObject::invokeMethod(
+        this, [this, id, m = QString::fromStdString(message)] {
+          if (!isCurrent(id)) return;
+          m_running = false;
+          m_job.reset();
+          emit failed(m);
+        },
+        Qt::QueuedConnection);
+  };
+  o.on_cancelled = [this, id] {
+    QMetaObject::invokeMethod(
+        this, [this, id] {
+          if (!isCurrent(id)) return;
+          m_running = false;
+          m_job.reset();
+          emit cancelled();
+        },
+        Qt::QueuedConnection);
+  };
+  try {
+    m_job = m_engine->submit(request, std::move(o));
+  } catch (const std::exception& e) {  // submit only queues; keep the promise of a signal anyway
+    QMetaObject::invokeMethod(
+        this, [this, id, m = QString::fromUtf8(e.what())] {
+          if (!isCurrent(id)) return;
+          m_running = false;
+          emit failed(m);
+        },
+        Qt::QueuedConnection);
+  }
+  emit started(id);
+  return id;
+}
+
+void EngineBridge::cancel() {
+  if (m_job) m_job->cancel();  // cancelled() follows from the worker (or on_done if it was already past the end)
+}
+
+}  // namespace diffract::ui

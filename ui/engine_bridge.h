@@ -1,0 +1,72 @@
+#pragma once
+// The one place where the core's worker-thread callbacks become Qt signals on the GUI thread.
+#include <QImage>
+#include <QList>
+#include <QObject>
+#include <QString>
+#include <QVector>
+#include <memory>
+
+#include "core/engine/generation.h"
+
+namespace diffract::engine {
+class Engine;
+class Job;
+}  // namespace diffract::engine
+
+namespace diffract::ui {
+
+// A finished job's stage timings in milliseconds (the core's StageTimings, Qt side).
+struct JobTimings {
+  double loadMs = 0;
+  double tokenizeMs = 0;
+  double textEncodeMs = 0;
+  QVector<double> stepMs;
+  QVector<double> previewMs;
+  double vaeDecodeMs = 0;
+  double totalMs = 0;
+};
+
+// Deep copy of an RGB8 core image.
+QImage toQImage(const io::Image& image);
+// And back, for writing PNGs through the core (any QImage format).
+io::Image toCoreImage(const QImage& image);
+
+// Owns an engine::Engine (its worker thread) and turns each job's callbacks into queued
+// signals, so slots always run on the thread the bridge lives on (the GUI thread) and the
+// engine never waits on that thread. Only the newest job is reported: starting a job cancels
+// the one running, whose late events are dropped by job id.
+class EngineBridge : public QObject {
+  Q_OBJECT
+ public:
+  explicit EngineBridge(QObject* parent = nullptr);
+  ~EngineBridge() override;  // cancels the running job and joins the engine's worker
+
+  // Starts a job (cancelling the current one) and returns its id (1, 2, ...).
+  quint64 start(const engine::GenerationRequest& request);
+  void cancel();
+  bool isRunning() const { return m_running; }
+  quint64 currentJob() const { return m_currentJob; }
+
+ signals:
+  void started(quint64 job);
+  void stageTimed(const QString& stage, double ms);
+  void stepDone(int index, int total, double timestep, double ms);
+  void previewReady(int index, const QImage& image, double decodeMs);
+  void finished(const QList<QImage>& images, const QString& metadataJson, const QString& parameters,
+                const diffract::ui::JobTimings& timings);
+  void failed(const QString& message);
+  void cancelled();
+
+ private:
+  bool isCurrent(quint64 job) const { return m_running && job == m_currentJob; }
+
+  std::unique_ptr<engine::Engine> m_engine;
+  std::shared_ptr<engine::Job> m_job;
+  quint64 m_currentJob = 0;
+  bool m_running = false;
+};
+
+}  // namespace diffract::ui
+
+Q_DECLARE_METATYPE(diffract::ui::JobTimings)
