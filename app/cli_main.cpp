@@ -5,7 +5,9 @@
 
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
+#include "core/engine/compare.h"
 #include "core/engine/engine.h"
 #include "core/io/diffusers_folder.h"
 #include "core/io/image.h"
@@ -147,6 +149,52 @@ int generate(const engine::GenerationRequest& request, const fs::path& out, cons
   return 0;
 }
 
+void add_generation_options(CLI::App* cmd, engine::GenerationRequest& req, bool with_strategy = true) {
+  cmd->add_option("--model", req.model, "diffusers folder or single-file checkpoint")->required();
+  cmd->add_option("--config", req.model_config, "single files: diffusers folder describing the components");
+  cmd->add_option("--prompt", req.prompt, "text")->required();
+  cmd->add_option("--negative", req.negative_prompt, "negative prompt");
+  cmd->add_option("--steps", req.steps, "denoising steps")->capture_default_str();
+  cmd->add_option("--cfg", req.cfg, "classifier-free guidance scale (<= 1: off)")->capture_default_str();
+  cmd->add_option("--seed", req.seed, "noise seed")->capture_default_str();
+  cmd->add_option("--width", req.width, "pixels (default: the model's native size)");
+  cmd->add_option("--height", req.height, "pixels (default: the model's native size)");
+  cmd->add_option("--scheduler", req.sampler,
+                  "euler, euler-ancestral, ddim, ddpm, dpmpp-2m, dpmpp-2m-karras (default: the model's own)");
+  cmd->add_option("--device", req.device, "cpu or cuda:N")->capture_default_str();
+  cmd->add_option("--taesd", req.taesd, "TAESD for previews (folder or .pth pair)");
+  cmd->add_option("--batch", req.batch, "images per prompt")->capture_default_str();
+  if (with_strategy) {
+    cmd->add_option("--strategy", req.strategy, "multi-device strategy (default: the plain loop)");
+    cmd->add_option("--devices", req.devices, "devices the strategy uses")->capture_default_str();
+  }
+}
+
+int compare(engine::GenerationRequest request, const std::string& strategy, int devices, const fs::path& out_dir) {
+  fs::create_directories(out_dir);
+  request.preview_every = 0;
+  engine::Engine eng;
+  engine::CancelToken never;
+  const auto c = engine::compare(eng, request, strategy, devices, {}, never);
+  const io::PngText base_text = {{"parameters", c.baseline.a1111_parameters}, {"diffract", c.baseline.metadata_json}};
+  const io::PngText acc_text = {{"parameters", c.accelerated.a1111_parameters},
+                                {"diffract", c.accelerated.metadata_json}};
+  io::write_png(out_dir / "baseline.png", c.baseline.images.front(), base_text);
+  io::write_png(out_dir / (strategy + ".png"), c.accelerated.images.front(), acc_text);
+  io::write_png(out_dir / "heatmap.png", c.heatmap);
+  const auto meta = nlohmann::json::parse(c.accelerated.metadata_json);
+  std::cout << "strategy " << strategy << " on " << devices << " device(s)\n"
+            << "speed-up " << c.speedup << " (baseline " << c.baseline.timings.total_ms - c.baseline.timings.load_ms
+            << " ms, strategy " << c.accelerated.timings.total_ms - c.accelerated.timings.load_ms << " ms)\n"
+            << "PSNR " << c.psnr << " dB, SSIM " << c.ssim << ", latents relative L2 " << c.latents_rel_l2 << "\n";
+  if (meta.contains("strategy")) std::cout << "stats " << meta["strategy"].dump() << "\n";
+  if (request.device == "cpu")
+    std::cout << "note: CPU virtual devices share this machine's cores; their speed-up says nothing about GPUs\n";
+  std::cout << "wrote " << (out_dir / "baseline.png").string() << ", " << (out_dir / (strategy + ".png")).string()
+            << ", " << (out_dir / "heatmap.png").string() << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -175,24 +223,22 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"text_encoder", "text_encoder_2"}));
 
   engine::GenerationRequest req;
-  std::string out_path, preview_dir;
+  std::string out_path, preview_dir, out_dir;
   auto* gen_cmd = app.add_subcommand("generate", "Text to image; writes a PNG carrying its parameters");
-  gen_cmd->add_option("--model", req.model, "diffusers folder or single-file checkpoint")->required();
-  gen_cmd->add_option("--config", req.model_config, "single files: diffusers folder describing the components");
-  gen_cmd->add_option("--prompt", req.prompt, "text")->required();
-  gen_cmd->add_option("--negative", req.negative_prompt, "negative prompt");
-  gen_cmd->add_option("--steps", req.steps, "denoising steps")->capture_default_str();
-  gen_cmd->add_option("--cfg", req.cfg, "classifier-free guidance scale (<= 1: off)")->capture_default_str();
-  gen_cmd->add_option("--seed", req.seed, "noise seed")->capture_default_str();
-  gen_cmd->add_option("--width", req.width, "pixels (default: the model's native size)");
-  gen_cmd->add_option("--height", req.height, "pixels (default: the model's native size)");
-  gen_cmd->add_option("--scheduler", req.sampler,
-                      "euler, euler-ancestral, ddim, ddpm, dpmpp-2m, dpmpp-2m-karras (default: the model's own)");
-  gen_cmd->add_option("--device", req.device, "cpu or cuda:N")->capture_default_str();
-  gen_cmd->add_option("--taesd", req.taesd, "TAESD for previews (folder or .pth pair)");
-  gen_cmd->add_option("--batch", req.batch, "images per prompt")->capture_default_str();
+  add_generation_options(gen_cmd, req);
   gen_cmd->add_option("--preview-dir", preview_dir, "write each step's preview here");
   gen_cmd->add_option("--out", out_path, "output .png")->required();
+
+  std::string compare_strategy;
+  int compare_devices = 2;
+  auto* cmp_cmd = app.add_subcommand("compare", "A strategy against the one-device baseline, same seed: speed and quality");
+  add_generation_options(cmp_cmd, req, /*with_strategy=*/false);
+  cmp_cmd->add_option("--strategy", compare_strategy,
+                      "cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip")
+      ->required();
+  cmp_cmd->add_option("--devices", compare_devices, "devices (drafts per round for DRiffusion, skip for step-skip)")
+      ->capture_default_str();
+  cmp_cmd->add_option("--out-dir", out_dir, "folder for baseline.png, <strategy>.png and heatmap.png")->required();
 
   CLI11_PARSE(app, argc, argv);
   log::set_verbose(verbose);
@@ -205,6 +251,7 @@ int main(int argc, char** argv) {
     if (tok_cmd->parsed()) return tokenize(tok_path, prompt);
     if (enc_cmd->parsed()) return encode(model_path, component, prompt);
     if (gen_cmd->parsed()) return generate(req, out_path, preview_dir);
+    if (cmp_cmd->parsed()) return compare(req, compare_strategy, compare_devices, out_dir);
   } catch (const Error& e) {
     log::get("cli").error(e.what());
     return 1;

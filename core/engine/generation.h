@@ -25,6 +25,9 @@ struct GenerationRequest {
   std::string taesd;             // preview decoder (TAESD folder or .pth files); empty: latent approximation
   int preview_every = 1;         // 0: no previews
   int batch = 1;
+  std::string strategy;          // multi-device strategy (core/parallel): "" or "single" runs the plain loop;
+                                 // cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip
+  int devices = 1;               // devices (or drafts per round, or the skip factor) the strategy uses
 };
 
 struct StageTimings {
@@ -57,6 +60,8 @@ struct GenerationResult {
   std::string family;            // "sd1", "sd2", "sdxl"
   std::string a1111_parameters;  // the A1111 "parameters" text
   std::string metadata_json;     // the whole job and its timings
+  std::vector<float> latents;    // the final latents (float32), for comparing runs
+  std::vector<std::int64_t> latents_shape;
 };
 
 // Callbacks run on the generating thread; keep them short (queue to the GUI thread).

@@ -418,7 +418,10 @@ at::Tensor run_strategy(StableDiffusion::Impl& p, const parallel::Strategy& stra
 engine::GenerationResult StableDiffusion::generate(const engine::GenerationRequest& request,
                                                    const engine::JobObserver& observer,
                                                    const engine::CancelToken& cancel) {
-  return generate(request, observer, cancel, nullptr);
+  if (request.strategy.empty() || request.strategy == "single") return generate(request, observer, cancel, nullptr);
+  const auto strategy = parallel::make_strategy(request.strategy, request.devices);
+  strategy->validate(request.batch, request.cfg > 1.0);
+  return generate(request, observer, cancel, strategy.get());
 }
 
 engine::GenerationResult StableDiffusion::generate(const engine::GenerationRequest& request,
@@ -561,7 +564,8 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
       {"prompt", req.prompt}, {"negative_prompt", req.negative_prompt},
       {"width", req.width}, {"height", req.height}, {"steps", req.steps}, {"cfg", req.cfg},
       {"seed", req.seed}, {"sampler", req.sampler}, {"device", req.device}, {"batch", req.batch},
-      {"taesd", req.taesd},
+      {"taesd", req.taesd}, {"strategy_name", req.strategy.empty() ? "single" : req.strategy},
+      {"devices", req.devices},
       {"timings_ms", {{"load", timings.load_ms}, {"tokenize", timings.tokenize_ms},
                       {"text_encode", timings.text_encode_ms}, {"steps", timings.step_ms},
                       {"previews", timings.preview_ms}, {"vae_decode", timings.vae_decode_ms},
@@ -569,6 +573,9 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
   };
   if (!strategy_stats.empty()) meta["strategy"] = nlohmann::json::parse(strategy_stats);
   result.metadata_json = meta.dump();
+  const auto cpu_latents = latents.to(at::kCPU, at::kFloat).contiguous();
+  result.latents.assign(cpu_latents.data_ptr<float>(), cpu_latents.data_ptr<float>() + cpu_latents.numel());
+  result.latents_shape = cpu_latents.sizes().vec();
   return result;
 }
 

@@ -1,0 +1,53 @@
+#include "core/engine/compare.h"
+
+#include <ATen/ATen.h>
+
+#include "core/metrics/metrics.h"
+#include "core/util/error.h"
+
+namespace diffract::engine {
+
+namespace {
+
+double generation_ms(const GenerationResult& r) { return r.timings.total_ms - r.timings.load_ms; }
+
+at::Tensor latents_of(const GenerationResult& r) {
+  return at::from_blob(const_cast<float*>(r.latents.data()), r.latents_shape, at::kFloat);
+}
+
+}  // namespace
+
+Comparison compare(Engine& engine, GenerationRequest request, const std::string& strategy, int devices,
+                   const JobObserver& observer, const CancelToken& cancel) {
+  if (strategy.empty() || strategy == "single") throw Error("compare needs a strategy other than 'single'");
+  Comparison c;
+  auto baseline = request;
+  baseline.strategy = "single";
+  baseline.devices = 1;
+  // A one-step run first loads the model and pays every first-use cost outside the timing.
+  auto warm_up = baseline;
+  warm_up.steps = 1;
+  engine.run(warm_up, {}, cancel);
+  c.baseline = engine.run(baseline, observer, cancel);
+  request.strategy = strategy;
+  request.devices = devices;
+  c.accelerated = engine.run(request, observer, cancel);
+  c.speedup = generation_ms(c.baseline) / generation_ms(c.accelerated);
+  const auto& a = c.accelerated.images.front();
+  const auto& b = c.baseline.images.front();
+  c.psnr = metrics::psnr(a, b);
+  c.ssim = metrics::ssim(a, b);
+  c.latents_rel_l2 = metrics::relative_l2(latents_of(c.accelerated), latents_of(c.baseline));
+  auto diff = metrics::abs_diff_map(a, b);
+  const double peak = std::max(diff.max().item<double>(), 1e-12);
+  // Black (equal) through red and yellow to white (the largest difference).
+  auto t = (diff / peak).clamp(0, 1);
+  auto rgb = at::stack({(t * 3).clamp(0, 1), (t * 3 - 1).clamp(0, 1), (t * 3 - 2).clamp(0, 1)}, -1);
+  auto u8 = (rgb * 255).round().to(at::kByte).contiguous();
+  c.heatmap.width = static_cast<int>(u8.size(1));
+  c.heatmap.height = static_cast<int>(u8.size(0));
+  c.heatmap.rgb.assign(u8.data_ptr<std::uint8_t>(), u8.data_ptr<std::uint8_t>() + u8.numel());
+  return c;
+}
+
+}  // namespace diffract::engine
