@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: builds the core and diffract-bench against the installed PyTorch's
 # LibTorch, runs diffract-bench and the diffusers anchor in the same session, prints ratios.
-#   Carried in .carry/: include/CLI (CLI11 headers), whl/ (diffusers), diffusers_sdxl_sd3.py (the anchor).
+#   Carried in .carry/ (made by scripts/prepare_carry.sh): CLI11 headers, the diffusers wheel, the anchor script.
 #   BENCH_CONFIGS (default sdxl-1024,sdxl-768,sd15-512), BENCH_BATCHES (default 1,4), BENCH_RUNS (default 3).
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

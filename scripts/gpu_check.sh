@@ -2,7 +2,7 @@
 # On the GPU machine (no Qt, no network): builds the core and diffract-cli against the
 # installed PyTorch's LibTorch, makes the tiny reference models, and generates with them on
 # CPU and CUDA, comparing both with diffusers on CUDA.
-#   Carried in .carry/: include/CLI (CLI11 headers), shared/data (CLIP BPE, TAEF2), whl/ (diffusers).
+#   Carried in .carry/ (made by scripts/prepare_carry.sh): CLI11 headers, shared data, the diffusers wheel.
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
