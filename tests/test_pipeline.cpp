@@ -13,12 +13,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// diffusers' float image (x * 255, rounded) against our 8-bit image. With CFG our runs are
-// bit-identical to diffusers (0 levels); the batch-1 path without CFG drifts by up to 3
-// levels (mean 0.33) after 5 steps through the tiny random model, from rounding we have not
-// traced. Both bounds are checked.
-constexpr int kMaxLevels = 3;
-constexpr double kMaxMeanLevels = 0.5;
+// diffusers' float image (x * 255, rounded) against our 8-bit image. Euler, Euler ancestral
+// and DPM++ runs come out bit-identical; DDIM and DDPM work their coefficients out in double
+// where diffusers uses float32, which moves a few pixels by one level.
+constexpr int kMaxLevels = 1;
+constexpr double kMaxMeanLevels = 0.05;
 
 engine::GenerationRequest request_for(const nlohmann::json& c, const std::string& model) {
   engine::GenerationRequest r;
@@ -71,6 +70,7 @@ class TestPipeline : public QObject {
       auto theirs = (expected[static_cast<int64_t>(b)] * 255).round().to(at::kInt);
       QCOMPARE(ours.sizes(), theirs.sizes());
       const auto diff = (ours - theirs).abs();
+      qInfo("%s: max %d levels, mean %.4f", name.c_str(), diff.max().item<int>(), diff.to(at::kFloat).mean().item<float>());
       QVERIFY2(diff.max().item<int>() <= kMaxLevels && diff.to(at::kFloat).mean().item<float>() <= kMaxMeanLevels,
                qPrintable(QString("%1: max diff %2 levels, mean %3").arg(name.c_str()).arg(diff.max().item<int>())
                               .arg(diff.to(at::kFloat).mean().item<float>())));

@@ -269,10 +269,13 @@ def make_pipeline_cases(out, sd, xl):
     import diffusers
 
     cases, index = {}, []
+    # Every sampler starts from the model's own scheduler config, never from the previous
+    # sampler's (from_config would carry over keys such as use_karras_sigmas).
+    saved = {id(sd): dict(sd.scheduler.config), id(xl): dict(xl.scheduler.config)}
 
     def run(name, pipe, sampler, **kw):
         cls, extra = SAMPLERS[sampler]
-        pipe.scheduler = getattr(diffusers, cls).from_config(pipe.scheduler.config, **extra)
+        pipe.scheduler = getattr(diffusers, cls).from_config(saved[id(pipe)], **extra)
         seed = kw.pop("seed")
         image = pipe(generator=torch.Generator().manual_seed(seed), output_type="np", **kw).images
         cases[name] = torch.from_numpy(image)
