@@ -125,6 +125,20 @@ struct StableDiffusion::Impl {
 
   int vae_factor() const { return static_cast<int>(vae->config.downscale_factor()); }
 
+  // Inference mode on the job's device and dtype, for every component.
+  void place() {
+    at::NoGradGuard no_grad;
+    for (torch::nn::Module* m : {static_cast<torch::nn::Module*>(unet.get()), static_cast<torch::nn::Module*>(vae.get()),
+                                 static_cast<torch::nn::Module*>(text_encoder.get())}) {
+      m->eval();
+      m->to(device, dtype);
+    }
+    if (text_encoder_2) {
+      text_encoder_2->eval();
+      text_encoder_2->to(device, dtype);
+    }
+  }
+
   struct Conditioning {
     at::Tensor context, pooled;
   };
@@ -314,17 +328,9 @@ std::unique_ptr<StableDiffusion> StableDiffusion::random(Family family, bool tin
     p->force_zeros_for_empty_prompt = true;
   }
   use_builtin_scheduler(*p, family == Family::SD2 ? "v_prediction" : "epsilon", p->path.string());
-  p->unet->eval();
-  p->vae->eval();
-  p->text_encoder->eval();
-  if (p->text_encoder_2) p->text_encoder_2->eval();
   p->taesd->eval();
-  at::NoGradGuard no_grad;
-  p->unet->to(p->device, p->dtype);
-  p->text_encoder->to(p->device, p->dtype);
-  if (p->text_encoder_2) p->text_encoder_2->to(p->device, p->dtype);
-  p->vae->to(p->device, p->dtype);
   p->taesd->to(p->device, p->dtype);
+  p->place();
   p->load_ms = ms_since(t0);
   return std::unique_ptr<StableDiffusion>(new StableDiffusion(std::move(p)));
 }
@@ -343,11 +349,7 @@ std::unique_ptr<StableDiffusion> StableDiffusion::load(const fs::path& model, co
   } else {
     load_folder(*p, model);
   }
-  at::NoGradGuard no_grad;
-  p->unet->to(p->device, p->dtype);
-  p->text_encoder->to(p->device, p->dtype);
-  if (p->text_encoder_2) p->text_encoder_2->to(p->device, p->dtype);
-  p->vae->to(p->device, p->dtype);
+  p->place();
   p->load_ms = ms_since(t0);
   log::get("pipeline").info(log::str("loaded ", model.string(), " (", family_name(p->family), ") on ", device, " in ",
                                      static_cast<int>(p->load_ms), " ms"));

@@ -16,6 +16,17 @@ namespace {
 
 bool has_cross_attention(const std::string& block_type) { return block_type.rfind("CrossAttn", 0) == 0; }
 
+// Every resnet of the UNet takes the time embedding and the config's norm settings.
+ResnetBlock2DOptions resnet_options(const UNet2DConditionConfig& c, int64_t in_channels, int64_t out_channels) {
+  ResnetBlock2DOptions r;
+  r.in_channels = in_channels;
+  r.out_channels = out_channels;
+  r.temb_channels = c.time_embed_dim();
+  r.groups = c.norm_num_groups;
+  r.eps = c.norm_eps;
+  return r;
+}
+
 // A scalar or a per-block list in config.json, as a list of `n`.
 std::vector<int64_t> per_block(const io::JsonFile& j, const std::string& key, size_t n, int64_t fallback) {
   if (!j.has(key)) return std::vector<int64_t>(n, fallback);
@@ -221,13 +232,7 @@ DownBlockImpl::DownBlockImpl(const UNet2DConditionConfig& c, size_t i, int64_t i
   resnets = register_module("resnets", nn::ModuleList());
   if (cross) attentions = register_module("attentions", nn::ModuleList());
   for (int64_t l = 0; l < c.layers_per_block[i]; ++l) {
-    ResnetBlock2DOptions r;
-    r.in_channels = l == 0 ? in_channels : out_channels;
-    r.out_channels = out_channels;
-    r.temb_channels = c.time_embed_dim();
-    r.groups = c.norm_num_groups;
-    r.eps = c.norm_eps;
-    resnets->push_back(ResnetBlock2D(r));
+    resnets->push_back(ResnetBlock2D(resnet_options(c, l == 0 ? in_channels : out_channels, out_channels)));
     if (cross)
       attentions->push_back(Transformer2DModel(out_channels, c.num_attention_heads[i], c.transformer_layers_per_block[i],
                                                c.cross_attention_dim[i], c.norm_num_groups, c.use_linear_projection));
@@ -253,11 +258,7 @@ at::Tensor DownBlockImpl::forward(at::Tensor x, const at::Tensor& temb, const at
 
 MidBlockImpl::MidBlockImpl(const UNet2DConditionConfig& c) {
   const auto ch = c.block_out_channels.back();
-  ResnetBlock2DOptions r;
-  r.in_channels = ch;
-  r.temb_channels = c.time_embed_dim();
-  r.groups = c.norm_num_groups;
-  r.eps = c.norm_eps;
+  auto r = resnet_options(c, ch, ch);
   r.output_scale_factor = c.mid_block_scale_factor;
   resnets = register_module("resnets", nn::ModuleList(ResnetBlock2D(r), ResnetBlock2D(r)));
   attentions = register_module(
@@ -280,13 +281,8 @@ UpBlockImpl::UpBlockImpl(const UNet2DConditionConfig& c, size_t i, int64_t prev_
   resnets = register_module("resnets", nn::ModuleList());
   if (cross) attentions = register_module("attentions", nn::ModuleList());
   for (size_t l = 0; l < skip_channels.size(); ++l) {
-    ResnetBlock2DOptions r;
-    r.in_channels = (l == 0 ? prev_channels : out_channels) + skip_channels[l];
-    r.out_channels = out_channels;
-    r.temb_channels = c.time_embed_dim();
-    r.groups = c.norm_num_groups;
-    r.eps = c.norm_eps;
-    resnets->push_back(ResnetBlock2D(r));
+    const int64_t in = (l == 0 ? prev_channels : out_channels) + skip_channels[l];
+    resnets->push_back(ResnetBlock2D(resnet_options(c, in, out_channels)));
     if (cross)
       attentions->push_back(Transformer2DModel(out_channels, c.num_attention_heads[rev],
                                                c.reverse_transformer_layers_per_block[i], c.cross_attention_dim[rev],
