@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include "core/metrics/metrics.h"
 #include "core/pipeline/stable_diffusion.h"
 #include "core/util/build_info.h"
 #include "core/util/error.h"
@@ -57,7 +58,27 @@ double mean(const std::vector<double>& v) {
   return v.empty() ? 0 : std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
 }
 
-json run_config(const BenchConfig& c, int batch, int runs, const std::string& device) {
+at::Tensor latents_of(const engine::GenerationResult& r) {
+  return at::from_blob(const_cast<float*>(r.latents.data()), r.latents_shape, at::kFloat).clone();
+}
+
+double denoise_ms(const engine::GenerationResult& r) {
+  return std::accumulate(r.timings.step_ms.begin(), r.timings.step_ms.end(), 0.0);
+}
+
+// A strategy spec "name" or "name:n" (n devices, drafts or skip factor).
+std::pair<std::string, int> parse_strategy(const std::string& spec) {
+  const auto colon = spec.find(':');
+  if (colon == std::string::npos) return {spec, spec == "single" || spec == "step-skip" ? 1 : 2};
+  try {
+    return {spec.substr(0, colon), std::stoi(spec.substr(colon + 1))};
+  } catch (const std::logic_error&) {
+    throw Error("strategy '" + spec + "': expected NAME or NAME:N");
+  }
+}
+
+json run_config(const BenchConfig& c, int batch, int runs, const std::string& device,
+                const std::vector<std::string>& strategies) {
   const bool cuda = device.rfind("cuda", 0) == 0;
 #ifdef DIFFRACT_HAS_CUDA
   const auto index = static_cast<c10::DeviceIndex>(cuda ? at::Device(device == "cuda" ? "cuda:0" : device).index() : 0);
@@ -67,6 +88,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   }
 #endif
   auto sd = pipeline::StableDiffusion::random(c.family, c.tiny, device);
+  const double warm_up_ms = sd->warm_up();  // what the engine does at load (GPU only)
   engine::GenerationRequest req;
   req.model = "<random>";
   req.prompt = "a studio packshot of a red perfume bottle on a white background, soft shadow";
@@ -83,12 +105,14 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
 
   const auto t0 = clock();
   auto first = sd->generate(req, {}, never);  // every first-use cost (cuDNN plans, allocator growth)
-  const double first_ms = ms(t0, clock());  // the model build happened before t0
+  const double first_ms = ms(t0, clock());  // the model build and warm-up happened before t0
   std::vector<double> e2e, steps, text, vae;
+  engine::GenerationResult last;
   for (int r = 0; r < runs; ++r) {
     const auto t = clock();
     auto res = sd->generate(req, {}, never);
     e2e.push_back(ms(t, clock()));
+    last = res;
     steps.insert(steps.end(), res.timings.step_ms.begin(), res.timings.step_ms.end());
     text.push_back(res.timings.text_encode_ms);
     vae.push_back(res.timings.vae_decode_ms);
@@ -99,16 +123,18 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   with_previews.preview_every = 1;
   engine::JobObserver o;
   o.on_preview = [](const engine::PreviewEvent&) {};
-  std::vector<double> e2e_p, steps_p, previews;
-  for (int r = 0; r < std::max(1, runs / 2); ++r) {
+  std::vector<double> e2e_p, denoise_p, previews;
+  int dropped = 0;
+  for (int r = 0; r < runs; ++r) {
     const auto t = clock();
     auto res = sd->generate(with_previews, o, never);
     e2e_p.push_back(ms(t, clock()));
-    steps_p.insert(steps_p.end(), res.timings.step_ms.begin(), res.timings.step_ms.end());
+    denoise_p.push_back(denoise_ms(res));
     previews.insert(previews.end(), res.timings.preview_ms.begin(), res.timings.preview_ms.end());
+    dropped += res.timings.previews_dropped;
   }
+  // Previews decode on their own stream: what they cost is what the denoising loop lost.
   const double denoise = mean(steps) * c.steps;
-  const double denoise_p = mean(steps_p) * c.steps + mean(previews) * c.steps;
   json j = {
       {"config", c.name}, {"batch", batch}, {"device", device}, {"width", c.size}, {"height", c.size},
       {"steps", c.steps}, {"cfg", c.cfg}, {"runs", runs},
@@ -121,9 +147,48 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
       {"denoiser_step_ms", {{"mean", mean(steps)}, {"p50", percentile(steps, 0.5)}, {"p95", percentile(steps, 0.95)}}},
       {"vae_decode_ms", percentile(vae, 0.5)},
       {"preview_decode_ms", mean(previews)},
+      {"previews_shown", previews.size() / static_cast<std::size_t>(runs)},
+      {"previews_dropped_per_run", static_cast<double>(dropped) / runs},
       {"end_to_end_with_previews_ms", percentile(e2e_p, 0.5)},
-      {"preview_added_to_denoising_pct", denoise > 0 ? 100.0 * (denoise_p - denoise) / denoise : 0.0},
+      {"denoising_with_previews_ms", percentile(denoise_p, 0.5)},
+      {"preview_added_to_denoising_pct", denoise > 0 ? 100.0 * (percentile(denoise_p, 0.5) - denoise) / denoise : 0.0},
+      {"warm_up_ms", warm_up_ms},
   };
+  {
+    const auto meta = json::parse(last.metadata_json);
+    if (meta.contains("unet_graphs")) j["unet_graphs"] = meta["unet_graphs"];
+  }
+  if (cuda) j["unet_step_variants"] = json::parse(sd->profile_unet_step(c.size, 2 * batch, 10));
+  // Strategies: the same job run by each, against the single-device result of this run.
+  const double base_e2e = percentile(e2e, 0.5), base_denoise = denoise;
+  const auto base_latents = latents_of(last);
+  for (const auto& spec : strategies) {
+    const auto [name, n] = parse_strategy(spec);
+    auto sreq = req;
+    sreq.strategy = name;
+    sreq.devices = n;
+    sd->generate(sreq, {}, never);  // replicas, communicators, graphs on the other devices
+    std::vector<double> se2e, sden;
+    engine::GenerationResult sres;
+    for (int r = 0; r < runs; ++r) {
+      const auto t = clock();
+      sres = sd->generate(sreq, {}, never);
+      se2e.push_back(ms(t, clock()));
+      sden.push_back(denoise_ms(sres));
+    }
+    const auto meta = json::parse(sres.metadata_json);
+    json sj = {{"strategy", name}, {"n", n},
+               {"end_to_end_ms", percentile(se2e, 0.5)},
+               {"denoising_ms", percentile(sden, 0.5)},
+               {"speedup_end_to_end", base_e2e / percentile(se2e, 0.5)},
+               {"speedup_denoising", base_denoise / percentile(sden, 0.5)},
+               {"psnr_db", metrics::psnr(sres.images.front(), last.images.front())},
+               {"ssim", metrics::ssim(sres.images.front(), last.images.front())},
+               {"latents_rel_l2", metrics::relative_l2(latents_of(sres), base_latents)}};
+    if (meta.contains("strategy")) sj["stats"] = meta["strategy"];
+    j["strategies"].push_back(sj);
+    log::get("bench").info(sj.dump());
+  }
 #ifdef DIFFRACT_HAS_CUDA
   if (cuda) {
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
@@ -144,12 +209,17 @@ int main(int argc, char** argv) {
   std::string device = "cpu";
   int runs = 3;
   bool verbose = false;
+  std::vector<std::string> strategies;
   std::string names_help = "configs:";
   for (const auto& c : configs()) names_help += " " + c.name;
   app.add_option("--config", names, names_help)->delimiter(',');
   app.add_option("--batch", batches, "images per prompt, e.g. 1,4")->delimiter(',');
   app.add_option("--device", device, "cpu or cuda:N")->capture_default_str();
   app.add_option("--runs", runs, "timed runs after the warm-up")->capture_default_str();
+  app.add_option("--strategies", strategies,
+                 "also run each strategy (NAME or NAME:N, e.g. cfg-parallel,driffusion-aggressive:2) and compare it with "
+                 "the single-device result: speed-up, PSNR, SSIM, latent rel-L2")
+      ->delimiter(',');
   app.add_flag("-v,--verbose", verbose);
   CLI11_PARSE(app, argc, argv);
   log::set_verbose(verbose);
@@ -163,7 +233,7 @@ int main(int argc, char** argv) {
       if (it == configs().end()) throw Error("unknown config '" + name + "' (" + names_help + ")");
       for (int b : batches) {
         if (b < 1) throw Error("--batch values must be at least 1");
-        out["results"].push_back(run_config(*it, b, runs, device));
+        out["results"].push_back(run_config(*it, b, runs, device, strategies));
         log::get("bench").info(out["results"].back().dump());
       }
     }

@@ -2,7 +2,9 @@
 # On the GPU machine: builds the core and diffract-bench against the installed PyTorch's
 # LibTorch, runs diffract-bench and the diffusers anchor in the same session, prints ratios.
 #   Carried in .carry/ (made by scripts/prepare_carry.sh): CLI11 headers, the diffusers wheel, the anchor script.
-#   BENCH_CONFIGS (default sdxl-1024,sdxl-768,sd15-512), BENCH_BATCHES (default 1,4), BENCH_RUNS (default 3).
+#   BENCH_CONFIGS (default sdxl-1024,sdxl-768,sd15-512), BENCH_BATCHES (default 1,4), BENCH_RUNS (default 3),
+#   BENCH_STRATEGIES (e.g. cfg-parallel,driffusion-aggressive:2; default none), GPU_CHECKS=1 runs `ctest -L gpu`
+#   first, ANCHOR=0 skips the diffusers anchor.
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,13 +18,30 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 cmake --preset gpu -DDIFFRACT_BUILD_CLI=ON -DCLI11_INCLUDE_DIR="$root/.carry/include" \
   -DDIFFRACT_PYTHON="$(command -v python3)" -DCMAKE_CXX_COMPILER_LAUNCHER= > "$out/configure.log" 2>&1 \
   || { tail -40 "$out/configure.log"; exit 1; }
-cmake --build build/gpu -j "$(nproc)" --target diffract-bench > "$out/build.log" 2>&1 || { grep -m20 -A5 error "$out/build.log"; exit 1; }
+targets=(diffract-bench)
+[ "${GPU_CHECKS:-0}" = 1 ] && targets+=(diffract-gpu-checks)
+cmake --build build/gpu -j "$(nproc)" --target "${targets[@]}" > "$out/build.log" 2>&1 || { grep -m20 -A5 error "$out/build.log"; exit 1; }
 
-build/gpu/app/diffract-bench --device cuda:0 --config "${BENCH_CONFIGS:-sdxl-1024,sdxl-768,sd15-512}" \
-  --batch "${BENCH_BATCHES:-1,4}" --runs "${BENCH_RUNS:-3}" > "$out/diffract.json" 2> "$out/diffract.log" \
-  || { tail -20 "$out/diffract.log"; exit 1; }
-python3 .carry/diffusers_sdxl_sd3.py > "$out/anchor.log" 2>&1 || { tail -20 "$out/anchor.log"; exit 1; }
-grep '^RESULT ' "$out/anchor.log" | sed 's/^RESULT //' > "$out/anchor.json"
+if [ "${GPU_CHECKS:-0}" = 1 ]; then
+  # The NCCL basics first: if they fail, the other multi-GPU checks would only wait out their timeouts.
+  if ctest --test-dir build/gpu -R gpu_nccl -V > "$out/gpu_checks.log" 2>&1; then
+    ctest --test-dir build/gpu -L gpu -E gpu_nccl -V >> "$out/gpu_checks.log" 2>&1 || true
+  else
+    ctest --test-dir build/gpu -L gpu -LE multigpu -V >> "$out/gpu_checks.log" 2>&1 || true
+    BENCH_STRATEGIES=""
+  fi
+  grep -E "  (ok|FAIL)  |skipped|tests passed|Timeout|rel-L2|capture|previews shown|rounds|error:|steps reported" "$out/gpu_checks.log" | head -80
+fi
+
+timeout "${BENCH_TIMEOUT:-900}" build/gpu/app/diffract-bench --device cuda:0 --config "${BENCH_CONFIGS:-sdxl-1024,sdxl-768,sd15-512}" \
+  --batch "${BENCH_BATCHES:-1,4}" --runs "${BENCH_RUNS:-3}" ${BENCH_STRATEGIES:+--strategies "$BENCH_STRATEGIES"} \
+  > "$out/diffract.json" 2> "$out/diffract.log" || { tail -20 "$out/diffract.log"; exit 1; }
+if [ "${ANCHOR:-1}" = 1 ]; then
+  python3 .carry/diffusers_sdxl_sd3.py > "$out/anchor.log" 2>&1 || { tail -20 "$out/anchor.log"; exit 1; }
+  grep '^RESULT ' "$out/anchor.log" | sed 's/^RESULT //' > "$out/anchor.json"
+else
+  echo '{}' > "$out/anchor.json"
+fi
 
 python3 - "$out" <<'PY'
 import json, sys
@@ -31,9 +50,13 @@ ours = json.load(open(f"{out}/diffract.json"))
 anchor = json.load(open(f"{out}/anchor.json"))
 print("versions:", {k: ours[k] for k in ("diffract", "torch", "nccl")})
 for r in ours["results"]:
-    print(json.dumps(r))
+    print(json.dumps({k: v for k, v in r.items() if k != "strategies"}))
+    for s in r.get("strategies", []):
+        print(f"  {r['config']} b{r['batch']} {s['strategy']}:{s['n']:<2} e2e {s['end_to_end_ms']:8.1f} ms"
+              f"  speed-up e2e {s['speedup_end_to_end']:.2f}x denoise {s['speedup_denoising']:.2f}x"
+              f"  PSNR {s['psnr_db']:.2f} dB SSIM {s['ssim']:.4f} latent rel-L2 {s['latents_rel_l2']:.4f}")
 x = next((r for r in ours["results"] if r["config"] == "sdxl-1024" and r["batch"] == 1), None)
-if x:
+if x and anchor:
     e2e = x["end_to_end_ms"]["median"] / 1e3
     rows = [
         ("SDXL 1024 30 steps end to end (s)", e2e, anchor["pipe_sdxl_1024_30steps_pil_bf16vae_s"]),

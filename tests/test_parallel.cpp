@@ -32,6 +32,7 @@ class Counting final : public Denoiser {
   bool cfg() const override { return inner_->cfg(); }
   double guidance_scale() const override { return inner_->guidance_scale(); }
   std::int64_t batch() const override { return inner_->batch(); }
+  at::ScalarType output_dtype() const override { return inner_->output_dtype(); }
   std::unique_ptr<Denoiser> rows(std::int64_t b, std::int64_t n) const override {
     return std::make_unique<Counting>(inner_->rows(b, n), count_, fail_);
   }
@@ -65,7 +66,7 @@ class TestParallel : public QObject {
     auto sampler = schedulers::Sampler::create(kind, in.config, steps);
     in.latents = at::randn({batch, c.in_channels, c.sample_size, c.sample_size}, g) * sampler->init_noise_sigma();
     in.generator = g;
-    auto unet = unet_;
+    auto unet = std::make_shared<models::UNetGraphRunner>(unet_);
     in.make_denoiser = [this, unet, pos, neg, cfg](int rank, const c10::Device& d) -> std::unique_ptr<Denoiser> {
       return std::make_unique<Counting>(std::make_unique<UNetDenoiser>(unet, pos, neg, cfg, at::kFloat, d), evals_,
                                         rank == fail_rank_);
@@ -328,7 +329,10 @@ class TestParallel : public QObject {
     DIFFRACT_EXPECT_ERROR(make_strategy("pipefusion", 2), "unknown strategy");
     auto group = DeviceGroup::virtual_cpu(3);
     DIFFRACT_EXPECT_ERROR(CfgParallel{}.run(*group, inputs(schedulers::SamplerKind::Euler, 2, 1, 5.0)), "needs 2 device");
-    DIFFRACT_EXPECT_ERROR(DeviceGroup::parse("cuda:0,cuda:1"), "NCCL");
+    DIFFRACT_EXPECT_ERROR(DeviceGroup::parse("cuda:0,gpu1"), "'gpu1' is not cuda:N");
+    DIFFRACT_EXPECT_ERROR(DeviceGroup::parse("cuda:0,cuda:x"), "'cuda:x' is not cuda:N");
+    DIFFRACT_EXPECT_ERROR(DeviceGroup::parse("cuda:99"), "cuda:99 does not exist");
+    DIFFRACT_EXPECT_ERROR(DeviceGroup::parse("tpu:0"), "is not 'virtual:N'");
     QCOMPARE(DeviceGroup::parse("virtual:4")->size(), 4);
   }
 };

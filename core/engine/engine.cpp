@@ -14,7 +14,13 @@ namespace diffract::engine {
 struct Engine::Impl {
   std::mutex mutex;               // guards queue and stopping
   std::condition_variable wake;
-  std::deque<std::pair<std::shared_ptr<Job>, std::pair<GenerationRequest, JobObserver>>> queue;
+  struct Queued {
+    std::shared_ptr<Job> job;
+    GenerationRequest request;
+    JobObserver observer;
+    bool load_only = false;
+  };
+  std::deque<Queued> queue;
   std::shared_ptr<Job> running;
   bool stopping = false;
   std::mutex model_mutex;         // one job at a time uses the model
@@ -28,6 +34,8 @@ struct Engine::Impl {
       model.reset();  // free the old one first: two SDXL models may not fit
       model = pipeline::StableDiffusion::load(r.model, r.device, r.model_config);
       model_config = r.model_config;
+      // On a GPU the first job would otherwise pay for cuDNN plans and graph captures.
+      if (r.device.rfind("cuda", 0) == 0) model->warm_up();
     }
     return *model;
   }
@@ -42,20 +50,28 @@ struct Engine::Impl {
       std::shared_ptr<Job> job;
       GenerationRequest request;
       JobObserver observer;
+      bool load_only = false;
       {
         std::unique_lock lock(mutex);
         wake.wait(lock, [&] { return stopping || !queue.empty(); });
         if (stopping && queue.empty()) return;
-        job = queue.front().first;
-        request = std::move(queue.front().second.first);
-        observer = std::move(queue.front().second.second);
+        job = queue.front().job;
+        request = std::move(queue.front().request);
+        observer = std::move(queue.front().observer);
+        load_only = queue.front().load_only;
         queue.pop_front();
         running = job;
       }
       try {
         if (job->token().cancelled()) throw Cancelled{};
-        auto result = run(request, observer, job->token());
-        if (observer.on_done) observer.on_done(result);
+        if (load_only) {
+          std::lock_guard model_lock(model_mutex);
+          model_for(request);
+          if (observer.on_stage) observer.on_stage("loaded", 0.0);
+        } else {
+          auto result = run(request, observer, job->token());
+          if (observer.on_done) observer.on_done(result);
+        }
       } catch (const Cancelled&) {
         if (observer.on_cancelled) observer.on_cancelled();
       } catch (const std::exception& e) {
@@ -77,7 +93,7 @@ Engine::~Engine() {
   {
     std::lock_guard lock(impl_->mutex);
     impl_->stopping = true;
-    for (auto& q : impl_->queue) q.first->cancel();
+    for (auto& q : impl_->queue) q.job->cancel();
     if (impl_->running) impl_->running->cancel();
   }
   impl_->wake.notify_all();
@@ -88,7 +104,17 @@ std::shared_ptr<Job> Engine::submit(GenerationRequest request, JobObserver obser
   auto job = std::make_shared<Job>();
   {
     std::lock_guard lock(impl_->mutex);
-    impl_->queue.emplace_back(job, std::make_pair(std::move(request), std::move(observer)));
+    impl_->queue.push_back({job, std::move(request), std::move(observer), false});
+  }
+  impl_->wake.notify_one();
+  return job;
+}
+
+std::shared_ptr<Job> Engine::preload(GenerationRequest request, JobObserver observer) {
+  auto job = std::make_shared<Job>();
+  {
+    std::lock_guard lock(impl_->mutex);
+    impl_->queue.push_back({job, std::move(request), std::move(observer), true});
   }
   impl_->wake.notify_one();
   return job;

@@ -26,6 +26,10 @@ class Engine {
   // Queues a job; its observer hears from the worker thread. The returned handle cancels it.
   std::shared_ptr<Job> submit(GenerationRequest request, JobObserver observer);
 
+  // Loads (and on a GPU warms up) the request's model in the background, so that the first
+  // job after start-up runs as fast as later ones. Reports "loaded" through on_stage, errors
+  // through on_error.
+  std::shared_ptr<Job> preload(GenerationRequest request, JobObserver observer = {});
   // Runs a job on the calling thread (the CLI), with the same model cache. Throws
   // diffract::Error or Cancelled.
   GenerationResult run(const GenerationRequest& request, const JobObserver& observer, const CancelToken& cancel);

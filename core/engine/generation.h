@@ -35,7 +35,8 @@ struct StageTimings {
   double tokenize_ms = 0;
   double text_encode_ms = 0;
   std::vector<double> step_ms;   // each denoising step
-  std::vector<double> preview_ms;  // each preview decode
+  std::vector<double> preview_ms;  // each preview decode (device time on its own stream)
+  int previews_dropped = 0;      // skipped because the previous preview was still decoding
   double vae_decode_ms = 0;
   double total_ms = 0;
 };

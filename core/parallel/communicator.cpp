@@ -59,6 +59,16 @@ class InProcessCommunicator final : public Communicator {
       if (r_->generation == gen) r_->check();
     }
     // The next collective cannot complete before this rank joins it, so `published` is ours.
+    // NCCL moves bytes: contributions of different shapes or types would hang or garble it, so
+    // they are refused here too, where CI can see them.
+    const at::Tensor* first = nullptr;
+    for (const auto& t : r_->published) {
+      if (!t.defined()) continue;
+      if (!first) first = &t;
+      else if (t.sizes() != first->sizes() || t.scalar_type() != first->scalar_type())
+        throw Error("all_gather: the ranks sent tensors of different shapes or types (" + std::string(c10::toString(first->scalar_type())) +
+                    " vs " + c10::toString(t.scalar_type()) + ")");
+    }
     return r_->published;
   }
 
@@ -126,3 +136,12 @@ std::vector<std::unique_ptr<Communicator>> make_in_process_group(int size) {
 }
 
 }  // namespace diffract::parallel
+
+#ifndef DIFFRACT_HAS_NCCL
+namespace diffract::parallel {
+bool nccl_available() { return false; }
+std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int>&) {
+  throw Error("this build of Diffract has no NCCL: multi-GPU groups are unavailable (virtual:N runs on the CPU)");
+}
+}  // namespace diffract::parallel
+#endif

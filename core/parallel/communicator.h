@@ -5,7 +5,7 @@
 // order (SPMD). Two implementations:
 //  - InProcessCommunicator: N "virtual devices" that are threads of this process exchanging
 //    CPU tensors through a shared rendezvous. Every strategy runs on it in CI.
-//  - NcclCommunicator (declared, not built yet): one rank per GPU of this process, created
+//  - NcclCommunicator (communicator_nccl.cpp): one rank per GPU of this process, created
 //    together by ncclCommInitAll, collectives enqueued on a communication stream of its own
 //    that waits on (and is waited on by) the rank's compute stream through CUDA events.
 // Spanning hosts later: ranks would be (host, local GPU) pairs; an NCCL communicator would be
@@ -58,10 +58,11 @@ class Communicator {
 // CPU device they came from.
 std::vector<std::unique_ptr<Communicator>> make_in_process_group(int size);
 
-// What the NCCL implementation will need (not built yet; DIFFRACT_HAS_NCCL builds only):
-//   struct NcclGroupOptions { std::vector<int> cuda_devices; };
-//   std::vector<std::unique_ptr<Communicator>> make_nccl_group(const NcclGroupOptions&);
-// one ncclComm_t per device from ncclCommInitAll, a dedicated cudaStream_t per rank for
-// communication, and cudaEvent_t pairs to order it against the rank's compute stream.
+// One rank per listed CUDA device, created together by ncclCommInitAll. Collectives need a
+// defined tensor of the same shape and dtype on every rank (broadcast too); each runs on the
+// rank's communication stream, ordered after the work already on the device's current stream,
+// which then waits for it. Throws diffract::Error when this build has no NCCL.
+std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int>& cuda_devices);
+bool nccl_available();
 
 }  // namespace diffract::parallel

@@ -13,11 +13,13 @@ at::Tensor combine_cfg(const at::Tensor& uncond, const at::Tensor& cond, double 
   return uncond + scale * (cond - uncond);
 }
 
-double rel_mae(const at::Tensor& cond, const at::Tensor& uncond) {
-  const double den = uncond.to(at::kDouble).abs().mean().item<double>();
-  const double num = (cond.to(at::kDouble) - uncond.to(at::kDouble)).abs().mean().item<double>();
-  return den > 0 ? num / den : 0.0;
+at::Tensor rel_mae_tensor(const at::Tensor& cond, const at::Tensor& uncond) {
+  const auto den = uncond.to(at::kDouble).abs().mean();
+  const auto num = (cond.to(at::kDouble) - uncond.to(at::kDouble)).abs().mean();
+  return at::where(den > 0, num / den, at::zeros_like(num));
 }
+
+double rel_mae(const at::Tensor& cond, const at::Tensor& uncond) { return rel_mae_tensor(cond, uncond).item<double>(); }
 
 at::Tensor eval_at(Denoiser& d, const schedulers::Sampler& sampler, const at::Tensor& x, int step, Branch branch) {
   return d.eval(sampler.scale_model_input(x, step), sampler.timesteps().at(static_cast<std::size_t>(step)), branch);
@@ -41,7 +43,7 @@ models::UNetConditioning narrow(const models::UNetConditioning& a, std::int64_t 
 }
 }  // namespace
 
-UNetDenoiser::UNetDenoiser(models::UNet2DConditionModel unet, models::UNetConditioning positive,
+UNetDenoiser::UNetDenoiser(std::shared_ptr<models::UNetGraphRunner> unet, models::UNetConditioning positive,
                            models::UNetConditioning negative, double scale, at::ScalarType dtype, at::Device device)
     : unet_(std::move(unet)), positive_(std::move(positive)), negative_(std::move(negative)), scale_(scale),
       cfg_(scale > 1.0 && negative_.encoder_hidden_states.defined()), dtype_(dtype), device_(device) {

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "core/models/unets/unet_2d_condition.h"
+#include "core/models/unets/unet_graphs.h"
 
 namespace diffract::schedulers {
 class Sampler;
@@ -27,6 +28,9 @@ class Denoiser {
   virtual bool cfg() const = 0;          // true when there is an unconditional branch
   virtual double guidance_scale() const = 0;
   virtual std::int64_t batch() const = 0;
+  // eval()'s result type: ranks with nothing to evaluate in a round send zeros of it (NCCL
+  // moves bytes, so every rank must send the same type).
+  virtual at::ScalarType output_dtype() const = 0;
   // The same denoiser over conditioning rows [begin, begin + count) (data-parallel batches).
   virtual std::unique_ptr<Denoiser> rows(std::int64_t begin, std::int64_t count) const = 0;
 };
@@ -35,25 +39,29 @@ class Denoiser {
 at::Tensor combine_cfg(const at::Tensor& uncond, const at::Tensor& cond, double scale);
 // mean|eps_c - eps_u| / mean|eps_u| (Hybridiff's rel-MAE between the branches).
 double rel_mae(const at::Tensor& cond, const at::Tensor& uncond);
+// The same as a 0-d double tensor on the inputs' device (no host synchronisation).
+at::Tensor rel_mae_tensor(const at::Tensor& cond, const at::Tensor& uncond);
 
 // Sampler step i's model input and timestep, then eval().
 at::Tensor eval_at(Denoiser& d, const schedulers::Sampler& sampler, const at::Tensor& x, int step, Branch branch);
 
-// A UNet2DConditionModel with per-branch conditioning ([B, ...] rows each). `negative` is
-// empty (undefined context) or scale <= 1 for no CFG. The module may be shared between ranks
-// on the CPU; on GPUs each rank gets its own replica on its device.
+// A UNet2DConditionModel (through its graph runner) with per-branch conditioning ([B, ...] rows
+// each). `negative` is empty (undefined context) or scale <= 1 for no CFG. The runner may be
+// shared between ranks on the CPU (eager there, no state); on GPUs each rank gets its own
+// replica on its device, with its own graphs.
 class UNetDenoiser final : public Denoiser {
  public:
-  UNetDenoiser(models::UNet2DConditionModel unet, models::UNetConditioning positive,
+  UNetDenoiser(std::shared_ptr<models::UNetGraphRunner> unet, models::UNetConditioning positive,
                models::UNetConditioning negative, double scale, at::ScalarType dtype, at::Device device);
   at::Tensor eval(const at::Tensor& model_input, double timestep, Branch branch) override;
   bool cfg() const override { return cfg_; }
   double guidance_scale() const override { return scale_; }
   std::int64_t batch() const override { return positive_.encoder_hidden_states.size(0); }
+  at::ScalarType output_dtype() const override { return dtype_; }
   std::unique_ptr<Denoiser> rows(std::int64_t begin, std::int64_t count) const override;
 
  private:
-  models::UNet2DConditionModel unet_;
+  std::shared_ptr<models::UNetGraphRunner> unet_;
   models::UNetConditioning positive_, negative_, both_;  // both_: [negative; positive]
   double scale_;
   bool cfg_;

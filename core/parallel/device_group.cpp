@@ -2,17 +2,47 @@
 
 #include <exception>
 #include <mutex>
+#include <optional>
+#include <stdexcept>
 #include <thread>
 
 #include <ATen/core/grad_mode.h>
 
 #include "core/engine/generation.h"
 
+#ifdef DIFFRACT_HAS_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
 namespace diffract::parallel {
+
+DeviceGroup::DeviceGroup(std::vector<c10::Device> devices, std::function<Comms()> make, bool keep)
+    : devices_(std::move(devices)), make_comms_(std::move(make)), keep_comms_(keep) {}
 
 std::unique_ptr<DeviceGroup> DeviceGroup::virtual_cpu(int n) {
   if (n < 1 || n > 64) throw Error("a device group needs 1 to 64 devices, not " + std::to_string(n));
-  return std::unique_ptr<DeviceGroup>(new DeviceGroup(std::vector<c10::Device>(static_cast<std::size_t>(n), c10::Device(c10::kCPU))));
+  return std::unique_ptr<DeviceGroup>(new DeviceGroup(std::vector<c10::Device>(static_cast<std::size_t>(n), c10::Device(c10::kCPU)),
+                                                      [n] { return make_in_process_group(n); }, false));
+}
+
+std::unique_ptr<DeviceGroup> DeviceGroup::cuda(const std::vector<int>& ids) {
+  if (ids.empty()) throw Error("a GPU group needs at least one device");
+#ifdef DIFFRACT_HAS_CUDA
+  const int count = c10::cuda::device_count();
+#else
+  const int count = 0;
+#endif
+  std::vector<c10::Device> devices;
+  for (int id : ids) {
+    if (id < 0 || id >= count)
+      throw Error("GPU group: cuda:" + std::to_string(id) + " does not exist (" + std::to_string(count) + " CUDA device(s))");
+    for (const auto& d : devices)
+      if (d.index() == id) throw Error("GPU group: cuda:" + std::to_string(id) + " is listed twice");
+    devices.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(id));
+  }
+  if (!nccl_available()) make_nccl_group(ids);  // throws the reason
+  return std::unique_ptr<DeviceGroup>(new DeviceGroup(std::move(devices), [ids] { return make_nccl_group(ids); }, true));
 }
 
 std::unique_ptr<DeviceGroup> DeviceGroup::parse(const std::string& spec) {
@@ -27,9 +57,25 @@ std::unique_ptr<DeviceGroup> DeviceGroup::parse(const std::string& spec) {
       throw Error("device group '" + spec + "': expected " + prefix + "N with N a number");
     }
   }
-  if (spec.rfind("cuda", 0) == 0)
-    throw Error("device group '" + spec + "': multi-GPU groups need the NCCL communicator, not built yet (use virtual:N)");
-  throw Error("device group '" + spec + "' is not 'virtual:N' or 'cpu*N'");
+  if (spec.rfind("cuda", 0) == 0) {
+    std::vector<int> ids;
+    std::size_t pos = 0;
+    while (pos <= spec.size()) {
+      const auto end = std::min(spec.find(',', pos), spec.size());
+      const auto item = spec.substr(pos, end - pos);
+      try {
+        std::size_t used = 0;
+        if (item.rfind("cuda:", 0) != 0) throw std::invalid_argument(item);
+        ids.push_back(std::stoi(item.substr(5), &used));
+        if (used != item.size() - 5) throw std::invalid_argument(item);
+      } catch (const std::logic_error&) {
+        throw Error("device group '" + spec + "': '" + item + "' is not cuda:N");
+      }
+      pos = end + 1;
+    }
+    return cuda(ids);
+  }
+  throw Error("device group '" + spec + "' is not 'virtual:N', 'cpu*N' or 'cuda:0,cuda:1,...'");
 }
 
 std::string DeviceGroup::device_name(int rank) const {
@@ -38,7 +84,8 @@ std::string DeviceGroup::device_name(int rank) const {
 }
 
 void DeviceGroup::run(const std::function<void(int rank, Communicator& comm)>& fn) {
-  auto comms = make_in_process_group(size());
+  if (!keep_comms_ || comms_.empty()) comms_ = make_comms_();
+  auto& comms = comms_;
   std::mutex mutex;
   std::exception_ptr first;
   int first_rank = -1;
@@ -49,6 +96,10 @@ void DeviceGroup::run(const std::function<void(int rank, Communicator& comm)>& f
       Communicator& comm = *comms[static_cast<std::size_t>(r)];
       try {
         at::NoGradGuard no_grad;
+#ifdef DIFFRACT_HAS_CUDA
+        std::optional<c10::cuda::CUDAGuard> bind;
+        if (device(r).is_cuda()) bind.emplace(device(r));
+#endif
         fn(r, comm);
       } catch (...) {
         std::string what = "unknown error";
@@ -67,12 +118,15 @@ void DeviceGroup::run(const std::function<void(int rank, Communicator& comm)>& f
             first_rank = r;
           }
         }
-        comm.abort("device " + std::to_string(r) + " failed: " + what);
+        // Cancellation reaches every rank at the same round (the strategies decide it once per
+        // round), so only failures need the others released.
+        if (what != "cancelled") comm.abort("device " + std::to_string(r) + " failed: " + what);
       }
     });
   }
   for (auto& w : workers) w.join();
   if (!first) return;
+  comms_.clear();  // an aborted or half-used set is not reused
   try {
     std::rethrow_exception(first);
   } catch (const engine::Cancelled&) {

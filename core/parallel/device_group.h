@@ -17,8 +17,10 @@ class DeviceGroup {
   // N virtual devices: N threads of this process on the CPU, talking through an
   // InProcessCommunicator. What CI runs every strategy on.
   static std::unique_ptr<DeviceGroup> virtual_cpu(int n);
-  // "cpu*N" or "virtual:N" (virtual CPU devices). CUDA groups ("cuda:0,cuda:1") need the
-  // NCCL communicator and per-GPU model replicas, which are not built yet: an error says so.
+  // One rank per listed GPU, each worker bound to its device, talking through NCCL. The
+  // communicators live as long as the group, and are rebuilt after a failed run.
+  static std::unique_ptr<DeviceGroup> cuda(const std::vector<int>& devices);
+  // "cpu*N" or "virtual:N" (virtual CPU devices), or "cuda:0,cuda:1,..." (NCCL).
   static std::unique_ptr<DeviceGroup> parse(const std::string& spec);
 
   int size() const { return static_cast<int>(devices_.size()); }
@@ -26,16 +28,20 @@ class DeviceGroup {
   // "cpu:virtual 1", for messages.
   std::string device_name(int rank) const;
 
-  // Runs fn(rank, comm) on every rank's worker and waits for all of them. Each run gets a
-  // fresh set of communicators, so a failed run leaves the group usable. The workers run
-  // under at::NoGradGuard. The first exception on any rank aborts the communicators (ranks
+  // Runs fn(rank, comm) on every rank's worker and waits for all of them. Virtual groups get
+  // fresh communicators each run; NCCL ones keep theirs until a run fails. Either way a failed
+  // run leaves the group usable. The workers run under at::NoGradGuard, bound to their device. The first exception on any rank aborts the communicators (ranks
   // blocked in collectives are released) and is rethrown here: engine::Cancelled as is,
   // anything else as diffract::Error "device <rank> (<name>): <message>".
   void run(const std::function<void(int rank, Communicator& comm)>& fn);
 
  private:
-  explicit DeviceGroup(std::vector<c10::Device> devices) : devices_(std::move(devices)) {}
+  using Comms = std::vector<std::unique_ptr<Communicator>>;
+  DeviceGroup(std::vector<c10::Device> devices, std::function<Comms()> make, bool keep);
   std::vector<c10::Device> devices_;
+  std::function<Comms()> make_comms_;
+  bool keep_comms_ = false;
+  Comms comms_;
 };
 
 }  // namespace diffract::parallel

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <mutex>
 
 #include <ATen/ATen.h>
@@ -63,9 +64,28 @@ std::vector<Rank> prepare(const Strategy& s, DeviceGroup& g, const LoopInputs& i
   return ranks;
 }
 
-void check_cancel(const LoopInputs& in) {
-  if (in.cancel && in.cancel->cancelled()) throw engine::Cancelled{};
-}
+// Whether to stop before round r, decided once by the first rank to get there, so every rank
+// stops at the same round and none is left waiting in a collective for a peer that quit.
+class CancelGate {
+ public:
+  explicit CancelGate(const engine::CancelToken* token) : token_(token) {}
+  void check(int round) {
+    if (!token_) return;
+    bool stop;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = decided_.find(round);
+      if (it == decided_.end()) it = decided_.emplace(round, token_->cancelled()).first;
+      stop = it->second;
+    }
+    if (stop) throw engine::Cancelled{};
+  }
+
+ private:
+  const engine::CancelToken* token_;
+  std::mutex mutex_;
+  std::map<int, bool> decided_;
+};
 
 // Refines from step i with output `out`: the ordinary update, reported on rank 0.
 at::Tensor refine(Rank& k, int rank, const LoopInputs& in, const at::Tensor& out, int i, const at::Tensor& x) {
@@ -93,21 +113,28 @@ LoopOutput run_cfg_parallel(const Strategy& s, DeviceGroup& g, const LoopInputs&
   std::atomic<int> evals{0};
   std::atomic<std::int64_t> bytes{0};
   at::Tensor result;
+  std::vector<at::Tensor> maes;  // on rank 0's device; read once at the end, not per step
+  CancelGate gate(in.cancel);
   g.run([&](int rank, Communicator& comm) {
     auto& k = ranks[static_cast<std::size_t>(rank)];
     const auto dev = g.device(rank);
+    const auto bytes0 = comm.bytes_sent();
     for (int i = 0; i < k.sampler->num_steps(); ++i) {
-      check_cancel(in);
+      gate.check(i);
       auto mine = eval_at(*k.den, *k.sampler, k.x, i, rank == 0 ? Branch::Cond : Branch::Uncond);
       ++evals;
       auto both = comm.all_gather(mine);
       const auto cond = both[0].to(dev), uncond = both[1].to(dev);
-      if (rank == 0) curve.push_back(rel_mae(cond, uncond));
+      if (rank == 0) maes.push_back(rel_mae_tensor(cond, uncond));
       k.x = refine(k, rank, in, combine_cfg(uncond, cond, k.den->guidance_scale()), i, k.x);
     }
-    bytes += comm.bytes_sent();
+    bytes += comm.bytes_sent() - bytes0;
     if (rank == 0) result = k.x;
   });
+  if (!maes.empty()) {
+    const auto all = at::stack(maes).to(at::kCPU, at::kDouble).contiguous();
+    curve.assign(all.data_ptr<double>(), all.data_ptr<double>() + all.numel());
+  }
   return finish(s, in, g, result, in.steps, evals.load(), bytes.load());
 }
 
@@ -116,10 +143,11 @@ LoopOutput run_cfg_parallel(const Strategy& s, DeviceGroup& g, const LoopInputs&
 LoopOutput SingleDevice::run(DeviceGroup& g, const LoopInputs& in) const {
   auto ranks = prepare(*this, g, in);
   at::Tensor result;
+  CancelGate gate(in.cancel);
   g.run([&](int rank, Communicator&) {
     auto& k = ranks[0];
     for (int i = 0; i < k.sampler->num_steps(); ++i) {
-      check_cancel(in);
+      gate.check(i);
       k.x = refine(k, rank, in, eval_at(*k.den, *k.sampler, k.x, i, Branch::Guided), i, k.x);
     }
     result = k.x;
@@ -197,18 +225,24 @@ LoopOutput DRiffusion::run(DeviceGroup& g, const LoopInputs& in) const {
   at::Tensor result;
   const Mode m = mode;
   const int devices = n;
+  CancelGate gate(in.cancel);
   g.run([&](int rank, Communicator& comm) {
     auto& k = ranks[static_cast<std::size_t>(rank)];
     auto& s = *k.sampler;
     const auto dev = g.device(rank);
     const int total = s.num_steps();
+    const auto bytes0 = comm.bytes_sent();
+    int my_rounds = 0;
     // Evaluates points[r] (state at step first + r) on rank r; every rank gets all outputs.
+    // Idle ranks contribute zeros: NCCL needs a tensor of the same shape from every rank.
     auto round = [&](const std::vector<at::Tensor>& points, int first) {
-      check_cancel(in);
+      gate.check(my_rounds++);
       at::Tensor mine;
       if (rank < static_cast<int>(points.size())) {
         mine = eval_at(*k.den, s, points[static_cast<std::size_t>(rank)], first + rank, Branch::Guided);
         ++evals;
+      } else {
+        mine = at::zeros(k.x.sizes(), k.x.options().dtype(k.den->output_dtype()));
       }
       auto all = comm.all_gather(mine);
       if (rank == 0) ++rounds;
@@ -241,7 +275,7 @@ LoopOutput DRiffusion::run(DeviceGroup& g, const LoopInputs& in) const {
         i += drafts + 1;
       }
     }
-    bytes += comm.bytes_sent();
+    bytes += comm.bytes_sent() - bytes0;
     if (rank == 0) result = k.x;
   });
   return finish(*this, in, g, result, rounds, evals.load(), bytes.load());
@@ -260,15 +294,17 @@ LoopOutput DataParallel::run(DeviceGroup& g, const LoopInputs& in) const {
   std::atomic<int> evals{0};
   std::atomic<std::int64_t> bytes{0};
   at::Tensor result;
+  CancelGate gate(in.cancel);
   g.run([&](int rank, Communicator& comm) {
     auto& k = ranks[static_cast<std::size_t>(rank)];
+    const auto bytes0 = comm.bytes_sent();
     const std::int64_t base = batch / n, extra = batch % n;
     const std::int64_t begin = rank * base + std::min<std::int64_t>(rank, extra);
     const std::int64_t count = base + (rank < extra ? 1 : 0);
     auto den = k.den->rows(begin, count);
     auto x = k.x.narrow(0, begin, count).contiguous();
     for (int i = 0; i < k.sampler->num_steps(); ++i) {
-      check_cancel(in);
+      gate.check(i);
       auto out = eval_at(*den, *k.sampler, x, i, Branch::Guided);
       ++evals;
       auto next = k.sampler->step(out, i, x, k.gen);
@@ -276,8 +312,13 @@ LoopOutput DataParallel::run(DeviceGroup& g, const LoopInputs& in) const {
       if (rank == 0 && in.on_step) in.on_step(i, out, x, next);
       x = next;
     }
-    auto all = comm.all_gather(x);
-    bytes += comm.bytes_sent();
+    // Slices differ by a row when n does not divide the batch; NCCL gathers equal shapes, so
+    // every rank sends a slice padded to the largest.
+    const std::int64_t widest = base + (extra > 0 ? 1 : 0);
+    auto padded = count == widest ? x : at::cat({x, at::zeros_like(x.narrow(0, 0, widest - count))});
+    auto all = comm.all_gather(padded);
+    for (int r = 0; r < n; ++r) all[static_cast<std::size_t>(r)] = all[static_cast<std::size_t>(r)].narrow(0, 0, base + (r < extra ? 1 : 0));
+    bytes += comm.bytes_sent() - bytes0;
     if (rank == 0) {
       for (auto& t : all) t = t.to(g.device(0));
       result = at::cat(all);
@@ -294,11 +335,12 @@ LoopOutput StepSkipping::run(DeviceGroup& g, const LoopInputs& in) const {
   auto ranks = prepare(*this, g, in);
   int rounds = 0;
   at::Tensor result;
+  CancelGate gate(in.cancel);
   g.run([&](int rank, Communicator&) {
     auto& k = ranks[0];
     const int total = k.sampler->num_steps();
     for (int i = 0; i < total; i += skip) {
-      check_cancel(in);
+      gate.check(i);
       auto out = eval_at(*k.den, *k.sampler, k.x, i, Branch::Guided);
       ++rounds;
       const int j = std::min(i + skip, total);

@@ -1,7 +1,9 @@
 #include "core/pipeline/stable_diffusion.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <functional>
+#include <map>
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -15,11 +17,13 @@
 #include "core/models/autoencoders/taesd.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/unets/unet_2d_condition.h"
+#include "core/models/unets/unet_graphs.h"
 #include "core/pipeline/single_file.h"
 #include "core/parallel/strategies.h"
 #include "core/schedulers/sampler.h"
 #include "core/text/clip_tokenizer.h"
 #include "core/util/build_info.h"
+#include "core/util/device_work.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -59,8 +63,13 @@ at::Tensor latent_rgb_factors(Family family) {
 }
 
 // [B, 3, H, W] in [-1, 1] -> 8-bit RGB images, rounded as diffusers' PIL conversion does.
-std::vector<io::Image> to_images(const at::Tensor& x) {
-  auto u8 = ((x.to(at::kFloat) / 2 + 0.5).clamp(0, 1) * 255).round().to(at::kByte).permute({0, 2, 3, 1}).contiguous().cpu();
+// [B, 3, H, W] in [-1, 1] -> [B, H, W, 3] bytes, on the input's device.
+at::Tensor to_bytes(const at::Tensor& x) {
+  return ((x.to(at::kFloat) / 2 + 0.5).clamp(0, 1) * 255).round().to(at::kByte).permute({0, 2, 3, 1}).contiguous();
+}
+
+std::vector<io::Image> bytes_to_images(const at::Tensor& bytes) {
+  const auto u8 = bytes.cpu();
   std::vector<io::Image> out;
   for (int64_t b = 0; b < u8.size(0); ++b) {
     io::Image img;
@@ -71,6 +80,15 @@ std::vector<io::Image> to_images(const at::Tensor& x) {
     out.push_back(std::move(img));
   }
   return out;
+}
+
+std::vector<io::Image> to_images(const at::Tensor& x) { return bytes_to_images(to_bytes(x)); }
+
+models::UNetGraphOptions graph_options() {
+  models::UNetGraphOptions o;
+  const char* env = std::getenv("DIFFRACT_CUDA_GRAPHS");
+  o.enabled = !(env && std::string(env) == "0");
+  return o;
 }
 
 std::string a1111_sampler(schedulers::SamplerKind k) {
@@ -113,6 +131,13 @@ struct StableDiffusion::Impl {
   models::CLIPTextModel text_encoder{nullptr};
   models::CLIPTextModelWithProjection text_encoder_2{nullptr};
   models::UNet2DConditionModel unet{nullptr};
+  std::shared_ptr<models::UNetGraphRunner> runner;  // `unet`, replayed from CUDA graphs on a GPU
+  // Multi-GPU jobs: the UNet copied to the group's other GPUs, and the group with its NCCL
+  // communicators; both kept for later jobs.
+  std::map<int, std::shared_ptr<models::UNetGraphRunner>> replicas;
+  std::unique_ptr<parallel::DeviceGroup> gpu_group;
+  std::vector<int> gpu_group_ids;
+  double replica_ms = 0;
   models::AutoencoderKL vae{nullptr};
   // The sampler settings: the folder's scheduler_config.json, or for single files the
   // scheduler SD checkpoints were trained with.
@@ -137,6 +162,29 @@ struct StableDiffusion::Impl {
       text_encoder_2->eval();
       text_encoder_2->to(device, dtype);
     }
+    if (device.is_cuda()) at::globalContext().setBenchmarkCuDNN(true);
+    runner = std::make_shared<models::UNetGraphRunner>(unet, graph_options());
+  }
+
+  // The UNet on device `d`: ours, or a replica copied device to device on first use.
+  std::shared_ptr<models::UNetGraphRunner> unet_on(const c10::Device& d) {
+    if (d == device || d.is_cpu()) return runner;
+    auto& r = replicas[d.index()];
+    if (!r) {
+      const auto t0 = Clock::now();
+      at::NoGradGuard no_grad;
+      models::UNet2DConditionModel copy(unet->config);
+      copy->eval();
+      copy->to(d, dtype);
+      auto dst = copy->named_parameters(true);
+      for (const auto& kv : unet->named_parameters(true)) dst[kv.key()].copy_(kv.value());
+      auto dst_buffers = copy->named_buffers(true);
+      for (const auto& kv : unet->named_buffers(true)) dst_buffers[kv.key()].copy_(kv.value());
+      r = std::make_shared<models::UNetGraphRunner>(copy, graph_options());
+      replica_ms += ms_since(t0);
+      log::get("pipeline").info(log::str("UNet replica on ", d.str(), " in ", static_cast<int>(ms_since(t0)), " ms"));
+    }
+    return r;
   }
 
   struct Conditioning {
@@ -358,17 +406,107 @@ std::unique_ptr<StableDiffusion> StableDiffusion::load(const fs::path& model, co
 
 namespace {
 
-// The denoising loop of a multi-device strategy (core/parallel) on CPU virtual devices. The
-// ranks share the one loaded UNet (read-only in inference); GPU groups will need replicas.
+// Reports the steps and previews of a denoising loop without holding the device back: step
+// times come from marks in its stream, previews decode on a side stream and reach the
+// observer when done; a preview due while the last one still decodes is dropped.
+class StepReporter {
+ public:
+  StepReporter(StableDiffusion::Impl& p, const engine::GenerationRequest& req, const engine::JobObserver& observer,
+               const schedulers::Sampler& sampler, bool use_taesd, engine::StageTimings& timings)
+      : p_(p), req_(req), observer_(observer), sampler_(sampler), use_taesd_(use_taesd), timings_(timings),
+        clock_(p.device), previews_(p.device) {
+    clock_.start();
+  }
+
+  // After step i's work is enqueued: its model output and the state it started from.
+  void stepped(int i, const at::Tensor& out, const at::Tensor& before) {
+    clock_.mark_step();
+    const int total = sampler_.num_steps();
+    if (req_.preview_every > 0 && observer_.on_preview && ((i + 1) % req_.preview_every == 0 || i + 1 == total)) {
+      const auto x0 = sampler_.predict_x0(out, i, before).narrow(0, 0, 1);
+      if (!previews_.try_start(i, {x0}, [&] { return to_bytes(p_.preview(x0, use_taesd_)); })) ++timings_.previews_dropped;
+    }
+    clock_.wait_until_ahead(2);  // the device always has the next step queued, the host stays near
+    drain();
+  }
+
+  void finish() {
+    clock_.wait_until_ahead(0);
+    drain();
+    if (auto d = previews_.wait()) emit(*d);
+  }
+
+ private:
+  void drain() {
+    auto preview = previews_.poll();  // first: a finished preview implies its step finished
+    for (double ms : clock_.finished()) {
+      const int i = reported_++;
+      timings_.step_ms.push_back(ms);
+      if (observer_.on_step)
+        observer_.on_step({i, sampler_.num_steps(), sampler_.timesteps()[static_cast<std::size_t>(i)], ms});
+    }
+    if (preview) emit(*preview);
+  }
+
+  void emit(const SideStreamTask::Done& d) {
+    engine::PreviewEvent ev;
+    ev.index = d.tag;
+    ev.image = std::move(bytes_to_images(d.host).front());
+    ev.decode_ms = d.device_ms;
+    timings_.preview_ms.push_back(d.device_ms);
+    observer_.on_preview(ev);
+  }
+
+  StableDiffusion::Impl& p_;
+  const engine::GenerationRequest& req_;
+  const engine::JobObserver& observer_;
+  const schedulers::Sampler& sampler_;
+  bool use_taesd_;
+  engine::StageTimings& timings_;
+  StepClock clock_;
+  SideStreamTask previews_;
+  int reported_ = 0;
+};
+
+models::UNetConditioning to_device(const models::UNetConditioning& c, const c10::Device& d) {
+  models::UNetConditioning o;
+  if (c.encoder_hidden_states.defined()) o.encoder_hidden_states = c.encoder_hidden_states.to(d);
+  if (c.text_embeds.defined()) o.text_embeds = c.text_embeds.to(d);
+  if (c.time_ids.defined()) o.time_ids = c.time_ids.to(d);
+  return o;
+}
+
+// The group a multi-device strategy runs on: CPU virtual devices for a CPU model; for a model on
+// cuda:k, the GPUs cuda:k, cuda:k+1, ... (wrapping), kept with their NCCL communicators.
+parallel::DeviceGroup& group_for(StableDiffusion::Impl& p, const parallel::Strategy& strategy,
+                                 std::unique_ptr<parallel::DeviceGroup>& virtual_group) {
+  const int n = strategy.devices();
+  if (p.device.is_cpu()) {
+    virtual_group = parallel::DeviceGroup::virtual_cpu(n);
+    return *virtual_group;
+  }
+  const int count = static_cast<int>(torch::cuda::device_count());
+  if (n > count)
+    throw Error("strategy " + strategy.name() + " needs " + std::to_string(n) + " GPUs; this machine has " +
+                std::to_string(count));
+  std::vector<int> ids;
+  for (int r = 0; r < n; ++r) ids.push_back((p.device.index() + r) % count);
+  if (!p.gpu_group || p.gpu_group_ids != ids) {
+    p.gpu_group.reset();
+    p.gpu_group = parallel::DeviceGroup::cuda(ids);
+    p.gpu_group_ids = ids;
+  }
+  return *p.gpu_group;
+}
+
+// The denoising loop of a multi-device strategy (core/parallel). CPU virtual devices share the
+// one loaded UNet (read-only in inference); GPUs get replicas copied from ours.
 at::Tensor run_strategy(StableDiffusion::Impl& p, const parallel::Strategy& strategy, const engine::GenerationRequest& req,
                         schedulers::SamplerKind kind, const schedulers::SchedulerConfig& config,
                         const StableDiffusion::Impl::Conditioning& positive,
                         const StableDiffusion::Impl::Conditioning& negative, const at::Tensor& latents,
                         const at::Generator& gen, const engine::JobObserver& observer, const engine::CancelToken& cancel,
                         bool use_taesd, engine::StageTimings& timings, std::string& stats) {
-  if (!p.device.is_cpu())
-    throw Error("strategy " + strategy.name() +
-                ": multi-device strategies run on CPU virtual devices for now (the NCCL device group is not built yet)");
   auto branch = [&](const StableDiffusion::Impl::Conditioning& c) {
     models::UNetConditioning u;
     if (!c.context.defined()) return u;
@@ -381,6 +519,10 @@ at::Tensor run_strategy(StableDiffusion::Impl& p, const parallel::Strategy& stra
     return u;
   };
   const auto pos = branch(positive), neg = req.cfg > 1.0 ? branch(negative) : models::UNetConditioning{};
+  std::unique_ptr<parallel::DeviceGroup> virtual_group;
+  auto& group = group_for(p, strategy, virtual_group);
+  // Replicas are made here, on this thread, before the ranks start.
+  for (int r = 0; r < group.size(); ++r) p.unet_on(group.device(r));
   parallel::LoopInputs in;
   in.kind = kind;
   in.config = config;
@@ -389,33 +531,92 @@ at::Tensor run_strategy(StableDiffusion::Impl& p, const parallel::Strategy& stra
   in.generator = gen;
   in.cancel = &cancel;
   in.make_denoiser = [&p, pos, neg, &req](int, const c10::Device& d) -> std::unique_ptr<parallel::Denoiser> {
-    return std::make_unique<parallel::UNetDenoiser>(p.unet, pos, neg, req.cfg, p.dtype, d);
+    return std::make_unique<parallel::UNetDenoiser>(p.unet_on(d), to_device(pos, d), to_device(neg, d), req.cfg, p.dtype, d);
   };
   const auto sampler = schedulers::Sampler::create(kind, config, req.steps);  // timesteps, x0 for previews
-  const int total = req.steps;
-  auto last = Clock::now();
+  std::optional<StepReporter> reporter;
   in.on_step = [&](int i, const at::Tensor& out, const at::Tensor& before, const at::Tensor&) {
-    const double step_ms = ms_since(last);
-    timings.step_ms.push_back(step_ms);
-    if (observer.on_step) observer.on_step({i, total, sampler->timesteps()[static_cast<std::size_t>(i)], step_ms});
-    if (req.preview_every > 0 && observer.on_preview && ((i + 1) % req.preview_every == 0 || i + 1 == total)) {
-      const auto tp = Clock::now();
-      engine::PreviewEvent ev;
-      ev.index = i;
-      ev.image = std::move(to_images(p.preview(sampler->predict_x0(out, i, before).narrow(0, 0, 1), use_taesd)).front());
-      ev.decode_ms = ms_since(tp);
-      timings.preview_ms.push_back(ev.decode_ms);
-      observer.on_preview(ev);
-    }
-    last = Clock::now();
+    if (!reporter) reporter.emplace(p, req, observer, *sampler, use_taesd, timings);  // on rank 0's thread
+    reporter->stepped(i, out, before);
   };
-  auto group = parallel::DeviceGroup::virtual_cpu(strategy.devices());
-  auto out = strategy.run(*group, in);
+  auto out = strategy.run(group, in);
+  if (reporter) reporter->finish();
   stats = out.stats.to_json();
   return out.latents;
 }
 
 }  // namespace
+
+std::string StableDiffusion::profile_unet_step(int size, int rows, int reps) {
+  auto& p = *impl_;
+  if (!p.device.is_cuda()) throw Error("profile_unet_step needs a CUDA device");
+  at::NoGradGuard no_grad;
+  const auto opts = at::TensorOptions().device(p.device).dtype(p.dtype);
+  const auto& c = p.unet->config;
+  const int64_t lat = size / p.vae_factor();
+  auto x = at::randn({rows, c.in_channels, lat, lat}, opts);
+  auto t = at::full({rows}, 500.0, at::TensorOptions().device(p.device).dtype(at::kFloat));
+  models::UNetConditioning cond;
+  cond.encoder_hidden_states = at::randn({rows, 77, c.cross_attention_dim.front()}, opts);
+  if (c.addition_embed_type == "text_time") {
+    cond.text_embeds = at::randn({rows, c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim}, opts);
+    cond.time_ids = at::tensor({double(size), double(size), 0.0, 0.0, double(size), double(size)}, at::kFloat)
+                        .view({1, 6}).repeat({rows, 1}).to(opts);
+  }
+  auto time_ms = [&](const std::function<void()>& f) {
+    f();
+    f();
+    torch::cuda::synchronize(p.device.index());
+    const auto t0 = Clock::now();
+    for (int i = 0; i < reps; ++i) f();
+    torch::cuda::synchronize(p.device.index());
+    return ms_since(t0) / reps;
+  };
+  nlohmann::json j;
+  j["rows"] = rows;
+  j["size"] = size;
+  j["eager_ms"] = time_ms([&] { p.unet->forward(x, t, cond); });
+  p.runner->clear();  // its graphs point at the weights about to move
+  {
+    models::UNetGraphRunner g(p.unet);
+    g.forward(x, t, cond);
+    j["capture_ms"] = g.last_capture_ms();
+    j["graph_ms"] = time_ms([&] { g.forward(x, t, cond); });
+  }
+  auto set_format = [&](at::MemoryFormat f) {
+    for (auto& w : p.unet->parameters())
+      if (w.dim() == 4) w.set_data(w.contiguous(f));
+  };
+  set_format(at::MemoryFormat::ChannelsLast);
+  {
+    models::UNetGraphRunner g(p.unet);
+    const auto xl = x.contiguous(at::MemoryFormat::ChannelsLast);
+    j["graph_channels_last_ms"] = time_ms([&] { g.forward(xl, t, cond); });
+  }
+  set_format(at::MemoryFormat::Contiguous);
+  return j.dump();
+}
+
+double StableDiffusion::warm_up() {
+  auto& p = *impl_;
+  if (!p.device.is_cuda()) return 0;
+  const auto t0 = Clock::now();
+  engine::GenerationRequest r;
+  r.prompt = "warm-up";
+  r.steps = 2;
+  r.cfg = 7.0;
+  r.device = p.device_name;
+  r.taesd = p.taesd ? p.taesd_path : std::string();
+  r.preview_every = 1;
+  engine::JobObserver o;
+  o.on_preview = [](const engine::PreviewEvent&) {};
+  const double load_ms = p.load_ms;
+  generate(r, o, engine::CancelToken{});
+  p.load_ms = load_ms;
+  const double ms = ms_since(t0);
+  log::get("pipeline").info(log::str("warm-up in ", static_cast<int>(ms), " ms"));
+  return ms;
+}
 
 engine::GenerationResult StableDiffusion::generate(const engine::GenerationRequest& request,
                                                    const engine::JobObserver& observer,
@@ -508,37 +709,26 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
   if (strategy)
     latents = run_strategy(p, *strategy, req, kind, config, positive, negative, latents, gen, observer, cancel, use_taesd,
                            timings, strategy_stats);
-  const int total = sampler->num_steps();
-  for (int i = strategy ? total : 0; i < total; ++i) {
-    if (cancel.cancelled()) throw engine::Cancelled{};
-    const auto t0 = Clock::now();
-    const double t = sampler->timesteps()[static_cast<std::size_t>(i)];
-    auto x_in = sampler->scale_model_input(cfg ? at::cat({latents, latents}) : latents, i);
-    auto timestep = at::full({x_in.size(0)}, t, at::TensorOptions().dtype(at::kFloat).device(p.device));
-    auto out = p.unet->forward(x_in.to(p.dtype), timestep, cond);
-    if (cfg) {
-      auto parts = out.chunk(2);
-      out = parts[0] + req.cfg * (parts[1] - parts[0]);
+  if (!strategy) {
+    StepReporter reporter(p, req, observer, *sampler, use_taesd, timings);
+    for (int i = 0; i < sampler->num_steps(); ++i) {
+      if (cancel.cancelled()) throw engine::Cancelled{};
+      const double t = sampler->timesteps()[static_cast<std::size_t>(i)];
+      auto x_in = sampler->scale_model_input(cfg ? at::cat({latents, latents}) : latents, i);
+      auto timestep = at::full({x_in.size(0)}, t, at::TensorOptions().dtype(at::kFloat).device(p.device));
+      auto out = p.runner->forward(x_in.to(p.dtype), timestep, cond);
+      if (cfg) {
+        auto parts = out.chunk(2);
+        out = parts[0] + req.cfg * (parts[1] - parts[0]);
+      }
+      const auto before = latents;
+      latents = sampler->step(out, i, latents, gen);
+      if (p.device.is_cpu() && !at::isfinite(latents).all().item<bool>())
+        throw Error("the latents hold NaN or Inf after step " + std::to_string(i + 1) +
+                    ": the model's weights or settings are broken (try another sampler or fp32)");
+      reporter.stepped(i, out, before);
     }
-    const auto before = latents;
-    latents = sampler->step(out, i, latents, gen);
-    if (p.device.is_cpu() && !at::isfinite(latents).all().item<bool>())
-      throw Error("the latents hold NaN or Inf after step " + std::to_string(i + 1) +
-                  ": the model's weights or settings are broken (try another sampler or fp32)");
-    if (p.device.is_cuda()) torch::cuda::synchronize(p.device.index());
-    const double step_ms = ms_since(t0);
-    timings.step_ms.push_back(step_ms);
-    if (observer.on_step) observer.on_step({i, total, t, step_ms});
-    if (req.preview_every > 0 && observer.on_preview && ((i + 1) % req.preview_every == 0 || i + 1 == total)) {
-      const auto tp = Clock::now();
-      auto image = p.preview(sampler->predict_x0(out, i, before).narrow(0, 0, 1), use_taesd);
-      engine::PreviewEvent ev;
-      ev.index = i;
-      ev.image = std::move(to_images(image).front());
-      ev.decode_ms = ms_since(tp);
-      timings.preview_ms.push_back(ev.decode_ms);
-      observer.on_preview(ev);
-    }
+    reporter.finish();
   }
   if (!at::isfinite(latents).all().item<bool>())
     throw Error("the final latents hold NaN or Inf: the model's weights or settings are broken");
@@ -570,10 +760,14 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
       {"devices", req.devices},
       {"timings_ms", {{"load", timings.load_ms}, {"tokenize", timings.tokenize_ms},
                       {"text_encode", timings.text_encode_ms}, {"steps", timings.step_ms},
-                      {"previews", timings.preview_ms}, {"vae_decode", timings.vae_decode_ms},
+                      {"previews", timings.preview_ms}, {"previews_dropped", timings.previews_dropped},
+                      {"vae_decode", timings.vae_decode_ms},
                       {"total", timings.total_ms}}},
   };
   if (!strategy_stats.empty()) meta["strategy"] = nlohmann::json::parse(strategy_stats);
+  if (p.device.is_cuda())
+    meta["unet_graphs"] = {{"graphs", p.runner->graphs()}, {"last_capture_ms", p.runner->last_capture_ms()},
+                           {"replicas_ms", p.replica_ms}};
   result.metadata_json = meta.dump();
   const auto cpu_latents = latents.to(at::kCPU, at::kFloat).contiguous();
   result.latents.assign(cpu_latents.data_ptr<float>(), cpu_latents.data_ptr<float>() + cpu_latents.numel());

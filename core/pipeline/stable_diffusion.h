@@ -33,6 +33,16 @@ class StableDiffusion {
   const std::string& device() const;
   int native_size() const;  // pixels, square
 
+  // One short job at the native size (2 steps, CFG, previews) so that cuDNN's plans, the CUDA
+  // graph of the default shape and the allocator's pools exist before the first real job.
+  // Returns its time in ms; a no-op (0) on the CPU.
+  double warm_up();
+
+  // Diagnostics for the benchmarks: one UNet call of `rows` rows at size² pixels on random
+  // inputs, timed eager, from a CUDA graph, and from a graph with channels-last weights and
+  // input; JSON {"eager_ms", "graph_ms", "graph_channels_last_ms", "capture_ms"}. GPU only.
+  std::string profile_unet_step(int size, int rows, int reps);
+
   // Runs one job on the calling thread. Throws diffract::Error with a readable message,
   // or engine::Cancelled when `cancel` fires (checked between steps).
   engine::GenerationResult generate(const engine::GenerationRequest& request, const engine::JobObserver& observer,

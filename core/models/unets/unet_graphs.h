@@ -1,0 +1,44 @@
+#pragma once
+// UNet2DConditionModel::forward replayed from CUDA graphs, one per input shape.
+//
+// A step of SDXL at batch 2 launches ~1,700 kernels; eager, the host cannot issue them as fast
+// as the H200 runs them. A graph issues them in one call. Each new (rows, latent size, tokens,
+// dtype) is captured the first time it is seen (two eager warm-up calls for cuDNN's plans, then
+// the capture; a few hundred ms), with static input buffers the later calls copy into. The
+// cache keeps the most recently used `max_graphs` shapes; each holds its own memory pool.
+#include <cstdint>
+#include <memory>
+
+#include "core/models/unets/unet_2d_condition.h"
+
+namespace diffract::models {
+
+struct UNetGraphOptions {
+  bool enabled = true;  // false: always eager
+  int max_graphs = 3;
+};
+
+class UNetGraphRunner {
+ public:
+  explicit UNetGraphRunner(UNet2DConditionModel unet, UNetGraphOptions options = {});
+  ~UNetGraphRunner();
+  UNetGraphRunner(const UNetGraphRunner&) = delete;
+  UNetGraphRunner& operator=(const UNetGraphRunner&) = delete;
+
+  // sample [B, C, h, w], timesteps [B] (float), cond with B rows -> [B, C_out, h, w], a tensor
+  // of its own (not the graph's buffer). Eager on the CPU and when graphs are off.
+  at::Tensor forward(const at::Tensor& sample, const at::Tensor& timesteps, const UNetConditioning& cond);
+
+  const UNet2DConditionModel& unet() const { return unet_; }
+  int graphs() const;
+  double last_capture_ms() const;  // 0 until a capture happened
+  void clear();                    // drops every graph and its memory
+
+ private:
+  struct Cache;
+  UNet2DConditionModel unet_;
+  UNetGraphOptions options_;
+  std::unique_ptr<Cache> cache_;
+};
+
+}  // namespace diffract::models

@@ -1,0 +1,65 @@
+#pragma once
+// Keeping a device busy while the host follows along: step timing from marks in the device's
+// stream (no host synchronisation per step), and work on a side stream whose results the host
+// picks up when they are ready. On the CPU both degrade to plain synchronous timing.
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+namespace diffract {
+
+// Step i's duration is the device time between the end of step i-1 (or start()) and the end of
+// step i, so gaps where the device waited on the host count too: the figures add up to the loop.
+class StepClock {
+ public:
+  explicit StepClock(const c10::Device& device);
+  ~StepClock();
+  StepClock(const StepClock&) = delete;
+  StepClock& operator=(const StepClock&) = delete;
+
+  void start();      // before the first step is enqueued
+  void mark_step();  // after a step's work is enqueued
+  // Durations (ms) of the steps the device has finished since the last call, in order; never blocks.
+  std::vector<double> finished();
+  // Blocks until no more than `ahead` marked steps are unfinished; then finished() has the rest.
+  void wait_until_ahead(int ahead);
+  int marked() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// One job at a time on a side stream: try_start() enqueues `work` behind everything already on
+// the device's current stream and copies its result to pinned host memory; while a job is in
+// flight, try_start() refuses (the caller drops that job rather than stall). On the CPU work runs
+// at once.
+class SideStreamTask {
+ public:
+  explicit SideStreamTask(const c10::Device& device);
+  ~SideStreamTask();
+  SideStreamTask(const SideStreamTask&) = delete;
+  SideStreamTask& operator=(const SideStreamTask&) = delete;
+
+  struct Done {
+    int tag = 0;
+    at::Tensor host;    // the result on the CPU
+    double device_ms = 0;  // the work's time on the side stream
+  };
+  // `inputs`: the tensors `work` reads that were made on the main stream; they stay reserved for
+  // the side stream until it has used them, even if the caller drops them at once.
+  bool try_start(int tag, const std::vector<at::Tensor>& inputs, const std::function<at::Tensor()>& work);
+  bool busy() const;
+  std::optional<Done> poll();  // the finished job, once
+  std::optional<Done> wait();  // blocks for the job in flight, if any
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace diffract

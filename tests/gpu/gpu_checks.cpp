@@ -1,0 +1,294 @@
+// Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
+//   diffract-gpu-checks graphs|previews|nccl|strategies|cancel|failure
+// Exit 0: passed; 1: failed (the reasons printed); 77: skipped (too few GPUs).
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <torch/cuda.h>
+
+#include "core/metrics/metrics.h"
+#include "core/parallel/communicator.h"
+#include "core/parallel/device_group.h"
+#include "core/parallel/strategies.h"
+#include "core/pipeline/stable_diffusion.h"
+#include "core/schedulers/sampler.h"
+#include "core/util/error.h"
+
+using namespace diffract;
+
+namespace {
+
+int failures = 0;
+
+void expect(bool ok, const std::string& what) {
+  std::cout << (ok ? "  ok    " : "  FAIL  ") << what << "\n";
+  if (!ok) ++failures;
+}
+
+struct Skip {
+  std::string why;
+};
+
+void need_gpus(int n) {
+  const int have = static_cast<int>(torch::cuda::device_count());
+  if (have < n) throw Skip{"needs " + std::to_string(n) + " GPU(s), found " + std::to_string(have)};
+}
+
+engine::GenerationRequest request(int steps = 8) {
+  engine::GenerationRequest r;
+  r.model = "<random>";
+  r.prompt = "a red apple on a white background";
+  r.negative_prompt = "blurry";
+  r.width = r.height = 128;
+  r.steps = steps;
+  r.cfg = 6.0;
+  r.seed = 11;
+  r.device = "cuda:0";
+  r.sampler = "euler";
+  r.preview_every = 0;
+  return r;
+}
+
+at::Tensor latents(const engine::GenerationResult& r) {
+  return at::from_blob(const_cast<float*>(r.latents.data()), r.latents_shape, at::kFloat).clone();
+}
+
+double rel_l2(const engine::GenerationResult& a, const engine::GenerationResult& b) {
+  return metrics::relative_l2(latents(a), latents(b));
+}
+
+std::unique_ptr<pipeline::StableDiffusion> tiny_sdxl(bool graphs) {
+  setenv("DIFFRACT_CUDA_GRAPHS", graphs ? "1" : "0", 1);
+  return pipeline::StableDiffusion::random(pipeline::Family::SDXL, /*tiny=*/true, "cuda:0");
+}
+
+void check_graphs() {
+  need_gpus(1);
+  auto eager = tiny_sdxl(false), graphed = tiny_sdxl(true);
+  engine::CancelToken never;
+  const auto req = request();
+  const auto a = eager->generate(req, {}, never);
+  const auto b = graphed->generate(req, {}, never);
+  const auto meta = nlohmann::json::parse(b.metadata_json);
+  const double d = rel_l2(b, a);
+  std::cout << "  graph vs eager latents rel-L2 " << d << ", capture " << meta["unet_graphs"]["last_capture_ms"] << " ms\n";
+  expect(meta["unet_graphs"]["graphs"] == 1, "one graph captured for one shape");
+  expect(d < 1e-2, "graph replay gives the eager result (bf16, rel-L2 < 1e-2)");
+  const auto again = graphed->generate(req, {}, never);
+  expect(rel_l2(again, b) == 0.0, "a second run replays the same graph bit for bit");
+  for (int size : {64, 96, 160, 192}) {
+    auto r = req;
+    r.width = r.height = size;
+    r.steps = 2;
+    graphed->generate(r, {}, never);
+  }
+  const auto last = nlohmann::json::parse(graphed->generate(req, {}, never).metadata_json);
+  expect(last["unet_graphs"]["graphs"].get<int>() <= 3, "the graph cache keeps at most 3 shapes");
+}
+
+void check_previews() {
+  need_gpus(1);
+  auto sd = tiny_sdxl(true);
+  auto req = request(20);
+  req.preview_every = 1;
+  req.taesd = "<random>";
+  std::vector<int> steps, previews;
+  engine::JobObserver o;
+  o.on_step = [&](const engine::StepEvent& e) { steps.push_back(e.index); };
+  o.on_preview = [&](const engine::PreviewEvent& e) {
+    previews.push_back(e.index);
+    if (e.image.width != 128 || e.image.height != 128) ++failures;
+  };
+  engine::CancelToken never;
+  const auto r = sd->generate(req, o, never);
+  bool ordered = static_cast<int>(steps.size()) == req.steps;
+  for (std::size_t i = 0; i < steps.size(); ++i) ordered = ordered && steps[i] == static_cast<int>(i);
+  expect(ordered, "every step reported once, in order");
+  std::cout << "  previews shown " << previews.size() << ", dropped " << r.timings.previews_dropped << "\n";
+  expect(static_cast<int>(previews.size()) + r.timings.previews_dropped == req.steps, "each step's preview shown or dropped");
+  expect(std::is_sorted(previews.begin(), previews.end()) && !previews.empty(), "previews arrive in step order");
+}
+
+void check_nccl() {
+  need_gpus(2);
+  auto comms = parallel::make_nccl_group({0, 1});
+  std::vector<std::vector<at::Tensor>> gathered(2);
+  std::vector<at::Tensor> broadcasted(2), received(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      const at::Device d(at::kCUDA, static_cast<c10::DeviceIndex>(r));
+      auto& c = *comms[static_cast<std::size_t>(r)];
+      auto mine = at::full({2, 3}, static_cast<double>(r + 1), at::TensorOptions().device(d).dtype(at::kBFloat16));
+      gathered[static_cast<std::size_t>(r)] = c.all_gather(mine);
+      broadcasted[static_cast<std::size_t>(r)] = c.broadcast(r == 1 ? mine * 5 : at::zeros_like(mine), 1);
+      at::Tensor box = at::empty({4}, at::TensorOptions().device(d));
+      if (r == 0) c.send(at::arange(4, at::TensorOptions().device(d).dtype(at::kFloat)), 1);
+      if (r == 1) c.recv(box, 0);
+      c.barrier();
+      received[static_cast<std::size_t>(r)] = box;
+    });
+  }
+  for (auto& t : threads) t.join();
+  bool gather_ok = true;
+  for (int r = 0; r < 2; ++r)
+    for (int k = 0; k < 2; ++k)
+      gather_ok = gather_ok && gathered[static_cast<std::size_t>(r)][static_cast<std::size_t>(k)].cpu().eq(k + 1).all().item<bool>();
+  expect(gather_ok, "all_gather: every rank sees both ranks' tensors");
+  expect(broadcasted[0].cpu().eq(10).all().item<bool>() && broadcasted[1].cpu().eq(10).all().item<bool>(),
+         "broadcast from rank 1 reaches rank 0");
+  expect(received[1].cpu().equal(at::arange(4, at::kFloat)), "send/recv rank 0 -> rank 1");
+  expect(comms[0]->bytes_sent() > 0, "bytes counted");
+}
+
+void check_strategies() {
+  need_gpus(2);
+  auto sd = tiny_sdxl(true);
+  engine::CancelToken never;
+  const auto req = request(9);
+  const auto base = sd->generate(req, {}, never);
+  auto run = [&](const std::string& name, int n, int batch = 1) {
+    auto r = req;
+    r.strategy = name;
+    r.devices = n;
+    r.batch = batch;
+    return sd->generate(r, {}, never);
+  };
+  const auto cfgp = run("cfg-parallel", 2);
+  std::cout << "  cfg-parallel vs one GPU: rel-L2 " << rel_l2(cfgp, base) << "\n";
+  expect(rel_l2(cfgp, base) < 2e-2, "cfg-parallel on 2 GPUs gives the one-GPU result (bf16 batch 1 vs 2, rel-L2 < 2e-2)");
+  const auto dr1 = run("driffusion", 1);
+  expect(rel_l2(dr1, base) < 1e-6, "driffusion with one device is the baseline");
+  for (const char* mode : {"driffusion", "driffusion-aggressive"}) {
+    const auto dr = run(mode, 2);
+    const auto stats = nlohmann::json::parse(dr.metadata_json)["strategy"];
+    const auto m = std::string(mode) == "driffusion" ? parallel::DRiffusion::Mode::Conservative
+                                                     : parallel::DRiffusion::Mode::Aggressive;
+    std::cout << "  " << mode << " n=2: rounds " << stats["rounds"] << ", rel-L2 vs one GPU " << rel_l2(dr, base) << "\n";
+    expect(stats["rounds"] == parallel::DRiffusion::expected_rounds(m, req.steps, 2), std::string(mode) + " round count");
+  }
+  auto b2 = req;
+  b2.batch = 3;
+  const auto single3 = sd->generate(b2, {}, never);
+  const auto dp = run("data-parallel", 2, 3);
+  std::cout << "  data-parallel batch 3 vs one GPU: rel-L2 " << rel_l2(dp, single3) << "\n";
+  expect(rel_l2(dp, single3) < 2e-2, "data-parallel batch 3 over 2 GPUs gives the one-GPU images");
+  const auto hybrid = run("hybrid-cfg", 2);
+  expect(nlohmann::json::parse(hybrid.metadata_json)["strategy"]["rel_mae"].size() == 9u, "hybrid-cfg reports rel-MAE per step");
+}
+
+void check_cancel() {
+  need_gpus(2);
+  auto sd = tiny_sdxl(true);
+  auto req = request(400);
+  req.strategy = "cfg-parallel";
+  req.devices = 2;
+  engine::CancelToken token;
+  int seen = 0;
+  engine::JobObserver o;
+  o.on_step = [&](const engine::StepEvent&) {
+    if (++seen == 10) token.cancel();
+  };
+  bool cancelled = false;
+  try {
+    sd->generate(req, o, token);
+  } catch (const engine::Cancelled&) {
+    cancelled = true;
+  }
+  std::cout << "  steps reported before the job stopped: " << seen << " of " << req.steps << "\n";
+  expect(cancelled && seen < 60, "a 2-GPU job stops soon after cancel");
+  req.steps = 4;
+  engine::CancelToken never;
+  bool ok = true;
+  try {
+    sd->generate(req, {}, never);
+  } catch (const std::exception& e) {
+    ok = false;
+    std::cout << "  " << e.what() << "\n";
+  }
+  expect(ok, "the group runs the next job after a cancel");
+}
+
+// x -> 0.1 x, failing on one rank at one step.
+class Scaled final : public parallel::Denoiser {
+ public:
+  Scaled(bool fail) : fail_(fail) {}
+  at::Tensor eval(const at::Tensor& x, double t, parallel::Branch) override {
+    if (fail_ && t < 500) throw Error("simulated out of memory");
+    return x * 0.1;
+  }
+  bool cfg() const override { return false; }
+  double guidance_scale() const override { return 1; }
+  std::int64_t batch() const override { return 1; }
+  at::ScalarType output_dtype() const override { return at::kFloat; }
+  std::unique_ptr<parallel::Denoiser> rows(std::int64_t, std::int64_t) const override {
+    return std::make_unique<Scaled>(fail_);
+  }
+
+ private:
+  bool fail_;
+};
+
+void check_failure() {
+  need_gpus(2);
+  auto group = parallel::DeviceGroup::cuda({0, 1});
+  auto inputs = [&](int failing_rank) {
+    parallel::LoopInputs in;
+    in.kind = schedulers::SamplerKind::Euler;
+    in.steps = 10;
+    in.latents = at::randn({1, 4, 16, 16}, at::TensorOptions().device(at::kCUDA, 0));
+    in.make_denoiser = [failing_rank](int rank, const c10::Device&) { return std::make_unique<Scaled>(rank == failing_rank); };
+    return in;
+  };
+  parallel::DRiffusion s;
+  s.n = 2;
+  s.mode = parallel::DRiffusion::Mode::Aggressive;
+  std::string error;
+  try {
+    s.run(*group, inputs(1));
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  std::cout << "  error: " << error << "\n";
+  expect(error.find("device 1") != std::string::npos && error.find("simulated out of memory") != std::string::npos,
+         "a failing GPU aborts the job with an error naming it");
+  bool ok = true;
+  try {
+    const auto out = s.run(*group, inputs(-1));
+    ok = out.latents.defined() && out.latents.isfinite().all().item<bool>();
+  } catch (const std::exception& e) {
+    ok = false;
+    std::cout << "  " << e.what() << "\n";
+  }
+  expect(ok, "the group (communicators rebuilt) runs the next job");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::map<std::string, std::function<void()>> checks = {
+      {"graphs", check_graphs}, {"previews", check_previews}, {"nccl", check_nccl},
+      {"strategies", check_strategies}, {"cancel", check_cancel}, {"failure", check_failure}};
+  if (argc != 2 || !checks.count(argv[1])) {
+    std::cerr << "usage: diffract-gpu-checks graphs|previews|nccl|strategies|cancel|failure\n";
+    return 2;
+  }
+  std::cout << std::unitbuf;
+  try {
+    std::cout << argv[1] << "\n";
+    checks.at(argv[1])();
+  } catch (const Skip& s) {
+    std::cout << "  skipped: " << s.why << "\n";
+    return 77;
+  } catch (const std::exception& e) {
+    std::cout << "  FAIL  " << e.what() << "\n";
+    return 1;
+  }
+  return failures == 0 ? 0 : 1;
+}
