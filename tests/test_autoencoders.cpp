@@ -109,6 +109,42 @@ class TestAutoencoders : public QObject {
     DIFFRACT_COMPARE_TENSORS(vae->scale_latents(z), z * 0.13025, 1e-6);
   }
 
+  // Tiles whose decodes disagree by a constant (as per-tile GroupNorm statistics make them):
+  // hard-cut tiles leave a step of that size where they meet; cross-faded ones spread it over
+  // the overlap, so no step in the image is larger than a ramp's share of it.
+  void tiledDecodeCrossFadesTileDifferences() {
+    const auto z = at::upsample_bilinear2d(at::randn({1, 3, 4, 4}), {40, 40}, false) * 0.05;  // smooth, small steps
+    int calls = 0;
+    auto offset_decode = [&calls](const at::Tensor& t) {
+      return at::upsample_nearest2d(t, {t.size(2) * 8, t.size(3) * 8}) + 0.5 * (calls++ % 2);  // tiles differ by 0.5
+    };
+    auto max_step = [](const at::Tensor& x) {
+      const auto dx = (x.narrow(3, 1, x.size(3) - 1) - x.narrow(3, 0, x.size(3) - 1)).abs().max();
+      const auto dy = (x.narrow(2, 1, x.size(2) - 1) - x.narrow(2, 0, x.size(2) - 1)).abs().max();
+      return std::max(dx.item<double>(), dy.item<double>());
+    };
+    const auto hard = models::decode_in_tiles(z, 16, 0, 8, offset_decode);
+    calls = 0;
+    const auto blended = models::decode_in_tiles(z, 16, 8, 8, offset_decode);
+    QCOMPARE(blended.sizes(), (at::IntArrayRef{1, 3, 320, 320}));
+    qInfo("largest step between neighbouring pixels: hard-cut %g, cross-faded %g", max_step(hard), max_step(blended));
+    QVERIFY(max_step(hard) > 0.45);       // the 0.5 disagreement shows
+    QVERIFY(max_step(blended) < 0.05);    // spread over a 64-pixel ramp: ~0.5 / 65 plus the content's own steps
+    DIFFRACT_EXPECT_ERROR(models::decode_in_tiles(z, 16, 16, 8, offset_decode), "overlap in [0, tile)");
+  }
+
+  void klTiledDecode() {
+    auto vae = models::load_autoencoder_kl(vae_dir() / "kl-sd");
+    const auto z = at::upsample_bilinear2d(at::randn({1, 4, 6, 6}), {40, 40}, false);
+    const auto full = vae->decode(z);
+    const auto tiled = vae->decode_tiled(z, 16, 8);
+    QCOMPARE(tiled.sizes(), full.sizes());
+    QVERIFY(at::isfinite(tiled).all().item<bool>());
+    // Within one tile it is plain decode().
+    const auto small = z.narrow(2, 0, 16).narrow(3, 0, 16);
+    DIFFRACT_COMPARE_TENSORS(vae->decode_tiled(small, 16, 8), vae->decode(small), 0.0);
+  }
+
   void klHalfPrecisionDecodesInFp32() {
     at::NoGradGuard no_grad;
     const auto e = cases("kl_cases.safetensors");

@@ -314,6 +314,76 @@ at::Tensor AutoencoderKLImpl::decode(const at::Tensor& z) {
   return dec->forward(h);
 }
 
+namespace {
+// Tile starts along an axis of n latents: stride tile - overlap, the last tile flush with the end.
+std::vector<int64_t> tile_starts(int64_t n, int64_t tile, int64_t overlap) {
+  std::vector<int64_t> starts;
+  for (int64_t s = 0;; s += tile - overlap) {
+    if (s + tile >= n) {
+      starts.push_back(std::max<int64_t>(n - tile, 0));
+      break;
+    }
+    starts.push_back(s);
+  }
+  return starts;
+}
+
+// Weights along one axis of a tile of `len` pixels: a linear ramp over `ramp` pixels on each side
+// that meets a neighbouring tile, 1 elsewhere.
+at::Tensor ramp_weights(int64_t len, int64_t ramp, bool before, bool after, const at::TensorOptions& o) {
+  auto w = at::ones({len}, o);
+  if (ramp <= 0) return w;
+  const auto r = at::arange(1, ramp + 1, o) / static_cast<double>(ramp + 1);
+  if (before) w.narrow(0, 0, ramp).copy_(r);
+  if (after) w.narrow(0, len - ramp, ramp).mul_(r.flip(0));
+  return w;
+}
+}  // namespace
+
+at::Tensor decode_in_tiles(const at::Tensor& z, int64_t tile, int64_t overlap, int64_t f,
+                           const std::function<at::Tensor(const at::Tensor&)>& decode) {
+  // z: [B, C, h, w] -> [B, C_out, h * f, w * f].
+  if (tile < 2 || overlap < 0 || overlap >= tile)
+    throw Error("tiled decode: tile must be 2 or more and overlap in [0, tile), got tile " + std::to_string(tile) +
+                ", overlap " + std::to_string(overlap));
+  const int64_t h = z.size(2), w = z.size(3);
+  const auto ys = tile_starts(h, tile, overlap), xs = tile_starts(w, tile, overlap);
+  at::Tensor out, weight;
+  for (std::size_t iy = 0; iy < ys.size(); ++iy) {
+    for (std::size_t ix = 0; ix < xs.size(); ++ix) {
+      const int64_t th = std::min(tile, h), tw = std::min(tile, w);
+      auto img = decode(z.narrow(2, ys[iy], th).narrow(3, xs[ix], tw)).to(at::kFloat);
+      if (!out.defined()) {
+        out = at::zeros({z.size(0), img.size(1), h * f, w * f}, img.options());
+        weight = at::zeros({1, 1, h * f, w * f}, img.options());
+      }
+      // Ramps only as wide as the overlap actually shared with that neighbour.
+      const auto o = img.options();
+      const int64_t up = iy > 0 ? (ys[iy - 1] + th - ys[iy]) * f : 0;
+      const int64_t down = iy + 1 < ys.size() ? (ys[iy] + th - ys[iy + 1]) * f : 0;
+      const int64_t left = ix > 0 ? (xs[ix - 1] + tw - xs[ix]) * f : 0;
+      const int64_t right = ix + 1 < xs.size() ? (xs[ix] + tw - xs[ix + 1]) * f : 0;
+      auto wy = ramp_weights(th * f, 0, false, false, o);
+      if (up > 0) wy.narrow(0, 0, up).copy_(ramp_weights(up, up, true, false, o));
+      if (down > 0) wy.narrow(0, th * f - down, down).mul_(ramp_weights(down, down, false, true, o));
+      auto wx = ramp_weights(tw * f, 0, false, false, o);
+      if (left > 0) wx.narrow(0, 0, left).copy_(ramp_weights(left, left, true, false, o));
+      if (right > 0) wx.narrow(0, tw * f - right, right).mul_(ramp_weights(right, right, false, true, o));
+      const auto mask = (wy.view({th * f, 1}) * wx.view({1, tw * f})).view({1, 1, th * f, tw * f});
+      out.narrow(2, ys[iy] * f, th * f).narrow(3, xs[ix] * f, tw * f).add_(img * mask);
+      weight.narrow(2, ys[iy] * f, th * f).narrow(3, xs[ix] * f, tw * f).add_(mask);
+    }
+  }
+  return out / weight;
+}
+
+at::Tensor AutoencoderKLImpl::decode_tiled(const at::Tensor& z, int64_t tile, int64_t overlap) {
+  // z: unscaled latents [B, C, h, w] -> images [B, out_channels, h * f, w * f].
+  if (z.dim() != 4 || (z.size(2) <= tile && z.size(3) <= tile)) return decode(z);  // decode() names shape errors
+  return decode_in_tiles(z, tile, overlap, config.downscale_factor(), [this](const at::Tensor& t) { return decode(t); })
+      .to(upcasts() ? at::kFloat : param_dtype(*this));
+}
+
 at::Tensor AutoencoderKLImpl::scale_latents(const at::Tensor& z) const {
   return (config.shift_factor ? z - *config.shift_factor : z) * config.scaling_factor;
 }

@@ -1,5 +1,6 @@
 #pragma once
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -118,6 +119,13 @@ class VAEDecoderImpl : public torch::nn::Module {
 };
 TORCH_MODULE(VAEDecoder);
 
+// Decodes z [B, C, h, w] in overlapping tiles of `tile` latents a side with `decode` (latents
+// -> images `factor` times larger) and cross-fades the `overlap` each tile shares with a
+// neighbour, so nothing shows where tiles meet even when each tile's decode differs a little
+// (per-tile normalisation statistics). Returns float32 images.
+at::Tensor decode_in_tiles(const at::Tensor& z, int64_t tile, int64_t overlap, int64_t factor,
+                           const std::function<at::Tensor(const at::Tensor&)>& decode);
+
 // diffusers' AutoencoderKL: encoder, decoder, quant_conv / post_quant_conv (1x1, when the
 // config uses them).
 //
@@ -138,6 +146,12 @@ class AutoencoderKLImpl : public torch::nn::Module {
   // z: unscaled latents [B, latent_channels, h, w] -> images [B, out_channels, h * f, w * f] in
   // [-1, 1] (not clamped, as diffusers returns them).
   at::Tensor decode(const at::Tensor& z);
+  // decode() in overlapping tiles of `tile` latents a side, `overlap` of them shared with each
+  // neighbour and cross-faded there, so a large image needs only a tile's activation memory.
+  // GroupNorm statistics and attention are per tile, so the result differs slightly from
+  // decode(); the cross-fade keeps that difference smooth (no seams). Latents within one tile
+  // go straight to decode().
+  at::Tensor decode_tiled(const at::Tensor& z, int64_t tile = 128, int64_t overlap = 32);
   // Unscaled VAE latents <-> the diffusion model's latent space: (z - shift) * scaling and back.
   at::Tensor scale_latents(const at::Tensor& z) const;
   at::Tensor unscale_latents(const at::Tensor& x) const;
