@@ -15,6 +15,14 @@
 #include <QTimer>
 #include <QWheelEvent>
 
+#include <QApplication>
+#include <QDoubleSpinBox>
+#include <QDropEvent>
+#include <QMimeData>
+#include <QUrl>
+#include <nlohmann/json.hpp>
+
+#include "core/engine/preset.h"
 #include "core/io/image.h"
 #include "test_util.h"
 #include "ui/image_view.h"
@@ -46,6 +54,36 @@ void setUpJob(MainWindow& w, int steps, const QString& model = tinyModel()) {
   child<QSpinBox>(w, "seedSpin")->setValue(5);
 }
 
+std::filesystem::path shippedPresets() {
+  const char* d = std::getenv("DIFFRACT_PRESETS_DIR");
+  return d ? std::filesystem::path(d) : std::filesystem::path("presets");
+}
+
+QString pngFixture(const char* name) {
+  return QString::fromStdString((test::fixtures() / "png_parameters" / name).string());
+}
+
+// Drags `mime` over the window and drops it, as the platform's drag and drop would.
+bool dropOnto(MainWindow& w, QMimeData* mime) {
+  const QPoint pos = w.rect().center();
+  QDragEnterEvent enter(pos, Qt::CopyAction, mime, Qt::LeftButton, Qt::NoModifier);
+  QApplication::sendEvent(&w, &enter);
+  if (!enter.isAccepted()) return false;
+  QDropEvent drop(QPointF(pos), Qt::CopyAction, mime, Qt::LeftButton, Qt::NoModifier);
+  QApplication::sendEvent(&w, &drop);
+  return drop.isAccepted();
+}
+
+// Drops a file URL and waits for the restore to finish; returns whether it succeeded.
+bool dropFile(MainWindow& w, const QString& path) {
+  QSignalSpy done(&w, &MainWindow::restoreFinished);
+  QMimeData mime;
+  mime.setUrls({QUrl::fromLocalFile(path)});
+  if (!dropOnto(w, &mime)) qFatal("the window refused a file drop");
+  if (!done.wait(10000)) qFatal("no restoreFinished after dropping %s", qPrintable(path));
+  return done.first().first().toBool();
+}
+
 }  // namespace
 
 class TestMainWindow : public QObject {
@@ -72,7 +110,10 @@ class TestMainWindow : public QObject {
     qputenv("HF_HUB_CACHE", hub.toLocal8Bit());
   }
 
-  void init() { QSettings().clear(); }
+  void init() {
+    QSettings().clear();
+    QDir(MainWindow::userPresetDir()).removeRecursively();
+  }
 
   void firstStartSaysWhatToDo() {
     MainWindow w;
@@ -306,6 +347,197 @@ class TestMainWindow : public QObject {
     QCOMPARE(child<QSpinBox>(w, "heightSpin")->value(), 832);
     child<QSpinBox>(w, "widthSpin")->setValue(1000);
     QCOMPARE(preset->currentText(), QStringLiteral("Custom"));
+  }
+
+  void selectingAPresetFillsTheFields() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    auto* combo = child<QComboBox>(w, "presetCombo");
+    QCOMPARE(combo->count(), 6);  // "No preset" and the five shipped ones
+    const int i = combo->findText("Studio packshot on white");
+    QVERIFY(i > 0);
+    combo->setFocus();
+    for (int k = 0; k < i; ++k) QTest::keyClick(combo, Qt::Key_Down);  // a user stepping through the list
+    QCOMPARE(combo->currentIndex(), i);
+    const auto p = engine::load_preset(shippedPresets() / "studio-packshot.json");
+    QCOMPARE(child<QPlainTextEdit>(w, "negativeEdit")->toPlainText().toStdString(), p.negative_prompt);
+    QCOMPARE(child<QSpinBox>(w, "widthSpin")->value(), 1024);
+    QCOMPARE(child<QSpinBox>(w, "heightSpin")->value(), 1024);
+    QCOMPARE(child<QSpinBox>(w, "stepsSpin")->value(), p.steps);
+    QCOMPARE(child<QDoubleSpinBox>(w, "cfgSpin")->value(), p.cfg);
+    QCOMPARE(child<QComboBox>(w, "samplerCombo")->currentData().toString(), QStringLiteral("dpmpp-2m-karras"));
+    QCOMPARE(child<QComboBox>(w, "strategyCombo")->currentData().toString(), QStringLiteral("single"));
+    auto* templ = child<QLabel>(w, "promptTemplateLabel");
+    QVERIFY(templ->isVisible());
+    QVERIFY(templ->text().contains("{subject}"));
+    child<QLineEdit>(w, "modelEdit")->setText(tinyModel());
+    QTest::keyClicks(child<QPlainTextEdit>(w, "promptEdit"), "a ceramic mug");
+    QCOMPARE(w.requestFromFields().prompt, engine::fill_prompt_template(p.prompt_template, "a ceramic mug"));
+    QVERIFY(w.requestFromFields().prompt.find("studio packshot of a ceramic mug, centered") != std::string::npos);
+
+    // Back to no preset: the prompt is used as typed, the fields stay.
+    combo->setCurrentIndex(0);
+    emit combo->activated(0);
+    QVERIFY(!templ->isVisible());
+    QCOMPARE(w.requestFromFields().prompt, std::string("a ceramic mug"));
+    QCOMPARE(child<QSpinBox>(w, "widthSpin")->value(), 1024);
+  }
+
+  void savesAUserPreset() {
+    {
+      MainWindow w;
+      setUpJob(w, 9);
+      child<QPlainTextEdit>(w, "promptEdit")->setPlainText("macro shot of {subject}, dark slate");
+      child<QPlainTextEdit>(w, "negativeEdit")->setPlainText("glare");
+      child<QDoubleSpinBox>(w, "cfgSpin")->setValue(4.5);
+      QVERIFY(w.savePreset("  ").contains("field 'name' is empty"));
+      QCOMPARE(w.savePreset("My Macro"), QString());
+      QCOMPARE(child<QComboBox>(w, "presetCombo")->currentText(), QStringLiteral("My Macro"));
+      QVERIFY(child<QPlainTextEdit>(w, "promptEdit")->toPlainText().isEmpty());  // it became the template
+      QTest::keyClicks(child<QPlainTextEdit>(w, "promptEdit"), "a watch");
+      QCOMPARE(w.requestFromFields().prompt, std::string("macro shot of a watch, dark slate"));
+    }
+    const QString file = QDir(MainWindow::userPresetDir()).filePath("my-macro.json");
+    QVERIFY2(QFileInfo::exists(file), qPrintable(file));
+    const auto p = engine::load_preset(file.toStdString());
+    QCOMPARE(p.prompt_template, std::string("macro shot of {subject}, dark slate"));
+    QCOMPARE(p.negative_prompt, std::string("glare"));
+    QCOMPARE(p.steps, 9);
+    QCOMPARE(p.width, 64);
+    QCOMPARE(p.cfg, 4.5);
+    // A new window lists it after the shipped ones, and remembers it was selected.
+    MainWindow again;
+    auto* combo = child<QComboBox>(again, "presetCombo");
+    QCOMPARE(combo->count(), 7);
+    QCOMPARE(combo->itemText(6), QStringLiteral("My Macro"));
+    QCOMPARE(combo->currentIndex(), 6);
+  }
+
+  void brokenUserPresetIsNamedNotFatal() {
+    QVERIFY(QDir().mkpath(MainWindow::userPresetDir()));
+    QFile bad(QDir(MainWindow::userPresetDir()).filePath("broken.json"));
+    QVERIFY(bad.open(QIODevice::WriteOnly));
+    bad.write(R"({"name": "Broken", "prompt_template": "{subject}", "width": 512, "height": 512, "steps": "many",
+                 "sampler": "", "cfg": 7})");
+    bad.close();
+    MainWindow w;
+    QCOMPARE(child<QComboBox>(w, "presetCombo")->count(), 6);
+    const QString error = child<QLabel>(w, "errorLabel")->text();
+    QVERIFY2(error.contains("broken.json: field 'steps' must be a whole number"), qPrintable(error));
+  }
+
+  void droppingAnA1111PngRestoresItsParameters() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    QVERIFY(dropFile(w, pngFixture("a1111.png")));
+    QCOMPARE(child<QPlainTextEdit>(w, "promptEdit")->toPlainText(),
+             QStringLiteral("studio packshot of a ceramic coffee mug, centered,\non a seamless white background <lora:product_v2:0.7>"));
+    QCOMPARE(child<QPlainTextEdit>(w, "negativeEdit")->toPlainText(), QStringLiteral("text, watermark,\nblurry"));
+    QCOMPARE(child<QSpinBox>(w, "widthSpin")->value(), 1152);
+    QCOMPARE(child<QSpinBox>(w, "heightSpin")->value(), 896);
+    QCOMPARE(child<QSpinBox>(w, "stepsSpin")->value(), 28);
+    QCOMPARE(child<QDoubleSpinBox>(w, "cfgSpin")->value(), 6.5);
+    QCOMPARE(child<QComboBox>(w, "samplerCombo")->currentData().toString(), QStringLiteral("dpmpp-2m-karras"));
+    const QString note = child<QLabel>(w, "restoredLabel")->text();
+    QVERIFY2(note.contains("AUTOMATIC1111"), qPrintable(note));
+    QVERIFY2(note.contains("Clip skip: 2"), qPrintable(note));
+    QVERIFY2(note.contains("Seed: 3141592653 (larger than"), qPrintable(note));  // the seed box holds 31 bits
+    QVERIFY2(note.contains("Model: sd_xl_base_1.0 (a checkpoint name"), qPrintable(note));
+    QVERIFY(!child<QLabel>(w, "errorLabel")->isVisible());
+  }
+
+  void droppingAComfyUiPngRestoresItsParameters() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    child<QSpinBox>(w, "seedSpin")->setValue(3);
+    QVERIFY(dropFile(w, pngFixture("comfyui.png")));
+    QCOMPARE(child<QPlainTextEdit>(w, "promptEdit")->toPlainText(),
+             QStringLiteral("beautiful scenery nature glass bottle landscape, purple galaxy bottle,"));
+    QCOMPARE(child<QPlainTextEdit>(w, "negativeEdit")->toPlainText(), QStringLiteral("text, watermark"));
+    QCOMPARE(child<QSpinBox>(w, "widthSpin")->value(), 512);
+    QCOMPARE(child<QSpinBox>(w, "heightSpin")->value(), 768);
+    QCOMPARE(child<QSpinBox>(w, "stepsSpin")->value(), 20);
+    QCOMPARE(child<QDoubleSpinBox>(w, "cfgSpin")->value(), 8.0);
+    QCOMPARE(child<QComboBox>(w, "samplerCombo")->currentData().toString(), QStringLiteral("euler"));
+    QCOMPARE(child<QSpinBox>(w, "seedSpin")->value(), 3);  // 156680208700286 does not fit: left alone
+    const QString note = child<QLabel>(w, "restoredLabel")->text();
+    QVERIFY2(note.contains("ComfyUI") && note.contains("LoRA: glass_style.safetensors"), qPrintable(note));
+    QVERIFY2(note.contains("v1-5-pruned-emaonly.safetensors"), qPrintable(note));
+  }
+
+  void droppingOurOwnPngRestoresEverything() {
+    const QString png = m_tmp.filePath("ours.png");
+    const nlohmann::json meta = {{"model", tinyModel().toStdString()}, {"prompt", "a blue vase"},
+                                 {"negative_prompt", "dust"}, {"width", 96}, {"height", 64}, {"steps", 7},
+                                 {"cfg", 3.5}, {"seed", 77}, {"sampler", "ddim"}, {"device", "cpu"}, {"batch", 2},
+                                 {"taesd", ""}, {"strategy_name", "step-skip"}, {"devices", 2}};
+    io::write_png(png.toStdString(), io::Image{8, 8, std::vector<std::uint8_t>(8 * 8 * 3, 10)},
+                  {{"parameters", "ignored\nSteps: 1, Sampler: Euler, CFG scale: 1"}, {"diffract", meta.dump()}});
+    MainWindow w;
+    child<QCheckBox>(w, "randomSeedCheck")->setChecked(true);
+    QVERIFY(dropFile(w, png));
+    QCOMPARE(child<QLineEdit>(w, "modelEdit")->text(), tinyModel());
+    QCOMPARE(child<QPlainTextEdit>(w, "promptEdit")->toPlainText(), QStringLiteral("a blue vase"));
+    QCOMPARE(child<QSpinBox>(w, "seedSpin")->value(), 77);
+    QVERIFY(!child<QCheckBox>(w, "randomSeedCheck")->isChecked());  // the seed is the point of restoring
+    QCOMPARE(child<QSpinBox>(w, "stepsSpin")->value(), 7);
+    QCOMPARE(child<QSpinBox>(w, "widthSpin")->value(), 96);
+    QCOMPARE(child<QSpinBox>(w, "batchSpin")->value(), 2);
+    QCOMPARE(child<QComboBox>(w, "samplerCombo")->currentData().toString(), QStringLiteral("ddim"));
+    QCOMPARE(child<QComboBox>(w, "strategyCombo")->currentData().toString(), QStringLiteral("step-skip"));
+    QCOMPARE(child<QSpinBox>(w, "devicesSpin")->value(), 2);
+    QVERIFY(child<QLabel>(w, "restoredLabel")->text().contains("Diffract"));
+  }
+
+  void droppingAPngWithoutParametersSaysSo() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    child<QPlainTextEdit>(w, "promptEdit")->setPlainText("keep me");
+    QVERIFY(!dropFile(w, pngFixture("no_parameters.png")));
+    auto* error = child<QLabel>(w, "errorLabel");
+    QVERIFY(error->isVisible());
+    QVERIFY2(error->text().contains("no_parameters.png: no generation parameters"), qPrintable(error->text()));
+    QCOMPARE(child<QPlainTextEdit>(w, "promptEdit")->toPlainText(), QStringLiteral("keep me"));
+
+    // A file URL dragged as text, pointing at something that is not a PNG.
+    const QString notPng = m_tmp.filePath("notes.txt");
+    QFile f(notPng);
+    QVERIFY(f.open(QIODevice::WriteOnly));
+    f.write("hello");
+    f.close();
+    QSignalSpy done(&w, &MainWindow::restoreFinished);
+    QMimeData mime;
+    mime.setText(QUrl::fromLocalFile(notPng).toString());
+    QVERIFY(dropOnto(w, &mime));
+    QVERIFY(done.wait(10000));
+    QVERIFY2(error->text().contains("notes.txt: not a PNG file"), qPrintable(error->text()));
+
+    QMimeData plain;  // plain text is not a file: refused
+    plain.setText("just words");
+    QVERIFY(!dropOnto(w, &plain));
+  }
+
+  void droppingOnThePromptRestoresInsteadOfPastingTheUrl() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    auto* prompt = child<QPlainTextEdit>(w, "promptEdit");
+    QSignalSpy done(&w, &MainWindow::restoreFinished);
+    QMimeData mime;
+    mime.setUrls({QUrl::fromLocalFile(pngFixture("comfyui.png"))});
+    const QPoint pos = prompt->viewport()->rect().center();
+    QDragEnterEvent enter(pos, Qt::CopyAction, &mime, Qt::LeftButton, Qt::NoModifier);
+    QApplication::sendEvent(prompt->viewport(), &enter);
+    QVERIFY(enter.isAccepted());
+    QDropEvent drop(QPointF(pos), Qt::CopyAction, &mime, Qt::LeftButton, Qt::NoModifier);
+    QApplication::sendEvent(prompt->viewport(), &drop);
+    QVERIFY(done.wait(10000));
+    QVERIFY(!prompt->toPlainText().contains("file:"));
+    QVERIFY(prompt->toPlainText().startsWith("beautiful scenery"));
   }
 };
 

@@ -7,6 +7,13 @@
 #include <QDateTime>
 #include <QDir>
 #include <QDoubleSpinBox>
+#include <QDragEnterEvent>
+#include <QDropEvent>
+#include <QFile>
+#include <QFutureWatcher>
+#include <QInputDialog>
+#include <QMimeData>
+#include <QtConcurrent/QtConcurrentRun>
 #include <QFileDialog>
 #include <QFileInfo>
 #include <QFormLayout>
@@ -32,6 +39,7 @@
 
 #include "core/io/image.h"
 #include "core/util/build_info.h"
+#include "core/util/error.h"
 #include "ui/image_view.h"
 #include "ui/timings_chart.h"
 
@@ -68,6 +76,25 @@ constexpr SizePreset kSizePresets[] = {
 constexpr int kCustomPreset = static_cast<int>(std::size(kSizePresets));
 
 const char* const kSamplers[] = {"euler", "euler-ancestral", "ddim", "ddpm", "dpmpp-2m", "dpmpp-2m-karras"};
+const char* const kStrategies[] = {"single",        "cfg-parallel",  "hybrid-cfg", "driffusion",
+                                   "driffusion-aggressive", "data-parallel", "step-skip"};
+
+// The first local file among dragged URLs (or a file URL dragged as text), else "".
+QString droppedFile(const QMimeData* mime) {
+  if (!mime) return {};
+  for (const QUrl& url : mime->urls())
+    if (url.isLocalFile()) return url.toLocalFile();
+  if (mime->hasText()) {
+    const QUrl url(mime->text().trimmed());
+    if (url.isLocalFile()) return url.toLocalFile();
+  }
+  return {};
+}
+
+struct RestoreOutcome {
+  engine::PngParameters parameters;
+  QString error;
+};
 
 QString noModelHint() {
   return QObject::tr(
@@ -122,6 +149,35 @@ void MainWindow::buildUi() {
   m_hint->setFrameShape(QFrame::StyledPanel);
   m_hint->setMargin(6);
   formLayout->addWidget(m_hint);
+
+  auto* presetRow = new QHBoxLayout;
+  presetRow->addWidget(new QLabel(tr("Preset")));
+  m_preset = new QComboBox;
+  m_preset->setObjectName(QStringLiteral("presetCombo"));
+  m_preset->setToolTip(tr("Fills the settings and wraps your prompt in the preset's template"));
+  presetRow->addWidget(m_preset, 1);
+  auto* savePresetButton = new QToolButton;
+  savePresetButton->setObjectName(QStringLiteral("savePresetButton"));
+  savePresetButton->setText(tr("Save as preset…"));
+  presetRow->addWidget(savePresetButton);
+  formLayout->addLayout(presetRow);
+  m_template = new QLabel;
+  m_template->setObjectName(QStringLiteral("promptTemplateLabel"));
+  m_template->setWordWrap(true);
+  m_template->setTextFormat(Qt::PlainText);
+  m_template->hide();
+  formLayout->addWidget(m_template);
+  connect(m_preset, &QComboBox::activated, this, &MainWindow::applyPreset);
+  connect(savePresetButton, &QToolButton::clicked, this, [this] {
+    const QString current = m_preset->currentIndex() > 0 ? m_preset->currentText() : QString();
+    bool ok = false;
+    const QString name = QInputDialog::getText(this, tr("Save as preset"),
+                                               tr("Preset name (a prompt containing {subject} becomes its template):"),
+                                               QLineEdit::Normal, current, &ok);
+    if (!ok || name.trimmed().isEmpty()) return;
+    const QString error = savePreset(name.trimmed());
+    if (!error.isEmpty()) showError(error);
+  });
 
   formLayout->addWidget(new QLabel(tr("Prompt")));
   m_prompt = new QPlainTextEdit;
@@ -275,6 +331,19 @@ void MainWindow::buildUi() {
                                              : tr("No CUDA device: generating on the CPU"));
   fields->addRow(tr("Device"), m_device);
 
+  auto* strategyRow = new QHBoxLayout;
+  m_strategy = new QComboBox;
+  m_strategy->setObjectName(QStringLiteral("strategyCombo"));
+  for (const char* st : kStrategies) m_strategy->addItem(QString::fromLatin1(st), QString::fromLatin1(st));
+  m_strategy->setToolTip(tr("Multi-device strategy; single runs the plain loop"));
+  m_devices = new QSpinBox;
+  m_devices->setObjectName(QStringLiteral("devicesSpin"));
+  m_devices->setRange(1, 64);
+  m_devices->setToolTip(tr("Devices the strategy uses (drafts per round for DRiffusion, the skip factor for step skipping)"));
+  strategyRow->addWidget(m_strategy, 1);
+  strategyRow->addWidget(m_devices);
+  fields->addRow(tr("Strategy"), strategyRow);
+
   auto* buttons = new QHBoxLayout;
   m_generate = new QPushButton(tr("Generate"));
   m_generate->setObjectName(QStringLiteral("generateButton"));
@@ -297,7 +366,18 @@ void MainWindow::buildUi() {
   m_error->setStyleSheet(QStringLiteral("color: #c62828;"));
   m_error->hide();
   formLayout->addWidget(m_error);
+  m_restored = new QLabel;
+  m_restored->setObjectName(QStringLiteral("restoredLabel"));
+  m_restored->setWordWrap(true);
+  m_restored->setTextFormat(Qt::PlainText);
+  m_restored->setTextInteractionFlags(Qt::TextSelectableByMouse);
+  m_restored->hide();
+  formLayout->addWidget(m_restored);
   formLayout->addStretch(0);
+  setAcceptDrops(true);
+  // The prompt editors take text drops themselves; a dropped PNG restores parameters instead.
+  m_prompt->viewport()->installEventFilter(this);
+  m_negative->viewport()->installEventFilter(this);
 
   auto* scroll = new QScrollArea;
   scroll->setWidget(form);
@@ -397,12 +477,16 @@ engine::GenerationRequest MainWindow::requestFromFields() {
   r.device = m_device->currentData().toString().toStdString();
   r.batch = m_batch->value();
   r.preview_every = 1;
+  r.prompt = engine::fill_prompt_template(m_promptTemplate.toStdString(), r.prompt);
+  r.strategy = m_strategy->currentData().toString().toStdString();
+  r.devices = m_devices->value();
   return r;
 }
 
 void MainWindow::generate() {
   m_error->hide();
   m_error->clear();
+  m_restored->hide();
   if (m_model->text().trimmed().isEmpty()) {
     showError(tr("Choose a model first: a diffusers folder or a .safetensors / .ckpt checkpoint (Model, above)."));
     return;
@@ -513,6 +597,9 @@ void MainWindow::loadSettings() {
   m_batch->setValue(s.value(QStringLiteral("batch"), 1).toInt());
   const int device = m_device->findData(s.value(QStringLiteral("device")).toString());
   if (device >= 0) m_device->setCurrentIndex(device);
+  m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(s.value(QStringLiteral("strategy")).toString())));
+  m_devices->setValue(s.value(QStringLiteral("devices"), 1).toInt());
+  reloadPresets(s.value(QStringLiteral("preset")).toString());
   restoreGeometry(s.value(QStringLiteral("window/geometry")).toByteArray());
   restoreState(s.value(QStringLiteral("window/state")).toByteArray());
   m_mainSplitter->restoreState(s.value(QStringLiteral("window/mainSplitter")).toByteArray());
@@ -534,10 +621,253 @@ void MainWindow::saveSettings() const {
   s.setValue(QStringLiteral("sampler"), m_sampler->currentData().toString());
   s.setValue(QStringLiteral("batch"), m_batch->value());
   s.setValue(QStringLiteral("device"), m_device->currentData().toString());
+  s.setValue(QStringLiteral("strategy"), m_strategy->currentData().toString());
+  s.setValue(QStringLiteral("devices"), m_devices->value());
+  s.setValue(QStringLiteral("preset"), m_preset->currentIndex() > 0 ? m_preset->currentText() : QString());
   s.setValue(QStringLiteral("window/geometry"), saveGeometry());
   s.setValue(QStringLiteral("window/state"), saveState());
   s.setValue(QStringLiteral("window/mainSplitter"), m_mainSplitter->saveState());
   s.setValue(QStringLiteral("window/viewSplitter"), m_viewSplitter->saveState());
+}
+
+QString MainWindow::userPresetDir() {
+  return QDir(QStandardPaths::writableLocation(QStandardPaths::AppConfigLocation)).filePath(QStringLiteral("presets"));
+}
+
+void MainWindow::reloadPresets(const QString& select) {
+  m_presets.clear();
+  QStringList problems;
+  // Shipped presets are compiled in (ui/CMakeLists.txt); a broken one is a build bug, still reported.
+  const QDir shipped(QStringLiteral(":/presets"));
+  for (const QString& name : shipped.entryList({QStringLiteral("*.json")}, QDir::Files, QDir::Name)) {
+    QFile f(shipped.filePath(name));
+    try {
+      if (!f.open(QIODevice::ReadOnly)) throw Error(f.fileName().toStdString() + ": cannot open");
+      m_presets.push_back(engine::parse_preset(f.readAll().toStdString(), f.fileName().toStdString()));
+    } catch (const std::exception& e) {
+      problems << QString::fromUtf8(e.what());
+    }
+  }
+  const QDir user(userPresetDir());
+  for (const QFileInfo& fi : user.entryInfoList({QStringLiteral("*.json")}, QDir::Files, QDir::Name)) {
+    try {
+      m_presets.push_back(engine::load_preset(fi.filePath().toStdString()));
+    } catch (const std::exception& e) {
+      problems << QString::fromUtf8(e.what());
+    }
+  }
+  const QSignalBlocker block(m_preset);
+  m_preset->clear();
+  m_preset->addItem(tr("No preset"));
+  for (const auto& p : m_presets) {
+    m_preset->addItem(QString::fromStdString(p.name));
+    m_preset->setItemData(m_preset->count() - 1, QString::fromStdString(p.description), Qt::ToolTipRole);
+  }
+  selectPreset(select.isEmpty() ? 0 : std::max(0, m_preset->findText(select)));
+  if (!problems.isEmpty()) showError(tr("Some presets were skipped:\n%1").arg(problems.join(QLatin1Char('\n'))));
+}
+
+void MainWindow::selectPreset(int index) {
+  m_preset->setCurrentIndex(index);
+  const bool active = index > 0 && index <= static_cast<int>(m_presets.size());
+  m_promptTemplate = active ? QString::fromStdString(m_presets[index - 1].prompt_template)
+                            : QString::fromLatin1(engine::kSubjectPlaceholder);
+  m_template->setText(tr("Prompt template: %1").arg(m_promptTemplate));
+  m_template->setVisible(active);
+  m_prompt->setPlaceholderText(active ? tr("The subject: fills {subject} in the template (Ctrl+Enter generates)")
+                                      : tr("What to draw (Ctrl+Enter generates)"));
+}
+
+void MainWindow::applyPreset(int index) {
+  selectPreset(index);
+  if (index <= 0 || index > static_cast<int>(m_presets.size())) return;
+  const engine::Preset& p = m_presets[index - 1];
+  m_negative->setPlainText(QString::fromStdString(p.negative_prompt));
+  m_width->setValue(p.width);
+  m_height->setValue(p.height);
+  m_steps->setValue(p.steps);
+  m_cfg->setValue(p.cfg);
+  m_sampler->setCurrentIndex(std::max(0, m_sampler->findData(QString::fromStdString(p.sampler))));
+  m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(QString::fromStdString(p.strategy))));
+  m_devices->setValue(p.devices);
+}
+
+QString MainWindow::savePreset(const QString& name) {
+  engine::Preset p;
+  p.name = name.toStdString();
+  const QString prompt = m_prompt->toPlainText();
+  p.prompt_template = (prompt.contains(QLatin1String(engine::kSubjectPlaceholder)) ? prompt : m_promptTemplate).toStdString();
+  p.negative_prompt = m_negative->toPlainText().toStdString();
+  p.width = m_width->value();
+  p.height = m_height->value();
+  p.steps = m_steps->value();
+  p.sampler = m_sampler->currentData().toString().toStdString();
+  p.cfg = m_cfg->value();
+  p.strategy = m_strategy->currentData().toString().toStdString();
+  p.devices = m_devices->value();
+  const QString file = QDir(userPresetDir()).filePath(QString::fromStdString(engine::preset_file_name(p.name)));
+  try {
+    engine::save_preset(p, file.toStdString());
+  } catch (const std::exception& e) {
+    return tr("The preset was not saved: %1").arg(QString::fromUtf8(e.what()));
+  }
+  // A prompt that was the template is now the preset's job: leave the subject to the user.
+  if (prompt.contains(QLatin1String(engine::kSubjectPlaceholder))) m_prompt->clear();
+  reloadPresets(name);
+  m_status->setText(tr("Saved preset %1 to %2").arg(name, QDir::toNativeSeparators(file)));
+  return {};
+}
+
+bool MainWindow::eventFilter(QObject* watched, QEvent* event) {
+  const auto type = event->type();
+  if (type == QEvent::DragEnter || type == QEvent::DragMove || type == QEvent::Drop) {
+    auto* drop = static_cast<QDropEvent*>(event);
+    const QString file = droppedFile(drop->mimeData());
+    if (file.endsWith(QLatin1String(".png"), Qt::CaseInsensitive)) {
+      drop->acceptProposedAction();
+      if (type == QEvent::Drop) restoreFromPng(file);
+      return true;
+    }
+  }
+  return QMainWindow::eventFilter(watched, event);
+}
+
+void MainWindow::dragEnterEvent(QDragEnterEvent* event) {
+  if (!droppedFile(event->mimeData()).isEmpty()) event->acceptProposedAction();
+}
+
+void MainWindow::dragMoveEvent(QDragMoveEvent* event) {
+  if (!droppedFile(event->mimeData()).isEmpty()) event->acceptProposedAction();
+}
+
+void MainWindow::dropEvent(QDropEvent* event) {
+  const QString file = droppedFile(event->mimeData());
+  if (file.isEmpty()) return;
+  event->acceptProposedAction();
+  restoreFromPng(file);
+}
+
+void MainWindow::restoreFromPng(const QString& png) {
+  m_error->hide();
+  m_restored->hide();
+  m_status->setText(tr("Reading %1…").arg(QFileInfo(png).fileName()));
+  auto* watcher = new QFutureWatcher<RestoreOutcome>(this);
+  connect(watcher, &QFutureWatcher<RestoreOutcome>::finished, this, [this, watcher, png] {
+    const RestoreOutcome outcome = watcher->result();
+    watcher->deleteLater();
+    if (!outcome.error.isEmpty()) {
+      showError(tr("Cannot restore parameters: %1").arg(outcome.error));
+      m_status->setText(tr("Nothing restored"));
+      emit restoreFinished(false);
+      return;
+    }
+    applyRestored(outcome.parameters, png);
+    emit restoreFinished(true);
+  });
+  watcher->setFuture(QtConcurrent::run([path = png.toStdString()] {
+    RestoreOutcome out;
+    try {
+      out.parameters = engine::read_png_parameters(path);
+    } catch (const std::exception& e) {
+      out.error = QString::fromUtf8(e.what());
+    }
+    return out;
+  }));
+}
+
+void MainWindow::applyRestored(const engine::PngParameters& p, const QString& file) {
+  QStringList restored;
+  QStringList notRestored;
+  for (const auto& u : p.unmapped) notRestored << QString::fromStdString(u);
+  auto text = [](const std::optional<std::string>& v) { return QString::fromStdString(*v); };
+  // The prompt is the whole prompt, not a subject for a template.
+  selectPreset(0);
+  if (p.prompt) {
+    m_prompt->setPlainText(text(p.prompt));
+    restored << tr("prompt");
+  }
+  if (p.negative_prompt) {
+    m_negative->setPlainText(text(p.negative_prompt));
+    restored << tr("negative prompt");
+  }
+  if (p.width && p.height) {
+    m_width->setValue(*p.width);
+    m_height->setValue(*p.height);
+    restored << tr("size");
+  }
+  if (p.steps) {
+    m_steps->setValue(*p.steps);
+    restored << tr("steps");
+  }
+  if (p.cfg) {
+    m_cfg->setValue(*p.cfg);
+    restored << tr("CFG");
+  }
+  if (p.seed) {
+    if (*p.seed <= static_cast<std::uint64_t>(m_seed->maximum())) {
+      m_seed->setValue(static_cast<int>(*p.seed));
+      m_randomSeed->setChecked(false);
+      restored << tr("seed");
+    } else {
+      notRestored << tr("Seed: %1 (larger than %2, the largest seed here)").arg(*p.seed).arg(m_seed->maximum());
+    }
+  }
+  if (p.sampler) {
+    const int i = m_sampler->findData(text(p.sampler));
+    if (i >= 0) {
+      m_sampler->setCurrentIndex(i);
+      restored << tr("sampler");
+    } else {
+      notRestored << tr("sampler: %1").arg(text(p.sampler));
+    }
+  }
+  if (p.batch) {
+    if (*p.batch >= m_batch->minimum() && *p.batch <= m_batch->maximum()) {
+      m_batch->setValue(*p.batch);
+      restored << tr("batch");
+    } else {
+      notRestored << tr("batch: %1").arg(*p.batch);
+    }
+  }
+  if (p.model && !p.model->empty()) {
+    m_model->setText(text(p.model));
+    restored << tr("model");
+  } else if (p.model_name) {
+    notRestored << tr("Model: %1 (a checkpoint name, not a path: choose it under Model)").arg(text(p.model_name));
+  }
+  if (p.taesd) {
+    m_taesd->setText(text(p.taesd));
+    restored << tr("TAESD");
+  }
+  if (p.device) {
+    const int i = m_device->findData(text(p.device));
+    if (i >= 0) {
+      m_device->setCurrentIndex(i);
+      restored << tr("device");
+    } else {
+      notRestored << tr("device: %1 (not on this machine)").arg(text(p.device));
+    }
+  }
+  if (p.strategy) {
+    const int i = m_strategy->findData(text(p.strategy));
+    if (i >= 0) {
+      m_strategy->setCurrentIndex(i);
+      restored << tr("strategy");
+    } else {
+      notRestored << tr("strategy: %1").arg(text(p.strategy));
+    }
+  }
+  if (p.devices) m_devices->setValue(*p.devices);
+
+  const QString source = p.source == "diffract" ? QStringLiteral("Diffract")
+                         : p.source == "a1111"  ? QStringLiteral("AUTOMATIC1111")
+                                                : QStringLiteral("ComfyUI");
+  QString message = tr("Restored from %1 (%2): %3.").arg(QFileInfo(file).fileName(), source,
+                                                         restored.isEmpty() ? tr("nothing") : restored.join(QStringLiteral(", ")));
+  if (!notRestored.isEmpty()) message += QLatin1Char('\n') + tr("Not restored: %1").arg(notRestored.join(QStringLiteral("; ")));
+  m_restored->setText(message);
+  m_restored->show();
+  m_status->setText(tr("Parameters restored from %1").arg(QFileInfo(file).fileName()));
 }
 
 void MainWindow::closeEvent(QCloseEvent* event) {

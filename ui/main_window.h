@@ -4,10 +4,17 @@
 #include <QList>
 #include <QMainWindow>
 
+#include <vector>
+
+#include "core/engine/png_parameters.h"
+#include "core/engine/preset.h"
 #include "ui/engine_bridge.h"
 
 class QCheckBox;
 class QComboBox;
+class QDragEnterEvent;
+class QDragMoveEvent;
+class QDropEvent;
 class QDoubleSpinBox;
 class QLabel;
 class QLineEdit;
@@ -46,12 +53,28 @@ class MainWindow : public QMainWindow {
   static QStringList discoverHuggingFaceModels();
   engine::GenerationRequest requestFromFields();
 
+  // Shipped presets (compiled-in resources) then the user's (userPresetDir()), as in the combo.
+  const std::vector<engine::Preset>& presets() const { return m_presets; }
+  static QString userPresetDir();
+  // Writes the fields as a user preset called `name` and selects it; returns the error, or "".
+  QString savePreset(const QString& name);
+  // Reads `png`'s generation parameters off the GUI thread, then fills the fields
+  // (restoreFinished reports the outcome; failures show in the window).
+  void restoreFromPng(const QString& png);
+
+ signals:
+  void restoreFinished(bool ok);
+
  public slots:
   void generate();
   void cancel();
 
  protected:
   void closeEvent(QCloseEvent* event) override;
+  bool eventFilter(QObject* watched, QEvent* event) override;
+  void dragEnterEvent(QDragEnterEvent* event) override;
+  void dragMoveEvent(QDragMoveEvent* event) override;
+  void dropEvent(QDropEvent* event) override;
 
  private:
   void buildUi();
@@ -60,6 +83,10 @@ class MainWindow : public QMainWindow {
   void updateControls();
   void showError(const QString& message);
   void applySizePreset(int index);
+  void reloadPresets(const QString& select = QString());
+  void applyPreset(int index);
+  void selectPreset(int index);  // the combo and the prompt template, fields untouched
+  void applyRestored(const engine::PngParameters& p, const QString& file);
   void onStep(int index, int total, double timestep, double ms);
   void onFinished(const QList<QImage>& images, const QString& metadataJson, const QString& parameters,
                   const JobTimings& timings);
@@ -80,6 +107,11 @@ class MainWindow : public QMainWindow {
   QComboBox* m_sampler = nullptr;
   QSpinBox* m_batch = nullptr;
   QComboBox* m_device = nullptr;
+  QComboBox* m_strategy = nullptr;
+  QSpinBox* m_devices = nullptr;
+  QComboBox* m_preset = nullptr;
+  QLabel* m_template = nullptr;
+  QLabel* m_restored = nullptr;
   QPushButton* m_generate = nullptr;
   QPushButton* m_cancel = nullptr;
   QLabel* m_hint = nullptr;
@@ -91,6 +123,8 @@ class MainWindow : public QMainWindow {
   QSplitter* m_viewSplitter = nullptr;
 
   QList<RenderedImage> m_results;
+  std::vector<engine::Preset> m_presets;
+  QString m_promptTemplate = QString::fromLatin1(engine::kSubjectPlaceholder);
   QElapsedTimer m_jobClock;
   int m_stepsSeen = 0;
   double m_stepMsSum = 0;
