@@ -44,3 +44,7 @@ endif()
 if(DIFFRACT_BUILD_UI OR DIFFRACT_BUILD_TESTS)
   find_package(Qt6 REQUIRED COMPONENTS Core Gui Widgets Concurrent Test)
 endif()
+if(DIFFRACT_BUILD_UI)
+  # The compare view's heatmap and metrics; the core stays free of OpenCV.
+  find_package(OpenCV REQUIRED COMPONENTS core imgproc)
+endif()

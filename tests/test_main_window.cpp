@@ -18,13 +18,17 @@
 #include <QApplication>
 #include <QDoubleSpinBox>
 #include <QDropEvent>
+#include <QListWidget>
 #include <QMimeData>
+#include <QTableWidget>
 #include <QUrl>
 #include <nlohmann/json.hpp>
 
 #include "core/engine/preset.h"
 #include "core/io/image.h"
 #include "test_util.h"
+#include "ui/compare_view.h"
+#include "ui/gallery.h"
 #include "ui/image_view.h"
 #include "ui/main_window.h"
 #include "ui/timings_chart.h"
@@ -490,6 +494,59 @@ class TestMainWindow : public QObject {
     QCOMPARE(child<QComboBox>(w, "strategyCombo")->currentData().toString(), QStringLiteral("step-skip"));
     QCOMPARE(child<QSpinBox>(w, "devicesSpin")->value(), 2);
     QVERIFY(child<QLabel>(w, "restoredLabel")->text().contains("Diffract"));
+  }
+
+  void galleryDoubleClickRestoresParameters() {
+    QVERIFY(QDir().mkpath(outDir()));
+    const QString png = QDir(outDir()).filePath("from-gallery.png");
+    const nlohmann::json meta = {{"prompt", "from the gallery"}, {"steps", 13}, {"seed", 31}, {"width", 64}, {"height", 64}};
+    io::write_png(png.toStdString(), io::Image{8, 8, std::vector<std::uint8_t>(8 * 8 * 3, 50)}, {{"diffract", meta.dump()}});
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    auto* list = w.gallery()->findChild<QListWidget*>("galleryList");
+    QTRY_VERIFY_WITH_TIMEOUT(list->count() > 0, 10000);
+    int row = -1;
+    for (int i = 0; i < list->count(); ++i)
+      if (list->item(i)->data(Qt::UserRole).toString() == png) row = i;
+    QVERIFY(row >= 0);
+    list->scrollToItem(list->item(row));
+    QSignalSpy done(&w, &MainWindow::restoreFinished);
+    const QPoint at = list->visualItemRect(list->item(row)).center();
+    QTest::mouseClick(list->viewport(), Qt::LeftButton, {}, at);
+    QTest::mouseDClick(list->viewport(), Qt::LeftButton, {}, at);
+    QVERIFY(done.wait(10000));
+    QCOMPARE(child<QPlainTextEdit>(w, "promptEdit")->toPlainText(), QStringLiteral("from the gallery"));
+    QCOMPARE(child<QSpinBox>(w, "stepsSpin")->value(), 13);
+    QCOMPARE(child<QSpinBox>(w, "seedSpin")->value(), 31);
+  }
+
+  void compareOpensOnTheLastTwoImages() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    auto* compare = child<QPushButton>(w, "compareButton");
+    QVERIFY(!compare->isEnabled());
+    setUpJob(w, 2);
+    child<QSpinBox>(w, "batchSpin")->setValue(2);
+    child<QPlainTextEdit>(w, "promptEdit")->setPlainText("two pears");
+    QSignalSpy finished(w.bridge(), &EngineBridge::finished);
+    w.generate();
+    QVERIFY(finished.wait(60000));
+    QCOMPARE(w.results().size(), 2);
+    QVERIFY(compare->isEnabled());
+    QSignalSpy opened(&w, &MainWindow::compareOpened);
+    compare->click();
+    QCOMPARE(opened.size(), 1);
+    auto* view = opened.first().first().value<ui::CompareView*>();
+    QVERIFY(view && view->isVisible());
+    QSignalSpy computed(view, &ui::CompareView::computed);
+    QVERIFY(computed.wait(10000));
+    QCOMPARE(view->comparison().heatmap.size(), QSize(64, 64));
+    QVERIFY(view->comparison().error.isEmpty());
+    QVERIFY(view->comparison().ssim > -1 && view->comparison().ssim <= 1);
+    // One job's batch: the same settings, so no parameter differs.
+    QCOMPARE(view->findChild<QTableWidget*>("differencesTable")->rowCount(), 0);
   }
 
   void droppingAPngWithoutParametersSaysSo() {

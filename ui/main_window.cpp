@@ -6,11 +6,13 @@
 #include <QComboBox>
 #include <QDateTime>
 #include <QDir>
+#include <QDockWidget>
 #include <QDoubleSpinBox>
 #include <QDragEnterEvent>
 #include <QDropEvent>
 #include <QFile>
 #include <QFutureWatcher>
+#include <QImageReader>
 #include <QInputDialog>
 #include <QMimeData>
 #include <QtConcurrent/QtConcurrentRun>
@@ -40,6 +42,8 @@
 #include "core/io/image.h"
 #include "core/util/build_info.h"
 #include "core/util/error.h"
+#include "ui/compare_view.h"
+#include "ui/gallery.h"
 #include "ui/image_view.h"
 #include "ui/timings_chart.h"
 
@@ -116,6 +120,7 @@ MainWindow::MainWindow(QWidget* parent) : QMainWindow(parent), m_bridge(new Engi
   setWindowTitle(QStringLiteral("Diffract"));
   buildUi();
   loadSettings();
+  m_gallery->setFolder(outputDir());
 
   connect(m_bridge, &EngineBridge::stageTimed, m_timings, &TimingsChart::setStage);
   connect(m_bridge, &EngineBridge::stepDone, this, &MainWindow::onStep);
@@ -396,7 +401,17 @@ void MainWindow::buildUi() {
   auto* viewLayout = new QVBoxLayout(viewPane);
   viewLayout->setContentsMargins(0, 0, 0, 0);
   viewLayout->addWidget(m_view, 1);
-  viewLayout->addWidget(m_status);
+  auto* statusRow = new QHBoxLayout;
+  statusRow->addWidget(m_status, 1);
+  m_compare = new QPushButton(tr("Compare…"));
+  m_compare->setObjectName(QStringLiteral("compareButton"));
+  m_compare->setToolTip(tr("The last two images of this session side by side, their difference and PSNR / SSIM "
+                           "(or select two in the gallery)"));
+  statusRow->addWidget(m_compare);
+  viewLayout->addLayout(statusRow);
+  connect(m_compare, &QPushButton::clicked, this, [this] {
+    if (m_results.size() >= 2) compareResults(static_cast<int>(m_results.size()) - 2, static_cast<int>(m_results.size()) - 1);
+  });
   m_viewSplitter = new QSplitter(Qt::Vertical);
   m_viewSplitter->setObjectName(QStringLiteral("viewSplitter"));
   m_viewSplitter->addWidget(viewPane);
@@ -410,6 +425,14 @@ void MainWindow::buildUi() {
   m_mainSplitter->addWidget(m_viewSplitter);
   m_mainSplitter->setStretchFactor(1, 1);
   setCentralWidget(m_mainSplitter);
+
+  m_gallery = new GalleryView;
+  auto* galleryDock = new QDockWidget(tr("Gallery"));
+  galleryDock->setObjectName(QStringLiteral("galleryDock"));
+  galleryDock->setWidget(m_gallery);
+  addDockWidget(Qt::BottomDockWidgetArea, galleryDock);
+  connect(m_gallery, &GalleryView::restoreRequested, this, &MainWindow::restoreFromPng);
+  connect(m_gallery, &GalleryView::compareRequested, this, &MainWindow::compareFiles);
 
   auto* buildLabel = new QLabel(QString::fromStdString(describe(info)));
   buildLabel->setObjectName(QStringLiteral("buildInfoLabel"));
@@ -552,6 +575,7 @@ void MainWindow::onFinished(const QList<QImage>& images, const QString& metadata
                       {{"parameters", parameters.toStdString()}, {"diffract", metadataJson.toStdString()}});
         r.savedPath = path;
         if (firstSaved.isEmpty()) firstSaved = path;
+        if (m_gallery->folder() == dir.path()) m_gallery->addFile(path);
       } catch (const std::exception& e) {
         saveError = QString::fromUtf8(e.what());
       }
@@ -575,6 +599,7 @@ void MainWindow::updateControls() {
   const bool running = m_bridge->isRunning();
   const bool haveModel = !m_model->text().trimmed().isEmpty();
   m_cancel->setEnabled(running);
+  m_compare->setEnabled(m_results.size() >= 2);
   m_generate->setText(running ? tr("Restart") : tr("Generate"));
   m_hint->setVisible(!haveModel);
   m_view->setPlaceholder(haveModel ? tr("Press Generate (Ctrl+Enter) to see every step here.") : noModelHint());
@@ -868,6 +893,53 @@ void MainWindow::applyRestored(const engine::PngParameters& p, const QString& fi
   m_restored->setText(message);
   m_restored->show();
   m_status->setText(tr("Parameters restored from %1").arg(QFileInfo(file).fileName()));
+}
+
+CompareView* MainWindow::compareResults(int a, int b) {
+  if (a < 0 || b < 0 || a >= m_results.size() || b >= m_results.size()) return nullptr;
+  QList<CompareView::Item> items;
+  for (int i = 0; i < m_results.size(); ++i) {
+    const RenderedImage& r = m_results[i];
+    items.append({tr("#%1 %2").arg(i + 1).arg(r.savedPath.isEmpty() ? tr("(not saved)") : QFileInfo(r.savedPath).fileName()),
+                  r.image, r.metadataJson});
+  }
+  auto* view = new CompareView(items, a, b, this);
+  view->setWindowFlag(Qt::Window);
+  view->setAttribute(Qt::WA_DeleteOnClose);
+  view->show();
+  emit compareOpened(view);
+  return view;
+}
+
+void MainWindow::compareFiles(const QString& a, const QString& b) {
+  using Loaded = QPair<QList<CompareView::Item>, QString>;
+  auto* watcher = new QFutureWatcher<Loaded>(this);
+  connect(watcher, &QFutureWatcher<Loaded>::finished, this, [this, watcher] {
+    watcher->deleteLater();
+    const Loaded loaded = watcher->result();
+    if (!loaded.second.isEmpty()) {
+      showError(tr("Cannot compare: %1").arg(loaded.second));
+      return;
+    }
+    auto* view = new CompareView(loaded.first, 0, 1, this);
+    view->setWindowFlag(Qt::Window);
+    view->setAttribute(Qt::WA_DeleteOnClose);
+    view->show();
+    emit compareOpened(view);
+  });
+  watcher->setFuture(QtConcurrent::run([a, b] {
+    Loaded out;
+    for (const QString& path : {a, b}) {
+      QImageReader reader(path);
+      const QImage image = reader.read();
+      if (image.isNull()) {
+        out.second = tr("%1: %2").arg(QFileInfo(path).fileName(), reader.errorString());
+        return out;
+      }
+      out.first.append({QFileInfo(path).fileName(), image, image.text(QStringLiteral("diffract"))});
+    }
+    return out;
+  }));
 }
 
 void MainWindow::closeEvent(QCloseEvent* event) {

@@ -8,6 +8,7 @@
 
 #include "core/engine/png_parameters.h"
 #include "core/engine/preset.h"
+#include "ui/compare_view.h"
 #include "ui/engine_bridge.h"
 
 class QCheckBox;
@@ -25,6 +26,7 @@ class QSplitter;
 
 namespace diffract::ui {
 
+class GalleryView;
 class ImageView;
 class TimingsChart;
 
@@ -61,9 +63,15 @@ class MainWindow : public QMainWindow {
   // Reads `png`'s generation parameters off the GUI thread, then fills the fields
   // (restoreFinished reports the outcome; failures show in the window).
   void restoreFromPng(const QString& png);
+  GalleryView* gallery() const { return m_gallery; }
+  // Opens the compare window on session results a and b (indexes into results()).
+  CompareView* compareResults(int a, int b);
+  // Reads two PNGs off the GUI thread, then opens the compare window on them.
+  void compareFiles(const QString& a, const QString& b);
 
  signals:
   void restoreFinished(bool ok);
+  void compareOpened(diffract::ui::CompareView* view);
 
  public slots:
   void generate();
@@ -112,6 +120,8 @@ class MainWindow : public QMainWindow {
   QComboBox* m_preset = nullptr;
   QLabel* m_template = nullptr;
   QLabel* m_restored = nullptr;
+  QPushButton* m_compare = nullptr;
+  GalleryView* m_gallery = nullptr;
   QPushButton* m_generate = nullptr;
   QPushButton* m_cancel = nullptr;
   QLabel* m_hint = nullptr;
