@@ -159,6 +159,13 @@ class TestPreset : public QObject {
     writeText(mine, kValid);
     QCOMPARE(engine::find_preset(mine.string(), {}).name, std::string("Test"));
     DIFFRACT_EXPECT_ERROR(engine::find_preset("nonexistent", dirs), "no preset named 'nonexistent'", "studio-packshot");
+    try {
+      engine::find_preset("nonexistent", {shippedDir(), shippedDir()});
+      QFAIL("found a preset that does not exist");
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      QCOMPARE(msg.find("fast-draft"), msg.rfind("fast-draft"));  // listed once, though found twice
+    }
     DIFFRACT_EXPECT_ERROR(engine::find_preset(tmp("gone.json").string(), dirs), "gone.json: no such file");
   }
 };

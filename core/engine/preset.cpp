@@ -196,6 +196,7 @@ Preset find_preset(const std::string& name_or_file, const std::vector<fs::path>&
   }
   const std::string wanted = lower(name_or_file);
   std::string available;
+  std::vector<fs::path> seen;
   for (const auto& dir : dirs) {
     std::error_code ec;
     if (!fs::is_directory(dir, ec)) continue;
@@ -213,6 +214,8 @@ Preset find_preset(const std::string& name_or_file, const std::vector<fs::path>&
         continue;
       }
       if (stem_matches || lower(p.name) == wanted) return p;
+      if (std::find(seen.begin(), seen.end(), f.stem()) != seen.end()) continue;  // shadowed by an earlier folder
+      seen.push_back(f.stem());
       available += (available.empty() ? "" : ", ") + f.stem().string();
     }
   }
