@@ -94,6 +94,12 @@ class TestCompareView : public QObject {
     QCOMPARE(diffs[2].a, QStringLiteral("—"));
     QCOMPARE(diffs[2].b, QStringLiteral("step-skip"));
     QVERIFY(ui::differingParameters(a, a).isEmpty());
+    // Seeds past 2^53 differ by one: still a difference, printed exactly.
+    const auto seeds = ui::differingParameters(R"({"seed": 1152921504606846976, "cfg": 7})",
+                                               R"({"seed": 1152921504606846977, "cfg": 7.0})");
+    QCOMPARE(seeds.size(), 1);
+    QCOMPARE(seeds[0].b, QStringLiteral("1152921504606846977"));
+    QCOMPARE(ui::differingParameters("not json", R"({"steps": 3})").value(0).a, QStringLiteral("—"));
 
     CompareView view({{"first", filled(32, 32, Qt::white), a}, {"second", filled(32, 32, Qt::gray), b}}, 0, 1);
     QSignalSpy done(&view, &CompareView::computed);

@@ -4,9 +4,6 @@
 #include <QFutureWatcher>
 #include <QHBoxLayout>
 #include <QHeaderView>
-#include <QJsonArray>
-#include <QJsonDocument>
-#include <QJsonObject>
 #include <QLabel>
 #include <QMouseEvent>
 #include <QPainter>
@@ -17,7 +14,9 @@
 #include <QtConcurrent/QtConcurrentRun>
 #include <cmath>
 #include <limits>
+#include <set>
 #include <vector>
+#include <nlohmann/json.hpp>
 #include <opencv2/core.hpp>
 #include <opencv2/imgproc.hpp>
 
@@ -70,14 +69,8 @@ double ssim(const cv::Mat& a8, const cv::Mat& b8) {
   return sum / static_cast<double>(as.size());
 }
 
-QString valueText(const QJsonValue& v) {
-  if (v.isUndefined()) return QStringLiteral("—");
-  if (v.isString()) return v.toString();
-  if (v.isDouble()) return QString::number(v.toDouble(), 'g', 15);
-  if (v.isBool()) return v.toBool() ? QStringLiteral("true") : QStringLiteral("false");
-  if (v.isNull()) return QStringLiteral("null");
-  return QString::fromUtf8(QJsonDocument(v.isArray() ? QJsonDocument(v.toArray()) : QJsonDocument(v.toObject()))
-                               .toJson(QJsonDocument::Compact));
+QString valueText(const nlohmann::json& v) {
+  return QString::fromStdString(v.is_string() ? v.get<std::string>() : v.dump());
 }
 
 }  // namespace
@@ -114,16 +107,23 @@ ImageComparison compareImages(const QImage& a, const QImage& b) {
 }
 
 QList<ParameterDifference> differingParameters(const QString& metadataA, const QString& metadataB) {
-  const QJsonObject a = QJsonDocument::fromJson(metadataA.toUtf8()).object();
-  const QJsonObject b = QJsonDocument::fromJson(metadataB.toUtf8()).object();
-  QStringList keys = a.keys() + b.keys();
-  keys.removeDuplicates();
-  keys.sort();
+  // nlohmann keeps 64-bit seeds exact, where QJsonValue would round them to doubles.
+  const auto parse = [](const QString& text) {
+    auto j = nlohmann::json::parse(text.toStdString(), nullptr, /*allow_exceptions=*/false);
+    return j.is_object() ? j : nlohmann::json::object();
+  };
+  const nlohmann::json a = parse(metadataA), b = parse(metadataB);
+  std::set<std::string> keys;
+  for (const auto& [key, value] : a.items()) keys.insert(key);
+  for (const auto& [key, value] : b.items()) keys.insert(key);
   QList<ParameterDifference> out;
-  for (const QString& key : keys) {
-    if (key == QLatin1String("timings_ms") || key == QLatin1String("strategy")) continue;
-    const QJsonValue va = a.value(key), vb = b.value(key);
-    if (va != vb) out.append({key, valueText(va), valueText(vb)});
+  const QString absent = QStringLiteral("—");
+  for (const std::string& key : keys) {
+    if (key == "timings_ms" || key == "strategy") continue;
+    const auto ia = a.find(key), ib = b.find(key);
+    const bool inA = ia != a.end(), inB = ib != b.end();
+    if (inA && inB && *ia == *ib) continue;
+    out.append({QString::fromStdString(key), inA ? valueText(*ia) : absent, inB ? valueText(*ib) : absent});
   }
   return out;
 }

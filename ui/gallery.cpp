@@ -7,8 +7,6 @@
 #include <QFutureWatcher>
 #include <QHBoxLayout>
 #include <QImageReader>
-#include <QJsonDocument>
-#include <QJsonObject>
 #include <QLabel>
 #include <QListWidget>
 #include <QMessageBox>
@@ -17,6 +15,8 @@
 #include <QVBoxLayout>
 #include <QtConcurrent/QtConcurrentRun>
 #include <algorithm>
+
+#include <nlohmann/json.hpp>
 
 namespace diffract::ui {
 
@@ -41,10 +41,10 @@ Listing listFolder(const QString& dir) {
 }
 
 QString caption(const GalleryView::Entry& e) {
-  const QJsonObject meta = QJsonDocument::fromJson(e.metadataJson.toUtf8()).object();
-  if (meta.isEmpty()) return QFileInfo(e.path).fileName();
-  return QObject::tr("seed %1 · %2 steps").arg(meta.value(QStringLiteral("seed")).toVariant().toString())
-      .arg(meta.value(QStringLiteral("steps")).toInt());
+  const auto meta = nlohmann::json::parse(e.metadataJson.toStdString(), nullptr, /*allow_exceptions=*/false);
+  if (!meta.is_object() || !meta.contains("seed") || !meta.contains("steps")) return QFileInfo(e.path).fileName();
+  return QObject::tr("seed %1 · %2 steps").arg(QString::fromStdString(meta["seed"].dump()),
+                                               QString::fromStdString(meta["steps"].dump()));
 }
 
 }  // namespace
