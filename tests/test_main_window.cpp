@@ -55,7 +55,7 @@ void setUpJob(MainWindow& w, int steps, const QString& model = tinyModel()) {
   child<QSpinBox>(w, "heightSpin")->setValue(64);
   child<QSpinBox>(w, "stepsSpin")->setValue(steps);
   child<QCheckBox>(w, "randomSeedCheck")->setChecked(false);
-  child<QSpinBox>(w, "seedSpin")->setValue(5);
+  child<QLineEdit>(w, "seedEdit")->setText("5");
 }
 
 std::filesystem::path shippedPresets() {
@@ -328,6 +328,7 @@ class TestMainWindow : public QObject {
       setUpJob(w, 17);
       child<QPlainTextEdit>(w, "promptEdit")->setPlainText("a lighthouse");
       child<QComboBox>(w, "samplerCombo")->setCurrentText("dpmpp-2m-karras");
+      child<QLineEdit>(w, "seedEdit")->setText("18446744073709551615");
       w.close();
     }
     MainWindow w;
@@ -338,6 +339,18 @@ class TestMainWindow : public QObject {
     QCOMPARE(child<QComboBox>(w, "samplerCombo")->currentData().toString(), QStringLiteral("dpmpp-2m-karras"));
     QCOMPARE(child<QComboBox>(w, "sizePresetCombo")->currentText(), QStringLiteral("Custom"));
     QVERIFY(!child<QCheckBox>(w, "randomSeedCheck")->isChecked());
+    QCOMPARE(w.requestFromFields().seed, std::uint64_t(18446744073709551615ull));
+  }
+
+  void seedPast64BitsIsRefused() {
+    MainWindow w;
+    setUpJob(w, 2);
+    child<QLineEdit>(w, "seedEdit")->setText("18446744073709551616");
+    w.generate();
+    QVERIFY(!w.bridge()->isRunning());
+    const QString error = child<QLabel>(w, "errorLabel")->text();
+    QVERIFY2(error.contains("Seed '18446744073709551616' is not a whole number from 0 to 18446744073709551615"),
+             qPrintable(error));
   }
 
   void sizePresetsFillTheSize() {
@@ -447,7 +460,7 @@ class TestMainWindow : public QObject {
     const QString note = child<QLabel>(w, "restoredLabel")->text();
     QVERIFY2(note.contains("AUTOMATIC1111"), qPrintable(note));
     QVERIFY2(note.contains("Clip skip: 2"), qPrintable(note));
-    QVERIFY2(note.contains("Seed: 3141592653 (larger than"), qPrintable(note));  // the seed box holds 31 bits
+    QCOMPARE(w.requestFromFields().seed, std::uint64_t(3141592653ull));  // past 2^31, as A1111 seeds go
     QVERIFY2(note.contains("Model: sd_xl_base_1.0 (a checkpoint name"), qPrintable(note));
     QVERIFY(!child<QLabel>(w, "errorLabel")->isVisible());
   }
@@ -456,7 +469,6 @@ class TestMainWindow : public QObject {
     MainWindow w;
     w.show();
     QVERIFY(QTest::qWaitForWindowExposed(&w));
-    child<QSpinBox>(w, "seedSpin")->setValue(3);
     QVERIFY(dropFile(w, pngFixture("comfyui.png")));
     QCOMPARE(child<QPlainTextEdit>(w, "promptEdit")->toPlainText(),
              QStringLiteral("beautiful scenery nature glass bottle landscape, purple galaxy bottle,"));
@@ -466,7 +478,8 @@ class TestMainWindow : public QObject {
     QCOMPARE(child<QSpinBox>(w, "stepsSpin")->value(), 20);
     QCOMPARE(child<QDoubleSpinBox>(w, "cfgSpin")->value(), 8.0);
     QCOMPARE(child<QComboBox>(w, "samplerCombo")->currentData().toString(), QStringLiteral("euler"));
-    QCOMPARE(child<QSpinBox>(w, "seedSpin")->value(), 3);  // 156680208700286 does not fit: left alone
+    QCOMPARE(child<QLineEdit>(w, "seedEdit")->text(), QStringLiteral("156680208700286"));
+    QCOMPARE(w.requestFromFields().seed, std::uint64_t(156680208700286ull));
     const QString note = child<QLabel>(w, "restoredLabel")->text();
     QVERIFY2(note.contains("ComfyUI") && note.contains("LoRA: glass_style.safetensors"), qPrintable(note));
     QVERIFY2(note.contains("v1-5-pruned-emaonly.safetensors"), qPrintable(note));
@@ -485,7 +498,7 @@ class TestMainWindow : public QObject {
     QVERIFY(dropFile(w, png));
     QCOMPARE(child<QLineEdit>(w, "modelEdit")->text(), tinyModel());
     QCOMPARE(child<QPlainTextEdit>(w, "promptEdit")->toPlainText(), QStringLiteral("a blue vase"));
-    QCOMPARE(child<QSpinBox>(w, "seedSpin")->value(), 77);
+    QCOMPARE(child<QLineEdit>(w, "seedEdit")->text(), QStringLiteral("77"));
     QVERIFY(!child<QCheckBox>(w, "randomSeedCheck")->isChecked());  // the seed is the point of restoring
     QCOMPARE(child<QSpinBox>(w, "stepsSpin")->value(), 7);
     QCOMPARE(child<QSpinBox>(w, "widthSpin")->value(), 96);
@@ -518,7 +531,7 @@ class TestMainWindow : public QObject {
     QVERIFY(done.wait(10000));
     QCOMPARE(child<QPlainTextEdit>(w, "promptEdit")->toPlainText(), QStringLiteral("from the gallery"));
     QCOMPARE(child<QSpinBox>(w, "stepsSpin")->value(), 13);
-    QCOMPARE(child<QSpinBox>(w, "seedSpin")->value(), 31);
+    QCOMPARE(child<QLineEdit>(w, "seedEdit")->text(), QStringLiteral("31"));
   }
 
   void compareOpensOnTheLastTwoImages() {

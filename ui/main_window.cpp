@@ -26,6 +26,7 @@
 #include <QPlainTextEdit>
 #include <QPushButton>
 #include <QRandomGenerator>
+#include <QRegularExpressionValidator>
 #include <QScrollArea>
 #include <QSettings>
 #include <QShortcut>
@@ -303,9 +304,10 @@ void MainWindow::buildUi() {
   fields->addRow(tr("CFG"), m_cfg);
 
   auto* seedRow = new QHBoxLayout;
-  m_seed = new QSpinBox;
-  m_seed->setObjectName(QStringLiteral("seedSpin"));
-  m_seed->setRange(0, std::numeric_limits<int>::max());
+  // 64 bits, as the core takes: A1111 seeds reach 2^32 and ComfyUI's 2^64, past a QSpinBox's int.
+  m_seed = new QLineEdit(QStringLiteral("0"));
+  m_seed->setObjectName(QStringLiteral("seedEdit"));
+  m_seed->setValidator(new QRegularExpressionValidator(QRegularExpression(QStringLiteral("\\d{1,20}")), m_seed));
   m_randomSeed = new QCheckBox(tr("Randomise"));
   m_randomSeed->setObjectName(QStringLiteral("randomSeedCheck"));
   m_randomSeed->setToolTip(tr("A new seed for every job; untick to lock the seed"));
@@ -495,7 +497,7 @@ engine::GenerationRequest MainWindow::requestFromFields() {
   r.height = m_height->value();
   r.steps = m_steps->value();
   r.cfg = m_cfg->value();
-  r.seed = static_cast<std::uint64_t>(m_seed->value());
+  r.seed = seedValue().value_or(0);
   r.sampler = m_sampler->currentData().toString().toStdString();
   r.device = m_device->currentData().toString().toStdString();
   r.batch = m_batch->value();
@@ -514,8 +516,13 @@ void MainWindow::generate() {
     showError(tr("Choose a model first: a diffusers folder or a .safetensors / .ckpt checkpoint (Model, above)."));
     return;
   }
-  if (m_randomSeed->isChecked())
-    m_seed->setValue(static_cast<int>(QRandomGenerator::global()->bounded(std::numeric_limits<int>::max())));
+  if (m_randomSeed->isChecked()) m_seed->setText(QString::number(QRandomGenerator::global()->generate()));
+  if (!seedValue()) {
+    showError(tr("Seed '%1' is not a whole number from 0 to %2.")
+                  .arg(m_seed->text())
+                  .arg(std::numeric_limits<std::uint64_t>::max()));
+    return;
+  }
   const auto request = requestFromFields();
   m_timings->reset(request.steps);
   m_stepsSeen = 0;
@@ -565,7 +572,7 @@ void MainWindow::onFinished(const QList<QImage>& images, const QString& metadata
       for (int n = 0;; ++n) {  // never overwrite an earlier image
         path = dir.filePath(QStringLiteral("%1-%2-%3%4.png")
                                 .arg(stamp)
-                                .arg(m_seed->value())
+                                .arg(m_seed->text())
                                 .arg(i)
                                 .arg(n ? QStringLiteral("-%1").arg(n) : QString()));
         if (!QFileInfo::exists(path)) break;
@@ -615,7 +622,7 @@ void MainWindow::loadSettings() {
   m_height->setValue(s.value(QStringLiteral("height"), 0).toInt());
   m_steps->setValue(s.value(QStringLiteral("steps"), 30).toInt());
   m_cfg->setValue(s.value(QStringLiteral("cfg"), 7.0).toDouble());
-  m_seed->setValue(s.value(QStringLiteral("seed"), 0).toInt());
+  m_seed->setText(QString::number(s.value(QStringLiteral("seed"), 0).toULongLong()));
   m_randomSeed->setChecked(s.value(QStringLiteral("randomSeed"), true).toBool());
   const int sampler = m_sampler->findData(s.value(QStringLiteral("sampler")).toString());
   m_sampler->setCurrentIndex(std::max(0, sampler));
@@ -641,7 +648,7 @@ void MainWindow::saveSettings() const {
   s.setValue(QStringLiteral("height"), m_height->value());
   s.setValue(QStringLiteral("steps"), m_steps->value());
   s.setValue(QStringLiteral("cfg"), m_cfg->value());
-  s.setValue(QStringLiteral("seed"), m_seed->value());
+  s.setValue(QStringLiteral("seed"), QVariant::fromValue<qulonglong>(seedValue().value_or(0)));
   s.setValue(QStringLiteral("randomSeed"), m_randomSeed->isChecked());
   s.setValue(QStringLiteral("sampler"), m_sampler->currentData().toString());
   s.setValue(QStringLiteral("batch"), m_batch->value());
@@ -653,6 +660,13 @@ void MainWindow::saveSettings() const {
   s.setValue(QStringLiteral("window/state"), saveState());
   s.setValue(QStringLiteral("window/mainSplitter"), m_mainSplitter->saveState());
   s.setValue(QStringLiteral("window/viewSplitter"), m_viewSplitter->saveState());
+}
+
+std::optional<std::uint64_t> MainWindow::seedValue() const {
+  bool ok = false;
+  const qulonglong v = m_seed->text().toULongLong(&ok);
+  if (!ok) return std::nullopt;
+  return static_cast<std::uint64_t>(v);
 }
 
 QString MainWindow::userPresetDir() {
@@ -829,13 +843,9 @@ void MainWindow::applyRestored(const engine::PngParameters& p, const QString& fi
     restored << tr("CFG");
   }
   if (p.seed) {
-    if (*p.seed <= static_cast<std::uint64_t>(m_seed->maximum())) {
-      m_seed->setValue(static_cast<int>(*p.seed));
-      m_randomSeed->setChecked(false);
-      restored << tr("seed");
-    } else {
-      notRestored << tr("Seed: %1 (larger than %2, the largest seed here)").arg(*p.seed).arg(m_seed->maximum());
-    }
+    m_seed->setText(QString::number(*p.seed));
+    m_randomSeed->setChecked(false);
+    restored << tr("seed");
   }
   if (p.sampler) {
     const int i = m_sampler->findData(text(p.sampler));

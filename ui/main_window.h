@@ -4,6 +4,8 @@
 #include <QList>
 #include <QMainWindow>
 
+#include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "core/engine/png_parameters.h"
@@ -54,6 +56,8 @@ class MainWindow : public QMainWindow {
   // Diffusers models in the Hugging Face cache ($HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub).
   static QStringList discoverHuggingFaceModels();
   engine::GenerationRequest requestFromFields();
+  // The seed field as a number; std::nullopt when it is empty or past 64 bits.
+  std::optional<std::uint64_t> seedValue() const;
 
   // Shipped presets (compiled-in resources) then the user's (userPresetDir()), as in the combo.
   const std::vector<engine::Preset>& presets() const { return m_presets; }
@@ -110,7 +114,7 @@ class MainWindow : public QMainWindow {
   QSpinBox* m_height = nullptr;
   QSpinBox* m_steps = nullptr;
   QDoubleSpinBox* m_cfg = nullptr;
-  QSpinBox* m_seed = nullptr;
+  QLineEdit* m_seed = nullptr;
   QCheckBox* m_randomSeed = nullptr;
   QComboBox* m_sampler = nullptr;
   QSpinBox* m_batch = nullptr;
