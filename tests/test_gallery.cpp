@@ -148,6 +148,22 @@ class TestGallery : public QObject {
              QSet<QString>({g.entries()[1].path, g.entries()[2].path}));
   }
 
+  void aNewFolderReplacesOneStillLoading() {
+    const QString other = m_dir + "-other";
+    QVERIFY(QDir().mkpath(other));
+    writeImage(other + "/only.png", 16, 16, 7, "5");
+    GalleryView g;
+    QSignalSpy loaded(&g, &GalleryView::loaded);
+    g.setFolder(m_dir);
+    g.setFolder(other);
+    QVERIFY(loaded.wait(10000));
+    QTest::qWait(200);  // anything the first listing still reports would arrive now
+    QCOMPARE(loaded.size(), 1);
+    QCOMPARE(g.entries().size(), 1);
+    QCOMPARE(g.entries().first().path, other + "/only.png");
+    QCOMPARE(g.findChild<QListWidget*>("galleryList")->count(), 1);
+  }
+
   void newRenderAppearsFirst() {
     GalleryView g;
     QSignalSpy loaded(&g, &GalleryView::loaded);

@@ -22,24 +22,6 @@ namespace diffract::ui {
 
 namespace {
 
-struct Listing {
-  QList<GalleryView::Entry> entries;
-  QStringList problems;
-};
-
-Listing listFolder(const QString& dir) {
-  Listing out;
-  const QFileInfoList files = QDir(dir).entryInfoList({QStringLiteral("*.png"), QStringLiteral("*.PNG")}, QDir::Files,
-                                                      QDir::Time);
-  for (const QFileInfo& fi : files) {
-    GalleryView::Entry e;
-    QString error;
-    if (GalleryView::readEntry(fi.filePath(), &e, &error)) out.entries.append(e);
-    else out.problems << error;
-  }
-  return out;
-}
-
 QString caption(const GalleryView::Entry& e) {
   const auto meta = nlohmann::json::parse(e.metadataJson.toStdString(), nullptr, /*allow_exceptions=*/false);
   if (!meta.is_object() || !meta.contains("seed") || !meta.contains("steps")) return QFileInfo(e.path).fileName();
@@ -116,32 +98,56 @@ bool GalleryView::readEntry(const QString& path, Entry* entry, QString* error) {
 }
 
 void GalleryView::setFolder(const QString& dir) {
+  if (m_listing) {  // a newer listing replaces it: stop it and drop what it still reports
+    m_listing->disconnect(this);
+    m_listing->cancel();
+    m_listing->deleteLater();
+  }
   m_folder = dir;
-  m_status->setText(tr("Loading…"));
-  const int generation = ++m_generation;
-  auto* watcher = new QFutureWatcher<Listing>(this);
-  connect(watcher, &QFutureWatcher<Listing>::finished, this, [this, watcher, generation] {
-    watcher->deleteLater();
-    if (generation != m_generation) return;
-    const Listing listing = watcher->result();
-    display(listing.entries, listing.problems);
-    emit loaded();
-  });
-  watcher->setFuture(QtConcurrent::run(listFolder, dir));
-}
-
-void GalleryView::display(const QList<Entry>& entries, const QStringList& problems) {
   m_entries.clear();
   m_list->clear();
-  for (const Entry& e : entries) insertItem(static_cast<int>(m_entries.size()), e);
+  m_problems.clear();
+  m_listing = new QFutureWatcher<Loaded>(this);
+  auto* watcher = m_listing;
+  connect(watcher, &QFutureWatcher<Loaded>::resultsReadyAt, this, [this, watcher](int begin, int end) {
+    for (int i = begin; i < end; ++i) {
+      const Loaded loaded = watcher->resultAt(i);
+      if (!loaded.error.isEmpty()) m_problems << loaded.error;
+      else if (!contains(loaded.entry.path)) insertItem(static_cast<int>(m_entries.size()), loaded.entry);
+    }
+    updateStatus();
+  });
+  connect(watcher, &QFutureWatcher<Loaded>::finished, this, [this, watcher] {
+    watcher->deleteLater();
+    m_listing = nullptr;
+    updateStatus();
+    emit loaded();
+  });
+  updateStatus();
+  watcher->setFuture(QtConcurrent::run(
+      [](QPromise<Loaded>& promise, const QString& folder) {
+        const QFileInfoList files = QDir(folder).entryInfoList({QStringLiteral("*.png"), QStringLiteral("*.PNG")},
+                                                               QDir::Files, QDir::Time);
+        for (const QFileInfo& fi : files) {
+          if (promise.isCanceled()) return;
+          Loaded loaded;
+          readEntry(fi.filePath(), &loaded.entry, &loaded.error);
+          promise.addResult(loaded);
+        }
+      },
+      dir));
+}
+
+bool GalleryView::contains(const QString& path) const {
+  return std::any_of(m_entries.begin(), m_entries.end(), [&](const Entry& e) { return e.path == path; });
+}
+
+void GalleryView::updateStatus() {
   QString status = tr("%n image(s) in %1", nullptr, static_cast<int>(m_entries.size())).arg(QDir::toNativeSeparators(m_folder));
-  if (!problems.isEmpty()) {
-    status += tr(" · %n unreadable", nullptr, static_cast<int>(problems.size()));
-    m_status->setToolTip(problems.join(QLatin1Char('\n')));
-  } else {
-    m_status->setToolTip(QString());
-  }
+  if (m_listing) status += tr(" · loading…");
+  if (!m_problems.isEmpty()) status += tr(" · %n unreadable", nullptr, static_cast<int>(m_problems.size()));
   m_status->setText(status);
+  m_status->setToolTip(m_problems.join(QLatin1Char('\n')));
   updateButtons();
 }
 
@@ -158,23 +164,20 @@ void GalleryView::insertItem(int row, const Entry& e) {
 }
 
 void GalleryView::addFile(const QString& path) {
-  auto* watcher = new QFutureWatcher<Listing>(this);
-  const int generation = m_generation;
-  connect(watcher, &QFutureWatcher<Listing>::finished, this, [this, watcher, generation] {
+  auto* watcher = new QFutureWatcher<Loaded>(this);
+  const QString folder = m_folder;
+  connect(watcher, &QFutureWatcher<Loaded>::finished, this, [this, watcher, folder] {
     watcher->deleteLater();
-    if (generation != m_generation) return;  // a full reload is under way and will include it
-    const Listing one = watcher->result();
-    for (const Entry& e : one.entries) insertItem(0, e);
-    m_status->setText(tr("%n image(s) in %1", nullptr, static_cast<int>(m_entries.size()))
-                          .arg(QDir::toNativeSeparators(m_folder)));
+    const Loaded one = watcher->result();
+    if (folder != m_folder || !one.error.isEmpty() || contains(one.entry.path)) return;
+    insertItem(0, one.entry);
+    updateStatus();
     emit loaded();
   });
   watcher->setFuture(QtConcurrent::run([path] {
-    Listing out;
-    Entry e;
-    QString error;
-    if (readEntry(path, &e, &error)) out.entries.append(e);
-    return out;
+    Loaded loaded;
+    readEntry(path, &loaded.entry, &loaded.error);
+    return loaded;
   }));
 }
 
@@ -216,8 +219,7 @@ QString GalleryView::deleteFiles(const QStringList& paths) {
         break;
       }
   }
-  m_status->setText(tr("%n image(s) in %1", nullptr, static_cast<int>(m_entries.size())).arg(QDir::toNativeSeparators(m_folder)));
-  updateButtons();
+  updateStatus();
   return failed.isEmpty() ? QString() : tr("Could not delete: %1").arg(failed.join(QStringLiteral(", ")));
 }
 

@@ -1,6 +1,7 @@
 #pragma once
 // The output folder as thumbnails with their parameters, read off the GUI thread.
 #include <QDateTime>
+#include <QFutureWatcher>
 #include <QImage>
 #include <QList>
 #include <QString>
@@ -26,7 +27,8 @@ class GalleryView : public QWidget {
   static constexpr int kThumbnailSize = 160;
 
   explicit GalleryView(QWidget* parent = nullptr);
-  // Shows `dir`'s PNGs, newest first; returns at once, loaded() follows.
+  // Shows `dir`'s PNGs, newest first, each as soon as a worker has read it; returns at once,
+  // loaded() follows the last (a listing still running is cancelled).
   void setFolder(const QString& dir);
   QString folder() const { return m_folder; }
   void refresh() { setFolder(m_folder); }
@@ -47,8 +49,13 @@ class GalleryView : public QWidget {
   void compareRequested(const QString& a, const QString& b);
 
  private:
-  void display(const QList<Entry>& entries, const QStringList& problems);
+  struct Loaded {
+    Entry entry;
+    QString error;  // set when the file could not be read
+  };
   void insertItem(int row, const Entry& entry);
+  bool contains(const QString& path) const;
+  void updateStatus();
   void updateButtons();
   void saveSelectedAs();
   void deleteSelected();
@@ -60,7 +67,8 @@ class GalleryView : public QWidget {
   QPushButton* m_saveAs = nullptr;
   QPushButton* m_delete = nullptr;
   QPushButton* m_compare = nullptr;
-  int m_generation = 0;  // drops a folder listing that a newer one replaced
+  QStringList m_problems;
+  QFutureWatcher<Loaded>* m_listing = nullptr;
 };
 
 }  // namespace diffract::ui
