@@ -1,5 +1,6 @@
 // diffract-cli: the headless front end.
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 
@@ -9,6 +10,7 @@
 
 #include "core/engine/compare.h"
 #include "core/engine/engine.h"
+#include "core/engine/preset.h"
 #include "core/io/diffusers_folder.h"
 #include "core/io/image.h"
 #include "core/io/safetensors.h"
@@ -170,6 +172,40 @@ void add_generation_options(CLI::App* cmd, engine::GenerationRequest& req, bool 
   }
 }
 
+// Where --preset NAME looks: $DIFFRACT_PRESETS_DIR, the GUI's user presets, the installed
+// share/diffract/presets beside this executable, then the source tree's presets/.
+std::vector<fs::path> preset_dirs() {
+  std::vector<fs::path> dirs;
+  if (const char* env = std::getenv("DIFFRACT_PRESETS_DIR")) dirs.emplace_back(env);
+  const char* xdg = std::getenv("XDG_CONFIG_HOME");
+  const char* home = std::getenv("HOME");
+  if (xdg && *xdg) dirs.push_back(fs::path(xdg) / "Diffract" / "Diffract" / "presets");
+  else if (home) dirs.push_back(fs::path(home) / ".config" / "Diffract" / "Diffract" / "presets");
+  std::error_code ec;
+  const auto exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) dirs.push_back(exe.parent_path().parent_path() / "share" / "diffract" / "presets");
+  dirs.emplace_back(DIFFRACT_SOURCE_PRESETS);
+  return dirs;
+}
+
+// The preset fills every setting the command line did not give; --prompt fills its {subject}.
+void apply_cli_preset(const CLI::App* cmd, const std::string& name, engine::GenerationRequest& req) {
+  const auto preset = engine::find_preset(name, preset_dirs());
+  const auto given = [&](const char* option) { return cmd->get_option(option)->count() > 0; };
+  engine::GenerationRequest from = req;
+  engine::apply_preset(preset, req.prompt, from);
+  req.prompt = from.prompt;
+  if (!given("--negative")) req.negative_prompt = from.negative_prompt;
+  if (!given("--width")) req.width = from.width;
+  if (!given("--height")) req.height = from.height;
+  if (!given("--steps")) req.steps = from.steps;
+  if (!given("--cfg")) req.cfg = from.cfg;
+  if (!given("--scheduler")) req.sampler = from.sampler;
+  if (!given("--strategy")) req.strategy = from.strategy;
+  if (!given("--devices")) req.devices = from.devices;
+  std::cout << "preset '" << preset.name << "': prompt '" << req.prompt << "'\n";
+}
+
 int compare(engine::GenerationRequest request, const std::string& strategy, int devices, const fs::path& out_dir) {
   fs::create_directories(out_dir);
   request.preview_every = 0;
@@ -227,6 +263,9 @@ int main(int argc, char** argv) {
   auto* gen_cmd = app.add_subcommand("generate", "Text to image; writes a PNG carrying its parameters");
   add_generation_options(gen_cmd, req);
   gen_cmd->add_option("--preview-dir", preview_dir, "write each step's preview here");
+  std::string preset_name;
+  gen_cmd->add_option("--preset", preset_name,
+                      "preset name or .json file: its settings, --prompt filling its {subject}; options given override it");
   gen_cmd->add_option("--out", out_path, "output .png")->required();
 
   std::string compare_strategy;
@@ -250,7 +289,10 @@ int main(int argc, char** argv) {
     if (inspect_cmd->parsed()) return inspect(inspect_path);
     if (tok_cmd->parsed()) return tokenize(tok_path, prompt);
     if (enc_cmd->parsed()) return encode(model_path, component, prompt);
-    if (gen_cmd->parsed()) return generate(req, out_path, preview_dir);
+    if (gen_cmd->parsed()) {
+      if (!preset_name.empty()) apply_cli_preset(gen_cmd, preset_name, req);
+      return generate(req, out_path, preview_dir);
+    }
     if (cmp_cmd->parsed()) return compare(req, compare_strategy, compare_devices, out_dir);
   } catch (const Error& e) {
     log::get("cli").error(e.what());

@@ -13,9 +13,12 @@ int main(int argc, char** argv) {
   parser.setApplicationDescription(QStringLiteral("Fast interactive diffusion image generation"));
   parser.addHelpOption();
   parser.addVersionOption();
+  parser.addPositionalArgument(QStringLiteral("png"), QStringLiteral("A PNG whose generation parameters to restore"),
+                               QStringLiteral("[png]"));
   parser.process(app);
 
   diffract::ui::MainWindow window;
   window.show();
+  if (!parser.positionalArguments().isEmpty()) window.restoreFromPng(parser.positionalArguments().constFirst());
   return QApplication::exec();
 }

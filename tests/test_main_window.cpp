@@ -15,8 +15,20 @@
 #include <QTimer>
 #include <QWheelEvent>
 
+#include <QApplication>
+#include <QDoubleSpinBox>
+#include <QDropEvent>
+#include <QListWidget>
+#include <QMimeData>
+#include <QTableWidget>
+#include <QUrl>
+#include <nlohmann/json.hpp>
+
+#include "core/engine/preset.h"
 #include "core/io/image.h"
 #include "test_util.h"
+#include "ui/compare_view.h"
+#include "ui/gallery.h"
 #include "ui/image_view.h"
 #include "ui/main_window.h"
 #include "ui/timings_chart.h"
@@ -43,7 +55,37 @@ void setUpJob(MainWindow& w, int steps, const QString& model = tinyModel()) {
   child<QSpinBox>(w, "heightSpin")->setValue(64);
   child<QSpinBox>(w, "stepsSpin")->setValue(steps);
   child<QCheckBox>(w, "randomSeedCheck")->setChecked(false);
-  child<QSpinBox>(w, "seedSpin")->setValue(5);
+  child<QLineEdit>(w, "seedEdit")->setText("5");
+}
+
+std::filesystem::path shippedPresets() {
+  const char* d = std::getenv("DIFFRACT_PRESETS_DIR");
+  return d ? std::filesystem::path(d) : std::filesystem::path("presets");
+}
+
+QString pngFixture(const char* name) {
+  return QString::fromStdString((test::fixtures() / "png_parameters" / name).string());
+}
+
+// Drags `mime` over the window and drops it, as the platform's drag and drop would.
+bool dropOnto(MainWindow& w, QMimeData* mime) {
+  const QPoint pos = w.rect().center();
+  QDragEnterEvent enter(pos, Qt::CopyAction, mime, Qt::LeftButton, Qt::NoModifier);
+  QApplication::sendEvent(&w, &enter);
+  if (!enter.isAccepted()) return false;
+  QDropEvent drop(QPointF(pos), Qt::CopyAction, mime, Qt::LeftButton, Qt::NoModifier);
+  QApplication::sendEvent(&w, &drop);
+  return drop.isAccepted();
+}
+
+// Drops a file URL and waits for the restore to finish; returns whether it succeeded.
+bool dropFile(MainWindow& w, const QString& path) {
+  QSignalSpy done(&w, &MainWindow::restoreFinished);
+  QMimeData mime;
+  mime.setUrls({QUrl::fromLocalFile(path)});
+  if (!dropOnto(w, &mime)) qFatal("the window refused a file drop");
+  if (!done.wait(10000)) qFatal("no restoreFinished after dropping %s", qPrintable(path));
+  return done.first().first().toBool();
 }
 
 }  // namespace
@@ -72,7 +114,10 @@ class TestMainWindow : public QObject {
     qputenv("HF_HUB_CACHE", hub.toLocal8Bit());
   }
 
-  void init() { QSettings().clear(); }
+  void init() {
+    QSettings().clear();
+    QDir(MainWindow::userPresetDir()).removeRecursively();
+  }
 
   void firstStartSaysWhatToDo() {
     MainWindow w;
@@ -283,6 +328,7 @@ class TestMainWindow : public QObject {
       setUpJob(w, 17);
       child<QPlainTextEdit>(w, "promptEdit")->setPlainText("a lighthouse");
       child<QComboBox>(w, "samplerCombo")->setCurrentText("dpmpp-2m-karras");
+      child<QLineEdit>(w, "seedEdit")->setText("18446744073709551615");
       w.close();
     }
     MainWindow w;
@@ -293,6 +339,18 @@ class TestMainWindow : public QObject {
     QCOMPARE(child<QComboBox>(w, "samplerCombo")->currentData().toString(), QStringLiteral("dpmpp-2m-karras"));
     QCOMPARE(child<QComboBox>(w, "sizePresetCombo")->currentText(), QStringLiteral("Custom"));
     QVERIFY(!child<QCheckBox>(w, "randomSeedCheck")->isChecked());
+    QCOMPARE(w.requestFromFields().seed, std::uint64_t(18446744073709551615ull));
+  }
+
+  void seedPast64BitsIsRefused() {
+    MainWindow w;
+    setUpJob(w, 2);
+    child<QLineEdit>(w, "seedEdit")->setText("18446744073709551616");
+    w.generate();
+    QVERIFY(!w.bridge()->isRunning());
+    const QString error = child<QLabel>(w, "errorLabel")->text();
+    QVERIFY2(error.contains("Seed '18446744073709551616' is not a whole number from 0 to 18446744073709551615"),
+             qPrintable(error));
   }
 
   void sizePresetsFillTheSize() {
@@ -306,6 +364,250 @@ class TestMainWindow : public QObject {
     QCOMPARE(child<QSpinBox>(w, "heightSpin")->value(), 832);
     child<QSpinBox>(w, "widthSpin")->setValue(1000);
     QCOMPARE(preset->currentText(), QStringLiteral("Custom"));
+  }
+
+  void selectingAPresetFillsTheFields() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    auto* combo = child<QComboBox>(w, "presetCombo");
+    QCOMPARE(combo->count(), 6);  // "No preset" and the five shipped ones
+    const int i = combo->findText("Studio packshot on white");
+    QVERIFY(i > 0);
+    combo->setFocus();
+    for (int k = 0; k < i; ++k) QTest::keyClick(combo, Qt::Key_Down);  // a user stepping through the list
+    QCOMPARE(combo->currentIndex(), i);
+    const auto p = engine::load_preset(shippedPresets() / "studio-packshot.json");
+    QCOMPARE(child<QPlainTextEdit>(w, "negativeEdit")->toPlainText().toStdString(), p.negative_prompt);
+    QCOMPARE(child<QSpinBox>(w, "widthSpin")->value(), 1024);
+    QCOMPARE(child<QSpinBox>(w, "heightSpin")->value(), 1024);
+    QCOMPARE(child<QSpinBox>(w, "stepsSpin")->value(), p.steps);
+    QCOMPARE(child<QDoubleSpinBox>(w, "cfgSpin")->value(), p.cfg);
+    QCOMPARE(child<QComboBox>(w, "samplerCombo")->currentData().toString(), QStringLiteral("dpmpp-2m-karras"));
+    QCOMPARE(child<QComboBox>(w, "strategyCombo")->currentData().toString(), QStringLiteral("single"));
+    auto* templ = child<QLabel>(w, "promptTemplateLabel");
+    QVERIFY(templ->isVisible());
+    QVERIFY(templ->text().contains("{subject}"));
+    child<QLineEdit>(w, "modelEdit")->setText(tinyModel());
+    QTest::keyClicks(child<QPlainTextEdit>(w, "promptEdit"), "a ceramic mug");
+    QCOMPARE(w.requestFromFields().prompt, engine::fill_prompt_template(p.prompt_template, "a ceramic mug"));
+    QVERIFY(w.requestFromFields().prompt.find("studio packshot of a ceramic mug, centered") != std::string::npos);
+
+    // Back to no preset: the prompt is used as typed, the fields stay.
+    combo->setCurrentIndex(0);
+    emit combo->activated(0);
+    QVERIFY(!templ->isVisible());
+    QCOMPARE(w.requestFromFields().prompt, std::string("a ceramic mug"));
+    QCOMPARE(child<QSpinBox>(w, "widthSpin")->value(), 1024);
+  }
+
+  void savesAUserPreset() {
+    {
+      MainWindow w;
+      setUpJob(w, 9);
+      child<QPlainTextEdit>(w, "promptEdit")->setPlainText("macro shot of {subject}, dark slate");
+      child<QPlainTextEdit>(w, "negativeEdit")->setPlainText("glare");
+      child<QDoubleSpinBox>(w, "cfgSpin")->setValue(4.5);
+      QVERIFY(w.savePreset("  ").contains("field 'name' is empty"));
+      QCOMPARE(w.savePreset("My Macro"), QString());
+      QCOMPARE(child<QComboBox>(w, "presetCombo")->currentText(), QStringLiteral("My Macro"));
+      QVERIFY(child<QPlainTextEdit>(w, "promptEdit")->toPlainText().isEmpty());  // it became the template
+      QTest::keyClicks(child<QPlainTextEdit>(w, "promptEdit"), "a watch");
+      QCOMPARE(w.requestFromFields().prompt, std::string("macro shot of a watch, dark slate"));
+    }
+    const QString file = QDir(MainWindow::userPresetDir()).filePath("my-macro.json");
+    QVERIFY2(QFileInfo::exists(file), qPrintable(file));
+    const auto p = engine::load_preset(file.toStdString());
+    QCOMPARE(p.prompt_template, std::string("macro shot of {subject}, dark slate"));
+    QCOMPARE(p.negative_prompt, std::string("glare"));
+    QCOMPARE(p.steps, 9);
+    QCOMPARE(p.width, 64);
+    QCOMPARE(p.cfg, 4.5);
+    // A new window lists it after the shipped ones, and remembers it was selected.
+    MainWindow again;
+    auto* combo = child<QComboBox>(again, "presetCombo");
+    QCOMPARE(combo->count(), 7);
+    QCOMPARE(combo->itemText(6), QStringLiteral("My Macro"));
+    QCOMPARE(combo->currentIndex(), 6);
+  }
+
+  void brokenUserPresetIsNamedNotFatal() {
+    QVERIFY(QDir().mkpath(MainWindow::userPresetDir()));
+    QFile bad(QDir(MainWindow::userPresetDir()).filePath("broken.json"));
+    QVERIFY(bad.open(QIODevice::WriteOnly));
+    bad.write(R"({"name": "Broken", "prompt_template": "{subject}", "width": 512, "height": 512, "steps": "many",
+                 "sampler": "", "cfg": 7})");
+    bad.close();
+    MainWindow w;
+    QCOMPARE(child<QComboBox>(w, "presetCombo")->count(), 6);
+    const QString error = child<QLabel>(w, "errorLabel")->text();
+    QVERIFY2(error.contains("broken.json: field 'steps' must be a whole number"), qPrintable(error));
+  }
+
+  void droppingAnA1111PngRestoresItsParameters() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    QVERIFY(dropFile(w, pngFixture("a1111.png")));
+    QCOMPARE(child<QPlainTextEdit>(w, "promptEdit")->toPlainText(),
+             QStringLiteral("studio packshot of a ceramic coffee mug, centered,\non a seamless white background <lora:product_v2:0.7>"));
+    QCOMPARE(child<QPlainTextEdit>(w, "negativeEdit")->toPlainText(), QStringLiteral("text, watermark,\nblurry"));
+    QCOMPARE(child<QSpinBox>(w, "widthSpin")->value(), 1152);
+    QCOMPARE(child<QSpinBox>(w, "heightSpin")->value(), 896);
+    QCOMPARE(child<QSpinBox>(w, "stepsSpin")->value(), 28);
+    QCOMPARE(child<QDoubleSpinBox>(w, "cfgSpin")->value(), 6.5);
+    QCOMPARE(child<QComboBox>(w, "samplerCombo")->currentData().toString(), QStringLiteral("dpmpp-2m-karras"));
+    const QString note = child<QLabel>(w, "restoredLabel")->text();
+    QVERIFY2(note.contains("AUTOMATIC1111"), qPrintable(note));
+    QVERIFY2(note.contains("Clip skip: 2"), qPrintable(note));
+    QCOMPARE(w.requestFromFields().seed, std::uint64_t(3141592653ull));  // past 2^31, as A1111 seeds go
+    QVERIFY2(note.contains("Model: sd_xl_base_1.0 (a checkpoint name"), qPrintable(note));
+    QVERIFY(!child<QLabel>(w, "errorLabel")->isVisible());
+  }
+
+  void droppingAComfyUiPngRestoresItsParameters() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    QVERIFY(dropFile(w, pngFixture("comfyui.png")));
+    QCOMPARE(child<QPlainTextEdit>(w, "promptEdit")->toPlainText(),
+             QStringLiteral("beautiful scenery nature glass bottle landscape, purple galaxy bottle,"));
+    QCOMPARE(child<QPlainTextEdit>(w, "negativeEdit")->toPlainText(), QStringLiteral("text, watermark"));
+    QCOMPARE(child<QSpinBox>(w, "widthSpin")->value(), 512);
+    QCOMPARE(child<QSpinBox>(w, "heightSpin")->value(), 768);
+    QCOMPARE(child<QSpinBox>(w, "stepsSpin")->value(), 20);
+    QCOMPARE(child<QDoubleSpinBox>(w, "cfgSpin")->value(), 8.0);
+    QCOMPARE(child<QComboBox>(w, "samplerCombo")->currentData().toString(), QStringLiteral("euler"));
+    QCOMPARE(child<QLineEdit>(w, "seedEdit")->text(), QStringLiteral("156680208700286"));
+    QCOMPARE(w.requestFromFields().seed, std::uint64_t(156680208700286ull));
+    const QString note = child<QLabel>(w, "restoredLabel")->text();
+    QVERIFY2(note.contains("ComfyUI") && note.contains("LoRA: glass_style.safetensors"), qPrintable(note));
+    QVERIFY2(note.contains("v1-5-pruned-emaonly.safetensors"), qPrintable(note));
+  }
+
+  void droppingOurOwnPngRestoresEverything() {
+    const QString png = m_tmp.filePath("ours.png");
+    const nlohmann::json meta = {{"model", tinyModel().toStdString()}, {"prompt", "a blue vase"},
+                                 {"negative_prompt", "dust"}, {"width", 96}, {"height", 64}, {"steps", 7},
+                                 {"cfg", 3.5}, {"seed", 77}, {"sampler", "ddim"}, {"device", "cpu"}, {"batch", 2},
+                                 {"taesd", ""}, {"strategy_name", "step-skip"}, {"devices", 2}};
+    io::write_png(png.toStdString(), io::Image{8, 8, std::vector<std::uint8_t>(8 * 8 * 3, 10)},
+                  {{"parameters", "ignored\nSteps: 1, Sampler: Euler, CFG scale: 1"}, {"diffract", meta.dump()}});
+    MainWindow w;
+    child<QCheckBox>(w, "randomSeedCheck")->setChecked(true);
+    QVERIFY(dropFile(w, png));
+    QCOMPARE(child<QLineEdit>(w, "modelEdit")->text(), tinyModel());
+    QCOMPARE(child<QPlainTextEdit>(w, "promptEdit")->toPlainText(), QStringLiteral("a blue vase"));
+    QCOMPARE(child<QLineEdit>(w, "seedEdit")->text(), QStringLiteral("77"));
+    QVERIFY(!child<QCheckBox>(w, "randomSeedCheck")->isChecked());  // the seed is the point of restoring
+    QCOMPARE(child<QSpinBox>(w, "stepsSpin")->value(), 7);
+    QCOMPARE(child<QSpinBox>(w, "widthSpin")->value(), 96);
+    QCOMPARE(child<QSpinBox>(w, "batchSpin")->value(), 2);
+    QCOMPARE(child<QComboBox>(w, "samplerCombo")->currentData().toString(), QStringLiteral("ddim"));
+    QCOMPARE(child<QComboBox>(w, "strategyCombo")->currentData().toString(), QStringLiteral("step-skip"));
+    QCOMPARE(child<QSpinBox>(w, "devicesSpin")->value(), 2);
+    QVERIFY(child<QLabel>(w, "restoredLabel")->text().contains("Diffract"));
+  }
+
+  void galleryDoubleClickRestoresParameters() {
+    QVERIFY(QDir().mkpath(outDir()));
+    const QString png = QDir(outDir()).filePath("from-gallery.png");
+    const nlohmann::json meta = {{"prompt", "from the gallery"}, {"steps", 13}, {"seed", 31}, {"width", 64}, {"height", 64}};
+    io::write_png(png.toStdString(), io::Image{8, 8, std::vector<std::uint8_t>(8 * 8 * 3, 50)}, {{"diffract", meta.dump()}});
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    auto* list = w.gallery()->findChild<QListWidget*>("galleryList");
+    QTRY_VERIFY_WITH_TIMEOUT(list->count() > 0, 10000);
+    int row = -1;
+    for (int i = 0; i < list->count(); ++i)
+      if (list->item(i)->data(Qt::UserRole).toString() == png) row = i;
+    QVERIFY(row >= 0);
+    list->scrollToItem(list->item(row));
+    QSignalSpy done(&w, &MainWindow::restoreFinished);
+    const QPoint at = list->visualItemRect(list->item(row)).center();
+    QTest::mouseClick(list->viewport(), Qt::LeftButton, {}, at);
+    QTest::mouseDClick(list->viewport(), Qt::LeftButton, {}, at);
+    QVERIFY(done.wait(10000));
+    QCOMPARE(child<QPlainTextEdit>(w, "promptEdit")->toPlainText(), QStringLiteral("from the gallery"));
+    QCOMPARE(child<QSpinBox>(w, "stepsSpin")->value(), 13);
+    QCOMPARE(child<QLineEdit>(w, "seedEdit")->text(), QStringLiteral("31"));
+  }
+
+  void compareOpensOnTheLastTwoImages() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    auto* compare = child<QPushButton>(w, "compareButton");
+    QVERIFY(!compare->isEnabled());
+    setUpJob(w, 2);
+    child<QSpinBox>(w, "batchSpin")->setValue(2);
+    child<QPlainTextEdit>(w, "promptEdit")->setPlainText("two pears");
+    QSignalSpy finished(w.bridge(), &EngineBridge::finished);
+    w.generate();
+    QVERIFY(finished.wait(60000));
+    QCOMPARE(w.results().size(), 2);
+    QVERIFY(compare->isEnabled());
+    QSignalSpy opened(&w, &MainWindow::compareOpened);
+    compare->click();
+    QCOMPARE(opened.size(), 1);
+    auto* view = opened.first().first().value<ui::CompareView*>();
+    QVERIFY(view && view->isVisible());
+    QSignalSpy computed(view, &ui::CompareView::computed);
+    QVERIFY(computed.wait(10000));
+    QCOMPARE(view->comparison().heatmap.size(), QSize(64, 64));
+    QVERIFY(view->comparison().error.isEmpty());
+    QVERIFY(view->comparison().ssim > -1 && view->comparison().ssim <= 1);
+    // One job's batch: the same settings, so no parameter differs.
+    QCOMPARE(view->findChild<QTableWidget*>("differencesTable")->rowCount(), 0);
+  }
+
+  void droppingAPngWithoutParametersSaysSo() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    child<QPlainTextEdit>(w, "promptEdit")->setPlainText("keep me");
+    QVERIFY(!dropFile(w, pngFixture("no_parameters.png")));
+    auto* error = child<QLabel>(w, "errorLabel");
+    QVERIFY(error->isVisible());
+    QVERIFY2(error->text().contains("no_parameters.png: no generation parameters"), qPrintable(error->text()));
+    QCOMPARE(child<QPlainTextEdit>(w, "promptEdit")->toPlainText(), QStringLiteral("keep me"));
+
+    // A file URL dragged as text, pointing at something that is not a PNG.
+    const QString notPng = m_tmp.filePath("notes.txt");
+    QFile f(notPng);
+    QVERIFY(f.open(QIODevice::WriteOnly));
+    f.write("hello");
+    f.close();
+    QSignalSpy done(&w, &MainWindow::restoreFinished);
+    QMimeData mime;
+    mime.setText(QUrl::fromLocalFile(notPng).toString());
+    QVERIFY(dropOnto(w, &mime));
+    QVERIFY(done.wait(10000));
+    QVERIFY2(error->text().contains("notes.txt: not a PNG file"), qPrintable(error->text()));
+
+    QMimeData plain;  // plain text is not a file: refused
+    plain.setText("just words");
+    QVERIFY(!dropOnto(w, &plain));
+  }
+
+  void droppingOnThePromptRestoresInsteadOfPastingTheUrl() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    auto* prompt = child<QPlainTextEdit>(w, "promptEdit");
+    QSignalSpy done(&w, &MainWindow::restoreFinished);
+    QMimeData mime;
+    mime.setUrls({QUrl::fromLocalFile(pngFixture("comfyui.png"))});
+    const QPoint pos = prompt->viewport()->rect().center();
+    QDragEnterEvent enter(pos, Qt::CopyAction, &mime, Qt::LeftButton, Qt::NoModifier);
+    QApplication::sendEvent(prompt->viewport(), &enter);
+    QVERIFY(enter.isAccepted());
+    QDropEvent drop(QPointF(pos), Qt::CopyAction, &mime, Qt::LeftButton, Qt::NoModifier);
+    QApplication::sendEvent(prompt->viewport(), &drop);
+    QVERIFY(done.wait(10000));
+    QVERIFY(!prompt->toPlainText().contains("file:"));
+    QVERIFY(prompt->toPlainText().startsWith("beautiful scenery"));
   }
 };
 

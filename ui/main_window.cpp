@@ -6,7 +6,16 @@
 #include <QComboBox>
 #include <QDateTime>
 #include <QDir>
+#include <QDockWidget>
 #include <QDoubleSpinBox>
+#include <QDragEnterEvent>
+#include <QDropEvent>
+#include <QFile>
+#include <QFutureWatcher>
+#include <QImageReader>
+#include <QInputDialog>
+#include <QMimeData>
+#include <QtConcurrent/QtConcurrentRun>
 #include <QFileDialog>
 #include <QFileInfo>
 #include <QFormLayout>
@@ -17,6 +26,7 @@
 #include <QPlainTextEdit>
 #include <QPushButton>
 #include <QRandomGenerator>
+#include <QRegularExpressionValidator>
 #include <QScrollArea>
 #include <QSettings>
 #include <QShortcut>
@@ -32,6 +42,9 @@
 
 #include "core/io/image.h"
 #include "core/util/build_info.h"
+#include "core/util/error.h"
+#include "ui/compare_view.h"
+#include "ui/gallery.h"
 #include "ui/image_view.h"
 #include "ui/timings_chart.h"
 
@@ -68,6 +81,25 @@ constexpr SizePreset kSizePresets[] = {
 constexpr int kCustomPreset = static_cast<int>(std::size(kSizePresets));
 
 const char* const kSamplers[] = {"euler", "euler-ancestral", "ddim", "ddpm", "dpmpp-2m", "dpmpp-2m-karras"};
+const char* const kStrategies[] = {"single",        "cfg-parallel",  "hybrid-cfg", "driffusion",
+                                   "driffusion-aggressive", "data-parallel", "step-skip"};
+
+// The first local file among dragged URLs (or a file URL dragged as text), else "".
+QString droppedFile(const QMimeData* mime) {
+  if (!mime) return {};
+  for (const QUrl& url : mime->urls())
+    if (url.isLocalFile()) return url.toLocalFile();
+  if (mime->hasText()) {
+    const QUrl url(mime->text().trimmed());
+    if (url.isLocalFile()) return url.toLocalFile();
+  }
+  return {};
+}
+
+struct RestoreOutcome {
+  engine::PngParameters parameters;
+  QString error;
+};
 
 QString noModelHint() {
   return QObject::tr(
@@ -89,6 +121,7 @@ MainWindow::MainWindow(QWidget* parent) : QMainWindow(parent), m_bridge(new Engi
   setWindowTitle(QStringLiteral("Diffract"));
   buildUi();
   loadSettings();
+  m_gallery->setFolder(outputDir());
 
   connect(m_bridge, &EngineBridge::stageTimed, m_timings, &TimingsChart::setStage);
   connect(m_bridge, &EngineBridge::stepDone, this, &MainWindow::onStep);
@@ -122,6 +155,35 @@ void MainWindow::buildUi() {
   m_hint->setFrameShape(QFrame::StyledPanel);
   m_hint->setMargin(6);
   formLayout->addWidget(m_hint);
+
+  auto* presetRow = new QHBoxLayout;
+  presetRow->addWidget(new QLabel(tr("Preset")));
+  m_preset = new QComboBox;
+  m_preset->setObjectName(QStringLiteral("presetCombo"));
+  m_preset->setToolTip(tr("Fills the settings and wraps your prompt in the preset's template"));
+  presetRow->addWidget(m_preset, 1);
+  auto* savePresetButton = new QToolButton;
+  savePresetButton->setObjectName(QStringLiteral("savePresetButton"));
+  savePresetButton->setText(tr("Save as preset…"));
+  presetRow->addWidget(savePresetButton);
+  formLayout->addLayout(presetRow);
+  m_template = new QLabel;
+  m_template->setObjectName(QStringLiteral("promptTemplateLabel"));
+  m_template->setWordWrap(true);
+  m_template->setTextFormat(Qt::PlainText);
+  m_template->hide();
+  formLayout->addWidget(m_template);
+  connect(m_preset, &QComboBox::activated, this, &MainWindow::applyPreset);
+  connect(savePresetButton, &QToolButton::clicked, this, [this] {
+    const QString current = m_preset->currentIndex() > 0 ? m_preset->currentText() : QString();
+    bool ok = false;
+    const QString name = QInputDialog::getText(this, tr("Save as preset"),
+                                               tr("Preset name (a prompt containing {subject} becomes its template):"),
+                                               QLineEdit::Normal, current, &ok);
+    if (!ok || name.trimmed().isEmpty()) return;
+    const QString error = savePreset(name.trimmed());
+    if (!error.isEmpty()) showError(error);
+  });
 
   formLayout->addWidget(new QLabel(tr("Prompt")));
   m_prompt = new QPlainTextEdit;
@@ -242,9 +304,10 @@ void MainWindow::buildUi() {
   fields->addRow(tr("CFG"), m_cfg);
 
   auto* seedRow = new QHBoxLayout;
-  m_seed = new QSpinBox;
-  m_seed->setObjectName(QStringLiteral("seedSpin"));
-  m_seed->setRange(0, std::numeric_limits<int>::max());
+  // 64 bits, as the core takes: A1111 seeds reach 2^32 and ComfyUI's 2^64, past a QSpinBox's int.
+  m_seed = new QLineEdit(QStringLiteral("0"));
+  m_seed->setObjectName(QStringLiteral("seedEdit"));
+  m_seed->setValidator(new QRegularExpressionValidator(QRegularExpression(QStringLiteral("\\d{1,20}")), m_seed));
   m_randomSeed = new QCheckBox(tr("Randomise"));
   m_randomSeed->setObjectName(QStringLiteral("randomSeedCheck"));
   m_randomSeed->setToolTip(tr("A new seed for every job; untick to lock the seed"));
@@ -275,6 +338,19 @@ void MainWindow::buildUi() {
                                              : tr("No CUDA device: generating on the CPU"));
   fields->addRow(tr("Device"), m_device);
 
+  auto* strategyRow = new QHBoxLayout;
+  m_strategy = new QComboBox;
+  m_strategy->setObjectName(QStringLiteral("strategyCombo"));
+  for (const char* st : kStrategies) m_strategy->addItem(QString::fromLatin1(st), QString::fromLatin1(st));
+  m_strategy->setToolTip(tr("Multi-device strategy; single runs the plain loop"));
+  m_devices = new QSpinBox;
+  m_devices->setObjectName(QStringLiteral("devicesSpin"));
+  m_devices->setRange(1, 64);
+  m_devices->setToolTip(tr("Devices the strategy uses (drafts per round for DRiffusion, the skip factor for step skipping)"));
+  strategyRow->addWidget(m_strategy, 1);
+  strategyRow->addWidget(m_devices);
+  fields->addRow(tr("Strategy"), strategyRow);
+
   auto* buttons = new QHBoxLayout;
   m_generate = new QPushButton(tr("Generate"));
   m_generate->setObjectName(QStringLiteral("generateButton"));
@@ -297,7 +373,18 @@ void MainWindow::buildUi() {
   m_error->setStyleSheet(QStringLiteral("color: #c62828;"));
   m_error->hide();
   formLayout->addWidget(m_error);
+  m_restored = new QLabel;
+  m_restored->setObjectName(QStringLiteral("restoredLabel"));
+  m_restored->setWordWrap(true);
+  m_restored->setTextFormat(Qt::PlainText);
+  m_restored->setTextInteractionFlags(Qt::TextSelectableByMouse);
+  m_restored->hide();
+  formLayout->addWidget(m_restored);
   formLayout->addStretch(0);
+  setAcceptDrops(true);
+  // The prompt editors take text drops themselves; a dropped PNG restores parameters instead.
+  m_prompt->viewport()->installEventFilter(this);
+  m_negative->viewport()->installEventFilter(this);
 
   auto* scroll = new QScrollArea;
   scroll->setWidget(form);
@@ -316,7 +403,17 @@ void MainWindow::buildUi() {
   auto* viewLayout = new QVBoxLayout(viewPane);
   viewLayout->setContentsMargins(0, 0, 0, 0);
   viewLayout->addWidget(m_view, 1);
-  viewLayout->addWidget(m_status);
+  auto* statusRow = new QHBoxLayout;
+  statusRow->addWidget(m_status, 1);
+  m_compare = new QPushButton(tr("Compare…"));
+  m_compare->setObjectName(QStringLiteral("compareButton"));
+  m_compare->setToolTip(tr("The last two images of this session side by side, their difference and PSNR / SSIM "
+                           "(or select two in the gallery)"));
+  statusRow->addWidget(m_compare);
+  viewLayout->addLayout(statusRow);
+  connect(m_compare, &QPushButton::clicked, this, [this] {
+    if (m_results.size() >= 2) compareResults(static_cast<int>(m_results.size()) - 2, static_cast<int>(m_results.size()) - 1);
+  });
   m_viewSplitter = new QSplitter(Qt::Vertical);
   m_viewSplitter->setObjectName(QStringLiteral("viewSplitter"));
   m_viewSplitter->addWidget(viewPane);
@@ -330,6 +427,14 @@ void MainWindow::buildUi() {
   m_mainSplitter->addWidget(m_viewSplitter);
   m_mainSplitter->setStretchFactor(1, 1);
   setCentralWidget(m_mainSplitter);
+
+  m_gallery = new GalleryView;
+  auto* galleryDock = new QDockWidget(tr("Gallery"));
+  galleryDock->setObjectName(QStringLiteral("galleryDock"));
+  galleryDock->setWidget(m_gallery);
+  addDockWidget(Qt::BottomDockWidgetArea, galleryDock);
+  connect(m_gallery, &GalleryView::restoreRequested, this, &MainWindow::restoreFromPng);
+  connect(m_gallery, &GalleryView::compareRequested, this, &MainWindow::compareFiles);
 
   auto* buildLabel = new QLabel(QString::fromStdString(describe(info)));
   buildLabel->setObjectName(QStringLiteral("buildInfoLabel"));
@@ -392,23 +497,32 @@ engine::GenerationRequest MainWindow::requestFromFields() {
   r.height = m_height->value();
   r.steps = m_steps->value();
   r.cfg = m_cfg->value();
-  r.seed = static_cast<std::uint64_t>(m_seed->value());
+  r.seed = seedValue().value_or(0);
   r.sampler = m_sampler->currentData().toString().toStdString();
   r.device = m_device->currentData().toString().toStdString();
   r.batch = m_batch->value();
   r.preview_every = 1;
+  r.prompt = engine::fill_prompt_template(m_promptTemplate.toStdString(), r.prompt);
+  r.strategy = m_strategy->currentData().toString().toStdString();
+  r.devices = m_devices->value();
   return r;
 }
 
 void MainWindow::generate() {
   m_error->hide();
   m_error->clear();
+  m_restored->hide();
   if (m_model->text().trimmed().isEmpty()) {
     showError(tr("Choose a model first: a diffusers folder or a .safetensors / .ckpt checkpoint (Model, above)."));
     return;
   }
-  if (m_randomSeed->isChecked())
-    m_seed->setValue(static_cast<int>(QRandomGenerator::global()->bounded(std::numeric_limits<int>::max())));
+  if (m_randomSeed->isChecked()) m_seed->setText(QString::number(QRandomGenerator::global()->generate()));
+  if (!seedValue()) {
+    showError(tr("Seed '%1' is not a whole number from 0 to %2.")
+                  .arg(m_seed->text())
+                  .arg(std::numeric_limits<std::uint64_t>::max()));
+    return;
+  }
   const auto request = requestFromFields();
   m_timings->reset(request.steps);
   m_stepsSeen = 0;
@@ -458,7 +572,7 @@ void MainWindow::onFinished(const QList<QImage>& images, const QString& metadata
       for (int n = 0;; ++n) {  // never overwrite an earlier image
         path = dir.filePath(QStringLiteral("%1-%2-%3%4.png")
                                 .arg(stamp)
-                                .arg(m_seed->value())
+                                .arg(m_seed->text())
                                 .arg(i)
                                 .arg(n ? QStringLiteral("-%1").arg(n) : QString()));
         if (!QFileInfo::exists(path)) break;
@@ -468,6 +582,7 @@ void MainWindow::onFinished(const QList<QImage>& images, const QString& metadata
                       {{"parameters", parameters.toStdString()}, {"diffract", metadataJson.toStdString()}});
         r.savedPath = path;
         if (firstSaved.isEmpty()) firstSaved = path;
+        if (m_gallery->folder() == dir.path()) m_gallery->addFile(path);
       } catch (const std::exception& e) {
         saveError = QString::fromUtf8(e.what());
       }
@@ -491,6 +606,7 @@ void MainWindow::updateControls() {
   const bool running = m_bridge->isRunning();
   const bool haveModel = !m_model->text().trimmed().isEmpty();
   m_cancel->setEnabled(running);
+  m_compare->setEnabled(m_results.size() >= 2);
   m_generate->setText(running ? tr("Restart") : tr("Generate"));
   m_hint->setVisible(!haveModel);
   m_view->setPlaceholder(haveModel ? tr("Press Generate (Ctrl+Enter) to see every step here.") : noModelHint());
@@ -506,13 +622,16 @@ void MainWindow::loadSettings() {
   m_height->setValue(s.value(QStringLiteral("height"), 0).toInt());
   m_steps->setValue(s.value(QStringLiteral("steps"), 30).toInt());
   m_cfg->setValue(s.value(QStringLiteral("cfg"), 7.0).toDouble());
-  m_seed->setValue(s.value(QStringLiteral("seed"), 0).toInt());
+  m_seed->setText(QString::number(s.value(QStringLiteral("seed"), 0).toULongLong()));
   m_randomSeed->setChecked(s.value(QStringLiteral("randomSeed"), true).toBool());
   const int sampler = m_sampler->findData(s.value(QStringLiteral("sampler")).toString());
   m_sampler->setCurrentIndex(std::max(0, sampler));
   m_batch->setValue(s.value(QStringLiteral("batch"), 1).toInt());
   const int device = m_device->findData(s.value(QStringLiteral("device")).toString());
   if (device >= 0) m_device->setCurrentIndex(device);
+  m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(s.value(QStringLiteral("strategy")).toString())));
+  m_devices->setValue(s.value(QStringLiteral("devices"), 1).toInt());
+  reloadPresets(s.value(QStringLiteral("preset")).toString());
   restoreGeometry(s.value(QStringLiteral("window/geometry")).toByteArray());
   restoreState(s.value(QStringLiteral("window/state")).toByteArray());
   m_mainSplitter->restoreState(s.value(QStringLiteral("window/mainSplitter")).toByteArray());
@@ -529,15 +648,308 @@ void MainWindow::saveSettings() const {
   s.setValue(QStringLiteral("height"), m_height->value());
   s.setValue(QStringLiteral("steps"), m_steps->value());
   s.setValue(QStringLiteral("cfg"), m_cfg->value());
-  s.setValue(QStringLiteral("seed"), m_seed->value());
+  s.setValue(QStringLiteral("seed"), QVariant::fromValue<qulonglong>(seedValue().value_or(0)));
   s.setValue(QStringLiteral("randomSeed"), m_randomSeed->isChecked());
   s.setValue(QStringLiteral("sampler"), m_sampler->currentData().toString());
   s.setValue(QStringLiteral("batch"), m_batch->value());
   s.setValue(QStringLiteral("device"), m_device->currentData().toString());
+  s.setValue(QStringLiteral("strategy"), m_strategy->currentData().toString());
+  s.setValue(QStringLiteral("devices"), m_devices->value());
+  s.setValue(QStringLiteral("preset"), m_preset->currentIndex() > 0 ? m_preset->currentText() : QString());
   s.setValue(QStringLiteral("window/geometry"), saveGeometry());
   s.setValue(QStringLiteral("window/state"), saveState());
   s.setValue(QStringLiteral("window/mainSplitter"), m_mainSplitter->saveState());
   s.setValue(QStringLiteral("window/viewSplitter"), m_viewSplitter->saveState());
+}
+
+std::optional<std::uint64_t> MainWindow::seedValue() const {
+  bool ok = false;
+  const qulonglong v = m_seed->text().toULongLong(&ok);
+  if (!ok) return std::nullopt;
+  return static_cast<std::uint64_t>(v);
+}
+
+QString MainWindow::userPresetDir() {
+  return QDir(QStandardPaths::writableLocation(QStandardPaths::AppConfigLocation)).filePath(QStringLiteral("presets"));
+}
+
+void MainWindow::reloadPresets(const QString& select) {
+  m_presets.clear();
+  QStringList problems;
+  // Shipped presets are compiled in (ui/CMakeLists.txt); a broken one is a build bug, still reported.
+  const QDir shipped(QStringLiteral(":/presets"));
+  for (const QString& name : shipped.entryList({QStringLiteral("*.json")}, QDir::Files, QDir::Name)) {
+    QFile f(shipped.filePath(name));
+    try {
+      if (!f.open(QIODevice::ReadOnly)) throw Error(f.fileName().toStdString() + ": cannot open");
+      m_presets.push_back(engine::parse_preset(f.readAll().toStdString(), f.fileName().toStdString()));
+    } catch (const std::exception& e) {
+      problems << QString::fromUtf8(e.what());
+    }
+  }
+  const QDir user(userPresetDir());
+  for (const QFileInfo& fi : user.entryInfoList({QStringLiteral("*.json")}, QDir::Files, QDir::Name)) {
+    try {
+      m_presets.push_back(engine::load_preset(fi.filePath().toStdString()));
+    } catch (const std::exception& e) {
+      problems << QString::fromUtf8(e.what());
+    }
+  }
+  const QSignalBlocker block(m_preset);
+  m_preset->clear();
+  m_preset->addItem(tr("No preset"));
+  for (const auto& p : m_presets) {
+    m_preset->addItem(QString::fromStdString(p.name));
+    m_preset->setItemData(m_preset->count() - 1, QString::fromStdString(p.description), Qt::ToolTipRole);
+  }
+  selectPreset(select.isEmpty() ? 0 : std::max(0, m_preset->findText(select)));
+  if (!problems.isEmpty()) showError(tr("Some presets were skipped:\n%1").arg(problems.join(QLatin1Char('\n'))));
+}
+
+void MainWindow::selectPreset(int index) {
+  m_preset->setCurrentIndex(index);
+  const bool active = index > 0 && index <= static_cast<int>(m_presets.size());
+  m_promptTemplate = active ? QString::fromStdString(m_presets[index - 1].prompt_template)
+                            : QString::fromLatin1(engine::kSubjectPlaceholder);
+  m_template->setText(tr("Prompt template: %1").arg(m_promptTemplate));
+  m_template->setVisible(active);
+  m_prompt->setPlaceholderText(active ? tr("The subject: fills {subject} in the template (Ctrl+Enter generates)")
+                                      : tr("What to draw (Ctrl+Enter generates)"));
+}
+
+void MainWindow::applyPreset(int index) {
+  selectPreset(index);
+  if (index <= 0 || index > static_cast<int>(m_presets.size())) return;
+  const engine::Preset& p = m_presets[index - 1];
+  m_negative->setPlainText(QString::fromStdString(p.negative_prompt));
+  m_width->setValue(p.width);
+  m_height->setValue(p.height);
+  m_steps->setValue(p.steps);
+  m_cfg->setValue(p.cfg);
+  m_sampler->setCurrentIndex(std::max(0, m_sampler->findData(QString::fromStdString(p.sampler))));
+  m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(QString::fromStdString(p.strategy))));
+  m_devices->setValue(p.devices);
+}
+
+QString MainWindow::savePreset(const QString& name) {
+  engine::Preset p;
+  p.name = name.toStdString();
+  const QString prompt = m_prompt->toPlainText();
+  p.prompt_template = (prompt.contains(QLatin1String(engine::kSubjectPlaceholder)) ? prompt : m_promptTemplate).toStdString();
+  p.negative_prompt = m_negative->toPlainText().toStdString();
+  p.width = m_width->value();
+  p.height = m_height->value();
+  p.steps = m_steps->value();
+  p.sampler = m_sampler->currentData().toString().toStdString();
+  p.cfg = m_cfg->value();
+  p.strategy = m_strategy->currentData().toString().toStdString();
+  p.devices = m_devices->value();
+  const QString file = QDir(userPresetDir()).filePath(QString::fromStdString(engine::preset_file_name(p.name)));
+  try {
+    engine::save_preset(p, file.toStdString());
+  } catch (const std::exception& e) {
+    return tr("The preset was not saved: %1").arg(QString::fromUtf8(e.what()));
+  }
+  // A prompt that was the template is now the preset's job: leave the subject to the user.
+  if (prompt.contains(QLatin1String(engine::kSubjectPlaceholder))) m_prompt->clear();
+  reloadPresets(name);
+  m_status->setText(tr("Saved preset %1 to %2").arg(name, QDir::toNativeSeparators(file)));
+  return {};
+}
+
+bool MainWindow::eventFilter(QObject* watched, QEvent* event) {
+  const auto type = event->type();
+  if (type == QEvent::DragEnter || type == QEvent::DragMove || type == QEvent::Drop) {
+    auto* drop = static_cast<QDropEvent*>(event);
+    const QString file = droppedFile(drop->mimeData());
+    if (file.endsWith(QLatin1String(".png"), Qt::CaseInsensitive)) {
+      drop->acceptProposedAction();
+      if (type == QEvent::Drop) restoreFromPng(file);
+      return true;
+    }
+  }
+  return QMainWindow::eventFilter(watched, event);
+}
+
+void MainWindow::dragEnterEvent(QDragEnterEvent* event) {
+  if (!droppedFile(event->mimeData()).isEmpty()) event->acceptProposedAction();
+}
+
+void MainWindow::dragMoveEvent(QDragMoveEvent* event) {
+  if (!droppedFile(event->mimeData()).isEmpty()) event->acceptProposedAction();
+}
+
+void MainWindow::dropEvent(QDropEvent* event) {
+  const QString file = droppedFile(event->mimeData());
+  if (file.isEmpty()) return;
+  event->acceptProposedAction();
+  restoreFromPng(file);
+}
+
+void MainWindow::restoreFromPng(const QString& png) {
+  m_error->hide();
+  m_restored->hide();
+  m_status->setText(tr("Reading %1…").arg(QFileInfo(png).fileName()));
+  auto* watcher = new QFutureWatcher<RestoreOutcome>(this);
+  connect(watcher, &QFutureWatcher<RestoreOutcome>::finished, this, [this, watcher, png] {
+    const RestoreOutcome outcome = watcher->result();
+    watcher->deleteLater();
+    if (!outcome.error.isEmpty()) {
+      showError(tr("Cannot restore parameters: %1").arg(outcome.error));
+      m_status->setText(tr("Nothing restored"));
+      emit restoreFinished(false);
+      return;
+    }
+    applyRestored(outcome.parameters, png);
+    emit restoreFinished(true);
+  });
+  watcher->setFuture(QtConcurrent::run([path = png.toStdString()] {
+    RestoreOutcome out;
+    try {
+      out.parameters = engine::read_png_parameters(path);
+    } catch (const std::exception& e) {
+      out.error = QString::fromUtf8(e.what());
+    }
+    return out;
+  }));
+}
+
+void MainWindow::applyRestored(const engine::PngParameters& p, const QString& file) {
+  QStringList restored;
+  QStringList notRestored;
+  for (const auto& u : p.unmapped) notRestored << QString::fromStdString(u);
+  auto text = [](const std::optional<std::string>& v) { return QString::fromStdString(*v); };
+  // The prompt is the whole prompt, not a subject for a template.
+  selectPreset(0);
+  if (p.prompt) {
+    m_prompt->setPlainText(text(p.prompt));
+    restored << tr("prompt");
+  }
+  if (p.negative_prompt) {
+    m_negative->setPlainText(text(p.negative_prompt));
+    restored << tr("negative prompt");
+  }
+  if (p.width && p.height) {
+    m_width->setValue(*p.width);
+    m_height->setValue(*p.height);
+    restored << tr("size");
+  }
+  if (p.steps) {
+    m_steps->setValue(*p.steps);
+    restored << tr("steps");
+  }
+  if (p.cfg) {
+    m_cfg->setValue(*p.cfg);
+    restored << tr("CFG");
+  }
+  if (p.seed) {
+    m_seed->setText(QString::number(*p.seed));
+    m_randomSeed->setChecked(false);
+    restored << tr("seed");
+  }
+  if (p.sampler) {
+    const int i = m_sampler->findData(text(p.sampler));
+    if (i >= 0) {
+      m_sampler->setCurrentIndex(i);
+      restored << tr("sampler");
+    } else {
+      notRestored << tr("sampler: %1").arg(text(p.sampler));
+    }
+  }
+  if (p.batch) {
+    if (*p.batch >= m_batch->minimum() && *p.batch <= m_batch->maximum()) {
+      m_batch->setValue(*p.batch);
+      restored << tr("batch");
+    } else {
+      notRestored << tr("batch: %1").arg(*p.batch);
+    }
+  }
+  if (p.model && !p.model->empty()) {
+    m_model->setText(text(p.model));
+    restored << tr("model");
+  } else if (p.model_name) {
+    notRestored << tr("Model: %1 (a checkpoint name, not a path: choose it under Model)").arg(text(p.model_name));
+  }
+  if (p.taesd) {
+    m_taesd->setText(text(p.taesd));
+    restored << tr("TAESD");
+  }
+  if (p.device) {
+    const int i = m_device->findData(text(p.device));
+    if (i >= 0) {
+      m_device->setCurrentIndex(i);
+      restored << tr("device");
+    } else {
+      notRestored << tr("device: %1 (not on this machine)").arg(text(p.device));
+    }
+  }
+  if (p.strategy) {
+    const int i = m_strategy->findData(text(p.strategy));
+    if (i >= 0) {
+      m_strategy->setCurrentIndex(i);
+      restored << tr("strategy");
+    } else {
+      notRestored << tr("strategy: %1").arg(text(p.strategy));
+    }
+  }
+  if (p.devices) m_devices->setValue(*p.devices);
+
+  const QString source = p.source == "diffract" ? QStringLiteral("Diffract")
+                         : p.source == "a1111"  ? QStringLiteral("AUTOMATIC1111")
+                                                : QStringLiteral("ComfyUI");
+  QString message = tr("Restored from %1 (%2): %3.").arg(QFileInfo(file).fileName(), source,
+                                                         restored.isEmpty() ? tr("nothing") : restored.join(QStringLiteral(", ")));
+  if (!notRestored.isEmpty()) message += QLatin1Char('\n') + tr("Not restored: %1").arg(notRestored.join(QStringLiteral("; ")));
+  m_restored->setText(message);
+  m_restored->show();
+  m_status->setText(tr("Parameters restored from %1").arg(QFileInfo(file).fileName()));
+}
+
+CompareView* MainWindow::compareResults(int a, int b) {
+  if (a < 0 || b < 0 || a >= m_results.size() || b >= m_results.size()) return nullptr;
+  QList<CompareView::Item> items;
+  for (int i = 0; i < m_results.size(); ++i) {
+    const RenderedImage& r = m_results[i];
+    items.append({tr("#%1 %2").arg(i + 1).arg(r.savedPath.isEmpty() ? tr("(not saved)") : QFileInfo(r.savedPath).fileName()),
+                  r.image, r.metadataJson});
+  }
+  auto* view = new CompareView(items, a, b, this);
+  view->setWindowFlag(Qt::Window);
+  view->setAttribute(Qt::WA_DeleteOnClose);
+  view->show();
+  emit compareOpened(view);
+  return view;
+}
+
+void MainWindow::compareFiles(const QString& a, const QString& b) {
+  using Loaded = QPair<QList<CompareView::Item>, QString>;
+  auto* watcher = new QFutureWatcher<Loaded>(this);
+  connect(watcher, &QFutureWatcher<Loaded>::finished, this, [this, watcher] {
+    watcher->deleteLater();
+    const Loaded loaded = watcher->result();
+    if (!loaded.second.isEmpty()) {
+      showError(tr("Cannot compare: %1").arg(loaded.second));
+      return;
+    }
+    auto* view = new CompareView(loaded.first, 0, 1, this);
+    view->setWindowFlag(Qt::Window);
+    view->setAttribute(Qt::WA_DeleteOnClose);
+    view->show();
+    emit compareOpened(view);
+  });
+  watcher->setFuture(QtConcurrent::run([a, b] {
+    Loaded out;
+    for (const QString& path : {a, b}) {
+      QImageReader reader(path);
+      const QImage image = reader.read();
+      if (image.isNull()) {
+        out.second = tr("%1: %2").arg(QFileInfo(path).fileName(), reader.errorString());
+        return out;
+      }
+      out.first.append({QFileInfo(path).fileName(), image, image.text(QStringLiteral("diffract"))});
+    }
+    return out;
+  }));
 }
 
 void MainWindow::closeEvent(QCloseEvent* event) {

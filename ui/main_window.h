@@ -4,10 +4,20 @@
 #include <QList>
 #include <QMainWindow>
 
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "core/engine/png_parameters.h"
+#include "core/engine/preset.h"
+#include "ui/compare_view.h"
 #include "ui/engine_bridge.h"
 
 class QCheckBox;
 class QComboBox;
+class QDragEnterEvent;
+class QDragMoveEvent;
+class QDropEvent;
 class QDoubleSpinBox;
 class QLabel;
 class QLineEdit;
@@ -18,6 +28,7 @@ class QSplitter;
 
 namespace diffract::ui {
 
+class GalleryView;
 class ImageView;
 class TimingsChart;
 
@@ -45,6 +56,26 @@ class MainWindow : public QMainWindow {
   // Diffusers models in the Hugging Face cache ($HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub).
   static QStringList discoverHuggingFaceModels();
   engine::GenerationRequest requestFromFields();
+  // The seed field as a number; std::nullopt when it is empty or past 64 bits.
+  std::optional<std::uint64_t> seedValue() const;
+
+  // Shipped presets (compiled-in resources) then the user's (userPresetDir()), as in the combo.
+  const std::vector<engine::Preset>& presets() const { return m_presets; }
+  static QString userPresetDir();
+  // Writes the fields as a user preset called `name` and selects it; returns the error, or "".
+  QString savePreset(const QString& name);
+  // Reads `png`'s generation parameters off the GUI thread, then fills the fields
+  // (restoreFinished reports the outcome; failures show in the window).
+  void restoreFromPng(const QString& png);
+  GalleryView* gallery() const { return m_gallery; }
+  // Opens the compare window on session results a and b (indexes into results()).
+  CompareView* compareResults(int a, int b);
+  // Reads two PNGs off the GUI thread, then opens the compare window on them.
+  void compareFiles(const QString& a, const QString& b);
+
+ signals:
+  void restoreFinished(bool ok);
+  void compareOpened(diffract::ui::CompareView* view);
 
  public slots:
   void generate();
@@ -52,6 +83,10 @@ class MainWindow : public QMainWindow {
 
  protected:
   void closeEvent(QCloseEvent* event) override;
+  bool eventFilter(QObject* watched, QEvent* event) override;
+  void dragEnterEvent(QDragEnterEvent* event) override;
+  void dragMoveEvent(QDragMoveEvent* event) override;
+  void dropEvent(QDropEvent* event) override;
 
  private:
   void buildUi();
@@ -60,6 +95,10 @@ class MainWindow : public QMainWindow {
   void updateControls();
   void showError(const QString& message);
   void applySizePreset(int index);
+  void reloadPresets(const QString& select = QString());
+  void applyPreset(int index);
+  void selectPreset(int index);  // the combo and the prompt template, fields untouched
+  void applyRestored(const engine::PngParameters& p, const QString& file);
   void onStep(int index, int total, double timestep, double ms);
   void onFinished(const QList<QImage>& images, const QString& metadataJson, const QString& parameters,
                   const JobTimings& timings);
@@ -75,11 +114,18 @@ class MainWindow : public QMainWindow {
   QSpinBox* m_height = nullptr;
   QSpinBox* m_steps = nullptr;
   QDoubleSpinBox* m_cfg = nullptr;
-  QSpinBox* m_seed = nullptr;
+  QLineEdit* m_seed = nullptr;
   QCheckBox* m_randomSeed = nullptr;
   QComboBox* m_sampler = nullptr;
   QSpinBox* m_batch = nullptr;
   QComboBox* m_device = nullptr;
+  QComboBox* m_strategy = nullptr;
+  QSpinBox* m_devices = nullptr;
+  QComboBox* m_preset = nullptr;
+  QLabel* m_template = nullptr;
+  QLabel* m_restored = nullptr;
+  QPushButton* m_compare = nullptr;
+  GalleryView* m_gallery = nullptr;
   QPushButton* m_generate = nullptr;
   QPushButton* m_cancel = nullptr;
   QLabel* m_hint = nullptr;
@@ -91,6 +137,8 @@ class MainWindow : public QMainWindow {
   QSplitter* m_viewSplitter = nullptr;
 
   QList<RenderedImage> m_results;
+  std::vector<engine::Preset> m_presets;
+  QString m_promptTemplate = QString::fromLatin1(engine::kSubjectPlaceholder);
   QElapsedTimer m_jobClock;
   int m_stepsSeen = 0;
   double m_stepMsSum = 0;

@@ -1,0 +1,366 @@
+#include "core/engine/png_parameters.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <regex>
+
+#include <nlohmann/json.hpp>
+
+#include "core/util/error.h"
+
+namespace diffract::engine {
+
+using nlohmann::json;
+
+namespace {
+
+const std::string* find_chunk(const io::PngText& text, const std::string& key) {
+  for (const auto& [k, v] : text)
+    if (k == key) return &v;
+  return nullptr;
+}
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string::npos) return {};
+  return s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
+}
+
+std::optional<long long> whole_number(const std::string& s) {
+  const std::string t = trim(s);
+  if (t.empty() || t.size() > 18 || !std::all_of(t.begin() + (t[0] == '-' ? 1 : 0), t.end(), ::isdigit) || t == "-")
+    return std::nullopt;
+  return std::stoll(t);
+}
+
+std::optional<double> real_number(const std::string& s) {
+  const std::string t = trim(s);
+  try {
+    std::size_t used = 0;
+    const double v = std::stod(t, &used);
+    if (used == t.size() && std::isfinite(v)) return v;
+  } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+
+// ---- Diffract's own JSON ----
+
+PngParameters from_diffract(const std::string& text, const std::string& where) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw Error(where + ": the 'diffract' text chunk is not valid JSON: " + e.what());
+  }
+  if (!j.is_object()) throw Error(where + ": the 'diffract' text chunk is not a JSON object");
+  PngParameters p;
+  p.source = "diffract";
+  for (const auto& [key, v] : j.items()) {
+    auto bad = [&] { p.unmapped.push_back(key + ": " + v.dump() + " (unexpected type)"); };
+    auto text_to = [&](std::optional<std::string>& out) { v.is_string() ? void(out = v.get<std::string>()) : bad(); };
+    auto int_to = [&](std::optional<int>& out) {
+      v.is_number_integer() && v.get<long long>() >= 0 && v.get<long long>() < (1LL << 31) ? void(out = v.get<int>())
+                                                                                            : bad();
+    };
+    if (key == "prompt") text_to(p.prompt);
+    else if (key == "negative_prompt") text_to(p.negative_prompt);
+    else if (key == "model") text_to(p.model);
+    else if (key == "sampler") text_to(p.sampler);
+    else if (key == "taesd") text_to(p.taesd);
+    else if (key == "device") text_to(p.device);
+    else if (key == "strategy_name") text_to(p.strategy);
+    else if (key == "width") int_to(p.width);
+    else if (key == "height") int_to(p.height);
+    else if (key == "steps") int_to(p.steps);
+    else if (key == "batch") int_to(p.batch);
+    else if (key == "devices") int_to(p.devices);
+    else if (key == "cfg") v.is_number() ? void(p.cfg = v.get<double>()) : bad();
+    else if (key == "seed") v.is_number_unsigned() ? void(p.seed = v.get<std::uint64_t>()) : bad();
+    else if (key == "diffract_version" || key == "family" || key == "timings_ms" || key == "strategy")
+      continue;  // about the run, not settings for the next one
+    else p.unmapped.push_back(key + ": " + v.dump());
+  }
+  return p;
+}
+
+// ---- AUTOMATIC1111 "parameters" ----
+
+PngParameters from_a1111(const std::string& text, const std::string& where) {
+  // As A1111's parse_generation_parameters: prompt lines, "Negative prompt:" lines, and a last
+  // line of "Key: value" pairs (values may be JSON-quoted) when it has at least three.
+  static const std::regex kParam(R"re(\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$))re");
+  std::vector<std::string> lines;
+  {
+    const std::string t = trim(text);
+    for (std::size_t from = 0;;) {
+      const auto nl = t.find('\n', from);
+      lines.push_back(t.substr(from, nl == std::string::npos ? std::string::npos : nl - from));
+      if (nl == std::string::npos) break;
+      from = nl + 1;
+    }
+  }
+  std::vector<std::pair<std::string, std::string>> pairs;
+  {
+    const std::string& last = lines.back();
+    std::vector<std::pair<std::string, std::string>> found;
+    for (std::sregex_iterator it(last.begin(), last.end(), kParam), end; it != end; ++it)
+      if (it->length(0) > 0) found.emplace_back(trim((*it)[1]), trim((*it)[2]));
+    if (found.size() >= 3) {
+      pairs = std::move(found);
+      lines.pop_back();
+    }
+  }
+  if (pairs.empty()) throw Error(where + ": the 'parameters' text chunk has no settings line (\"Steps: ..., Sampler: ...\")");
+
+  PngParameters p;
+  p.source = "a1111";
+  std::string prompt, negative;
+  bool in_negative = false;
+  for (std::string line : lines) {
+    line = trim(line);
+    if (line.rfind("Negative prompt:", 0) == 0) {
+      in_negative = true;
+      line = trim(line.substr(16));
+    }
+    std::string& to = in_negative ? negative : prompt;
+    to += (to.empty() ? "" : "\n") + line;
+  }
+  p.prompt = prompt;
+  p.negative_prompt = negative;
+
+  std::string sampler, schedule;
+  for (auto [key, value] : pairs) {
+    if (value.size() >= 2 && value.front() == '"') {
+      try {
+        value = json::parse(value).get<std::string>();
+      } catch (const json::exception&) {
+      }
+    }
+    const std::string shown = key + ": " + value;
+    if (key == "Steps") {
+      const auto n = whole_number(value);
+      n && *n >= 1 && *n <= 10000 ? void(p.steps = static_cast<int>(*n)) : p.unmapped.push_back(shown + " (not a step count)");
+    } else if (key == "CFG scale") {
+      const auto v = real_number(value);
+      v ? void(p.cfg = *v) : p.unmapped.push_back(shown + " (not a number)");
+    } else if (key == "Seed") {
+      const auto n = whole_number(value);
+      n && *n >= 0 ? void(p.seed = static_cast<std::uint64_t>(*n)) : p.unmapped.push_back(shown + " (not a seed)");
+    } else if (key == "Size") {
+      static const std::regex kSize(R"((\d{1,5})x(\d{1,5}))");
+      std::smatch m;
+      if (std::regex_match(value, m, kSize) && std::stoi(m[1]) > 0 && std::stoi(m[2]) > 0) {
+        p.width = std::stoi(m[1]);
+        p.height = std::stoi(m[2]);
+      } else {
+        p.unmapped.push_back(shown + " (not WIDTHxHEIGHT)");
+      }
+    } else if (key == "Batch size") {
+      const auto n = whole_number(value);
+      n && *n >= 1 && *n <= 1000 ? void(p.batch = static_cast<int>(*n)) : p.unmapped.push_back(shown);
+    } else if (key == "Sampler") {
+      sampler = value;
+    } else if (key == "Schedule type") {
+      schedule = value;
+    } else if (key == "Model") {
+      p.model_name = value;
+    } else if (key == "Version") {
+      continue;  // the program that wrote it, not a setting
+    } else {
+      p.unmapped.push_back(shown);
+    }
+  }
+  if (!sampler.empty()) {
+    if (auto ours = sampler_from_a1111(sampler, schedule)) p.sampler = *ours;
+    else p.unmapped.push_back("Sampler: " + sampler + (schedule.empty() ? "" : ", Schedule type: " + schedule) +
+                              " (no Diffract sampler matches)");
+  }
+  return p;
+}
+
+// ---- ComfyUI "prompt" (the API-format graph) ----
+
+struct ComfyGraph {
+  const json& nodes;
+
+  // The node a link ([id, slot]) points at, or nullptr.
+  const json* linked(const json& input) const {
+    if (!input.is_array() || input.size() != 2) return nullptr;
+    const std::string id = input[0].is_string() ? input[0].get<std::string>() : input[0].dump();
+    const auto it = nodes.find(id);
+    return it != nodes.end() && it->is_object() ? &*it : nullptr;
+  }
+  static std::string class_of(const json& node) {
+    return node.contains("class_type") && node["class_type"].is_string() ? node["class_type"].get<std::string>() : "?";
+  }
+  static const json* input(const json& node, const char* name) {
+    if (!node.contains("inputs") || !node["inputs"].is_object() || !node["inputs"].contains(name)) return nullptr;
+    return &node["inputs"][name];
+  }
+};
+
+void comfy_text(const ComfyGraph& g, const json& sampler, const char* which, std::optional<std::string>& out,
+                std::vector<std::string>& unmapped) {
+  const json* link = ComfyGraph::input(sampler, which);
+  const json* node = link ? g.linked(*link) : nullptr;
+  if (!node) {
+    unmapped.push_back(std::string(which) + " prompt: no linked node");
+    return;
+  }
+  const std::string cls = ComfyGraph::class_of(*node);
+  const json* text = nullptr;
+  if (cls == "CLIPTextEncode") text = ComfyGraph::input(*node, "text");
+  else if (cls == "CLIPTextEncodeSDXL") {
+    text = ComfyGraph::input(*node, "text_g");
+    const json* l = ComfyGraph::input(*node, "text_l");
+    if (text && l && *l != *text) unmapped.push_back(std::string(which) + " text_l: " + l->dump() + " (differs from text_g)");
+  }
+  if (text && text->is_string()) out = text->get<std::string>();
+  else unmapped.push_back(std::string(which) + " prompt: from a " + cls + " node" + (text ? " input" : "") +
+                          " (only CLIPTextEncode text is read)");
+}
+
+PngParameters from_comfyui(const std::string& text, const std::string& where) {
+  json nodes;
+  try {
+    nodes = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw Error(where + ": the ComfyUI 'prompt' text chunk is not valid JSON: " + e.what());
+  }
+  if (!nodes.is_object()) throw Error(where + ": the ComfyUI 'prompt' text chunk is not a JSON object of nodes");
+  const ComfyGraph g{nodes};
+  std::vector<std::string> samplers;
+  for (const auto& [id, node] : nodes.items()) {
+    const std::string cls = node.is_object() ? ComfyGraph::class_of(node) : "";
+    if (cls == "KSampler" || cls == "KSamplerAdvanced") samplers.push_back(id);
+  }
+  if (samplers.empty()) throw Error(where + ": the ComfyUI graph has no KSampler or KSamplerAdvanced node");
+  std::sort(samplers.begin(), samplers.end(), [](const std::string& a, const std::string& b) {
+    return a.size() != b.size() ? a.size() < b.size() : a < b;  // numeric ids in numeric order
+  });
+  const json& ks = nodes[samplers.front()];
+  const bool advanced = ComfyGraph::class_of(ks) == "KSamplerAdvanced";
+
+  PngParameters p;
+  p.source = "comfyui";
+  if (samplers.size() > 1)
+    p.unmapped.push_back(std::to_string(samplers.size()) + " sampler nodes: read node " + samplers.front() +
+                         " only");
+  auto number = [&](const char* name) -> const json* {
+    const json* v = ComfyGraph::input(ks, name);
+    if (v && v->is_number()) return v;
+    if (v) p.unmapped.push_back(std::string(name) + ": " + v->dump() + " (not a number: a linked node?)");
+    return nullptr;
+  };
+  if (const json* v = number(advanced ? "noise_seed" : "seed"); v && v->is_number_unsigned()) p.seed = v->get<std::uint64_t>();
+  if (const json* v = number("steps"); v && v->is_number_integer() && v->get<long long>() >= 1 &&
+                                       v->get<long long>() <= 10000)
+    p.steps = v->get<int>();
+  if (const json* v = number("cfg")) p.cfg = v->get<double>();
+  const json* sampler_name = ComfyGraph::input(ks, "sampler_name");
+  const json* scheduler = ComfyGraph::input(ks, "scheduler");
+  if (sampler_name && scheduler && sampler_name->is_string() && scheduler->is_string()) {
+    if (auto ours = sampler_from_comfyui(*sampler_name, *scheduler)) p.sampler = *ours;
+    else p.unmapped.push_back("sampler_name: " + sampler_name->get<std::string>() + ", scheduler: " +
+                              scheduler->get<std::string>() + " (no Diffract sampler matches)");
+  }
+  if (!advanced) {
+    if (const json* d = ComfyGraph::input(ks, "denoise"); d && !(d->is_number() && d->get<double>() == 1.0))
+      p.unmapped.push_back("denoise: " + d->dump() + " (image to image)");
+  } else {
+    if (const json* s = ComfyGraph::input(ks, "start_at_step"); s && !(s->is_number() && s->get<double>() == 0))
+      p.unmapped.push_back("start_at_step: " + s->dump());
+    if (const json* e = ComfyGraph::input(ks, "end_at_step");
+        e && !(e->is_number() && p.steps && e->get<double>() >= *p.steps))
+      p.unmapped.push_back("end_at_step: " + e->dump());
+  }
+  comfy_text(g, ks, "positive", p.prompt, p.unmapped);
+  comfy_text(g, ks, "negative", p.negative_prompt, p.unmapped);
+
+  const json* latent_link = ComfyGraph::input(ks, "latent_image");
+  const json* latent = latent_link ? g.linked(*latent_link) : nullptr;
+  const std::string latent_cls = latent ? ComfyGraph::class_of(*latent) : "?";
+  if (latent && (latent_cls == "EmptyLatentImage" || latent_cls == "EmptySD3LatentImage")) {
+    auto dim = [&](const char* name, std::optional<int>& out) {
+      const json* v = ComfyGraph::input(*latent, name);
+      if (v && v->is_number_integer() && v->get<long long>() > 0 && v->get<long long>() < 100000) out = v->get<int>();
+      else p.unmapped.push_back(std::string(name) + ": " + (v ? v->dump() : "missing"));
+    };
+    dim("width", p.width);
+    dim("height", p.height);
+    dim("batch_size", p.batch);
+  } else {
+    p.unmapped.push_back("latent_image: from a " + latent_cls + " node (not an empty latent: image to image?)");
+  }
+
+  // The checkpoint behind the sampler's model input, through LoRA and other model patches.
+  const json* model_link = ComfyGraph::input(ks, "model");
+  for (int hops = 0; model_link && hops < 16; ++hops) {
+    const json* node = g.linked(*model_link);
+    if (!node) break;
+    if (const json* ckpt = ComfyGraph::input(*node, "ckpt_name"); ckpt && ckpt->is_string()) {
+      p.model_name = ckpt->get<std::string>();
+      break;
+    }
+    if (const json* unet = ComfyGraph::input(*node, "unet_name"); unet && unet->is_string()) {
+      p.model_name = unet->get<std::string>();
+      break;
+    }
+    if (const json* lora = ComfyGraph::input(*node, "lora_name"))
+      p.unmapped.push_back("LoRA: " + (lora->is_string() ? lora->get<std::string>() : lora->dump()));
+    else
+      p.unmapped.push_back("model patched by a " + ComfyGraph::class_of(*node) + " node");
+    model_link = ComfyGraph::input(*node, "model");
+  }
+  return p;
+}
+
+}  // namespace
+
+std::optional<std::string> sampler_from_a1111(const std::string& sampler, const std::string& schedule_type) {
+  const bool plain = schedule_type.empty() || schedule_type == "Automatic";
+  const bool karras = schedule_type == "Karras";
+  if (sampler == "Euler" && (plain || schedule_type == "Normal")) return "euler";
+  if (sampler == "Euler a" && (plain || schedule_type == "Normal")) return "euler-ancestral";
+  if (sampler == "DDIM" && (plain || schedule_type == "DDIM")) return "ddim";
+  if (sampler == "DDPM" && plain) return "ddpm";
+  if (sampler == "DPM++ 2M Karras" && (plain || karras)) return "dpmpp-2m-karras";
+  if (sampler == "DPM++ 2M") {
+    // Since A1111 1.9 "Automatic" means DPM++ 2M's default schedule, Karras; before, no
+    // schedule type was written and "DPM++ 2M" meant the plain one.
+    if (schedule_type.empty() || schedule_type == "Normal") return "dpmpp-2m";
+    if (karras || schedule_type == "Automatic") return "dpmpp-2m-karras";
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> sampler_from_comfyui(const std::string& sampler_name, const std::string& scheduler) {
+  const bool normal = scheduler == "normal" || scheduler == "simple";
+  if (sampler_name == "euler" && normal) return "euler";
+  if (sampler_name == "euler_ancestral" && normal) return "euler-ancestral";
+  if (sampler_name == "ddim" && (normal || scheduler == "ddim_uniform")) return "ddim";
+  if (sampler_name == "ddpm" && normal) return "ddpm";
+  if (sampler_name == "dpmpp_2m" && normal) return "dpmpp-2m";
+  if (sampler_name == "dpmpp_2m" && scheduler == "karras") return "dpmpp-2m-karras";
+  return std::nullopt;
+}
+
+PngParameters parse_png_parameters(const io::PngText& text, const std::string& where) {
+  if (const auto* d = find_chunk(text, "diffract")) return from_diffract(*d, where);
+  if (const auto* a = find_chunk(text, "parameters")) return from_a1111(*a, where);
+  if (const auto* c = find_chunk(text, "prompt")) return from_comfyui(*c, where);
+  std::string keys;
+  for (const auto& [k, v] : text) keys += (keys.empty() ? "" : ", ") + k;
+  throw Error(where + ": no generation parameters (no 'diffract', 'parameters' or ComfyUI 'prompt' text chunk" +
+              (keys.empty() ? std::string("; the PNG has no text chunks)") : "; its text chunks: " + keys + ")"));
+}
+
+PngParameters read_png_parameters(const std::filesystem::path& png) {
+  io::PngText text;
+  io::read_png(png, &text);
+  return parse_png_parameters(text, png.string());
+}
+
+}  // namespace diffract::engine

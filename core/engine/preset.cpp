@@ -1,0 +1,228 @@
+#include "core/engine/preset.h"
+
+#include <algorithm>
+#include <cctype>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/parallel/strategies.h"
+#include "core/schedulers/sampler.h"
+#include "core/util/error.h"
+
+namespace diffract::engine {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+const std::set<std::string> kKeys = {"name",    "description", "prompt_template", "negative_prompt", "width",
+                                     "height",  "steps",       "sampler",         "cfg",             "strategy",
+                                     "devices"};
+
+std::string field(const std::string& where, const std::string& key) { return where + ": field '" + key + "'"; }
+
+std::string text_field(const json& j, const std::string& where, const std::string& key, bool required,
+                       std::string fallback = {}) {
+  if (!j.contains(key)) {
+    if (required) throw Error(where + ": missing field '" + key + "'");
+    return fallback;
+  }
+  if (!j[key].is_string()) throw Error(field(where, key) + " must be a string, not " + j[key].dump());
+  return j[key].get<std::string>();
+}
+
+int int_field(const json& j, const std::string& where, const std::string& key, bool required, int fallback) {
+  if (!j.contains(key)) {
+    if (required) throw Error(where + ": missing field '" + key + "'");
+    return fallback;
+  }
+  const auto& v = j[key];
+  if (!v.is_number_integer() || v.get<long long>() < -(1LL << 30) || v.get<long long>() > (1LL << 30))
+    throw Error(field(where, key) + " must be a whole number, not " + v.dump());
+  return v.get<int>();
+}
+
+double number_field(const json& j, const std::string& where, const std::string& key, bool required, double fallback) {
+  if (!j.contains(key)) {
+    if (required) throw Error(where + ": missing field '" + key + "'");
+    return fallback;
+  }
+  if (!j[key].is_number()) throw Error(field(where, key) + " must be a number, not " + j[key].dump());
+  return j[key].get<double>();
+}
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+}  // namespace
+
+void validate_preset(const Preset& p, const std::string& where) {
+  if (p.name.find_first_not_of(" \t\r\n") == std::string::npos) throw Error(field(where, "name") + " is empty");
+  if (p.prompt_template.find(kSubjectPlaceholder) == std::string::npos)
+    throw Error(field(where, "prompt_template") + " has no " + kSubjectPlaceholder +
+                " placeholder for the user's prompt");
+  for (const auto& [key, v] : {std::pair<const char*, int>{"width", p.width}, {"height", p.height}})
+    if (v < 0 || v > 8192 || v % 8 != 0)
+      throw Error(field(where, key) + " is " + std::to_string(v) +
+                  ": must be 0 (the model's size) or a multiple of 8 up to 8192");
+  if ((p.width == 0) != (p.height == 0))
+    throw Error(field(where, p.width == 0 ? "width" : "height") + " is 0 but the other side is not: give both or neither");
+  if (p.steps < 1 || p.steps > 1000)
+    throw Error(field(where, "steps") + " is " + std::to_string(p.steps) + ": must be between 1 and 1000");
+  if (!(p.cfg >= 0 && p.cfg <= 30))
+    throw Error(field(where, "cfg") + " is " + std::to_string(p.cfg) + ": must be between 0 and 30");
+  if (!p.sampler.empty() && !schedulers::parse_sampler(p.sampler)) {
+    std::string valid;
+    for (const auto& n : schedulers::sampler_names()) valid += (valid.empty() ? "" : ", ") + n;
+    throw Error(field(where, "sampler") + ": unknown sampler '" + p.sampler + "' (valid: " + valid +
+                ", or empty for the model's own)");
+  }
+  if (p.devices < 1 || p.devices > 64)
+    throw Error(field(where, "devices") + " is " + std::to_string(p.devices) + ": must be between 1 and 64");
+  try {
+    parallel::make_strategy(p.strategy.empty() ? "single" : p.strategy, p.devices);
+  } catch (const Error& e) {
+    throw Error(field(where, "strategy") + ": " + e.what());
+  }
+}
+
+Preset parse_preset(const std::string& json_text, const std::string& where) {
+  json j;
+  try {
+    j = json::parse(json_text);
+  } catch (const json::parse_error& e) {
+    throw Error(where + ": not valid JSON: " + e.what());
+  }
+  if (!j.is_object()) throw Error(where + ": a preset must be a JSON object, not " + std::string(j.type_name()));
+  for (const auto& [key, value] : j.items())
+    if (!kKeys.count(key)) {
+      std::string known;
+      for (const auto& k : kKeys) known += (known.empty() ? "" : ", ") + k;
+      throw Error(where + ": unknown field '" + key + "' (known: " + known + ")");
+    }
+  Preset p;
+  p.name = text_field(j, where, "name", true);
+  p.description = text_field(j, where, "description", false);
+  p.prompt_template = text_field(j, where, "prompt_template", true);
+  p.negative_prompt = text_field(j, where, "negative_prompt", false);
+  p.width = int_field(j, where, "width", true, 0);
+  p.height = int_field(j, where, "height", true, 0);
+  p.steps = int_field(j, where, "steps", true, 30);
+  p.sampler = text_field(j, where, "sampler", true);
+  p.cfg = number_field(j, where, "cfg", true, 7.0);
+  p.strategy = text_field(j, where, "strategy", false, "single");
+  p.devices = int_field(j, where, "devices", false, 1);
+  validate_preset(p, where);
+  return p;
+}
+
+Preset load_preset(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw Error(file.string() + ": cannot open the preset");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return parse_preset(text.str(), file.string());
+}
+
+std::string preset_to_json(const Preset& p) {
+  json j = {{"name", p.name},
+            {"prompt_template", p.prompt_template},
+            {"negative_prompt", p.negative_prompt},
+            {"width", p.width},
+            {"height", p.height},
+            {"steps", p.steps},
+            {"sampler", p.sampler},
+            {"cfg", p.cfg},
+            {"strategy", p.strategy.empty() ? "single" : p.strategy},
+            {"devices", p.devices}};
+  if (!p.description.empty()) j["description"] = p.description;
+  return j.dump(2) + "\n";
+}
+
+void save_preset(const Preset& preset, const fs::path& file) {
+  validate_preset(preset, file.string());
+  std::error_code ec;
+  if (!file.parent_path().empty()) fs::create_directories(file.parent_path(), ec);
+  if (ec) throw Error(file.parent_path().string() + ": cannot create the preset folder: " + ec.message());
+  std::ofstream out(file, std::ios::binary | std::ios::trunc);
+  if (!out) throw Error(file.string() + ": cannot open for writing");
+  out << preset_to_json(preset);
+  out.flush();
+  if (!out) throw Error(file.string() + ": write failed (disk full?)");
+}
+
+std::string fill_prompt_template(const std::string& prompt_template, const std::string& subject) {
+  const std::string placeholder = kSubjectPlaceholder;
+  std::string out;
+  std::size_t from = 0;
+  for (std::size_t at; (at = prompt_template.find(placeholder, from)) != std::string::npos; from = at + placeholder.size())
+    out += prompt_template.substr(from, at - from) + subject;
+  return out + prompt_template.substr(from);
+}
+
+void apply_preset(const Preset& preset, const std::string& subject, GenerationRequest& request) {
+  request.prompt = fill_prompt_template(preset.prompt_template, subject);
+  request.negative_prompt = preset.negative_prompt;
+  request.width = preset.width;
+  request.height = preset.height;
+  request.steps = preset.steps;
+  request.sampler = preset.sampler;
+  request.cfg = preset.cfg;
+  request.strategy = preset.strategy;
+  request.devices = preset.devices;
+}
+
+std::string preset_file_name(const std::string& name) {
+  std::string out;
+  for (unsigned char c : name) {
+    if (std::isalnum(c)) out += static_cast<char>(std::tolower(c));
+    else if (!out.empty() && out.back() != '-') out += '-';
+  }
+  while (!out.empty() && out.back() == '-') out.pop_back();
+  return (out.empty() ? std::string("preset") : out) + ".json";
+}
+
+Preset find_preset(const std::string& name_or_file, const std::vector<fs::path>& dirs) {
+  const fs::path as_path(name_or_file);
+  if (as_path.extension() == ".json" || as_path.has_parent_path()) {
+    if (!fs::is_regular_file(as_path)) throw Error("preset " + name_or_file + ": no such file");
+    return load_preset(as_path);
+  }
+  const std::string wanted = lower(name_or_file);
+  std::string available;
+  std::vector<fs::path> seen;
+  for (const auto& dir : dirs) {
+    std::error_code ec;
+    if (!fs::is_directory(dir, ec)) continue;
+    std::vector<fs::path> files;
+    for (const auto& e : fs::directory_iterator(dir, ec))
+      if (e.path().extension() == ".json") files.push_back(e.path());
+    std::sort(files.begin(), files.end());
+    for (const auto& f : files) {
+      const bool stem_matches = lower(f.stem().string()) == wanted;
+      Preset p;
+      try {
+        p = load_preset(f);
+      } catch (const Error&) {
+        if (stem_matches) throw;  // the one asked for is broken: say why
+        continue;
+      }
+      if (stem_matches || lower(p.name) == wanted) return p;
+      if (std::find(seen.begin(), seen.end(), f.stem()) != seen.end()) continue;  // shadowed by an earlier folder
+      seen.push_back(f.stem());
+      available += (available.empty() ? "" : ", ") + f.stem().string();
+    }
+  }
+  std::string searched;
+  for (const auto& d : dirs) searched += (searched.empty() ? "" : ", ") + d.string();
+  throw Error("no preset named '" + name_or_file + "' in " + (searched.empty() ? "no folder" : searched) +
+              (available.empty() ? " (no presets there)" : " (available: " + available + ")"));
+}
+
+}  // namespace diffract::engine

@@ -1,0 +1,57 @@
+#pragma once
+// Generation presets: JSON files holding a prompt template and settings. No torch headers: the
+// GUI and the CLI include this.
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "core/engine/generation.h"
+
+namespace diffract::engine {
+
+// One preset file:
+//   {"name": "Studio packshot on white", "description": "...",
+//    "prompt_template": "studio photograph of {subject} on a white background",
+//    "negative_prompt": "...", "width": 1024, "height": 1024, "steps": 30,
+//    "sampler": "dpmpp-2m-karras", "cfg": 6.5, "strategy": "single", "devices": 1}
+// Every occurrence of {subject} in prompt_template is replaced by the user's prompt; the
+// template must hold at least one. width / height 0 mean the model's native size, an empty
+// sampler the model's own; description and devices (default 1) are optional. Unknown keys are
+// errors, so a misspelt field is not silently ignored.
+struct Preset {
+  std::string name;
+  std::string description;
+  std::string prompt_template = "{subject}";
+  std::string negative_prompt;
+  int width = 0;
+  int height = 0;
+  int steps = 30;
+  std::string sampler;
+  double cfg = 7.0;
+  std::string strategy = "single";
+  int devices = 1;
+};
+
+inline constexpr const char* kSubjectPlaceholder = "{subject}";
+
+// Parses and validates preset JSON text; errors start with `where` (the file) and name the field.
+Preset parse_preset(const std::string& json_text, const std::string& where);
+Preset load_preset(const std::filesystem::path& file);
+// Validates, then writes pretty-printed JSON (creating the folder); parse_preset reads it back.
+void save_preset(const Preset& preset, const std::filesystem::path& file);
+std::string preset_to_json(const Preset& preset);
+// Throws an error starting with `where` for a field no job could run with.
+void validate_preset(const Preset& preset, const std::string& where);
+
+// The template with each {subject} replaced by `subject`.
+std::string fill_prompt_template(const std::string& prompt_template, const std::string& subject);
+// Fills the request's prompt (from `subject`), negative prompt, size, steps, sampler, CFG and strategy.
+void apply_preset(const Preset& preset, const std::string& subject, GenerationRequest& request);
+// A file name for a preset called `name`: lower case, runs of other characters as "-", ".json".
+std::string preset_file_name(const std::string& name);
+
+// `name_or_file`: a path to a .json file, or a preset's file stem or name (case-insensitive)
+// in one of `dirs`, searched in order. The error lists what the folders hold.
+Preset find_preset(const std::string& name_or_file, const std::vector<std::filesystem::path>& dirs);
+
+}  // namespace diffract::engine

@@ -1,0 +1,174 @@
+// Presets: JSON round trip, the shipped files, and errors that name the file and the field.
+#include <QTemporaryDir>
+#include <cstdlib>
+#include <fstream>
+#include <set>
+
+#include "core/engine/preset.h"
+#include "core/util/error.h"
+#include "test_util.h"
+
+using namespace diffract;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path shippedDir() {
+  const char* d = std::getenv("DIFFRACT_PRESETS_DIR");
+  return d ? fs::path(d) : fs::path("presets");
+}
+
+void writeText(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+}
+
+const char* const kValid = R"({"name": "Test", "prompt_template": "photo of {subject}", "negative_prompt": "blurry",
+  "width": 512, "height": 768, "steps": 20, "sampler": "euler", "cfg": 5.5, "strategy": "single"})";
+
+}  // namespace
+
+class TestPreset : public QObject {
+  Q_OBJECT
+  QTemporaryDir m_tmp;
+
+  fs::path tmp(const char* name) const { return fs::path(m_tmp.filePath(name).toStdString()); }
+
+ private slots:
+  void roundTrip() {
+    engine::Preset p;
+    p.name = "Round trip «ü»";
+    p.description = "every field set";
+    p.prompt_template = "a {subject}, and again {subject}";
+    p.negative_prompt = "text, \"quoted\"\nsecond line";
+    p.width = 1344;
+    p.height = 768;
+    p.steps = 42;
+    p.sampler = "dpmpp-2m-karras";
+    p.cfg = 6.25;
+    p.strategy = "step-skip";
+    p.devices = 3;
+    const fs::path file = tmp("user/presets/round-trip.json");
+    engine::save_preset(p, file);
+    const auto q = engine::load_preset(file);
+    QCOMPARE(q.name, p.name);
+    QCOMPARE(q.description, p.description);
+    QCOMPARE(q.prompt_template, p.prompt_template);
+    QCOMPARE(q.negative_prompt, p.negative_prompt);
+    QCOMPARE(q.width, 1344);
+    QCOMPARE(q.height, 768);
+    QCOMPARE(q.steps, 42);
+    QCOMPARE(q.sampler, p.sampler);
+    QCOMPARE(q.cfg, 6.25);
+    QCOMPARE(q.strategy, p.strategy);
+    QCOMPARE(q.devices, 3);
+    QCOMPARE(engine::preset_file_name(p.name), std::string("round-trip.json"));
+    QCOMPARE(engine::preset_file_name("  Hero   Banner 16:9 "), std::string("hero-banner-16-9.json"));
+    QCOMPARE(engine::preset_file_name("!!!"), std::string("preset.json"));
+  }
+
+  void everyShippedPresetLoads() {
+    QVERIFY2(fs::is_directory(shippedDir()), shippedDir().c_str());
+    std::set<std::string> names, stems;
+    for (const auto& e : fs::directory_iterator(shippedDir())) {
+      if (e.path().extension() != ".json") continue;
+      engine::Preset p;
+      try {
+        p = engine::load_preset(e.path());
+      } catch (const Error& err) {
+        QFAIL(err.what());
+      }
+      QVERIFY2(names.insert(p.name).second, ("two presets are called " + p.name).c_str());
+      stems.insert(e.path().stem().string());
+      QVERIFY(!p.description.empty());
+      QVERIFY(p.width > 0 && p.height > 0);
+    }
+    for (const char* want : {"studio-packshot", "lifestyle-scene", "hero-banner", "flat-lay", "fast-draft"})
+      QVERIFY2(stems.count(want), want);
+    const auto hero = engine::load_preset(shippedDir() / "hero-banner.json");
+    // SDXL's nearest training bucket to 16:9 is 1344x768 (1.75).
+    QVERIFY(std::abs(double(hero.width) / hero.height - 16.0 / 9) < 0.05);
+  }
+
+  void fillsTheTemplate() {
+    QCOMPARE(engine::fill_prompt_template("a {subject} and a {subject}!", "mug"), std::string("a mug and a mug!"));
+    QCOMPARE(engine::fill_prompt_template("{subject}", ""), std::string());
+    const auto p = engine::parse_preset(kValid, "inline");
+    engine::GenerationRequest r;
+    r.model = "m";
+    r.seed = 9;
+    engine::apply_preset(p, "a red teapot", r);
+    QCOMPARE(r.prompt, std::string("photo of a red teapot"));
+    QCOMPARE(r.negative_prompt, std::string("blurry"));
+    QCOMPARE(r.width, 512);
+    QCOMPARE(r.height, 768);
+    QCOMPARE(r.steps, 20);
+    QCOMPARE(r.sampler, std::string("euler"));
+    QCOMPARE(r.cfg, 5.5);
+    QCOMPARE(r.model, std::string("m"));  // untouched
+    QCOMPARE(r.seed, std::uint64_t(9));
+  }
+
+  void badFilesGiveNamedErrors_data() {
+    QTest::addColumn<QString>("text");
+    QTest::addColumn<QString>("fragment");
+    auto edit = [](const char* from, const char* to) {
+      QString s = QString::fromUtf8(kValid);
+      s.replace(QString::fromUtf8(from), QString::fromUtf8(to));
+      return s;
+    };
+    QTest::newRow("not json") << "{\"name\": " << "not valid JSON";
+    QTest::newRow("not an object") << "[1, 2]" << "must be a JSON object";
+    QTest::newRow("missing name") << edit("\"name\": \"Test\", ", "") << "missing field 'name'";
+    QTest::newRow("empty name") << edit("\"Test\"", "\" \"") << "field 'name' is empty";
+    QTest::newRow("no placeholder") << edit("{subject}", "subject") << "'prompt_template' has no {subject}";
+    QTest::newRow("width not a number") << edit("512", "\"512\"") << "field 'width' must be a whole number";
+    QTest::newRow("fractional steps") << edit("20", "20.5") << "field 'steps' must be a whole number";
+    QTest::newRow("odd width") << edit("512", "500") << "field 'width' is 500";
+    QTest::newRow("one side zero") << edit("512", "0") << "field 'width' is 0 but the other side is not";
+    QTest::newRow("zero steps") << edit("20", "0") << "field 'steps' is 0";
+    QTest::newRow("cfg too high") << edit("5.5", "99") << "field 'cfg' is 99";
+    QTest::newRow("unknown sampler") << edit("\"euler\"", "\"lms\"") << "field 'sampler': unknown sampler 'lms'";
+    QTest::newRow("unknown strategy") << edit("\"single\"", "\"warp\"") << "field 'strategy': unknown strategy 'warp'";
+    QTest::newRow("typo in a key") << edit("\"steps\"", "\"stpes\"") << "unknown field 'stpes'";
+    QTest::newRow("prompt not text") << edit("\"blurry\"", "7") << "field 'negative_prompt' must be a string";
+  }
+
+  void badFilesGiveNamedErrors() {
+    QFETCH(QString, text);
+    QFETCH(QString, fragment);
+    const fs::path file = tmp("bad-preset.json");
+    writeText(file, text.toStdString());
+    DIFFRACT_EXPECT_ERROR(engine::load_preset(file), "bad-preset.json: ", fragment.toUtf8().constData());
+  }
+
+  void missingFileAndSaveOfInvalidPreset() {
+    DIFFRACT_EXPECT_ERROR(engine::load_preset(tmp("nope.json")), "nope.json: cannot open the preset");
+    engine::Preset p;
+    p.name = "x";
+    p.prompt_template = "no placeholder";
+    DIFFRACT_EXPECT_ERROR(engine::save_preset(p, tmp("invalid.json")), "invalid.json: field 'prompt_template'");
+    QVERIFY(!fs::exists(tmp("invalid.json")));
+  }
+
+  void findsByStemNameOrFile() {
+    const std::vector<fs::path> dirs = {tmp("no-such-dir"), shippedDir()};
+    QCOMPARE(engine::find_preset("fast-draft", dirs).name, std::string("Fast draft"));
+    QCOMPARE(engine::find_preset("HERO BANNER 16:9", dirs).name, std::string("Hero banner 16:9"));
+    const fs::path mine = tmp("mine.json");
+    writeText(mine, kValid);
+    QCOMPARE(engine::find_preset(mine.string(), {}).name, std::string("Test"));
+    DIFFRACT_EXPECT_ERROR(engine::find_preset("nonexistent", dirs), "no preset named 'nonexistent'", "studio-packshot");
+    try {
+      engine::find_preset("nonexistent", {shippedDir(), shippedDir()});
+      QFAIL("found a preset that does not exist");
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      QCOMPARE(msg.find("fast-draft"), msg.rfind("fast-draft"));  // listed once, though found twice
+    }
+    DIFFRACT_EXPECT_ERROR(engine::find_preset(tmp("gone.json").string(), dirs), "gone.json: no such file");
+  }
+};
+
+QTEST_APPLESS_MAIN(TestPreset)
+#include "test_preset.moc"
