@@ -24,6 +24,33 @@ std::vector<std::string> split_tabs(const std::string& line) {
   return out;
 }
 
+// Emoji names as ASCII: the tokenizer of an ICU-less build (the GPU machine) takes nothing
+// else, and the few accented names ("piñata", "Côte d’Ivoire") read fine without.
+std::string ascii_name(const std::string& name) {
+  static const std::vector<std::pair<std::string, std::string>> folds = {
+      {"\u2019", "'"}, {"\u2018", "'"}, {"\u201c", "\""}, {"\u201d", "\""}, {"\u00c5", "A"}, {"\u00e3", "a"},
+      {"\u00e7", "c"}, {"\u00e9", "e"}, {"\u00ed", "i"},   {"\u00f1", "n"},   {"\u00f4", "o"}, {"\u00e8", "e"},
+      {"\u00fc", "u"}, {"\u00f6", "o"}, {"\u00e1", "a"},   {"\u00f3", "o"}};
+  std::string out;
+  for (std::size_t i = 0; i < name.size();) {
+    const auto c = static_cast<unsigned char>(name[i]);
+    if (c < 0x80) {
+      out += name[i++];
+      continue;
+    }
+    bool folded = false;
+    for (const auto& [from, to] : folds)
+      if (name.compare(i, from.size(), from) == 0) {
+        out += to;
+        i += from.size();
+        folded = true;
+        break;
+      }
+    if (!folded) throw Error("emoji name '" + name + "' has a character with no ASCII spelling here");
+  }
+  return out;
+}
+
 bool starts_with_vowel(const std::string& s) {
   return !s.empty() && std::string("aeiouAEIOU").find(s[0]) != std::string::npos;
 }
@@ -80,7 +107,11 @@ SpriteAtlas SpriteAtlas::load(const fs::path& dir, int64_t limit) {
       throw Error(index_path.string() + ":" + std::to_string(line_no) + ": expected id, codepoints, name, group, subgroup");
     if (std::stoll(f[0]) != static_cast<int64_t>(atlas.sprites_.size()))
       throw Error(index_path.string() + ":" + std::to_string(line_no) + ": ids must count up from 0");
-    atlas.sprites_.push_back({f[1], f[2], f[3], f[4]});
+    try {
+      atlas.sprites_.push_back({f[1], ascii_name(f[2]), f[3], f[4]});
+    } catch (const Error& e) {
+      throw Error(index_path.string() + ":" + std::to_string(line_no) + ": " + e.what());
+    }
   }
   if (static_cast<int64_t>(atlas.sprites_.size()) != count)
     throw Error(index_path.string() + ": lists " + std::to_string(atlas.sprites_.size()) + " sprites, atlas.json says " +
@@ -267,21 +298,21 @@ std::vector<SceneSpec> SceneComposer::sample(int64_t n, std::mt19937_64& rng) co
 at::Tensor SceneComposer::render(const std::vector<SceneSpec>& specs, std::mt19937_64* rng) const {
   at::NoGradGuard no_grad;
   const int64_t size = options_.image_size, n = static_cast<int64_t>(specs.size());
-  std::vector<int64_t> colour_ids, emoji_ids;
-  for (const auto& s : specs) {
-    colour_ids.push_back(s.colour);
-    emoji_ids.push_back(s.emoji);
+  // One host-to-device copy per batch (emoji, colour, placement); every placement is then
+  // blended under a mask, so nothing waits for the device.
+  auto table = at::empty({3, n}, at::kLong);
+  auto* t = table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& s = specs[static_cast<std::size_t>(i)];
+    t[i] = s.emoji;
+    t[n + i] = s.colour;
+    t[2 * n + i] = s.scale * 8 + s.position;
   }
-  auto images = colours_.index_select(0, at::tensor(colour_ids).to(device_)).view({n, 3, 1, 1}).repeat({1, 1, size, size});
+  table = table.to(device_);
+  const auto emoji = table[0], placement = table[2];
+  auto images = colours_.index_select(0, table[1]).view({n, 3, 1, 1}).repeat({1, 1, size, size});
   const int64_t margin = size / 21;
   for (const auto& [scale, position] : placements_) {
-    std::vector<int64_t> rows, emoji;
-    for (int64_t i = 0; i < n; ++i)
-      if (specs[static_cast<std::size_t>(i)].scale == scale && specs[static_cast<std::size_t>(i)].position == position) {
-        rows.push_back(i);
-        emoji.push_back(emoji_ids[static_cast<std::size_t>(i)]);
-      }
-    if (rows.empty()) continue;
     const int64_t side = scale_pixels(scale, size);
     const int64_t far = size - side - margin, mid = (size - side) / 2;
     int64_t x = position == 0 ? mid : (position == 1 || position == 3) ? margin : far;
@@ -291,14 +322,11 @@ at::Tensor SceneComposer::render(const std::vector<SceneSpec>& specs, std::mt199
       x = std::clamp<int64_t>(x + static_cast<int64_t>((*rng)() % span) - options_.jitter, 0, size - side);
       y = std::clamp<int64_t>(y + static_cast<int64_t>((*rng)() % span) - options_.jitter, 0, size - side);
     }
-    const auto row_idx = at::tensor(rows).to(device_);
-    auto sprite = scaled_[static_cast<std::size_t>(scale)].index_select(0, at::tensor(emoji).to(device_));
-    auto region = images.index_select(0, row_idx).narrow(2, y, side).narrow(3, x, side);
-    auto alpha = sprite.narrow(1, 3, 1);
-    auto blended = region * (1 - alpha) + sprite.narrow(1, 0, 3);
-    auto updated = images.index_select(0, row_idx);
-    updated.narrow(2, y, side).narrow(3, x, side).copy_(blended);
-    images.index_copy_(0, row_idx, updated);
+    const auto here = placement.eq(scale * 8 + position).to(at::kFloat).view({n, 1, 1, 1});
+    auto sprite = scaled_[static_cast<std::size_t>(scale)].index_select(0, emoji);
+    auto alpha = sprite.narrow(1, 3, 1) * here;
+    auto region = images.narrow(2, y, side).narrow(3, x, side);
+    region.copy_(region * (1 - alpha) + sprite.narrow(1, 0, 3) * here);
   }
   return images;
 }

@@ -16,7 +16,7 @@ namespace diffract::training {
 // One emoji of the atlas diffract-dataset writes.
 struct SpriteInfo {
   std::string codepoints;  // "1F34E", space separated for sequences
-  std::string name;        // CLDR short name from emoji-test.txt, e.g. "red apple"
+  std::string name;        // CLDR short name from emoji-test.txt, e.g. "red apple", in ASCII
   std::string group, subgroup;
 };
 
