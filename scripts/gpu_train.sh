@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine, in one call of at most 10 minutes: builds diffract-train against the
 # installed PyTorch's LibTorch (preset gpu, no Qt), trains the embedded emoji model on cuda:0
-# and leaves in $OUT: train.log, loss.csv, summary.json and the exported diffusers folder as
-# diffract-emoji.tar.part-aa.. (15 MiB pieces; join with cat, then tar -x).
+# and leaves in $OUT (7 files, about 40 MB): gpu.txt, train.log, loss.csv, summary.json and the
+# exported diffusers folder as diffract-emoji.tar.part-aa.. (15 MiB pieces; cat, then tar -x).
 #   Carried in .carry/ (scripts/prepare_carry.sh): CLI11 headers, shared/data (TAEF2 weights,
 #   CLIP BPE) and emoji/ (diffract-dataset's atlas).
 #   TRAIN_MINUTES (default 7; cut so that the whole call stays under 9.5 minutes), TRAIN_BATCH
@@ -22,10 +22,10 @@ done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 
 cmake --preset gpu -DDIFFRACT_BUILD_CLI=ON -DCLI11_INCLUDE_DIR="$root/.carry/include" \
-  -DDIFFRACT_PYTHON="$(command -v python3)" -DCMAKE_CXX_COMPILER_LAUNCHER= > "$out/configure.log" 2>&1 \
-  || { tail -40 "$out/configure.log"; exit 1; }
-cmake --build build/gpu -j "$(nproc)" --target diffract-train > "$out/build.log" 2>&1 \
-  || { grep -m20 -A5 error "$out/build.log"; exit 1; }
+  -DDIFFRACT_PYTHON="$(command -v python3)" -DCMAKE_CXX_COMPILER_LAUNCHER= > /tmp/gpu_train_configure.log 2>&1 \
+  || { tail -40 /tmp/gpu_train_configure.log; exit 1; }
+cmake --build build/gpu -j "$(nproc)" --target diffract-train > /tmp/gpu_train_build.log 2>&1 \
+  || { grep -m20 -A5 error /tmp/gpu_train_build.log; exit 1; }
 echo "built in $(( $(date +%s) - start )) s"
 
 minutes="${TRAIN_MINUTES:-7}"
