@@ -17,6 +17,7 @@
 #include "core/models/text_encoders/clip_text.h"
 #include "core/text/clip_tokenizer.h"
 #include "core/util/build_info.h"
+#include "core/util/embedded_model.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -152,7 +153,8 @@ int generate(const engine::GenerationRequest& request, const fs::path& out, cons
 }
 
 void add_generation_options(CLI::App* cmd, engine::GenerationRequest& req, bool with_strategy = true) {
-  cmd->add_option("--model", req.model, "diffusers folder or single-file checkpoint")->required();
+  cmd->add_option("--model", req.model,
+                  "diffusers folder or single-file checkpoint (default: the embedded diffract-emoji model)");
   cmd->add_option("--config", req.model_config, "single files: diffusers folder describing the components");
   cmd->add_option("--prompt", req.prompt, "text")->required();
   cmd->add_option("--negative", req.negative_prompt, "negative prompt");
@@ -289,6 +291,11 @@ int main(int argc, char** argv) {
     if (inspect_cmd->parsed()) return inspect(inspect_path);
     if (tok_cmd->parsed()) return tokenize(tok_path, prompt);
     if (enc_cmd->parsed()) return encode(model_path, component, prompt);
+    if ((gen_cmd->parsed() || cmp_cmd->parsed()) && req.model.empty()) {
+      req.model = embedded_model_dir().string();
+      if (req.model.empty())
+        throw Error("no --model given and no embedded model (resources/models/diffract-emoji) found");
+    }
     if (gen_cmd->parsed()) {
       if (!preset_name.empty()) apply_cli_preset(gen_cmd, preset_name, req);
       return generate(req, out_path, preview_dir);

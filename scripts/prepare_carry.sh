@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fills .carry/ (git-ignored) with what the GPU machine lacks, for scripts/gpu_check.sh and
 # scripts/gpu_bench.sh: CLI11's headers, the shared data, the diffusers anchor scripts and
-# the diffusers wheel (Python 3.12). Pass `.carry` in the device call's carry list.
+# the diffusers wheel (Python 3.12); for scripts/gpu_train.sh also the emoji atlas. Pass `.carry` in the device call's carry list.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 shared="${DIFFRACT_SHARED:-$root/../shared}"
@@ -12,4 +12,9 @@ cp -r "$shared/data/clip" "$shared/data/taesd" .carry/shared/data/
 cp "$shared/anchors/"*.py .carry/
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 -d .carry/whl diffusers==0.42.1 importlib_metadata
+# The emoji atlas diffract-train needs (scripts/gpu_train.sh), from this machine's Debian fonts.
+if [[ ! -f .carry/emoji/atlas.json ]]; then
+  [[ -x build/default/app/diffract-dataset ]] || { echo "build diffract-dataset first (cmake --build build/default --target diffract-dataset)" >&2; exit 1; }
+  QT_QPA_PLATFORM=offscreen build/default/app/diffract-dataset --out .carry/emoji
+fi
 du -sh .carry

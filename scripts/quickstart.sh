@@ -17,7 +17,15 @@ fi
 mkdir -p out
 "$cli" info
 "$cli" inspect "$models/tiny-sdxl"
-"$cli" generate --model "$models/tiny-sdxl" --prompt "a studio packshot of a red apple on a white background" \
-  --negative "blurry" --steps 20 --cfg 7 --seed 42 --scheduler dpmpp-2m-karras \
-  --preview-dir out/previews --out out/apple.png
+emoji=resources/models/diffract-emoji
+if [ -f "$emoji/model_index.json" ]; then
+  # The embedded model, generate's default (trained by diffract-train; see its README.md): real pictures on CPU.
+  "$cli" inspect "$emoji"
+  "$cli" generate --prompt "a red apple on a light blue background" \
+    --steps 20 --cfg 5 --seed 42 --width 128 --height 128 --preview-dir out/previews --out out/apple.png
+else
+  "$cli" generate --model "$models/tiny-sdxl" --prompt "a studio packshot of a red apple on a white background" \
+    --negative "blurry" --steps 20 --cfg 7 --seed 42 --scheduler dpmpp-2m-karras \
+    --preview-dir out/previews --out out/apple.png
+fi
 echo "[quickstart] the image (with its parameters in PNG text chunks) is out/apple.png, each step's preview in out/previews/"

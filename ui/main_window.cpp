@@ -45,6 +45,7 @@
 #include "core/util/error.h"
 #include "ui/compare_view.h"
 #include "ui/gallery.h"
+#include "core/util/embedded_model.h"
 #include "ui/image_view.h"
 #include "ui/timings_chart.h"
 
@@ -616,7 +617,8 @@ void MainWindow::loadSettings() {
   QSettings s;
   m_prompt->setPlainText(s.value(QStringLiteral("prompt")).toString());
   m_negative->setPlainText(s.value(QStringLiteral("negativePrompt")).toString());
-  m_model->setText(s.value(QStringLiteral("model")).toString());
+  // First start: the embedded emoji model, when this build or installation has it.
+  m_model->setText(s.value(QStringLiteral("model"), QString::fromStdString(embedded_model_dir().string())).toString());
   m_taesd->setText(s.value(QStringLiteral("taesd")).toString());
   m_width->setValue(s.value(QStringLiteral("width"), 0).toInt());
   m_height->setValue(s.value(QStringLiteral("height"), 0).toInt());

@@ -71,7 +71,11 @@ void write_png(const std::filesystem::path& path, const Image& image, const PngT
   if (std::fflush(file.f) != 0) throw Error(path.string() + ": write failed (disk full?)");
 }
 
-Image read_png(const std::filesystem::path& path, PngText* text) {
+namespace {
+
+// Reads into `pixels` with 3 (alpha dropped) or 4 (alpha added when absent) channels.
+void read_png_pixels(const std::filesystem::path& path, int channels, int& width, int& height,
+                     std::vector<std::uint8_t>& pixels, PngText* text) {
   File file{std::fopen(path.c_str(), "rb")};
   if (!file.f) throw Error(path.string() + ": cannot open");
   unsigned char sig[8] = {};
@@ -79,7 +83,6 @@ Image read_png(const std::filesystem::path& path, PngText* text) {
   std::string error;
   png_structp png = png_create_read_struct(PNG_LIBPNG_VER_STRING, &error, png_fail, nullptr);
   png_infop info = png_create_info_struct(png);
-  Image image;
   if (setjmp(png_jmpbuf(png))) {
     png_destroy_read_struct(&png, &info, nullptr);
     throw Error(path.string() + ": corrupt PNG: " + error);
@@ -89,18 +92,34 @@ Image read_png(const std::filesystem::path& path, PngText* text) {
   png_read_info(png, info);
   png_set_expand(png);
   png_set_strip_16(png);
-  png_set_strip_alpha(png);
+  if (channels == 3)
+    png_set_strip_alpha(png);
+  else
+    png_set_add_alpha(png, 0xff, PNG_FILLER_AFTER);
   png_set_gray_to_rgb(png);
   png_read_update_info(png, info);
-  image.width = static_cast<int>(png_get_image_width(png, info));
-  image.height = static_cast<int>(png_get_image_height(png, info));
-  image.rgb.resize(static_cast<std::size_t>(image.width) * image.height * 3);
-  std::vector<png_bytep> rows(static_cast<std::size_t>(image.height));
-  for (int y = 0; y < image.height; ++y) rows[y] = image.rgb.data() + static_cast<std::size_t>(y) * image.width * 3;
+  width = static_cast<int>(png_get_image_width(png, info));
+  height = static_cast<int>(png_get_image_height(png, info));
+  pixels.resize(static_cast<std::size_t>(width) * height * channels);
+  std::vector<png_bytep> rows(static_cast<std::size_t>(height));
+  for (int y = 0; y < height; ++y) rows[y] = pixels.data() + static_cast<std::size_t>(y) * width * channels;
   png_read_image(png, rows.data());
   png_read_end(png, info);
   collect_text(png, info, text);
   png_destroy_read_struct(&png, &info, nullptr);
+}
+
+}  // namespace
+
+Image read_png(const std::filesystem::path& path, PngText* text) {
+  Image image;
+  read_png_pixels(path, 3, image.width, image.height, image.rgb, text);
+  return image;
+}
+
+ImageRGBA read_png_rgba(const std::filesystem::path& path) {
+  ImageRGBA image;
+  read_png_pixels(path, 4, image.width, image.height, image.rgba, nullptr);
   return image;
 }
 

@@ -21,4 +21,13 @@ void write_png(const std::filesystem::path& path, const Image& image, const PngT
 // Reads any 8/16-bit PNG as RGB8 (alpha dropped, palette and grey expanded) with its text chunks.
 Image read_png(const std::filesystem::path& path, PngText* text = nullptr);
 
+// An 8-bit RGBA image (straight, not premultiplied alpha), rows top to bottom, no padding.
+struct ImageRGBA {
+  int width = 0;
+  int height = 0;
+  std::vector<std::uint8_t> rgba;  // width * height * 4
+};
+// Reads any 8/16-bit PNG as RGBA8 (opaque alpha added where the file has none).
+ImageRGBA read_png_rgba(const std::filesystem::path& path);
+
 }  // namespace diffract::io

@@ -139,6 +139,8 @@ struct StableDiffusion::Impl {
   std::vector<int> gpu_group_ids;
   double replica_ms = 0;
   models::AutoencoderKL vae{nullptr};
+  // A vae/ of class AutoencoderTiny (the embedded emoji model's TAEF2) replaces `vae`.
+  models::TAESD tiny_vae{nullptr};
   // The sampler settings: the folder's scheduler_config.json, or for single files the
   // scheduler SD checkpoints were trained with.
   std::function<schedulers::SchedulerConfig(schedulers::SamplerKind)> scheduler_config;
@@ -148,13 +150,31 @@ struct StableDiffusion::Impl {
   models::TAESD taesd{nullptr};
   double load_ms = 0;
 
-  int vae_factor() const { return static_cast<int>(vae->config.downscale_factor()); }
+  int vae_factor() const {
+    return static_cast<int>(tiny_vae ? tiny_vae->config.downscale_factor() : vae->config.downscale_factor());
+  }
+
+  // Diffusion latents to images in [-1, 1], with the VAE's scaling (and shift) undone.
+  at::Tensor decode_latents(const at::Tensor& latents) {
+    if (!tiny_vae) {
+      // Above 2048² pixels the decoder's activations alone run to tens of GiB: decode in tiles.
+      const auto z = vae->unscale_latents(latents.to(dtype));
+      const int64_t f = vae->config.downscale_factor();
+      if (z.size(2) * z.size(3) * f * f > int64_t(2048) * 2048) return vae->decode_tiled(z);
+      return vae->decode(z);
+    }
+    const auto& c = tiny_vae->config;
+    return tiny_vae->decode(latents.to(dtype) / c.scaling_factor + c.shift_factor);
+  }
 
   // Inference mode on the job's device and dtype, for every component.
   void place() {
     at::NoGradGuard no_grad;
-    for (torch::nn::Module* m : {static_cast<torch::nn::Module*>(unet.get()), static_cast<torch::nn::Module*>(vae.get()),
+    for (torch::nn::Module* m : {static_cast<torch::nn::Module*>(unet.get()),
+                                 vae ? static_cast<torch::nn::Module*>(vae.get()) : nullptr,
+                                 tiny_vae ? static_cast<torch::nn::Module*>(tiny_vae.get()) : nullptr,
                                  static_cast<torch::nn::Module*>(text_encoder.get())}) {
+      if (!m) continue;
       m->eval();
       m->to(device, dtype);
     }
@@ -231,6 +251,7 @@ struct StableDiffusion::Impl {
   at::Tensor preview(const at::Tensor& x0, bool use_taesd) {
     at::NoGradGuard no_grad;
     if (use_taesd) return taesd->decode(x0.to(taesd->parameters().front().dtype()));
+    if (tiny_vae) return decode_latents(x0).clamp(-1, 1);  // as cheap as a projection, and exact
     auto rgb = at::einsum("bchw,cr->brhw", {x0.to(at::kFloat), latent_rgb_factors(family).to(x0.device())});
     if (family == Family::SDXL) rgb = rgb + at::tensor({0.1084, -0.0175, -0.0011}, rgb.options()).view({1, 3, 1, 1});
     return rgb.clamp(-1, 1);
@@ -248,6 +269,15 @@ int StableDiffusion::native_size() const {
 
 namespace {
 
+// A diffusers AutoencoderTiny vae/ (TAESD weights; its scaling_factor / shift_factor map
+// latents to the diffusion space), used for the final decode and the previews.
+void load_tiny_vae(StableDiffusion::Impl& p, const io::Component& vae) {
+  p.tiny_vae = models::load_taesd(vae.dir);
+  if (!p.tiny_vae->has_decoder()) throw Error(vae.dir.string() + ": the AutoencoderTiny has no decoder");
+  if (!(p.tiny_vae->config.scaling_factor > 0))
+    throw Error(vae.config.string() + ": scaling_factor must be positive");
+}
+
 void load_folder(StableDiffusion::Impl& p, const fs::path& model) {
   const auto folder = io::DiffusersFolder::open(model);
   const auto& unet_c = folder.require("unet");
@@ -260,7 +290,10 @@ void load_folder(StableDiffusion::Impl& p, const fs::path& model) {
   };
   p.native_sampler = schedulers::native_sampler(scheduler_json);
   p.unet = models::load_unet_2d_condition(unet_c.dir, unet_c.variant);
-  p.vae = models::load_autoencoder_kl(vae_c.dir, vae_c.variant);
+  if (vae_c.class_name == "AutoencoderTiny")
+    load_tiny_vae(p, vae_c);
+  else
+    p.vae = models::load_autoencoder_kl(vae_c.dir, vae_c.variant);
   p.text_encoder = models::load_clip_text_model(te_c.dir, te_c.variant);
   p.tokenizer = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(tok_c.dir));
   if (p.unet->config.addition_embed_type == "text_time") {
@@ -735,7 +768,7 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
   if (cancel.cancelled()) throw engine::Cancelled{};
 
   const auto td = Clock::now();
-  auto images = p.vae->decode(p.vae->unscale_latents(latents.to(p.dtype)));
+  auto images = p.decode_latents(latents);
   if (!at::isfinite(images).all().item<bool>())
     throw Error("the VAE decode produced NaN or Inf (an fp16 overflow? the VAE may need fp32)");
   result.images = to_images(images);

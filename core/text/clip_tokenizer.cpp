@@ -279,7 +279,9 @@ CLIPTokenizer CLIPTokenizer::from_vocab_merges(const fs::path& vocab_json, const
                        vocab_json.parent_path().string());
 }
 
-CLIPTokenizer CLIPTokenizer::from_openai_bpe(const fs::path& bpe_gz, CLIPTokenizerOptions options) {
+namespace {
+
+std::vector<std::pair<std::string, std::string>> read_openai_merges(const fs::path& bpe_gz) {
   gzFile gz = gzopen(bpe_gz.c_str(), "rb");
   if (!gz) throw Error(bpe_gz.string() + ": cannot open");
   std::string text;
@@ -296,15 +298,52 @@ CLIPTokenizer CLIPTokenizer::from_openai_bpe(const fs::path& bpe_gz, CLIPTokeniz
   auto merges = parse_merges(in, bpe_gz.string(), kMerges);
   if (merges.size() != kMerges)
     throw Error(bpe_gz.string() + ": holds " + std::to_string(merges.size()) + " merges, CLIP needs " + std::to_string(kMerges));
+  return merges;
+}
+
+// Token strings by id, as OpenAI's CLIP (and transformers) derive them from the merges.
+std::vector<std::string> openai_vocab(const std::vector<std::pair<std::string, std::string>>& merges) {
+  std::vector<std::string> vocab;
+  const auto alphabet = byte_alphabet();
+  for (const auto& a : alphabet) vocab.push_back(a);
+  for (const auto& a : alphabet) vocab.push_back(a + "</w>");
+  for (const auto& [a, b] : merges) vocab.push_back(a + b);
+  vocab.emplace_back("<|startoftext|>");
+  vocab.emplace_back("<|endoftext|>");
+  return vocab;
+}
+
+}  // namespace
+
+CLIPTokenizer CLIPTokenizer::from_openai_bpe(const fs::path& bpe_gz, CLIPTokenizerOptions options) {
+  auto merges = read_openai_merges(bpe_gz);
   std::unordered_map<std::string, int> vocab;
   int next = 0;
-  const auto alphabet = byte_alphabet();
-  for (const auto& a : alphabet) vocab.emplace(a, next++);
-  for (const auto& a : alphabet) vocab.emplace(a + "</w>", next++);
-  for (const auto& [a, b] : merges) vocab.emplace(a + b, next++);
-  vocab.emplace("<|startoftext|>", next++);
-  vocab.emplace("<|endoftext|>", next++);
+  for (auto& token : openai_vocab(merges)) vocab.emplace(std::move(token), next++);
   return CLIPTokenizer(std::move(vocab), merges, std::move(options), {}, bpe_gz.string());
+}
+
+void CLIPTokenizer::write_folder_from_openai_bpe(const fs::path& bpe_gz, const fs::path& dir) {
+  const auto merges = read_openai_merges(bpe_gz);
+  const auto vocab = openai_vocab(merges);
+  fs::create_directories(dir);
+  nlohmann::ordered_json v = nlohmann::ordered_json::object();
+  for (std::size_t i = 0; i < vocab.size(); ++i) v[vocab[i]] = static_cast<int>(i);
+  std::ofstream vj(dir / "vocab.json");
+  vj << v.dump();
+  std::ofstream mt(dir / "merges.txt");
+  mt << "#version: 0.2\n";
+  for (const auto& [a, b] : merges) mt << a << ' ' << b << '\n';
+  const json special = {{"bos_token", "<|startoftext|>"}, {"eos_token", "<|endoftext|>"},
+                        {"pad_token", "<|endoftext|>"}, {"unk_token", "<|endoftext|>"}};
+  auto config = special;
+  config["model_max_length"] = 77;
+  config["do_lower_case"] = true;
+  config["clean_up_tokenization_spaces"] = true;
+  config["tokenizer_class"] = "CLIPTokenizer";
+  std::ofstream(dir / "tokenizer_config.json") << config.dump(2) << '\n';
+  std::ofstream(dir / "special_tokens_map.json") << special.dump(2) << '\n';
+  if (!vj || !mt) throw Error(dir.string() + ": cannot write the tokenizer files");
 }
 
 CLIPTokenizer CLIPTokenizer::from_folder(const fs::path& dir) {

@@ -41,6 +41,9 @@ class CLIPTokenizer {
                                          CLIPTokenizerOptions options = {});
   // OpenAI's bpe_simple_vocab_16e6.txt.gz, from which the 49408-entry vocabulary is derived.
   static CLIPTokenizer from_openai_bpe(const std::filesystem::path& bpe_gz, CLIPTokenizerOptions options = {});
+  // Writes the tokenizer folder transformers' CLIPTokenizer loads (vocab.json, merges.txt,
+  // tokenizer_config.json, special_tokens_map.json) with the vocabulary derived from that file.
+  static void write_folder_from_openai_bpe(const std::filesystem::path& bpe_gz, const std::filesystem::path& dir);
   // A tokenizer folder: vocab.json + merges.txt (or tokenizer.json), with special tokens,
   // pad token and model_max_length from tokenizer_config.json / special_tokens_map.json.
   static CLIPTokenizer from_folder(const std::filesystem::path& dir);

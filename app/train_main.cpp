@@ -1,0 +1,218 @@
+// diffract-train: trains the embedded emoji text-to-image model (UNet + CLIP text encoder on
+// TAEF2 latents of scenes composed from the emoji atlas), makes the hold-out list, evaluates.
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <numeric>
+
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "core/io/image.h"
+#include "core/pipeline/stable_diffusion.h"
+#include "core/training/scenes.h"
+#include "core/training/trainer.h"
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+using namespace diffract;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+void require_file(const fs::path& p, const std::string& what) {
+  if (!fs::exists(p)) throw Error(what + " " + p.string() + " does not exist");
+}
+
+// Images [3, S, S] in [0, 1] as a grid PNG, 8 a row, in order.
+void write_sheet(const fs::path& path, const std::vector<at::Tensor>& cells, int64_t size) {
+  const int64_t count = static_cast<int64_t>(cells.size());
+  const int64_t cols = std::min<int64_t>(8, count), rows_n = (count + cols - 1) / cols, pad = 4;
+  auto canvas = at::ones({3, rows_n * (size + pad) + pad, cols * (size + pad) + pad});
+  for (int64_t k = 0; k < count; ++k)
+    canvas.narrow(1, pad + (k / cols) * (size + pad), size).narrow(2, pad + (k % cols) * (size + pad), size)
+        .copy_(cells[static_cast<std::size_t>(k)]);
+  auto hwc = canvas.mul(255).round().clamp(0, 255).to(at::kByte).permute({1, 2, 0}).contiguous();
+  io::Image out;
+  out.width = static_cast<int>(hwc.size(1));
+  out.height = static_cast<int>(hwc.size(0));
+  out.rgb.assign(hwc.data_ptr<std::uint8_t>(), hwc.data_ptr<std::uint8_t>() + hwc.numel());
+  io::write_png(path, out);
+}
+
+// Held-out prompts generated with fixed seeds; each image's nearest rendered scene of the same
+// setting (pixel space, over every emoji of the atlas) should show the same emoji.
+json evaluate(const fs::path& model, const fs::path& atlas_dir, const fs::path& holdout_file, const fs::path& sheet,
+              int steps, double cfg, int64_t limit, const std::string& device) {
+  const auto atlas = training::SpriteAtlas::load(atlas_dir);
+  auto holdout = training::HoldOut::load(holdout_file, atlas);
+  auto specs = holdout.specs();
+  if (limit > 0 && static_cast<int64_t>(specs.size()) > limit) specs.resize(static_cast<std::size_t>(limit));
+  training::SceneComposer composer(atlas, training::HoldOut{}, {}, at::Device(at::kCPU));
+  auto pipe = pipeline::StableDiffusion::load(model, device);
+  const int64_t n = atlas.size(), size = composer.options().image_size;
+  int top1 = 0, top5 = 0;
+  std::vector<at::Tensor> cells;
+  json rows = json::array();
+  double gen_seconds = 0;
+  for (std::size_t k = 0; k < specs.size(); ++k) {
+    const auto& spec = specs[k];
+    engine::GenerationRequest req;
+    req.prompt = composer.full_caption(spec);
+    req.steps = steps;
+    req.cfg = cfg;
+    req.seed = 1000 + static_cast<std::uint64_t>(k);
+    req.preview_every = 0;
+    req.width = req.height = static_cast<int>(size);
+    req.device = device;
+    const auto t0 = std::chrono::steady_clock::now();
+    auto result = pipe->generate(req, {}, engine::CancelToken{});
+    gen_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const auto& img = result.images.front();
+    auto gen = at::from_blob(const_cast<std::uint8_t*>(img.rgb.data()), {size, size, 3}, at::kByte)
+                   .permute({2, 0, 1}).to(at::kFloat).div(255).unsqueeze(0);
+    cells.push_back(gen.squeeze(0).clone());
+    std::vector<double> dist(static_cast<std::size_t>(n));
+    for (int64_t i = 0; i < n; i += 256) {
+      std::vector<training::SceneSpec> refs;
+      for (int64_t e = i; e < std::min(n, i + 256); ++e) refs.push_back({e, spec.colour, spec.scale, spec.position});
+      auto d = (composer.render(refs, nullptr) - gen).pow(2).mean({1, 2, 3}).contiguous();
+      std::copy(d.data_ptr<float>(), d.data_ptr<float>() + d.numel(), dist.begin() + i);
+    }
+    std::vector<int64_t> order(static_cast<std::size_t>(n));
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + std::min<int64_t>(5, n), order.end(),
+                      [&](int64_t a, int64_t b) { return dist[a] < dist[b]; });
+    const bool hit1 = order[0] == spec.emoji;
+    const bool hit5 = std::find(order.begin(), order.begin() + std::min<int64_t>(5, n), spec.emoji) !=
+                      order.begin() + std::min<int64_t>(5, n);
+    top1 += hit1;
+    top5 += hit5;
+    rows.push_back({{"prompt", req.prompt}, {"seed", req.seed}, {"top1", hit1}, {"top5", hit5},
+                    {"nearest", atlas.sprites()[static_cast<std::size_t>(order[0])].name}});
+    log::get("eval").info(log::str(k + 1, "/", specs.size(), " ", req.prompt, " -> ",
+                                   atlas.sprites()[static_cast<std::size_t>(order[0])].name, hit1 ? " (hit)" : ""));
+  }
+  const int64_t count = static_cast<int64_t>(specs.size());
+  if (!sheet.empty() && count > 0) write_sheet(sheet, cells, size);
+  const double c = static_cast<double>(std::max<int64_t>(count, 1));
+  return {{"model", model.string()}, {"prompts", count}, {"candidates", n}, {"steps", steps}, {"cfg", cfg},
+          {"metric", "nearest rendered scene of the same setting in pixel space (MSE), over every emoji"},
+          {"top1", top1 / c}, {"top5", top5 / c}, {"random_top1", 1.0 / static_cast<double>(n)},
+          {"random_top5", std::min(5.0, static_cast<double>(n)) / static_cast<double>(n)},
+          {"seconds_per_image", gen_seconds / c}, {"results", rows}};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"diffract-train: the embedded emoji model's trainer, hold-out list and evaluation"};
+  app.require_subcommand(1);
+  bool verbose = false;
+  app.add_flag("-v,--verbose", verbose);
+
+  training::TrainConfig c;
+  fs::path shared = "../shared";
+  auto* train = app.add_subcommand("train", "train (or resume) and export the diffusers folder to <out>/model");
+  train->add_option("--atlas", c.atlas, "diffract-dataset's atlas folder")->required();
+  train->add_option("--holdout", c.holdout, "hold-out list (resources/training/holdout.tsv)")->required();
+  train->add_option("--shared", shared, "folder with data/taesd/taef2_*.pth and data/clip/bpe_simple_vocab_16e6.txt.gz")
+      ->capture_default_str();
+  train->add_option("--out", c.out, "run folder: loss.csv, summary.json, checkpoint/, model/")->required();
+  train->add_option("--model", c.model, "emoji or tiny")->capture_default_str();
+  train->add_option("--device", c.device, "cpu or cuda:N")->capture_default_str();
+  train->add_option("--autocast", c.autocast, "bf16 autocast: auto (CUDA), on, off")->capture_default_str();
+  train->add_option("--batch", c.batch)->capture_default_str();
+  train->add_option("--steps", c.steps, "step budget of this run (0: none)")->capture_default_str();
+  train->add_option("--minutes", c.minutes, "wall-clock budget of this run (0: none)")->capture_default_str();
+  train->add_option("--schedule-minutes", c.schedule_minutes, "cosine LR length over all runs (default: --minutes)");
+  train->add_option("--schedule-steps", c.schedule_steps, "cosine LR length in steps (wins over minutes)");
+  train->add_option("--lr", c.lr)->capture_default_str();
+  train->add_option("--warmup", c.warmup)->capture_default_str();
+  train->add_option("--ema", c.ema_decay)->capture_default_str();
+  train->add_option("--cfg-dropout", c.cfg_dropout)->capture_default_str();
+  train->add_option("--log-every", c.log_every)->capture_default_str();
+  train->add_option("--atlas-limit", c.atlas_limit, "first N sprites only (0: all)")->capture_default_str();
+  train->add_option("--latent-stat-scenes", c.latent_stat_scenes)->capture_default_str();
+  train->add_option("--seed", c.seed)->capture_default_str();
+  train->add_flag("--resume", c.resume, "continue from <out>/checkpoint when there is one");
+  bool no_export = false;
+  train->add_flag("--no-export", no_export);
+
+  fs::path atlas_dir, holdout_out;
+  int holdout_count = 64;
+  std::uint64_t holdout_seed = 7;
+  auto* holdout = app.add_subcommand("holdout", "write the fixed hold-out list for an atlas");
+  holdout->add_option("--atlas", atlas_dir)->required();
+  holdout->add_option("--out", holdout_out)->required();
+  holdout->add_option("--count", holdout_count)->capture_default_str();
+  holdout->add_option("--seed", holdout_seed)->capture_default_str();
+
+  fs::path eval_model, eval_sheet, eval_holdout;
+  int eval_steps = 20, eval_limit = 0;
+  double eval_cfg = 5.0;
+  std::string eval_device = "cpu";
+  auto* eval = app.add_subcommand("eval", "generate the held-out prompts; nearest-scene top-1 / top-5 as JSON");
+  eval->add_option("--model", eval_model)->required();
+  eval->add_option("--atlas", atlas_dir)->required();
+  eval->add_option("--holdout", eval_holdout)->required();
+  eval->add_option("--sheet", eval_sheet, "contact sheet PNG (8 columns, hold-out order)");
+  eval->add_option("--steps", eval_steps)->capture_default_str();
+  eval->add_option("--cfg", eval_cfg)->capture_default_str();
+  eval->add_option("--limit", eval_limit, "first N held-out prompts only")->capture_default_str();
+  eval->add_option("--device", eval_device)->capture_default_str();
+
+  fs::path scenes_out;
+  int scenes_count = 16;
+  auto* scenes = app.add_subcommand("scenes", "render training scenes as a sheet and print their captions");
+  scenes->add_option("--atlas", atlas_dir)->required();
+  scenes->add_option("--holdout", eval_holdout)->required();
+  scenes->add_option("--out", scenes_out, "sheet PNG")->required();
+  scenes->add_option("--count", scenes_count)->capture_default_str();
+  scenes->add_option("--seed", holdout_seed)->capture_default_str();
+
+  CLI11_PARSE(app, argc, argv);
+  log::set_verbose(verbose);
+  try {
+    if (*train) {
+      c.taesd = shared / "data" / "taesd";
+      c.bpe = shared / "data" / "clip" / "bpe_simple_vocab_16e6.txt.gz";
+      require_file(c.taesd / "taef2_encoder.pth", "TAEF2 encoder");
+      require_file(c.taesd / "taef2_decoder.pth", "TAEF2 decoder");
+      require_file(c.bpe, "CLIP BPE vocabulary");
+      c.export_model = !no_export;
+      training::Trainer trainer(c);
+      const auto s = trainer.train();
+      std::cout << json{{"steps", s.steps}, {"run_steps", s.run_steps}, {"training_seconds", s.seconds},
+                        {"images_per_second", s.images_per_second}, {"last_loss", s.last_loss},
+                        {"latent_scale", s.latent_scale}}
+                       .dump()
+                << "\n";
+    } else if (*holdout) {
+      const auto atlas = training::SpriteAtlas::load(atlas_dir);
+      training::HoldOut::make(atlas, holdout_count, holdout_seed).save(holdout_out, atlas);
+      std::cout << "wrote " << holdout_count << " held-out combinations to " << holdout_out.string() << "\n";
+    } else if (*scenes) {
+      const auto atlas = training::SpriteAtlas::load(atlas_dir);
+      training::SceneComposer composer(atlas, training::HoldOut::load(eval_holdout, atlas), {}, at::Device(at::kCPU));
+      std::mt19937_64 rng(holdout_seed);
+      const auto specs = composer.sample(scenes_count, rng);
+      const auto images = composer.render(specs, &rng);
+      std::vector<at::Tensor> cells;
+      for (int64_t i = 0; i < images.size(0); ++i) cells.push_back(images[i]);
+      write_sheet(scenes_out, cells, composer.options().image_size);
+      for (const auto& s : specs) std::cout << composer.sample_caption(s, rng) << "\n";
+    } else if (*eval) {
+      std::cout << evaluate(eval_model, atlas_dir, eval_holdout, eval_sheet, eval_steps, eval_cfg, eval_limit, eval_device)
+                       .dump(1)
+                << "\n";
+    }
+  } catch (const std::exception& e) {
+    log::get("train").error(e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,346 @@
+#include "core/training/scenes.h"
+
+#include <fstream>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include "core/io/image.h"
+#include "core/util/error.h"
+
+namespace diffract::training {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<std::string> split_tabs(const std::string& line) {
+  std::vector<std::string> out;
+  std::string field;
+  std::istringstream in(line);
+  while (std::getline(in, field, '\t')) out.push_back(field);
+  if (!line.empty() && line.back() == '\t') out.emplace_back();
+  return out;
+}
+
+// Emoji names as ASCII: the tokenizer of an ICU-less build (the GPU machine) takes nothing
+// else, and the few accented names ("piñata", "Côte d’Ivoire") read fine without.
+std::string ascii_name(const std::string& name) {
+  static const std::vector<std::pair<std::string, std::string>> folds = {
+      {"\u2019", "'"}, {"\u2018", "'"}, {"\u201c", "\""}, {"\u201d", "\""}, {"\u00c5", "A"}, {"\u00e3", "a"},
+      {"\u00e7", "c"}, {"\u00e9", "e"}, {"\u00ed", "i"},   {"\u00f1", "n"},   {"\u00f4", "o"}, {"\u00e8", "e"},
+      {"\u00fc", "u"}, {"\u00f6", "o"}, {"\u00e1", "a"},   {"\u00f3", "o"}};
+  std::string out;
+  for (std::size_t i = 0; i < name.size();) {
+    const auto c = static_cast<unsigned char>(name[i]);
+    if (c < 0x80) {
+      out += name[i++];
+      continue;
+    }
+    bool folded = false;
+    for (const auto& [from, to] : folds)
+      if (name.compare(i, from.size(), from) == 0) {
+        out += to;
+        i += from.size();
+        folded = true;
+        break;
+      }
+    if (!folded) throw Error("emoji name '" + name + "' has a character with no ASCII spelling here");
+  }
+  return out;
+}
+
+bool starts_with_vowel(const std::string& s) {
+  return !s.empty() && std::string("aeiouAEIOU").find(s[0]) != std::string::npos;
+}
+
+template <class T>
+int index_of(const std::vector<T>& names, const std::string& name, const std::string& where) {
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    if constexpr (std::is_same_v<T, NamedColour>) {
+      if (names[i].name == name) return static_cast<int>(i);
+    } else {
+      if (names[i] == name) return static_cast<int>(i);
+    }
+  }
+  throw Error(where + ": unknown setting '" + name + "'");
+}
+
+}  // namespace
+
+SpriteAtlas SpriteAtlas::load(const fs::path& dir, int64_t limit) {
+  const auto meta_path = dir / "atlas.json";
+  std::ifstream meta_in(meta_path);
+  if (!meta_in) throw Error(meta_path.string() + ": missing (make the atlas with diffract-dataset)");
+  nlohmann::json meta;
+  try {
+    meta = nlohmann::json::parse(meta_in);
+  } catch (const std::exception& e) {
+    throw Error(meta_path.string() + ": not valid JSON: " + e.what());
+  }
+  int64_t size = 0, columns = 0, count = 0;
+  std::vector<std::string> sheets;
+  try {
+    size = meta.at("sprite_size").get<int64_t>();
+    columns = meta.at("columns").get<int64_t>();
+    count = meta.at("count").get<int64_t>();
+    sheets = meta.at("sheets").get<std::vector<std::string>>();
+  } catch (const std::exception& e) {
+    throw Error(meta_path.string() + ": needs sprite_size, columns, count and sheets (" + e.what() + ")");
+  }
+  if (size < 8 || columns < 1 || count < 1 || sheets.empty())
+    throw Error(meta_path.string() + ": sprite_size, columns, count and sheets must be positive");
+
+  SpriteAtlas atlas;
+  atlas.source_ = dir;
+  const auto index_path = dir / "index.tsv";
+  std::ifstream index(index_path);
+  if (!index) throw Error(index_path.string() + ": missing");
+  std::string line;
+  int line_no = 0;
+  while (std::getline(index, line)) {
+    ++line_no;
+    if (line_no == 1 || line.empty()) continue;  // header
+    const auto f = split_tabs(line);
+    if (f.size() != 5 || f[2].empty())
+      throw Error(index_path.string() + ":" + std::to_string(line_no) + ": expected id, codepoints, name, group, subgroup");
+    if (std::stoll(f[0]) != static_cast<int64_t>(atlas.sprites_.size()))
+      throw Error(index_path.string() + ":" + std::to_string(line_no) + ": ids must count up from 0");
+    try {
+      atlas.sprites_.push_back({f[1], ascii_name(f[2]), f[3], f[4]});
+    } catch (const Error& e) {
+      throw Error(index_path.string() + ":" + std::to_string(line_no) + ": " + e.what());
+    }
+  }
+  if (static_cast<int64_t>(atlas.sprites_.size()) != count)
+    throw Error(index_path.string() + ": lists " + std::to_string(atlas.sprites_.size()) + " sprites, atlas.json says " +
+                std::to_string(count));
+  const int64_t per_sheet = columns * columns;
+  if (static_cast<int64_t>(sheets.size()) * per_sheet < count)
+    throw Error(meta_path.string() + ": " + std::to_string(sheets.size()) + " sheets cannot hold " + std::to_string(count) +
+                " sprites");
+  const int64_t n = limit > 0 ? std::min(limit, count) : count;
+  atlas.sprites_.resize(static_cast<std::size_t>(n));
+  atlas.pixels_ = at::empty({n, 4, size, size}, at::kByte);
+  for (int64_t s = 0; s * per_sheet < n; ++s) {
+    const auto sheet_path = dir / sheets[static_cast<std::size_t>(s)];
+    const auto img = io::read_png_rgba(sheet_path);
+    if (img.width != columns * size || img.height != columns * size)
+      throw Error(sheet_path.string() + ": is " + std::to_string(img.width) + "x" + std::to_string(img.height) +
+                  ", expected " + std::to_string(columns * size) + " a side");
+    auto sheet = at::from_blob(const_cast<std::uint8_t*>(img.rgba.data()), {columns, size, columns, size, 4}, at::kByte)
+                     .permute({0, 2, 4, 1, 3})
+                     .reshape({per_sheet, 4, size, size});
+    const int64_t take = std::min(per_sheet, n - s * per_sheet);
+    atlas.pixels_.narrow(0, s * per_sheet, take).copy_(sheet.narrow(0, 0, take));
+  }
+  return atlas;
+}
+
+SpriteAtlas SpriteAtlas::from_pixels(at::Tensor pixels, std::vector<SpriteInfo> sprites) {
+  if (pixels.dim() != 4 || pixels.size(1) != 4 || pixels.size(2) != pixels.size(3) ||
+      pixels.size(0) != static_cast<int64_t>(sprites.size()) || pixels.scalar_type() != at::kByte)
+    throw Error("sprite atlas: pixels must be uint8 [N, 4, S, S] with one description per sprite");
+  SpriteAtlas atlas;
+  atlas.pixels_ = std::move(pixels);
+  atlas.sprites_ = std::move(sprites);
+  atlas.source_ = "<memory>";
+  return atlas;
+}
+
+int64_t SpriteAtlas::find(const std::string& name) const {
+  for (std::size_t i = 0; i < sprites_.size(); ++i)
+    if (sprites_[i].name == name) return static_cast<int64_t>(i);
+  return -1;
+}
+
+const std::vector<NamedColour>& background_colours() {
+  static const std::vector<NamedColour> colours = {
+      {"white", {255, 255, 255}},      {"light blue", {173, 216, 230}}, {"pink", {255, 182, 193}},
+      {"yellow", {255, 230, 80}},      {"light green", {150, 230, 150}}, {"grey", {128, 128, 128}},
+      {"black", {0, 0, 0}},            {"orange", {255, 150, 40}},       {"purple", {128, 60, 170}},
+      {"beige", {235, 220, 185}},      {"dark blue", {20, 40, 120}},     {"red", {210, 30, 40}},
+  };
+  return colours;
+}
+
+const std::vector<std::string>& scale_names() {
+  static const std::vector<std::string> names = {"small", "medium", "large"};
+  return names;
+}
+
+const std::vector<std::string>& position_names() {
+  static const std::vector<std::string> names = {"centre", "top left", "top right", "bottom left", "bottom right"};
+  return names;
+}
+
+int64_t scale_pixels(int scale, int64_t image_size) {
+  static constexpr double kFraction[] = {0.3125, 0.5, 0.78125};  // 40, 64, 100 px of 128
+  return static_cast<int64_t>(kFraction[scale] * static_cast<double>(image_size) + 0.5);
+}
+
+bool valid_placement(int scale, int position) { return scale != 2 || position == 0; }
+
+std::string caption(const std::string& name, const SceneSpec& s, CaptionParts parts) {
+  if (!parts.scale && !parts.position && !parts.colour) return name;
+  std::string out;
+  if (parts.scale) {
+    out = "a " + scale_names()[static_cast<std::size_t>(s.scale)] + " " + name;
+  } else {
+    out = (starts_with_vowel(name) ? "an " : "a ") + name;
+  }
+  if (parts.position) out += " in the " + position_names()[static_cast<std::size_t>(s.position)];
+  if (parts.colour) {
+    const auto& c = background_colours()[static_cast<std::size_t>(s.colour)].name;
+    out += std::string(starts_with_vowel(c) ? " on an " : " on a ") + c + " background";
+  }
+  return out;
+}
+
+void HoldOut::add(const SceneSpec& s) {
+  if (set_.insert(s).second) specs_.push_back(s);
+}
+
+HoldOut HoldOut::make(const SpriteAtlas& atlas, int count, std::uint64_t seed) {
+  HoldOut h;
+  std::mt19937_64 rng(seed);
+  std::set<int64_t> used;
+  const int64_t colours = static_cast<int64_t>(background_colours().size());
+  if (count > atlas.size()) throw Error("hold-out: " + std::to_string(count) + " combinations need as many emoji");
+  while (static_cast<int>(h.specs_.size()) < count) {
+    SceneSpec s;
+    s.emoji = static_cast<int64_t>(rng() % static_cast<std::uint64_t>(atlas.size()));
+    s.colour = static_cast<int>(rng() % static_cast<std::uint64_t>(colours));
+    s.scale = static_cast<int>(rng() % 3);
+    s.position = s.scale == 2 ? 0 : static_cast<int>(rng() % 5);
+    if (!used.insert(s.emoji).second) continue;
+    h.add(s);
+  }
+  return h;
+}
+
+HoldOut HoldOut::load(const fs::path& file, const SpriteAtlas& atlas) {
+  std::ifstream in(file);
+  if (!in) throw Error(file.string() + ": cannot open the hold-out list");
+  HoldOut h;
+  std::string line;
+  int line_no = 0;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (line_no == 1 || line.empty()) continue;
+    const auto where = file.string() + ":" + std::to_string(line_no);
+    const auto f = split_tabs(line);
+    if (f.size() != 4) throw Error(where + ": expected name, colour, scale, position");
+    SceneSpec s;
+    s.emoji = atlas.find(f[0]);
+    if (s.emoji < 0) throw Error(where + ": emoji '" + f[0] + "' is not in the atlas " + atlas.source().string());
+    s.colour = index_of(background_colours(), f[1], where);
+    s.scale = index_of(scale_names(), f[2], where);
+    s.position = index_of(position_names(), f[3], where);
+    if (!valid_placement(s.scale, s.position)) throw Error(where + ": large sprites are only centred");
+    h.add(s);
+  }
+  return h;
+}
+
+void HoldOut::save(const fs::path& file, const SpriteAtlas& atlas) const {
+  std::ofstream out(file);
+  if (!out) throw Error(file.string() + ": cannot write");
+  out << "name\tcolour\tscale\tposition\n";
+  for (const auto& s : specs_)
+    out << atlas.sprites()[static_cast<std::size_t>(s.emoji)].name << '\t'
+        << background_colours()[static_cast<std::size_t>(s.colour)].name << '\t'
+        << scale_names()[static_cast<std::size_t>(s.scale)] << '\t'
+        << position_names()[static_cast<std::size_t>(s.position)] << '\n';
+}
+
+SceneComposer::SceneComposer(const SpriteAtlas& atlas, HoldOut holdout, SceneOptions options, c10::Device device)
+    : atlas_(atlas), holdout_(std::move(holdout)), options_(options), device_(device) {
+  if (atlas.size() == 0) throw Error("scene composer: the atlas holds no sprites");
+  at::NoGradGuard no_grad;
+  for (int scale = 0; scale < 3; ++scale) {
+    const int64_t side = scale_pixels(scale, options_.image_size);
+    std::vector<at::Tensor> chunks;
+    for (int64_t i = 0; i < atlas.size(); i += 256) {
+      auto px = atlas.pixels().narrow(0, i, std::min<int64_t>(256, atlas.size() - i)).to(device).to(at::kFloat) / 255.0;
+      auto alpha = px.narrow(1, 3, 1);
+      auto premult = at::cat({px.narrow(1, 0, 3) * alpha, alpha}, 1);
+      chunks.push_back(at::_upsample_bilinear2d_aa(premult, {side, side}, false, std::nullopt, std::nullopt).clamp(0, 1));
+    }
+    scaled_.push_back(at::cat(chunks));
+  }
+  std::vector<float> rgb;
+  for (const auto& c : background_colours())
+    for (auto v : c.rgb) rgb.push_back(static_cast<float>(v) / 255.0f);
+  colours_ = at::tensor(rgb).view({-1, 3}).to(device);
+  for (int s = 0; s < 3; ++s)
+    for (int p = 0; p < 5; ++p)
+      if (valid_placement(s, p)) placements_.emplace_back(s, p);
+}
+
+std::vector<SceneSpec> SceneComposer::sample(int64_t n, std::mt19937_64& rng) const {
+  std::vector<SceneSpec> out;
+  out.reserve(static_cast<std::size_t>(n));
+  const auto colours = static_cast<std::uint64_t>(background_colours().size());
+  while (static_cast<int64_t>(out.size()) < n) {
+    SceneSpec s;
+    s.emoji = static_cast<int64_t>(rng() % static_cast<std::uint64_t>(atlas_.size()));
+    s.colour = static_cast<int>(rng() % colours);
+    const auto& [scale, position] = placements_[rng() % placements_.size()];
+    s.scale = scale;
+    s.position = position;
+    if (!holdout_.contains(s)) out.push_back(s);
+  }
+  return out;
+}
+
+at::Tensor SceneComposer::render(const std::vector<SceneSpec>& specs, std::mt19937_64* rng) const {
+  at::NoGradGuard no_grad;
+  const int64_t size = options_.image_size, n = static_cast<int64_t>(specs.size());
+  // One host-to-device copy per batch (emoji, colour, placement); every placement is then
+  // blended under a mask, so nothing waits for the device.
+  auto table = at::empty({3, n}, at::kLong);
+  auto* t = table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& s = specs[static_cast<std::size_t>(i)];
+    t[i] = s.emoji;
+    t[n + i] = s.colour;
+    t[2 * n + i] = s.scale * 8 + s.position;
+  }
+  table = table.to(device_);
+  const auto emoji = table[0], placement = table[2];
+  auto images = colours_.index_select(0, table[1]).view({n, 3, 1, 1}).repeat({1, 1, size, size});
+  const int64_t margin = size / 21;
+  for (const auto& [scale, position] : placements_) {
+    const int64_t side = scale_pixels(scale, size);
+    const int64_t far = size - side - margin, mid = (size - side) / 2;
+    int64_t x = position == 0 ? mid : (position == 1 || position == 3) ? margin : far;
+    int64_t y = position == 0 ? mid : (position == 1 || position == 2) ? margin : far;
+    if (rng && options_.jitter > 0) {
+      const auto span = static_cast<std::uint64_t>(2 * options_.jitter + 1);
+      x = std::clamp<int64_t>(x + static_cast<int64_t>((*rng)() % span) - options_.jitter, 0, size - side);
+      y = std::clamp<int64_t>(y + static_cast<int64_t>((*rng)() % span) - options_.jitter, 0, size - side);
+    }
+    const auto here = placement.eq(scale * 8 + position).to(at::kFloat).view({n, 1, 1, 1});
+    auto sprite = scaled_[static_cast<std::size_t>(scale)].index_select(0, emoji);
+    auto alpha = sprite.narrow(1, 3, 1) * here;
+    auto region = images.narrow(2, y, side).narrow(3, x, side);
+    region.copy_(region * (1 - alpha) + sprite.narrow(1, 0, 3) * here);
+  }
+  return images;
+}
+
+std::string SceneComposer::sample_caption(const SceneSpec& spec, std::mt19937_64& rng) const {
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  const auto& name = atlas_.sprites()[static_cast<std::size_t>(spec.emoji)].name;
+  if (u(rng) < options_.name_only) return caption(name, spec, {false, false, false});
+  CaptionParts parts{u(rng) < options_.keep_phrase, u(rng) < options_.keep_phrase, u(rng) < options_.keep_phrase};
+  return caption(name, spec, parts);
+}
+
+std::string SceneComposer::full_caption(const SceneSpec& spec) const {
+  return caption(atlas_.sprites()[static_cast<std::size_t>(spec.emoji)].name, spec);
+}
+
+}  // namespace diffract::training

@@ -1,0 +1,12 @@
+#pragma once
+#include <filesystem>
+
+namespace diffract {
+
+// The embedded emoji model's diffusers folder (resources/models/diffract-emoji): installed
+// beside the program (<prefix>/share/diffract/models/), else in the source tree this build came
+// from; $DIFFRACT_EMBEDDED_MODEL, when set, is the only place looked at. Empty when none holds
+// a model_index.json.
+std::filesystem::path embedded_model_dir();
+
+}  // namespace diffract

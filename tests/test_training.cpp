@@ -1,0 +1,225 @@
+#include <cstdlib>
+#include <fstream>
+#include <random>
+
+#include "core/io/image.h"
+#include "core/io/safetensors.h"
+#include "core/io/safetensors_writer.h"
+#include "core/io/weights.h"
+#include "core/pipeline/stable_diffusion.h"
+#include "core/text/clip_tokenizer.h"
+#include "core/training/scenes.h"
+#include "core/training/trainer.h"
+#include "core/util/error.h"
+#include "test_util.h"
+
+using namespace diffract;
+using namespace diffract::training;
+namespace fs = std::filesystem;
+
+namespace {
+
+// Opaque squares of distinct colours with a transparent border, named "emoji N".
+SpriteAtlas square_atlas(int n, int size = 32) {
+  auto px = at::zeros({n, 4, size, size}, at::kByte);
+  std::vector<SpriteInfo> info;
+  for (int i = 0; i < n; ++i) {
+    auto inner = px[i].narrow(1, 2, size - 4).narrow(2, 2, size - 4);
+    inner[0].fill_(static_cast<int>(255 - 7 * i) % 256);
+    inner[1].fill_(static_cast<int>(40 * i) % 256);
+    inner[2].fill_(0);
+    inner[3].fill_(255);
+    info.push_back({"X", "emoji " + std::to_string(i), "g", "s"});
+  }
+  return SpriteAtlas::from_pixels(px, info);
+}
+
+TrainConfig tiny_config() {
+  TrainConfig c;
+  c.model = "tiny";
+  c.device = "cpu";
+  c.lr = 2e-3;
+  c.warmup = 0;
+  c.min_snr_gamma = 0;
+  c.taesd = test::shared_dir() / "data" / "taesd";
+  c.bpe = test::shared_dir() / "data" / "clip" / "bpe_simple_vocab_16e6.txt.gz";
+  return c;
+}
+
+}  // namespace
+
+class TestTraining : public QObject {
+  Q_OBJECT
+ private slots:
+  void captionsSpellTheSetting() {
+    SceneSpec s{0, 1, 0, 1};
+    QCOMPARE(caption("red apple", s), std::string("a small red apple in the top left on a light blue background"));
+    QCOMPARE(caption("red apple", s, {false, false, false}), std::string("red apple"));
+    QCOMPARE(caption("apple", {0, 7, 1, 0}, {false, true, true}), std::string("an apple in the centre on an orange background"));
+    QCOMPARE(caption("cat", {0, 0, 2, 0}, {true, false, false}), std::string("a large cat"));
+  }
+
+  void composesPlacementAndColour() {
+    const auto atlas = square_atlas(3);
+    SceneOptions o;
+    o.image_size = 64;
+    SceneComposer composer(atlas, HoldOut{}, o, at::kCPU);
+    // small (20 px) in the top left on light blue; large centred on black.
+    auto img = composer.render({{0, 1, 0, 1}, {1, 6, 2, 0}}, nullptr);
+    QCOMPARE(img.sizes().vec(), (std::vector<int64_t>{2, 3, 64, 64}));
+    auto px = [&](int b, int y, int x) { return img.index({b, at::indexing::Slice(), y, x}).mul(255).round(); };
+    const int64_t side = scale_pixels(0, 64), margin = 64 / 21;
+    // Inside the sprite: its red, not the background.
+    QCOMPARE(px(0, margin + side / 2, margin + side / 2)[0].item<float>(), 255.0f);
+    QCOMPARE(px(0, margin + side / 2, margin + side / 2)[2].item<float>(), 0.0f);
+    // Far corner: light blue (173, 216, 230).
+    QCOMPARE(px(0, 60, 60)[2].item<float>(), 230.0f);
+    QCOMPARE(px(0, 60, 60)[0].item<float>(), 173.0f);
+    // The large sprite covers the centre; the black shows at the corner.
+    QVERIFY(px(1, 32, 32)[1].item<float>() > 30);
+    QCOMPARE(px(1, 0, 0).sum().item<float>(), 0.0f);
+  }
+
+  void loadsAnAtlasFolderWithAsciiNames() {
+    QTemporaryDir tmp;
+    const fs::path dir = tmp.path().toStdString();
+    io::Image sheet;
+    sheet.width = sheet.height = 32;  // 2 x 2 sprites of 16 px, RGB (read back opaque)
+    for (int y = 0; y < 32; ++y)
+      for (int x = 0; x < 32; ++x)
+        for (int c = 0; c < 3; ++c) sheet.rgb.push_back(static_cast<std::uint8_t>(c == 0 ? (x < 16 ? 200 : 10) : y));
+    io::write_png(dir / "sheet_00.png", sheet);
+    std::ofstream(dir / "atlas.json") << R"({"sprite_size": 16, "columns": 2, "count": 3, "sheets": ["sheet_00.png"]})";
+    std::ofstream(dir / "index.tsv") << "id\tcodepoints\tname\tgroup\tsubgroup\n0\t1F1E8 1F1EE\tflag: C\u00f4te d\u2019Ivoire\tFlags\tcountry-flag\n"
+                                        "1\t1FA85\tpi\u00f1ata\tActivities\tevent\n2\t1F34E\tred apple\tFood & Drink\tfood-fruit\n";
+    const auto atlas = SpriteAtlas::load(dir);
+    QCOMPARE(atlas.size(), int64_t(3));
+    QCOMPARE(atlas.sprites()[0].name, std::string("flag: Cote d'Ivoire"));
+    QCOMPARE(atlas.sprites()[1].name, std::string("pinata"));
+    QCOMPARE(atlas.find("red apple"), int64_t(2));
+    QCOMPARE(atlas.pixels().sizes().vec(), (std::vector<int64_t>{3, 4, 16, 16}));
+    QCOMPARE(atlas.pixels()[1][0][0][0].item<int>(), 10);   // second cell: the right half
+    QCOMPARE(atlas.pixels()[2][1][5][0].item<int>(), 21);   // third cell: rows 16.., green = y
+    QCOMPARE(atlas.pixels()[0][3][0][0].item<int>(), 255);  // alpha added
+    std::ofstream(dir / "atlas.json") << R"({"sprite_size": 16, "columns": 2, "count": 9, "sheets": ["sheet_00.png"]})";
+    DIFFRACT_EXPECT_ERROR(SpriteAtlas::load(dir), "index.tsv", "lists 3 sprites, atlas.json says 9");
+  }
+
+  void holdOutIsNeverSampledAndRoundTrips() {
+    const auto atlas = square_atlas(12);
+    auto holdout = HoldOut::make(atlas, 10, 7);
+    QCOMPARE(holdout.specs().size(), std::size_t(10));
+    QTemporaryDir tmp;
+    const auto file = fs::path(tmp.path().toStdString()) / "holdout.tsv";
+    holdout.save(file, atlas);
+    const auto back = HoldOut::load(file, atlas);
+    QVERIFY(back.specs() == holdout.specs());
+    for (const auto& s : holdout.specs()) QVERIFY(valid_placement(s.scale, s.position));
+    SceneComposer composer(atlas, back, {}, at::kCPU);
+    std::mt19937_64 rng(1);
+    // 12 emoji x 12 colours x 11 placements = 1584 combinations: 60000 draws hit each about 38 times.
+    std::set<SceneSpec> seen;
+    for (const auto& s : composer.sample(60000, rng)) {
+      QVERIFY(!holdout.contains(s));
+      seen.insert(s);
+    }
+    QCOMPARE(seen.size(), std::size_t(12 * 12 * 11 - 10));
+    std::ofstream(fs::path(tmp.path().toStdString()) / "bad.tsv") << "name\tcolour\tscale\tposition\nemoji 1\tmauve\tsmall\tcentre\n";
+    DIFFRACT_EXPECT_ERROR(HoldOut::load(fs::path(tmp.path().toStdString()) / "bad.tsv", atlas), "bad.tsv:2",
+                          "unknown setting 'mauve'");
+    DIFFRACT_EXPECT_ERROR(SpriteAtlas::load(tmp.path().toStdString()), "atlas.json", "missing");
+  }
+
+  void safetensorsWriterRoundTrips() {
+    QTemporaryDir tmp;
+    const auto file = fs::path(tmp.path().toStdString()) / "t.safetensors";
+    at::manual_seed(0);
+    const std::vector<std::pair<std::string, at::Tensor>> tensors = {
+        {"a.weight", at::randn({3, 5})}, {"b", at::randn({7}).to(at::kHalf)}, {"c", at::randn({2, 2, 3}).to(at::kBFloat16)},
+        {"ids", at::arange(5, at::kLong)}, {"scalar", at::tensor(2.5)}, {"t", at::randn({4, 3}).t()}};
+    io::write_safetensors(file, tensors, {{"format", "pt"}});
+    const auto archive = io::SafetensorsArchive::open(file);
+    QCOMPARE(archive->tensors().size(), tensors.size());
+    QCOMPARE(archive->metadata().at("format"), std::string("pt"));
+    const auto back = io::load_state_dict(file);
+    for (const auto& [name, t] : tensors) {
+      QVERIFY2(back.count(name), name.c_str());
+      QCOMPARE(back.at(name).scalar_type(), t.scalar_type());
+      QVERIFY2(at::equal(back.at(name), t.contiguous()), name.c_str());
+    }
+    DIFFRACT_EXPECT_ERROR(io::write_safetensors(file, {{"x", at::ones(1)}, {"x", at::ones(1)}}), "tensor x given twice");
+    DIFFRACT_EXPECT_ERROR(io::write_safetensors(fs::path(tmp.path().toStdString()) / "no" / "x.safetensors", {{"x", at::ones(1)}}),
+                          "cannot write");
+  }
+
+  void trainingStepsLowerTheLossOnAFixedBatch() {
+    auto c = tiny_config();
+    Trainer trainer(c);
+    const auto tok = text::CLIPTokenizer::from_openai_bpe(c.bpe);
+    CaptionEncoder enc(tok);
+    at::manual_seed(1);
+    const auto latents = at::randn({4, 32, 8, 8});
+    const auto ids = enc.ids({"red apple", "a small cat on a pink background", "", "a large dog"});
+    const auto noise = at::randn({4, 32, 8, 8});
+    const auto t = at::tensor({100, 300, 600, 900}, at::kLong);
+    const double before = trainer.loss(latents, ids, noise, t);
+    for (int i = 0; i < 40; ++i) trainer.step(latents, ids, noise, t);
+    const double after = trainer.loss(latents, ids, noise, t);
+    qInfo() << "fixed-batch loss" << before << "->" << after;
+    QVERIFY2(after < 0.6 * before, "40 steps on one batch should fit it");
+    QVERIFY(std::isfinite(after));
+  }
+
+  // Writes the folder the diffusers parity script reads (DIFFRACT_TRAIN_EXPORT) with our latents.
+  void exportedFolderLoadsAndGenerates() {
+    auto c = tiny_config();
+    c.lr = 5e-3;
+    Trainer trainer(c);
+    trainer.set_latent_scale(0.7);
+    const auto tok = text::CLIPTokenizer::from_openai_bpe(c.bpe);
+    CaptionEncoder enc(tok);
+    at::manual_seed(2);
+    for (int i = 0; i < 5; ++i) trainer.step(at::randn({2, 32, 8, 8}), enc.ids({"red apple", ""}));
+    const char* env = std::getenv("DIFFRACT_TRAIN_EXPORT");
+    QTemporaryDir tmp;
+    const fs::path root = env ? fs::path(env) : fs::path(tmp.path().toStdString());
+    const auto dir = root / "tiny-emoji";
+    fs::remove_all(dir);
+    trainer.export_diffusers(dir);
+    for (const char* f : {"model_index.json", "unet/config.json", "unet/diffusion_pytorch_model.safetensors",
+                          "text_encoder/model.safetensors", "tokenizer/vocab.json", "tokenizer/merges.txt",
+                          "scheduler/scheduler_config.json", "vae/config.json", "vae/diffusion_pytorch_model.safetensors"})
+      QVERIFY2(fs::exists(dir / f), f);
+    QVERIFY(io::SafetensorsArchive::open(dir / "unet" / "diffusion_pytorch_model.safetensors")->tensors().front().dtype ==
+            io::DType::F16);
+
+    auto pipe = pipeline::StableDiffusion::load(dir, "cpu");
+    engine::GenerationRequest req;
+    req.prompt = "a small red apple in the top left on a light blue background";
+    req.width = req.height = 64;
+    req.steps = 4;
+    req.cfg = 3.0;
+    req.seed = 3;
+    req.sampler = "euler";
+    int previews = 0;
+    engine::JobObserver obs;
+    obs.on_preview = [&](const engine::PreviewEvent& e) {
+      QCOMPARE(e.image.width, 64);
+      ++previews;
+    };
+    const auto result = pipe->generate(req, obs, engine::CancelToken{});
+    QCOMPARE(previews, 4);
+    QCOMPARE(result.images.size(), std::size_t(1));
+    QCOMPARE(result.images.front().width, 64);
+    QCOMPARE(result.latents_shape, (std::vector<int64_t>{1, 32, 8, 8}));
+    const auto latents = at::from_blob(const_cast<float*>(result.latents.data()), {1, 32, 8, 8}, at::kFloat).clone();
+    QVERIFY(latents.abs().sum().item<double>() > 0);
+    io::write_safetensors(dir / "diffract_latents.safetensors", {{"latents", latents}});
+    std::ofstream(dir / "diffract_request.json") << nlohmann::json{{"prompt", req.prompt}, {"steps", req.steps}, {"cfg", req.cfg},
+                                                                   {"seed", req.seed}, {"size", req.width}}
+                                                         .dump();
+  }
+};
+
+QTEST_GUILESS_MAIN(TestTraining)
+#include "test_training.moc"
