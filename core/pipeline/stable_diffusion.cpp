@@ -466,19 +466,20 @@ class StepReporter {
   void finish() {
     clock_.wait_until_ahead(0);
     drain();
-    if (auto d = previews_.wait()) emit(*d);
+    while (auto d = previews_.wait()) emit(*d);
   }
 
  private:
   void drain() {
-    auto preview = previews_.poll();  // first: a finished preview implies its step finished
+    std::vector<SideStreamTask::Done> previews;  // first: a finished preview implies its step finished
+    while (auto d = previews_.poll()) previews.push_back(std::move(*d));
     for (double ms : clock_.finished()) {
       const int i = reported_++;
       timings_.step_ms.push_back(ms);
       if (observer_.on_step)
         observer_.on_step({i, sampler_.num_steps(), sampler_.timesteps()[static_cast<std::size_t>(i)], ms});
     }
-    if (preview) emit(*preview);
+    for (const auto& d : previews) emit(d);
   }
 
   void emit(const SideStreamTask::Done& d) {
@@ -566,6 +567,26 @@ at::Tensor run_strategy(StableDiffusion::Impl& p, const parallel::Strategy& stra
   in.make_denoiser = [&p, pos, neg, &req](int, const c10::Device& d) -> std::unique_ptr<parallel::Denoiser> {
     return std::make_unique<parallel::UNetDenoiser>(p.unet_on(d), to_device(pos, d), to_device(neg, d), req.cfg, p.dtype, d);
   };
+  if (group.device(0).is_cuda()) {
+    // Every rank's CUDA graphs are captured here, one device at a time, before the ranks start:
+    // a capture inside the loop (cuDNN autotuning, seconds for SDXL) would run while the other
+    // ranks wait in a collective. On 2 H200 DRiffusion, whose ranks first evaluate at different
+    // rounds, hung with in-loop captures while CFG-parallel ran; see docs/benchmarks.md.
+    const auto t_first = config.num_train_timesteps - 1.0;
+    for (int r = 0; r < group.size(); ++r) {
+      const auto d = group.device(r);
+      auto den = in.make_denoiser(r, d);
+      const auto x = at::zeros(latents.sizes(), latents.options().device(d).dtype(p.dtype));
+      if (den->cfg()) den->eval(x, t_first, parallel::Branch::Cond);  // Cond and Uncond share a shape
+      den->eval(x, t_first, parallel::Branch::Guided);
+      if (strategy.name() == "data-parallel") {
+        const int64_t n = group.size(), b = latents.size(0);
+        for (const int64_t rows : {b / n, b / n + 1})
+          if (rows >= 1 && rows <= b) den->rows(0, rows)->eval(x.narrow(0, 0, rows), t_first, parallel::Branch::Guided);
+      }
+      torch::cuda::synchronize(d.index());
+    }
+  }
   const auto sampler = schedulers::Sampler::create(kind, config, req.steps);  // timesteps, x0 for previews
   std::optional<StepReporter> reporter;
   in.on_step = [&](int i, const at::Tensor& out, const at::Tensor& before, const at::Tensor&) {

@@ -1,6 +1,7 @@
 #include "core/util/device_work.h"
 
 #include <chrono>
+#include <deque>
 
 #include <ATen/ATen.h>
 
@@ -95,18 +96,36 @@ void StepClock::wait_until_ahead(int ahead) {
 
 struct SideStreamTask::Impl {
   c10::Device device;
-  bool busy = false;
-  std::optional<Done> ready;  // CPU: finished at once
+  int capacity;
+  struct Job {
+    int tag = 0;
+#ifdef DIFFRACT_HAS_CUDA
+    std::unique_ptr<at::cuda::CUDAEvent> begin, end;
+    at::Tensor result;
+#endif
+    at::Tensor host;
+    double cpu_ms = 0;
+  };
+  std::deque<Job> jobs;  // oldest first
 #ifdef DIFFRACT_HAS_CUDA
   std::optional<c10::cuda::CUDAStream> side;
-  at::cuda::CUDAEvent begin{cudaEventDefault}, end{cudaEventDefault};
-  at::Tensor result, host;
-  int tag = 0;
 #endif
-  explicit Impl(const c10::Device& d) : device(d) {}
+  Impl(const c10::Device& d, int c) : device(d), capacity(std::max(c, 1)) {}
+
+  Done done(Job& j) {
+    Done d;
+    d.tag = j.tag;
+    d.host = std::move(j.host);
+    d.device_ms = j.cpu_ms;
+#ifdef DIFFRACT_HAS_CUDA
+    if (j.end) d.device_ms = j.begin->elapsed_time(*j.end);
+#endif
+    return d;
+  }
 };
 
-SideStreamTask::SideStreamTask(const c10::Device& device) : impl_(std::make_unique<Impl>(device)) {
+SideStreamTask::SideStreamTask(const c10::Device& device, int capacity)
+    : impl_(std::make_unique<Impl>(device, capacity)) {
 #ifdef DIFFRACT_HAS_CUDA
   if (device.is_cuda()) impl_->side = c10::cuda::getStreamFromPool(false, device.index());
 #endif
@@ -114,16 +133,19 @@ SideStreamTask::SideStreamTask(const c10::Device& device) : impl_(std::make_uniq
 
 SideStreamTask::~SideStreamTask() {
   try {
-    wait();
+    while (wait()) {
+    }
   } catch (...) {
   }
 }
 
-bool SideStreamTask::busy() const { return impl_->busy; }
+bool SideStreamTask::busy() const { return static_cast<int>(impl_->jobs.size()) >= impl_->capacity; }
 
 bool SideStreamTask::try_start(int tag, const std::vector<at::Tensor>& inputs, const std::function<at::Tensor()>& work) {
   auto& p = *impl_;
-  if (p.busy) return false;
+  if (busy()) return false;
+  Impl::Job j;
+  j.tag = tag;
 #ifdef DIFFRACT_HAS_CUDA
   if (p.device.is_cuda()) {
     const auto main = c10::cuda::getCurrentCUDAStream(p.device.index());
@@ -131,53 +153,44 @@ bool SideStreamTask::try_start(int tag, const std::vector<at::Tensor>& inputs, c
     behind.record(main);
     behind.block(*p.side);
     c10::cuda::CUDAStreamGuard guard(*p.side);
-    p.begin.record(*p.side);
     for (const auto& t : inputs)
       if (t.defined() && t.is_cuda()) t.record_stream(*p.side);
-    p.result = work();
-    p.host = at::empty(p.result.sizes(), p.result.options().device(at::kCPU).pinned_memory(true));
-    p.host.copy_(p.result, /*non_blocking=*/true);
-    p.end.record(*p.side);
-    p.tag = tag;
-    p.busy = true;
+    j.begin = std::make_unique<at::cuda::CUDAEvent>(cudaEventDefault);
+    j.end = std::make_unique<at::cuda::CUDAEvent>(cudaEventDefault);
+    j.begin->record(*p.side);
+    j.result = work();
+    j.host = at::empty(j.result.sizes(), j.result.options().device(at::kCPU).pinned_memory(true));
+    j.host.copy_(j.result, /*non_blocking=*/true);
+    j.end->record(*p.side);
+    p.jobs.push_back(std::move(j));
     return true;
   }
 #endif
   (void)inputs;
   const auto t0 = Clock::now();
-  Done d;
-  d.tag = tag;
-  d.host = work().to(at::kCPU);
-  d.device_ms = ms_between(t0, Clock::now());
-  p.ready = std::move(d);
-  p.busy = true;
+  j.host = work().to(at::kCPU);
+  j.cpu_ms = ms_between(t0, Clock::now());
+  p.jobs.push_back(std::move(j));
   return true;
 }
 
 std::optional<SideStreamTask::Done> SideStreamTask::poll() {
   auto& p = *impl_;
-  if (!p.busy) return std::nullopt;
+  if (p.jobs.empty()) return std::nullopt;
+  auto& j = p.jobs.front();
 #ifdef DIFFRACT_HAS_CUDA
-  if (p.device.is_cuda()) {
-    if (!p.end.query()) return std::nullopt;
-    Done d;
-    d.tag = p.tag;
-    d.host = std::exchange(p.host, at::Tensor());
-    d.device_ms = p.begin.elapsed_time(p.end);
-    p.result = at::Tensor();
-    p.busy = false;
-    return d;
-  }
+  if (j.end && !j.end->query()) return std::nullopt;
 #endif
-  p.busy = false;
-  return std::exchange(p.ready, std::nullopt);
+  auto d = p.done(j);
+  p.jobs.pop_front();
+  return d;
 }
 
 std::optional<SideStreamTask::Done> SideStreamTask::wait() {
   auto& p = *impl_;
-  if (!p.busy) return std::nullopt;
+  if (p.jobs.empty()) return std::nullopt;
 #ifdef DIFFRACT_HAS_CUDA
-  if (p.device.is_cuda()) p.end.synchronize();
+  if (p.jobs.front().end) p.jobs.front().end->synchronize();
 #endif
   return poll();
 }

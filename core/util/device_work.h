@@ -34,13 +34,14 @@ class StepClock {
   std::unique_ptr<Impl> impl_;
 };
 
-// One job at a time on a side stream: try_start() enqueues `work` behind everything already on
-// the device's current stream and copies its result to pinned host memory; while a job is in
-// flight, try_start() refuses (the caller drops that job rather than stall). On the CPU work runs
-// at once.
+// Jobs on a side stream: try_start() enqueues `work` behind everything already on the device's
+// current stream and copies its result to pinned host memory. Up to `capacity` jobs may be in
+// flight (the host runs a few steps ahead of the device, so a preview waits that long before it
+// can start); beyond that try_start() refuses and the caller drops the job rather than stall.
+// On the CPU work runs at once.
 class SideStreamTask {
  public:
-  explicit SideStreamTask(const c10::Device& device);
+  explicit SideStreamTask(const c10::Device& device, int capacity = 4);
   ~SideStreamTask();
   SideStreamTask(const SideStreamTask&) = delete;
   SideStreamTask& operator=(const SideStreamTask&) = delete;
@@ -53,9 +54,9 @@ class SideStreamTask {
   // `inputs`: the tensors `work` reads that were made on the main stream; they stay reserved for
   // the side stream until it has used them, even if the caller drops them at once.
   bool try_start(int tag, const std::vector<at::Tensor>& inputs, const std::function<at::Tensor()>& work);
-  bool busy() const;
-  std::optional<Done> poll();  // the finished job, once
-  std::optional<Done> wait();  // blocks for the job in flight, if any
+  bool busy() const;           // `capacity` jobs in flight
+  std::optional<Done> poll();  // the oldest job, once it is finished
+  std::optional<Done> wait();  // blocks for the oldest job in flight, if any
 
  private:
   struct Impl;
