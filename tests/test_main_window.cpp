@@ -2,6 +2,7 @@
 #include <QCheckBox>
 #include <QComboBox>
 #include <QDir>
+#include <QGroupBox>
 #include <QElapsedTimer>
 #include <QLabel>
 #include <QLineEdit>
@@ -24,6 +25,7 @@
 #include <QUrl>
 #include <nlohmann/json.hpp>
 
+#include "core/engine/devices.h"
 #include "core/engine/preset.h"
 #include "core/io/image.h"
 #include "test_util.h"
@@ -211,6 +213,82 @@ class TestMainWindow : public QObject {
     QVERIFY(chunks["parameters"].find("a red apple") != std::string::npos);
     QVERIFY(chunks["parameters"].find("Seed: 5") != std::string::npos);
     QVERIFY(chunks["diffract"].find("\"timings_ms\"") != std::string::npos);
+  }
+
+  void devicesPanelShowsTheCpuWithoutAGpu() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    const auto gpus = engine::list_devices();
+    auto* panel = child<QGroupBox>(w, "devicesGroup");
+    QCOMPARE(panel->findChildren<QCheckBox*>().size(), static_cast<qsizetype>(gpus.size()));
+    if (!gpus.empty()) QSKIP("this machine has a GPU; the fake-GPU cases below cover the panel");
+    auto* cpu = child<QLabel>(w, "cpuDeviceLabel");
+    QVERIFY(cpu->isVisible());
+    QCOMPARE(cpu->text(), QStringLiteral("CPU"));
+    QVERIFY(w.enabledGpus().empty());
+    setUpJob(w, 2);
+    auto request = w.requestFromFields();
+    QCOMPARE(request.device, std::string("cpu"));
+    QCOMPARE(request.devices, 1);
+    // Without a GPU the device count is the CPU's virtual devices.
+    child<QComboBox>(w, "strategyCombo")->setCurrentIndex(child<QComboBox>(w, "strategyCombo")->findData("driffusion"));
+    child<QSpinBox>(w, "devicesSpin")->setValue(3);
+    request = w.requestFromFields();
+    QCOMPARE(request.device, std::string("cpu"));
+    QCOMPARE(request.strategy, std::string("driffusion"));
+    QCOMPARE(request.devices, 3);
+    QVERIFY2(child<QLabel>(w, "deviceSummaryLabel")->text().contains("CPU as 3 virtual devices"),
+             qPrintable(child<QLabel>(w, "deviceSummaryLabel")->text()));
+  }
+
+  void gpuTogglesDecideTheRequestAndPersist() {
+    const std::vector<engine::DeviceInfo> fakes = {{"Fake GPU A", 0, 80ull << 30, 3ull << 30},
+                                                   {"Fake GPU B", 1, 80ull << 30, 0}};
+    {
+      MainWindow w;
+      w.setDevices(fakes);
+      auto* a = child<QCheckBox>(w, "gpuCheck0");
+      auto* b = child<QCheckBox>(w, "gpuCheck1");
+      QVERIFY(a->text().contains("cuda:0 Fake GPU A · 80.0 GiB, 3.0 GiB in use"));
+      QVERIFY(a->isChecked() && b->isChecked());  // every GPU starts enabled
+      QVERIFY(!child<QLabel>(w, "cpuDeviceLabel")->isVisibleTo(&w));
+      setUpJob(w, 2);
+      auto* strategy = child<QComboBox>(w, "strategyCombo");
+      strategy->setCurrentIndex(strategy->findData("cfg-parallel"));
+      auto request = w.requestFromFields();
+      QCOMPARE(request.device, std::string("cuda:0"));
+      QCOMPARE(request.devices, 2);
+      a->setChecked(false);
+      strategy->setCurrentIndex(strategy->findData("single"));
+      request = w.requestFromFields();
+      QCOMPARE(request.device, std::string("cuda:1"));
+      QCOMPARE(request.devices, 1);
+      b->setChecked(false);
+      QCOMPARE(w.requestFromFields().device, std::string("cpu"));
+      b->setChecked(true);
+    }
+    MainWindow again;
+    again.setDevices(fakes);
+    QVERIFY(!child<QCheckBox>(again, "gpuCheck0")->isChecked());
+    QVERIFY(child<QCheckBox>(again, "gpuCheck1")->isChecked());
+    QCOMPARE(again.requestFromFields().device, std::string("cuda:1"));
+  }
+
+  void cfgParallelOnOneGpuIsAReadableError() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    w.setDevices({{"Fake GPU", 0, 24ull << 30, 1ull << 30}});
+    setUpJob(w, 2);
+    auto* strategy = child<QComboBox>(w, "strategyCombo");
+    strategy->setCurrentIndex(strategy->findData("cfg-parallel"));
+    QVERIFY(child<QLabel>(w, "deviceSummaryLabel")->text().contains("needs 2 GPUs"));
+    QTest::mouseClick(child<QPushButton>(w, "generateButton"), Qt::LeftButton);
+    auto* error = child<QLabel>(w, "errorLabel");
+    QVERIFY(error->isVisible());
+    QVERIFY2(error->text().contains("cfg-parallel needs 2 GPUs; 1 is enabled"), qPrintable(error->text()));
+    QVERIFY(!w.bridge()->isRunning());
   }
 
   void viewZoomsAndPans() {

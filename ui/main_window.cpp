@@ -19,6 +19,7 @@
 #include <QFileDialog>
 #include <QFileInfo>
 #include <QFormLayout>
+#include <QGroupBox>
 #include <QHBoxLayout>
 #include <QKeySequence>
 #include <QLabel>
@@ -36,6 +37,7 @@
 #include <QStatusBar>
 #include <QToolButton>
 #include <QVBoxLayout>
+#include <algorithm>
 #include <exception>
 #include <iterator>
 #include <limits>
@@ -327,18 +329,7 @@ void MainWindow::buildUi() {
   m_batch->setRange(1, 16);
   fields->addRow(tr("Batch"), m_batch);
 
-  // Devices: CPU always; each CUDA device this build can use.
-  m_device = new QComboBox;
-  m_device->setObjectName(QStringLiteral("deviceCombo"));
   const BuildInfo info = build_info();
-  m_device->addItem(tr("CPU"), QStringLiteral("cpu"));
-  for (int i = 0; i < info.cuda_devices; ++i)
-    m_device->addItem(tr("CUDA %1").arg(i), QStringLiteral("cuda:%1").arg(i));
-  if (info.cuda_devices > 0) m_device->setCurrentIndex(1);
-  m_device->setToolTip(info.cuda_devices > 0 ? tr("%n CUDA device(s)", nullptr, info.cuda_devices)
-                                             : tr("No CUDA device: generating on the CPU"));
-  fields->addRow(tr("Device"), m_device);
-
   auto* strategyRow = new QHBoxLayout;
   m_strategy = new QComboBox;
   m_strategy->setObjectName(QStringLiteral("strategyCombo"));
@@ -347,10 +338,39 @@ void MainWindow::buildUi() {
   m_devices = new QSpinBox;
   m_devices->setObjectName(QStringLiteral("devicesSpin"));
   m_devices->setRange(1, 64);
-  m_devices->setToolTip(tr("Devices the strategy uses (drafts per round for DRiffusion, the skip factor for step skipping)"));
+  m_devices->setToolTip(tr("CPU virtual devices when no GPU is enabled (drafts per round for DRiffusion); "
+                           "the skip factor for step skipping. With GPUs the enabled ones count."));
   strategyRow->addWidget(m_strategy, 1);
   strategyRow->addWidget(m_devices);
   fields->addRow(tr("Strategy"), strategyRow);
+  connect(m_strategy, &QComboBox::currentIndexChanged, this, [this] { updateDeviceSummary(); });
+  connect(m_devices, &QSpinBox::valueChanged, this, [this] { updateDeviceSummary(); });
+
+  // Devices: each GPU with its memory and an enable box; "CPU" when there is none.
+  m_devicesBox = new QGroupBox(tr("Devices"));
+  m_devicesBox->setObjectName(QStringLiteral("devicesGroup"));
+  auto* devicesLayout = new QVBoxLayout(m_devicesBox);
+  m_deviceRows = new QVBoxLayout;
+  devicesLayout->addLayout(m_deviceRows);
+  m_cpuLabel = new QLabel(tr("CPU"));
+  m_cpuLabel->setObjectName(QStringLiteral("cpuDeviceLabel"));
+  m_cpuLabel->setToolTip(tr("No GPU found: generating on the CPU"));
+  m_deviceRows->addWidget(m_cpuLabel);
+  auto* deviceFooter = new QHBoxLayout;
+  m_deviceSummary = new QLabel;
+  m_deviceSummary->setObjectName(QStringLiteral("deviceSummaryLabel"));
+  m_deviceSummary->setWordWrap(true);
+  m_deviceSummary->setTextFormat(Qt::PlainText);
+  auto* refreshDevices = new QToolButton;
+  refreshDevices->setObjectName(QStringLiteral("refreshDevicesButton"));
+  refreshDevices->setText(tr("Refresh"));
+  refreshDevices->setToolTip(tr("Read the GPUs' memory in use again"));
+  deviceFooter->addWidget(m_deviceSummary, 1);
+  deviceFooter->addWidget(refreshDevices);
+  devicesLayout->addLayout(deviceFooter);
+  formLayout->addWidget(m_devicesBox);
+  connect(refreshDevices, &QToolButton::clicked, this, [this] { setDevices(engine::list_devices()); });
+  setDevices(engine::list_devices());
 
   auto* buttons = new QHBoxLayout;
   m_generate = new QPushButton(tr("Generate"));
@@ -500,12 +520,13 @@ engine::GenerationRequest MainWindow::requestFromFields() {
   r.cfg = m_cfg->value();
   r.seed = seedValue().value_or(0);
   r.sampler = m_sampler->currentData().toString().toStdString();
-  r.device = m_device->currentData().toString().toStdString();
   r.batch = m_batch->value();
   r.preview_every = 1;
   r.prompt = engine::fill_prompt_template(m_promptTemplate.toStdString(), r.prompt);
   r.strategy = m_strategy->currentData().toString().toStdString();
-  r.devices = m_devices->value();
+  const engine::DeviceChoice choice = deviceChoice();
+  r.device = choice.device;
+  r.devices = choice.devices;
   return r;
 }
 
@@ -522,6 +543,11 @@ void MainWindow::generate() {
     showError(tr("Seed '%1' is not a whole number from 0 to %2.")
                   .arg(m_seed->text())
                   .arg(std::numeric_limits<std::uint64_t>::max()));
+    return;
+  }
+  const engine::DeviceChoice choice = deviceChoice();
+  if (!choice.error.empty()) {
+    showError(tr("Cannot start: %1.").arg(QString::fromStdString(choice.error)));
     return;
   }
   const auto request = requestFromFields();
@@ -629,8 +655,10 @@ void MainWindow::loadSettings() {
   const int sampler = m_sampler->findData(s.value(QStringLiteral("sampler")).toString());
   m_sampler->setCurrentIndex(std::max(0, sampler));
   m_batch->setValue(s.value(QStringLiteral("batch"), 1).toInt());
-  const int device = m_device->findData(s.value(QStringLiteral("device")).toString());
-  if (device >= 0) m_device->setCurrentIndex(device);
+  // Every GPU is enabled until the user unticks it.
+  m_disabledGpus.clear();
+  for (const QString& i : s.value(QStringLiteral("disabledGpus")).toStringList()) m_disabledGpus.insert(i.toInt());
+  for (QCheckBox* box : m_gpuChecks) box->setChecked(!m_disabledGpus.contains(box->property("gpuIndex").toInt()));
   m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(s.value(QStringLiteral("strategy")).toString())));
   m_devices->setValue(s.value(QStringLiteral("devices"), 1).toInt());
   reloadPresets(s.value(QStringLiteral("preset")).toString());
@@ -654,7 +682,11 @@ void MainWindow::saveSettings() const {
   s.setValue(QStringLiteral("randomSeed"), m_randomSeed->isChecked());
   s.setValue(QStringLiteral("sampler"), m_sampler->currentData().toString());
   s.setValue(QStringLiteral("batch"), m_batch->value());
-  s.setValue(QStringLiteral("device"), m_device->currentData().toString());
+  QList<int> disabled(m_disabledGpus.begin(), m_disabledGpus.end());
+  std::sort(disabled.begin(), disabled.end());
+  QStringList disabledText;
+  for (const int i : disabled) disabledText << QString::number(i);
+  s.setValue(QStringLiteral("disabledGpus"), disabledText);
   s.setValue(QStringLiteral("strategy"), m_strategy->currentData().toString());
   s.setValue(QStringLiteral("devices"), m_devices->value());
   s.setValue(QStringLiteral("preset"), m_preset->currentIndex() > 0 ? m_preset->currentText() : QString());
@@ -877,12 +909,16 @@ void MainWindow::applyRestored(const engine::PngParameters& p, const QString& fi
     restored << tr("TAESD");
   }
   if (p.device) {
-    const int i = m_device->findData(text(p.device));
-    if (i >= 0) {
-      m_device->setCurrentIndex(i);
+    const QString device = text(p.device);
+    QCheckBox* gpu = nullptr;
+    for (QCheckBox* box : m_gpuChecks)
+      if (device == QStringLiteral("cuda:%1").arg(box->property("gpuIndex").toInt())) gpu = box;
+    if (device == QLatin1String("cpu") || gpu) {
+      // The job ran on that device alone (a strategy's other GPUs follow it: enable them to use them).
+      for (QCheckBox* box : m_gpuChecks) box->setChecked(box == gpu);
       restored << tr("device");
     } else {
-      notRestored << tr("device: %1 (not on this machine)").arg(text(p.device));
+      notRestored << tr("device: %1 (not on this machine)").arg(device);
     }
   }
   if (p.strategy) {
@@ -952,6 +988,64 @@ void MainWindow::compareFiles(const QString& a, const QString& b) {
     }
     return out;
   }));
+}
+
+void MainWindow::setDevices(const std::vector<engine::DeviceInfo>& devices) {
+  // Each GPU keeps its tick by index (m_disabledGpus); one never unticked starts enabled.
+  qDeleteAll(m_gpuChecks);
+  m_gpuChecks.clear();
+  const auto gib = [](std::uint64_t bytes) { return QString::number(bytes / double(1ull << 30), 'f', 1); };
+  for (const engine::DeviceInfo& d : devices) {
+    auto* box = new QCheckBox(tr("cuda:%1 %2 · %3 GiB, %4 GiB in use")
+                                  .arg(d.index)
+                                  .arg(QString::fromStdString(d.name), gib(d.total_bytes), gib(d.used_bytes)));
+    box->setObjectName(QStringLiteral("gpuCheck%1").arg(d.index));
+    box->setProperty("gpuIndex", d.index);
+    box->setChecked(!m_disabledGpus.contains(d.index));
+    connect(box, &QCheckBox::toggled, this, [this, index = d.index](bool on) {
+      if (on)
+        m_disabledGpus.remove(index);
+      else
+        m_disabledGpus.insert(index);
+      updateDeviceSummary();
+    });
+    m_deviceRows->addWidget(box);
+    m_gpuChecks.append(box);
+  }
+  m_cpuLabel->setVisible(devices.empty());
+  updateDeviceSummary();
+}
+
+std::vector<int> MainWindow::enabledGpus() const {
+  std::vector<int> out;
+  for (const QCheckBox* box : m_gpuChecks)
+    if (box->isChecked()) out.push_back(box->property("gpuIndex").toInt());
+  return out;
+}
+
+engine::DeviceChoice MainWindow::deviceChoice() const {
+  return engine::choose_devices(enabledGpus(), m_strategy->currentData().toString().toStdString(), m_devices->value());
+}
+
+void MainWindow::updateDeviceSummary() {
+  if (!m_deviceSummary || !m_strategy || !m_devices) return;
+  const engine::DeviceChoice c = deviceChoice();
+  if (!c.error.empty()) {
+    m_deviceSummary->setText(QString::fromStdString(c.error));
+    m_deviceSummary->setStyleSheet(QStringLiteral("color: #c62828;"));
+    return;
+  }
+  m_deviceSummary->setStyleSheet(QString());
+  const QString strategy = m_strategy->currentData().toString();
+  if (strategy == QLatin1String("single") || strategy.isEmpty())
+    m_deviceSummary->setText(tr("Runs on %1").arg(QString::fromStdString(c.device)));
+  else if (c.device == "cpu")
+    m_deviceSummary->setText(c.devices == 1 ? tr("Runs on the CPU as 1 virtual device")
+                                            : tr("Runs on the CPU as %1 virtual devices").arg(c.devices));
+  else if (strategy == QLatin1String("step-skip"))
+    m_deviceSummary->setText(tr("Runs on %1, skipping %2 steps at a time").arg(QString::fromStdString(c.device)).arg(c.devices));
+  else
+    m_deviceSummary->setText(tr("Runs on %1 GPUs from %2").arg(c.devices).arg(QString::fromStdString(c.device)));
 }
 
 void MainWindow::closeEvent(QCloseEvent* event) {

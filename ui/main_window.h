@@ -2,12 +2,14 @@
 #include <QElapsedTimer>
 #include <QImage>
 #include <QList>
+#include <QSet>
 #include <QMainWindow>
 
 #include <cstdint>
 #include <optional>
 #include <vector>
 
+#include "core/engine/devices.h"
 #include "core/engine/png_parameters.h"
 #include "core/engine/preset.h"
 #include "ui/compare_view.h"
@@ -19,6 +21,8 @@ class QDragEnterEvent;
 class QDragMoveEvent;
 class QDropEvent;
 class QDoubleSpinBox;
+class QGroupBox;
+class QVBoxLayout;
 class QLabel;
 class QLineEdit;
 class QPlainTextEdit;
@@ -73,6 +77,12 @@ class MainWindow : public QMainWindow {
   // Reads two PNGs off the GUI thread, then opens the compare window on them.
   void compareFiles(const QString& a, const QString& b);
 
+  // The devices panel: one enable box per GPU (kept ticked or not by index), "CPU" without any.
+  void setDevices(const std::vector<engine::DeviceInfo>& devices);
+  std::vector<int> enabledGpus() const;
+  // The device(s) the enabled GPUs and the strategy give a job, or why they cannot run.
+  engine::DeviceChoice deviceChoice() const;
+
  signals:
   void restoreFinished(bool ok);
   void compareOpened(diffract::ui::CompareView* view);
@@ -93,6 +103,7 @@ class MainWindow : public QMainWindow {
   void loadSettings();
   void saveSettings() const;
   void updateControls();
+  void updateDeviceSummary();
   void showError(const QString& message);
   void applySizePreset(int index);
   void reloadPresets(const QString& select = QString());
@@ -118,7 +129,12 @@ class MainWindow : public QMainWindow {
   QCheckBox* m_randomSeed = nullptr;
   QComboBox* m_sampler = nullptr;
   QSpinBox* m_batch = nullptr;
-  QComboBox* m_device = nullptr;
+  QGroupBox* m_devicesBox = nullptr;
+  QVBoxLayout* m_deviceRows = nullptr;
+  QList<QCheckBox*> m_gpuChecks;  // property "gpuIndex": the N of cuda:N
+  QLabel* m_cpuLabel = nullptr;
+  QSet<int> m_disabledGpus;       // unticked GPUs, by index (saved; a GPU never unticked is enabled)
+  QLabel* m_deviceSummary = nullptr;
   QComboBox* m_strategy = nullptr;
   QSpinBox* m_devices = nullptr;
   QComboBox* m_preset = nullptr;
