@@ -1,8 +1,157 @@
 // diffract: the desktop application.
 #include <QApplication>
+#include <QCheckBox>
 #include <QCommandLineParser>
+#include <QDir>
+#include <QDockWidget>
+#include <QElapsedTimer>
+#include <QLineEdit>
+#include <QPlainTextEdit>
+#include <QSettings>
+#include <QSpinBox>
+#include <QTemporaryDir>
+#include <QTimer>
+#include <cstdio>
+#include <memory>
 
+#include "ui/gallery.h"
 #include "ui/main_window.h"
+
+namespace {
+
+using diffract::ui::EngineBridge;
+using diffract::ui::MainWindow;
+
+// --screenshots DIR --model PATH: drives the real window through two generations, then saves
+// main-window.png, compare.png and gallery.png into DIR and quits (docs/screenshots, the CTest).
+// Settings and output go to a temporary folder, so the user's are left alone.
+class ScreenshotTour : public QObject {
+ public:
+  ScreenshotTour(QString dir, QString model, int timeoutS) : m_dir(std::move(dir)), m_model(std::move(model)) {
+    m_clock.start();
+    QTimer::singleShot(timeoutS * 1000, this, [this, timeoutS] {
+      fail(QStringLiteral("timed out after %1 s (%2)").arg(timeoutS).arg(m_stage));
+    });
+  }
+
+  // Call before the window exists: its settings, output folder and model cache come from here.
+  bool prepare() {
+    if (!m_tmp.isValid()) return fail(QStringLiteral("cannot create a temporary folder"));
+    QSettings::setDefaultFormat(QSettings::IniFormat);
+    QSettings::setPath(QSettings::IniFormat, QSettings::UserScope, m_tmp.filePath(QStringLiteral("settings")));
+    qputenv("DIFFRACT_OUTPUT_DIR", m_tmp.filePath(QStringLiteral("out")).toLocal8Bit());
+    qputenv("HF_HUB_CACHE", m_tmp.filePath(QStringLiteral("hub")).toLocal8Bit());
+    if (!QDir().mkpath(m_dir)) return fail(QStringLiteral("cannot create %1").arg(m_dir));
+    return true;
+  }
+
+  void start(MainWindow* w) {
+    m_window = w;
+    w->resize(1280, 800);
+    w->findChild<QLineEdit*>(QStringLiteral("modelEdit"))->setText(m_model);
+    w->findChild<QSpinBox*>(QStringLiteral("widthSpin"))->setValue(96);
+    w->findChild<QSpinBox*>(QStringLiteral("heightSpin"))->setValue(96);
+    w->findChild<QSpinBox*>(QStringLiteral("stepsSpin"))->setValue(10);
+    w->findChild<QCheckBox*>(QStringLiteral("randomSeedCheck"))->setChecked(false);
+    w->findChild<QPlainTextEdit*>(QStringLiteral("promptEdit"))
+        ->setPlainText(QStringLiteral("a studio packshot of a red apple on a white background"));
+    w->findChild<QPlainTextEdit*>(QStringLiteral("negativeEdit"))->setPlainText(QStringLiteral("blurry"));
+    connect(w->bridge(), &EngineBridge::failed, this,
+            [this](const QString& message) { fail(QStringLiteral("generation failed: %1").arg(message)); });
+    connect(w->bridge(), &EngineBridge::finished, this, [this] {
+      // After the window's own slot has shown and saved the image.
+      QTimer::singleShot(0, this, [this] { m_window->results().size() < 2 ? generate(43) : shootMain(); });
+    });
+    // Room for the settings; the gallery has its own screenshot.
+    if (auto* dock = w->findChild<QDockWidget*>(QStringLiteral("galleryDock")))
+      w->resizeDocks({dock}, {190}, Qt::Vertical);
+    generate(42);
+  }
+
+ private:
+  void generate(int seed) {
+    m_stage = QStringLiteral("generating with seed %1").arg(seed);
+    m_window->findChild<QLineEdit*>(QStringLiteral("seedEdit"))->setText(QString::number(seed));
+    std::printf("screenshots: %s after %.1f s\n", qPrintable(m_stage), m_clock.elapsed() / 1000.0);
+    std::fflush(stdout);
+    m_window->generate();
+  }
+
+  void shootMain() {
+    m_stage = QStringLiteral("waiting for the gallery");
+    std::printf("screenshots: %s after %.1f s\n", qPrintable(m_stage), m_clock.elapsed() / 1000.0);
+    std::fflush(stdout);
+    // The gallery reads the saved files off the GUI thread.
+    auto* poll = new QTimer(this);
+    connect(poll, &QTimer::timeout, this, [this, poll] {
+      if (m_window->gallery()->entries().size() < 2) return;
+      poll->deleteLater();
+      QTimer::singleShot(200, this, [this] {
+        if (!save(m_window->grab(), QStringLiteral("main-window.png"))) return;
+        shootGallery();
+      });
+    });
+    poll->start(50);
+  }
+
+  void shootGallery() {
+    auto* dock = m_window->findChild<QDockWidget*>(QStringLiteral("galleryDock"));
+    if (!dock) {
+      fail(QStringLiteral("no gallery dock"));
+      return;
+    }
+    dock->setFloating(true);
+    dock->resize(900, 340);
+    QTimer::singleShot(200, this, [this, dock] {
+      if (!save(dock->grab(), QStringLiteral("gallery.png"))) return;
+      dock->setFloating(false);
+      shootCompare();
+    });
+  }
+
+  void shootCompare() {
+    m_stage = QStringLiteral("comparing");
+    auto* view = m_window->compareResults(0, 1);
+    if (!view) {
+      fail(QStringLiteral("the compare view did not open"));
+      return;
+    }
+    view->resize(1280, 800);
+    connect(view, &diffract::ui::CompareView::computed, this, [this, view] {
+      QTimer::singleShot(200, this, [this, view] {
+        if (!save(view->grab(), QStringLiteral("compare.png"))) return;
+        std::printf("screenshots: wrote main-window.png, gallery.png, compare.png to %s\n", qPrintable(m_dir));
+        m_done = true;
+        QApplication::exit(0);
+      });
+    });
+  }
+
+  bool save(const QPixmap& shot, const QString& name) {
+    const QString path = QDir(m_dir).filePath(name);
+    if (shot.isNull() || !shot.save(path, "PNG", 9)) return fail(QStringLiteral("cannot write %1").arg(path));
+    std::printf("screenshots: %s after %.1f s\n", qPrintable(name), m_clock.elapsed() / 1000.0);
+    return true;
+  }
+
+  bool fail(const QString& message) {
+    if (m_done) return false;
+    m_done = true;
+    std::fprintf(stderr, "diffract: screenshots: %s\n", qPrintable(message));
+    QApplication::exit(1);
+    return false;
+  }
+
+  QString m_dir;
+  QString m_model;
+  QTemporaryDir m_tmp;
+  MainWindow* m_window = nullptr;
+  QString m_stage = QStringLiteral("starting");
+  bool m_done = false;
+  QElapsedTimer m_clock;
+};
+
+}  // namespace
 
 int main(int argc, char** argv) {
   QApplication app(argc, argv);
@@ -15,10 +164,41 @@ int main(int argc, char** argv) {
   parser.addVersionOption();
   parser.addPositionalArgument(QStringLiteral("png"), QStringLiteral("A PNG whose generation parameters to restore"),
                                QStringLiteral("[png]"));
+  // Hidden: the documentation's screenshots (scripts/screenshots.sh).
+  QCommandLineOption screenshots(QStringLiteral("screenshots"),
+                                 QStringLiteral("Generate twice with --model and save screenshots into DIR"),
+                                 QStringLiteral("DIR"));
+  QCommandLineOption model(QStringLiteral("model"), QStringLiteral("The model for --screenshots"), QStringLiteral("PATH"));
+  QCommandLineOption timeout(QStringLiteral("timeout"), QStringLiteral("Seconds --screenshots may take"),
+                             QStringLiteral("S"), QStringLiteral("120"));
+  for (QCommandLineOption* o : {&screenshots, &model, &timeout}) {
+    o->setFlags(QCommandLineOption::HiddenFromHelp);
+    parser.addOption(*o);
+  }
   parser.process(app);
+
+  std::unique_ptr<ScreenshotTour> tour;
+  if (parser.isSet(screenshots)) {
+    if (parser.value(model).isEmpty()) {
+      std::fprintf(stderr, "diffract: --screenshots needs --model PATH (a diffusers folder or checkpoint)\n");
+      return 2;
+    }
+    bool ok = false;
+    const int seconds = parser.value(timeout).toInt(&ok);
+    if (!ok || seconds <= 0) {
+      std::fprintf(stderr, "diffract: --timeout '%s' is not a positive number of seconds\n", qPrintable(parser.value(timeout)));
+      return 2;
+    }
+    tour = std::make_unique<ScreenshotTour>(parser.value(screenshots), parser.value(model), seconds);
+    if (!tour->prepare()) return 1;
+  }
 
   diffract::ui::MainWindow window;
   window.show();
-  if (!parser.positionalArguments().isEmpty()) window.restoreFromPng(parser.positionalArguments().constFirst());
+  if (tour) {
+    tour->start(&window);
+  } else if (!parser.positionalArguments().isEmpty()) {
+    window.restoreFromPng(parser.positionalArguments().constFirst());
+  }
   return QApplication::exec();
 }
