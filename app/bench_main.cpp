@@ -58,10 +58,6 @@ double mean(const std::vector<double>& v) {
   return v.empty() ? 0 : std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
 }
 
-at::Tensor latents_of(const engine::GenerationResult& r) {
-  return at::from_blob(const_cast<float*>(r.latents.data()), r.latents_shape, at::kFloat).clone();
-}
-
 double denoise_ms(const engine::GenerationResult& r) {
   return std::accumulate(r.timings.step_ms.begin(), r.timings.step_ms.end(), 0.0);
 }
@@ -161,7 +157,6 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   if (cuda) j["unet_step_variants"] = json::parse(sd->profile_unet_step(c.size, 2 * batch, 10));
   // Strategies: the same job run by each, against the single-device result of this run.
   const double base_e2e = percentile(e2e, 0.5), base_denoise = denoise;
-  const auto base_latents = latents_of(last);
   for (const auto& spec : strategies) {
     const auto [name, n] = parse_strategy(spec);
     auto sreq = req;
@@ -184,7 +179,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
                {"speedup_denoising", base_denoise / percentile(sden, 0.5)},
                {"psnr_db", metrics::psnr(sres.images.front(), last.images.front())},
                {"ssim", metrics::ssim(sres.images.front(), last.images.front())},
-               {"latents_rel_l2", metrics::relative_l2(latents_of(sres), base_latents)}};
+               {"latents_rel_l2", metrics::latents_rel_l2(sres, last)}};
     if (meta.contains("strategy")) sj["stats"] = meta["strategy"];
     j["strategies"].push_back(sj);
     log::get("bench").info(sj.dump());

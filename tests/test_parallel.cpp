@@ -323,6 +323,38 @@ class TestParallel : public QObject {
     QVERIFY(cancelled);
   }
 
+  // What each strategy evaluates before its loop (GPU ranks capture their graphs there): the
+  // shapes and branches run() will use, nothing else.
+  void warmEvaluatesTheLoopShapes() {
+    struct Recording final : Denoiser {
+      std::vector<std::pair<std::int64_t, Branch>>* log;
+      explicit Recording(std::vector<std::pair<std::int64_t, Branch>>* l) : log(l) {}
+      at::Tensor eval(const at::Tensor& x, double, Branch b) override {
+        log->emplace_back(x.size(0), b);
+        return x;
+      }
+      bool cfg() const override { return true; }
+      double guidance_scale() const override { return 5; }
+      std::int64_t batch() const override { return 5; }
+      at::ScalarType output_dtype() const override { return at::kFloat; }
+      std::unique_ptr<Denoiser> rows(std::int64_t, std::int64_t) const override { return std::make_unique<Recording>(log); }
+    };
+    const auto x = at::zeros({5, 4, 8, 8});
+    auto warm = [&](const std::string& name, int n) {
+      std::vector<std::pair<std::int64_t, Branch>> log;
+      Recording d(&log);
+      make_strategy(name, n)->warm(d, x, 999);
+      return log;
+    };
+    using L = std::vector<std::pair<std::int64_t, Branch>>;
+    QVERIFY(warm("cfg-parallel", 2) == (L{{5, Branch::Cond}}));
+    QVERIFY(warm("hybrid-cfg", 2) == (L{{5, Branch::Cond}}));
+    QVERIFY(warm("driffusion-aggressive", 2) == (L{{5, Branch::Guided}}));
+    QVERIFY(warm("single", 1) == (L{{5, Branch::Guided}}));
+    QVERIFY(warm("data-parallel", 2) == (L{{2, Branch::Guided}, {3, Branch::Guided}}));  // 5 rows: 3 + 2
+    QVERIFY(warm("data-parallel", 5) == (L{{1, Branch::Guided}}));
+  }
+
   void strategyFactoryAndDeviceChecks() {
     QCOMPARE(make_strategy("driffusion-aggressive", 4)->devices(), 4);
     QCOMPARE(make_strategy("cfg-parallel", 4)->devices(), 2);

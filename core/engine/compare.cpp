@@ -11,10 +11,6 @@ namespace {
 
 double generation_ms(const GenerationResult& r) { return r.timings.total_ms - r.timings.load_ms; }
 
-at::Tensor latents_of(const GenerationResult& r) {
-  return at::from_blob(const_cast<float*>(r.latents.data()), r.latents_shape, at::kFloat);
-}
-
 }  // namespace
 
 Comparison compare(Engine& engine, GenerationRequest request, const std::string& strategy, int devices,
@@ -37,7 +33,7 @@ Comparison compare(Engine& engine, GenerationRequest request, const std::string&
   const auto& b = c.baseline.images.front();
   c.psnr = metrics::psnr(a, b);
   c.ssim = metrics::ssim(a, b);
-  c.latents_rel_l2 = metrics::relative_l2(latents_of(c.accelerated), latents_of(c.baseline));
+  c.latents_rel_l2 = metrics::latents_rel_l2(c.accelerated, c.baseline);
   auto diff = metrics::abs_diff_map(a, b);
   const double peak = std::max(diff.max().item<double>(), 1e-12);
   // Black (equal) through red and yellow to white (the largest difference).

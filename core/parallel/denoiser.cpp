@@ -19,7 +19,6 @@ at::Tensor rel_mae_tensor(const at::Tensor& cond, const at::Tensor& uncond) {
   return at::where(den > 0, num / den, at::zeros_like(num));
 }
 
-double rel_mae(const at::Tensor& cond, const at::Tensor& uncond) { return rel_mae_tensor(cond, uncond).item<double>(); }
 
 at::Tensor eval_at(Denoiser& d, const schedulers::Sampler& sampler, const at::Tensor& x, int step, Branch branch) {
   return d.eval(sampler.scale_model_input(x, step), sampler.timesteps().at(static_cast<std::size_t>(step)), branch);

@@ -37,9 +37,8 @@ class Denoiser {
 
 // eps_u + s * (eps_c - eps_u), written as the pipeline writes it.
 at::Tensor combine_cfg(const at::Tensor& uncond, const at::Tensor& cond, double scale);
-// mean|eps_c - eps_u| / mean|eps_u| (Hybridiff's rel-MAE between the branches).
-double rel_mae(const at::Tensor& cond, const at::Tensor& uncond);
-// The same as a 0-d double tensor on the inputs' device (no host synchronisation).
+// mean|eps_c - eps_u| / mean|eps_u| (Hybridiff's rel-MAE between the branches) as a 0-d double
+// tensor on the inputs' device, so the loop never waits for it (metrics::rel_mae reads it back).
 at::Tensor rel_mae_tensor(const at::Tensor& cond, const at::Tensor& uncond);
 
 // Sampler step i's model input and timestep, then eval().

@@ -15,6 +15,8 @@ namespace diffract::parallel {
 
 Strategy::~Strategy() = default;
 
+void Strategy::warm(Denoiser& d, const at::Tensor& x, double t) const { d.eval(x, t, Branch::Guided); }
+
 std::string LoopStats::to_json() const {
   nlohmann::json j = {{"strategy", strategy}, {"devices", devices},     {"steps", steps},
                       {"rounds", rounds},     {"evaluations", evaluations}, {"bytes_sent", bytes_sent}};
@@ -155,6 +157,10 @@ LoopOutput SingleDevice::run(DeviceGroup& g, const LoopInputs& in) const {
   return finish(*this, in, g, result, in.steps, in.steps, 0);
 }
 
+// One branch per rank: Cond and Uncond share a shape.
+void CfgParallel::warm(Denoiser& d, const at::Tensor& x, double t) const { d.eval(x, t, Branch::Cond); }
+void HybridCfg::warm(Denoiser& d, const at::Tensor& x, double t) const { d.eval(x, t, Branch::Cond); }
+
 void CfgParallel::validate(std::int64_t, bool cfg) const {
   if (!cfg) throw Error("cfg-parallel needs classifier-free guidance (a CFG scale above 1)");
 }
@@ -286,6 +292,13 @@ void DataParallel::validate(std::int64_t batch, bool) const {
   if (batch < n)
     throw Error("data-parallel on " + std::to_string(n) + " devices needs a batch of at least " + std::to_string(n) +
                 ", not " + std::to_string(batch));
+}
+
+// The slices are batch / n rows, and one more on the first batch % n ranks.
+void DataParallel::warm(Denoiser& d, const at::Tensor& x, double t) const {
+  const std::int64_t batch = x.size(0), base = batch / n;
+  d.rows(0, base)->eval(x.narrow(0, 0, base), t, Branch::Guided);
+  if (batch % n) d.rows(0, base + 1)->eval(x.narrow(0, 0, base + 1), t, Branch::Guided);
 }
 
 LoopOutput DataParallel::run(DeviceGroup& g, const LoopInputs& in) const {

@@ -59,6 +59,10 @@ class Strategy {
   // Throws diffract::Error when the job cannot run this way (device count, batch, CFG).
   virtual void validate(std::int64_t batch, bool cfg) const = 0;
   virtual LoopOutput run(DeviceGroup& group, const LoopInputs& in) const = 0;
+  // Evaluates once each input shape run() gives a rank's denoiser (`x`: the initial latents on
+  // its device), so that GPU ranks capture their CUDA graphs before the loop rather than while
+  // their peers wait in a collective. Default: the guided batch.
+  virtual void warm(Denoiser& d, const at::Tensor& x, double timestep) const;
 };
 
 // One device, the pipeline's own loop (the reference).
@@ -76,6 +80,7 @@ struct CfgParallel final : Strategy {
   int devices() const override { return 2; }
   void validate(std::int64_t batch, bool cfg) const override;
   LoopOutput run(DeviceGroup& group, const LoopInputs& in) const override;
+  void warm(Denoiser& d, const at::Tensor& x, double timestep) const override;
 };
 
 // Hybridiff's switching rule. slope[t] is the least-squares slope of rel_mae[t-L+1 .. t]
@@ -101,6 +106,7 @@ struct HybridCfg final : Strategy {
   int devices() const override { return 2; }
   void validate(std::int64_t batch, bool cfg) const override;
   LoopOutput run(DeviceGroup& group, const LoopInputs& in) const override;
+  void warm(Denoiser& d, const at::Tensor& x, double timestep) const override;
 };
 
 // DRiffusion draft-and-refine on n devices. With CFG each device evaluates both branches.
@@ -134,6 +140,7 @@ struct DataParallel final : Strategy {
   int devices() const override { return n; }
   void validate(std::int64_t batch, bool cfg) const override;
   LoopOutput run(DeviceGroup& group, const LoopInputs& in) const override;
+  void warm(Denoiser& d, const at::Tensor& x, double timestep) const override;
 };
 
 // Naive baseline at a given speed-up: one device, evaluate every `skip`-th step and jump over

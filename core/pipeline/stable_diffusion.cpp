@@ -575,15 +575,8 @@ at::Tensor run_strategy(StableDiffusion::Impl& p, const parallel::Strategy& stra
     const auto t_first = config.num_train_timesteps - 1.0;
     for (int r = 0; r < group.size(); ++r) {
       const auto d = group.device(r);
-      auto den = in.make_denoiser(r, d);
-      const auto x = at::zeros(latents.sizes(), latents.options().device(d).dtype(p.dtype));
-      if (den->cfg()) den->eval(x, t_first, parallel::Branch::Cond);  // Cond and Uncond share a shape
-      den->eval(x, t_first, parallel::Branch::Guided);
-      if (strategy.name() == "data-parallel") {
-        const int64_t n = group.size(), b = latents.size(0);
-        for (const int64_t rows : {b / n, b / n + 1})
-          if (rows >= 1 && rows <= b) den->rows(0, rows)->eval(x.narrow(0, 0, rows), t_first, parallel::Branch::Guided);
-      }
+      strategy.warm(*in.make_denoiser(r, d), at::zeros(latents.sizes(), latents.options().device(d).dtype(p.dtype)),
+                    t_first);
       torch::cuda::synchronize(d.index());
     }
   }

@@ -25,7 +25,6 @@ struct StepClock::Impl {
   // CPU: the host clock, each step measured as it is marked.
   Clock::time_point last;
   std::vector<double> pending;
-  int marked = 0;
 #ifdef DIFFRACT_HAS_CUDA
   std::vector<std::unique_ptr<at::cuda::CUDAEvent>> marks;  // [0] is start()
   std::size_t reported = 0;                                  // marks[1..reported] reported
@@ -35,11 +34,9 @@ struct StepClock::Impl {
 
 StepClock::StepClock(const c10::Device& device) : impl_(std::make_unique<Impl>(device)) {}
 StepClock::~StepClock() = default;
-int StepClock::marked() const { return impl_->marked; }
 
 void StepClock::start() {
   auto& p = *impl_;
-  p.marked = 0;
   p.pending.clear();
   p.last = Clock::now();
 #ifdef DIFFRACT_HAS_CUDA
@@ -54,7 +51,6 @@ void StepClock::start() {
 
 void StepClock::mark_step() {
   auto& p = *impl_;
-  ++p.marked;
 #ifdef DIFFRACT_HAS_CUDA
   if (p.device.is_cuda()) {
     p.marks.push_back(std::make_unique<at::cuda::CUDAEvent>(cudaEventDefault));

@@ -27,7 +27,6 @@ class StepClock {
   std::vector<double> finished();
   // Blocks until no more than `ahead` marked steps are unfinished; then finished() has the rest.
   void wait_until_ahead(int ahead);
-  int marked() const;
 
  private:
   struct Impl;

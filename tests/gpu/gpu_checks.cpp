@@ -55,13 +55,7 @@ engine::GenerationRequest request(int steps = 8) {
   return r;
 }
 
-at::Tensor latents(const engine::GenerationResult& r) {
-  return at::from_blob(const_cast<float*>(r.latents.data()), r.latents_shape, at::kFloat).clone();
-}
-
-double rel_l2(const engine::GenerationResult& a, const engine::GenerationResult& b) {
-  return metrics::relative_l2(latents(a), latents(b));
-}
+double rel_l2(const engine::GenerationResult& a, const engine::GenerationResult& b) { return metrics::latents_rel_l2(a, b); }
 
 std::unique_ptr<pipeline::StableDiffusion> tiny_sdxl(bool graphs) {
   setenv("DIFFRACT_CUDA_GRAPHS", graphs ? "1" : "0", 1);
