@@ -6,21 +6,16 @@
 #   BENCH_STRATEGIES (e.g. cfg-parallel,driffusion-aggressive:2; default none), GPU_CHECKS=1 runs `ctest -L gpu`
 #   first, ANCHOR=0 skips the diffusers anchor.
 set -euo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+source scripts/gpu_common.sh
 out="${OUT:-/tmp/gpu_bench}"
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl
-export PYTHONPATH=/tmp/site
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
-
-cmake --preset gpu -DDIFFRACT_BUILD_CLI=ON -DCLI11_INCLUDE_DIR="$root/.carry/include" \
-  -DDIFFRACT_PYTHON="$(command -v python3)" -DCMAKE_CXX_COMPILER_LAUNCHER= > "$out/configure.log" 2>&1 \
-  || { tail -40 "$out/configure.log"; exit 1; }
+gpu_python_packages
+gpu_info "$out/gpu.txt"
 targets=(diffract-bench)
 [ "${GPU_CHECKS:-0}" = 1 ] && targets+=(diffract-gpu-checks)
-cmake --build build/gpu -j "$(nproc)" --target "${targets[@]}" > "$out/build.log" 2>&1 || { grep -m20 -A5 error "$out/build.log"; exit 1; }
+gpu_build "$out" "${targets[@]}" || exit 1
 
 if [ "${GPU_CHECKS:-0}" = 1 ]; then
   # The NCCL basics first: if they fail, the other multi-GPU checks would only wait out their timeouts.

@@ -4,19 +4,14 @@
 # CPU and CUDA, comparing both with diffusers on CUDA.
 #   Carried in .carry/ (made by scripts/prepare_carry.sh): CLI11 headers, shared data, the diffusers wheel.
 set -euo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+source scripts/gpu_common.sh
 out="${OUT:-/tmp/gpu_check}"
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl
-export PYTHONPATH=/tmp/site
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-
-cmake --preset gpu -DDIFFRACT_BUILD_CLI=ON -DCLI11_INCLUDE_DIR="$root/.carry/include" \
-  -DDIFFRACT_PYTHON="$(command -v python3)" -DCMAKE_CXX_COMPILER_LAUNCHER= > "$out/configure.log" 2>&1 \
-  || { tail -40 "$out/configure.log"; exit 1; }
-time cmake --build build/gpu -j "$(nproc)" --target diffract-cli > "$out/build.log" 2>&1 || { grep -m20 -A5 error "$out/build.log"; exit 1; }
+gpu_python_packages
+gpu_info "$out/gpu.txt"
+gpu_build "$out" diffract-cli || exit 1
 cli=build/gpu/app/diffract-cli
 "$cli" info
 

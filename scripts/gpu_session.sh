@@ -8,11 +8,12 @@
 #   the anchor script and the diffusers wheel.
 #   END_S (default 570): the second by which everything must be done; training gets what is left.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+source scripts/gpu_common.sh
 out="${OUT:-/tmp/gpu_session}"
 logs=/tmp/gpu_session_logs
 mkdir -p "$out" "$logs"
@@ -23,15 +24,9 @@ finish() {
 }
 trap finish EXIT
 
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl
-export PYTHONPATH=/tmp/site
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee "$logs/gpu.txt"
-
-cmake --preset gpu -DDIFFRACT_BUILD_CLI=ON -DCLI11_INCLUDE_DIR="$root/.carry/include" \
-  -DDIFFRACT_PYTHON="$(command -v python3)" -DCMAKE_CXX_COMPILER_LAUNCHER= > "$logs/configure.log" 2>&1 \
-  || { tail -40 "$logs/configure.log"; exit 1; }
-cmake --build build/gpu -j "$(nproc)" --target diffract-bench diffract-gpu-checks diffract-train > "$logs/build.log" 2>&1 \
-  || { grep -m20 -A5 error "$logs/build.log"; exit 1; }
+gpu_python_packages
+gpu_info "$logs/gpu.txt"
+gpu_build "$logs" diffract-bench diffract-gpu-checks diffract-train || exit 1
 echo "built at $(elapsed) s"
 bench=build/gpu/app/diffract-bench
 

@@ -19,13 +19,9 @@ mkdir -p "$out"
 for f in .carry/include/CLI/CLI.hpp .carry/shared/data/taesd/taef2_encoder.pth .carry/emoji/atlas.json; do
   [[ -f "$f" ]] || { echo "missing $f: run scripts/prepare_carry.sh here and pass .carry in the carry list" >&2; exit 1; }
 done
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-
-cmake --preset gpu -DDIFFRACT_BUILD_CLI=ON -DCLI11_INCLUDE_DIR="$root/.carry/include" \
-  -DDIFFRACT_PYTHON="$(command -v python3)" -DCMAKE_CXX_COMPILER_LAUNCHER= > /tmp/gpu_train_configure.log 2>&1 \
-  || { tail -40 /tmp/gpu_train_configure.log; exit 1; }
-cmake --build build/gpu -j "$(nproc)" --target diffract-train > /tmp/gpu_train_build.log 2>&1 \
-  || { grep -m20 -A5 error /tmp/gpu_train_build.log; exit 1; }
+source scripts/gpu_common.sh
+gpu_info "$out/gpu.txt"
+gpu_build /tmp/gpu_train_logs diffract-train || exit 1  # logs stay on the machine: at most 8 files come back
 echo "built in $(( $(date +%s) - start )) s"
 
 minutes="${TRAIN_MINUTES:-7}"
