@@ -136,7 +136,8 @@ int main(int argc, char** argv) {
   train->add_option("--cfg-dropout", c.cfg_dropout)->capture_default_str();
   train->add_option("--log-every", c.log_every)->capture_default_str();
   train->add_option("--atlas-limit", c.atlas_limit, "first N sprites only (0: all)")->capture_default_str();
-  train->add_option("--latent-stat-scenes", c.latent_stat_scenes)->capture_default_str();
+  train->add_option("--bank-scenes", c.bank_scenes, "scenes encoded once before training (0: every combination)")
+      ->capture_default_str();
   train->add_option("--seed", c.seed)->capture_default_str();
   train->add_flag("--resume", c.resume, "continue from <out>/checkpoint when there is one");
   bool no_export = false;

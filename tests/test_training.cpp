@@ -1,6 +1,11 @@
 #include <cstdlib>
 #include <fstream>
 #include <random>
+#include <sstream>
+
+#include <torch/optim/adamw.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 
 #include "core/io/image.h"
 #include "core/io/safetensors.h"
@@ -124,6 +129,9 @@ class TestTraining : public QObject {
       seen.insert(s);
     }
     QCOMPARE(seen.size(), std::size_t(12 * 12 * 11 - 10));
+    const auto all = composer.all();
+    QVERIFY(std::set<SceneSpec>(all.begin(), all.end()) == seen);
+    QCOMPARE(all.size(), seen.size());
     std::ofstream(fs::path(tmp.path().toStdString()) / "bad.tsv") << "name\tcolour\tscale\tposition\nemoji 1\tmauve\tsmall\tcentre\n";
     DIFFRACT_EXPECT_ERROR(HoldOut::load(fs::path(tmp.path().toStdString()) / "bad.tsv", atlas), "bad.tsv:2",
                           "unknown setting 'mauve'");
@@ -150,6 +158,55 @@ class TestTraining : public QObject {
     DIFFRACT_EXPECT_ERROR(io::write_safetensors(file, {{"x", at::ones(1)}, {"x", at::ones(1)}}), "tensor x given twice");
     DIFFRACT_EXPECT_ERROR(io::write_safetensors(fs::path(tmp.path().toStdString()) / "no" / "x.safetensors", {{"x", at::ones(1)}}),
                           "cannot write");
+  }
+
+  // The fused kernel must do what torch::optim::AdamW does, step for step.
+  void fusedAdamWMatchesTorchAdamW() {
+    at::manual_seed(3);
+    std::vector<at::Tensor> a = {at::randn({5, 3}).requires_grad_(), at::randn({7}).requires_grad_(),
+                                 at::randn({2}).requires_grad_()};
+    std::vector<at::Tensor> b;
+    for (const auto& t : a) b.push_back(t.detach().clone().requires_grad_());
+    FusedAdamW ours(a, 0.9, 0.99, 0.01);
+    torch::optim::AdamW theirs(b, torch::optim::AdamWOptions(1e-2).betas({0.9, 0.99}).weight_decay(0.01).eps(1e-8));
+    for (int step = 0; step < 4; ++step) {
+      const double lr = 1e-2 * (1.0 - 0.2 * step);
+      for (auto& g : theirs.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
+      ours.zero_grad();
+      theirs.zero_grad();
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        if (step == 2 && i == 2) continue;  // no gradient: both leave it and its state alone
+        const auto w = at::randn(a[i].sizes());
+        (a[i] * a[i] * w).sum().backward();
+        (b[i] * b[i] * w).sum().backward();
+      }
+      ours.step(lr);
+      theirs.step();
+      for (std::size_t i = 0; i < a.size(); ++i)
+        QVERIFY2(at::allclose(a[i], b[i], 1e-6, 1e-7), ("parameter " + std::to_string(i) + " after step " +
+                                                        std::to_string(step)).c_str());
+    }
+    // Its state survives a save and load.
+    torch::serialize::OutputArchive out;
+    ours.save(out);
+    std::ostringstream buffer;
+    out.save_to(buffer);
+    std::vector<at::Tensor> c;
+    for (const auto& t : a) c.push_back(t.detach().clone().requires_grad_());
+    FusedAdamW back(c, 0.9, 0.99, 0.01);
+    torch::serialize::InputArchive in;
+    std::istringstream read(buffer.str());
+    in.load_from(read);
+    back.load(in);
+    ours.zero_grad();
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const auto w = at::randn(a[i].sizes());
+      (a[i] * w).sum().backward();
+      (c[i] * w).sum().backward();
+    }
+    ours.step(1e-2);
+    back.step(1e-2);
+    for (std::size_t i = 0; i < a.size(); ++i) QVERIFY(at::allclose(a[i], c[i], 1e-6, 1e-7));
   }
 
   void trainingStepsLowerTheLossOnAFixedBatch() {

@@ -1,14 +1,18 @@
 #include "core/pipeline/stable_diffusion.h"
 
+#include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
 
 #include "core/io/diffusers_folder.h"
@@ -594,6 +598,57 @@ at::Tensor run_strategy(StableDiffusion::Impl& p, const parallel::Strategy& stra
 
 }  // namespace
 
+namespace {
+
+// Where the device time of `f` goes: its CUDA kernels under the Kineto profiler, summed by
+// name and by a rough family, in ms per call. Kernel names are the libraries' own.
+nlohmann::json kernel_profile(int reps, const std::function<void()>& f, int device) {
+  namespace prof = torch::autograd::profiler;
+  using torch::profiler::impl::ActivityType;
+  const prof::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+  const std::set<ActivityType> activities{ActivityType::CPU, ActivityType::CUDA};
+  f();
+  torch::cuda::synchronize(device);
+  prof::prepareProfiler(config, activities);
+  prof::enableProfiler(config, activities);
+  for (int i = 0; i < reps; ++i) f();
+  torch::cuda::synchronize(device);
+  const auto result = prof::disableProfiler();
+  std::map<std::string, double> by_name, by_family;
+  double total = 0;
+  int kernels = 0;
+  auto family = [](std::string n) {
+    std::transform(n.begin(), n.end(), n.begin(), [](unsigned char ch) { return std::tolower(ch); });
+    auto has = [&](const char* k) { return n.find(k) != std::string::npos; };
+    if (has("flash") || has("fmha") || has("attention")) return "attention";
+    if (has("conv") || has("fprop") || has("dgrad") || has("wgrad")) return "convolution";
+    if (has("gemm") || has("nvjet") || has("xmma") || has("cutlass") || has("matmul")) return "matmul";
+    if (has("norm")) return "normalisation";
+    if (has("memcpy") || has("memset")) return "copy";
+    return "elementwise and other";
+  };
+  for (const auto& e : result->events()) {
+    if (e.deviceType() != c10::DeviceType::CUDA) continue;
+    const double ms = static_cast<double>(e.durationNs()) / 1e6 / reps;
+    by_name[e.name()] += ms;
+    by_family[family(e.name())] += ms;
+    total += ms;
+    ++kernels;
+  }
+  std::vector<std::pair<double, std::string>> top;
+  for (const auto& [n, ms] : by_name) top.emplace_back(ms, n);
+  std::sort(top.rbegin(), top.rend());
+  nlohmann::json j;
+  j["device_ms_per_call"] = total;
+  j["kernels_per_call"] = kernels / reps;
+  j["families_ms"] = by_family;
+  for (std::size_t i = 0; i < std::min<std::size_t>(25, top.size()); ++i)
+    j["top_ms"].push_back({top[i].second.substr(0, 120), top[i].first});
+  return j;
+}
+
+}  // namespace
+
 std::string StableDiffusion::profile_unet_step(int size, int rows, int reps) {
   auto& p = *impl_;
   if (!p.device.is_cuda()) throw Error("profile_unet_step needs a CUDA device");
@@ -623,6 +678,7 @@ std::string StableDiffusion::profile_unet_step(int size, int rows, int reps) {
   j["rows"] = rows;
   j["size"] = size;
   j["eager_ms"] = time_ms([&] { p.unet->forward(x, t, cond); });
+  j["kernels"] = kernel_profile(reps, [&] { p.unet->forward(x, t, cond); }, p.device.index());
   p.runner->clear();  // its graphs point at the weights about to move
   {
     models::UNetGraphRunner g(p.unet);

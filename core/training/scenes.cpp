@@ -295,6 +295,18 @@ std::vector<SceneSpec> SceneComposer::sample(int64_t n, std::mt19937_64& rng) co
   return out;
 }
 
+std::vector<SceneSpec> SceneComposer::all() const {
+  std::vector<SceneSpec> out;
+  const int colours = static_cast<int>(background_colours().size());
+  for (int64_t e = 0; e < atlas_.size(); ++e)
+    for (int c = 0; c < colours; ++c)
+      for (const auto& [scale, position] : placements_) {
+        const SceneSpec s{e, c, scale, position};
+        if (!holdout_.contains(s)) out.push_back(s);
+      }
+  return out;
+}
+
 at::Tensor SceneComposer::render(const std::vector<SceneSpec>& specs, std::mt19937_64* rng) const {
   at::NoGradGuard no_grad;
   const int64_t size = options_.image_size, n = static_cast<int64_t>(specs.size());

@@ -104,6 +104,8 @@ class SceneComposer {
 
   // Uniform over emoji, colours and valid (scale, position) pairs, never a held-out combination.
   std::vector<SceneSpec> sample(int64_t n, std::mt19937_64& rng) const;
+  // Every combination training may see (all but the held-out ones), in a fixed order.
+  std::vector<SceneSpec> all() const;
   // Images [B, 3, S, S] float in [0, 1] on the device; `rng` drives the jitter (none when null).
   at::Tensor render(const std::vector<SceneSpec>& specs, std::mt19937_64* rng) const;
   // A caption with randomly kept phrases, as training sees them.

@@ -1,6 +1,8 @@
 #include "core/training/trainer.h"
 
+#include <algorithm>
 #include <chrono>
+#include <future>
 #include <cmath>
 #include <fstream>
 #include <iomanip>
@@ -9,8 +11,6 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <nlohmann/json.hpp>
-#include <torch/nn/utils/clip_grad.h>
-#include <torch/optim/adamw.h>
 #include <torch/serialize.h>
 
 #include "core/io/safetensors_writer.h"
@@ -176,6 +176,59 @@ ModelConfig ModelConfig::preset(const std::string& name) {
   return m;
 }
 
+FusedAdamW::FusedAdamW(std::vector<at::Tensor> params, double beta1, double beta2, double weight_decay, double eps)
+    : params_(std::move(params)), beta1_(beta1), beta2_(beta2), weight_decay_(weight_decay), eps_(eps) {
+  at::NoGradGuard no_grad;
+  for (const auto& p : params_) {
+    exp_avg_.push_back(at::zeros_like(p, at::MemoryFormat::Preserve));
+    exp_avg_sq_.push_back(at::zeros_like(p, at::MemoryFormat::Preserve));
+    // The kernel reads the step count from a float tensor on the parameter's device.
+    steps_.push_back(at::zeros({}, p.options().dtype(at::kFloat)));
+  }
+}
+
+void FusedAdamW::step(double lr) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> p, g, m, v, t;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].grad().defined()) continue;
+    p.push_back(params_[i]);
+    g.push_back(params_[i].grad());
+    m.push_back(exp_avg_[i]);
+    v.push_back(exp_avg_sq_[i]);
+    t.push_back(steps_[i]);
+  }
+  if (p.empty()) return;
+  at::_foreach_add_(t, 1);
+  at::_fused_adamw_(p, g, m, v, {}, t, lr, beta1_, beta2_, weight_decay_, eps_, /*amsgrad=*/false, /*maximize=*/false);
+}
+
+void FusedAdamW::zero_grad() {
+  for (auto& p : params_) p.mutable_grad().reset();
+}
+
+void FusedAdamW::save(torch::serialize::OutputArchive& archive) const {
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    archive.write("adamw.exp_avg." + std::to_string(i), exp_avg_[i], /*is_buffer=*/true);
+    archive.write("adamw.exp_avg_sq." + std::to_string(i), exp_avg_sq_[i], true);
+    archive.write("adamw.step." + std::to_string(i), steps_[i], true);
+  }
+}
+
+void FusedAdamW::load(torch::serialize::InputArchive& archive) {
+  at::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    for (auto* state : {&exp_avg_, &exp_avg_sq_, &steps_}) {
+      const char* name = state == &exp_avg_ ? "exp_avg" : state == &exp_avg_sq_ ? "exp_avg_sq" : "step";
+      at::Tensor t;
+      archive.read(std::string("adamw.") + name + "." + std::to_string(i), t, /*is_buffer=*/true);
+      if (!t.sizes().equals((*state)[i].sizes()))
+        throw Error(std::string("checkpoint: AdamW ") + name + " of parameter " + std::to_string(i) + " has the wrong shape");
+      (*state)[i].copy_(t);
+    }
+  }
+}
+
 NoiseSchedule::NoiseSchedule() {
   auto betas = at::linspace(std::sqrt(kBetaStart), std::sqrt(kBetaEnd), kTrainSteps, at::kDouble).pow(2);
   alphas_cumprod = at::cumprod(1 - betas, 0);
@@ -229,8 +282,7 @@ Trainer::Trainer(TrainConfig config)
     at::globalContext().setBenchmarkCuDNN(true);
   }
   for (const auto& p : parameters()) ema_.push_back(p.detach().clone());
-  optimizer_ = std::make_unique<torch::optim::AdamW>(
-      parameters(), torch::optim::AdamWOptions(config_.lr).weight_decay(config_.weight_decay).betas({0.9, 0.99}));
+  optimizer_ = std::make_unique<FusedAdamW>(parameters(), 0.9, 0.99, config_.weight_decay);
   alphas_cumprod_ = schedule_.alphas_cumprod.to(at::kFloat).to(device_);
 }
 
@@ -287,9 +339,7 @@ double Trainer::step(const at::Tensor& latents, const at::Tensor& ids, const at:
   l.backward();
   if (config_.grad_clip > 0) clip_gradients(parameters(), config_.grad_clip);
   const double progress = config_.steps > 0 ? static_cast<double>(step_) / config_.steps : 0.0;
-  for (auto& g : optimizer_->param_groups())
-    static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr_at(progress, step_));
-  optimizer_->step();
+  optimizer_->step(lr_at(progress, step_));
   update_ema();
   ++step_;
   return l.item<double>();
@@ -306,13 +356,13 @@ void Trainer::save_checkpoint(const fs::path& dir) const {
   for (const auto& p : unet_->named_parameters()) model.write("unet." + p.key(), p.value());
   for (const auto& p : text_encoder_->named_parameters()) model.write("text." + p.key(), p.value());
   for (std::size_t i = 0; i < ema_.size(); ++i) model.write("ema." + std::to_string(i), ema_[i]);
+  optimizer_->save(model);
   model.save_to((dir / "model.pt.tmp").string());
-  torch::save(*optimizer_, (dir / "optimizer.pt.tmp").string());
   std::ostringstream rng;
   rng << rng_;
   write_json(dir / "state.json.tmp", {{"step", step_}, {"seconds", seconds_}, {"latent_scale", latent_scale_},
                                       {"model", config_.model}, {"rng", rng.str()}});
-  for (const char* f : {"model.pt", "optimizer.pt", "state.json"}) fs::rename(dir / (std::string(f) + ".tmp"), dir / f);
+  for (const char* f : {"model.pt", "state.json"}) fs::rename(dir / (std::string(f) + ".tmp"), dir / f);
 }
 
 void Trainer::load_checkpoint(const fs::path& dir) {
@@ -340,7 +390,7 @@ void Trainer::load_checkpoint(const fs::path& dir) {
     model.read("ema." + std::to_string(i), t);
     ema_[i].copy_(t);
   }
-  torch::load(*optimizer_, (dir / "optimizer.pt").string(), device_);
+  optimizer_->load(model);
   step_ = state.at("step").get<int64_t>();
   seconds_ = state.at("seconds").get<double>();
   latent_scale_ = state.at("latent_scale").get<double>();
@@ -348,10 +398,43 @@ void Trainer::load_checkpoint(const fs::path& dir) {
   rng >> rng_;
 }
 
+namespace {
+
+LatentBank encode_bank(const SceneComposer& composer, models::TAESD& taesd, int64_t limit, int64_t chunk,
+                       bool autocast, std::uint64_t seed) {
+  LatentBank bank;
+  bank.specs = composer.all();
+  std::mt19937_64 rng(seed);
+  // Shuffled so that each chunk (which shares one jitter draw per placement) mixes every setting.
+  std::shuffle(bank.specs.begin(), bank.specs.end(), rng);
+  if (limit > 0 && limit < static_cast<int64_t>(bank.specs.size())) bank.specs.resize(static_cast<std::size_t>(limit));
+  const auto n = static_cast<int64_t>(bank.specs.size());
+  if (n == 0) throw Error("no training scenes: every combination of the atlas is held out");
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> parts;
+  for (int64_t begin = 0; begin < n; begin += chunk) {
+    const std::vector<SceneSpec> specs(bank.specs.begin() + begin, bank.specs.begin() + std::min(n, begin + chunk));
+    const auto images = composer.render(specs, &rng);
+    AutocastGuard guard(autocast, images.device().type());
+    parts.push_back(taesd->encode(images * 2 - 1).to(at::kBFloat16));
+  }
+  bank.latents = at::cat(parts);
+  return bank;
+}
+
+// The next batch's bank rows and token ids, made on a worker thread while the device trains.
+struct HostBatch {
+  at::Tensor rows;  // [B] long
+  at::Tensor ids;   // [B, 77] long
+};
+
+}  // namespace
+
 TrainSummary Trainer::train() {
   auto log = log::get("train");
   if (config_.out.empty()) throw Error("training needs an output folder (--out)");
   if (config_.steps <= 0 && config_.minutes <= 0) throw Error("training needs a budget: --steps and/or --minutes");
+  if (config_.bank_scenes < 0) throw Error("bank scenes must be 0 (every combination) or more");
   fs::create_directories(config_.out);
   const auto tokenizer = text::CLIPTokenizer::from_openai_bpe(config_.bpe);
   CaptionEncoder captions(tokenizer);
@@ -365,12 +448,15 @@ TrainSummary Trainer::train() {
                 " latent channels (TAEF2)");
   taesd->to(device_);
   taesd->eval();
-  const bool autocast = autocast_on();
-  auto encode = [&](const at::Tensor& images) {
-    at::NoGradGuard no_grad;
-    AutocastGuard guard(autocast, device_.type());
-    return taesd->encode(images * 2 - 1).to(at::kFloat);
-  };
+
+  // The bank comes from its own seed, so a resumed run trains on the same latents.
+  const auto bank_start = Clock::now();
+  auto bank = encode_bank(composer, taesd, config_.bank_scenes, std::min<int64_t>(1024, std::max<int64_t>(config_.batch, 64)),
+                          autocast_on(), config_.seed ^ 0x5eedba4cULL);
+  taesd = nullptr;
+  const auto bank_rows = static_cast<int64_t>(bank.specs.size());
+  log.info(log::str("encoded ", bank_rows, " scenes once in ", seconds_since(bank_start), " s (",
+                    static_cast<double>(bank.latents.nbytes()) / (1 << 30), " GiB of bf16 latents)"));
 
   const auto ckpt = config_.out / "checkpoint";
   if (config_.resume && fs::exists(ckpt / "state.json")) {
@@ -378,17 +464,11 @@ TrainSummary Trainer::train() {
     log.info(log::str("resumed at step ", step_, " after ", static_cast<int>(seconds_), " s of training"));
   } else {
     // Unit second moment for the diffusion latents: the scale diffusers calls scaling_factor.
-    double sum2 = 0, sum = 0, count = 0;
-    for (int64_t done = 0; done < config_.latent_stat_scenes; done += config_.batch) {
-      const auto specs = composer.sample(std::min(config_.batch, config_.latent_stat_scenes - done), rng_);
-      auto z = encode(composer.render(specs, &rng_));
-      sum2 += z.pow(2).sum().item<double>();
-      sum += z.sum().item<double>();
-      count += static_cast<double>(z.numel());
-    }
-    latent_scale_ = 1.0 / std::sqrt(sum2 / count);
-    log.info(log::str("TAEF2 latents over ", config_.latent_stat_scenes, " scenes: mean ", sum / count, ", rms ",
-                      std::sqrt(sum2 / count), " -> scaling_factor ", latent_scale_));
+    const auto z = bank.latents.to(at::kFloat);
+    const double mean = z.mean().item<double>(), rms = z.pow(2).mean().sqrt().item<double>();
+    latent_scale_ = 1.0 / rms;
+    log.info(log::str("TAEF2 latents over ", bank_rows, " scenes: mean ", mean, ", rms ", rms, " -> scaling_factor ",
+                      latent_scale_));
   }
 
   std::ofstream csv(config_.out / "loss.csv", config_.resume ? std::ios::app : std::ios::trunc);
@@ -397,12 +477,35 @@ TrainSummary Trainer::train() {
   const double schedule_seconds =
       (config_.schedule_minutes > 0 ? config_.schedule_minutes : config_.minutes) * 60.0;
   const int64_t start_step = step_;
+
+  auto make_batch = [&]() {
+    std::uniform_real_distribution<double> u(0.0, 1.0);
+    HostBatch b;
+    b.rows = at::empty({config_.batch}, at::kLong);
+    auto* r = b.rows.data_ptr<int64_t>();
+    std::vector<std::string> text;
+    text.reserve(static_cast<std::size_t>(config_.batch));
+    for (int64_t i = 0; i < config_.batch; ++i) {
+      r[i] = static_cast<int64_t>(rng_() % static_cast<std::uint64_t>(bank_rows));
+      const auto& spec = bank.specs[static_cast<std::size_t>(r[i])];
+      text.push_back(u(rng_) < config_.cfg_dropout ? std::string() : composer.sample_caption(spec, rng_));
+    }
+    b.ids = captions.ids(text);
+    if (device_.is_cuda()) {
+      b.rows = b.rows.pin_memory();
+      b.ids = b.ids.pin_memory();
+    }
+    return b;
+  };
+  // rng_ is only touched by the worker while a batch is in flight; joined before checkpoints.
+  auto next = std::async(std::launch::async, make_batch);
+
   const auto run_start = Clock::now();
   auto window_start = Clock::now();
   auto loss_sum = at::zeros({}, at::TensorOptions(at::kFloat).device(device_));
   int64_t window = 0;
+  double waited = 0;  // seconds the loop waited for host batches in this log window
   TrainSummary summary;
-  std::uniform_real_distribution<double> u(0.0, 1.0);
   const double seconds_before = seconds_;
   while (true) {
     const double run_seconds = seconds_since(run_start);
@@ -418,35 +521,39 @@ TrainSummary Trainer::train() {
       progress = static_cast<double>(step_ - start_step) / config_.steps;
     const double lr = lr_at(progress, step_);
 
-    const auto specs = composer.sample(config_.batch, rng_);
-    std::vector<std::string> text;
-    for (const auto& s : specs) text.push_back(u(rng_) < config_.cfg_dropout ? std::string() : composer.sample_caption(s, rng_));
-    auto ids = captions.ids(text).to(device_, /*non_blocking=*/true);
-    auto z = encode(composer.render(specs, &rng_)) * latent_scale_;
+    const auto wait_start = Clock::now();
+    auto batch = next.get();
+    waited += seconds_since(wait_start);
+    next = std::async(std::launch::async, make_batch);
+    auto ids = batch.ids.to(device_, /*non_blocking=*/true);
+    auto z = bank.latents.index_select(0, batch.rows.to(device_, /*non_blocking=*/true)).to(at::kFloat) * latent_scale_;
 
     optimizer_->zero_grad();
     auto l = forward_loss(z, ids, {}, {});
     l.backward();
     if (config_.grad_clip > 0) clip_gradients(parameters(), config_.grad_clip);
-    for (auto& g : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
-    optimizer_->step();
+    optimizer_->step(lr);
     update_ema();
     ++step_;
     loss_sum += l.detach();
     ++window;
     if (step_ % config_.log_every == 0) {
       const double mean = loss_sum.item<double>() / static_cast<double>(window);
-      const double ips = static_cast<double>(window * config_.batch) / seconds_since(window_start);
+      const double elapsed = seconds_since(window_start);
+      const double ips = static_cast<double>(window * config_.batch) / elapsed;
       csv << step_ << ',' << mean << ',' << lr << ',' << std::fixed << std::setprecision(1)
           << seconds_before + seconds_since(run_start) << ',' << ips << std::defaultfloat << std::setprecision(6) << '\n';
       csv.flush();
-      log.info(log::str("step ", step_, "  loss ", mean, "  lr ", lr, "  ", static_cast<int>(ips), " images/s"));
+      log.info(log::str("step ", step_, "  loss ", mean, "  lr ", lr, "  ", static_cast<int>(ips), " images/s  (",
+                        static_cast<int>(100 * waited / elapsed), "% waiting for host batches)"));
       summary.last_loss = mean;
       loss_sum.zero_();
       window = 0;
+      waited = 0;
       window_start = Clock::now();
     }
   }
+  next.wait();
   if (window > 0) summary.last_loss = loss_sum.item<double>() / static_cast<double>(window);
   seconds_ = seconds_before + seconds_since(run_start);
   summary.steps = step_;
@@ -459,7 +566,7 @@ TrainSummary Trainer::train() {
              {{"model", config_.model}, {"steps", summary.steps}, {"run_steps", summary.run_steps},
               {"training_seconds", summary.seconds}, {"images_per_second", summary.images_per_second},
               {"last_loss", summary.last_loss}, {"latent_scale", latent_scale_}, {"batch", config_.batch},
-              {"lr", config_.lr}, {"device", config_.device}, {"sprites", atlas.size()}});
+              {"lr", config_.lr}, {"device", config_.device}, {"sprites", atlas.size()}, {"bank_scenes", bank_rows}});
   log.info(log::str("trained ", summary.run_steps, " steps (", summary.steps, " in all) at ",
                     static_cast<int>(summary.images_per_second), " images/s; checkpoint in ", ckpt.string()));
   if (config_.export_model) export_diffusers(config_.out / "model");

@@ -9,20 +9,18 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
-#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
 
 #include "core/models/autoencoders/taesd.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/unets/unet_2d_condition.h"
+#include "core/training/scenes.h"
 
 namespace diffract::text {
 class CLIPTokenizer;
 }
 
 namespace diffract::training {
-
-class SpriteAtlas;
-class SceneComposer;
 
 // The denoiser and text encoder to train, sized by name: "emoji" (the shipped model) or
 // "tiny" (CPU tests).
@@ -56,7 +54,7 @@ struct TrainConfig {
   double grad_clip = 1.0;
   double min_snr_gamma = 5.0;       // Min-SNR loss weighting (0: plain MSE)
   int64_t log_every = 25;
-  int64_t latent_stat_scenes = 2048;
+  int64_t bank_scenes = 0;          // scenes encoded before training (0: every training combination)
   bool resume = false;
   bool export_model = true;
   std::uint64_t seed = 0;
@@ -77,6 +75,29 @@ struct TrainSummary {
   double images_per_second = 0; // this run
   double last_loss = 0;         // mean of the last log window
   double latent_scale = 1.0;
+};
+
+// AdamW with ATen's fused kernel (CPU and CUDA): one launch for all parameters, where
+// torch::optim::AdamW runs several small kernels per parameter tensor.
+class FusedAdamW {
+ public:
+  FusedAdamW(std::vector<at::Tensor> params, double beta1, double beta2, double weight_decay, double eps = 1e-8);
+  // Parameters without a gradient are left alone, as torch::optim does.
+  void step(double lr);
+  void zero_grad();
+  void save(torch::serialize::OutputArchive& archive) const;
+  void load(torch::serialize::InputArchive& archive);
+
+ private:
+  std::vector<at::Tensor> params_, exp_avg_, exp_avg_sq_, steps_;
+  double beta1_, beta2_, weight_decay_, eps_;
+};
+
+// The training scenes encoded once: latents[i] (scaled, bf16, on the training device) is the
+// scene specs[i], rendered with one jitter draw.
+struct LatentBank {
+  std::vector<SceneSpec> specs;
+  at::Tensor latents;
 };
 
 // Trains the UNet and CLIP text encoder on scenes encoded by the TAEF2 encoder.
@@ -120,7 +141,7 @@ class Trainer {
   models::UNet2DConditionModel unet_{nullptr};
   models::CLIPTextModel text_encoder_{nullptr};
   std::vector<at::Tensor> ema_;
-  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<FusedAdamW> optimizer_;
   NoiseSchedule schedule_;
   at::Tensor alphas_cumprod_;  // on the device, float
   double latent_scale_ = 1.0;
