@@ -7,6 +7,8 @@
 
 namespace diffract::models {
 
+at::Tensor linear(const torch::nn::LinearImpl* layer, const at::Tensor& x) { return at::linear(x, layer->weight, layer->bias); }
+
 at::Tensor multi_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t heads,
                                 bool causal) {
   const auto b = q.size(0), tq = q.size(1), tk = k.size(1), c = q.size(2);
@@ -59,8 +61,8 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context
   }
   if (group_norm) h = group_norm->forward(h.transpose(1, 2)).transpose(1, 2);
   const at::Tensor& kv = context.defined() ? context : h;
-  auto out = multi_head_attention(to_q->forward(h), to_k->forward(kv), to_v->forward(kv), options.heads);
-  out = to_out[0]->as<nn::Linear>()->forward(out);
+  auto out = multi_head_attention(linear(to_q, h), linear(to_k, kv), linear(to_v, kv), options.heads);
+  out = linear(to_out[0]->as<nn::Linear>(), out);
   if (spatial) out = out.transpose(1, 2).reshape({b, c, height, width});
   if (options.residual_connection) out = out + x;
   if (options.rescale_output_factor != 1.0) out = out / options.rescale_output_factor;
@@ -73,7 +75,7 @@ class GEGLUImpl : public nn::Module {
  public:
   GEGLUImpl(int64_t dim, int64_t inner) { proj = register_module("proj", nn::Linear(dim, inner * 2)); }
   at::Tensor forward(const at::Tensor& x) {
-    auto parts = proj->forward(x).chunk(2, -1);
+    auto parts = linear(proj, x).chunk(2, -1);
     return parts[0] * at::gelu(parts[1]);
   }
   nn::Linear proj{nullptr};
@@ -86,7 +88,7 @@ FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t inner_dim) {
 }
 
 at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
-  return net[2]->as<nn::Linear>()->forward(net[0]->as<GEGLU>()->forward(x));
+  return linear(net[2]->as<nn::Linear>(), net[0]->as<GEGLU>()->forward(x));
 }
 
 }  // namespace diffract::models
