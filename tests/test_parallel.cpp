@@ -36,6 +36,14 @@ class Counting final : public Denoiser {
   std::unique_ptr<Denoiser> rows(std::int64_t b, std::int64_t n) const override {
     return std::make_unique<Counting>(inner_->rows(b, n), count_, fail_);
   }
+  int splits() const override { return inner_->splits(); }
+  models::UNetOuterState outer_down(const at::Tensor& x, double t, Branch b, int split) override {
+    return inner_->outer_down(x, t, b, split);
+  }
+  at::Tensor inner(const at::Tensor& h, double t, Branch b, int split) override { return inner_->inner(h, t, b, split); }
+  at::Tensor outer_up(models::UNetOuterState st, const at::Tensor& in, Branch b, int split) override {
+    return inner_->outer_up(std::move(st), in, b, split);
+  }
 
  private:
   std::unique_ptr<Denoiser> inner_;
@@ -51,6 +59,7 @@ class TestParallel : public QObject {
   models::UNet2DConditionModel unet_{nullptr};
   std::atomic<int> evals_{0};
   int fail_rank_ = -1;
+  models::UNetConditioning pos_, neg_;  // the last inputs()' conditioning
 
   LoopInputs inputs(schedulers::SamplerKind kind, int steps, int batch, double cfg, std::uint64_t seed = 7) {
     at::Generator g = at::detail::createCPUGenerator(seed);
@@ -59,6 +68,8 @@ class TestParallel : public QObject {
     models::UNetConditioning pos, neg;
     pos.encoder_hidden_states = at::randn({batch, 5, ctx}, g);
     neg.encoder_hidden_states = at::randn({batch, 5, ctx}, g);
+    pos_ = pos;
+    neg_ = neg;
     LoopInputs in;
     in.kind = kind;
     in.config = schedulers::SchedulerConfig::from_json(test::fixtures() / "tiny-sd" / "scheduler" / "scheduler_config.json", kind);
@@ -238,6 +249,157 @@ class TestParallel : public QObject {
     const auto expect = hybrid_cfg_window(out.stats.rel_mae, 3, 4e-4, 15, 5);
     QCOMPARE(out.stats.tau1, expect.tau1);
     QCOMPARE(out.stats.tau2, expect.tau2);
+  }
+
+  // The U split's three stages chained on one branch are the UNet's forward.
+  void hybridStageSplitIsExact() {
+    at::Generator g = at::detail::createCPUGenerator(3);
+    const auto& c = unet_->config;
+    const auto x = at::randn({2, c.in_channels, c.sample_size, c.sample_size}, g);
+    const auto t = at::tensor({500.0f, 20.0f});
+    models::UNetConditioning cond;
+    cond.encoder_hidden_states = at::randn({2, 5, c.cross_attention_dim.front()}, g);
+    at::NoGradGuard no_grad;
+    const auto full = unet_->forward(x, t, cond);
+    auto st = unet_->forward_outer_down(x, t, cond, 1);
+    QVERIFY(st.h.sizes().vec() == (std::vector<int64_t>{2, 32, 8, 8}));  // down_blocks[1]'s input
+    const auto inner = unet_->forward_inner(st.h, t, cond, 1);
+    const auto split = unet_->forward_outer_up(std::move(st), inner, cond, 1);
+    DIFFRACT_COMPARE_TENSORS(split, full, 1e-6);
+    DIFFRACT_EXPECT_ERROR(unet_->forward_inner(x, t, cond, 2), "split at down block 2", "must be 1 to 1");
+    DIFFRACT_EXPECT_ERROR(unet_->forward_outer_down(x, t, cond, 0), "must be 1 to 1");
+    // The same through the denoiser, per branch.
+    auto in = inputs(schedulers::SamplerKind::Euler, 2, 1, 5.0);
+    auto d = in.make_denoiser(0, c10::Device(c10::kCPU));
+    QCOMPARE(d->splits(), 1);
+    const auto x1 = x.narrow(0, 0, 1);
+    for (auto b : {Branch::Cond, Branch::Uncond}) {
+      auto s1 = d->outer_down(x1, 321, b, 1);
+      const auto h = s1.h;
+      DIFFRACT_COMPARE_TENSORS(d->outer_up(std::move(s1), d->inner(h, 321, b, 1), b, 1), d->eval(x1, 321, b), 1e-6);
+    }
+    DIFFRACT_EXPECT_ERROR(d->outer_down(x1, 321, Branch::Guided, 1), "one branch");
+  }
+
+  // No stale step: hybrid is CFG-parallel, bit for bit.
+  void hybridEmptyWindowEqualsCfgParallel() {
+    auto in = inputs(schedulers::SamplerKind::Euler, 6, 1, 5.0);
+    const auto base = run(CfgParallel{}, in);
+    auto check = [&](const HybridCfg& h) {
+      const auto out = run(h, in);
+      QVERIFY(at::equal(out.latents, base.latents));
+      QCOMPARE(out.stats.evaluations, 12);
+      QCOMPARE(out.stats.bytes_sent, base.stats.bytes_sent);
+      QVERIFY(out.stats.note.find("every step ran CFG-parallel") != std::string::npos);
+      QCOMPARE(out.stats.rel_mae.size(), base.stats.rel_mae.size());
+      for (std::size_t i = 0; i < base.stats.rel_mae.size(); ++i) QCOMPARE(out.stats.rel_mae[i], base.stats.rel_mae[i]);
+    };
+    HybridCfg h;
+    h.tau_cap = 1;
+    h.k = 0;  // the rule fires at step 1, but the window is empty
+    check(h);
+    h.k = 1;  // only the fill step, which is not needed
+    check(h);
+    h = HybridCfg{};  // the cap (15) and L (12) lie beyond 6 steps
+    check(h);
+    QCOMPARE(run(h, in).stats.tau1, 15);
+  }
+
+  // The window on: the strategy equals a one-device replay of the stale algorithm written
+  // here from the design (header of HybridCfg), and moves a little away from CFG-parallel.
+  void hybridStaleWindowMatchesSimulation() {
+    for (auto kind : {schedulers::SamplerKind::Euler, schedulers::SamplerKind::DPMPP2M}) {
+      const int steps = 8;
+      auto in = inputs(kind, steps, 1, 5.0);
+      HybridCfg h;
+      h.tau_cap = 1;  // L = 12 never gets a slope in 8 steps: tau1 = 1, fill step 2, stale 3..5
+      h.k = 4;
+      const auto out = run(h, in);
+      const auto base = run(CfgParallel{}, in);
+      QCOMPARE(out.stats.tau1, 1);
+      QCOMPARE(out.stats.tau2, 5);
+      QVERIFY(out.stats.note.find("steps 3..5 ran layer-split one-step-stale") != std::string::npos);
+
+      at::NoGradGuard no_grad;
+      auto sampler = schedulers::Sampler::create(kind, in.config, steps);
+      at::Generator gen = in.generator.clone();
+      const double scale = 5.0;
+      auto x = in.latents.clone();
+      at::Tensor h_prev, d_prev;
+      std::int64_t eps_bytes = 0, h_bytes = 0, d_bytes = 0;
+      for (int i = 0; i < steps; ++i) {
+        const auto xin = sampler->scale_model_input(x, i);
+        const auto t = at::full({1}, sampler->timesteps()[static_cast<std::size_t>(i)], at::kFloat);
+        at::Tensor e;
+        if (i >= 3 && i <= 5) {
+          auto st = unet_->forward_outer_down(xin, t, pos_, 1);  // rank 0: Cond, fresh outer
+          const auto hh = st.h;
+          e = unet_->forward_outer_up(std::move(st), d_prev, pos_, 1);  // stale inner output
+          d_prev = unet_->forward_inner(h_prev, t, neg_, 1);         // rank 1: Uncond on h_{i-1}
+          h_prev = hh;
+        } else {
+          const auto c = unet_->forward(xin, t, pos_), u = unet_->forward(xin, t, neg_);
+          e = u + scale * (c - u);
+          eps_bytes = static_cast<std::int64_t>(c.nbytes());
+          if (i == 2) {
+            h_prev = unet_->forward_outer_down(xin, t, pos_, 1).h;
+            d_prev = unet_->forward_inner(unet_->forward_outer_down(xin, t, neg_, 1).h, t, neg_, 1);
+            h_bytes = static_cast<std::int64_t>(h_prev.nbytes());
+            d_bytes = static_cast<std::int64_t>(d_prev.nbytes());
+          }
+        }
+        x = sampler->step(e, i, x, gen);
+      }
+      DIFFRACT_COMPARE_TENSORS(out.latents, x, 1e-5);
+      const double rel = (out.latents - base.latents).norm().item<double>() / base.latents.norm().item<double>();
+      QVERIFY2(rel > 1e-6 && rel < 0.5, qPrintable(QString("rel L2 to CFG-parallel %1").arg(rel)));
+      // 5 CFG-parallel steps (all_gather: 2 eps), the fill step's h + inner output, stale steps
+      // 3 and 4 send eps + h + inner output, the last stale step eps alone.
+      QCOMPARE(out.stats.bytes_sent, 10 * eps_bytes + (h_bytes + d_bytes) + 2 * (eps_bytes + h_bytes + d_bytes) + eps_bytes);
+      QCOMPARE(out.stats.evaluations, 5 * 2 + 3);
+      QCOMPARE(out.stats.rounds, steps);
+      for (int i = 0; i < steps; ++i)
+        QCOMPARE(std::isnan(out.stats.rel_mae[static_cast<std::size_t>(i)]), i >= 3 && i <= 5);
+    }
+  }
+
+  void hybridBadParameters() {
+    auto expect = [&](HybridCfg h, const char* what) {
+      DIFFRACT_EXPECT_ERROR(run(h, inputs(schedulers::SamplerKind::Euler, 4, 1, 5.0)), what);
+    };
+    HybridCfg h;
+    h.L = 1;
+    expect(h, "slope window L must be 2 or more, not 1");
+    h = HybridCfg{};
+    h.eps = 0;
+    expect(h, "eps must be above 0");
+    h = HybridCfg{};
+    h.tau_cap = -2;
+    expect(h, "tau_cap must be 0 or more, not -2");
+    h = HybridCfg{};
+    h.k = -1;
+    expect(h, "window length k must be 0 or more, not -1");
+    h = HybridCfg{};
+    h.split = 0;
+    expect(h, "split must be a down block index of 1 or more");
+    h = HybridCfg{};
+    h.split = 3;
+    expect(h, "split 3 is past this UNet's last split point 1");
+    DIFFRACT_EXPECT_ERROR(run(HybridCfg{}, inputs(schedulers::SamplerKind::Euler, 4, 1, 1.0)), "needs classifier-free");
+    // A denoiser that cannot split: clear errors from the strategy and from the stage calls.
+    struct Plain final : Denoiser {
+      at::Tensor eval(const at::Tensor& x, double, Branch) override { return x; }
+      bool cfg() const override { return true; }
+      double guidance_scale() const override { return 5; }
+      std::int64_t batch() const override { return 1; }
+      at::ScalarType output_dtype() const override { return at::kFloat; }
+      std::unique_ptr<Denoiser> rows(std::int64_t, std::int64_t) const override { return std::make_unique<Plain>(); }
+    };
+    Plain p;
+    DIFFRACT_EXPECT_ERROR(p.outer_down(at::zeros({1, 4, 8, 8}), 1, Branch::Cond, 1), "cannot run the layer-split stages");
+    auto in = inputs(schedulers::SamplerKind::Euler, 4, 1, 5.0);
+    in.make_denoiser = [](int, const c10::Device&) -> std::unique_ptr<Denoiser> { return std::make_unique<Plain>(); };
+    DIFFRACT_EXPECT_ERROR(run(HybridCfg{}, in), "cannot be split into layer stages");
   }
 
   void dataParallelEqualsOneDevice() {

@@ -9,6 +9,16 @@ namespace diffract::parallel {
 
 Denoiser::~Denoiser() = default;
 
+namespace {
+[[noreturn]] void no_stages() {
+  throw Error("this denoiser cannot run the layer-split stages hybrid-cfg's stale window needs (only a UNet can)");
+}
+}  // namespace
+
+models::UNetOuterState Denoiser::outer_down(const at::Tensor&, double, Branch, int) { no_stages(); }
+at::Tensor Denoiser::inner(const at::Tensor&, double, Branch, int) { no_stages(); }
+at::Tensor Denoiser::outer_up(models::UNetOuterState, const at::Tensor&, Branch, int) { no_stages(); }
+
 at::Tensor combine_cfg(const at::Tensor& uncond, const at::Tensor& cond, double scale) {
   return uncond + scale * (cond - uncond);
 }
@@ -59,6 +69,32 @@ at::Tensor UNetDenoiser::eval(const at::Tensor& model_input, double timestep, Br
   if (!both) return out;
   auto parts = out.chunk(2);
   return combine_cfg(parts[0], parts[1], scale_);
+}
+
+const models::UNetConditioning& UNetDenoiser::branch_conditioning(Branch branch) const {
+  if (branch == Branch::Guided) throw Error("the layer-split stages run one branch (Cond or Uncond) at a time");
+  if (branch == Branch::Uncond && !cfg_) throw Error("the unconditional branch was asked for without CFG");
+  return branch == Branch::Uncond ? negative_ : positive_;
+}
+
+int UNetDenoiser::splits() const { return static_cast<int>(unet_->unet()->down_blocks->size()) - 1; }
+
+models::UNetOuterState UNetDenoiser::outer_down(const at::Tensor& model_input, double timestep, Branch branch,
+                                                int split) {
+  const auto& cond = branch_conditioning(branch);
+  const auto x = model_input.to(device_, dtype_);
+  auto t = at::full({x.size(0)}, timestep, at::TensorOptions().dtype(at::kFloat).device(device_));
+  return unet_->forward_outer_down(x, t, cond, split);
+}
+
+at::Tensor UNetDenoiser::inner(const at::Tensor& h, double timestep, Branch branch, int split) {
+  const auto& cond = branch_conditioning(branch);
+  auto t = at::full({h.size(0)}, timestep, at::TensorOptions().dtype(at::kFloat).device(device_));
+  return unet_->forward_inner(h.to(device_, dtype_), t, cond, split);
+}
+
+at::Tensor UNetDenoiser::outer_up(models::UNetOuterState state, const at::Tensor& inner, Branch branch, int split) {
+  return unet_->forward_outer_up(std::move(state), inner.to(device_, dtype_), branch_conditioning(branch), split);
 }
 
 std::unique_ptr<Denoiser> UNetDenoiser::rows(std::int64_t begin, std::int64_t count) const {

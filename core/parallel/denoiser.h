@@ -33,6 +33,18 @@ class Denoiser {
   virtual at::ScalarType output_dtype() const = 0;
   // The same denoiser over conditioning rows [begin, begin + count) (data-parallel batches).
   virtual std::unique_ptr<Denoiser> rows(std::int64_t begin, std::int64_t count) const = 0;
+
+  // Hybrid CFG's layer split (UNet2DConditionModelImpl::forward_outer_down, the "U split" at
+  // down block `split`), one branch (Cond or Uncond) per call. splits(): the largest valid
+  // split (valid ones are 1..splits()), 0 when this denoiser cannot split; the stage calls of
+  // such a denoiser throw diffract::Error. Chained on one branch they equal eval().
+  virtual int splits() const { return 0; }
+  // model_input [B, C, h, w] -> the outer state (h: the inner stage's input).
+  virtual models::UNetOuterState outer_down(const at::Tensor& model_input, double timestep, Branch branch, int split);
+  // h [B, C', h', w'] (from any step's outer_down) -> the inner output at `timestep`.
+  virtual at::Tensor inner(const at::Tensor& h, double timestep, Branch branch, int split);
+  // The outer state and an inner output -> eval()'s result [B, C, h, w] for that branch.
+  virtual at::Tensor outer_up(models::UNetOuterState state, const at::Tensor& inner, Branch branch, int split);
 };
 
 // eps_u + s * (eps_c - eps_u), written as the pipeline writes it.
@@ -58,8 +70,14 @@ class UNetDenoiser final : public Denoiser {
   std::int64_t batch() const override { return positive_.encoder_hidden_states.size(0); }
   at::ScalarType output_dtype() const override { return dtype_; }
   std::unique_ptr<Denoiser> rows(std::int64_t begin, std::int64_t count) const override;
+  int splits() const override;
+  models::UNetOuterState outer_down(const at::Tensor& model_input, double timestep, Branch branch, int split) override;
+  at::Tensor inner(const at::Tensor& h, double timestep, Branch branch, int split) override;
+  at::Tensor outer_up(models::UNetOuterState state, const at::Tensor& inner, Branch branch, int split) override;
 
  private:
+  const models::UNetConditioning& branch_conditioning(Branch branch) const;
+
   std::shared_ptr<models::UNetGraphRunner> unet_;
   models::UNetConditioning positive_, negative_, both_;  // both_: [negative; positive]
   double scale_;

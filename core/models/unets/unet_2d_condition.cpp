@@ -293,13 +293,19 @@ UpBlockImpl::UpBlockImpl(const UNet2DConditionConfig& c, size_t i, int64_t prev_
 
 at::Tensor UpBlockImpl::forward(at::Tensor x, const at::Tensor& temb, const at::Tensor& context,
                                 std::vector<at::Tensor>& skips, at::IntArrayRef upsample_size) {
-  for (size_t l = 0; l < resnets->size(); ++l) {
+  return forward_part(std::move(x), temb, context, skips, 0, resnets->size(), true, upsample_size);
+}
+
+at::Tensor UpBlockImpl::forward_part(at::Tensor x, const at::Tensor& temb, const at::Tensor& context,
+                                     std::vector<at::Tensor>& skips, size_t begin, size_t end, bool upsample,
+                                     at::IntArrayRef upsample_size) {
+  for (size_t l = begin; l < end; ++l) {
     x = at::cat({x, skips.back()}, 1);
     skips.pop_back();
     x = resnets[l]->as<ResnetBlock2D>()->forward(x, temb);
     if (attentions) x = attentions[l]->as<Transformer2DModel>()->forward(x, context);
   }
-  if (upsamplers) x = upsamplers[0]->as<Upsample2D>()->forward(x, upsample_size);
+  if (upsample && upsamplers) x = upsamplers[0]->as<Upsample2D>()->forward(x, upsample_size);
   return x;
 }
 
@@ -354,6 +360,26 @@ at::Tensor UNet2DConditionModelImpl::embed_time(const at::Tensor& timesteps, con
   return emb;
 }
 
+// Runs the up path from `from` (inclusive) to `to` (exclusive; an upsampler belongs to the
+// block's last resnet). The upsampler targets the size of the skip the next block consumes
+// first, so odd latent sizes come back exactly.
+at::Tensor UNet2DConditionModelImpl::run_up(at::Tensor x, const at::Tensor& temb, const at::Tensor& context,
+                                            std::vector<at::Tensor>& skips, SplitPoint from, SplitPoint to) {
+  for (size_t i = from.up_block; i < up_blocks->size() && i <= to.up_block; ++i) {
+    auto* up = up_blocks[i]->as<UpBlock>();
+    const size_t begin = i == from.up_block ? from.up_resnet : 0;
+    const size_t end = i == to.up_block ? to.up_resnet : up->resnets->size();
+    const bool whole = end == up->resnets->size();
+    std::vector<int64_t> size;
+    if (whole && i + 1 < up_blocks->size()) {
+      const auto& next = skips[skips.size() - (end - begin) - 1];
+      size = {next.size(2), next.size(3)};
+    }
+    x = up->forward_part(x, temb, context, skips, begin, end, whole, size);
+  }
+  return x;
+}
+
 at::Tensor UNet2DConditionModelImpl::forward(const at::Tensor& sample, const at::Tensor& timesteps,
                                              const UNetConditioning& cond) {
   // sample [B, Cin, H, W], timesteps [B] -> [B, Cout, H, W]
@@ -364,18 +390,66 @@ at::Tensor UNet2DConditionModelImpl::forward(const at::Tensor& sample, const at:
   std::vector<at::Tensor> skips = {x};
   for (const auto& block : *down_blocks) x = block->as<DownBlock>()->forward(x, temb, context, skips);
   x = mid_block->forward(x, temb, context);
-  for (size_t i = 0; i < up_blocks->size(); ++i) {
-    auto* up = up_blocks[i]->as<UpBlock>();
-    const size_t used = up->resnets->size();
-    // The upsampler targets the size of the skip the next block consumes first, so odd
-    // latent sizes come back exactly.
-    std::vector<int64_t> size;
-    if (i + 1 < up_blocks->size()) {
-      const auto& next = skips[skips.size() - used - 1];
-      size = {next.size(2), next.size(3)};
+  x = run_up(x, temb, context, skips, {0, 0}, {up_blocks->size(), 0});
+  return conv_out->forward(at::silu(conv_norm_out->forward(x)));
+}
+
+UNet2DConditionModelImpl::SplitPoint UNet2DConditionModelImpl::split_point(int split) const {
+  const auto n = static_cast<int>(down_blocks->size());
+  if (split < 1 || split >= n)
+    throw Error("UNet split at down block " + std::to_string(split) + ": it must be 1 to " + std::to_string(n - 1) +
+                " (this UNet has " + std::to_string(n) + " down blocks)");
+  // The skips down_blocks[split..] produce, which the first up layers consume.
+  size_t inner = 0;
+  for (int i = split; i < n; ++i)
+    inner += static_cast<size_t>(config.layers_per_block[static_cast<size_t>(i)]) + (i + 1 < n ? 1 : 0);
+  SplitPoint p;
+  while (inner > 0) {
+    const auto count = up_blocks->ptr(p.up_block)->as<UpBlock>()->resnets->size();
+    if (inner < count) {
+      p.up_resnet = inner;
+      break;
     }
-    x = up->forward(x, temb, context, skips, size);
+    inner -= count;
+    ++p.up_block;
   }
+  return p;
+}
+
+UNetOuterState UNet2DConditionModelImpl::forward_outer_down(const at::Tensor& sample, const at::Tensor& timesteps,
+                                                            const UNetConditioning& cond, int split) {
+  split_point(split);
+  const auto t = timesteps.dim() == 0 ? timesteps.expand({sample.size(0)}) : timesteps;
+  UNetOuterState s;
+  s.temb = embed_time(t, cond, sample.scalar_type());
+  auto x = conv_in->forward(sample);
+  s.skips = {x};
+  for (int i = 0; i < split; ++i) x = down_blocks[static_cast<size_t>(i)]->as<DownBlock>()->forward(
+      x, s.temb, cond.encoder_hidden_states, s.skips);
+  s.h = x;
+  return s;
+}
+
+at::Tensor UNet2DConditionModelImpl::forward_inner(const at::Tensor& h, const at::Tensor& timesteps,
+                                                   const UNetConditioning& cond, int split) {
+  const auto to = split_point(split);
+  const auto& context = cond.encoder_hidden_states;
+  const auto t = timesteps.dim() == 0 ? timesteps.expand({h.size(0)}) : timesteps;
+  const auto temb = embed_time(t, cond, h.scalar_type());
+  auto x = h;
+  std::vector<at::Tensor> skips;
+  for (size_t i = static_cast<size_t>(split); i < down_blocks->size(); ++i)
+    x = down_blocks[i]->as<DownBlock>()->forward(x, temb, context, skips);
+  x = mid_block->forward(x, temb, context);
+  x = run_up(x, temb, context, skips, {0, 0}, to);
+  TORCH_CHECK(skips.empty(), "UNet split: the inner stage left ", skips.size(), " skips");
+  return x;
+}
+
+at::Tensor UNet2DConditionModelImpl::forward_outer_up(UNetOuterState state, const at::Tensor& inner,
+                                                      const UNetConditioning& cond, int split) {
+  const auto from = split_point(split);
+  auto x = run_up(inner, state.temb, cond.encoder_hidden_states, state.skips, from, {up_blocks->size(), 0});
   return conv_out->forward(at::silu(conv_norm_out->forward(x)));
 }
 

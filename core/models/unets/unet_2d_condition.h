@@ -108,9 +108,21 @@ class UpBlockImpl : public torch::nn::Module {
   // Consumes its skips from the back of `skips`; `upsample_size` is the next skip's size.
   at::Tensor forward(at::Tensor x, const at::Tensor& temb, const at::Tensor& context, std::vector<at::Tensor>& skips,
                      at::IntArrayRef upsample_size);
+  // Resnets (+ attentions) [begin, end) only, then the upsampler when `upsample`; forward() is
+  // (0, all, true). The hybrid window's stages resume a block where the other stage stopped.
+  at::Tensor forward_part(at::Tensor x, const at::Tensor& temb, const at::Tensor& context,
+                          std::vector<at::Tensor>& skips, size_t begin, size_t end, bool upsample,
+                          at::IntArrayRef upsample_size);
   torch::nn::ModuleList resnets{nullptr}, attentions{nullptr}, upsamplers{nullptr};
 };
 TORCH_MODULE(UpBlock);
+
+// The outer stage's state between its two halves (UNet2DConditionModelImpl::forward_outer_down).
+struct UNetOuterState {
+  at::Tensor temb;                 // [B, time_embed_dim]
+  at::Tensor h;                    // the inner stage's input: down_blocks[split]'s input, [B, C, h', w']
+  std::vector<at::Tensor> skips;   // the skips the outer up layers consume, in production order
+};
 
 class UNet2DConditionModelImpl : public torch::nn::Module {
  public:
@@ -120,12 +132,33 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   // The time (+ added) embedding alone: [B] -> [B, time_embed_dim].
   at::Tensor embed_time(const at::Tensor& timesteps, const UNetConditioning& cond, c10::ScalarType dtype);
 
+  // The "U split" at down block `split` (1 <= split < down blocks) used by hybrid CFG's stale
+  // window. Inner stage: down_blocks[split..], the mid block and the up layers that consume
+  // their skips. Outer stage: conv_in, down_blocks[..split), the remaining up layers, the output.
+  // forward(x) == forward_outer_up(s, forward_inner(s.h, t), t) with s = forward_outer_down(x, t).
+  // sample [B, Cin, H, W], timesteps [B] -> the state (h: [B, ch[split-1], H/2^split, W/2^split]).
+  UNetOuterState forward_outer_down(const at::Tensor& sample, const at::Tensor& timesteps, const UNetConditioning& cond,
+                                    int split);
+  // h [B, ch[split-1], h', w'] -> [B, ch[split], h', w'] (the hidden after the last up layer that
+  // consumes an inner skip).
+  at::Tensor forward_inner(const at::Tensor& h, const at::Tensor& timesteps, const UNetConditioning& cond, int split);
+  // The state (its skips are consumed) and the inner output [B, ch[split], h', w'] -> [B, Cout, H, W].
+  at::Tensor forward_outer_up(UNetOuterState state, const at::Tensor& inner, const UNetConditioning& cond, int split);
+
   UNet2DConditionConfig config;
   torch::nn::Conv2d conv_in{nullptr}, conv_out{nullptr};
   TimestepEmbedding time_embedding{nullptr}, add_embedding{nullptr};
   torch::nn::ModuleList down_blocks{nullptr}, up_blocks{nullptr};
   MidBlock mid_block{nullptr};
   torch::nn::GroupNorm conv_norm_out{nullptr};
+
+ private:
+  struct SplitPoint {
+    size_t up_block = 0, up_resnet = 0;  // where the outer stage resumes the up path
+  };
+  SplitPoint split_point(int split) const;
+  at::Tensor run_up(at::Tensor x, const at::Tensor& temb, const at::Tensor& context, std::vector<at::Tensor>& skips,
+                    SplitPoint from, SplitPoint to);
 };
 TORCH_MODULE(UNet2DConditionModel);
 

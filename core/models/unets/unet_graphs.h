@@ -8,6 +8,7 @@
 // cache keeps the most recently used `max_graphs` shapes; each holds its own memory pool.
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 #include "core/models/unets/unet_2d_condition.h"
 
@@ -28,6 +29,19 @@ class UNetGraphRunner {
   // sample [B, C, h, w], timesteps [B] (float), cond with B rows -> [B, C_out, h, w], a tensor
   // of its own (not the graph's buffer). Eager on the CPU and when graphs are off.
   at::Tensor forward(const at::Tensor& sample, const at::Tensor& timesteps, const UNetConditioning& cond);
+
+  // The "U split" stages (UNet2DConditionModelImpl::forward_outer_down etc., same shapes),
+  // always eager: hybrid CFG runs them for a few window steps only.
+  UNetOuterState forward_outer_down(const at::Tensor& sample, const at::Tensor& timesteps, const UNetConditioning& cond,
+                                    int split) {
+    return unet_->forward_outer_down(sample, timesteps, cond, split);
+  }
+  at::Tensor forward_inner(const at::Tensor& h, const at::Tensor& timesteps, const UNetConditioning& cond, int split) {
+    return unet_->forward_inner(h, timesteps, cond, split);
+  }
+  at::Tensor forward_outer_up(UNetOuterState state, const at::Tensor& inner, const UNetConditioning& cond, int split) {
+    return unet_->forward_outer_up(std::move(state), inner, cond, split);
+  }
 
   const UNet2DConditionModel& unet() const { return unet_; }
   int graphs() const;
