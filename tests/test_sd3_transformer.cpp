@@ -3,10 +3,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/io/diffusers_folder.h"
 #include "core/io/safetensors.h"
 #include "core/io/single_file.h"
 #include "core/io/weights.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
+#include "core/schedulers/sampler.h"
 #include "core/util/error.h"
 #include "test_util.h"
 
@@ -93,6 +95,17 @@ class TestSD3Transformer : public QObject {
     QVERIFY(model->config.qk_norm.empty() && model->config.dual_attention_layers.empty());
     QVERIFY(!model->transformer_blocks[0]->as<models::JointTransformerBlock>()->attn->norm_q);
     for (const char* input : {"3x5", "1x2", "4x3"}) run_case(model, std::string("sd3.") + input);
+  }
+
+  // Through the pipeline folder: model_index.json names the transformer/ and scheduler/ components.
+  void loadsFromPipelineFolder() {
+    const auto folder = io::DiffusersFolder::open(dir() / "sd3");
+    QCOMPARE(folder.pipeline_class(), std::string("StableDiffusion3Pipeline"));
+    const auto& t = folder.require("transformer");
+    QCOMPARE(t.class_name, std::string("SD3Transformer2DModel"));
+    auto model = models::load_sd3_transformer(t.dir, t.variant);
+    QCOMPARE(model->config.num_layers, int64_t(3));
+    QVERIFY(schedulers::native_sampler(folder.require("scheduler").config) == schedulers::SamplerKind::FlowMatchEuler);
   }
 
   void qkNormAndDualAttentionMatchDiffusers() {

@@ -11,7 +11,7 @@ import json
 import os
 
 import torch
-from diffusers import SD3Transformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 from safetensors.torch import save_file
 
 torch.set_grad_enabled(False)
@@ -86,6 +86,12 @@ def main():
         model = SD3Transformer2DModel(**cfg).eval()
         randomize(model, seed + 1)
         model.save_pretrained(os.path.join(args.out, name, "transformer"), safe_serialization=True)
+        # A pipeline folder around it (the denoiser and its scheduler only; no VAE, no text encoders yet).
+        FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(os.path.join(args.out, name, "scheduler"))
+        with open(os.path.join(args.out, name, "model_index.json"), "w", encoding="utf-8") as f:
+            json.dump({"_class_name": "StableDiffusion3Pipeline", "_diffusers_version": "0.42.1",
+                       "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+                       "transformer": ["diffusers", "SD3Transformer2DModel"]}, f, indent=1)
         index["configs"][name] = {**cfg, "num_blocks": len(model.transformer_blocks)}
         for input_name, inputs in INPUTS.items():
             seed += 10
