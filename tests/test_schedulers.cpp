@@ -450,12 +450,14 @@ class TestSchedulers : public QObject {
       write_json(d / ("flow_" + key) / "scheduler_config.json", j);
       return d / ("flow_" + key) / "scheduler_config.json";
     };
-    DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(flow_with("use_dynamic_shifting", true), SamplerKind::FlowMatchEuler),
-                          "scheduler_config.json", "key 'use_dynamic_shifting'", "not supported by the flow-euler sampler");
+    const auto flow = SamplerKind::FlowMatchEuler;
+    DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(flow_with("use_dynamic_shifting", true), flow),
+                          "scheduler_config.json", "key 'use_dynamic_shifting'",
+                          "not supported by the flow-euler sampler");
     QVERIFY(!native_sampler(flow_with("use_dynamic_shifting", true)));
-    DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(flow_with("shift", -1.0), SamplerKind::FlowMatchEuler),
+    DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(flow_with("shift", -1.0), flow),
                           "scheduler_config.json", "shift must be positive");
-    DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(flow_with("shift", "three"), SamplerKind::FlowMatchEuler),
+    DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(flow_with("shift", "three"), flow),
                           "key 'shift' has the wrong type");
     DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(with("trained_betas", {0.1, 0.2}), SamplerKind::Euler),
                           "scheduler_config.json", "trained_betas has 2 values");

@@ -91,10 +91,11 @@ TORCH_MODULE(GELUProj);
 }  // namespace
 
 FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t inner_dim, FeedForwardActivation act) : activation(act) {
+  const auto out = nn::Linear(inner_dim, dim);
   if (act == FeedForwardActivation::GEGLU)
-    net = register_module("net", nn::ModuleList(GEGLU(dim, inner_dim), nn::Dropout(0.0), nn::Linear(inner_dim, dim)));
+    net = register_module("net", nn::ModuleList(GEGLU(dim, inner_dim), nn::Dropout(0.0), out));
   else
-    net = register_module("net", nn::ModuleList(GELUProj(dim, inner_dim), nn::Dropout(0.0), nn::Linear(inner_dim, dim)));
+    net = register_module("net", nn::ModuleList(GELUProj(dim, inner_dim), nn::Dropout(0.0), out));
 }
 
 at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {

@@ -188,7 +188,8 @@ SD3Transformer2DConfig SD3Transformer2DConfig::from_shapes(const std::vector<io:
   }
   if (c.attention_head_dim <= 0 || dim % c.attention_head_dim != 0)
     throw Error(what + ": width " + std::to_string(dim) + " is not a multiple of the head width " +
-                std::to_string(c.attention_head_dim) + (c.qk_norm.empty() ? " (assumed: no qk-norm weights show it)" : ""));
+                std::to_string(c.attention_head_dim) +
+                (c.qk_norm.empty() ? " (assumed: no qk-norm weights show it)" : ""));
   c.num_attention_heads = dim / c.attention_head_dim;
   c.validate(what);
   return c;
@@ -199,6 +200,7 @@ SD3Transformer2DConfig SD3Transformer2DConfig::from_shapes(const std::vector<io:
 RMSNormImpl::RMSNormImpl(int64_t dim, double e) : eps(e) { weight = register_parameter("weight", at::ones({dim})); }
 
 at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  // [..., dim] -> [..., dim]
   // As diffusers' RMSNorm: statistics in float32, the scale applied in the weight's dtype when
   // that is half precision.
   const auto xf = x.to(at::kFloat);
@@ -212,6 +214,7 @@ AdaLayerNormZeroImpl::AdaLayerNormZeroImpl(int64_t dim, bool d) : dual(d) {
 }
 
 AdaNormZeroOut AdaLayerNormZeroImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
+  // x [B, T, D], temb [B, D] -> modulated x [B, T, D] (and x2), gates / shifts / scales [B, D]
   const auto m = linear->forward(at::silu(temb)).chunk(dual ? 9 : 6, 1);
   const auto n = layer_norm(x);
   AdaNormZeroOut o;
@@ -232,6 +235,7 @@ AdaLayerNormContinuousImpl::AdaLayerNormContinuousImpl(int64_t dim, int64_t cond
 }
 
 at::Tensor AdaLayerNormContinuousImpl::forward(const at::Tensor& x, const at::Tensor& cond) {
+  // x [B, T, D], cond [B, C] -> [B, T, D]
   const auto m = linear->forward(at::silu(cond).to(x.scalar_type())).chunk(2, 1);  // scale, shift
   return layer_norm(x) * (1 + m[0].unsqueeze(1)) + m[1].unsqueeze(1);
 }
@@ -259,6 +263,7 @@ JointAttentionImpl::JointAttentionImpl(const JointAttentionOptions& o) : options
 }
 
 std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context) {
+  // x [B, N, D], context [B, S, D] (joint) -> {[B, N, D], [B, S, D] (joint) or undefined}
   const int64_t b = x.size(0), n = x.size(1), h = options.heads, d = options.head_dim;
   // Per-head RMS norm on packed [B, T, H*D] projections.
   const auto per_head = [&](RMSNorm& norm, const at::Tensor& t) {
@@ -308,6 +313,7 @@ JointTransformerBlockImpl::JointTransformerBlockImpl(int64_t dim, int64_t heads,
 
 std::pair<at::Tensor, at::Tensor> JointTransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& context,
                                                                      const at::Tensor& temb) {
+  // x [B, N, D], context [B, S, D], temb [B, D] -> {context' [B, S, D] or undefined, x' [B, N, D]}
   const auto n = norm1->forward(x, temb);
   AdaNormZeroOut c;
   if (context_pre_only) c.x = norm1_context_continuous->forward(context, temb);
@@ -347,6 +353,7 @@ at::Tensor SD3PatchEmbedImpl::cropped_pos_embed(int64_t h, int64_t w) const {
 }
 
 at::Tensor SD3PatchEmbedImpl::forward(const at::Tensor& latent) {
+  // [B, C, H, W] -> [B, (H/p)*(W/p), D], tokens row by row
   const int64_t h = latent.size(-2) / patch_size, w = latent.size(-1) / patch_size;
   const auto x = proj->forward(latent).flatten(2).transpose(1, 2);
   return (x + cropped_pos_embed(h, w)).to(x.scalar_type());
@@ -358,6 +365,7 @@ CombinedTimestepTextProjEmbeddingsImpl::CombinedTimestepTextProjEmbeddingsImpl(i
 }
 
 at::Tensor CombinedTimestepTextProjEmbeddingsImpl::forward(const at::Tensor& timestep, const at::Tensor& pooled) {
+  // timestep [B] (float), pooled [B, P] -> [B, D]
   const auto t = timestep_embedding(timestep, 256, /*flip_sin_to_cos=*/true, /*downscale_freq_shift=*/0);
   return timestep_embedder->forward(t.to(pooled.scalar_type())) + text_embedder->forward(pooled);
 }
@@ -368,7 +376,8 @@ SD3Transformer2DModelImpl::SD3Transformer2DModelImpl(const SD3Transformer2DConfi
   c.validate("SD3 transformer config");
   const int64_t dim = c.inner_dim();
   pos_embed = register_module("pos_embed", SD3PatchEmbed(c));
-  time_text_embed = register_module("time_text_embed", CombinedTimestepTextProjEmbeddings(dim, c.pooled_projection_dim));
+  time_text_embed =
+      register_module("time_text_embed", CombinedTimestepTextProjEmbeddings(dim, c.pooled_projection_dim));
   context_embedder = register_module("context_embedder", nn::Linear(c.joint_attention_dim, c.caption_projection_dim));
   transformer_blocks = register_module("transformer_blocks", nn::ModuleList());
   for (int64_t i = 0; i < c.num_layers; ++i)
