@@ -1,10 +1,13 @@
 #include <cmath>
 #include <fstream>
+#include <iomanip>
+#include <sstream>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
 
 #include "core/io/weights.h"
+#include "core/schedulers/flow_match.h"
 #include "core/schedulers/schedule.h"
 #include "core/schedulers/sampler.h"
 #include "core/util/error.h"
@@ -43,7 +46,7 @@ const io::StateDict& tensors(const std::string& file) {
 
 at::Generator cpu_generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
 
-// The oracle's fake denoiser, in float32 as there.
+// The oracle's fake denoiser, in float32 as there (the flow one has no input scaling).
 at::Tensor fake_model(const Sampler& s, const at::Tensor& x, int i) {
   return 0.3 * s.scale_model_input(x, i) + 0.05 * (s.timesteps()[i] / 1000.0);
 }
@@ -100,7 +103,9 @@ class TestSchedulers : public QObject {
   Q_OBJECT
  private slots:
   void namesRoundTrip() {
-    QCOMPARE(sampler_names().size(), size_t(6));
+    QCOMPARE(sampler_names().size(), size_t(7));
+    QVERIFY(parse_sampler("flow-euler") == SamplerKind::FlowMatchEuler);
+    QVERIFY(is_flow_matching(SamplerKind::FlowMatchEuler) && !is_flow_matching(SamplerKind::Euler));
     for (const auto& n : sampler_names()) QCOMPARE(std::string(sampler_name(*parse_sampler(n))), n);
     QVERIFY(parse_sampler("dpmpp-2m-karras") == SamplerKind::DPMPP2MKarras);
     QVERIFY(!parse_sampler("heun"));
@@ -153,6 +158,7 @@ class TestSchedulers : public QObject {
     const auto& uneven = index().at("sweep").at("uneven");
     for (const auto& kind_name : sampler_names()) {
       const auto kind = *parse_sampler(kind_name);
+      if (is_flow_matching(kind)) continue;  // flowSchedulesMatchOverStepCounts
       for (auto spacing : {Spacing::Leading, Spacing::Trailing, Spacing::Linspace}) {
         auto cfg = SchedulerConfig::defaults(kind);
         cfg.beta_schedule = "scaled_linear";
@@ -181,6 +187,49 @@ class TestSchedulers : public QObject {
           }
         }
       }
+    }
+  }
+
+  // FlowMatchEulerDiscreteScheduler's sigmas and timesteps for many step counts and shifts.
+  void flowSchedulesMatchOverStepCounts() {
+    const auto& sw = tensors("flow_sweep.safetensors");
+    const auto& j = index().at("flow_sweep");
+    for (double shift : j.at("shifts").get<std::vector<double>>()) {
+      auto cfg = SchedulerConfig::defaults(SamplerKind::FlowMatchEuler);
+      cfg.shift = shift;
+      for (int n : j.at("counts").get<std::vector<int>>()) {
+        std::ostringstream key;
+        key << "flow-euler." << std::fixed << std::setprecision(1) << shift << "." << n;
+        const auto s = Sampler::create(SamplerKind::FlowMatchEuler, cfg, n);
+        QCOMPARE(s->num_steps(), n);
+        QCOMPARE(s->init_noise_sigma(), 1.0);
+        EXPECT_MATCH(s->timesteps(), sw.at(key.str() + ".timesteps"), 0, key.str() + " timesteps");
+        EXPECT_MATCH(s->sigmas(), sw.at(key.str() + ".sigmas"), 0, key.str() + " sigmas");
+      }
+    }
+    // The shift formula itself, and the SD3 folder's scheduler_config.json.
+    QCOMPARE(flow_shift(0.5, 3.0), 0.75);
+    QCOMPARE(flow_shift(0.25, 1.0), 0.25);
+    const auto sd3 = dir() / "real" / "sd3" / "scheduler_config.json";
+    QVERIFY(native_sampler(sd3) == SamplerKind::FlowMatchEuler);
+    const auto c = SchedulerConfig::from_json(sd3, SamplerKind::FlowMatchEuler);
+    QCOMPARE(c.shift, 3.0);
+    QCOMPARE(c.num_train_timesteps, 1000);
+  }
+
+  // Flow Euler's jump is the straight line along v, from any step to any later one.
+  void flowJumpIsLinearInSigma() {
+    const auto& t = tensors("trajectories.safetensors");
+    const auto s = sampler_for(find_case("flow-euler.sd3.28"));
+    const auto xs = t.at("flow-euler.sd3.28.x");
+    const int n = s->num_steps();
+    for (auto [i, j] : {std::pair{0, 1}, {0, 5}, {3, 17}, {10, n}, {n - 1, n}, {0, n}}) {
+      const auto v = fake_model(*s, xs[i], i);
+      const auto want = xs[i].to(at::kDouble) + (s->sigmas()[j] - s->sigmas()[i]) * v.to(at::kDouble);
+      const auto got = s->jump(v, i, j, xs[i], {});
+      EXPECT_MATCH(got, want, 1e-6, "jump " + std::to_string(i) + " -> " + std::to_string(j));
+      QVERIFY(at::equal(got, flow_match_transition(xs[i], v, s->sigmas()[i], s->sigmas()[j])));
+      if (j == n) QVERIFY(at::allclose(got, s->predict_x0(v, i, xs[i]), 1e-5, 1e-6));
     }
   }
 
@@ -395,6 +444,21 @@ class TestSchedulers : public QObject {
                           "key 'variance_type'", "'learned_range' is not supported");
     DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(with("final_sigmas_type", "one"), SamplerKind::Euler),
                           "key 'final_sigmas_type'", "unknown value 'one'");
+    const auto flow_with = [&](const std::string& key, const nlohmann::json& value) {
+      nlohmann::json j = {{"_class_name", "FlowMatchEulerDiscreteScheduler"}, {"shift", 3.0}};
+      j[key] = value;
+      write_json(d / ("flow_" + key) / "scheduler_config.json", j);
+      return d / ("flow_" + key) / "scheduler_config.json";
+    };
+    const auto flow = SamplerKind::FlowMatchEuler;
+    DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(flow_with("use_dynamic_shifting", true), flow),
+                          "scheduler_config.json", "key 'use_dynamic_shifting'",
+                          "not supported by the flow-euler sampler");
+    QVERIFY(!native_sampler(flow_with("use_dynamic_shifting", true)));
+    DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(flow_with("shift", -1.0), flow),
+                          "scheduler_config.json", "shift must be positive");
+    DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(flow_with("shift", "three"), flow),
+                          "key 'shift' has the wrong type");
     DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(with("trained_betas", {0.1, 0.2}), SamplerKind::Euler),
                           "scheduler_config.json", "trained_betas has 2 values");
     DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(d / "nowhere.json", SamplerKind::Euler), "nowhere.json",

@@ -104,6 +104,7 @@ std::string a1111_sampler(schedulers::SamplerKind k) {
     case K::DDPM: return "DDPM";
     case K::DPMPP2M: return "DPM++ 2M";
     case K::DPMPP2MKarras: return "DPM++ 2M Karras";
+    case K::FlowMatchEuler: return "Euler";  // what A1111 / Forge call SD3's flow sampler
   }
   return "";
 }
@@ -764,6 +765,9 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
   } else {
     kind = schedulers::parse_sampler_or_throw(req.sampler);
   }
+  if (schedulers::is_flow_matching(kind))
+    throw Error("the " + std::string(schedulers::sampler_name(kind)) +
+                " sampler is for flow-matching models (SD3); SD 1.x / 2.x / XL predict noise or v");
   req.sampler = std::string(schedulers::sampler_name(kind));
   const auto config = p.scheduler_config(kind);
   if (req.steps < 1 || req.steps > config.num_train_timesteps)

@@ -12,6 +12,7 @@ std::unique_ptr<Sampler> make_euler(SamplerKind kind, const SchedulerConfig& con
 std::unique_ptr<Sampler> make_ddim(const SchedulerConfig& config, int n);
 std::unique_ptr<Sampler> make_ddpm(const SchedulerConfig& config, int n);
 std::unique_ptr<Sampler> make_dpm_solver(SamplerKind kind, const SchedulerConfig& config, int n);
+std::unique_ptr<Sampler> make_flow_match_euler(const SchedulerConfig& config, int n);
 
 // Half and bfloat16 tensors as float32; others unchanged.
 at::Tensor upcast(const at::Tensor& t);

@@ -16,13 +16,14 @@ namespace diffract::schedulers {
 
 namespace {
 
-constexpr std::array<std::pair<SamplerKind, std::string_view>, 6> kNames{{
+constexpr std::array<std::pair<SamplerKind, std::string_view>, 7> kNames{{
     {SamplerKind::Euler, "euler"},
     {SamplerKind::EulerAncestral, "euler-ancestral"},
     {SamplerKind::DDIM, "ddim"},
     {SamplerKind::DDPM, "ddpm"},
     {SamplerKind::DPMPP2M, "dpmpp-2m"},
     {SamplerKind::DPMPP2MKarras, "dpmpp-2m-karras"},
+    {SamplerKind::FlowMatchEuler, "flow-euler"},
 }};
 
 std::string join(const std::vector<std::string>& v) {
@@ -119,8 +120,25 @@ double read_number_or_infinity(const Reader& r, const io::JsonFile& j, const std
   return r.get<double>(key, fallback);
 }
 
+// FlowMatchEulerDiscreteScheduler's keys: a static shift; the schedule variants it also offers
+// (dynamic / terminal shifting, inverted, Karras / exponential / beta sigmas, stochastic
+// sampling) are not implemented.
+SchedulerConfig resolve_flow(const io::JsonFile& j, const Reader& r) {
+  SchedulerConfig c = SchedulerConfig::defaults(SamplerKind::FlowMatchEuler);
+  c.num_train_timesteps = r.get<int>("num_train_timesteps", c.num_train_timesteps);
+  c.shift = r.get<double>("shift", c.shift);
+  for (const char* key : {"use_dynamic_shifting", "invert_sigmas", "use_karras_sigmas", "use_exponential_sigmas",
+                          "use_beta_sigmas", "stochastic_sampling"})
+    r.must_be_false(key);
+  if (r.has("shift_terminal") && r.get<double>("shift_terminal", 0) != 0)
+    r.unsupported("shift_terminal", j.json()["shift_terminal"].dump());
+  c.validate(j.path().string());
+  return c;
+}
+
 SchedulerConfig resolve(const io::JsonFile& j, SamplerKind kind) {
   const Reader r(j, kind);
+  if (kind == SamplerKind::FlowMatchEuler) return resolve_flow(j, r);
   SchedulerConfig c = SchedulerConfig::defaults(kind);
   c.num_train_timesteps = r.get<int>("num_train_timesteps", c.num_train_timesteps);
   c.beta_start = r.get<double>("beta_start", c.beta_start);
@@ -175,6 +193,7 @@ SchedulerConfig resolve(const io::JsonFile& j, SamplerKind kind) {
       break;
     }
     case SamplerKind::EulerAncestral:
+    case SamplerKind::FlowMatchEuler:  // resolve_flow
       break;
     case SamplerKind::DDIM:
       clipping();
@@ -244,9 +263,12 @@ std::string_view diffusers_class(SamplerKind kind) {
     case SamplerKind::DDPM: return "DDPMScheduler";
     case SamplerKind::DPMPP2M:
     case SamplerKind::DPMPP2MKarras: return "DPMSolverMultistepScheduler";
+    case SamplerKind::FlowMatchEuler: return "FlowMatchEulerDiscreteScheduler";
   }
   return "?";
 }
+
+bool is_flow_matching(SamplerKind kind) { return kind == SamplerKind::FlowMatchEuler; }
 
 std::optional<Prediction> parse_prediction(std::string_view name) {
   if (name == "epsilon") return Prediction::Epsilon;
@@ -278,6 +300,7 @@ SchedulerConfig SchedulerConfig::defaults(SamplerKind kind) {
     case SamplerKind::Euler:
     case SamplerKind::EulerAncestral:
     case SamplerKind::DPMPP2M:
+    case SamplerKind::FlowMatchEuler:
       break;
     case SamplerKind::DPMPP2MKarras:
       c.use_karras_sigmas = true;
@@ -331,6 +354,7 @@ void SchedulerConfig::validate(const std::string& where) const {
     fail("unknown solver_type '" + solver_type + "' (expected midpoint or heun)");
   for (auto [name, v] : {std::pair{"sigma_min", sigma_min}, {"sigma_max", sigma_max}})
     if (v && !(*v > 0)) fail(std::string(name) + " must be positive, got " + std::to_string(*v));
+  if (!(shift > 0)) fail("shift must be positive, got " + std::to_string(shift));
 }
 
 std::optional<SamplerKind> native_sampler(const std::filesystem::path& path) {
@@ -341,6 +365,7 @@ std::optional<SamplerKind> native_sampler(const std::filesystem::path& path) {
   else if (cls == "EulerAncestralDiscreteScheduler") kind = SamplerKind::EulerAncestral;
   else if (cls == "DDIMScheduler") kind = SamplerKind::DDIM;
   else if (cls == "DDPMScheduler") kind = SamplerKind::DDPM;
+  else if (cls == "FlowMatchEulerDiscreteScheduler") kind = SamplerKind::FlowMatchEuler;
   else if (cls == "DPMSolverMultistepScheduler") {
     const auto algorithm = j.optional<std::string>("algorithm_type", "dpmsolver++");
     if ((algorithm != "dpmsolver++" && algorithm != "deis") || j.optional<int>("solver_order", 2) != 2)
@@ -368,6 +393,7 @@ std::unique_ptr<Sampler> Sampler::create(SamplerKind kind, const SchedulerConfig
     case SamplerKind::DDPM: return detail::make_ddpm(config, n);
     case SamplerKind::DPMPP2M:
     case SamplerKind::DPMPP2MKarras: return detail::make_dpm_solver(kind, config, n);
+    case SamplerKind::FlowMatchEuler: return detail::make_flow_match_euler(config, n);
   }
   throw Error("unknown sampler kind");
 }

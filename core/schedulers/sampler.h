@@ -12,11 +12,13 @@
 
 namespace diffract::schedulers {
 
-enum class SamplerKind { Euler, EulerAncestral, DDIM, DDPM, DPMPP2M, DPMPP2MKarras };
+// FlowMatchEuler is for flow-matching models (SD3), whose denoiser predicts the velocity
+// v = noise - x0; the others are for epsilon / v-prediction models (SD 1.x, 2.x, XL).
+enum class SamplerKind { Euler, EulerAncestral, DDIM, DDPM, DPMPP2M, DPMPP2MKarras, FlowMatchEuler };
 enum class Prediction { Epsilon, VPrediction };
 enum class Spacing { Leading, Trailing, Linspace };
 
-// "euler", "euler-ancestral", "ddim", "ddpm", "dpmpp-2m", "dpmpp-2m-karras".
+// "euler", "euler-ancestral", "ddim", "ddpm", "dpmpp-2m", "dpmpp-2m-karras", "flow-euler".
 std::optional<SamplerKind> parse_sampler(std::string_view name);
 // As parse_sampler, but an unknown name is an error that lists the valid ones.
 SamplerKind parse_sampler_or_throw(std::string_view name);
@@ -24,6 +26,8 @@ std::string_view sampler_name(SamplerKind kind);
 std::vector<std::string> sampler_names();
 // The diffusers class a kind reproduces ("EulerDiscreteScheduler", ...).
 std::string_view diffusers_class(SamplerKind kind);
+// Whether the sampler integrates a flow-matching ODE (the model predicts a velocity).
+bool is_flow_matching(SamplerKind kind);
 
 // diffusers' spellings: "epsilon" / "v_prediction", "leading" / "trailing" / "linspace".
 std::optional<Prediction> parse_prediction(std::string_view name);
@@ -59,6 +63,9 @@ struct SchedulerConfig {
   bool euler_at_final = false;
   std::string solver_type = "midpoint";  // midpoint, heun
   double lambda_min_clipped = -std::numeric_limits<double>::infinity();
+  // Flow matching (FlowMatchEulerDiscreteScheduler): the static sigma shift (SD3: 3.0). Only
+  // num_train_timesteps and shift apply to it; beta, spacing and prediction settings do not.
+  double shift = 1.0;
 
   // Reads scheduler_config.json: every key that `kind`'s diffusers class takes is read, and an
   // absent one takes that class's default, as XScheduler.from_config(json) does in diffusers
@@ -94,15 +101,18 @@ class Sampler {
   int num_steps() const { return static_cast<int>(timesteps_.size()); }
   // What the denoiser is conditioned on at each step (diffusers' scheduler.timesteps).
   const std::vector<double>& timesteps() const { return timesteps_; }
-  // Euler, Euler ancestral, DPM++ 2M: num_steps() + 1 noise levels, the last the final one
-  // (0, or sigma_min for final_sigmas_type "sigma_min"). Empty for DDIM and DDPM.
+  // Euler, Euler ancestral, DPM++ 2M, flow Euler: num_steps() + 1 noise levels, the last the
+  // final one (0, or sigma_min for final_sigmas_type "sigma_min"). Empty for DDIM and DDPM.
+  // Flow Euler's sigmas are the interpolation weights of x = (1 - sigma) * x0 + sigma * noise,
+  // and its timesteps sigma * num_train_timesteps.
   const std::vector<double>& sigmas() const { return sigmas_; }
   // What unit-variance initial noise is multiplied by.
   double init_noise_sigma() const { return init_noise_sigma_; }
 
   // The denoiser's input at step i (Euler samplers divide by sqrt(sigma^2 + 1); others as is).
   virtual at::Tensor scale_model_input(const at::Tensor& sample, int step) const;
-  // One ordinary update from step i given the model output (eps or v, per the config).
+  // One ordinary update from step i given the model output (eps or v, per the config; the
+  // velocity for flow Euler).
   // DPM++ 2M keeps the previous step's x0 prediction and uses it when this call is step i-1's
   // successor (otherwise it takes a first-order step). `generator` feeds the stochastic samplers
   // (Euler ancestral, DDPM) as diffusers draws: model_output's shape and dtype, on the CPU for a
@@ -112,9 +122,10 @@ class Sampler {
   virtual at::Tensor predict_x0(const at::Tensor& model_output, int i, const at::Tensor& sample) const = 0;
   // The state step j would start from, reached from step i (j > i, j <= num_steps()) in one
   // transition: DDIM's deterministic closed form, DDPM's posterior q(x_j | x_i, x0), and one
-  // first-order step from sigma_i to sigma_j for Euler, Euler ancestral (with its noise) and
-  // DPM++ 2M. Leaves step()'s history alone. jump(i, i + 1) equals step(i) for Euler, Euler
-  // ancestral, DDIM and DDPM (given the same generator state).
+  // first-order step from sigma_i to sigma_j for Euler, Euler ancestral (with its noise),
+  // DPM++ 2M and flow Euler (x + (sigma_j - sigma_i) * v). Leaves step()'s history alone.
+  // jump(i, i + 1) equals step(i) for Euler, Euler ancestral, DDIM, DDPM and flow Euler (given
+  // the same generator state).
   virtual at::Tensor jump(const at::Tensor& model_output, int i, int j, const at::Tensor& sample,
                           at::Generator generator) const = 0;
   // Forgets multistep history (for re-running the same schedule).

@@ -173,6 +173,18 @@ std::vector<double> karras_sigmas(double sigma_min, double sigma_max, int n, dou
   return out;
 }
 
+double flow_shift(double sigma, double shift) { return shift * sigma / (1 + (shift - 1) * sigma); }
+
+std::vector<double> flow_match_sigmas(int T, int n, double shift) {
+  // The training schedule's ends, shifted in float32 tensors as the scheduler's constructor does.
+  auto ends = at::tensor({static_cast<float>(T), 1.0f}) / T;
+  ends = shift * ends / (1 + (shift - 1) * ends);
+  const auto e = to_vector(ends);
+  std::vector<double> out;
+  for (int k = 0; k < n; ++k) out.push_back(f32(flow_shift(linspace_at(e[0] * T, e[1] * T, n, k) / T, shift)));
+  return out;
+}
+
 double sigma_to_t(double sigma, const std::vector<double>& log_sigmas) {
   const double log_sigma = std::log(std::max(sigma, 1e-10));
   const auto size = static_cast<int64_t>(log_sigmas.size());

@@ -44,6 +44,15 @@ std::vector<double> karras_sigmas(double sigma_min, double sigma_max, int n, dou
 // The fractional training timestep at which the log-sigma curve reaches log(sigma).
 double sigma_to_t(double sigma, const std::vector<double>& log_sigmas);
 
+// Flow matching (SD3), as diffusers' FlowMatchEulerDiscreteScheduler with a static shift:
+// sigma -> shift * sigma / (1 + (shift - 1) * sigma), which moves the schedule towards noise.
+double flow_shift(double sigma, double shift);
+// The n inference sigmas (float32, descending, without the final 0): n points evenly spaced in
+// timestep between the shifted training ends (shift(1) and shift(1 / T), in float32) and each
+// shifted again in float64, as diffusers does (the shift is applied twice, by design of its
+// implementation). The timesteps are these sigmas * T in float32.
+std::vector<double> flow_match_sigmas(int num_train_timesteps, int n, double shift);
+
 // x rounded to float32, as a double.
 inline double f32(double x) { return static_cast<double>(static_cast<float>(x)); }
 

@@ -14,7 +14,7 @@ import os
 
 import torch
 from diffusers import (DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
-                       EulerDiscreteScheduler)
+                       EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler)
 from safetensors.torch import save_file
 
 torch.set_grad_enabled(False)
@@ -163,6 +163,60 @@ def make_trajectories(out):
     return cases, tensors
 
 
+# --- flow matching (SD3): FlowMatchEulerDiscreteScheduler on a fake velocity model ------------
+SD3_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": "0.29.0.dev0",
+                 "num_train_timesteps": 1000, "shift": 3.0}
+
+
+def flow_model(x, t):
+    return 0.3 * x + 0.05 * (float(t) / 1000.0)
+
+
+def make_flow(out, cases, tensors):
+    cfg_dir = os.path.join(out, "configs")
+    seed = 900
+    for name, cfg, steps in (("flow-euler.sd3.28", SD3_SCHEDULER, 28), ("flow-euler.sd3.4", SD3_SCHEDULER, 4),
+                             ("flow-euler.sd3.1", SD3_SCHEDULER, 1),
+                             ("flow-euler.shift1.10", {"_class_name": "FlowMatchEulerDiscreteScheduler"}, 10),
+                             ("flow-euler.t100.7", {"_class_name": "FlowMatchEulerDiscreteScheduler",
+                                                    "num_train_timesteps": 100, "shift": 2.5}, 7)):
+        seed += 2
+        write_json(os.path.join(cfg_dir, name + ".json"), cfg)
+        sched = FlowMatchEulerDiscreteScheduler.from_config(cfg)
+        sched.set_timesteps(steps)
+        # The SD3 pipeline starts from unit noise (the scheduler has no init_noise_sigma).
+        x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
+        xs, x0s = [x], []
+        for i, t in enumerate(sched.timesteps):
+            v = flow_model(x, t)
+            x0s.append(x - sched.sigmas[i] * v)
+            x = sched.step(v, t, x).prev_sample
+            xs.append(x)
+        tensors[name + ".timesteps"] = sched.timesteps.double()
+        tensors[name + ".sigmas"] = sched.sigmas.float().contiguous()
+        tensors[name + ".x"] = torch.stack(xs).contiguous()
+        tensors[name + ".x0"] = torch.stack(x0s).contiguous()
+        cases.append({"name": name, "kind": "flow-euler", "steps": steps, "seed": seed, "num_steps": len(sched.timesteps),
+                      "init_noise_sigma": 1.0})
+    save_file(tensors, os.path.join(out, "trajectories.safetensors"))
+
+    # Sigmas and timesteps over step counts and shifts.
+    counts = list(range(1, 61)) + [75, 100, 150, 333, 1000]
+    shifts = [1.0, 3.0, 0.5, 6.0]
+    st = {}
+    for shift in shifts:
+        for n in counts:
+            sched = FlowMatchEulerDiscreteScheduler(shift=shift)
+            sched.set_timesteps(n)
+            st[f"flow-euler.{shift}.{n}.timesteps"] = sched.timesteps.double()
+            st[f"flow-euler.{shift}.{n}.sigmas"] = sched.sigmas.float().contiguous()
+    save_file(st, os.path.join(out, "flow_sweep.safetensors"))
+    d = os.path.join(out, "real", "sd3")
+    os.makedirs(d, exist_ok=True)
+    write_json(os.path.join(d, "scheduler_config.json"), SD3_SCHEDULER)
+    return {"counts": counts, "shifts": shifts}
+
+
 # --- jumps: closed forms from alphas_cumprod, written independently of the schedulers ---------
 def make_jumps(out, tensors):
     jumps, jt = [], {}
@@ -253,10 +307,12 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     cases, tensors = make_trajectories(args.out)
     jumps = make_jumps(args.out, tensors)
+    flow_sweep = make_flow(args.out, cases, tensors)
     sweep = make_sweep(args.out)
     resolved = make_resolved(args.out)
     write_json(os.path.join(args.out, "index.json"),
-               {"shape": list(SHAPE), "cases": cases, "jumps": jumps, "sweep": sweep, "resolved": resolved})
+               {"shape": list(SHAPE), "cases": cases, "jumps": jumps, "sweep": sweep, "resolved": resolved,
+                "flow_sweep": flow_sweep})
 
 
 if __name__ == "__main__":

@@ -81,14 +81,29 @@ class GEGLUImpl : public nn::Module {
   nn::Linear proj{nullptr};
 };
 TORCH_MODULE(GEGLU);
+
+// diffusers' GELU(approximate="tanh") with its projection (net.0.proj).
+class GELUProjImpl : public nn::Module {
+ public:
+  GELUProjImpl(int64_t dim, int64_t inner) { proj = register_module("proj", nn::Linear(dim, inner)); }
+  at::Tensor forward(const at::Tensor& x) { return at::gelu(linear(proj, x), "tanh"); }
+  nn::Linear proj{nullptr};
+};
+TORCH_MODULE(GELUProj);
 }  // namespace
 
-FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t inner_dim) {
-  net = register_module("net", nn::ModuleList(GEGLU(dim, inner_dim), nn::Dropout(0.0), nn::Linear(inner_dim, dim)));
+FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t inner_dim, FeedForwardActivation act) : activation(act) {
+  const auto out = nn::Linear(inner_dim, dim);
+  if (act == FeedForwardActivation::GEGLU)
+    net = register_module("net", nn::ModuleList(GEGLU(dim, inner_dim), nn::Dropout(0.0), out));
+  else
+    net = register_module("net", nn::ModuleList(GELUProj(dim, inner_dim), nn::Dropout(0.0), out));
 }
 
 at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
-  return linear(net[2]->as<nn::Linear>(), net[0]->as<GEGLU>()->forward(x));
+  const auto h = activation == FeedForwardActivation::GEGLU ? net[0]->as<GEGLU>()->forward(x)
+                                                            : net[0]->as<GELUProj>()->forward(x);
+  return linear(net[2]->as<nn::Linear>(), h);
 }
 
 }  // namespace diffract::models

@@ -57,11 +57,16 @@ class AttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Attention);
 
-// diffusers' FeedForward with GEGLU: net.0.proj (dim -> 2*inner), net.2 (inner -> dim).
+// diffusers' FeedForward: net.0.proj, then net.2 (inner -> dim). With GEGLU (the UNets'
+// "geglu") net.0.proj maps dim -> 2*inner and gates; with GELUTanh (SD3's "gelu-approximate")
+// it maps dim -> inner followed by tanh-approximated GELU.
+enum class FeedForwardActivation { GEGLU, GELUTanh };
+
 class FeedForwardImpl : public torch::nn::Module {
  public:
-  FeedForwardImpl(int64_t dim, int64_t inner_dim);
+  FeedForwardImpl(int64_t dim, int64_t inner_dim, FeedForwardActivation activation = FeedForwardActivation::GEGLU);
   at::Tensor forward(const at::Tensor& x);  // [B, T, dim] -> [B, T, dim]
+  FeedForwardActivation activation;
   torch::nn::ModuleList net{nullptr};
 };
 TORCH_MODULE(FeedForward);

@@ -1,0 +1,444 @@
+#include "core/models/transformers/sd3_transformer_2d.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/dropout.h>
+
+#include "core/io/diffusers_folder.h"
+#include "core/io/json_file.h"
+#include "core/io/weights.h"
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+namespace diffract::models {
+
+namespace nn = torch::nn;
+
+namespace {
+
+constexpr double kEps = 1e-6;  // every norm of the model
+
+at::Tensor layer_norm(const at::Tensor& x) { return at::layer_norm(x, {x.size(-1)}, {}, {}, kEps); }
+
+// diffusers' get_2d_sincos_pos_embed(dim, grid, base_size): per token (row i, column j) the 1-D
+// sincos embedding of the column coordinate, then of the row coordinate, coordinates scaled by
+// base_size / grid. Float64 like diffusers, returned as float32 [1, grid*grid, dim].
+at::Tensor sincos_grid(int64_t dim, int64_t grid, int64_t base_size) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const auto coords = at::arange(grid, f32) / (static_cast<double>(grid) / static_cast<double>(base_size));
+  const int64_t quarter = dim / 4;
+  auto omega = at::arange(quarter, at::TensorOptions().dtype(at::kDouble)) / (dim / 4.0);
+  omega = 1.0 / at::pow(10000.0, omega);
+  const auto one_d = [&](const at::Tensor& pos) {  // [M] -> [M, dim / 2]
+    const auto out = at::outer(pos.to(at::kDouble), omega);
+    return at::cat({at::sin(out), at::cos(out)}, 1);
+  };
+  const auto cols = coords.unsqueeze(0).expand({grid, grid}).reshape({-1});  // j of token i*grid + j
+  const auto rows = coords.unsqueeze(1).expand({grid, grid}).reshape({-1});  // i
+  return at::cat({one_d(cols), one_d(rows)}, 1).to(at::kFloat).unsqueeze(0);
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+}  // namespace
+
+// --- config ------------------------------------------------------------------------------------
+
+bool SD3Transformer2DConfig::dual_attention(int64_t layer) const {
+  return std::find(dual_attention_layers.begin(), dual_attention_layers.end(), layer) != dual_attention_layers.end();
+}
+
+SD3Transformer2DConfig SD3Transformer2DConfig::sd3_medium() {
+  SD3Transformer2DConfig c;
+  c.num_layers = 24;
+  c.num_attention_heads = 24;
+  c.caption_projection_dim = 1536;
+  c.pos_embed_max_size = 192;
+  return c;
+}
+
+SD3Transformer2DConfig SD3Transformer2DConfig::sd35_medium() {
+  auto c = sd3_medium();
+  c.pos_embed_max_size = 384;
+  c.qk_norm = "rms_norm";
+  for (int64_t i = 0; i <= 12; ++i) c.dual_attention_layers.push_back(i);
+  return c;
+}
+
+SD3Transformer2DConfig SD3Transformer2DConfig::sd35_large() {
+  SD3Transformer2DConfig c;
+  c.num_layers = 38;
+  c.num_attention_heads = 38;
+  c.caption_projection_dim = 2432;
+  c.pos_embed_max_size = 192;
+  c.qk_norm = "rms_norm";
+  return c;
+}
+
+void SD3Transformer2DConfig::validate(const std::string& where) const {
+  const auto fail = [&](const std::string& what) { throw Error(where + ": " + what); };
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"sample_size", sample_size},
+                         {"patch_size", patch_size},
+                         {"in_channels", in_channels},
+                         {"num_layers", num_layers},
+                         {"attention_head_dim", attention_head_dim},
+                         {"num_attention_heads", num_attention_heads},
+                         {"joint_attention_dim", joint_attention_dim},
+                         {"caption_projection_dim", caption_projection_dim},
+                         {"pooled_projection_dim", pooled_projection_dim},
+                         {"out_channels", out_channels},
+                         {"pos_embed_max_size", pos_embed_max_size}})
+    if (v <= 0) fail(std::string(name) + " must be positive, got " + std::to_string(v));
+  if (caption_projection_dim != inner_dim())
+    fail("caption_projection_dim " + std::to_string(caption_projection_dim) +
+         " must equal num_attention_heads * attention_head_dim (" + std::to_string(inner_dim()) +
+         "): the blocks' text stream has the image stream's width");
+  if (inner_dim() % 4 != 0)
+    fail("num_attention_heads * attention_head_dim (" + std::to_string(inner_dim()) +
+         ") must be divisible by 4 for the 2-D sincos position embedding");
+  for (int64_t l : dual_attention_layers)
+    if (l < 0 || l >= num_layers)
+      fail("dual_attention_layers holds " + std::to_string(l) + ", outside 0.." + std::to_string(num_layers - 1));
+  if (!qk_norm.empty() && qk_norm != "rms_norm") fail("qk_norm '" + qk_norm + "' is not supported (null or rms_norm)");
+}
+
+SD3Transformer2DConfig SD3Transformer2DConfig::from_json(const std::filesystem::path& path) {
+  const auto j = io::JsonFile::read(path);
+  const std::string where = path.string();
+  SD3Transformer2DConfig c;
+  c.sample_size = j.optional<int64_t>("sample_size", c.sample_size);
+  c.patch_size = j.optional<int64_t>("patch_size", c.patch_size);
+  c.in_channels = j.optional<int64_t>("in_channels", c.in_channels);
+  c.num_layers = j.optional<int64_t>("num_layers", c.num_layers);
+  c.attention_head_dim = j.optional<int64_t>("attention_head_dim", c.attention_head_dim);
+  c.num_attention_heads = j.optional<int64_t>("num_attention_heads", c.num_attention_heads);
+  c.joint_attention_dim = j.optional<int64_t>("joint_attention_dim", c.joint_attention_dim);
+  c.caption_projection_dim = j.optional<int64_t>("caption_projection_dim", c.caption_projection_dim);
+  c.pooled_projection_dim = j.optional<int64_t>("pooled_projection_dim", c.pooled_projection_dim);
+  c.out_channels = j.optional<int64_t>("out_channels", c.in_channels);  // null: in_channels, as diffusers
+  if (j.json().contains("pos_embed_max_size") && j.json()["pos_embed_max_size"].is_null())
+    throw Error(where + ": 'pos_embed_max_size' = null is not supported (SD3 crops a stored position grid)");
+  c.pos_embed_max_size = j.optional<int64_t>("pos_embed_max_size", c.pos_embed_max_size);
+  c.dual_attention_layers = j.optional<std::vector<int64_t>>("dual_attention_layers", {});
+  c.qk_norm = j.optional<std::string>("qk_norm", "");
+  if (!c.qk_norm.empty() && c.qk_norm != "rms_norm")
+    throw Error(where + ": 'qk_norm' = \"" + c.qk_norm + "\" is not supported (null or \"rms_norm\", as SD3 / SD3.5)");
+  c.validate(where);
+  return c;
+}
+
+SD3Transformer2DConfig SD3Transformer2DConfig::from_shapes(const std::vector<io::TensorShape>& tensors,
+                                                           const std::string& what, int64_t head_dim) {
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& t : tensors) shapes.emplace(t.name, t.shape);
+  const auto need = [&](const std::string& key, size_t rank) -> const std::vector<int64_t>& {
+    auto it = shapes.find(key);
+    if (it == shapes.end())
+      throw Error(what + ": no tensor '" + key + "', so this is no diffusers SD3Transformer2DModel");
+    if (it->second.size() != rank)
+      throw Error(what + ": '" + key + "' has shape " + shape_str(it->second) + ", expected " + std::to_string(rank) +
+                  " dimensions");
+    return it->second;
+  };
+  SD3Transformer2DConfig c;
+  const auto& proj = need("pos_embed.proj.weight", 4);  // [D, Cin, p, p]
+  const int64_t dim = proj[0];
+  c.in_channels = proj[1];
+  c.patch_size = proj[2];
+  const auto& grid = need("pos_embed.pos_embed", 3);  // [1, G*G, D]
+  c.pos_embed_max_size = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(grid[1]))));
+  if (c.pos_embed_max_size * c.pos_embed_max_size != grid[1])
+    throw Error(what + ": 'pos_embed.pos_embed' has " + std::to_string(grid[1]) + " positions, not a square grid");
+  const auto& context = need("context_embedder.weight", 2);
+  c.caption_projection_dim = context[0];
+  c.joint_attention_dim = context[1];
+  c.pooled_projection_dim = need("time_text_embed.text_embedder.linear_1.weight", 2)[1];
+  const auto& out = need("proj_out.weight", 2);
+  c.out_channels = out[0] / (c.patch_size * c.patch_size);
+  std::set<int64_t> layers, dual;
+  const std::string prefix = "transformer_blocks.";
+  for (const auto& [name, shape] : shapes) {
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const auto dot = name.find('.', prefix.size());
+    const auto digits = name.substr(prefix.size(), dot == std::string::npos ? std::string::npos : dot - prefix.size());
+    if (dot == std::string::npos || digits.empty() ||
+        !std::all_of(digits.begin(), digits.end(), [](char ch) { return ch >= '0' && ch <= '9'; }))
+      throw Error(what + ": unexpected tensor '" + name + "' (expected transformer_blocks.N.*)");
+    const int64_t index = std::stoll(digits);
+    layers.insert(index);
+    if (name.compare(dot, 7, ".attn2.") == 0) dual.insert(index);
+  }
+  c.num_layers = static_cast<int64_t>(layers.size());
+  if (c.num_layers == 0 || *layers.rbegin() != c.num_layers - 1)
+    throw Error(what + ": transformer_blocks are missing or not numbered 0..N-1");
+  c.dual_attention_layers.assign(dual.begin(), dual.end());
+  if (shapes.count("transformer_blocks.0.attn.norm_q.weight")) {
+    c.qk_norm = "rms_norm";
+    c.attention_head_dim = need("transformer_blocks.0.attn.norm_q.weight", 1)[0];
+  } else {
+    c.attention_head_dim = head_dim;  // not visible in the weights without qk norm
+  }
+  if (c.attention_head_dim <= 0 || dim % c.attention_head_dim != 0)
+    throw Error(what + ": width " + std::to_string(dim) + " is not a multiple of the head width " +
+                std::to_string(c.attention_head_dim) +
+                (c.qk_norm.empty() ? " (assumed: no qk-norm weights show it)" : ""));
+  c.num_attention_heads = dim / c.attention_head_dim;
+  c.validate(what);
+  return c;
+}
+
+// --- blocks ------------------------------------------------------------------------------------
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double e) : eps(e) { weight = register_parameter("weight", at::ones({dim})); }
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  // [..., dim] -> [..., dim]
+  // As diffusers' RMSNorm: statistics in float32, the scale applied in the weight's dtype when
+  // that is half precision.
+  const auto xf = x.to(at::kFloat);
+  auto y = xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps);
+  if (weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kBFloat16) y = y.to(weight.scalar_type());
+  return (y * weight).to(x.scalar_type());
+}
+
+AdaLayerNormZeroImpl::AdaLayerNormZeroImpl(int64_t dim, bool d) : dual(d) {
+  linear = register_module("linear", nn::Linear(dim, (dual ? 9 : 6) * dim));
+}
+
+AdaNormZeroOut AdaLayerNormZeroImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
+  // x [B, T, D], temb [B, D] -> modulated x [B, T, D] (and x2), gates / shifts / scales [B, D]
+  const auto m = linear->forward(at::silu(temb)).chunk(dual ? 9 : 6, 1);
+  const auto n = layer_norm(x);
+  AdaNormZeroOut o;
+  o.x = n * (1 + m[1].unsqueeze(1)) + m[0].unsqueeze(1);
+  o.gate_msa = m[2];
+  o.shift_mlp = m[3];
+  o.scale_mlp = m[4];
+  o.gate_mlp = m[5];
+  if (dual) {
+    o.x2 = n * (1 + m[7].unsqueeze(1)) + m[6].unsqueeze(1);
+    o.gate_msa2 = m[8];
+  }
+  return o;
+}
+
+AdaLayerNormContinuousImpl::AdaLayerNormContinuousImpl(int64_t dim, int64_t conditioning_dim) {
+  linear = register_module("linear", nn::Linear(conditioning_dim, 2 * dim));
+}
+
+at::Tensor AdaLayerNormContinuousImpl::forward(const at::Tensor& x, const at::Tensor& cond) {
+  // x [B, T, D], cond [B, C] -> [B, T, D]
+  const auto m = linear->forward(at::silu(cond).to(x.scalar_type())).chunk(2, 1);  // scale, shift
+  return layer_norm(x) * (1 + m[0].unsqueeze(1)) + m[1].unsqueeze(1);
+}
+
+JointAttentionImpl::JointAttentionImpl(const JointAttentionOptions& o) : options(o) {
+  const int64_t inner = o.heads * o.head_dim;
+  to_q = register_module("to_q", nn::Linear(o.dim, inner));
+  to_k = register_module("to_k", nn::Linear(o.dim, inner));
+  to_v = register_module("to_v", nn::Linear(o.dim, inner));
+  if (o.qk_norm) {
+    norm_q = register_module("norm_q", RMSNorm(o.head_dim, kEps));
+    norm_k = register_module("norm_k", RMSNorm(o.head_dim, kEps));
+  }
+  if (o.joint) {
+    add_k_proj = register_module("add_k_proj", nn::Linear(o.dim, inner));
+    add_v_proj = register_module("add_v_proj", nn::Linear(o.dim, inner));
+    add_q_proj = register_module("add_q_proj", nn::Linear(o.dim, inner));
+  }
+  to_out = register_module("to_out", nn::ModuleList(nn::Linear(inner, o.dim), nn::Dropout(0.0)));
+  if (o.joint && !o.context_pre_only) to_add_out = register_module("to_add_out", nn::Linear(inner, o.dim));
+  if (o.joint && o.qk_norm) {
+    norm_added_q = register_module("norm_added_q", RMSNorm(o.head_dim, kEps));
+    norm_added_k = register_module("norm_added_k", RMSNorm(o.head_dim, kEps));
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context) {
+  // x [B, N, D], context [B, S, D] (joint) -> {[B, N, D], [B, S, D] (joint) or undefined}
+  const int64_t b = x.size(0), n = x.size(1), h = options.heads, d = options.head_dim;
+  // Per-head RMS norm on packed [B, T, H*D] projections.
+  const auto per_head = [&](RMSNorm& norm, const at::Tensor& t) {
+    if (!norm) return t;
+    return norm->forward(t.view({b, t.size(1), h, d})).view({b, t.size(1), h * d});
+  };
+  auto q = per_head(norm_q, linear(to_q, x));
+  auto k = per_head(norm_k, linear(to_k, x));
+  auto v = linear(to_v, x);
+  const bool joint = options.joint && context.defined();
+  TORCH_CHECK(joint == options.joint, "joint attention needs the text tokens");
+  if (joint) {
+    q = at::cat({q, per_head(norm_added_q, linear(add_q_proj, context))}, 1);
+    k = at::cat({k, per_head(norm_added_k, linear(add_k_proj, context))}, 1);
+    v = at::cat({v, linear(add_v_proj, context)}, 1);
+  }
+  const auto out = multi_head_attention(q, k, v, h);
+  auto image = linear(to_out[0]->as<nn::Linear>(), out.slice(1, 0, n));
+  at::Tensor text;
+  if (joint) {
+    text = out.slice(1, n);
+    if (to_add_out) text = linear(to_add_out, text);
+  }
+  return {image, text};
+}
+
+JointTransformerBlockImpl::JointTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim, bool pre_only,
+                                                     bool qk_norm, bool dual)
+    : context_pre_only(pre_only), dual_attention(dual) {
+  norm1 = register_module("norm1", AdaLayerNormZero(dim, dual));
+  if (pre_only) norm1_context_continuous = register_module("norm1_context", AdaLayerNormContinuous(dim, dim));
+  else norm1_context_zero = register_module("norm1_context", AdaLayerNormZero(dim, false));
+  JointAttentionOptions o;
+  o.dim = dim;
+  o.heads = heads;
+  o.head_dim = head_dim;
+  o.qk_norm = qk_norm;
+  o.context_pre_only = pre_only;
+  attn = register_module("attn", JointAttention(o));
+  if (dual) {
+    o.joint = false;
+    attn2 = register_module("attn2", JointAttention(o));
+  }
+  ff = register_module("ff", FeedForward(dim, 4 * dim, FeedForwardActivation::GELUTanh));
+  if (!pre_only) ff_context = register_module("ff_context", FeedForward(dim, 4 * dim, FeedForwardActivation::GELUTanh));
+}
+
+std::pair<at::Tensor, at::Tensor> JointTransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& context,
+                                                                     const at::Tensor& temb) {
+  // x [B, N, D], context [B, S, D], temb [B, D] -> {context' [B, S, D] or undefined, x' [B, N, D]}
+  const auto n = norm1->forward(x, temb);
+  AdaNormZeroOut c;
+  if (context_pre_only) c.x = norm1_context_continuous->forward(context, temb);
+  else c = norm1_context_zero->forward(context, temb);
+
+  auto [attn_out, context_attn_out] = attn->forward(n.x, c.x);
+  auto h = x + n.gate_msa.unsqueeze(1) * attn_out;
+  if (dual_attention) h = h + n.gate_msa2.unsqueeze(1) * attn2->forward(n.x2).first;
+  const auto nh = layer_norm(h) * (1 + n.scale_mlp.unsqueeze(1)) + n.shift_mlp.unsqueeze(1);
+  h = h + n.gate_mlp.unsqueeze(1) * ff->forward(nh);
+  if (context_pre_only) return {at::Tensor(), h};
+
+  auto ctx = context + c.gate_msa.unsqueeze(1) * context_attn_out;
+  const auto nc = layer_norm(ctx) * (1 + c.scale_mlp.unsqueeze(1)) + c.shift_mlp.unsqueeze(1);
+  ctx = ctx + c.gate_mlp.unsqueeze(1) * ff_context->forward(nc);
+  return {ctx, h};
+}
+
+SD3PatchEmbedImpl::SD3PatchEmbedImpl(const SD3Transformer2DConfig& c)
+    : patch_size(c.patch_size), max_size(c.pos_embed_max_size) {
+  const int64_t dim = c.inner_dim();
+  proj = register_module(
+      "proj", nn::Conv2d(nn::Conv2dOptions(c.in_channels, dim, c.patch_size).stride(c.patch_size)));
+  pos_embed = register_buffer("pos_embed", sincos_grid(dim, max_size, c.sample_size / c.patch_size));
+}
+
+at::Tensor SD3PatchEmbedImpl::cropped_pos_embed(int64_t h, int64_t w) const {
+  if (h > max_size || w > max_size)
+    throw Error("SD3 transformer: a latent of " + std::to_string(h) + "x" + std::to_string(w) +
+                " patches exceeds the position grid of " + std::to_string(max_size) + "x" + std::to_string(max_size) +
+                " (pos_embed_max_size)");
+  const int64_t top = (max_size - h) / 2, left = (max_size - w) / 2;
+  return pos_embed.view({1, max_size, max_size, -1})
+      .slice(1, top, top + h)
+      .slice(2, left, left + w)
+      .reshape({1, h * w, -1});
+}
+
+at::Tensor SD3PatchEmbedImpl::forward(const at::Tensor& latent) {
+  // [B, C, H, W] -> [B, (H/p)*(W/p), D], tokens row by row
+  const int64_t h = latent.size(-2) / patch_size, w = latent.size(-1) / patch_size;
+  const auto x = proj->forward(latent).flatten(2).transpose(1, 2);
+  return (x + cropped_pos_embed(h, w)).to(x.scalar_type());
+}
+
+CombinedTimestepTextProjEmbeddingsImpl::CombinedTimestepTextProjEmbeddingsImpl(int64_t dim, int64_t pooled_dim) {
+  timestep_embedder = register_module("timestep_embedder", TimestepEmbedding(256, dim));
+  text_embedder = register_module("text_embedder", TimestepEmbedding(pooled_dim, dim));
+}
+
+at::Tensor CombinedTimestepTextProjEmbeddingsImpl::forward(const at::Tensor& timestep, const at::Tensor& pooled) {
+  // timestep [B] (float), pooled [B, P] -> [B, D]
+  const auto t = timestep_embedding(timestep, 256, /*flip_sin_to_cos=*/true, /*downscale_freq_shift=*/0);
+  return timestep_embedder->forward(t.to(pooled.scalar_type())) + text_embedder->forward(pooled);
+}
+
+// --- model -------------------------------------------------------------------------------------
+
+SD3Transformer2DModelImpl::SD3Transformer2DModelImpl(const SD3Transformer2DConfig& c) : config(c) {
+  c.validate("SD3 transformer config");
+  const int64_t dim = c.inner_dim();
+  pos_embed = register_module("pos_embed", SD3PatchEmbed(c));
+  time_text_embed =
+      register_module("time_text_embed", CombinedTimestepTextProjEmbeddings(dim, c.pooled_projection_dim));
+  context_embedder = register_module("context_embedder", nn::Linear(c.joint_attention_dim, c.caption_projection_dim));
+  transformer_blocks = register_module("transformer_blocks", nn::ModuleList());
+  for (int64_t i = 0; i < c.num_layers; ++i)
+    transformer_blocks->push_back(JointTransformerBlock(dim, c.num_attention_heads, c.attention_head_dim,
+                                                        i == c.num_layers - 1, !c.qk_norm.empty(),
+                                                        c.dual_attention(i)));
+  norm_out = register_module("norm_out", AdaLayerNormContinuous(dim, dim));
+  proj_out = register_module("proj_out", nn::Linear(dim, c.patch_size * c.patch_size * c.out_channels));
+}
+
+SD3State SD3Transformer2DModelImpl::embed(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
+                                          const at::Tensor& pooled_projections, const at::Tensor& timestep) {
+  const auto p = config.patch_size;
+  TORCH_CHECK(hidden_states.dim() == 4 && hidden_states.size(1) == config.in_channels,
+              "SD3 transformer: latents must be [B, ", config.in_channels, ", H, W], got ", hidden_states.sizes());
+  if (hidden_states.size(2) % p != 0 || hidden_states.size(3) % p != 0)
+    throw Error("SD3 transformer: latent size " + std::to_string(hidden_states.size(2)) + "x" +
+                std::to_string(hidden_states.size(3)) + " is not a multiple of the patch size " + std::to_string(p));
+  SD3State s;
+  s.height = hidden_states.size(2);
+  s.width = hidden_states.size(3);
+  const auto t = timestep.dim() == 0 ? timestep.expand({hidden_states.size(0)}) : timestep;
+  s.x = pos_embed->forward(hidden_states).contiguous();
+  s.temb = time_text_embed->forward(t, pooled_projections);
+  s.context = linear(context_embedder, encoder_hidden_states);
+  return s;
+}
+
+void SD3Transformer2DModelImpl::run_block(size_t index, SD3State& s) {
+  auto [context, x] = transformer_blocks[index]->as<JointTransformerBlock>()->forward(s.x, s.context, s.temb);
+  s.context = context;
+  s.x = x;
+}
+
+at::Tensor SD3Transformer2DModelImpl::unpatchify_output(const SD3State& s) {
+  const int64_t p = config.patch_size, c = config.out_channels, b = s.x.size(0);
+  const int64_t h = s.height / p, w = s.width / p;
+  const auto x = linear(proj_out, norm_out->forward(s.x, s.temb));
+  // [B, h*w, p*p*C] -> [B, h, w, p, q, C] -> [B, C, h, p, w, q] (diffusers' einsum nhwpqc->nchpwq)
+  return x.reshape({b, h, w, p, p, c}).permute({0, 5, 1, 3, 2, 4}).reshape({b, c, h * p, w * p});
+}
+
+at::Tensor SD3Transformer2DModelImpl::forward(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
+                                              const at::Tensor& pooled_projections, const at::Tensor& timestep) {
+  // hidden_states [B, Cin, H, W], encoder_hidden_states [B, S, joint_attention_dim],
+  // pooled_projections [B, pooled_projection_dim], timestep [B] or [] -> [B, Cout, H, W]
+  auto s = embed(hidden_states, encoder_hidden_states, pooled_projections, timestep);
+  for (size_t i = 0; i < transformer_blocks->size(); ++i) run_block(i, s);
+  return unpatchify_output(s);
+}
+
+SD3Transformer2DModel load_sd3_transformer(const std::filesystem::path& dir, const std::string& variant) {
+  const auto config = SD3Transformer2DConfig::from_json(dir / "config.json");
+  const auto weights = io::find_weights(dir, variant);
+  if (!weights) throw Error(dir.string() + ": no weight file (diffusion_pytorch_model.safetensors, ...)");
+  SD3Transformer2DModel model(config);
+  model->eval();
+  io::bind(*model, io::load_state_dict(*weights), weights->string());
+  log::get("models").debug(log::str(dir.string(), ": SD3 transformer with ", config.num_layers, " blocks, ",
+                                    config.num_attention_heads, " heads"));
+  return model;
+}
+
+}  // namespace diffract::models
