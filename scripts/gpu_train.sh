@@ -6,7 +6,7 @@
 #   Carried in .carry/ (scripts/prepare_carry.sh): CLI11 headers, shared/data (TAEF2 weights,
 #   CLIP BPE) and emoji/ (diffract-dataset's atlas).
 #   TRAIN_MINUTES (default 7; cut so that the whole call stays under 9.5 minutes), TRAIN_BATCH
-#   (default 512), TRAIN_LR (default 5e-4).
+#   (default 1024), TRAIN_LR (default 6e-4).
 #   Two calls on the same warm machine: RESUME=1 on the second continues from the checkpoint in
 #   build/gpu-train/ (kept between calls, too large to come back); give both calls the same
 #   TRAIN_SCHEDULE_MINUTES (the cosine LR's length over both, e.g. 14).
@@ -34,7 +34,7 @@ if [[ "${RESUME:-0}" == 1 ]]; then resume=(--resume); else rm -rf "$run"; fi
 echo "training for $minutes minutes (LR schedule over $schedule)"
 build/gpu/app/diffract-train train --device cuda:0 --atlas .carry/emoji --holdout resources/training/holdout.tsv \
   --shared .carry/shared --out "$run" --minutes "$minutes" --schedule-minutes "$schedule" \
-  --batch "${TRAIN_BATCH:-512}" --lr "${TRAIN_LR:-5e-4}" --log-every 50 "${resume[@]}" 2>&1 | tee "$out/train.log"
+  --batch "${TRAIN_BATCH:-1024}" --lr "${TRAIN_LR:-6e-4}" --log-every 50 "${resume[@]}" 2>&1 | tee "$out/train.log"
 cp "$run/loss.csv" "$run/summary.json" "$out/"
 tar -C "$run" -cf - model | split -b 15M - "$out/diffract-emoji.tar.part-"
 ls -la "$out"

@@ -142,6 +142,14 @@ class TestPipeline : public QObject {
     // the latent projection would give 32x24.
     QCOMPARE(sizes.size(), std::size_t(2));
     QCOMPARE(sizes.front(), std::make_pair(256, 192));
+    // Larger than preview_max_side (in image pixels, 64 here): the latents are averaged down first.
+    sizes.clear();
+    r.preview_max_side = 32;
+    engine_.run(r, o, never);
+    QCOMPARE(sizes.front(), std::make_pair(128, 96));
+    r.preview_max_side = -1;
+    DIFFRACT_EXPECT_ERROR(engine_.run(r, o, never), "preview size");
+    r.preview_max_side = 512;
     r.taesd = (test::fixtures() / "nowhere").string();
     DIFFRACT_EXPECT_ERROR(engine_.run(r, o, never), "nowhere");
   }

@@ -24,6 +24,8 @@ struct GenerationRequest {
   std::string device = "cpu";    // "cpu" or "cuda:N"
   std::string taesd;             // preview decoder (TAESD folder or .pth files); empty: latent approximation
   int preview_every = 1;         // 0: no previews
+  int preview_max_side = 512;    // TAESD previews of larger images decode from latents area-averaged
+                                 // down to this many pixels a side (0: full size)
   int batch = 1;
   std::string strategy;          // multi-device strategy (core/parallel): "" or "single" runs the plain loop;
                                  // cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip

@@ -253,9 +253,20 @@ struct StableDiffusion::Impl {
     return c;
   }
 
-  at::Tensor preview(const at::Tensor& x0, bool use_taesd) {
+  // A full-size TAESD decode of SDXL 1024² costs 8.5 ms on an H200 beside a 48 ms step, and a
+  // preview every step then added 9 % to the denoising; a 512² preview costs about a quarter.
+  at::Tensor preview(const at::Tensor& x0, bool use_taesd, int max_side) {
     at::NoGradGuard no_grad;
-    if (use_taesd) return taesd->decode(x0.to(taesd->parameters().front().dtype()));
+    if (use_taesd) {
+      auto z = x0;
+      const int64_t side = std::max(z.size(2), z.size(3)) * vae_factor();
+      if (max_side > 0 && side > max_side) {
+        const double s = static_cast<double>(max_side) / static_cast<double>(side);
+        z = at::adaptive_avg_pool2d(z, {std::max<int64_t>(1, std::lround(z.size(2) * s)),
+                                        std::max<int64_t>(1, std::lround(z.size(3) * s))});
+      }
+      return taesd->decode(z.to(taesd->parameters().front().dtype()));
+    }
     if (tiny_vae) return decode_latents(x0).clamp(-1, 1);  // as cheap as a projection, and exact
     auto rgb = at::einsum("bchw,cr->brhw", {x0.to(at::kFloat), latent_rgb_factors(family).to(x0.device())});
     if (family == Family::SDXL) rgb = rgb + at::tensor({0.1084, -0.0175, -0.0011}, rgb.options()).view({1, 3, 1, 1});
@@ -462,7 +473,7 @@ class StepReporter {
     const int total = sampler_.num_steps();
     if (req_.preview_every > 0 && observer_.on_preview && ((i + 1) % req_.preview_every == 0 || i + 1 == total)) {
       const auto x0 = sampler_.predict_x0(out, i, before).narrow(0, 0, 1);
-      if (!previews_.try_start(i, {x0}, [&] { return to_bytes(p_.preview(x0, use_taesd_)); })) ++timings_.previews_dropped;
+      if (!previews_.try_start(i, {x0}, [&] { return to_bytes(p_.preview(x0, use_taesd_, req_.preview_max_side)); })) ++timings_.previews_dropped;
     }
     clock_.wait_until_ahead(2);  // the device always has the next step queued, the host stays near
     drain();
@@ -756,6 +767,7 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
   if (!(req.cfg >= 0)) throw Error("CFG scale " + format_number(req.cfg) + " must be 0 or more");
   if (req.batch < 1 || req.batch > 64) throw Error("batch " + std::to_string(req.batch) + " must be between 1 and 64");
   if (req.preview_every < 0) throw Error("preview interval must be 0 (none) or more");
+  if (req.preview_max_side < 0) throw Error("preview size must be 0 (full size) or more pixels");
 
   schedulers::SamplerKind kind;
   if (req.sampler.empty()) {
