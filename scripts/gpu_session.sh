@@ -6,6 +6,9 @@
 #     the kernel profiles of both UNet steps and the single-GPU checks.
 #   PLAN=multi (second call): the multi-GPU checks and the strategy bench on both GPUs, then the
 #     second GPU resumes training while the first benches sdxl-768 and batch 4.
+#   PLAN=final (a later, shorter call, no training; carry .carry without emoji/): the single-GPU
+#     bench on the first GPU beside the anchor on the second, then the multi-GPU checks and the
+#     strategy bench.
 # Leaves in $OUT: logs.tar (every log and JSON) and the exported model as
 # diffract-emoji.tar.part-* (join with cat, then tar -x).
 #   Carried in .carry/ (scripts/prepare_carry.sh): CLI11 headers, shared data, the emoji atlas,
@@ -56,14 +59,38 @@ train() {
 # Training gets what is left but 80 s (bank encoding before; checkpoint, export and evaluation after).
 train_minutes() { python3 -c "print(round(max(0.5, ($(left 80)) / 60), 2))"; }
 
-if [ "$plan" = single ]; then
-  train 1 "$(train_minutes)"
-  export CUDA_VISIBLE_DEVICES=0
-  timeout 240 python3 .carry/diffusers_sdxl_sd3.py > "$logs/anchor.log" 2>&1
-  echo "anchor rc $? at $(elapsed) s"
-  # RES lines come as they are measured, so a cut-off anchor still gives what it reached.
-  python3 -c "
+ratios() {
+python3 - "$logs" <<'PY'
 import json, sys
+d = sys.argv[1]
+try:
+  ours = json.load(open(f"{d}/bench_single.json"))
+except Exception as e:
+  print("no single-GPU bench JSON:", e); sys.exit(0)
+anchor = json.load(open(f"{d}/anchor.json"))
+for r in ours["results"]:
+  print(json.dumps({k: v for k, v in r.items() if k != "unet_step_variants"}))
+  v = r.get("unet_step_variants", {})
+  print("  step variants:", {k: v[k] for k in v if k != "kernels"})
+  if "kernels" in v:
+      print("  kernels:", json.dumps({k: v["kernels"][k] for k in ("device_ms_per_call", "kernels_per_call", "families_ms")}))
+x = next((r for r in ours["results"] if r["config"] == "sdxl-1024"), None)
+if x and anchor:
+  rows = [("SDXL 1024 30 steps end to end (s)", x["end_to_end_ms"]["median"] / 1e3, anchor.get("pipe_sdxl_1024_30steps_pil_bf16vae_s")),
+          ("denoiser step batch 2 (ms)", x["denoiser_step_ms"]["mean"], anchor.get("unet_step_b2_ms")),
+          ("denoiser step vs diffusers graph (ms)", x["denoiser_step_ms"]["mean"], anchor.get("unet_step_b2_cudagraph_ms")),
+          ("VAE decode 1024 (ms)", x["vae_decode_ms"], anchor.get("vae_decode_bf16_ms")),
+          ("peak VRAM (GiB)", x.get("peak_vram_gib", 0), anchor.get("pipe_mem_GiB"))]
+  print(f"{'figure':40s} {'ours':>10s} {'diffusers':>10s} {'ratio':>7s}")
+  for name, a, b in rows:
+      if isinstance(b, float) and b: print(f"{name:40s} {a:10.3f} {b:10.3f} {a / b:7.3f}")
+PY
+}
+
+# anchor_json: the RES lines of anchor.log as anchor.json (a cut-off anchor still gives what it reached).
+anchor_json() {
+  python3 -c "
+import json
 r = {}
 for line in open('$logs/anchor.log'):
     if line.startswith('RES '):
@@ -74,34 +101,55 @@ for line in open('$logs/anchor.log'):
             r[k] = v.strip()
 json.dump(r, open('$logs/anchor.json', 'w'))
 print('anchor', r)"
+}
+
+# strategies: the multi-GPU checks, then the strategy bench against our one GPU.
+strategies() {
+  ctest --test-dir build/gpu -L multigpu -V --timeout 45 > "$logs/checks_multigpu.log" 2>&1
+  grep -E "  (ok|FAIL)  |skipped|tests passed|Timeout|rel-L2|rounds|error:|steps reported|stale" "$logs/checks_multigpu.log"
+  echo "multi-GPU checks done at $(elapsed) s"
+  timeout "${1:-180}" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 3 \
+    --strategies "${BENCH_STRATEGIES:-cfg-parallel,driffusion-aggressive:2,driffusion:2,hybrid-cfg,step-skip:2}" \
+    > "$logs/bench_strategies.json" 2> "$logs/bench_strategies.log"
+  echo "strategy bench rc $? at $(elapsed) s"
+  python3 - "$logs/bench_strategies.json" <<'PY'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as e:
+    print("no strategy JSON:", e); sys.exit(0)
+for x in r["results"]:
+    for s in x.get("strategies", []):
+        print(f"  {s['strategy']}:{s['n']:<2} e2e {s['end_to_end_ms']:7.1f} ms  speed-up e2e {s['speedup_end_to_end']:.2f}x "
+              f"denoise {s['speedup_denoising']:.2f}x  PSNR {s['psnr_db']:.1f} dB  SSIM {s['ssim']:.4f}  rel-L2 {s['latents_rel_l2']:.4f}"
+              f"  {s.get('stats', {}).get('note', '')[:150]}")
+PY
+}
+
+if [ "$plan" = final ]; then
+  CUDA_VISIBLE_DEVICES=1 timeout 200 python3 .carry/diffusers_sdxl_sd3.py > "$logs/anchor.log" 2>&1 &
+  anchor=$!
+  CUDA_VISIBLE_DEVICES=0 timeout 200 "$bench" --device cuda:0 --config sdxl-1024,sd15-512 --batch 1 --runs 3 \
+    > "$logs/bench_single.json" 2> "$logs/bench_single.log"
+  echo "single-GPU bench rc $? at $(elapsed) s"
+  wait "$anchor"
+  echo "anchor (GPU 1) rc $? at $(elapsed) s"
+  anchor_json
+  ratios
+  strategies "$(left 10)"
+  exit 0
+fi
+
+if [ "$plan" = single ]; then
+  train 1 "$(train_minutes)"
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 240 python3 .carry/diffusers_sdxl_sd3.py > "$logs/anchor.log" 2>&1
+  echo "anchor rc $? at $(elapsed) s"
+  anchor_json
   timeout "$(left 60)" "$bench" --device cuda:0 --config sdxl-1024,sd15-512 --batch 1 --runs 3 \
     > "$logs/bench_single.json" 2> "$logs/bench_single.log"
   echo "single-GPU bench rc $? at $(elapsed) s"
-  python3 - "$logs" <<'PY'
-import json, sys
-d = sys.argv[1]
-try:
-    ours = json.load(open(f"{d}/bench_single.json"))
-except Exception as e:
-    print("no single-GPU bench JSON:", e); sys.exit(0)
-anchor = json.load(open(f"{d}/anchor.json"))
-for r in ours["results"]:
-    print(json.dumps({k: v for k, v in r.items() if k != "unet_step_variants"}))
-    v = r.get("unet_step_variants", {})
-    print("  step variants:", {k: v[k] for k in v if k != "kernels"})
-    if "kernels" in v:
-        print("  kernels:", json.dumps({k: v["kernels"][k] for k in ("device_ms_per_call", "kernels_per_call", "families_ms")}))
-x = next((r for r in ours["results"] if r["config"] == "sdxl-1024"), None)
-if x and anchor:
-    rows = [("SDXL 1024 30 steps end to end (s)", x["end_to_end_ms"]["median"] / 1e3, anchor.get("pipe_sdxl_1024_30steps_pil_bf16vae_s")),
-            ("denoiser step batch 2 (ms)", x["denoiser_step_ms"]["mean"], anchor.get("unet_step_b2_ms")),
-            ("denoiser step vs diffusers graph (ms)", x["denoiser_step_ms"]["mean"], anchor.get("unet_step_b2_cudagraph_ms")),
-            ("VAE decode 1024 (ms)", x["vae_decode_ms"], anchor.get("vae_decode_bf16_ms")),
-            ("peak VRAM (GiB)", x.get("peak_vram_gib", 0), anchor.get("pipe_mem_GiB"))]
-    print(f"{'figure':40s} {'ours':>10s} {'diffusers':>10s} {'ratio':>7s}")
-    for name, a, b in rows:
-        if isinstance(b, float) and b: print(f"{name:40s} {a:10.3f} {b:10.3f} {a / b:7.3f}")
-PY
+  ratios
   ctest --test-dir build/gpu -L gpu -LE multigpu -V --timeout 45 > "$logs/checks_single.log" 2>&1
   grep -E "  (ok|FAIL)  |tests passed|capture|previews shown" "$logs/checks_single.log"
   if [ "$(left)" -gt 50 ]; then
@@ -109,19 +157,7 @@ PY
     grep -o '^KERNELS.*' "$logs/profile_diffusers.log" | cut -c1-600
   fi
 else
-  ctest --test-dir build/gpu -L multigpu -V --timeout 45 > "$logs/checks_multigpu.log" 2>&1
-  grep -E "  (ok|FAIL)  |skipped|tests passed|Timeout|rel-L2|rounds|error:|steps reported" "$logs/checks_multigpu.log"
-  echo "multi-GPU checks done at $(elapsed) s"
-  timeout 180 "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 3 \
-    --strategies "${BENCH_STRATEGIES:-cfg-parallel,driffusion-aggressive:2,driffusion:2,hybrid-cfg,step-skip:2}" \
-    > "$logs/bench_strategies.json" 2> "$logs/bench_strategies.log"
-  echo "strategy bench rc $? at $(elapsed) s"
-  grep -o '{"denoising_ms.*' "$logs/bench_strategies.log" | python3 -c "
-import json, sys
-for line in sys.stdin:
-    s = json.loads(line)
-    print(f\"  {s['strategy']}:{s['n']:<2} e2e {s['end_to_end_ms']:7.1f} ms  speed-up e2e {s['speedup_end_to_end']:.2f}x \"
-          f\"denoise {s['speedup_denoising']:.2f}x  PSNR {s['psnr_db']:.1f} dB  SSIM {s['ssim']:.4f}  rel-L2 {s['latents_rel_l2']:.4f}\")"
+  strategies 180
   train 1 "$(train_minutes)" --resume
   CUDA_VISIBLE_DEVICES=0 timeout "$(left 40)" "$bench" --device cuda:0 --config sdxl-768,sdxl-1024 --batch 4 --runs 2 \
     > "$logs/bench_batch4.json" 2> "$logs/bench_batch4.log"

@@ -74,9 +74,16 @@ namespace {
 class GEGLUImpl : public nn::Module {
  public:
   GEGLUImpl(int64_t dim, int64_t inner) { proj = register_module("proj", nn::Linear(dim, inner * 2)); }
+  // Two GEMMs over the halves of the weight rather than one whose output is chunked: each
+  // half comes out contiguous, so gelu and the product run vectorised (on strided halves they
+  // ran as non-vectorised kernels, 5.1 ms of the SDXL step on an H200).
   at::Tensor forward(const at::Tensor& x) {
-    auto parts = linear(proj, x).chunk(2, -1);
-    return parts[0] * at::gelu(parts[1]);
+    const int64_t inner = proj->weight.size(0) / 2;
+    const auto half = [&](int64_t i) {
+      return at::linear(x, proj->weight.narrow(0, i * inner, inner),
+                        proj->bias.defined() ? proj->bias.narrow(0, i * inner, inner) : at::Tensor());
+    };
+    return half(0) * at::gelu(half(1));
   }
   nn::Linear proj{nullptr};
 };
