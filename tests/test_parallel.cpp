@@ -515,6 +515,39 @@ class TestParallel : public QObject {
     QVERIFY(warm("single", 1) == (L{{5, Branch::Guided}}));
     QVERIFY(warm("data-parallel", 2) == (L{{2, Branch::Guided}, {3, Branch::Guided}}));  // 5 rows: 3 + 2
     QVERIFY(warm("data-parallel", 5) == (L{{1, Branch::Guided}}));
+
+    // Hybrid CFG also runs its stages once on a denoiser that can split, so that their first
+    // calls never happen while the peer waits in NCCL.
+    struct Staged final : Denoiser {
+      std::vector<std::string> log;
+      at::Tensor eval(const at::Tensor& x, double, Branch) override {
+        log.push_back("eval");
+        return x;
+      }
+      bool cfg() const override { return true; }
+      double guidance_scale() const override { return 5; }
+      std::int64_t batch() const override { return 5; }
+      at::ScalarType output_dtype() const override { return at::kFloat; }
+      std::unique_ptr<Denoiser> rows(std::int64_t, std::int64_t) const override { return nullptr; }
+      int splits() const override { return 2; }
+      models::UNetOuterState outer_down(const at::Tensor& x, double, Branch, int s) override {
+        log.push_back("outer_down " + std::to_string(s));
+        models::UNetOuterState st;
+        st.h = x;
+        return st;
+      }
+      at::Tensor inner(const at::Tensor& h, double, Branch, int s) override {
+        log.push_back("inner " + std::to_string(s));
+        return h;
+      }
+      at::Tensor outer_up(models::UNetOuterState, const at::Tensor& i, Branch, int s) override {
+        log.push_back("outer_up " + std::to_string(s));
+        return i;
+      }
+    };
+    Staged staged;
+    make_strategy("hybrid-cfg", 2)->warm(staged, x, 999);
+    QVERIFY(staged.log == (std::vector<std::string>{"eval", "outer_down 2", "inner 2", "outer_up 2"}));
   }
 
   void strategyFactoryAndDeviceChecks() {

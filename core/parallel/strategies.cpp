@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -160,7 +161,16 @@ LoopOutput SingleDevice::run(DeviceGroup& g, const LoopInputs& in) const {
 
 // One branch per rank: Cond and Uncond share a shape.
 void CfgParallel::warm(Denoiser& d, const at::Tensor& x, double t) const { d.eval(x, t, Branch::Cond); }
-void HybridCfg::warm(Denoiser& d, const at::Tensor& x, double t) const { d.eval(x, t, Branch::Cond); }
+// The stages too: their first eager calls (cuDNN autotuning, allocator growth) must not happen
+// while the peer waits inside NCCL, which is how the first in-loop CUDA graph captures hung.
+void HybridCfg::warm(Denoiser& d, const at::Tensor& x, double t) const {
+  d.eval(x, t, Branch::Cond);
+  if (k < 2 || d.splits() < 1) return;
+  const int s = split < 0 ? d.splits() : std::min(split, d.splits());
+  auto st = d.outer_down(x, t, Branch::Cond, s);
+  const auto inner = d.inner(st.h, t, Branch::Cond, s);
+  d.outer_up(std::move(st), inner, Branch::Cond, s);
+}
 
 void CfgParallel::validate(std::int64_t, bool cfg) const {
   if (!cfg) throw Error("cfg-parallel needs classifier-free guidance (a CFG scale above 1)");
@@ -215,6 +225,11 @@ LoopOutput HybridCfg::run(DeviceGroup& g, const LoopInputs& in) const {
                            : "hybrid-cfg: split " + std::to_string(s) + " is past this UNet's last split point " +
                                  std::to_string(splits));
   const int steps = in.steps;
+  // The stale window hung on NCCL in its first GPU run (2026-11-30, before warm() covered the
+  // stages); until a GPU run shows it fixed, NCCL groups run it only when asked to.
+  const char* nccl_opt_in = std::getenv("DIFFRACT_HYBRID_STALE_NCCL");
+  const bool stale_here = !g.device(0).is_cuda() || (nccl_opt_in && std::string(nccl_opt_in) == "1");
+  const int k_run = stale_here ? k : 0;
   std::atomic<int> evals{0};
   std::atomic<std::int64_t> bytes{0};
   at::Tensor result;
@@ -228,7 +243,7 @@ LoopOutput HybridCfg::run(DeviceGroup& g, const LoopInputs& in) const {
     const Branch mine_branch = rank == 0 ? Branch::Cond : Branch::Uncond;
     std::vector<double> curve;  // known values until the rule fires; each rank decides alike
     int t1 = -1;
-    auto stale = [&](int i) { return t1 >= 0 && i >= t1 + 2 && i <= t1 + k && i < steps; };
+    auto stale = [&](int i) { return t1 >= 0 && i >= t1 + 2 && i <= t1 + k_run && i < steps; };
     at::Tensor h_prev, inner_prev;  // rank 1: the peer's h; rank 0: the peer's inner output
     for (int i = 0; i < steps; ++i) {
       gate.check(i);
@@ -310,7 +325,7 @@ LoopOutput HybridCfg::run(DeviceGroup& g, const LoopInputs& in) const {
   }
   auto o = finish(*this, in, g, result, steps, evals.load(), bytes.load());
   int stale_steps = 0;
-  if (tau1 >= 0) stale_steps = std::max(0, std::min(tau1 + k, steps - 1) - (tau1 + 2) + 1);
+  if (tau1 >= 0) stale_steps = std::max(0, std::min(tau1 + k_run, steps - 1) - (tau1 + 2) + 1);
   // Where the rule did not fire inside the loop, tau1 / tau2 are the ones it would pick later.
   const auto w = tau1 >= 0 ? HybridWindow{tau1, tau1 + k, {}} : hybrid_cfg_window(curve, L, eps, tau_cap, k);
   o.stats.rel_mae = std::move(curve);
@@ -320,7 +335,9 @@ LoopOutput HybridCfg::run(DeviceGroup& g, const LoopInputs& in) const {
                      ? "steps " + std::to_string(tau1 + 2) + ".." + std::to_string(tau1 + 1 + stale_steps) +
                            " ran layer-split one-step-stale (split " + std::to_string(s) + ", step " +
                            std::to_string(tau1 + 1) + " filled the pipeline); the others CFG-parallel"
-                     : "every step ran CFG-parallel (the stale window fell outside the loop or k < 2)";
+                     : !stale_here ? "every step ran CFG-parallel: the stale window is off on NCCL unless "
+                                     "DIFFRACT_HYBRID_STALE_NCCL=1 (it hung in its first GPU run)"
+                                   : "every step ran CFG-parallel (the stale window fell outside the loop or k < 2)";
   return o;
 }
 
