@@ -1,0 +1,81 @@
+"""What each multi-device strategy costs in quality on the real embedded model (diffract-emoji):
+`diffract-cli compare` for every strategy over held-out prompts (CPU virtual devices: the images
+are what GPUs would make, the timings mean nothing), summarised in docs/quality-emoji.md with a
+sheet of one prompt's images (docs/quality-emoji.png).
+
+  .venv/bin/python scripts/quality_report.py [--cli build/default/app/diffract-cli] [--prompts 12]
+"""
+import argparse
+import csv
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+
+from PIL import Image, ImageDraw
+
+STRATEGIES = [("cfg-parallel", 2), ("hybrid-cfg", 2), ("driffusion", 2), ("driffusion-aggressive", 2),
+              ("driffusion", 4), ("driffusion-aggressive", 4), ("step-skip", 2), ("step-skip", 4)]
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--cli", default="build/default/app/diffract-cli")
+ap.add_argument("--holdout", default="resources/training/holdout.tsv")
+ap.add_argument("--prompts", type=int, default=12)
+ap.add_argument("--steps", type=int, default=30)
+ap.add_argument("--cfg", type=float, default=5.0)
+ap.add_argument("--docs", default="docs")
+args = ap.parse_args()
+
+# The hold-out file names the settings; the captions are spelled as diffract-train spells them.
+rows = list(csv.DictReader(open(args.holdout), delimiter="\t"))[: args.prompts]
+
+
+def caption(r):
+    a = "an" if r["colour"][0] in "aeiou" else "a"
+    return f"a {r['scale']} {r['name']} in the {r['position']} on {a} {r['colour']} background"
+
+
+results = {s: [] for s in STRATEGIES}
+sheet = []
+with tempfile.TemporaryDirectory() as tmp:
+    for i, r in enumerate(rows):
+        prompt = caption(r)
+        for name, n in STRATEGIES:
+            out = os.path.join(tmp, f"{i}-{name}-{n}")
+            text = subprocess.run([args.cli, "compare", "--prompt", prompt, "--steps", str(args.steps), "--cfg",
+                                   str(args.cfg), "--seed", str(1000 + i), "--strategy", name, "--devices", str(n),
+                                   "--out-dir", out], check=True, capture_output=True, text=True).stdout
+            m = re.search(r"PSNR ([\d.inf]+) dB, SSIM ([\d.]+), latents relative L2 ([\d.e-]+)", text)
+            rounds = re.search(r'"rounds":(\d+)', text)
+            results[(name, n)].append((float(m.group(1)), float(m.group(2)), float(m.group(3)), int(rounds.group(1))))
+            if i == 0:
+                if not sheet:
+                    sheet.append(("baseline", Image.open(os.path.join(out, "baseline.png")).convert("RGB")))
+                sheet.append((f"{name}:{n}", Image.open(os.path.join(out, f"{name}.png")).convert("RGB")))
+        print(f"{i + 1}/{len(rows)} {prompt}", flush=True)
+
+lines = ["# Strategy quality on diffract-emoji", "",
+         f"`scripts/quality_report.py`: `diffract-cli compare` on the shipped model for the first {len(rows)} held-out "
+         f"prompts (seed 1000 + index, {args.steps} Euler steps, CFG {args.cfg}, 128²), each strategy against the "
+         "one-device baseline of the same seed. CPU virtual devices: the images are the ones GPUs would make (up to "
+         "rounding); speed is measured on GPUs in `docs/benchmarks.md`.", "",
+         "| strategy | rounds (of 30) | PSNR mean / min (dB) | SSIM mean / min | latent rel-L2 mean / max |",
+         "| --- | --- | --- | --- | --- |"]
+for (name, n), v in results.items():
+    ps = [x[0] for x in v]
+    ss = [x[1] for x in v]
+    ls = [x[2] for x in v]
+    lines.append(f"| {name}:{n} | {v[0][3]} | {statistics.mean(ps):.1f} / {min(ps):.1f} | {statistics.mean(ss):.4f} / "
+                 f"{min(ss):.4f} | {statistics.mean(ls):.4f} / {max(ls):.4f} |")
+lines += ["", f"First prompt (`{caption(rows[0])}`), baseline then each strategy:", "", "![strategies](quality-emoji.png)", ""]
+open(os.path.join(args.docs, "quality-emoji.md"), "w").write("\n".join(lines))
+
+w = 128
+img = Image.new("RGB", ((w + 4) * len(sheet), w + 16), "white")
+d = ImageDraw.Draw(img)
+for k, (label, im) in enumerate(sheet):
+    img.paste(im.resize((w, w)), (k * (w + 4), 16))
+    d.text((k * (w + 4) + 2, 2), label, fill="black")
+img.save(os.path.join(args.docs, "quality-emoji.png"))
+print("wrote", os.path.join(args.docs, "quality-emoji.md"))
