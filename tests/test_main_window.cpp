@@ -219,6 +219,9 @@ class TestMainWindow : public QObject {
     MainWindow w;
     w.show();
     QVERIFY(QTest::qWaitForWindowExposed(&w));
+    // The GPUs are listed off the GUI thread; the panel says so until the list arrives.
+    auto* summary = child<QLabel>(w, "deviceSummaryLabel");
+    QTRY_VERIFY2(!summary->text().contains("Looking for GPUs"), qPrintable(summary->text()));
     const auto gpus = engine::list_devices();
     auto* panel = child<QGroupBox>(w, "devicesGroup");
     QCOMPARE(panel->findChildren<QCheckBox*>().size(), static_cast<qsizetype>(gpus.size()));
@@ -247,7 +250,9 @@ class TestMainWindow : public QObject {
                                                    {"Fake GPU B", 1, 80ull << 30, 0}};
     {
       MainWindow w;
+      QVERIFY(child<QLabel>(w, "deviceSummaryLabel")->text().contains("Looking for GPUs"));
       w.setDevices(fakes);
+      QTest::qWait(300);  // the listing started by the constructor ends meanwhile: the given list wins
       auto* a = child<QCheckBox>(w, "gpuCheck0");
       auto* b = child<QCheckBox>(w, "gpuCheck1");
       QVERIFY(a->text().contains("cuda:0 Fake GPU A · 80.0 GiB, 3.0 GiB in use"));

@@ -361,16 +361,16 @@ void MainWindow::buildUi() {
   m_deviceSummary->setObjectName(QStringLiteral("deviceSummaryLabel"));
   m_deviceSummary->setWordWrap(true);
   m_deviceSummary->setTextFormat(Qt::PlainText);
-  auto* refreshDevices = new QToolButton;
-  refreshDevices->setObjectName(QStringLiteral("refreshDevicesButton"));
-  refreshDevices->setText(tr("Refresh"));
-  refreshDevices->setToolTip(tr("Read the GPUs' memory in use again"));
+  auto* refresh = new QToolButton;
+  refresh->setObjectName(QStringLiteral("refreshDevicesButton"));
+  refresh->setText(tr("Refresh"));
+  refresh->setToolTip(tr("Read the GPUs' memory in use again"));
   deviceFooter->addWidget(m_deviceSummary, 1);
-  deviceFooter->addWidget(refreshDevices);
+  deviceFooter->addWidget(refresh);
   devicesLayout->addLayout(deviceFooter);
   formLayout->addWidget(m_devicesBox);
-  connect(refreshDevices, &QToolButton::clicked, this, [this] { setDevices(engine::list_devices()); });
-  setDevices(engine::list_devices());
+  connect(refresh, &QToolButton::clicked, this, &MainWindow::refreshDevices);
+  refreshDevices();
 
   auto* buttons = new QHBoxLayout;
   m_generate = new QPushButton(tr("Generate"));
@@ -990,7 +990,28 @@ void MainWindow::compareFiles(const QString& a, const QString& b) {
   }));
 }
 
-void MainWindow::setDevices(const std::vector<engine::DeviceInfo>& devices) {
+// Listing GPUs creates a CUDA context per device (a second or more), so it runs on the thread
+// pool; a list set meanwhile (setDevices) wins over the one in flight.
+void MainWindow::refreshDevices() {
+  const int generation = ++m_devicesGeneration;
+  m_deviceSummary->setText(tr("Looking for GPUs…"));
+  auto* watcher = new QFutureWatcher<std::vector<engine::DeviceInfo>>(this);
+  connect(watcher, &QFutureWatcherBase::finished, this, [this, watcher, generation] {
+    watcher->deleteLater();
+    if (generation == m_devicesGeneration) setDevices(watcher->result(), generation);
+  });
+  watcher->setFuture(QtConcurrent::run([]() -> std::vector<engine::DeviceInfo> {
+    try {
+      return engine::list_devices();
+    } catch (const std::exception& e) {
+      qWarning("listing the GPUs failed: %s", e.what());  // shown as CPU only
+      return {};
+    }
+  }));
+}
+
+void MainWindow::setDevices(const std::vector<engine::DeviceInfo>& devices, int generation) {
+  if (generation == 0) ++m_devicesGeneration;
   // Each GPU keeps its tick by index (m_disabledGpus); one never unticked starts enabled.
   qDeleteAll(m_gpuChecks);
   m_gpuChecks.clear();

@@ -78,7 +78,8 @@ class MainWindow : public QMainWindow {
   void compareFiles(const QString& a, const QString& b);
 
   // The devices panel: one enable box per GPU (kept ticked or not by index), "CPU" without any.
-  void setDevices(const std::vector<engine::DeviceInfo>& devices);
+  // The GPUs shown (tests give their own); generation: internal, 0 from callers.
+  void setDevices(const std::vector<engine::DeviceInfo>& devices, int generation = 0);
   std::vector<int> enabledGpus() const;
   // The device(s) the enabled GPUs and the strategy give a job, or why they cannot run.
   engine::DeviceChoice deviceChoice() const;
@@ -104,6 +105,7 @@ class MainWindow : public QMainWindow {
   void saveSettings() const;
   void updateControls();
   void updateDeviceSummary();
+  void refreshDevices();
   void showError(const QString& message);
   void applySizePreset(int index);
   void reloadPresets(const QString& select = QString());
@@ -135,6 +137,7 @@ class MainWindow : public QMainWindow {
   QLabel* m_cpuLabel = nullptr;
   QSet<int> m_disabledGpus;       // unticked GPUs, by index (saved; a GPU never unticked is enabled)
   QLabel* m_deviceSummary = nullptr;
+  int m_devicesGeneration = 0;
   QComboBox* m_strategy = nullptr;
   QSpinBox* m_devices = nullptr;
   QComboBox* m_preset = nullptr;
