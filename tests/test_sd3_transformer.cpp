@@ -75,16 +75,6 @@ void run_case(models::SD3Transformer2DModel& model, const std::string& key) {
   EXPECT_CLOSE(model->forward(x, ctx, pooled, t), e.at(key + ".out"), tol.out, key + " forward");
 }
 
-void edit_folder(const fs::path& src, const fs::path& dst, const std::function<void(nlohmann::json&)>& edit) {
-  std::ifstream in(src / "config.json");
-  auto j = nlohmann::json::parse(in);
-  edit(j);
-  fs::create_directories(dst);
-  std::ofstream(dst / "config.json") << j.dump(1);
-  fs::copy_file(src / "diffusion_pytorch_model.safetensors", dst / "diffusion_pytorch_model.safetensors",
-                fs::copy_options::overwrite_existing);
-}
-
 }  // namespace
 
 class TestSD3Transformer : public QObject {
@@ -181,24 +171,24 @@ class TestSD3Transformer : public QObject {
     const fs::path d = tmp.path().toStdString();
     const auto src = dir() / "sd35m" / "transformer";
     // One block fewer in config.json than in the weights: the extra keys are named, with the file.
-    edit_folder(src, d / "a", [](auto& j) { j["num_layers"] = 2; });
+    test::copy_with_config(src, d / "a", [](auto& j) { j["num_layers"] = 2; });
     DIFFRACT_EXPECT_ERROR(models::load_sd3_transformer(d / "a"), "diffusion_pytorch_model.safetensors",
                           "unexpected keys", "transformer_blocks.2.attn.to_q.weight");
     // No qk norm in config.json, but the weights have it.
-    edit_folder(src, d / "b", [](auto& j) { j["qk_norm"] = nullptr; });
+    test::copy_with_config(src, d / "b", [](auto& j) { j["qk_norm"] = nullptr; });
     DIFFRACT_EXPECT_ERROR(models::load_sd3_transformer(d / "b"), "diffusion_pytorch_model.safetensors",
                           "transformer_blocks.0.attn.norm_q.weight");
     // A wider text input than the weights.
-    edit_folder(src, d / "c", [](auto& j) { j["joint_attention_dim"] = 24; });
+    test::copy_with_config(src, d / "c", [](auto& j) { j["joint_attention_dim"] = 24; });
     DIFFRACT_EXPECT_ERROR(models::load_sd3_transformer(d / "c"), "shape mismatches",
                           "context_embedder.weight: checkpoint [16, 12] vs model [16, 24]");
-    edit_folder(src, d / "e", [](auto& j) { j["qk_norm"] = "layer_norm"; });
+    test::copy_with_config(src, d / "e", [](auto& j) { j["qk_norm"] = "layer_norm"; });
     DIFFRACT_EXPECT_ERROR(models::load_sd3_transformer(d / "e"), "config.json", "'qk_norm'", "not supported");
-    edit_folder(src, d / "f", [](auto& j) { j["caption_projection_dim"] = 32; });
+    test::copy_with_config(src, d / "f", [](auto& j) { j["caption_projection_dim"] = 32; });
     DIFFRACT_EXPECT_ERROR(models::load_sd3_transformer(d / "f"), "config.json", "caption_projection_dim 32");
-    edit_folder(src, d / "g", [](auto& j) { j["dual_attention_layers"] = {0, 7}; });
+    test::copy_with_config(src, d / "g", [](auto& j) { j["dual_attention_layers"] = {0, 7}; });
     DIFFRACT_EXPECT_ERROR(models::load_sd3_transformer(d / "g"), "config.json", "dual_attention_layers holds 7");
-    edit_folder(src, d / "h", [](auto& j) { j["num_layers"] = "three"; });
+    test::copy_with_config(src, d / "h", [](auto& j) { j["num_layers"] = "three"; });
     DIFFRACT_EXPECT_ERROR(models::load_sd3_transformer(d / "h"), "config.json", "key 'num_layers' has the wrong type");
     fs::create_directories(d / "i");
     std::ofstream(d / "i" / "config.json") << R"({"num_layers": 1})";

@@ -28,16 +28,6 @@ void run_case(models::UNet2DConditionModel& unet, const io::StateDict& e, const 
   DIFFRACT_COMPARE_TENSORS(out, e.at(key + ".out"), kAtol);
 }
 
-void edit_config(const fs::path& src, const fs::path& dst, const std::function<void(nlohmann::json&)>& edit) {
-  std::ifstream in(src / "config.json");
-  auto j = nlohmann::json::parse(in);
-  edit(j);
-  fs::create_directories(dst);
-  std::ofstream(dst / "config.json") << j.dump(1);
-  fs::copy_file(src / "diffusion_pytorch_model.safetensors", dst / "diffusion_pytorch_model.safetensors",
-                fs::copy_options::overwrite_existing);
-}
-
 }  // namespace
 
 class TestUNet : public QObject {
@@ -64,17 +54,17 @@ class TestUNet : public QObject {
     QTemporaryDir tmp;
     const fs::path dir = tmp.path().toStdString();
     const auto src = test::fixtures() / "tiny-sd" / "unet";
-    edit_config(src, dir / "a", [](auto& j) { j.erase("block_out_channels"); });
+    test::copy_with_config(src, dir / "a", [](auto& j) { j.erase("block_out_channels"); });
     DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "a"), "config.json", "missing key 'block_out_channels'");
-    edit_config(src, dir / "b", [](auto& j) { j["down_block_types"][0] = "SimpleCrossAttnDownBlock2D"; });
+    test::copy_with_config(src, dir / "b", [](auto& j) { j["down_block_types"][0] = "SimpleCrossAttnDownBlock2D"; });
     DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "b"), "down block type 'SimpleCrossAttnDownBlock2D'");
-    edit_config(src, dir / "c", [](auto& j) { j["class_embed_type"] = "timestep"; });
+    test::copy_with_config(src, dir / "c", [](auto& j) { j["class_embed_type"] = "timestep"; });
     DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "c"), "'class_embed_type'", "not supported");
-    edit_config(src, dir / "d", [](auto& j) { j["layers_per_block"] = {1, 2, 3}; });
+    test::copy_with_config(src, dir / "d", [](auto& j) { j["layers_per_block"] = {1, 2, 3}; });
     DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "d"), "'layers_per_block' must be an integer or a list of 2");
-    edit_config(src, dir / "e", [](auto& j) { j["cross_attention_dim"] = 48; });
+    test::copy_with_config(src, dir / "e", [](auto& j) { j["cross_attention_dim"] = 48; });
     DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "e"), "shape mismatches", "attn2.to_k.weight");
-    edit_config(src, dir / "f", [](auto& j) { j["addition_embed_type"] = "text_image"; });
+    test::copy_with_config(src, dir / "f", [](auto& j) { j["addition_embed_type"] = "text_image"; });
     DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "f"), "'addition_embed_type'", "only 'text_time'");
   }
 };

@@ -2,10 +2,13 @@
 // Helpers shared by the Qt Test files: where the oracle's fixtures are, tensor comparison.
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <functional>
 #include <string>
 
 #include <ATen/ATen.h>
 #include <QtTest>
+#include <nlohmann/json.hpp>
 
 namespace diffract::test {
 
@@ -22,6 +25,19 @@ inline std::filesystem::path shared_dir() {
 // Max absolute difference, checked against a tolerance stated by the caller.
 inline double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+// A copy of the model folder `src` (config.json + diffusion_pytorch_model.safetensors) in `dst`
+// with its config edited: for the bad-config error tests.
+inline void copy_with_config(const std::filesystem::path& src, const std::filesystem::path& dst,
+                             const std::function<void(nlohmann::json&)>& edit) {
+  std::ifstream in(src / "config.json");
+  auto j = nlohmann::json::parse(in);
+  edit(j);
+  std::filesystem::create_directories(dst);
+  std::ofstream(dst / "config.json") << j.dump(1);
+  std::filesystem::copy_file(src / "diffusion_pytorch_model.safetensors", dst / "diffusion_pytorch_model.safetensors",
+                             std::filesystem::copy_options::overwrite_existing);
 }
 
 }  // namespace diffract::test
