@@ -8,6 +8,7 @@
 #include <QLineEdit>
 #include <QPlainTextEdit>
 #include <QPushButton>
+#include <QFileInfo>
 #include <QSettings>
 #include <QSignalSpy>
 #include <QSpinBox>
@@ -137,6 +138,26 @@ class TestMainWindow : public QObject {
     QVERIFY(!w.bridge()->isRunning());
     child<QLineEdit>(w, "modelEdit")->setText(tinyModel());
     QVERIFY(!hint->isVisible());
+  }
+
+  // With an embedded model (the shipped diffract-emoji) the first start opens with it selected.
+  void firstStartSelectsTheEmbeddedModel() {
+    const QString embedded = m_tmp.filePath("embedded/diffract-emoji");
+    QVERIFY(QDir().mkpath(embedded));
+    QFile index(embedded + "/model_index.json");
+    QVERIFY(index.open(QIODevice::WriteOnly));
+    index.write("{}");
+    index.close();
+    const QByteArray before = qgetenv("DIFFRACT_EMBEDDED_MODEL");
+    qputenv("DIFFRACT_EMBEDDED_MODEL", embedded.toLocal8Bit());
+    {
+      MainWindow w;
+      w.show();
+      QVERIFY(QTest::qWaitForWindowExposed(&w));
+      QCOMPARE(QFileInfo(child<QLineEdit>(w, "modelEdit")->text()).canonicalFilePath(), QFileInfo(embedded).canonicalFilePath());
+      QVERIFY(!child<QLabel>(w, "hintLabel")->isVisible());
+    }
+    qputenv("DIFFRACT_EMBEDDED_MODEL", before);
   }
 
   void discoversTheHuggingFaceCache() {
