@@ -27,7 +27,12 @@ using diffract::ui::MainWindow;
 // Settings and output go to a temporary folder, so the user's are left alone.
 class ScreenshotTour : public QObject {
  public:
-  ScreenshotTour(QString dir, QString model, int timeoutS) : m_dir(std::move(dir)), m_model(std::move(model)) {
+  struct Job {
+    QString prompt, negative;
+    int size = 96, steps = 10;
+  };
+  ScreenshotTour(QString dir, QString model, Job job, int timeoutS)
+      : m_dir(std::move(dir)), m_model(std::move(model)), m_job(std::move(job)) {
     m_clock.start();
     QTimer::singleShot(timeoutS * 1000, this, [this, timeoutS] {
       fail(QStringLiteral("timed out after %1 s (%2)").arg(timeoutS).arg(m_stage));
@@ -49,13 +54,12 @@ class ScreenshotTour : public QObject {
     m_window = w;
     w->resize(1280, 800);
     w->findChild<QLineEdit*>(QStringLiteral("modelEdit"))->setText(m_model);
-    w->findChild<QSpinBox*>(QStringLiteral("widthSpin"))->setValue(96);
-    w->findChild<QSpinBox*>(QStringLiteral("heightSpin"))->setValue(96);
-    w->findChild<QSpinBox*>(QStringLiteral("stepsSpin"))->setValue(10);
+    w->findChild<QSpinBox*>(QStringLiteral("widthSpin"))->setValue(m_job.size);
+    w->findChild<QSpinBox*>(QStringLiteral("heightSpin"))->setValue(m_job.size);
+    w->findChild<QSpinBox*>(QStringLiteral("stepsSpin"))->setValue(m_job.steps);
     w->findChild<QCheckBox*>(QStringLiteral("randomSeedCheck"))->setChecked(false);
-    w->findChild<QPlainTextEdit*>(QStringLiteral("promptEdit"))
-        ->setPlainText(QStringLiteral("a studio packshot of a red apple on a white background"));
-    w->findChild<QPlainTextEdit*>(QStringLiteral("negativeEdit"))->setPlainText(QStringLiteral("blurry"));
+    w->findChild<QPlainTextEdit*>(QStringLiteral("promptEdit"))->setPlainText(m_job.prompt);
+    w->findChild<QPlainTextEdit*>(QStringLiteral("negativeEdit"))->setPlainText(m_job.negative);
     connect(w->bridge(), &EngineBridge::failed, this,
             [this](const QString& message) { fail(QStringLiteral("generation failed: %1").arg(message)); });
     connect(w->bridge(), &EngineBridge::finished, this, [this] {
@@ -144,6 +148,7 @@ class ScreenshotTour : public QObject {
 
   QString m_dir;
   QString m_model;
+  Job m_job;
   QTemporaryDir m_tmp;
   MainWindow* m_window = nullptr;
   QString m_stage = QStringLiteral("starting");
@@ -171,7 +176,15 @@ int main(int argc, char** argv) {
   QCommandLineOption model(QStringLiteral("model"), QStringLiteral("The model for --screenshots"), QStringLiteral("PATH"));
   QCommandLineOption timeout(QStringLiteral("timeout"), QStringLiteral("Seconds --screenshots may take"),
                              QStringLiteral("S"), QStringLiteral("120"));
-  for (QCommandLineOption* o : {&screenshots, &model, &timeout}) {
+  QCommandLineOption prompt(QStringLiteral("prompt"), QStringLiteral("The prompt for --screenshots"), QStringLiteral("TEXT"),
+                            QStringLiteral("a studio packshot of a red apple on a white background"));
+  QCommandLineOption negative(QStringLiteral("negative"), QStringLiteral("The negative prompt for --screenshots"),
+                              QStringLiteral("TEXT"), QStringLiteral("blurry"));
+  QCommandLineOption size(QStringLiteral("size"), QStringLiteral("Image side for --screenshots"), QStringLiteral("PX"),
+                          QStringLiteral("96"));
+  QCommandLineOption steps(QStringLiteral("steps"), QStringLiteral("Steps for --screenshots"), QStringLiteral("N"),
+                           QStringLiteral("10"));
+  for (QCommandLineOption* o : {&screenshots, &model, &timeout, &prompt, &negative, &size, &steps}) {
     o->setFlags(QCommandLineOption::HiddenFromHelp);
     parser.addOption(*o);
   }
@@ -189,7 +202,17 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "diffract: --timeout '%s' is not a positive number of seconds\n", qPrintable(parser.value(timeout)));
       return 2;
     }
-    tour = std::make_unique<ScreenshotTour>(parser.value(screenshots), parser.value(model), seconds);
+    ScreenshotTour::Job job{parser.value(prompt), parser.value(negative), parser.value(size).toInt(&ok), 0};
+    if (!ok || job.size <= 0) {
+      std::fprintf(stderr, "diffract: --size '%s' is not a positive number of pixels\n", qPrintable(parser.value(size)));
+      return 2;
+    }
+    job.steps = parser.value(steps).toInt(&ok);
+    if (!ok || job.steps <= 0) {
+      std::fprintf(stderr, "diffract: --steps '%s' is not a positive number\n", qPrintable(parser.value(steps)));
+      return 2;
+    }
+    tour = std::make_unique<ScreenshotTour>(parser.value(screenshots), parser.value(model), job, seconds);
     if (!tour->prepare()) return 1;
   }
 
