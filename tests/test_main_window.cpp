@@ -114,6 +114,12 @@ class TestMainWindow : public QObject {
     QVERIFY(index.open(QIODevice::WriteOnly));
     index.write("{}");
     index.close();
+    // madebyollin's TAESD for SDXL (a diffusers AutoencoderTiny: config.json, no model_index.json).
+    QVERIFY(QDir().mkpath(hub + "/models--madebyollin--taesdxl/snapshots/s1"));
+    QFile taesd(hub + "/models--madebyollin--taesdxl/snapshots/s1/config.json");
+    QVERIFY(taesd.open(QIODevice::WriteOnly));
+    taesd.write("{}");
+    taesd.close();
     qputenv("HF_HUB_CACHE", hub.toLocal8Bit());
   }
 
@@ -158,6 +164,32 @@ class TestMainWindow : public QObject {
       QVERIFY(!child<QLabel>(w, "hintLabel")->isVisible());
     }
     qputenv("DIFFRACT_EMBEDDED_MODEL", before);
+  }
+
+  void taesdFollowsTheModelFamily() {
+    auto folder = [&](const QString& name, const QByteArray& pipeline) {
+      const QString dir = m_tmp.filePath(name);
+      QDir().mkpath(dir);
+      QFile index(dir + "/model_index.json");
+      index.open(QIODevice::WriteOnly);
+      index.write("{\"_class_name\": \"" + pipeline + "\"}");
+      return dir;
+    };
+    const QString sdxl = folder("family/sdxl", "StableDiffusionXLPipeline");
+    const QString sd15 = folder("family/sd15", "StableDiffusionPipeline");
+    MainWindow w;
+    auto* model = child<QLineEdit>(w, "modelEdit");
+    auto* taesd = child<QLineEdit>(w, "taesdEdit");
+    model->setText(sdxl);
+    QVERIFY2(taesd->text().endsWith("models--madebyollin--taesdxl/snapshots/s1"), qPrintable(taesd->text()));
+    model->setText(sd15);  // no SD 1.x TAESD in the cache: the matched one goes
+    QCOMPARE(taesd->text(), QString());
+    model->setText(sdxl);
+    QVERIFY(!taesd->text().isEmpty());
+    taesd->setText("/my/taesd");  // the user's choice stays whatever the model
+    model->setText(sd15);
+    QCOMPARE(taesd->text(), QStringLiteral("/my/taesd"));
+    QCOMPARE(MainWindow::matchingTaesd(m_tmp.filePath("nowhere")), QString());
   }
 
   void discoversTheHuggingFaceCache() {

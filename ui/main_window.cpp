@@ -11,6 +11,8 @@
 #include <QDragEnterEvent>
 #include <QDropEvent>
 #include <QFile>
+#include <QJsonDocument>
+#include <QJsonObject>
 #include <QFutureWatcher>
 #include <QImageReader>
 #include <QInputDialog>
@@ -30,6 +32,7 @@
 #include <QRegularExpressionValidator>
 #include <QScrollArea>
 #include <QSettings>
+#include <QSignalBlocker>
 #include <QShortcut>
 #include <QSpinBox>
 #include <QSplitter>
@@ -228,7 +231,10 @@ void MainWindow::buildUi() {
                                                       tr("Checkpoints (*.safetensors *.ckpt)"));
     if (!file.isEmpty()) m_model->setText(file);
   });
-  connect(m_model, &QLineEdit::textChanged, this, [this] { updateControls(); });
+  connect(m_model, &QLineEdit::textChanged, this, [this] {
+    matchTaesdToModel();
+    updateControls();
+  });
 
   m_discovered = new QComboBox;
   m_discovered->setObjectName(QStringLiteral("discoveredModelsCombo"));
@@ -255,6 +261,10 @@ void MainWindow::buildUi() {
   taesdBrowse->setText(tr("Folder…"));
   taesdRow->addWidget(m_taesd, 1);
   taesdRow->addWidget(taesdBrowse);
+  connect(m_taesd, &QLineEdit::textChanged, this, [this] {
+    m_taesdMatched = false;
+    m_taesd->setToolTip(QString());
+  });
   fields->addRow(tr("TAESD"), taesdRow);
   connect(taesdBrowse, &QToolButton::clicked, this, [this] {
     const QString dir = QFileDialog::getExistingDirectory(this, tr("TAESD folder"), m_taesd->text());
@@ -486,15 +496,56 @@ QString MainWindow::outputDir() {
   return QDir(QStandardPaths::writableLocation(QStandardPaths::PicturesLocation)).filePath(QStringLiteral("Diffract"));
 }
 
-QStringList MainWindow::discoverHuggingFaceModels() {
+namespace {
+
+QString huggingFaceHub() {
   QString hub = qEnvironmentVariable("HF_HUB_CACHE");
   if (hub.isEmpty()) {
     const QString home = qEnvironmentVariable("HF_HOME");
     hub = home.isEmpty() ? QDir::home().filePath(QStringLiteral(".cache/huggingface/hub"))
                          : QDir(home).filePath(QStringLiteral("hub"));
   }
+  return hub;
+}
+
+}  // namespace
+
+QString MainWindow::matchingTaesd(const QString& modelDir) {
+  QFile index(QDir(modelDir).filePath(QStringLiteral("model_index.json")));
+  if (!index.open(QIODevice::ReadOnly)) return {};
+  const QString pipeline = QJsonDocument::fromJson(index.readAll()).object().value(QStringLiteral("_class_name")).toString();
+  // madebyollin's TAESD repositories, by the latent space of the pipeline.
+  QString repo;
+  if (pipeline.startsWith(QLatin1String("StableDiffusionXL")))
+    repo = QStringLiteral("taesdxl");
+  else if (pipeline.startsWith(QLatin1String("StableDiffusion3")))
+    repo = QStringLiteral("taesd3");
+  else if (pipeline.startsWith(QLatin1String("Flux")))
+    repo = QStringLiteral("taef1");
+  else if (pipeline.startsWith(QLatin1String("StableDiffusion")))
+    repo = QStringLiteral("taesd");
+  else
+    return {};
+  const QDir snapshots(QDir(huggingFaceHub()).filePath(QStringLiteral("models--madebyollin--%1/snapshots").arg(repo)));
+  for (const QFileInfo& snap : snapshots.entryInfoList(QDir::Dirs | QDir::NoDotAndDotDot, QDir::Time))
+    if (QFileInfo::exists(QDir(snap.filePath()).filePath(QStringLiteral("config.json")))) return snap.filePath();
+  return {};
+}
+
+void MainWindow::matchTaesdToModel() {
+  if (!m_taesd) return;  // while the form is being built
+  // A TAESD the user chose stays; one this window picked follows the model.
+  if (!m_taesd->text().isEmpty() && !m_taesdMatched) return;
+  const QString match = matchingTaesd(m_model->text().trimmed());
+  QSignalBlocker block(m_taesd);
+  m_taesd->setText(match);
+  m_taesdMatched = !match.isEmpty();
+  m_taesd->setToolTip(m_taesdMatched ? tr("Matched to the model from the Hugging Face cache") : QString());
+}
+
+QStringList MainWindow::discoverHuggingFaceModels() {
   QStringList models;
-  const QDir hubDir(hub);
+  const QDir hubDir(huggingFaceHub());
   for (const QString& repo : hubDir.entryList({QStringLiteral("models--*")}, QDir::Dirs | QDir::NoDotAndDotDot, QDir::Name)) {
     const QDir snapshots(hubDir.filePath(repo + QStringLiteral("/snapshots")));
     // The newest snapshot of each repository that is a diffusers pipeline.
@@ -643,9 +694,11 @@ void MainWindow::loadSettings() {
   QSettings s;
   m_prompt->setPlainText(s.value(QStringLiteral("prompt")).toString());
   m_negative->setPlainText(s.value(QStringLiteral("negativePrompt")).toString());
+  // The TAESD first: setting the model matches one only when none was saved.
+  m_taesd->setText(s.value(QStringLiteral("taesd")).toString());
+  m_taesdMatched = s.value(QStringLiteral("taesdMatched"), false).toBool();
   // First start: the embedded emoji model, when this build or installation has it.
   m_model->setText(s.value(QStringLiteral("model"), QString::fromStdString(embedded_model_dir().string())).toString());
-  m_taesd->setText(s.value(QStringLiteral("taesd")).toString());
   m_width->setValue(s.value(QStringLiteral("width"), 0).toInt());
   m_height->setValue(s.value(QStringLiteral("height"), 0).toInt());
   m_steps->setValue(s.value(QStringLiteral("steps"), 30).toInt());
@@ -674,6 +727,7 @@ void MainWindow::saveSettings() const {
   s.setValue(QStringLiteral("negativePrompt"), m_negative->toPlainText());
   s.setValue(QStringLiteral("model"), m_model->text());
   s.setValue(QStringLiteral("taesd"), m_taesd->text());
+  s.setValue(QStringLiteral("taesdMatched"), m_taesdMatched);
   s.setValue(QStringLiteral("width"), m_width->value());
   s.setValue(QStringLiteral("height"), m_height->value());
   s.setValue(QStringLiteral("steps"), m_steps->value());

@@ -59,6 +59,9 @@ class MainWindow : public QMainWindow {
   static QString outputDir();
   // Diffusers models in the Hugging Face cache ($HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub).
   static QStringList discoverHuggingFaceModels();
+  // The newest madebyollin TAESD snapshot in that cache for a diffusers model folder's pipeline
+  // (taesd, taesdxl, taesd3, taef1); empty when there is none or the folder is not diffusers'.
+  static QString matchingTaesd(const QString& modelDir);
   engine::GenerationRequest requestFromFields();
   // The seed field as a number; std::nullopt when it is empty or past 64 bits.
   std::optional<std::uint64_t> seedValue() const;
@@ -106,6 +109,7 @@ class MainWindow : public QMainWindow {
   void updateControls();
   void updateDeviceSummary();
   void refreshDevices();
+  void matchTaesdToModel();
   void showError(const QString& message);
   void applySizePreset(int index);
   void reloadPresets(const QString& select = QString());
@@ -138,6 +142,7 @@ class MainWindow : public QMainWindow {
   QSet<int> m_disabledGpus;       // unticked GPUs, by index (saved; a GPU never unticked is enabled)
   QLabel* m_deviceSummary = nullptr;
   int m_devicesGeneration = 0;
+  bool m_taesdMatched = false;  // m_taesd holds matchingTaesd()'s pick, not the user's
   QComboBox* m_strategy = nullptr;
   QSpinBox* m_devices = nullptr;
   QComboBox* m_preset = nullptr;
