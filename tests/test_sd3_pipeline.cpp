@@ -153,16 +153,36 @@ class TestSD3Pipeline : public QObject {
     std::vector<int> steps, previews;
     engine::JobObserver o;
     o.on_step = [&](const engine::StepEvent& e) { steps.push_back(e.index); };
+    int preview_width = 0;
     o.on_preview = [&](const engine::PreviewEvent& e) {
       previews.push_back(e.index);
+      preview_width = e.image.width;
       QCOMPARE(e.image.rgb.size(), std::size_t(e.image.width) * e.image.height * 3);
     };
     engine::CancelToken never;
     const auto result = eng.run(r, o, never);
+    QCOMPARE(preview_width, 16);  // the colour projection, at latent resolution
     QCOMPARE(result.family, std::string("sd3"));
     QCOMPARE(result.images.front().width, 32);
     QCOMPARE(steps, (std::vector<int>{0, 1, 2}));
     QCOMPARE(previews, (std::vector<int>{0, 1, 2}));
+  }
+
+  void previewsThroughA16ChannelTAESD() {
+    engine::GenerationRequest r;
+    r.model = model().string();
+    r.prompt = "a red apple";
+    r.steps = 2;
+    r.preview_every = 1;
+    r.taesd = (test::fixtures() / "vae" / "tiny16").string();  // a tiny random AutoencoderTiny of 16 channels
+    std::vector<int> widths;
+    engine::JobObserver o;
+    o.on_preview = [&](const engine::PreviewEvent& e) { widths.push_back(e.image.width); };
+    engine::CancelToken never;
+    pipe_->generate(r, o, never);
+    QCOMPARE(widths, (std::vector<int>{16 * 8, 16 * 8}));  // TAESD's 8x of the 16-latent side
+    r.taesd = (test::fixtures() / "vae" / "tiny4").string();
+    DIFFRACT_EXPECT_ERROR(pipe_->generate(r, o, never), "4 latent channels", "taesd3");
   }
 
   void refusesWhatDoesNotApply() {
