@@ -154,7 +154,7 @@ int generate(const engine::GenerationRequest& request, const fs::path& out, cons
 
 void add_generation_options(CLI::App* cmd, engine::GenerationRequest& req, bool with_strategy = true) {
   cmd->add_option("--model", req.model,
-                  "diffusers folder or single-file checkpoint (default: the embedded diffract-emoji model)");
+                  "diffusers folder (SD 1.x / 2.x / XL, SD3 without T5) or single-file checkpoint (default: the embedded diffract-emoji model)");
   cmd->add_option("--config", req.model_config, "single files: diffusers folder describing the components");
   cmd->add_option("--prompt", req.prompt, "text")->required();
   cmd->add_option("--negative", req.negative_prompt, "negative prompt");
@@ -164,7 +164,7 @@ void add_generation_options(CLI::App* cmd, engine::GenerationRequest& req, bool 
   cmd->add_option("--width", req.width, "pixels (default: the model's native size)");
   cmd->add_option("--height", req.height, "pixels (default: the model's native size)");
   cmd->add_option("--scheduler", req.sampler,
-                  "euler, euler-ancestral, ddim, ddpm, dpmpp-2m, dpmpp-2m-karras (default: the model's own)");
+                  "euler, euler-ancestral, ddim, ddpm, dpmpp-2m, dpmpp-2m-karras; flow-euler for SD3 (default: the model's own)");
   cmd->add_option("--device", req.device, "cpu or cuda:N")->capture_default_str();
   cmd->add_option("--taesd", req.taesd, "TAESD for previews (folder or .pth pair)");
   cmd->add_option("--batch", req.batch, "images per prompt")->capture_default_str();

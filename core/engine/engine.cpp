@@ -5,7 +5,7 @@
 #include <mutex>
 #include <thread>
 
-#include "core/pipeline/stable_diffusion.h"
+#include "core/pipeline/text_to_image.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -24,15 +24,15 @@ struct Engine::Impl {
   std::shared_ptr<Job> running;
   bool stopping = false;
   std::mutex model_mutex;         // one job at a time uses the model
-  std::unique_ptr<pipeline::StableDiffusion> model;
+  std::unique_ptr<pipeline::TextToImage> model;  // chosen from the folder: SD 1.x / 2.x / XL or SD3
   std::string model_config;
   std::thread worker;
 
-  pipeline::StableDiffusion& model_for(const GenerationRequest& r) {
+  pipeline::TextToImage& model_for(const GenerationRequest& r) {
     if (r.model.empty()) throw Error("no model chosen");
     if (!model || model->path() != r.model || model->device() != r.device || model_config != r.model_config) {
       model.reset();  // free the old one first: two SDXL models may not fit
-      model = pipeline::StableDiffusion::load(r.model, r.device, r.model_config);
+      model = pipeline::load_text_to_image(r.model, r.device, r.model_config);
       model_config = r.model_config;
       // On a GPU the first job would otherwise pay for cuDNN plans and graph captures.
       if (r.device.rfind("cuda", 0) == 0) model->warm_up();

@@ -22,6 +22,7 @@
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/unets/unet_2d_condition.h"
 #include "core/models/unets/unet_graphs.h"
+#include "core/pipeline/pipeline_util.h"
 #include "core/pipeline/single_file.h"
 #include "core/parallel/strategies.h"
 #include "core/schedulers/sampler.h"
@@ -34,23 +35,9 @@
 namespace diffract::pipeline {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
+using namespace detail;
 
 namespace {
-
-double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
-
-at::Device parse_device(const std::string& name) {
-  if (name == "cpu") return at::Device(at::kCPU);
-  if (name.rfind("cuda", 0) == 0) {
-    if (!torch::cuda::is_available()) throw Error("device '" + name + "': no CUDA device is available");
-    at::Device d(name == "cuda" ? std::string("cuda:0") : name);
-    if (d.index() >= static_cast<int>(torch::cuda::device_count()))
-      throw Error("device '" + name + "': only " + std::to_string(torch::cuda::device_count()) + " CUDA device(s)");
-    return d;
-  }
-  throw Error("device '" + name + "' is not 'cpu' or 'cuda:N'");
-}
 
 // Channel -> RGB projections of the latent spaces, for previews without a TAESD: least-squares
 // fits of decoded colours to latents, as the SD community uses them.
@@ -65,28 +52,6 @@ at::Tensor latent_rgb_factors(Family family) {
                     at::kFloat)
       .view({4, 3});
 }
-
-// [B, 3, H, W] in [-1, 1] -> 8-bit RGB images, rounded as diffusers' PIL conversion does.
-// [B, 3, H, W] in [-1, 1] -> [B, H, W, 3] bytes, on the input's device.
-at::Tensor to_bytes(const at::Tensor& x) {
-  return ((x.to(at::kFloat) / 2 + 0.5).clamp(0, 1) * 255).round().to(at::kByte).permute({0, 2, 3, 1}).contiguous();
-}
-
-std::vector<io::Image> bytes_to_images(const at::Tensor& bytes) {
-  const auto u8 = bytes.cpu();
-  std::vector<io::Image> out;
-  for (int64_t b = 0; b < u8.size(0); ++b) {
-    io::Image img;
-    img.height = static_cast<int>(u8.size(1));
-    img.width = static_cast<int>(u8.size(2));
-    const auto* p = u8[b].data_ptr<std::uint8_t>();
-    img.rgb.assign(p, p + static_cast<std::size_t>(img.width) * img.height * 3);
-    out.push_back(std::move(img));
-  }
-  return out;
-}
-
-std::vector<io::Image> to_images(const at::Tensor& x) { return bytes_to_images(to_bytes(x)); }
 
 models::UNetGraphOptions graph_options() {
   models::UNetGraphOptions o;
@@ -107,12 +72,6 @@ std::string a1111_sampler(schedulers::SamplerKind k) {
     case K::FlowMatchEuler: return "Euler";  // what A1111 / Forge call SD3's flow sampler
   }
   return "";
-}
-
-std::string format_number(double v) {
-  std::ostringstream s;
-  s << v;
-  return s.str();
 }
 
 }  // namespace
@@ -455,68 +414,11 @@ std::unique_ptr<StableDiffusion> StableDiffusion::load(const fs::path& model, co
 
 namespace {
 
-// Reports the steps and previews of a denoising loop without holding the device back: step
-// times come from marks in its stream, previews decode on a side stream and reach the
-// observer when done; a preview due while the last one still decodes is dropped.
-class StepReporter {
- public:
-  StepReporter(StableDiffusion::Impl& p, const engine::GenerationRequest& req, const engine::JobObserver& observer,
-               const schedulers::Sampler& sampler, bool use_taesd, engine::StageTimings& timings)
-      : p_(p), req_(req), observer_(observer), sampler_(sampler), use_taesd_(use_taesd), timings_(timings),
-        clock_(p.device), previews_(p.device) {
-    clock_.start();
-  }
-
-  // After step i's work is enqueued: its model output and the state it started from.
-  void stepped(int i, const at::Tensor& out, const at::Tensor& before) {
-    clock_.mark_step();
-    const int total = sampler_.num_steps();
-    if (req_.preview_every > 0 && observer_.on_preview && ((i + 1) % req_.preview_every == 0 || i + 1 == total)) {
-      const auto x0 = sampler_.predict_x0(out, i, before).narrow(0, 0, 1);
-      if (!previews_.try_start(i, {x0}, [&] { return to_bytes(p_.preview(x0, use_taesd_, req_.preview_max_side)); })) ++timings_.previews_dropped;
-    }
-    clock_.wait_until_ahead(2);  // the device always has the next step queued, the host stays near
-    drain();
-  }
-
-  void finish() {
-    clock_.wait_until_ahead(0);
-    drain();
-    while (auto d = previews_.wait()) emit(*d);
-  }
-
- private:
-  void drain() {
-    std::vector<SideStreamTask::Done> previews;  // first: a finished preview implies its step finished
-    while (auto d = previews_.poll()) previews.push_back(std::move(*d));
-    for (double ms : clock_.finished()) {
-      const int i = reported_++;
-      timings_.step_ms.push_back(ms);
-      if (observer_.on_step)
-        observer_.on_step({i, sampler_.num_steps(), sampler_.timesteps()[static_cast<std::size_t>(i)], ms});
-    }
-    for (const auto& d : previews) emit(d);
-  }
-
-  void emit(const SideStreamTask::Done& d) {
-    engine::PreviewEvent ev;
-    ev.index = d.tag;
-    ev.image = std::move(bytes_to_images(d.host).front());
-    ev.decode_ms = d.device_ms;
-    timings_.preview_ms.push_back(d.device_ms);
-    observer_.on_preview(ev);
-  }
-
-  StableDiffusion::Impl& p_;
-  const engine::GenerationRequest& req_;
-  const engine::JobObserver& observer_;
-  const schedulers::Sampler& sampler_;
-  bool use_taesd_;
-  engine::StageTimings& timings_;
-  StepClock clock_;
-  SideStreamTask previews_;
-  int reported_ = 0;
-};
+// The pipeline's preview decode for the step reporter.
+StepReporter::Preview preview_fn(StableDiffusion::Impl& p, const engine::GenerationRequest& req, bool use_taesd) {
+  const int max_side = req.preview_max_side;
+  return [&p, use_taesd, max_side](const at::Tensor& x0) { return p.preview(x0, use_taesd, max_side); };
+}
 
 models::UNetConditioning to_device(const models::UNetConditioning& c, const c10::Device& d) {
   models::UNetConditioning o;
@@ -599,7 +501,7 @@ at::Tensor run_strategy(StableDiffusion::Impl& p, const parallel::Strategy& stra
   const auto sampler = schedulers::Sampler::create(kind, config, req.steps);  // timesteps, x0 for previews
   std::optional<StepReporter> reporter;
   in.on_step = [&](int i, const at::Tensor& out, const at::Tensor& before, const at::Tensor&) {
-    if (!reporter) reporter.emplace(p, req, observer, *sampler, use_taesd, timings);  // on rank 0's thread
+    if (!reporter) reporter.emplace(p.device, req, observer, *sampler, preview_fn(p, req, use_taesd), timings);  // on rank 0's thread
     reporter->stepped(i, out, before);
   };
   auto out = strategy.run(group, in);
@@ -829,7 +731,7 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
     latents = run_strategy(p, *strategy, req, kind, config, positive, negative, latents, gen, observer, cancel, use_taesd,
                            timings, strategy_stats);
   if (!strategy) {
-    StepReporter reporter(p, req, observer, *sampler, use_taesd, timings);
+    StepReporter reporter(p.device, req, observer, *sampler, preview_fn(p, req, use_taesd), timings);
     for (int i = 0; i < sampler->num_steps(); ++i) {
       if (cancel.cancelled()) throw engine::Cancelled{};
       const double t = sampler->timesteps()[static_cast<std::size_t>(i)];

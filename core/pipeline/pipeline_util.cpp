@@ -1,0 +1,98 @@
+#include "core/pipeline/pipeline_util.h"
+
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
+
+#include "core/schedulers/sampler.h"
+#include "core/util/error.h"
+
+namespace diffract::pipeline::detail {
+
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+
+at::Device parse_device(const std::string& name) {
+  if (name == "cpu") return at::Device(at::kCPU);
+  if (name.rfind("cuda", 0) == 0) {
+    if (!torch::cuda::is_available()) throw Error("device '" + name + "': no CUDA device is available");
+    at::Device d(name == "cuda" ? std::string("cuda:0") : name);
+    if (d.index() >= static_cast<int>(torch::cuda::device_count()))
+      throw Error("device '" + name + "': only " + std::to_string(torch::cuda::device_count()) + " CUDA device(s)");
+    return d;
+  }
+  throw Error("device '" + name + "' is not 'cpu' or 'cuda:N'");
+}
+
+at::Tensor to_bytes(const at::Tensor& x) {
+  return ((x.to(at::kFloat) / 2 + 0.5).clamp(0, 1) * 255).round().to(at::kByte).permute({0, 2, 3, 1}).contiguous();
+}
+
+std::vector<io::Image> bytes_to_images(const at::Tensor& bytes) {
+  const auto u8 = bytes.cpu();
+  std::vector<io::Image> out;
+  for (int64_t b = 0; b < u8.size(0); ++b) {
+    io::Image img;
+    img.height = static_cast<int>(u8.size(1));
+    img.width = static_cast<int>(u8.size(2));
+    const auto* p = u8[b].data_ptr<std::uint8_t>();
+    img.rgb.assign(p, p + static_cast<std::size_t>(img.width) * img.height * 3);
+    out.push_back(std::move(img));
+  }
+  return out;
+}
+
+std::vector<io::Image> to_images(const at::Tensor& x) { return bytes_to_images(to_bytes(x)); }
+
+std::string format_number(double v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+StepReporter::StepReporter(const c10::Device& device, const engine::GenerationRequest& req,
+                           const engine::JobObserver& observer, const schedulers::Sampler& sampler, Preview preview,
+                           engine::StageTimings& timings)
+    : req_(req), observer_(observer), sampler_(sampler), preview_(std::move(preview)), timings_(timings),
+      clock_(device), previews_(device) {
+  clock_.start();
+}
+
+void StepReporter::stepped(int i, const at::Tensor& out, const at::Tensor& before) {
+  clock_.mark_step();
+  const int total = sampler_.num_steps();
+  if (req_.preview_every > 0 && observer_.on_preview && ((i + 1) % req_.preview_every == 0 || i + 1 == total)) {
+    const auto x0 = sampler_.predict_x0(out, i, before).narrow(0, 0, 1);
+    if (!previews_.try_start(i, {x0}, [&] { return to_bytes(preview_(x0)); })) ++timings_.previews_dropped;
+  }
+  clock_.wait_until_ahead(2);  // the device always has the next step queued, the host stays near
+  drain();
+}
+
+void StepReporter::finish() {
+  clock_.wait_until_ahead(0);
+  drain();
+  while (auto d = previews_.wait()) emit(*d);
+}
+
+void StepReporter::drain() {
+  std::vector<SideStreamTask::Done> previews;  // first: a finished preview implies its step finished
+  while (auto d = previews_.poll()) previews.push_back(std::move(*d));
+  for (double ms : clock_.finished()) {
+    const int i = reported_++;
+    timings_.step_ms.push_back(ms);
+    if (observer_.on_step) observer_.on_step({i, sampler_.num_steps(), sampler_.timesteps()[static_cast<std::size_t>(i)], ms});
+  }
+  for (const auto& d : previews) emit(d);
+}
+
+void StepReporter::emit(const SideStreamTask::Done& d) {
+  engine::PreviewEvent ev;
+  ev.index = d.tag;
+  ev.image = std::move(bytes_to_images(d.host).front());
+  ev.decode_ms = d.device_ms;
+  timings_.preview_ms.push_back(d.device_ms);
+  observer_.on_preview(ev);
+}
+
+}  // namespace diffract::pipeline::detail

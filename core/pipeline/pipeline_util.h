@@ -1,0 +1,64 @@
+#pragma once
+// Pieces the text-to-image pipelines share: device names, image conversion, and the reporter of a
+// denoising loop's steps and previews.
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "core/engine/generation.h"
+#include "core/io/image.h"
+#include "core/util/device_work.h"
+
+namespace diffract::schedulers {
+class Sampler;
+}
+
+namespace diffract::pipeline::detail {
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0);
+
+// "cpu", "cuda", "cuda:N": checked against the machine's devices.
+at::Device parse_device(const std::string& name);
+
+// [B, 3, H, W] in [-1, 1] -> [B, H, W, 3] bytes on the input's device, rounded as diffusers'
+// PIL conversion does.
+at::Tensor to_bytes(const at::Tensor& x);
+std::vector<io::Image> bytes_to_images(const at::Tensor& bytes);
+std::vector<io::Image> to_images(const at::Tensor& x);
+
+std::string format_number(double v);
+
+// Reports the steps and previews of a denoising loop without holding the device back: step
+// times come from marks in its stream, previews decode on a side stream and reach the
+// observer when done; a preview due while the last one still decodes is dropped.
+class StepReporter {
+ public:
+  // x0 [1, C, h, w] (the sampler's prediction, diffusion latent space) -> images [1, 3, H, W] in [-1, 1].
+  using Preview = std::function<at::Tensor(const at::Tensor& x0)>;
+  StepReporter(const c10::Device& device, const engine::GenerationRequest& req, const engine::JobObserver& observer,
+               const schedulers::Sampler& sampler, Preview preview, engine::StageTimings& timings);
+
+  // After step i's work is enqueued: its model output and the state it started from.
+  void stepped(int i, const at::Tensor& out, const at::Tensor& before);
+  void finish();
+
+ private:
+  void drain();
+  void emit(const SideStreamTask::Done& d);
+
+  const engine::GenerationRequest& req_;
+  const engine::JobObserver& observer_;
+  const schedulers::Sampler& sampler_;
+  Preview preview_;
+  engine::StageTimings& timings_;
+  StepClock clock_;
+  SideStreamTask previews_;
+  int reported_ = 0;
+};
+
+}  // namespace diffract::pipeline::detail

@@ -1,0 +1,419 @@
+#include "core/pipeline/stable_diffusion_3.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+#include <torch/cuda.h>
+
+#include "core/io/diffusers_folder.h"
+#include "core/io/json_file.h"
+#include "core/models/autoencoders/autoencoder_kl.h"
+#include "core/models/autoencoders/taesd.h"
+#include "core/models/text_encoders/clip_text.h"
+#include "core/models/transformers/sd3_transformer_2d.h"
+#include "core/pipeline/pipeline_util.h"
+#include "core/pipeline/stable_diffusion.h"
+#include "core/schedulers/sampler.h"
+#include "core/text/clip_tokenizer.h"
+#include "core/util/build_info.h"
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+namespace diffract::pipeline {
+
+namespace fs = std::filesystem;
+using namespace detail;
+
+namespace {
+
+// SD3's 16 latent channels -> RGB, for previews without a TAESD: the least-squares factors
+// ComfyUI's SD3 latent format uses (an approximation at latent resolution, nothing more).
+at::Tensor sd3_latent_rgb(const at::Tensor& x0) {
+  static const float factors[16][3] = {
+      {-0.0922f, -0.0175f, 0.0749f}, {0.0311f, 0.0633f, 0.0954f},  {0.1994f, 0.0927f, 0.0458f},
+      {0.0856f, 0.0339f, 0.0902f},   {0.0587f, 0.0272f, -0.0496f}, {-0.0006f, 0.1104f, 0.0309f},
+      {0.0978f, 0.0306f, 0.0427f},   {-0.0042f, 0.1038f, 0.1358f}, {-0.0194f, 0.0020f, 0.0669f},
+      {-0.0488f, 0.0130f, -0.0268f}, {0.0922f, 0.0988f, 0.0951f},  {-0.0278f, 0.0524f, -0.0542f},
+      {0.0332f, 0.0456f, 0.0895f},   {-0.0069f, -0.0030f, -0.0810f}, {-0.0596f, -0.0465f, -0.0293f},
+      {-0.1448f, -0.1463f, -0.1189f}};
+  const auto f = at::from_blob(const_cast<float*>(&factors[0][0]), {16, 3}, at::kFloat).to(x0.device());
+  auto rgb = at::einsum("bchw,cr->brhw", {x0.to(at::kFloat), f});
+  rgb = rgb + at::tensor({0.2394, 0.2135, 0.1925}, rgb.options()).view({1, 3, 1, 1});
+  return (rgb * 2 - 1).clamp(-1, 1);  // the factors give [0, 1] colours
+}
+
+}  // namespace
+
+struct StableDiffusion3::Impl {
+  fs::path path;
+  std::string device_name;
+  at::Device device{at::kCPU};
+  at::ScalarType dtype = at::kFloat;
+  std::unique_ptr<text::CLIPTokenizer> tokenizer, tokenizer_2;
+  models::CLIPTextModelWithProjection text_encoder{nullptr}, text_encoder_2{nullptr};
+  models::SD3Transformer2DModel transformer{nullptr};
+  models::AutoencoderKL vae{nullptr};
+  fs::path scheduler_json;
+  std::optional<schedulers::SamplerKind> native_sampler;
+  bool t5_dropped = false;
+  int max_sequence_length = 256;
+  std::string taesd_path;
+  models::TAESD taesd{nullptr};
+  double load_ms = 0;
+
+  int vae_factor() const { return static_cast<int>(vae->config.downscale_factor()); }
+  // Pixel sizes must be multiples of this: the VAE's factor times the transformer's patch.
+  int size_multiple() const { return vae_factor() * static_cast<int>(transformer->config.patch_size); }
+
+  // One prompt: [1, 77 + max_sequence_length, joint], pooled [1, P].
+  std::pair<at::Tensor, at::Tensor> encode_one(const std::string& prompt, engine::StageTimings& t) {
+    auto run_tokenizer = [&](const text::CLIPTokenizer& tok) {
+      const auto t0 = Clock::now();
+      auto tokens = tok.tokenize(prompt);
+      t.tokenize_ms += ms_since(t0);
+      if (tokens.dropped > 0)
+        log::get("pipeline").warn(log::str("prompt is ", tokens.dropped, " tokens over CLIP's ", tok.max_length(),
+                                           "-token limit: the end was cut off ('", prompt.substr(0, 40), "...')"));
+      return at::tensor(at::ArrayRef<int>(tokens.ids), at::kLong).unsqueeze(0).to(device);
+    };
+    auto ids1 = run_tokenizer(*tokenizer);
+    auto ids2 = run_tokenizer(*tokenizer_2);
+    const auto t0 = Clock::now();
+    auto o1 = text_encoder->forward(ids1, true);
+    auto o2 = text_encoder_2->forward(ids2, true);
+    auto clip = at::cat({o1.hidden_states[o1.hidden_states.size() - 2], o2.hidden_states[o2.hidden_states.size() - 2]}, -1);
+    const int64_t joint = transformer->config.joint_attention_dim;
+    clip = at::constant_pad_nd(clip, {0, joint - clip.size(-1)});  // checked at load: never negative
+    auto t5 = at::zeros({1, max_sequence_length, joint}, clip.options());
+    auto embeds = at::cat({clip, t5}, -2);
+    auto pooled = at::cat({o1.text_embeds, o2.text_embeds}, -1);
+    t.text_encode_ms += ms_since(t0);
+    return {embeds, pooled};
+  }
+
+  at::Tensor preview(const at::Tensor& x0, bool use_taesd, int max_side) {
+    at::NoGradGuard no_grad;
+    if (!use_taesd) return sd3_latent_rgb(x0);
+    auto z = x0;
+    const int64_t side = std::max(z.size(2), z.size(3)) * vae_factor();
+    if (max_side > 0 && side > max_side) {
+      const double s = static_cast<double>(max_side) / static_cast<double>(side);
+      z = at::adaptive_avg_pool2d(z, {std::max<int64_t>(1, std::lround(z.size(2) * s)),
+                                      std::max<int64_t>(1, std::lround(z.size(3) * s))});
+    }
+    // TAESD3 decodes SD3's diffusion latents directly (see TAESDConfig).
+    return taesd->decode(z.to(taesd->parameters().front().dtype()));
+  }
+
+  at::Tensor decode_latents(const at::Tensor& latents) {
+    const auto z = vae->unscale_latents(latents.to(dtype));
+    const int64_t f = vae->config.downscale_factor();
+    if (z.size(2) * z.size(3) * f * f > int64_t(2048) * 2048) return vae->decode_tiled(z);
+    return vae->decode(z);
+  }
+};
+
+namespace {
+
+void load_folder(StableDiffusion3::Impl& p, const fs::path& model) {
+  const auto folder = io::DiffusersFolder::open(model);
+  const auto& tr_c = folder.require("transformer");
+  const auto& vae_c = folder.require("vae");
+  const auto& te_c = folder.require("text_encoder");
+  const auto& te2_c = folder.require("text_encoder_2");
+  const auto& tok_c = folder.require("tokenizer");
+  const auto& tok2_c = folder.require("tokenizer_2");
+  const auto& sched_c = folder.require("scheduler");
+  if (tr_c.class_name != "SD3Transformer2DModel")
+    throw Error(model.string() + ": transformer is a " + tr_c.class_name + ", not an SD3Transformer2DModel");
+  if (vae_c.class_name != "AutoencoderKL")
+    throw Error(model.string() + ": vae is a " + vae_c.class_name + "; the SD3 pipeline needs an AutoencoderKL");
+  if (folder.find("text_encoder_3") || folder.find("tokenizer_3")) {
+    p.t5_dropped = true;
+    log::get("pipeline").warn(
+        model.string() + " has a T5 text encoder (text_encoder_3), which Diffract does not support yet: it runs "
+        "without it, T5's part of the prompt embedding zeros (as diffusers with text_encoder_3=None); prompts are "
+        "followed less closely than with T5");
+  }
+  p.scheduler_json = sched_c.config;
+  p.native_sampler = schedulers::native_sampler(sched_c.config);
+  p.transformer = models::load_sd3_transformer(tr_c.dir, tr_c.variant);
+  p.vae = models::load_autoencoder_kl(vae_c.dir, vae_c.variant);
+  p.text_encoder = models::load_clip_text_model_with_projection(te_c.dir, te_c.variant);
+  p.text_encoder_2 = models::load_clip_text_model_with_projection(te2_c.dir, te2_c.variant);
+  p.tokenizer = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(tok_c.dir));
+  p.tokenizer_2 = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(tok2_c.dir));
+
+  // The components must fit together; diffusers would fail deep inside a forward instead.
+  const auto& tc = p.transformer->config;
+  const auto& l = p.text_encoder->text_model->config;
+  const auto& g = p.text_encoder_2->text_model->config;
+  if (p.vae->config.latent_channels != tc.in_channels)
+    throw Error(model.string() + ": the vae has " + std::to_string(p.vae->config.latent_channels) +
+                " latent channels, the transformer takes " + std::to_string(tc.in_channels));
+  if (l.hidden_size + g.hidden_size > tc.joint_attention_dim)
+    throw Error(model.string() + ": text_encoder and text_encoder_2 give " + std::to_string(l.hidden_size) + " + " +
+                std::to_string(g.hidden_size) + " features, more than the transformer's joint_attention_dim " +
+                std::to_string(tc.joint_attention_dim));
+  if (l.projection_dim + g.projection_dim != tc.pooled_projection_dim)
+    throw Error(model.string() + ": the text encoders' projections give " + std::to_string(l.projection_dim) + " + " +
+                std::to_string(g.projection_dim) + " pooled features; the transformer's pooled_projection_dim is " +
+                std::to_string(tc.pooled_projection_dim));
+}
+
+}  // namespace
+
+StableDiffusion3::StableDiffusion3(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+StableDiffusion3::~StableDiffusion3() = default;
+const fs::path& StableDiffusion3::path() const { return impl_->path; }
+const std::string& StableDiffusion3::device() const { return impl_->device_name; }
+int StableDiffusion3::native_size() const {
+  return static_cast<int>(impl_->transformer->config.sample_size) * impl_->vae_factor();
+}
+bool StableDiffusion3::t5_dropped() const { return impl_->t5_dropped; }
+int StableDiffusion3::max_sequence_length() const { return impl_->max_sequence_length; }
+
+std::unique_ptr<StableDiffusion3> StableDiffusion3::load(const fs::path& model, const std::string& device) {
+  const auto t0 = Clock::now();
+  auto p = std::make_unique<Impl>();
+  p->path = model;
+  p->device_name = device;
+  p->device = parse_device(device);
+  p->dtype = p->device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  if (!fs::is_directory(model))
+    throw Error(model.string() + ": SD3 loads from a diffusers folder; single-file SD3 checkpoints are not supported yet");
+  load_folder(*p, model);
+  {
+    at::NoGradGuard no_grad;
+    for (torch::nn::Module* m : {static_cast<torch::nn::Module*>(p->transformer.get()),
+                                 static_cast<torch::nn::Module*>(p->vae.get()),
+                                 static_cast<torch::nn::Module*>(p->text_encoder.get()),
+                                 static_cast<torch::nn::Module*>(p->text_encoder_2.get())}) {
+      m->eval();
+      m->to(p->device, p->dtype);
+    }
+  }
+  if (p->device.is_cuda()) at::globalContext().setBenchmarkCuDNN(true);
+  p->load_ms = ms_since(t0);
+  log::get("pipeline").info(log::str("loaded ", model.string(), " (sd3", p->t5_dropped ? ", T5 dropped" : ", no T5",
+                                     ") on ", device, " in ", static_cast<int>(p->load_ms), " ms"));
+  return std::unique_ptr<StableDiffusion3>(new StableDiffusion3(std::move(p)));
+}
+
+StableDiffusion3::Conditioning StableDiffusion3::encode_prompt(const std::string& prompt, const std::string& negative,
+                                                               int batch, bool cfg, engine::StageTimings* timings) {
+  at::NoGradGuard no_grad;
+  engine::StageTimings scratch;
+  auto& t = timings ? *timings : scratch;
+  Conditioning c;
+  std::tie(c.prompt_embeds, c.pooled) = impl_->encode_one(prompt, t);
+  c.prompt_embeds = c.prompt_embeds.repeat({batch, 1, 1});
+  c.pooled = c.pooled.repeat({batch, 1});
+  if (cfg) {
+    std::tie(c.negative_prompt_embeds, c.negative_pooled) = impl_->encode_one(negative, t);
+    c.negative_prompt_embeds = c.negative_prompt_embeds.repeat({batch, 1, 1});
+    c.negative_pooled = c.negative_pooled.repeat({batch, 1});
+  }
+  return c;
+}
+
+double StableDiffusion3::warm_up() {
+  auto& p = *impl_;
+  if (!p.device.is_cuda()) return 0;
+  const auto t0 = Clock::now();
+  engine::GenerationRequest r;
+  r.prompt = "warm-up";
+  r.steps = 2;
+  r.cfg = 7.0;
+  r.device = p.device_name;
+  r.taesd = p.taesd ? p.taesd_path : std::string();
+  r.preview_every = 1;
+  engine::JobObserver o;
+  o.on_preview = [](const engine::PreviewEvent&) {};
+  const double load_ms = p.load_ms;
+  generate(r, o, engine::CancelToken{});
+  p.load_ms = load_ms;
+  const double ms = ms_since(t0);
+  log::get("pipeline").info(log::str("warm-up in ", static_cast<int>(ms), " ms"));
+  return ms;
+}
+
+engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequest& request,
+                                                    const engine::JobObserver& observer,
+                                                    const engine::CancelToken& cancel) {
+  return generate(request, observer, cancel, at::Tensor());
+}
+
+engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequest& request,
+                                                    const engine::JobObserver& observer,
+                                                    const engine::CancelToken& cancel,
+                                                    const at::Tensor& initial_latents) {
+  auto& p = *impl_;
+  const auto start = Clock::now();
+  engine::GenerationResult result;
+  result.request = request;
+  auto& req = result.request;
+  auto& timings = result.timings;
+  timings.load_ms = std::exchange(p.load_ms, 0.0);
+  result.family = "sd3";
+
+  // Everything a user can get wrong is checked before any work starts.
+  if (!req.strategy.empty() && req.strategy != "single")
+    throw Error("strategy " + req.strategy + " does not run SD3 yet (only SD 1.x / 2.x / XL); leave --strategy out");
+  const int multiple = p.size_multiple();
+  if (req.width == 0) req.width = native_size();
+  if (req.height == 0) req.height = native_size();
+  if (req.width < multiple || req.height < multiple || req.width % multiple || req.height % multiple)
+    throw Error("size " + std::to_string(req.width) + "x" + std::to_string(req.height) + " is not a positive multiple of " +
+                std::to_string(multiple) + " (the VAE's factor times the transformer's patch size)");
+  if (req.width > 8192 || req.height > 8192)
+    throw Error("size " + std::to_string(req.width) + "x" + std::to_string(req.height) + " is above 8192 pixels a side");
+  if (!(req.cfg >= 0)) throw Error("CFG scale " + format_number(req.cfg) + " must be 0 or more");
+  if (req.batch < 1 || req.batch > 64) throw Error("batch " + std::to_string(req.batch) + " must be between 1 and 64");
+  if (req.preview_every < 0) throw Error("preview interval must be 0 (none) or more");
+  if (req.preview_max_side < 0) throw Error("preview size must be 0 (full size) or more pixels");
+
+  schedulers::SamplerKind kind = schedulers::SamplerKind::FlowMatchEuler;
+  if (!req.sampler.empty()) kind = schedulers::parse_sampler_or_throw(req.sampler);
+  else if (!p.native_sampler || *p.native_sampler != kind)
+    log::get("pipeline").info("the model's own scheduler is not flow-euler's; using flow-euler with its settings");
+  if (!schedulers::is_flow_matching(kind))
+    throw Error("SD3 is a flow-matching model: the " + std::string(schedulers::sampler_name(kind)) +
+                " sampler does not apply to it (use flow-euler)");
+  req.sampler = std::string(schedulers::sampler_name(kind));
+  const auto config = schedulers::SchedulerConfig::from_json(p.scheduler_json, kind);
+  if (req.steps < 1 || req.steps > config.num_train_timesteps)
+    throw Error("steps " + std::to_string(req.steps) + " must be between 1 and the model's " +
+                std::to_string(config.num_train_timesteps) + " training timesteps");
+  auto sampler = schedulers::Sampler::create(kind, config, req.steps);
+
+  const int64_t channels = p.transformer->config.in_channels;
+  const std::vector<int64_t> shape{req.batch, channels, req.height / p.vae_factor(), req.width / p.vae_factor()};
+  if (initial_latents.defined() && initial_latents.sizes().vec() != shape)
+    throw Error("initial latents of shape " + c10::str(initial_latents.sizes()) + " for a job that needs " +
+                c10::str(at::IntArrayRef(shape)));
+
+  // The last TAESD stays loaded for later jobs that name it again.
+  if (!req.taesd.empty() && req.taesd != p.taesd_path) {
+    auto taesd = models::load_taesd(req.taesd);
+    if (!taesd->has_decoder()) throw Error(req.taesd + ": the TAESD has no decoder");
+    if (taesd->config.latent_channels != channels)
+      throw Error(req.taesd + ": a TAESD of " + std::to_string(taesd->config.latent_channels) +
+                  " latent channels cannot preview SD3's " + std::to_string(channels) + " (use taesd3)");
+    taesd->eval();
+    taesd->to(p.device, p.dtype);
+    p.taesd = taesd;
+    p.taesd_path = req.taesd;
+  }
+  const bool use_taesd = !req.taesd.empty();
+
+  at::NoGradGuard no_grad;
+  const bool cfg = req.cfg > 1.0;
+  const auto stage = [&](const char* name, double ms) {
+    if (observer.on_stage) observer.on_stage(name, ms);
+  };
+  const auto c = encode_prompt(req.prompt, req.negative_prompt, req.batch, cfg, &timings);
+  stage("tokenize", timings.tokenize_ms);
+  stage("text_encode", timings.text_encode_ms);
+  const auto context = (cfg ? at::cat({c.negative_prompt_embeds, c.prompt_embeds}) : c.prompt_embeds).to(p.dtype);
+  const auto pooled = (cfg ? at::cat({c.negative_pooled, c.pooled}) : c.pooled).to(p.dtype);
+
+  // Initial noise from a CPU generator in the model's dtype, as diffusers' randn_tensor draws it.
+  at::Generator gen = at::detail::createCPUGenerator(req.seed);
+  at::Tensor latents = initial_latents.defined() ? initial_latents.to(p.device, p.dtype)
+                                                 : at::randn(shape, gen, p.dtype).to(p.device);
+  latents = latents * sampler->init_noise_sigma();
+
+  StepReporter reporter(p.device, req, observer, *sampler,
+                        [&p, use_taesd, max_side = req.preview_max_side](const at::Tensor& x0) {
+                          return p.preview(x0, use_taesd, max_side);
+                        },
+                        timings);
+  for (int i = 0; i < sampler->num_steps(); ++i) {
+    if (cancel.cancelled()) throw engine::Cancelled{};
+    const double t = sampler->timesteps()[static_cast<std::size_t>(i)];
+    auto x_in = sampler->scale_model_input(cfg ? at::cat({latents, latents}) : latents, i);
+    auto timestep = at::full({x_in.size(0)}, t, at::TensorOptions().dtype(at::kFloat).device(p.device));
+    auto out = p.transformer->forward(x_in.to(p.dtype), context, pooled, timestep);
+    if (cfg) {
+      auto parts = out.chunk(2);
+      out = parts[0] + req.cfg * (parts[1] - parts[0]);
+    }
+    const auto before = latents;
+    latents = sampler->step(out, i, latents, gen);
+    if (p.device.is_cpu() && !at::isfinite(latents).all().item<bool>())
+      throw Error("the latents hold NaN or Inf after step " + std::to_string(i + 1) +
+                  ": the model's weights or settings are broken (try fp32)");
+    reporter.stepped(i, out, before);
+  }
+  reporter.finish();
+  if (!at::isfinite(latents).all().item<bool>())
+    throw Error("the final latents hold NaN or Inf: the model's weights or settings are broken");
+  if (cancel.cancelled()) throw engine::Cancelled{};
+
+  const auto td = Clock::now();
+  auto images = p.decode_latents(latents);
+  if (!at::isfinite(images).all().item<bool>()) throw Error("the VAE decode produced NaN or Inf");
+  result.images = to_images(images);
+  timings.vae_decode_ms = ms_since(td);
+  stage("vae_decode", timings.vae_decode_ms);
+  timings.total_ms = ms_since(start) + timings.load_ms;
+  stage("total", timings.total_ms);
+
+  result.a1111_parameters = req.prompt + "\nNegative prompt: " + req.negative_prompt + "\nSteps: " +
+                            std::to_string(req.steps) + ", Sampler: Euler, Schedule type: Simple, CFG scale: " +
+                            format_number(req.cfg) + ", Seed: " + std::to_string(req.seed) + ", Size: " +
+                            std::to_string(req.width) + "x" + std::to_string(req.height) +
+                            ", Model: " + p.path.filename().string() + ", Version: Diffract " +
+                            build_info().diffract_version;
+  nlohmann::json meta = {
+      {"diffract_version", build_info().diffract_version},
+      {"model", p.path.string()}, {"family", result.family},
+      {"t5", p.t5_dropped ? "dropped" : "absent"}, {"max_sequence_length", p.max_sequence_length},
+      {"shift", config.shift},
+      {"prompt", req.prompt}, {"negative_prompt", req.negative_prompt},
+      {"width", req.width}, {"height", req.height}, {"steps", req.steps}, {"cfg", req.cfg},
+      {"seed", req.seed}, {"sampler", req.sampler}, {"device", req.device}, {"batch", req.batch},
+      {"taesd", req.taesd}, {"strategy_name", "single"}, {"devices", 1},
+      {"initial_latents", initial_latents.defined() ? "given" : "seed"},
+      {"timings_ms", {{"load", timings.load_ms}, {"tokenize", timings.tokenize_ms},
+                      {"text_encode", timings.text_encode_ms}, {"steps", timings.step_ms},
+                      {"previews", timings.preview_ms}, {"previews_dropped", timings.previews_dropped},
+                      {"vae_decode", timings.vae_decode_ms}, {"total", timings.total_ms}}},
+  };
+  result.metadata_json = meta.dump();
+  const auto cpu_latents = latents.to(at::kCPU, at::kFloat).contiguous();
+  result.latents.assign(cpu_latents.data_ptr<float>(), cpu_latents.data_ptr<float>() + cpu_latents.numel());
+  result.latents_shape = cpu_latents.sizes().vec();
+  return result;
+}
+
+bool is_sd3_folder(const fs::path& model) {
+  const auto index_path = model / "model_index.json";
+  if (!fs::is_directory(model) || !fs::is_regular_file(index_path)) return false;
+  const auto index = io::JsonFile::read(index_path);
+  const auto cls = index.optional<std::string>("_class_name", "");
+  if (cls.rfind("StableDiffusion3", 0) == 0) return true;
+  const auto& j = index.json();
+  const auto it = j.find("transformer");
+  return it != j.end() && it->is_array() && it->size() == 2 && (*it)[1].is_string() &&
+         (*it)[1].get<std::string>() == "SD3Transformer2DModel";
+}
+
+std::unique_ptr<TextToImage> load_text_to_image(const fs::path& model, const std::string& device,
+                                                const fs::path& config_dir) {
+  if (is_sd3_folder(model)) {
+    if (!config_dir.empty())
+      log::get("pipeline").warn("--config applies to single-file checkpoints; ignored for the SD3 folder " +
+                                model.string());
+    return StableDiffusion3::load(model, device);
+  }
+  return StableDiffusion::load(model, device, config_dir);
+}
+
+}  // namespace diffract::pipeline

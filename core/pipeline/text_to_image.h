@@ -1,0 +1,34 @@
+#pragma once
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "core/engine/generation.h"
+
+namespace diffract::pipeline {
+
+// What the engine needs of a loaded text-to-image model, whatever its family: SD 1.x / 2.x /
+// SDXL (StableDiffusion) or SD3 (StableDiffusion3).
+class TextToImage {
+ public:
+  virtual ~TextToImage() = default;
+  virtual const std::filesystem::path& path() const = 0;
+  virtual const std::string& device() const = 0;
+  // A short job so that the first real one runs at full speed on a GPU; ms, 0 on the CPU.
+  virtual double warm_up() = 0;
+  // Runs one job on the calling thread. Throws diffract::Error with a readable message, or
+  // engine::Cancelled when `cancel` fires (checked between steps).
+  virtual engine::GenerationResult generate(const engine::GenerationRequest& request, const engine::JobObserver& observer,
+                                            const engine::CancelToken& cancel) = 0;
+};
+
+// Whether `model` is a diffusers SD3 folder: model_index.json's _class_name names a
+// StableDiffusion3 pipeline, or its transformer component is an SD3Transformer2DModel.
+bool is_sd3_folder(const std::filesystem::path& model);
+
+// The pipeline for `model` (a diffusers folder or a single-file checkpoint), chosen from its
+// model_index.json: StableDiffusion3 for SD3 folders, StableDiffusion otherwise.
+std::unique_ptr<TextToImage> load_text_to_image(const std::filesystem::path& model, const std::string& device,
+                                                const std::filesystem::path& config_dir = {});
+
+}  // namespace diffract::pipeline

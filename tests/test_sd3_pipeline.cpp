@@ -1,0 +1,255 @@
+// The SD3 pipeline without T5 against diffusers' StableDiffusion3Pipeline(text_encoder_3=None):
+// tests/reference/make_sd3_pipeline_fixtures.py's tiny seeded pipeline, CPU fp32.
+#include <fstream>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+
+#include "core/engine/engine.h"
+#include "core/io/weights.h"
+#include "core/pipeline/stable_diffusion_3.h"
+#include "core/util/error.h"
+#include "test_util.h"
+
+using namespace diffract;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path dir() { return test::fixtures() / "sd3_pipeline"; }
+fs::path model() { return dir() / "tiny-sd3"; }
+
+nlohmann::json cases() {
+  std::ifstream in(dir() / "sd3_pipeline_cases.json");
+  return nlohmann::json::parse(in);
+}
+
+engine::GenerationRequest request_for(const nlohmann::json& c) {
+  engine::GenerationRequest r;
+  r.model = model().string();
+  r.prompt = c["prompt"];
+  r.negative_prompt = c["negative_prompt"];
+  r.steps = c["num_inference_steps"];
+  r.cfg = c["guidance_scale"];
+  r.width = c["width"];
+  r.height = c["height"];
+  r.seed = c["seed"];
+  r.batch = c.value("num_images_per_prompt", 1);
+  r.preview_every = 0;
+  return r;
+}
+
+// The same fp32 operations as diffusers (text encoders, 3-4 transformer steps
+// and the VAE) came out bit-identical here (max diff 0 everywhere); the tolerances leave room
+// for another BLAS or thread split.
+constexpr double kEmbedTol = 1e-5;
+constexpr double kLatentTol = 1e-4;
+constexpr int kMaxLevels = 1;  // 8-bit image against diffusers' float image * 255, rounded
+
+}  // namespace
+
+class TestSD3Pipeline : public QObject {
+  Q_OBJECT
+ private slots:
+  void initTestCase() { pipe_ = pipeline::StableDiffusion3::load(model(), "cpu"); }
+
+  void loadsTheFolder() {
+    QCOMPARE(pipe_->native_size(), 32);  // sample_size 16 x VAE factor 2
+    QVERIFY(!pipe_->t5_dropped());
+    QCOMPARE(pipe_->max_sequence_length(), 256);
+    QVERIFY(pipeline::is_sd3_folder(model()));
+    QVERIFY(!pipeline::is_sd3_folder(test::fixtures() / "tiny-sd"));
+  }
+
+  void cases_data() {
+    QTest::addColumn<int>("index");
+    const auto c = cases();
+    for (std::size_t i = 0; i < c.size(); ++i) QTest::newRow(c[i]["name"].get<std::string>().c_str()) << static_cast<int>(i);
+  }
+
+  void encodesAsDiffusers_data() { cases_data(); }
+  void encodesAsDiffusers() {
+    QFETCH(int, index);
+    const auto c = cases()[static_cast<std::size_t>(index)];
+    const std::string name = c["name"];
+    const auto e = io::load_state_dict(dir() / "sd3_pipeline_cases.safetensors");
+    const bool cfg = c["guidance_scale"].get<double>() > 1;
+    const auto ours = pipe_->encode_prompt(c["prompt"], c["negative_prompt"], c.value("num_images_per_prompt", 1), cfg);
+    DIFFRACT_COMPARE_TENSORS(ours.prompt_embeds, e.at(name + ".prompt_embeds"), kEmbedTol);
+    DIFFRACT_COMPARE_TENSORS(ours.pooled, e.at(name + ".pooled"), kEmbedTol);
+    qInfo("%s: prompt embeddings max |diff| %.3g, pooled %.3g", name.c_str(),
+          test::max_abs_diff(ours.prompt_embeds, e.at(name + ".prompt_embeds")),
+          test::max_abs_diff(ours.pooled, e.at(name + ".pooled")));
+    // CLIP's 77 tokens of 32 + 40 features, zero-padded to 96, then 256 zero T5 tokens.
+    QCOMPARE(ours.prompt_embeds.size(1), int64_t(77 + 256));
+    QVERIFY(at::equal(ours.prompt_embeds.narrow(1, 77, 256), at::zeros_like(ours.prompt_embeds.narrow(1, 77, 256))));
+    QVERIFY(at::equal(ours.prompt_embeds.narrow(2, 72, 24), at::zeros_like(ours.prompt_embeds.narrow(2, 72, 24))));
+    if (cfg) {
+      DIFFRACT_COMPARE_TENSORS(ours.negative_prompt_embeds, e.at(name + ".negative_prompt_embeds"), kEmbedTol);
+      DIFFRACT_COMPARE_TENSORS(ours.negative_pooled, e.at(name + ".negative_pooled"), kEmbedTol);
+    } else {
+      QVERIFY(!ours.negative_prompt_embeds.defined());
+    }
+  }
+
+  void matchesDiffusersEndToEnd_data() { cases_data(); }
+  void matchesDiffusersEndToEnd() {
+    QFETCH(int, index);
+    const auto c = cases()[static_cast<std::size_t>(index)];
+    const std::string name = c["name"];
+    const auto e = io::load_state_dict(dir() / "sd3_pipeline_cases.safetensors");
+    const auto initial = e.at(name + ".latents.initial");
+    // The latents handed to diffusers are what the seed draws here, as diffusers' prepare_latents does.
+    at::Generator gen = at::detail::createCPUGenerator(c["seed"].get<uint64_t>());
+    QVERIFY(at::equal(at::randn(initial.sizes(), gen, at::kFloat), initial));
+
+    const auto request = request_for(c);
+    engine::CancelToken never;
+    const auto result = pipe_->generate(request, {}, never, initial);
+    const auto latents = at::from_blob(const_cast<float*>(result.latents.data()), result.latents_shape, at::kFloat);
+    const auto expected_latents = e.at(name + ".latents.final");
+    DIFFRACT_COMPARE_TENSORS(latents, expected_latents, kLatentTol);
+    qInfo("%s: final latents max |diff| %.3g (|latents| up to %.3g)", name.c_str(),
+          test::max_abs_diff(latents, expected_latents), expected_latents.abs().max().item<double>());
+
+    const auto expected = e.at(name + ".image");  // [B, 3, H, W] in [0, 1]
+    QCOMPARE(static_cast<int64_t>(result.images.size()), expected.size(0));
+    for (std::size_t b = 0; b < result.images.size(); ++b) {
+      const auto& img = result.images[b];
+      auto ours = at::from_blob(const_cast<std::uint8_t*>(img.rgb.data()), {img.height, img.width, 3}, at::kByte).to(at::kInt);
+      auto theirs = (expected[static_cast<int64_t>(b)].permute({1, 2, 0}) * 255).round().to(at::kInt);
+      QCOMPARE(ours.sizes(), theirs.sizes());
+      const auto diff = (ours - theirs).abs();
+      qInfo("%s[%zu]: image max %d levels, mean %.4f", name.c_str(), b, diff.max().item<int>(),
+            diff.to(at::kFloat).mean().item<float>());
+      QVERIFY(diff.max().item<int>() <= kMaxLevels);
+      QVERIFY(ours.max().item<int>() - ours.min().item<int>() > 20);  // a picture, not a flat field
+    }
+    QCOMPARE(result.family, std::string("sd3"));
+    QCOMPARE(result.request.sampler, std::string("flow-euler"));
+    QCOMPARE(static_cast<int>(result.timings.step_ms.size()), request.steps);
+    const auto meta = nlohmann::json::parse(result.metadata_json);
+    QCOMPARE(meta["t5"].get<std::string>(), std::string("absent"));
+    QCOMPARE(meta["shift"].get<double>(), 3.0);
+
+    // The seed alone gives the same job.
+    const auto seeded = pipe_->generate(request, {}, never);
+    QVERIFY(seeded.latents == result.latents);
+    // The fixture is not blind to the text: another prompt moves the latents.
+    auto other = request;
+    other.prompt = "a blue bicycle";
+    const auto moved = pipe_->generate(other, {}, never, initial);
+    const auto moved_latents = at::from_blob(const_cast<float*>(moved.latents.data()), moved.latents_shape, at::kFloat);
+    QVERIFY(test::max_abs_diff(moved_latents, expected_latents) > 1e-2);
+  }
+
+  void runsThroughTheEngineWithPreviews() {
+    engine::Engine eng;
+    engine::GenerationRequest r;
+    r.model = model().string();
+    r.prompt = "a red apple";
+    r.steps = 3;
+    r.preview_every = 1;
+    std::vector<int> steps, previews;
+    engine::JobObserver o;
+    o.on_step = [&](const engine::StepEvent& e) { steps.push_back(e.index); };
+    int preview_width = 0;
+    o.on_preview = [&](const engine::PreviewEvent& e) {
+      previews.push_back(e.index);
+      preview_width = e.image.width;
+      QCOMPARE(e.image.rgb.size(), std::size_t(e.image.width) * e.image.height * 3);
+    };
+    engine::CancelToken never;
+    const auto result = eng.run(r, o, never);
+    QCOMPARE(preview_width, 16);  // the colour projection, at latent resolution
+    QCOMPARE(result.family, std::string("sd3"));
+    QCOMPARE(result.images.front().width, 32);
+    QCOMPARE(steps, (std::vector<int>{0, 1, 2}));
+    QCOMPARE(previews, (std::vector<int>{0, 1, 2}));
+  }
+
+  void previewsThroughA16ChannelTAESD() {
+    engine::GenerationRequest r;
+    r.model = model().string();
+    r.prompt = "a red apple";
+    r.steps = 2;
+    r.preview_every = 1;
+    r.taesd = (test::fixtures() / "vae" / "tiny16").string();  // a tiny random AutoencoderTiny of 16 channels
+    std::vector<int> widths;
+    engine::JobObserver o;
+    o.on_preview = [&](const engine::PreviewEvent& e) { widths.push_back(e.image.width); };
+    engine::CancelToken never;
+    pipe_->generate(r, o, never);
+    QCOMPARE(widths, (std::vector<int>{16 * 8, 16 * 8}));  // TAESD's 8x of the 16-latent side
+    r.taesd = (test::fixtures() / "vae" / "tiny4").string();
+    DIFFRACT_EXPECT_ERROR(pipe_->generate(r, o, never), "4 latent channels", "taesd3");
+  }
+
+  void refusesWhatDoesNotApply() {
+    engine::GenerationRequest r;
+    r.model = model().string();
+    r.prompt = "x";
+    r.steps = 2;
+    engine::CancelToken never;
+    r.sampler = "euler";
+    DIFFRACT_EXPECT_ERROR(pipe_->generate(r, {}, never), "flow-matching", "euler");
+    r.sampler.clear();
+    r.width = 42;  // a multiple of the VAE's 2, not of 2 x patch 2
+    DIFFRACT_EXPECT_ERROR(pipe_->generate(r, {}, never), "size 42x32", "multiple of 4");
+    r.width = 0;
+    r.strategy = "cfg-parallel";
+    r.devices = 2;
+    DIFFRACT_EXPECT_ERROR(pipe_->generate(r, {}, never), "cfg-parallel", "SD3");
+    r.strategy.clear();
+    DIFFRACT_EXPECT_ERROR(pipe_->generate(r, {}, never, at::zeros({1, 4, 16, 16})), "initial latents");
+  }
+
+  void missingComponentIsNamed() {
+    for (const char* component : {"text_encoder_2", "vae", "tokenizer"}) {
+      QTemporaryDir tmp;
+      const fs::path copy = fs::path(tmp.path().toStdString()) / "sd3";
+      fs::copy(model(), copy, fs::copy_options::recursive);
+      fs::remove_all(copy / component);
+      DIFFRACT_EXPECT_ERROR(pipeline::StableDiffusion3::load(copy, "cpu"), component, "missing");
+      // The engine picks the SD3 pipeline from model_index.json and reports the same.
+      engine::Engine eng;
+      engine::GenerationRequest r;
+      r.model = copy.string();
+      r.prompt = "x";
+      engine::CancelToken never;
+      DIFFRACT_EXPECT_ERROR(eng.run(r, {}, never), component, "missing");
+    }
+  }
+
+  void listedT5IsDroppedWithAWarning() {
+    QTemporaryDir tmp;
+    const fs::path copy = fs::path(tmp.path().toStdString()) / "sd3";
+    fs::copy(model(), copy, fs::copy_options::recursive);
+    nlohmann::json index;
+    {
+      std::ifstream in(copy / "model_index.json");
+      index = nlohmann::json::parse(in);
+    }
+    index["text_encoder_3"] = {"transformers", "T5EncoderModel"};
+    index["tokenizer_3"] = {"transformers", "T5TokenizerFast"};
+    std::ofstream(copy / "model_index.json") << index.dump(1);
+    auto p = pipeline::StableDiffusion3::load(copy, "cpu");
+    QVERIFY(p->t5_dropped());
+    engine::GenerationRequest r;
+    r.model = copy.string();
+    r.prompt = "a red apple";
+    r.steps = 1;
+    r.preview_every = 0;
+    engine::CancelToken never;
+    const auto result = p->generate(r, {}, never);
+    QCOMPARE(nlohmann::json::parse(result.metadata_json)["t5"].get<std::string>(), std::string("dropped"));
+    // Without T5 the job is the T5-less folder's job.
+    QVERIFY(result.latents == pipe_->generate(r, {}, never).latents);
+  }
+
+ private:
+  std::unique_ptr<pipeline::StableDiffusion3> pipe_;
+};
+
+QTEST_GUILESS_MAIN(TestSD3Pipeline)
+#include "test_sd3_pipeline.moc"
