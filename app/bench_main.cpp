@@ -16,6 +16,7 @@
 #endif
 
 #include "core/metrics/metrics.h"
+#include "core/models/unets/unet_2d_condition.h"
 #include "core/pipeline/stable_diffusion.h"
 #include "core/util/build_info.h"
 #include "core/util/error.h"
@@ -195,6 +196,25 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   return j;
 }
 
+// Only the UNet's construction on the CPU (what every model load and replica pays before the
+// weights are bound), then the explicit random init that random-weight models add on top.
+json build_only(const BenchConfig& c) {
+  if (c.tiny) throw Error("--build-only times the full-size UNets: pick an sdxl or sd15 config");
+  const auto config = c.family == pipeline::Family::SDXL ? models::UNet2DConditionConfig::sdxl_base()
+                                                         : models::UNet2DConditionConfig::sd15();
+  const auto clock = [] { return std::chrono::steady_clock::now(); };
+  const auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+  const auto t0 = clock();
+  models::UNet2DConditionModel unet(config);
+  const auto t1 = clock();
+  models::init_random(*unet, 0);
+  const auto t2 = clock();
+  int64_t n = 0;
+  for (const auto& p : unet->parameters()) n += p.numel();
+  return {{"config", c.name}, {"device", "cpu"}, {"unet_parameters", n}, {"unet_build_ms", ms(t0, t1)},
+          {"unet_init_random_ms", ms(t1, t2)}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -203,7 +223,7 @@ int main(int argc, char** argv) {
   std::vector<int> batches = {1};
   std::string device = "cpu";
   int runs = 3;
-  bool verbose = false;
+  bool verbose = false, build = false;
   std::vector<std::string> strategies;
   std::string names_help = "configs:";
   for (const auto& c : configs()) names_help += " " + c.name;
@@ -215,6 +235,7 @@ int main(int argc, char** argv) {
                  "also run each strategy (NAME or NAME:N, e.g. cfg-parallel,driffusion-aggressive:2) and compare it with "
                  "the single-device result: speed-up, PSNR, SSIM, latent rel-L2")
       ->delimiter(',');
+  app.add_flag("--build-only", build, "only time building each config's UNet on the CPU, and its random init");
   app.add_flag("-v,--verbose", verbose);
   CLI11_PARSE(app, argc, argv);
   log::set_verbose(verbose);
@@ -226,6 +247,10 @@ int main(int argc, char** argv) {
     for (const auto& name : names) {
       auto it = std::find_if(configs().begin(), configs().end(), [&](const BenchConfig& c) { return c.name == name; });
       if (it == configs().end()) throw Error("unknown config '" + name + "' (" + names_help + ")");
+      if (build) {
+        out["results"].push_back(build_only(*it));
+        continue;
+      }
       for (int b : batches) {
         if (b < 1) throw Error("--batch values must be at least 1");
         out["results"].push_back(run_config(*it, b, runs, device, strategies));

@@ -157,13 +157,17 @@ struct StableDiffusion::Impl {
     if (!r) {
       const auto t0 = Clock::now();
       at::NoGradGuard no_grad;
+      // Built without init (uninitialised CPU tensors, no pages touched); each tensor then takes
+      // a device-to-device copy of ours.
       models::UNet2DConditionModel copy(unet->config);
       copy->eval();
-      copy->to(d, dtype);
+      const auto copy_to = [&](const at::Tensor& t) {
+        return t.to(at::TensorOptions().device(d), false, /*copy=*/true, at::MemoryFormat::Contiguous);
+      };
       auto dst = copy->named_parameters(true);
-      for (const auto& kv : unet->named_parameters(true)) dst[kv.key()].copy_(kv.value());
+      for (const auto& kv : unet->named_parameters(true)) dst[kv.key()].set_data(copy_to(kv.value()));
       auto dst_buffers = copy->named_buffers(true);
-      for (const auto& kv : unet->named_buffers(true)) dst_buffers[kv.key()].copy_(kv.value());
+      for (const auto& kv : unet->named_buffers(true)) dst_buffers[kv.key()].set_data(copy_to(kv.value()));
       r = std::make_shared<models::UNetGraphRunner>(copy, graph_options());
       replica_ms += ms_since(t0);
       log::get("pipeline").info(log::str("UNet replica on ", d.str(), " in ", static_cast<int>(ms_since(t0)), " ms"));
@@ -338,7 +342,6 @@ std::unique_ptr<StableDiffusion> StableDiffusion::random(Family family, bool tin
   p->device = parse_device(device);
   p->dtype = p->device.is_cuda() ? at::kBFloat16 : at::kFloat;
   p->family = family;
-  at::manual_seed(0);
   auto unet_c = family == Family::SDXL ? models::UNet2DConditionConfig::sdxl_base()
                 : family == Family::SD2 ? models::UNet2DConditionConfig::sd21()
                                         : models::UNet2DConditionConfig::sd15();
@@ -371,6 +374,16 @@ std::unique_ptr<StableDiffusion> StableDiffusion::random(Family family, bool tin
   if (family == Family::SDXL) p->text_encoder_2 = models::CLIPTextModelWithProjection(te2_c);
   p->taesd = models::TAESD(taesd_c, /*with_encoder=*/false);
   p->taesd_path = "<random>";
+  {
+    // One stream seeded 0, in the order the models were built: the weights LibTorch's layers
+    // gave them when their constructors drew after at::manual_seed(0).
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
+    models::init_random(*p->unet, gen);
+    models::init_random(*p->vae, gen);
+    models::init_random(*p->text_encoder, gen);
+    if (p->text_encoder_2) models::init_random(*p->text_encoder_2, gen);
+    models::init_random(*p->taesd, gen);
+  }
   {
     // Halved, as the diffusers anchor does: default init compounds to overflow over 70 blocks.
     at::NoGradGuard no_grad;

@@ -264,6 +264,11 @@ Trainer::Trainer(TrainConfig config)
   at::manual_seed(config_.seed);
   unet_ = models::UNet2DConditionModel(model_config_.unet);
   text_encoder_ = models::CLIPTextModel(model_config_.text);
+  // LibTorch's default init from the global generator, in construction order: the values (and
+  // the generator state the later draws start from) of runs made before layers stopped
+  // initialising themselves.
+  models::init_random(*unet_);
+  models::init_random(*text_encoder_);
   {
     // Zero-initialised output convolutions, as is usual for diffusion UNets, start from "predict zero".
     at::NoGradGuard no_grad;

@@ -203,7 +203,7 @@ at::Tensor VAEMidBlock2DImpl::forward(const at::Tensor& x) {
 
 VAEEncoderImpl::VAEEncoderImpl(const AutoencoderKLConfig& c) {
   const auto& ch = c.block_out_channels;
-  conv_in = register_module("conv_in", nn::Conv2d(nn::Conv2dOptions(c.in_channels, ch.front(), 3).padding(1)));
+  conv_in = register_module("conv_in", Conv2d(Conv2dOptions(c.in_channels, ch.front(), 3).padding(1)));
   down_blocks = register_module("down_blocks", nn::ModuleList());
   for (std::size_t i = 0; i < ch.size(); ++i)
     down_blocks->push_back(DownEncoderBlock2D(i == 0 ? ch.front() : ch[i - 1], ch[i], c.layers_per_block,
@@ -212,7 +212,7 @@ VAEEncoderImpl::VAEEncoderImpl(const AutoencoderKLConfig& c) {
   conv_norm_out = register_module(
       "conv_norm_out", nn::GroupNorm(nn::GroupNormOptions(c.norm_num_groups, ch.back()).eps(1e-6)));
   conv_out = register_module("conv_out",
-                             nn::Conv2d(nn::Conv2dOptions(ch.back(), 2 * c.latent_channels, 3).padding(1)));
+                             Conv2d(Conv2dOptions(ch.back(), 2 * c.latent_channels, 3).padding(1)));
 }
 
 at::Tensor VAEEncoderImpl::forward(const at::Tensor& images) {
@@ -225,7 +225,7 @@ at::Tensor VAEEncoderImpl::forward(const at::Tensor& images) {
 
 VAEDecoderImpl::VAEDecoderImpl(const AutoencoderKLConfig& c) {
   const std::vector<int64_t> ch(c.block_out_channels.rbegin(), c.block_out_channels.rend());
-  conv_in = register_module("conv_in", nn::Conv2d(nn::Conv2dOptions(c.latent_channels, ch.front(), 3).padding(1)));
+  conv_in = register_module("conv_in", Conv2d(Conv2dOptions(c.latent_channels, ch.front(), 3).padding(1)));
   mid_block = register_module("mid_block", VAEMidBlock2D(ch.front(), c.norm_num_groups, c.mid_block_add_attention));
   up_blocks = register_module("up_blocks", nn::ModuleList());
   for (std::size_t i = 0; i < ch.size(); ++i)
@@ -233,7 +233,7 @@ VAEDecoderImpl::VAEDecoderImpl(const AutoencoderKLConfig& c) {
                                           c.norm_num_groups, i + 1 < ch.size()));
   conv_norm_out = register_module(
       "conv_norm_out", nn::GroupNorm(nn::GroupNormOptions(c.norm_num_groups, ch.back()).eps(1e-6)));
-  conv_out = register_module("conv_out", nn::Conv2d(nn::Conv2dOptions(ch.back(), c.out_channels, 3).padding(1)));
+  conv_out = register_module("conv_out", Conv2d(Conv2dOptions(ch.back(), c.out_channels, 3).padding(1)));
 }
 
 at::Tensor VAEDecoderImpl::forward(const at::Tensor& z) {
@@ -249,10 +249,10 @@ AutoencoderKLImpl::AutoencoderKLImpl(const AutoencoderKLConfig& c) : config(c) {
   encoder = register_module("encoder", VAEEncoder(c));
   decoder = register_module("decoder", VAEDecoder(c));
   const auto twice = 2 * c.latent_channels;
-  if (c.use_quant_conv) quant_conv = register_module("quant_conv", nn::Conv2d(nn::Conv2dOptions(twice, twice, 1)));
+  if (c.use_quant_conv) quant_conv = register_module("quant_conv", Conv2d(Conv2dOptions(twice, twice, 1)));
   if (c.use_post_quant_conv)
     post_quant_conv = register_module(
-        "post_quant_conv", nn::Conv2d(nn::Conv2dOptions(c.latent_channels, c.latent_channels, 1)));
+        "post_quant_conv", Conv2d(Conv2dOptions(c.latent_channels, c.latent_channels, 1)));
 }
 
 bool AutoencoderKLImpl::upcasts() const { return config.force_upcast && param_dtype(*this) == at::kHalf; }
@@ -275,13 +275,13 @@ LatentDistribution AutoencoderKLImpl::encode(const at::Tensor& images) {
                 std::to_string(images.size(3)) + " is not a multiple of " + std::to_string(f));
   const auto device = param_device(*this);
   VAEEncoder enc = encoder;
-  nn::Conv2d quant = quant_conv;
+  Conv2d quant = quant_conv;
   at::ScalarType dtype = param_dtype(*this);
   if (upcasts()) {
     if (!encoder_fp32_) {
       encoder_fp32_ = fp32_copy(encoder, VAEEncoder(config), device);
       const auto twice = 2 * config.latent_channels;
-      if (quant_conv) quant_conv_fp32_ = fp32_copy(quant_conv, nn::Conv2d(nn::Conv2dOptions(twice, twice, 1)), device);
+      if (quant_conv) quant_conv_fp32_ = fp32_copy(quant_conv, Conv2d(Conv2dOptions(twice, twice, 1)), device);
     }
     enc = encoder_fp32_, quant = quant_conv_fp32_, dtype = at::kFloat;
   }
@@ -298,14 +298,14 @@ at::Tensor AutoencoderKLImpl::decode(const at::Tensor& z) {
                 ", h, w], got " + shape_str(z.sizes()));
   const auto device = param_device(*this);
   VAEDecoder dec = decoder;
-  nn::Conv2d post = post_quant_conv;
+  Conv2d post = post_quant_conv;
   at::ScalarType dtype = param_dtype(*this);
   if (upcasts()) {
     if (!decoder_fp32_) {
       decoder_fp32_ = fp32_copy(decoder, VAEDecoder(config), device);
       const auto c = config.latent_channels;
       if (post_quant_conv)
-        post_quant_conv_fp32_ = fp32_copy(post_quant_conv, nn::Conv2d(nn::Conv2dOptions(c, c, 1)), device);
+        post_quant_conv_fp32_ = fp32_copy(post_quant_conv, Conv2d(Conv2dOptions(c, c, 1)), device);
     }
     dec = decoder_fp32_, post = post_quant_conv_fp32_, dtype = at::kFloat;
   }

@@ -9,11 +9,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
-#include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
 #include "core/models/common/attention.h"
+#include "core/models/common/layers.h"
 #include "core/models/common/resnet.h"
 
 namespace diffract::models {
@@ -99,7 +99,7 @@ class VAEEncoderImpl : public torch::nn::Module {
  public:
   explicit VAEEncoderImpl(const AutoencoderKLConfig& c);
   at::Tensor forward(const at::Tensor& images);  // [B, 3, H, W] -> [B, 2 * C, H / f, W / f]
-  torch::nn::Conv2d conv_in{nullptr}, conv_out{nullptr};
+  Conv2d conv_in{nullptr}, conv_out{nullptr};
   torch::nn::ModuleList down_blocks{nullptr};
   VAEMidBlock2D mid_block{nullptr};
   torch::nn::GroupNorm conv_norm_out{nullptr};
@@ -112,7 +112,7 @@ class VAEDecoderImpl : public torch::nn::Module {
  public:
   explicit VAEDecoderImpl(const AutoencoderKLConfig& c);
   at::Tensor forward(const at::Tensor& z);  // [B, C, h, w] -> [B, 3, h * f, w * f]
-  torch::nn::Conv2d conv_in{nullptr}, conv_out{nullptr};
+  Conv2d conv_in{nullptr}, conv_out{nullptr};
   VAEMidBlock2D mid_block{nullptr};
   torch::nn::ModuleList up_blocks{nullptr};
   torch::nn::GroupNorm conv_norm_out{nullptr};
@@ -162,13 +162,13 @@ class AutoencoderKLImpl : public torch::nn::Module {
   AutoencoderKLConfig config;
   VAEEncoder encoder{nullptr};
   VAEDecoder decoder{nullptr};
-  torch::nn::Conv2d quant_conv{nullptr}, post_quant_conv{nullptr};
+  Conv2d quant_conv{nullptr}, post_quant_conv{nullptr};
 
  private:
   // Not registered: invisible to parameters(), bind() and to().
   VAEEncoder encoder_fp32_{nullptr};
   VAEDecoder decoder_fp32_{nullptr};
-  torch::nn::Conv2d quant_conv_fp32_{nullptr}, post_quant_conv_fp32_{nullptr};
+  Conv2d quant_conv_fp32_{nullptr}, post_quant_conv_fp32_{nullptr};
 };
 TORCH_MODULE(AutoencoderKL);
 

@@ -37,11 +37,11 @@ std::string lower(std::string s) {
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-nn::Conv2d conv3x3(int64_t in, int64_t out, int64_t stride = 1, bool bias = true) {
-  return nn::Conv2d(nn::Conv2dOptions(in, out, 3).padding(1).stride(stride).bias(bias));
+Conv2d conv3x3(int64_t in, int64_t out, int64_t stride = 1, bool bias = true) {
+  return Conv2d(Conv2dOptions(in, out, 3).padding(1).stride(stride).bias(bias));
 }
 
-nn::Conv2d conv1x1(int64_t in, int64_t out) { return nn::Conv2d(nn::Conv2dOptions(in, out, 1).bias(false)); }
+Conv2d conv1x1(int64_t in, int64_t out) { return Conv2d(Conv2dOptions(in, out, 1).bias(false)); }
 
 }  // namespace
 

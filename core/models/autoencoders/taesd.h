@@ -6,8 +6,9 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
-#include <torch/nn/modules/conv.h>
 #include <torch/nn/pimpl.h>
+
+#include "core/models/common/layers.h"
 
 namespace diffract::models {
 
@@ -59,7 +60,7 @@ class TAESDBlockImpl : public torch::nn::Module {
   TAESDBlockImpl(int64_t in_channels, int64_t out_channels, bool group_norm);
   at::Tensor forward(const at::Tensor& x);  // [B, Cin, H, W] -> [B, Cout, H, W]
   torch::nn::Sequential conv{nullptr}, pool{nullptr};
-  torch::nn::Conv2d skip{nullptr};
+  Conv2d skip{nullptr};
 };
 TORCH_MODULE(TAESDBlock);
 

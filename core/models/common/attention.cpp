@@ -7,7 +7,7 @@
 
 namespace diffract::models {
 
-at::Tensor linear(const torch::nn::LinearImpl* layer, const at::Tensor& x) { return at::linear(x, layer->weight, layer->bias); }
+at::Tensor linear(const LinearImpl* layer, const at::Tensor& x) { return at::linear(x, layer->weight, layer->bias); }
 
 at::Tensor multi_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t heads,
                                 bool causal) {
@@ -45,10 +45,10 @@ AttentionImpl::AttentionImpl(const AttentionOptions& o) : options(o) {
   if (o.norm_num_groups > 0)
     group_norm = register_module(
         "group_norm", nn::GroupNorm(nn::GroupNormOptions(o.norm_num_groups, o.query_dim).eps(o.norm_eps)));
-  to_q = register_module("to_q", nn::Linear(nn::LinearOptions(o.query_dim, inner).bias(o.bias)));
-  to_k = register_module("to_k", nn::Linear(nn::LinearOptions(kv_dim, inner).bias(o.bias)));
-  to_v = register_module("to_v", nn::Linear(nn::LinearOptions(kv_dim, inner).bias(o.bias)));
-  to_out = register_module("to_out", nn::ModuleList(nn::Linear(inner, o.query_dim), nn::Dropout(0.0)));
+  to_q = register_module("to_q", Linear(LinearOptions(o.query_dim, inner).bias(o.bias)));
+  to_k = register_module("to_k", Linear(LinearOptions(kv_dim, inner).bias(o.bias)));
+  to_v = register_module("to_v", Linear(LinearOptions(kv_dim, inner).bias(o.bias)));
+  to_out = register_module("to_out", nn::ModuleList(Linear(inner, o.query_dim), nn::Dropout(0.0)));
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context) {
@@ -62,7 +62,7 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context
   if (group_norm) h = group_norm->forward(h.transpose(1, 2)).transpose(1, 2);
   const at::Tensor& kv = context.defined() ? context : h;
   auto out = multi_head_attention(linear(to_q, h), linear(to_k, kv), linear(to_v, kv), options.heads);
-  out = linear(to_out[0]->as<nn::Linear>(), out);
+  out = linear(to_out[0]->as<Linear>(), out);
   if (spatial) out = out.transpose(1, 2).reshape({b, c, height, width});
   if (options.residual_connection) out = out + x;
   if (options.rescale_output_factor != 1.0) out = out / options.rescale_output_factor;
@@ -73,7 +73,7 @@ namespace {
 // GEGLU's projection; a module of its own so the key reads net.0.proj.
 class GEGLUImpl : public nn::Module {
  public:
-  GEGLUImpl(int64_t dim, int64_t inner) { proj = register_module("proj", nn::Linear(dim, inner * 2)); }
+  GEGLUImpl(int64_t dim, int64_t inner) { proj = register_module("proj", Linear(dim, inner * 2)); }
   // Two GEMMs over the halves of the weight rather than one whose output is chunked: each
   // half comes out contiguous, so gelu and the product run vectorised (on strided halves they
   // ran as non-vectorised kernels, 5.1 ms of the SDXL step on an H200).
@@ -85,22 +85,22 @@ class GEGLUImpl : public nn::Module {
     };
     return half(0) * at::gelu(half(1));
   }
-  nn::Linear proj{nullptr};
+  Linear proj{nullptr};
 };
 TORCH_MODULE(GEGLU);
 
 // diffusers' GELU(approximate="tanh") with its projection (net.0.proj).
 class GELUProjImpl : public nn::Module {
  public:
-  GELUProjImpl(int64_t dim, int64_t inner) { proj = register_module("proj", nn::Linear(dim, inner)); }
+  GELUProjImpl(int64_t dim, int64_t inner) { proj = register_module("proj", Linear(dim, inner)); }
   at::Tensor forward(const at::Tensor& x) { return at::gelu(linear(proj, x), "tanh"); }
-  nn::Linear proj{nullptr};
+  Linear proj{nullptr};
 };
 TORCH_MODULE(GELUProj);
 }  // namespace
 
 FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t inner_dim, FeedForwardActivation act) : activation(act) {
-  const auto out = nn::Linear(inner_dim, dim);
+  const auto out = Linear(inner_dim, dim);
   if (act == FeedForwardActivation::GEGLU)
     net = register_module("net", nn::ModuleList(GEGLU(dim, inner_dim), nn::Dropout(0.0), out));
   else
@@ -110,7 +110,7 @@ FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t inner_dim, FeedForwardActi
 at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
   const auto h = activation == FeedForwardActivation::GEGLU ? net[0]->as<GEGLU>()->forward(x)
                                                             : net[0]->as<GELUProj>()->forward(x);
-  return linear(net[2]->as<nn::Linear>(), h);
+  return linear(net[2]->as<Linear>(), h);
 }
 
 }  // namespace diffract::models

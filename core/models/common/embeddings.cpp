@@ -20,8 +20,8 @@ at::Tensor timestep_embedding(const at::Tensor& t, int64_t dim, bool flip_sin_to
 }
 
 TimestepEmbeddingImpl::TimestepEmbeddingImpl(int64_t in_channels, int64_t time_embed_dim, int64_t out_dim) {
-  linear_1 = register_module("linear_1", torch::nn::Linear(in_channels, time_embed_dim));
-  linear_2 = register_module("linear_2", torch::nn::Linear(time_embed_dim, out_dim > 0 ? out_dim : time_embed_dim));
+  linear_1 = register_module("linear_1", Linear(in_channels, time_embed_dim));
+  linear_2 = register_module("linear_2", Linear(time_embed_dim, out_dim > 0 ? out_dim : time_embed_dim));
 }
 
 at::Tensor TimestepEmbeddingImpl::forward(const at::Tensor& x) {

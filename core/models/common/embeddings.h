@@ -1,7 +1,8 @@
 #pragma once
 #include <torch/nn/module.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
+
+#include "core/models/common/layers.h"
 
 namespace diffract::models {
 
@@ -15,7 +16,7 @@ class TimestepEmbeddingImpl : public torch::nn::Module {
  public:
   TimestepEmbeddingImpl(int64_t in_channels, int64_t time_embed_dim, int64_t out_dim = 0);
   at::Tensor forward(const at::Tensor& x);  // [B, in] -> [B, out]
-  torch::nn::Linear linear_1{nullptr}, linear_2{nullptr};
+  Linear linear_1{nullptr}, linear_2{nullptr};
 };
 TORCH_MODULE(TimestepEmbedding);
 

@@ -12,11 +12,11 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options(o)
   if (options.out_channels == 0) options.out_channels = o.in_channels;
   const auto in = o.in_channels, out = options.out_channels;
   norm1 = register_module("norm1", nn::GroupNorm(nn::GroupNormOptions(o.groups, in).eps(o.eps)));
-  conv1 = register_module("conv1", nn::Conv2d(nn::Conv2dOptions(in, out, 3).padding(1)));
-  if (o.temb_channels > 0) time_emb_proj = register_module("time_emb_proj", nn::Linear(o.temb_channels, out));
+  conv1 = register_module("conv1", Conv2d(Conv2dOptions(in, out, 3).padding(1)));
+  if (o.temb_channels > 0) time_emb_proj = register_module("time_emb_proj", Linear(o.temb_channels, out));
   norm2 = register_module("norm2", nn::GroupNorm(nn::GroupNormOptions(o.groups, out).eps(o.eps)));
-  conv2 = register_module("conv2", nn::Conv2d(nn::Conv2dOptions(out, out, 3).padding(1)));
-  if (in != out) conv_shortcut = register_module("conv_shortcut", nn::Conv2d(nn::Conv2dOptions(in, out, 1)));
+  conv2 = register_module("conv2", Conv2d(Conv2dOptions(out, out, 3).padding(1)));
+  if (in != out) conv_shortcut = register_module("conv_shortcut", Conv2d(Conv2dOptions(in, out, 1)));
 }
 
 at::Tensor ResnetBlock2DImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
@@ -29,7 +29,7 @@ at::Tensor ResnetBlock2DImpl::forward(const at::Tensor& x, const at::Tensor& tem
 }
 
 Downsample2DImpl::Downsample2DImpl(int64_t channels, int64_t out_channels, int64_t pad) : padding(pad) {
-  conv = register_module("conv", nn::Conv2d(nn::Conv2dOptions(channels, out_channels, 3).stride(2).padding(pad)));
+  conv = register_module("conv", Conv2d(Conv2dOptions(channels, out_channels, 3).stride(2).padding(pad)));
 }
 
 at::Tensor Downsample2DImpl::forward(const at::Tensor& x) {
@@ -38,7 +38,7 @@ at::Tensor Downsample2DImpl::forward(const at::Tensor& x) {
 }
 
 Upsample2DImpl::Upsample2DImpl(int64_t channels, int64_t out_channels) {
-  conv = register_module("conv", nn::Conv2d(nn::Conv2dOptions(channels, out_channels, 3).padding(1)));
+  conv = register_module("conv", Conv2d(Conv2dOptions(channels, out_channels, 3).padding(1)));
 }
 
 at::Tensor Upsample2DImpl::forward(const at::Tensor& x, at::IntArrayRef size) {

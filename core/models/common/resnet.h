@@ -1,9 +1,9 @@
 #pragma once
 #include <torch/nn/module.h>
-#include <torch/nn/modules/conv.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
+
+#include "core/models/common/layers.h"
 
 namespace diffract::models {
 
@@ -25,8 +25,8 @@ class ResnetBlock2DImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& temb = {});
   ResnetBlock2DOptions options;
   torch::nn::GroupNorm norm1{nullptr}, norm2{nullptr};
-  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv_shortcut{nullptr};
-  torch::nn::Linear time_emb_proj{nullptr};
+  Conv2d conv1{nullptr}, conv2{nullptr}, conv_shortcut{nullptr};
+  Linear time_emb_proj{nullptr};
 };
 TORCH_MODULE(ResnetBlock2D);
 
@@ -37,7 +37,7 @@ class Downsample2DImpl : public torch::nn::Module {
   Downsample2DImpl(int64_t channels, int64_t out_channels, int64_t padding);
   at::Tensor forward(const at::Tensor& x);  // [B, C, H, W] -> [B, Cout, H/2, W/2]
   int64_t padding;
-  torch::nn::Conv2d conv{nullptr};
+  Conv2d conv{nullptr};
 };
 TORCH_MODULE(Downsample2D);
 
@@ -46,7 +46,7 @@ class Upsample2DImpl : public torch::nn::Module {
  public:
   Upsample2DImpl(int64_t channels, int64_t out_channels);
   at::Tensor forward(const at::Tensor& x, at::IntArrayRef size = {});  // [B, C, H, W] -> [B, Cout, 2H, 2W]
-  torch::nn::Conv2d conv{nullptr};
+  Conv2d conv{nullptr};
 };
 TORCH_MODULE(Upsample2D);
 

@@ -63,8 +63,8 @@ CLIPTextConfig CLIPTextConfig::from_json(const std::filesystem::path& path) {
 }
 
 CLIPTextEmbeddingsImpl::CLIPTextEmbeddingsImpl(const CLIPTextConfig& c) {
-  token_embedding = register_module("token_embedding", nn::Embedding(c.vocab_size, c.hidden_size));
-  position_embedding = register_module("position_embedding", nn::Embedding(c.max_position_embeddings, c.hidden_size));
+  token_embedding = register_module("token_embedding", Embedding(c.vocab_size, c.hidden_size));
+  position_embedding = register_module("position_embedding", Embedding(c.max_position_embeddings, c.hidden_size));
 }
 
 at::Tensor CLIPTextEmbeddingsImpl::forward(const at::Tensor& input_ids) {
@@ -74,10 +74,10 @@ at::Tensor CLIPTextEmbeddingsImpl::forward(const at::Tensor& input_ids) {
 }
 
 CLIPAttentionImpl::CLIPAttentionImpl(const CLIPTextConfig& c) : heads(c.num_attention_heads) {
-  k_proj = register_module("k_proj", nn::Linear(c.hidden_size, c.hidden_size));
-  v_proj = register_module("v_proj", nn::Linear(c.hidden_size, c.hidden_size));
-  q_proj = register_module("q_proj", nn::Linear(c.hidden_size, c.hidden_size));
-  out_proj = register_module("out_proj", nn::Linear(c.hidden_size, c.hidden_size));
+  k_proj = register_module("k_proj", Linear(c.hidden_size, c.hidden_size));
+  v_proj = register_module("v_proj", Linear(c.hidden_size, c.hidden_size));
+  q_proj = register_module("q_proj", Linear(c.hidden_size, c.hidden_size));
+  out_proj = register_module("out_proj", Linear(c.hidden_size, c.hidden_size));
 }
 
 at::Tensor CLIPAttentionImpl::forward(const at::Tensor& x) {
@@ -87,8 +87,8 @@ at::Tensor CLIPAttentionImpl::forward(const at::Tensor& x) {
 }
 
 CLIPMLPImpl::CLIPMLPImpl(const CLIPTextConfig& c) : act(parse_activation(c.hidden_act, "CLIP text config")) {
-  fc1 = register_module("fc1", nn::Linear(c.hidden_size, c.intermediate_size));
-  fc2 = register_module("fc2", nn::Linear(c.intermediate_size, c.hidden_size));
+  fc1 = register_module("fc1", Linear(c.hidden_size, c.intermediate_size));
+  fc2 = register_module("fc2", Linear(c.intermediate_size, c.hidden_size));
 }
 
 at::Tensor CLIPMLPImpl::forward(const at::Tensor& x) { return linear(fc2, apply_activation(act, linear(fc1, x))); }
@@ -150,7 +150,7 @@ CLIPTextOutput CLIPTextModelImpl::forward(const at::Tensor& input_ids, bool outp
 CLIPTextModelWithProjectionImpl::CLIPTextModelWithProjectionImpl(const CLIPTextConfig& c) {
   text_model = register_module("text_model", CLIPTextTransformer(c));
   text_projection = register_module("text_projection",
-                                    nn::Linear(nn::LinearOptions(c.hidden_size, c.projection_dim).bias(false)));
+                                    Linear(LinearOptions(c.hidden_size, c.projection_dim).bias(false)));
 }
 
 CLIPTextOutput CLIPTextModelWithProjectionImpl::forward(const at::Tensor& input_ids, bool output_hidden_states) {

@@ -5,12 +5,11 @@
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
-#include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
 #include "core/models/common/attention.h"
+#include "core/models/common/layers.h"
 
 namespace diffract::models {
 
@@ -45,7 +44,7 @@ class CLIPTextEmbeddingsImpl : public torch::nn::Module {
  public:
   explicit CLIPTextEmbeddingsImpl(const CLIPTextConfig& c);
   at::Tensor forward(const at::Tensor& input_ids);
-  torch::nn::Embedding token_embedding{nullptr}, position_embedding{nullptr};
+  Embedding token_embedding{nullptr}, position_embedding{nullptr};
 };
 TORCH_MODULE(CLIPTextEmbeddings);
 
@@ -53,7 +52,7 @@ class CLIPAttentionImpl : public torch::nn::Module {
  public:
   explicit CLIPAttentionImpl(const CLIPTextConfig& c);
   at::Tensor forward(const at::Tensor& x);
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
+  Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
   int64_t heads;
 };
 TORCH_MODULE(CLIPAttention);
@@ -62,7 +61,7 @@ class CLIPMLPImpl : public torch::nn::Module {
  public:
   explicit CLIPMLPImpl(const CLIPTextConfig& c);
   at::Tensor forward(const at::Tensor& x);
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  Linear fc1{nullptr}, fc2{nullptr};
   Activation act;
 };
 TORCH_MODULE(CLIPMLP);
@@ -111,7 +110,7 @@ class CLIPTextModelWithProjectionImpl : public torch::nn::Module {
   explicit CLIPTextModelWithProjectionImpl(const CLIPTextConfig& c);
   CLIPTextOutput forward(const at::Tensor& input_ids, bool output_hidden_states = false);
   CLIPTextTransformer text_model{nullptr};
-  torch::nn::Linear text_projection{nullptr};
+  Linear text_projection{nullptr};
 };
 TORCH_MODULE(CLIPTextModelWithProjection);
 

@@ -210,7 +210,7 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
 }
 
 AdaLayerNormZeroImpl::AdaLayerNormZeroImpl(int64_t dim, bool d) : dual(d) {
-  linear = register_module("linear", nn::Linear(dim, (dual ? 9 : 6) * dim));
+  linear = register_module("linear", Linear(dim, (dual ? 9 : 6) * dim));
 }
 
 AdaNormZeroOut AdaLayerNormZeroImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
@@ -231,7 +231,7 @@ AdaNormZeroOut AdaLayerNormZeroImpl::forward(const at::Tensor& x, const at::Tens
 }
 
 AdaLayerNormContinuousImpl::AdaLayerNormContinuousImpl(int64_t dim, int64_t conditioning_dim) {
-  linear = register_module("linear", nn::Linear(conditioning_dim, 2 * dim));
+  linear = register_module("linear", Linear(conditioning_dim, 2 * dim));
 }
 
 at::Tensor AdaLayerNormContinuousImpl::forward(const at::Tensor& x, const at::Tensor& cond) {
@@ -242,20 +242,20 @@ at::Tensor AdaLayerNormContinuousImpl::forward(const at::Tensor& x, const at::Te
 
 JointAttentionImpl::JointAttentionImpl(const JointAttentionOptions& o) : options(o) {
   const int64_t inner = o.heads * o.head_dim;
-  to_q = register_module("to_q", nn::Linear(o.dim, inner));
-  to_k = register_module("to_k", nn::Linear(o.dim, inner));
-  to_v = register_module("to_v", nn::Linear(o.dim, inner));
+  to_q = register_module("to_q", Linear(o.dim, inner));
+  to_k = register_module("to_k", Linear(o.dim, inner));
+  to_v = register_module("to_v", Linear(o.dim, inner));
   if (o.qk_norm) {
     norm_q = register_module("norm_q", RMSNorm(o.head_dim, kEps));
     norm_k = register_module("norm_k", RMSNorm(o.head_dim, kEps));
   }
   if (o.joint) {
-    add_k_proj = register_module("add_k_proj", nn::Linear(o.dim, inner));
-    add_v_proj = register_module("add_v_proj", nn::Linear(o.dim, inner));
-    add_q_proj = register_module("add_q_proj", nn::Linear(o.dim, inner));
+    add_k_proj = register_module("add_k_proj", Linear(o.dim, inner));
+    add_v_proj = register_module("add_v_proj", Linear(o.dim, inner));
+    add_q_proj = register_module("add_q_proj", Linear(o.dim, inner));
   }
-  to_out = register_module("to_out", nn::ModuleList(nn::Linear(inner, o.dim), nn::Dropout(0.0)));
-  if (o.joint && !o.context_pre_only) to_add_out = register_module("to_add_out", nn::Linear(inner, o.dim));
+  to_out = register_module("to_out", nn::ModuleList(Linear(inner, o.dim), nn::Dropout(0.0)));
+  if (o.joint && !o.context_pre_only) to_add_out = register_module("to_add_out", Linear(inner, o.dim));
   if (o.joint && o.qk_norm) {
     norm_added_q = register_module("norm_added_q", RMSNorm(o.head_dim, kEps));
     norm_added_k = register_module("norm_added_k", RMSNorm(o.head_dim, kEps));
@@ -281,7 +281,7 @@ std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& 
     v = at::cat({v, linear(add_v_proj, context)}, 1);
   }
   const auto out = multi_head_attention(q, k, v, h);
-  auto image = linear(to_out[0]->as<nn::Linear>(), out.slice(1, 0, n));
+  auto image = linear(to_out[0]->as<Linear>(), out.slice(1, 0, n));
   at::Tensor text;
   if (joint) {
     text = out.slice(1, n);
@@ -336,7 +336,7 @@ SD3PatchEmbedImpl::SD3PatchEmbedImpl(const SD3Transformer2DConfig& c)
     : patch_size(c.patch_size), max_size(c.pos_embed_max_size) {
   const int64_t dim = c.inner_dim();
   proj = register_module(
-      "proj", nn::Conv2d(nn::Conv2dOptions(c.in_channels, dim, c.patch_size).stride(c.patch_size)));
+      "proj", Conv2d(Conv2dOptions(c.in_channels, dim, c.patch_size).stride(c.patch_size)));
   pos_embed = register_buffer("pos_embed", sincos_grid(dim, max_size, c.sample_size / c.patch_size));
 }
 
@@ -378,14 +378,14 @@ SD3Transformer2DModelImpl::SD3Transformer2DModelImpl(const SD3Transformer2DConfi
   pos_embed = register_module("pos_embed", SD3PatchEmbed(c));
   time_text_embed =
       register_module("time_text_embed", CombinedTimestepTextProjEmbeddings(dim, c.pooled_projection_dim));
-  context_embedder = register_module("context_embedder", nn::Linear(c.joint_attention_dim, c.caption_projection_dim));
+  context_embedder = register_module("context_embedder", Linear(c.joint_attention_dim, c.caption_projection_dim));
   transformer_blocks = register_module("transformer_blocks", nn::ModuleList());
   for (int64_t i = 0; i < c.num_layers; ++i)
     transformer_blocks->push_back(JointTransformerBlock(dim, c.num_attention_heads, c.attention_head_dim,
                                                         i == c.num_layers - 1, !c.qk_norm.empty(),
                                                         c.dual_attention(i)));
   norm_out = register_module("norm_out", AdaLayerNormContinuous(dim, dim));
-  proj_out = register_module("proj_out", nn::Linear(dim, c.patch_size * c.patch_size * c.out_channels));
+  proj_out = register_module("proj_out", Linear(dim, c.patch_size * c.patch_size * c.out_channels));
 }
 
 SD3State SD3Transformer2DModelImpl::embed(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,

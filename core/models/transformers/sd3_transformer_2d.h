@@ -8,13 +8,12 @@
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
-#include <torch/nn/modules/conv.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
 #include "core/io/single_file.h"
 #include "core/models/common/attention.h"
 #include "core/models/common/embeddings.h"
+#include "core/models/common/layers.h"
 
 namespace diffract::models {
 
@@ -76,7 +75,7 @@ class AdaLayerNormZeroImpl : public torch::nn::Module {
   AdaLayerNormZeroImpl(int64_t dim, bool dual);
   AdaNormZeroOut forward(const at::Tensor& x, const at::Tensor& temb);  // x [B, T, D], temb [B, D]
   bool dual;
-  torch::nn::Linear linear{nullptr};
+  Linear linear{nullptr};
 };
 TORCH_MODULE(AdaLayerNormZero);
 
@@ -86,7 +85,7 @@ class AdaLayerNormContinuousImpl : public torch::nn::Module {
  public:
   AdaLayerNormContinuousImpl(int64_t dim, int64_t conditioning_dim);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cond);  // x [B, T, D], cond [B, C] -> [B, T, D]
-  torch::nn::Linear linear{nullptr};
+  Linear linear{nullptr};
 };
 TORCH_MODULE(AdaLayerNormContinuous);
 
@@ -110,8 +109,8 @@ class JointAttentionImpl : public torch::nn::Module {
   // x [B, N, D], context [B, S, D] (joint) -> {x' [B, N, D], context' [B, S, D] or undefined}.
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context = {});
   JointAttentionOptions options;
-  torch::nn::Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
-  torch::nn::Linear add_q_proj{nullptr}, add_k_proj{nullptr}, add_v_proj{nullptr}, to_add_out{nullptr};
+  Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
+  Linear add_q_proj{nullptr}, add_k_proj{nullptr}, add_v_proj{nullptr}, to_add_out{nullptr};
   RMSNorm norm_q{nullptr}, norm_k{nullptr}, norm_added_q{nullptr}, norm_added_k{nullptr};
   torch::nn::ModuleList to_out{nullptr};
 };
@@ -143,7 +142,7 @@ class SD3PatchEmbedImpl : public torch::nn::Module {
   // The position embeddings of an h x w patch grid: [1, h*w, D]. Errors past the stored grid.
   at::Tensor cropped_pos_embed(int64_t h, int64_t w) const;
   int64_t patch_size, max_size;
-  torch::nn::Conv2d proj{nullptr};
+  Conv2d proj{nullptr};
   at::Tensor pos_embed;
 };
 TORCH_MODULE(SD3PatchEmbed);
@@ -183,7 +182,7 @@ class SD3Transformer2DModelImpl : public torch::nn::Module {
   SD3Transformer2DConfig config;
   SD3PatchEmbed pos_embed{nullptr};
   CombinedTimestepTextProjEmbeddings time_text_embed{nullptr};
-  torch::nn::Linear context_embedder{nullptr}, proj_out{nullptr};
+  Linear context_embedder{nullptr}, proj_out{nullptr};
   torch::nn::ModuleList transformer_blocks{nullptr};
   AdaLayerNormContinuous norm_out{nullptr};
 };

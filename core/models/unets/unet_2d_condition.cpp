@@ -203,13 +203,13 @@ Transformer2DModelImpl::Transformer2DModelImpl(int64_t channels, int64_t heads, 
                                                int64_t cross_attention_dim, int64_t groups, bool linear)
     : linear_projection(linear) {
   norm = register_module("norm", nn::GroupNorm(nn::GroupNormOptions(groups, channels).eps(1e-6)));
-  if (linear) proj_in_linear = register_module("proj_in", nn::Linear(channels, channels));
-  else proj_in_conv = register_module("proj_in", nn::Conv2d(nn::Conv2dOptions(channels, channels, 1)));
+  if (linear) proj_in_linear = register_module("proj_in", Linear(channels, channels));
+  else proj_in_conv = register_module("proj_in", Conv2d(Conv2dOptions(channels, channels, 1)));
   transformer_blocks = register_module("transformer_blocks", nn::ModuleList());
   for (int64_t i = 0; i < layers; ++i)
     transformer_blocks->push_back(BasicTransformerBlock(channels, heads, channels / heads, cross_attention_dim));
-  if (linear) proj_out_linear = register_module("proj_out", nn::Linear(channels, channels));
-  else proj_out_conv = register_module("proj_out", nn::Conv2d(nn::Conv2dOptions(channels, channels, 1)));
+  if (linear) proj_out_linear = register_module("proj_out", Linear(channels, channels));
+  else proj_out_conv = register_module("proj_out", Conv2d(Conv2dOptions(channels, channels, 1)));
 }
 
 at::Tensor Transformer2DModelImpl::forward(const at::Tensor& x, const at::Tensor& context) {
@@ -312,7 +312,7 @@ at::Tensor UpBlockImpl::forward_part(at::Tensor x, const at::Tensor& temb, const
 UNet2DConditionModelImpl::UNet2DConditionModelImpl(const UNet2DConditionConfig& c) : config(c) {
   const auto& ch = c.block_out_channels;
   const size_t n = ch.size();
-  conv_in = register_module("conv_in", nn::Conv2d(nn::Conv2dOptions(c.in_channels, ch[0], 3).padding(1)));
+  conv_in = register_module("conv_in", Conv2d(Conv2dOptions(c.in_channels, ch[0], 3).padding(1)));
   time_embedding = register_module("time_embedding", TimestepEmbedding(ch[0], c.time_embed_dim()));
   if (c.addition_embed_type == "text_time")
     add_embedding = register_module("add_embedding",
@@ -339,7 +339,7 @@ UNet2DConditionModelImpl::UNet2DConditionModelImpl(const UNet2DConditionConfig& 
   }
   conv_norm_out = register_module("conv_norm_out",
                                   nn::GroupNorm(nn::GroupNormOptions(c.norm_num_groups, ch[0]).eps(c.norm_eps)));
-  conv_out = register_module("conv_out", nn::Conv2d(nn::Conv2dOptions(ch[0], c.out_channels, 3).padding(1)));
+  conv_out = register_module("conv_out", Conv2d(Conv2dOptions(ch[0], c.out_channels, 3).padding(1)));
 }
 
 at::Tensor UNet2DConditionModelImpl::embed_time(const at::Tensor& timesteps, const UNetConditioning& cond,

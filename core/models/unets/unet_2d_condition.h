@@ -5,13 +5,12 @@
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
-#include <torch/nn/modules/conv.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
 #include "core/models/common/attention.h"
 #include "core/models/common/embeddings.h"
+#include "core/models/common/layers.h"
 #include "core/models/common/resnet.h"
 
 namespace diffract::models {
@@ -77,8 +76,8 @@ class Transformer2DModelImpl : public torch::nn::Module {
   bool linear_projection;
   torch::nn::GroupNorm norm{nullptr};
   // "proj_in" / "proj_out": linear (SD 2.x, SDXL) or 1x1 convolutions (SD 1.5); one of each pair exists.
-  torch::nn::Linear proj_in_linear{nullptr}, proj_out_linear{nullptr};
-  torch::nn::Conv2d proj_in_conv{nullptr}, proj_out_conv{nullptr};
+  Linear proj_in_linear{nullptr}, proj_out_linear{nullptr};
+  Conv2d proj_in_conv{nullptr}, proj_out_conv{nullptr};
   torch::nn::ModuleList transformer_blocks{nullptr};
 };
 TORCH_MODULE(Transformer2DModel);
@@ -146,7 +145,7 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   at::Tensor forward_outer_up(UNetOuterState state, const at::Tensor& inner, const UNetConditioning& cond, int split);
 
   UNet2DConditionConfig config;
-  torch::nn::Conv2d conv_in{nullptr}, conv_out{nullptr};
+  Conv2d conv_in{nullptr}, conv_out{nullptr};
   TimestepEmbedding time_embedding{nullptr}, add_embedding{nullptr};
   torch::nn::ModuleList down_blocks{nullptr}, up_blocks{nullptr};
   MidBlock mid_block{nullptr};

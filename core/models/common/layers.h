@@ -1,0 +1,82 @@
+#pragma once
+#include <cstdint>
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+namespace diffract::models {
+
+// Linear, Conv2d and Embedding without random initialisation. LibTorch's torch::nn versions
+// run kaiming_uniform_ / normal_ over every parameter in their constructors; the weights of a
+// loaded model are bound over them right after, so that work (31 s for SDXL's UNet on the CPU)
+// was thrown away. These allocate uninitialised parameters (at::empty) under the same names,
+// "weight" and "bias", so checkpoint keys bind as before, and forward through the same ATen
+// ops as LibTorch's. A model meant to run on random weights calls init_random() below.
+
+struct LinearOptions {
+  LinearOptions(int64_t in_features, int64_t out_features) : in_features(in_features), out_features(out_features) {}
+  LinearOptions& bias(bool b) { with_bias = b; return *this; }
+  int64_t in_features, out_features;
+  bool with_bias = true;
+};
+
+class LinearImpl : public torch::nn::Module {
+ public:
+  explicit LinearImpl(const LinearOptions& o);
+  LinearImpl(int64_t in_features, int64_t out_features) : LinearImpl(LinearOptions(in_features, out_features)) {}
+  // x @ W^T + b through at::linear, which folds the bias into the GEMM.
+  at::Tensor forward(const at::Tensor& x);
+  LinearOptions options;
+  at::Tensor weight;  // [out, in]
+  at::Tensor bias;    // [out] or undefined
+  uint64_t construction_index;  // see init_random
+};
+TORCH_MODULE(Linear);
+
+struct Conv2dOptions {
+  Conv2dOptions(int64_t in_channels, int64_t out_channels, int64_t kernel_size)
+      : in_channels(in_channels), out_channels(out_channels), kernel(kernel_size) {}
+  Conv2dOptions& stride(int64_t s) { stride_ = s; return *this; }
+  Conv2dOptions& padding(int64_t p) { padding_ = p; return *this; }
+  Conv2dOptions& bias(bool b) { with_bias = b; return *this; }
+  int64_t in_channels, out_channels, kernel;
+  int64_t stride_ = 1, padding_ = 0;  // square, zero padding, no dilation, no groups
+  bool with_bias = true;
+};
+
+class Conv2dImpl : public torch::nn::Module {
+ public:
+  explicit Conv2dImpl(const Conv2dOptions& o);
+  at::Tensor forward(const at::Tensor& x);  // at::conv2d
+  Conv2dOptions options;
+  at::Tensor weight;  // [out, in, k, k]
+  at::Tensor bias;    // [out] or undefined
+  uint64_t construction_index;  // see init_random
+};
+TORCH_MODULE(Conv2d);
+
+class EmbeddingImpl : public torch::nn::Module {
+ public:
+  EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim);
+  at::Tensor forward(const at::Tensor& ids);  // at::embedding
+  int64_t num_embeddings, embedding_dim;
+  at::Tensor weight;  // [num, dim]
+  uint64_t construction_index;  // see init_random
+};
+TORCH_MODULE(Embedding);
+
+// Random weights for every Linear, Conv2d and Embedding in `module`, drawn as LibTorch's
+// constructors drew them: kaiming_uniform_(a = sqrt(5)) on a weight and uniform(+-1/sqrt(fan_in))
+// on its bias; normal(0, 1) on an embedding. Layers are drawn for in the order they were
+// constructed (a process-wide count; registration order can differ: FeedForward builds net.2
+// before net.0), so a model built after at::manual_seed(s) and then given init_random(model)
+// holds the values the torch::nn layers gave it, and the generator ends where theirs did.
+// Draws come from the CPU `generator` (default: the global one) in fp32 and are copied to
+// parameters that live elsewhere or in another dtype. Norm layers keep their ones / zeros.
+void init_random(torch::nn::Module& module, at::Generator generator = {});
+// The same from a generator seeded with `seed` (as at::manual_seed(seed) seeds the global one).
+void init_random(torch::nn::Module& module, uint64_t seed);
+
+}  // namespace diffract::models

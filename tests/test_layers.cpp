@@ -1,0 +1,238 @@
+// Linear / Conv2d / Embedding allocate without random init; init_random() draws what
+// LibTorch's torch::nn layers drew; loaded models still bind every weight.
+#include <torch/nn.h>
+
+#include "core/io/key_maps.h"
+#include "core/io/weights.h"
+#include "core/models/autoencoders/autoencoder_kl.h"
+#include "core/models/autoencoders/taesd.h"
+#include "core/models/common/layers.h"
+#include "core/models/text_encoders/clip_text.h"
+#include "core/models/transformers/sd3_transformer_2d.h"
+#include "core/models/unets/unet_2d_condition.h"
+#include "core/training/trainer.h"
+#include "test_util.h"
+
+using namespace diffract;
+namespace nn = torch::nn;
+
+namespace {
+
+// The same small tree twice: LibTorch's layers, and ours. `out` is built first and registered
+// last, as FeedForward does with net.2.
+struct TorchTreeImpl : nn::Module {
+  TorchTreeImpl() {
+    const auto last = nn::Linear(16, 3);
+    embed = register_module("embed", nn::Embedding(50, 6));
+    conv = register_module("conv", nn::Conv2d(nn::Conv2dOptions(3, 8, 3).padding(1)));
+    norm = register_module("norm", nn::GroupNorm(4, 8));
+    inner = register_module("inner", nn::ModuleList(nn::Linear(6, 5), nn::Linear(nn::LinearOptions(5, 7).bias(false))));
+    patch = register_module("patch", nn::Conv2d(nn::Conv2dOptions(8, 4, 2).stride(2).bias(false)));
+    out = register_module("out", last);
+  }
+  nn::Embedding embed{nullptr};
+  nn::Conv2d conv{nullptr}, patch{nullptr};
+  nn::GroupNorm norm{nullptr};
+  nn::ModuleList inner{nullptr};
+  nn::Linear out{nullptr};
+};
+TORCH_MODULE(TorchTree);
+
+struct OurTreeImpl : nn::Module {
+  OurTreeImpl() {
+    const auto last = models::Linear(16, 3);
+    embed = register_module("embed", models::Embedding(50, 6));
+    conv = register_module("conv", models::Conv2d(models::Conv2dOptions(3, 8, 3).padding(1)));
+    norm = register_module("norm", nn::GroupNorm(4, 8));
+    inner = register_module(
+        "inner", nn::ModuleList(models::Linear(6, 5), models::Linear(models::LinearOptions(5, 7).bias(false))));
+    patch = register_module("patch", models::Conv2d(models::Conv2dOptions(8, 4, 2).stride(2).bias(false)));
+    out = register_module("out", last);
+  }
+  models::Embedding embed{nullptr};
+  models::Conv2d conv{nullptr}, patch{nullptr};
+  nn::GroupNorm norm{nullptr};
+  nn::ModuleList inner{nullptr};
+  models::Linear out{nullptr};
+};
+TORCH_MODULE(OurTree);
+
+// Same names, shapes and (bit for bit) values.
+void expect_same_parameters(nn::Module& got, nn::Module& want) {
+  const auto g = got.named_parameters(), w = want.named_parameters();
+  QCOMPARE(g.size(), w.size());
+  for (const auto& kv : w) {
+    QVERIFY2(g.contains(kv.key()), kv.key().c_str());
+    QVERIFY2(at::equal(g[kv.key()], kv.value()), kv.key().c_str());
+  }
+}
+
+// True when building `make()` left the global generator where it was.
+template <class Make>
+bool draws_nothing(Make make) {
+  at::manual_seed(11);
+  auto m = make();
+  const auto after = at::rand({16});
+  at::manual_seed(11);
+  return at::equal(after, at::rand({16})) && !m->parameters().empty();
+}
+
+// FNV-1a over each parameter's bytes, then over those hashes: a bit-exact fingerprint.
+uint64_t fnv(const void* data, size_t n, uint64_t h = 1469598103934665603ull) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+uint64_t fingerprint(nn::Module& m) {
+  uint64_t h = 1469598103934665603ull;
+  for (const auto& kv : m.named_parameters()) {
+    const auto t = kv.value().contiguous();
+    const uint64_t one = fnv(t.data_ptr(), t.nbytes());
+    h = fnv(&one, sizeof one, h);
+  }
+  return h;
+}
+
+models::UNet2DConditionConfig tiny_unet() {
+  return models::UNet2DConditionConfig::from_json(test::fixtures() / "tiny-sdxl" / "unet" / "config.json");
+}
+
+}  // namespace
+
+class TestLayers : public QObject {
+  Q_OBJECT
+ private slots:
+  void constructorsDrawNoRandomNumbers() {
+    QVERIFY(draws_nothing([] { return models::Linear(64, 32); }));
+    QVERIFY(draws_nothing([] { return models::Conv2d(models::Conv2dOptions(4, 8, 3).padding(1)); }));
+    QVERIFY(draws_nothing([] { return models::Embedding(100, 8); }));
+    QVERIFY(draws_nothing([] { return OurTree(); }));
+    QVERIFY(!draws_nothing([] { return TorchTree(); }));  // the check does see LibTorch's init
+    QVERIFY(draws_nothing([] { return models::UNet2DConditionModel(tiny_unet()); }));
+    QVERIFY(draws_nothing([] {
+      auto c = models::AutoencoderKLConfig::sd();
+      c.block_out_channels = {16, 32}, c.norm_num_groups = 8;
+      return models::AutoencoderKL(c);
+    }));
+    QVERIFY(draws_nothing([] {
+      auto c = models::CLIPTextConfig::clip_l();
+      c.hidden_size = 32, c.intermediate_size = 64, c.num_hidden_layers = 2, c.num_attention_heads = 2;
+      return models::CLIPTextModelWithProjection(c);
+    }));
+    QVERIFY(draws_nothing([] {
+      auto c = models::TAESDConfig::taesd();
+      c.encoder_block_out_channels = c.decoder_block_out_channels = {8, 8, 8, 8};
+      return models::TAESD(c, true, true);
+    }));
+    QVERIFY(draws_nothing([] {
+      auto c = models::SD3Transformer2DConfig::sd35_medium();
+      c.num_layers = 2, c.attention_head_dim = 8, c.num_attention_heads = 2, c.joint_attention_dim = 32;
+      c.caption_projection_dim = 16, c.pooled_projection_dim = 32, c.pos_embed_max_size = 16, c.sample_size = 16;
+      c.dual_attention_layers = {0};
+      return models::SD3Transformer2DModel(c);
+    }));
+  }
+
+  // Same seed, same values as torch::nn's constructors: layer by layer and over a tree, from a
+  // seed, from the global generator, and into bf16 parameters (drawn in fp32, then cast).
+  void initRandomMatchesLibTorch() {
+    for (uint64_t seed : {0ull, 42ull}) {
+      at::manual_seed(seed);
+      nn::Linear ref_linear(nn::LinearOptions(37, 19));
+      models::Linear linear(37, 19);
+      models::init_random(*linear, seed);
+      expect_same_parameters(*linear, *ref_linear);
+
+      at::manual_seed(seed);
+      nn::Conv2d ref_conv(nn::Conv2dOptions(5, 6, 3).padding(1));
+      models::Conv2d conv(models::Conv2dOptions(5, 6, 3).padding(1));
+      models::init_random(*conv, seed);
+      expect_same_parameters(*conv, *ref_conv);
+
+      at::manual_seed(seed);
+      nn::Embedding ref_embed(300, 7);
+      models::Embedding embed(300, 7);
+      models::init_random(*embed, seed);
+      expect_same_parameters(*embed, *ref_embed);
+
+      at::manual_seed(seed);
+      TorchTree ref;
+      OurTree ours;
+      models::init_random(*ours, seed);
+      expect_same_parameters(*ours, *ref);
+
+      OurTree global;
+      at::manual_seed(seed);
+      models::init_random(*global);
+      expect_same_parameters(*global, *ref);
+
+      OurTree half;
+      half->to(at::kBFloat16);
+      models::init_random(*half, seed);
+      QCOMPARE(half->out->weight.scalar_type(), at::kBFloat16);
+      ref->to(at::kBFloat16);
+      expect_same_parameters(*half, *ref);
+    }
+  }
+
+  // UNets (uniform draws only, so bit-exact on any CPU) hold what LibTorch's layers gave them
+  // before this change: fingerprints taken then, of the trainer's emoji UNet (seed 7) and of
+  // StableDiffusion::random's tiny SDXL UNet (seed 0; before its halving).
+  void initRandomReproducesEarlierModels() {
+    at::manual_seed(7);
+    models::UNet2DConditionModel emoji(training::ModelConfig::preset("emoji").unet);
+    models::init_random(*emoji);
+    QCOMPARE(fingerprint(*emoji), uint64_t(0x2468a1b0a880c1c2ull));
+
+    auto c = models::UNet2DConditionConfig::sdxl_base();
+    c.block_out_channels = {32, 64, 64};
+    c.down_block_types = {"DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"};
+    c.up_block_types = {"CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"};
+    c.layers_per_block = {1, 1, 1};
+    c.num_attention_heads = {2, 2, 2};
+    c.transformer_layers_per_block = c.reverse_transformer_layers_per_block = {1, 1, 1};
+    c.norm_num_groups = 16;
+    c.cross_attention_dim = {64, 64, 64};
+    c.projection_class_embeddings_input_dim = 32 + 6 * c.addition_time_embed_dim;
+    models::UNet2DConditionModel xl(c);
+    models::init_random(*xl, 0);
+    QCOMPARE(fingerprint(*xl), uint64_t(0x7850ab202625458eull));
+  }
+
+  // Equal seeds give equal models, a different seed another one; nothing stays uninitialised.
+  void initRandomFillsWholeModels() {
+    models::UNet2DConditionModel a(tiny_unet()), b(tiny_unet()), c(tiny_unet());
+    models::init_random(*a, 3);
+    models::init_random(*b, 3);
+    models::init_random(*c, 4);
+    expect_same_parameters(*a, *b);
+    QVERIFY(!at::equal(a->conv_in->weight, c->conv_in->weight));
+    for (const auto& p : a->parameters()) QVERIFY(at::isfinite(p).all().item<bool>());
+  }
+
+  // A diffusers folder binds every parameter: the model holds the file's tensors and matches
+  // diffusers' output.
+  void loadedModelsHoldTheirWeights() {
+    const auto dir = test::fixtures() / "tiny-sd";
+    auto unet = models::load_unet_2d_condition(dir / "unet");
+    auto sd = io::load_state_dict(dir / "unet" / "diffusion_pytorch_model.safetensors");
+    QCOMPARE(unet->named_parameters().size(), sd.size());
+    for (const auto& kv : unet->named_parameters())
+      QVERIFY2(at::equal(kv.value(), sd.at(kv.key()).to(at::kFloat)), kv.key().c_str());
+    auto te = models::load_clip_text_model(dir / "text_encoder");
+    auto te_sd = io::map_clip_text_keys(io::load_state_dict(dir / "text_encoder" / "model.safetensors"));
+    for (const auto& kv : te->named_parameters())
+      QVERIFY2(at::equal(kv.value(), te_sd.at(kv.key()).to(at::kFloat)), kv.key().c_str());
+
+    at::NoGradGuard no_grad;
+    const auto e = io::load_state_dict(test::fixtures() / "unet_cases.safetensors");
+    models::UNetConditioning cond;
+    cond.encoder_hidden_states = e.at("sd.16x16.context");
+    const auto out = unet->forward(e.at("sd.16x16.x"), e.at("sd.16x16.t"), cond);
+    DIFFRACT_COMPARE_TENSORS(out, e.at("sd.16x16.out"), 1e-4);
+  }
+};
+
+QTEST_GUILESS_MAIN(TestLayers)
+#include "test_layers.moc"
