@@ -7,6 +7,7 @@
 
 #include "core/schedulers/sampler.h"
 #include "core/util/error.h"
+#include "core/util/log.h"
 
 namespace diffract::pipeline::detail {
 
@@ -48,6 +49,43 @@ std::string format_number(double v) {
   std::ostringstream s;
   s << v;
   return s.str();
+}
+
+void check_request(engine::GenerationRequest& req, int native, int multiple, const std::string& why) {
+  if (req.width == 0) req.width = native;
+  if (req.height == 0) req.height = native;
+  const auto size = std::to_string(req.width) + "x" + std::to_string(req.height);
+  if (req.width < multiple || req.height < multiple || req.width % multiple || req.height % multiple)
+    throw Error("size " + size + " is not a positive multiple of " + std::to_string(multiple) + " (" + why + ")");
+  if (req.width > 8192 || req.height > 8192) throw Error("size " + size + " is above 8192 pixels a side");
+  if (!(req.cfg >= 0)) throw Error("CFG scale " + format_number(req.cfg) + " must be 0 or more");
+  if (req.batch < 1 || req.batch > 64) throw Error("batch " + std::to_string(req.batch) + " must be between 1 and 64");
+  if (req.preview_every < 0) throw Error("preview interval must be 0 (none) or more");
+  if (req.preview_max_side < 0) throw Error("preview size must be 0 (full size) or more pixels");
+}
+
+void check_steps(const engine::GenerationRequest& req, int train_timesteps) {
+  if (req.steps < 1 || req.steps > train_timesteps)
+    throw Error("steps " + std::to_string(req.steps) + " must be between 1 and the model's " +
+                std::to_string(train_timesteps) + " training timesteps");
+}
+
+double warm_up(const std::string& device, const std::string& taesd,
+               const std::function<void(const engine::GenerationRequest&, const engine::JobObserver&)>& run) {
+  const auto t0 = Clock::now();
+  engine::GenerationRequest r;
+  r.prompt = "warm-up";
+  r.steps = 2;
+  r.cfg = 7.0;
+  r.device = device;
+  r.taesd = taesd;
+  r.preview_every = 1;
+  engine::JobObserver o;
+  o.on_preview = [](const engine::PreviewEvent&) {};
+  run(r, o);
+  const double ms = ms_since(t0);
+  log::get("pipeline").info(log::str("warm-up in ", static_cast<int>(ms), " ms"));
+  return ms;
 }
 
 StepReporter::StepReporter(const c10::Device& device, const engine::GenerationRequest& req,

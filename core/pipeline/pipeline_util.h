@@ -33,6 +33,18 @@ std::vector<io::Image> to_images(const at::Tensor& x);
 
 std::string format_number(double v);
 
+// The checks every job gets before any work starts: a zero width or height becomes `native`;
+// the size must be a positive multiple of `multiple` (`why`: what that multiple is) and at most
+// 8192 a side; CFG scale, batch and preview settings in range.
+void check_request(engine::GenerationRequest& req, int native, int multiple, const std::string& why);
+// 1 <= steps <= the model's training timesteps.
+void check_steps(const engine::GenerationRequest& req, int train_timesteps);
+
+// A 2-step job with a preview every step through `run`, so that graphs, cuDNN plans and the
+// previews' stream exist before the first real job; logs and returns its ms.
+double warm_up(const std::string& device, const std::string& taesd,
+               const std::function<void(const engine::GenerationRequest&, const engine::JobObserver&)>& run);
+
 // Reports the steps and previews of a denoising loop without holding the device back: step
 // times come from marks in its stream, previews decode on a side stream and reach the
 // observer when done; a preview due while the last one still decodes is dropped.

@@ -630,21 +630,10 @@ std::string StableDiffusion::profile_unet_step(int size, int rows, int reps) {
 double StableDiffusion::warm_up() {
   auto& p = *impl_;
   if (!p.device.is_cuda()) return 0;
-  const auto t0 = Clock::now();
-  engine::GenerationRequest r;
-  r.prompt = "warm-up";
-  r.steps = 2;
-  r.cfg = 7.0;
-  r.device = p.device_name;
-  r.taesd = p.taesd ? p.taesd_path : std::string();
-  r.preview_every = 1;
-  engine::JobObserver o;
-  o.on_preview = [](const engine::PreviewEvent&) {};
-  const double load_ms = p.load_ms;
-  generate(r, o, engine::CancelToken{});
+  const double load_ms = p.load_ms;  // the warm-up job is not a load
+  const double ms = detail::warm_up(p.device_name, p.taesd ? p.taesd_path : std::string(),
+                                    [&](const auto& r, const auto& o) { generate(r, o, engine::CancelToken{}); });
   p.load_ms = load_ms;
-  const double ms = ms_since(t0);
-  log::get("pipeline").info(log::str("warm-up in ", static_cast<int>(ms), " ms"));
   return ms;
 }
 
@@ -672,17 +661,7 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
 
   // Everything a user can get wrong is checked before any work starts.
   const int factor = p.vae_factor();
-  if (req.width == 0) req.width = native_size();
-  if (req.height == 0) req.height = native_size();
-  if (req.width < factor || req.height < factor || req.width % factor || req.height % factor)
-    throw Error("size " + std::to_string(req.width) + "x" + std::to_string(req.height) + " is not a positive multiple of " +
-                std::to_string(factor) + " (the model's latent factor)");
-  if (req.width > 8192 || req.height > 8192)
-    throw Error("size " + std::to_string(req.width) + "x" + std::to_string(req.height) + " is above 8192 pixels a side");
-  if (!(req.cfg >= 0)) throw Error("CFG scale " + format_number(req.cfg) + " must be 0 or more");
-  if (req.batch < 1 || req.batch > 64) throw Error("batch " + std::to_string(req.batch) + " must be between 1 and 64");
-  if (req.preview_every < 0) throw Error("preview interval must be 0 (none) or more");
-  if (req.preview_max_side < 0) throw Error("preview size must be 0 (full size) or more pixels");
+  check_request(req, native_size(), factor, "the model's latent factor");
 
   schedulers::SamplerKind kind;
   if (req.sampler.empty()) {
@@ -697,9 +676,7 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
                 " sampler is for flow-matching models (SD3); SD 1.x / 2.x / XL predict noise or v");
   req.sampler = std::string(schedulers::sampler_name(kind));
   const auto config = p.scheduler_config(kind);
-  if (req.steps < 1 || req.steps > config.num_train_timesteps)
-    throw Error("steps " + std::to_string(req.steps) + " must be between 1 and the model's " +
-                std::to_string(config.num_train_timesteps) + " training timesteps");
+  check_steps(req, config.num_train_timesteps);
   auto sampler = schedulers::Sampler::create(kind, config, req.steps);
 
   // The last TAESD stays loaded for later jobs that name it again.

@@ -225,21 +225,10 @@ StableDiffusion3::Conditioning StableDiffusion3::encode_prompt(const std::string
 double StableDiffusion3::warm_up() {
   auto& p = *impl_;
   if (!p.device.is_cuda()) return 0;
-  const auto t0 = Clock::now();
-  engine::GenerationRequest r;
-  r.prompt = "warm-up";
-  r.steps = 2;
-  r.cfg = 7.0;
-  r.device = p.device_name;
-  r.taesd = p.taesd ? p.taesd_path : std::string();
-  r.preview_every = 1;
-  engine::JobObserver o;
-  o.on_preview = [](const engine::PreviewEvent&) {};
-  const double load_ms = p.load_ms;
-  generate(r, o, engine::CancelToken{});
+  const double load_ms = p.load_ms;  // the warm-up job is not a load
+  const double ms = detail::warm_up(p.device_name, p.taesd ? p.taesd_path : std::string(),
+                                    [&](const auto& r, const auto& o) { generate(r, o, engine::CancelToken{}); });
   p.load_ms = load_ms;
-  const double ms = ms_since(t0);
-  log::get("pipeline").info(log::str("warm-up in ", static_cast<int>(ms), " ms"));
   return ms;
 }
 
@@ -265,18 +254,7 @@ engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequ
   // Everything a user can get wrong is checked before any work starts.
   if (!req.strategy.empty() && req.strategy != "single")
     throw Error("strategy " + req.strategy + " does not run SD3 yet (only SD 1.x / 2.x / XL); leave --strategy out");
-  const int multiple = p.size_multiple();
-  if (req.width == 0) req.width = native_size();
-  if (req.height == 0) req.height = native_size();
-  if (req.width < multiple || req.height < multiple || req.width % multiple || req.height % multiple)
-    throw Error("size " + std::to_string(req.width) + "x" + std::to_string(req.height) + " is not a positive multiple of " +
-                std::to_string(multiple) + " (the VAE's factor times the transformer's patch size)");
-  if (req.width > 8192 || req.height > 8192)
-    throw Error("size " + std::to_string(req.width) + "x" + std::to_string(req.height) + " is above 8192 pixels a side");
-  if (!(req.cfg >= 0)) throw Error("CFG scale " + format_number(req.cfg) + " must be 0 or more");
-  if (req.batch < 1 || req.batch > 64) throw Error("batch " + std::to_string(req.batch) + " must be between 1 and 64");
-  if (req.preview_every < 0) throw Error("preview interval must be 0 (none) or more");
-  if (req.preview_max_side < 0) throw Error("preview size must be 0 (full size) or more pixels");
+  check_request(req, native_size(), p.size_multiple(), "the VAE's factor times the transformer's patch size");
 
   schedulers::SamplerKind kind = schedulers::SamplerKind::FlowMatchEuler;
   if (!req.sampler.empty()) kind = schedulers::parse_sampler_or_throw(req.sampler);
@@ -287,9 +265,7 @@ engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequ
                 " sampler does not apply to it (use flow-euler)");
   req.sampler = std::string(schedulers::sampler_name(kind));
   const auto config = schedulers::SchedulerConfig::from_json(p.scheduler_json, kind);
-  if (req.steps < 1 || req.steps > config.num_train_timesteps)
-    throw Error("steps " + std::to_string(req.steps) + " must be between 1 and the model's " +
-                std::to_string(config.num_train_timesteps) + " training timesteps");
+  check_steps(req, config.num_train_timesteps);
   auto sampler = schedulers::Sampler::create(kind, config, req.steps);
 
   const int64_t channels = p.transformer->config.in_channels;

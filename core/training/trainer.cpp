@@ -469,8 +469,15 @@ TrainSummary Trainer::train() {
     log.info(log::str("resumed at step ", step_, " after ", static_cast<int>(seconds_), " s of training"));
   } else {
     // Unit second moment for the diffusion latents: the scale diffusers calls scaling_factor.
-    const auto z = bank.latents.to(at::kFloat);
-    const double mean = z.mean().item<double>(), rms = z.pow(2).mean().sqrt().item<double>();
+    // In slices: a float copy of the whole bank would double its memory for a moment.
+    auto sum = at::zeros({}, at::TensorOptions(at::kDouble).device(device_)), sum2 = sum.clone();
+    for (int64_t begin = 0; begin < bank_rows; begin += 16384) {
+      const auto z = bank.latents.narrow(0, begin, std::min<int64_t>(16384, bank_rows - begin)).to(at::kDouble);
+      sum += z.sum();
+      sum2 += z.pow(2).sum();
+    }
+    const double count = static_cast<double>(bank.latents.numel());
+    const double mean = sum.item<double>() / count, rms = std::sqrt(sum2.item<double>() / count);
     latent_scale_ = 1.0 / rms;
     log.info(log::str("TAEF2 latents over ", bank_rows, " scenes: mean ", mean, ", rms ", rms, " -> scaling_factor ",
                       latent_scale_));

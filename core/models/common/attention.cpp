@@ -7,8 +7,6 @@
 
 namespace diffract::models {
 
-at::Tensor linear(const LinearImpl* layer, const at::Tensor& x) { return at::linear(x, layer->weight, layer->bias); }
-
 at::Tensor multi_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t heads,
                                 bool causal) {
   const auto b = q.size(0), tq = q.size(1), tk = k.size(1), c = q.size(2);
@@ -61,8 +59,8 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context
   }
   if (group_norm) h = group_norm->forward(h.transpose(1, 2)).transpose(1, 2);
   const at::Tensor& kv = context.defined() ? context : h;
-  auto out = multi_head_attention(linear(to_q, h), linear(to_k, kv), linear(to_v, kv), options.heads);
-  out = linear(to_out[0]->as<Linear>(), out);
+  auto out = multi_head_attention(to_q->forward(h), to_k->forward(kv), to_v->forward(kv), options.heads);
+  out = to_out[0]->as<Linear>()->forward(out);
   if (spatial) out = out.transpose(1, 2).reshape({b, c, height, width});
   if (options.residual_connection) out = out + x;
   if (options.rescale_output_factor != 1.0) out = out / options.rescale_output_factor;
@@ -93,7 +91,7 @@ TORCH_MODULE(GEGLU);
 class GELUProjImpl : public nn::Module {
  public:
   GELUProjImpl(int64_t dim, int64_t inner) { proj = register_module("proj", Linear(dim, inner)); }
-  at::Tensor forward(const at::Tensor& x) { return at::gelu(linear(proj, x), "tanh"); }
+  at::Tensor forward(const at::Tensor& x) { return at::gelu(proj->forward(x), "tanh"); }
   Linear proj{nullptr};
 };
 TORCH_MODULE(GELUProj);
@@ -110,7 +108,7 @@ FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t inner_dim, FeedForwardActi
 at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
   const auto h = activation == FeedForwardActivation::GEGLU ? net[0]->as<GEGLU>()->forward(x)
                                                             : net[0]->as<GELUProj>()->forward(x);
-  return linear(net[2]->as<Linear>(), h);
+  return net[2]->as<Linear>()->forward(h);
 }
 
 }  // namespace diffract::models

@@ -15,13 +15,6 @@ namespace diffract::models {
 // Scaled dot-product attention over packed heads.
 // q: [B, Tq, H*D], k, v: [B, Tk, H*D] -> [B, Tq, H*D]. Uses the fused (flash / memory-
 // efficient) kernels where the device has them.
-// x @ W^T + b through at::linear, which folds the bias into the GEMM (as Linear::forward now
-// does too). LibTorch's Linear::forward multiplied, then added the bias in a separate
-// broadcast kernel for inputs of 3+ dims: 6.7 ms of SDXL's 48 ms step on an H200 (Kineto
-// profile, docs/benchmarks.md).
-at::Tensor linear(const LinearImpl* layer, const at::Tensor& x);
-inline at::Tensor linear(const Linear& layer, const at::Tensor& x) { return linear(layer.get(), x); }
-
 at::Tensor multi_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t heads,
                                 bool causal = false);
 

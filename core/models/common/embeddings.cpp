@@ -4,8 +4,6 @@
 
 #include <ATen/ATen.h>
 
-#include "core/models/common/attention.h"
-
 namespace diffract::models {
 
 at::Tensor timestep_embedding(const at::Tensor& t, int64_t dim, bool flip_sin_to_cos, double downscale_freq_shift,
@@ -25,7 +23,7 @@ TimestepEmbeddingImpl::TimestepEmbeddingImpl(int64_t in_channels, int64_t time_e
 }
 
 at::Tensor TimestepEmbeddingImpl::forward(const at::Tensor& x) {
-  return linear(linear_2, at::silu(linear(linear_1, x)));
+  return linear_2->forward(at::silu(linear_1->forward(x)));
 }
 
 }  // namespace diffract::models

@@ -2,8 +2,6 @@
 
 #include <ATen/ATen.h>
 
-#include "core/models/common/attention.h"
-
 namespace diffract::models {
 
 namespace nn = torch::nn;
@@ -21,7 +19,7 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options(o)
 
 at::Tensor ResnetBlock2DImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
   auto h = conv1->forward(at::silu(norm1->forward(x)));
-  if (time_emb_proj && temb.defined()) h = h + linear(time_emb_proj, at::silu(temb)).unsqueeze(-1).unsqueeze(-1);
+  if (time_emb_proj && temb.defined()) h = h + time_emb_proj->forward(at::silu(temb)).unsqueeze(-1).unsqueeze(-1);
   h = conv2->forward(at::silu(norm2->forward(h)));
   auto skip = conv_shortcut ? conv_shortcut->forward(x) : x;
   auto out = skip + h;

@@ -82,8 +82,8 @@ CLIPAttentionImpl::CLIPAttentionImpl(const CLIPTextConfig& c) : heads(c.num_atte
 
 at::Tensor CLIPAttentionImpl::forward(const at::Tensor& x) {
   // x: [B, T, C] -> [B, T, C], causal.
-  auto h = multi_head_attention(linear(q_proj, x), linear(k_proj, x), linear(v_proj, x), heads, /*causal=*/true);
-  return linear(out_proj, h);
+  auto h = multi_head_attention(q_proj->forward(x), k_proj->forward(x), v_proj->forward(x), heads, /*causal=*/true);
+  return out_proj->forward(h);
 }
 
 CLIPMLPImpl::CLIPMLPImpl(const CLIPTextConfig& c) : act(parse_activation(c.hidden_act, "CLIP text config")) {
@@ -91,7 +91,7 @@ CLIPMLPImpl::CLIPMLPImpl(const CLIPTextConfig& c) : act(parse_activation(c.hidde
   fc2 = register_module("fc2", Linear(c.intermediate_size, c.hidden_size));
 }
 
-at::Tensor CLIPMLPImpl::forward(const at::Tensor& x) { return linear(fc2, apply_activation(act, linear(fc1, x))); }
+at::Tensor CLIPMLPImpl::forward(const at::Tensor& x) { return fc2->forward(apply_activation(act, fc1->forward(x))); }
 
 CLIPEncoderLayerImpl::CLIPEncoderLayerImpl(const CLIPTextConfig& c) {
   auto ln = [&] { return nn::LayerNorm(nn::LayerNormOptions({c.hidden_size}).eps(c.layer_norm_eps)); };
@@ -155,7 +155,7 @@ CLIPTextModelWithProjectionImpl::CLIPTextModelWithProjectionImpl(const CLIPTextC
 
 CLIPTextOutput CLIPTextModelWithProjectionImpl::forward(const at::Tensor& input_ids, bool output_hidden_states) {
   auto out = text_model->forward(input_ids, output_hidden_states);
-  out.text_embeds = linear(text_projection, out.pooled);
+  out.text_embeds = text_projection->forward(out.pooled);
   return out;
 }
 

@@ -270,22 +270,22 @@ std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& 
     if (!norm) return t;
     return norm->forward(t.view({b, t.size(1), h, d})).view({b, t.size(1), h * d});
   };
-  auto q = per_head(norm_q, linear(to_q, x));
-  auto k = per_head(norm_k, linear(to_k, x));
-  auto v = linear(to_v, x);
+  auto q = per_head(norm_q, to_q->forward(x));
+  auto k = per_head(norm_k, to_k->forward(x));
+  auto v = to_v->forward(x);
   const bool joint = options.joint && context.defined();
   TORCH_CHECK(joint == options.joint, "joint attention needs the text tokens");
   if (joint) {
-    q = at::cat({q, per_head(norm_added_q, linear(add_q_proj, context))}, 1);
-    k = at::cat({k, per_head(norm_added_k, linear(add_k_proj, context))}, 1);
-    v = at::cat({v, linear(add_v_proj, context)}, 1);
+    q = at::cat({q, per_head(norm_added_q, add_q_proj->forward(context))}, 1);
+    k = at::cat({k, per_head(norm_added_k, add_k_proj->forward(context))}, 1);
+    v = at::cat({v, add_v_proj->forward(context)}, 1);
   }
   const auto out = multi_head_attention(q, k, v, h);
-  auto image = linear(to_out[0]->as<Linear>(), out.slice(1, 0, n));
+  auto image = to_out[0]->as<Linear>()->forward(out.slice(1, 0, n));
   at::Tensor text;
   if (joint) {
     text = out.slice(1, n);
-    if (to_add_out) text = linear(to_add_out, text);
+    if (to_add_out) text = to_add_out->forward(text);
   }
   return {image, text};
 }
@@ -402,7 +402,7 @@ SD3State SD3Transformer2DModelImpl::embed(const at::Tensor& hidden_states, const
   const auto t = timestep.dim() == 0 ? timestep.expand({hidden_states.size(0)}) : timestep;
   s.x = pos_embed->forward(hidden_states).contiguous();
   s.temb = time_text_embed->forward(t, pooled_projections);
-  s.context = linear(context_embedder, encoder_hidden_states);
+  s.context = context_embedder->forward(encoder_hidden_states);
   return s;
 }
 
@@ -415,7 +415,7 @@ void SD3Transformer2DModelImpl::run_block(size_t index, SD3State& s) {
 at::Tensor SD3Transformer2DModelImpl::unpatchify_output(const SD3State& s) {
   const int64_t p = config.patch_size, c = config.out_channels, b = s.x.size(0);
   const int64_t h = s.height / p, w = s.width / p;
-  const auto x = linear(proj_out, norm_out->forward(s.x, s.temb));
+  const auto x = proj_out->forward(norm_out->forward(s.x, s.temb));
   // [B, h*w, p*p*C] -> [B, h, w, p, q, C] -> [B, C, h, p, w, q] (diffusers' einsum nhwpqc->nchpwq)
   return x.reshape({b, h, w, p, p, c}).permute({0, 5, 1, 3, 2, 4}).reshape({b, c, h * p, w * p});
 }

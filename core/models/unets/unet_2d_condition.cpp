@@ -216,11 +216,11 @@ at::Tensor Transformer2DModelImpl::forward(const at::Tensor& x, const at::Tensor
   const auto b = x.size(0), c = x.size(1), h = x.size(2), w = x.size(3);
   auto to_tokens = [&](const at::Tensor& t) { return t.permute({0, 2, 3, 1}).reshape({b, h * w, c}); };
   auto hs = norm->forward(x);
-  hs = linear_projection ? linear(proj_in_linear, to_tokens(hs)) : to_tokens(proj_in_conv->forward(hs));
+  hs = linear_projection ? proj_in_linear->forward(to_tokens(hs)) : to_tokens(proj_in_conv->forward(hs));
   for (const auto& block : *transformer_blocks) hs = block->as<BasicTransformerBlock>()->forward(hs, context);
   at::Tensor out;
   if (linear_projection) {
-    out = linear(proj_out_linear, hs).reshape({b, h, w, c}).permute({0, 3, 1, 2}).contiguous();
+    out = proj_out_linear->forward(hs).reshape({b, h, w, c}).permute({0, 3, 1, 2}).contiguous();
   } else {
     out = proj_out_conv->forward(hs.reshape({b, h, w, c}).permute({0, 3, 1, 2}));
   }
