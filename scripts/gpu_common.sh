@@ -20,7 +20,7 @@ gpu_build() {
   shift
   mkdir -p "$logs"
   cmake --preset gpu -DDIFFRACT_BUILD_CLI=ON -DCLI11_INCLUDE_DIR="$PWD/.carry/include" \
-    -DDIFFRACT_PYTHON="$(command -v python3)" -DCMAKE_CXX_COMPILER_LAUNCHER= > "$logs/configure.log" 2>&1 \
+    -DDIFFRACT_PYTHON="$(command -v python3)" -DCMAKE_CXX_COMPILER_LAUNCHER= -DCMAKE_CUDA_COMPILER_LAUNCHER= -DDIFFRACT_CUDA_ARCHITECTURES=90-real > "$logs/configure.log" 2>&1 \
     || { tail -40 "$logs/configure.log"; return 1; }
   cmake --build build/gpu -j "$(nproc)" --target "$@" > "$logs/build.log" 2>&1 \
     || { grep -m20 -A5 error "$logs/build.log"; return 1; }

@@ -6,6 +6,8 @@
 #     the kernel profiles of both UNet steps and the single-GPU checks.
 #   PLAN=multi (second call): the multi-GPU checks and the strategy bench on both GPUs, then the
 #     second GPU resumes training while the first benches sdxl-768 and batch 4.
+#   PLAN=one (one H200, no training): the GroupNorm kernel check, the diffusers anchor, then
+#     diffract-bench on the same GPU (side by side in one run), the single-GPU checks, batch 4.
 #   PLAN=final (a later, shorter call, no training; carry .carry without emoji/): the single-GPU
 #     bench on the first GPU beside the anchor on the second, then the multi-GPU checks and the
 #     strategy bench.
@@ -71,9 +73,11 @@ anchor = json.load(open(f"{d}/anchor.json"))
 for r in ours["results"]:
   print(json.dumps({k: v for k, v in r.items() if k != "unet_step_variants"}))
   v = r.get("unet_step_variants", {})
-  print("  step variants:", {k: v[k] for k in v if k != "kernels"})
-  if "kernels" in v:
-      print("  kernels:", json.dumps({k: v["kernels"][k] for k in ("device_ms_per_call", "kernels_per_call", "families_ms")}))
+  print("  step variants:", {k: v[k] for k in v if not k.startswith("kernels")})
+  for name in ("kernels", "kernels_channels_last"):
+      if name in v:
+          print(f"  {name}:", json.dumps({k: v[name][k] for k in ("device_ms_per_call", "kernels_per_call", "families_ms")}))
+          print("    top:", json.dumps(v[name]["top_ms"][:12])[:1500])
 x = next((r for r in ours["results"] if r["config"] == "sdxl-1024"), None)
 if x and anchor:
   rows = [("SDXL 1024 30 steps end to end (s)", x["end_to_end_ms"]["median"] / 1e3, anchor.get("pipe_sdxl_1024_30steps_pil_bf16vae_s")),
@@ -126,6 +130,32 @@ for x in r["results"]:
               f"  {s.get('stats', {}).get('note', '')[:150]}")
 PY
 }
+
+if [ "$plan" = one ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  ctest --test-dir build/gpu -R gpu_groupnorm -V --timeout 60 > "$logs/checks_groupnorm.log" 2>&1
+  grep -E "  (ok|FAIL)  |tests passed" "$logs/checks_groupnorm.log" | grep -v "^.*ok.*diff" | head -30
+  grep -c "  ok  " "$logs/checks_groupnorm.log"
+  timeout 220 python3 .carry/diffusers_sdxl_sd3.py > "$logs/anchor.log" 2>&1
+  echo "anchor rc $? at $(elapsed) s"
+  anchor_json
+  timeout "$(left 90)" "$bench" --device cuda:0 --config sdxl-1024,sd15-512 --batch 1 --runs 3 \
+    > "$logs/bench_single.json" 2> "$logs/bench_single.log"
+  echo "single-GPU bench rc $? at $(elapsed) s"
+  ratios
+  ctest --test-dir build/gpu -L gpu -LE multigpu -E gpu_groupnorm -V --timeout 45 > "$logs/checks_single.log" 2>&1
+  grep -E "  (ok|FAIL)  |tests passed|capture|previews shown" "$logs/checks_single.log"
+  if [ "$(left)" -gt 60 ]; then
+    timeout "$(left 5)" "$bench" --device cuda:0 --config sdxl-1024 --batch 4 --runs 2 \
+      > "$logs/bench_batch4.json" 2> "$logs/bench_batch4.log"
+    echo "batch-4 bench rc $? at $(elapsed) s"
+    python3 -c "
+import json
+for r in json.load(open('$logs/bench_batch4.json'))['results']:
+    print(json.dumps({k: v for k, v in r.items() if k != 'unet_step_variants'}))" 2>&1 | cut -c1-900
+  fi
+  exit 0
+fi
 
 if [ "$plan" = final ]; then
   CUDA_VISIBLE_DEVICES=1 timeout 200 python3 .carry/diffusers_sdxl_sd3.py > "$logs/anchor.log" 2>&1 &

@@ -107,6 +107,7 @@ class TestLayers : public QObject {
     QVERIFY(draws_nothing([] { return models::Linear(64, 32); }));
     QVERIFY(draws_nothing([] { return models::Conv2d(models::Conv2dOptions(4, 8, 3).padding(1)); }));
     QVERIFY(draws_nothing([] { return models::Embedding(100, 8); }));
+    QVERIFY(draws_nothing([] { return models::GroupNorm(models::GroupNormOptions(4, 8)); }));
     QVERIFY(draws_nothing([] { return OurTree(); }));
     QVERIFY(!draws_nothing([] { return TorchTree(); }));  // the check does see LibTorch's init
     QVERIFY(draws_nothing([] { return models::UNet2DConditionModel(tiny_unet()); }));
@@ -231,6 +232,30 @@ class TestLayers : public QObject {
     cond.encoder_hidden_states = e.at("sd.16x16.context");
     const auto out = unet->forward(e.at("sd.16x16.x"), e.at("sd.16x16.t"), cond);
     DIFFRACT_COMPARE_TENSORS(out, e.at("sd.16x16.out"), 1e-4);
+  }
+
+  // GroupNorm as torch::nn::GroupNorm (ones / zeros, same parameter names, same output), and
+  // forward(x, add, silu) as the separate ops it stands for, in both memory formats. (Its CUDA
+  // kernels are checked against the same ops by diffract-gpu-checks groupnorm.)
+  void groupNormIsTorchsGroupNorm() {
+    models::GroupNorm ours(models::GroupNormOptions(4, 12).eps(1e-6));
+    torch::nn::GroupNorm theirs(torch::nn::GroupNormOptions(4, 12).eps(1e-6));
+    QCOMPARE(ours->named_parameters().keys(), theirs->named_parameters().keys());
+    QVERIFY(at::equal(ours->weight, theirs->weight) && at::equal(ours->bias, theirs->bias));
+    at::manual_seed(5);
+    at::NoGradGuard no_grad;
+    for (auto* p : {&ours->weight, &ours->bias}) p->copy_(at::randn({12}));
+    theirs->weight.copy_(ours->weight);
+    theirs->bias.copy_(ours->bias);
+    const auto x = at::randn({2, 12, 5, 3}) * 3 + 1, add = at::randn({2, 12});
+    QVERIFY(at::equal(ours->forward(x), theirs->forward(x)));
+    const auto want = at::silu(theirs->forward(x + add.view({2, 12, 1, 1})));
+    DIFFRACT_COMPARE_TENSORS(ours->forward(x, add, true), want, 1e-6);
+    const auto y = ours->forward(x.contiguous(at::MemoryFormat::ChannelsLast), add, true);
+    DIFFRACT_COMPARE_TENSORS(y, want, 1e-6);
+    const auto x3 = at::randn({2, 12, 7});  // [N, C, L]
+    DIFFRACT_COMPARE_TENSORS(ours->forward(x3, add, false), theirs->forward(x3 + add.view({2, 12, 1})), 1e-6);
+    QVERIFY_THROWS_EXCEPTION(std::exception, models::GroupNorm(models::GroupNormOptions(5, 12)));
   }
 };
 

@@ -102,6 +102,8 @@ struct StableDiffusion::Impl {
   std::unique_ptr<parallel::DeviceGroup> gpu_group;
   std::vector<int> gpu_group_ids;
   double replica_ms = 0;
+  nlohmann::json memory_format_choice;  // what choose_memory_format() measured
+  void choose_memory_format();
   models::AutoencoderKL vae{nullptr};
   // A vae/ of class AutoencoderTiny (the embedded emoji model's TAEF2) replaces `vae`.
   models::TAESD tiny_vae{nullptr};
@@ -168,7 +170,9 @@ struct StableDiffusion::Impl {
       for (const auto& kv : unet->named_parameters(true)) dst[kv.key()].set_data(copy_to(kv.value()));
       auto dst_buffers = copy->named_buffers(true);
       for (const auto& kv : unet->named_buffers(true)) dst_buffers[kv.key()].set_data(copy_to(kv.value()));
-      r = std::make_shared<models::UNetGraphRunner>(copy, graph_options());
+      auto o = graph_options();
+      o.channels_last = runner->options().channels_last;
+      r = std::make_shared<models::UNetGraphRunner>(copy, o);
       replica_ms += ms_since(t0);
       log::get("pipeline").info(log::str("UNet replica on ", d.str(), " in ", static_cast<int>(ms_since(t0)), " ms"));
     }
@@ -604,32 +608,79 @@ std::string StableDiffusion::profile_unet_step(int size, int rows, int reps) {
   nlohmann::json j;
   j["rows"] = rows;
   j["size"] = size;
+  // Every variant through the pipeline's own runner, which is put back as it was at the end.
+  const bool was_channels_last = p.runner->options().channels_last;
+  const auto variant = [&](bool channels_last, bool fused_group_norm, const char* name) {
+    p.runner->set_channels_last(channels_last);
+    models::set_fused_group_norm(fused_group_norm);
+    p.runner->clear();
+    p.runner->forward(x, t, cond);
+    j[std::string(name) + "_capture_ms"] = p.runner->last_capture_ms();
+    j[std::string(name) + "_ms"] = time_ms([&] { p.runner->forward(x, t, cond); });
+  };
+  p.runner->set_channels_last(false);
   j["eager_ms"] = time_ms([&] { p.unet->forward(x, t, cond); });
   j["kernels"] = kernel_profile(reps, [&] { p.unet->forward(x, t, cond); }, p.device.index());
-  p.runner->clear();  // its graphs point at the weights about to move
-  {
-    models::UNetGraphRunner g(p.unet);
-    g.forward(x, t, cond);
-    j["capture_ms"] = g.last_capture_ms();
-    j["graph_ms"] = time_ms([&] { g.forward(x, t, cond); });
+  variant(false, true, "graph");
+  j["capture_ms"] = j["graph_capture_ms"];
+  variant(true, true, "graph_channels_last");
+  if (models::fused_group_norm_available()) {
+    variant(false, false, "graph_aten_group_norm");
+    variant(true, false, "graph_channels_last_aten_group_norm");
   }
-  auto set_format = [&](at::MemoryFormat f) {
-    for (auto& w : p.unet->parameters())
-      if (w.dim() == 4) w.set_data(w.contiguous(f));
-  };
-  set_format(at::MemoryFormat::ChannelsLast);
-  {
-    models::UNetGraphRunner g(p.unet);
-    const auto xl = x.contiguous(at::MemoryFormat::ChannelsLast);
-    j["graph_channels_last_ms"] = time_ms([&] { g.forward(xl, t, cond); });
-  }
-  set_format(at::MemoryFormat::Contiguous);
+  models::set_fused_group_norm(true);
+  p.runner->set_channels_last(true);
+  const auto xl = x.contiguous(at::MemoryFormat::ChannelsLast);
+  j["kernels_channels_last"] = kernel_profile(reps, [&] { p.unet->forward(xl, t, cond); }, p.device.index());
+  p.runner->set_channels_last(was_channels_last);
+  j["fused_group_norm"] = models::fused_group_norm_available();
   return j.dump();
+}
+
+// channels-last or not for this UNet on this GPU, by measurement: the graph of one CFG step at
+// the native size, a few replays each way (SDXL on an H200 had channels-last 4 % slower with
+// ATen's GroupNorm, SD 1.5 16 % faster). DIFFRACT_CHANNELS_LAST=0/1 decides instead.
+void StableDiffusion::Impl::choose_memory_format() {
+  if (!device.is_cuda() || !runner->options().enabled) return;
+  if (const char* env = std::getenv("DIFFRACT_CHANNELS_LAST"); env && *env) {
+    runner->set_channels_last(std::string(env) == "1");
+    memory_format_choice = {{"forced", std::string(env) == "1" ? "channels_last" : "nchw"}};
+    return;
+  }
+  at::NoGradGuard no_grad;
+  const int64_t size = unet->config.sample_size * vae_factor();
+  const auto opts = at::TensorOptions().device(device).dtype(dtype);
+  const auto& c = unet->config;
+  const int64_t lat = size / vae_factor();
+  auto x = at::randn({2, c.in_channels, lat, lat}, opts);
+  auto t = at::full({2}, 500.0, at::TensorOptions().device(device).dtype(at::kFloat));
+  models::UNetConditioning cond;
+  cond.encoder_hidden_states = at::randn({2, 77, c.cross_attention_dim.front()}, opts);
+  if (c.addition_embed_type == "text_time") {
+    cond.text_embeds = at::randn({2, c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim}, opts);
+    const double s = static_cast<double>(size);
+    cond.time_ids = at::tensor({s, s, 0.0, 0.0, s, s}, at::kFloat).view({1, 6}).repeat({2, 1}).to(opts);
+  }
+  const auto measure = [&](bool channels_last) {
+    runner->set_channels_last(channels_last);
+    runner->forward(x, t, cond);  // capture
+    torch::cuda::synchronize(device.index());
+    const auto t0 = Clock::now();
+    for (int i = 0; i < 5; ++i) runner->forward(x, t, cond);
+    torch::cuda::synchronize(device.index());
+    return ms_since(t0) / 5;
+  };
+  const double nchw = measure(false), nhwc = measure(true);
+  if (nchw <= nhwc) runner->set_channels_last(false);
+  memory_format_choice = {{"nchw_ms", nchw}, {"channels_last_ms", nhwc}, {"size", size}};
+  log::get("pipeline").info(log::str("UNet step at ", size, "²: NCHW ", nchw, " ms, channels-last ", nhwc,
+                                     " ms; running ", nchw <= nhwc ? "NCHW" : "channels-last"));
 }
 
 double StableDiffusion::warm_up() {
   auto& p = *impl_;
   if (!p.device.is_cuda()) return 0;
+  p.choose_memory_format();
   const double load_ms = p.load_ms;  // the warm-up job is not a load
   const double ms = detail::warm_up(p.device_name, p.taesd ? p.taesd_path : std::string(),
                                     [&](const auto& r, const auto& o) { generate(r, o, engine::CancelToken{}); });
@@ -777,8 +828,11 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
   };
   if (!strategy_stats.empty()) meta["strategy"] = nlohmann::json::parse(strategy_stats);
   if (p.device.is_cuda())
-    meta["unet_graphs"] = {{"graphs", p.runner->graphs()}, {"last_capture_ms", p.runner->last_capture_ms()},
-                           {"replicas_ms", p.replica_ms}};
+    meta["unet_graphs"] = {{"graphs", p.runner->graphs()},
+                           {"last_capture_ms", p.runner->last_capture_ms()},
+                           {"replicas_ms", p.replica_ms},
+                           {"channels_last", p.runner->options().channels_last},
+                           {"memory_format_choice", p.memory_format_choice}};
   result.metadata_json = meta.dump();
   const auto cpu_latents = latents.to(at::kCPU, at::kFloat).contiguous();
   result.latents.assign(cpu_latents.data_ptr<float>(), cpu_latents.data_ptr<float>() + cpu_latents.numel());

@@ -1,11 +1,12 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks graphs|previews|nccl|strategies|cancel|failure
+//   diffract-gpu-checks groupnorm|graphs|previews|nccl|strategies|cancel|failure
 // Exit 0: passed; 1: failed (the reasons printed); 77: skipped (too few GPUs).
 #include <cmath>
 #include <cstdlib>
 #include <functional>
 #include <iostream>
 #include <map>
+#include <sstream>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -13,6 +14,7 @@
 #include <torch/cuda.h>
 
 #include "core/metrics/metrics.h"
+#include "core/models/common/layers.h"
 #include "core/parallel/communicator.h"
 #include "core/parallel/device_group.h"
 #include "core/parallel/strategies.h"
@@ -60,6 +62,55 @@ double rel_l2(const engine::GenerationResult& a, const engine::GenerationResult&
 std::unique_ptr<pipeline::StableDiffusion> tiny_sdxl(bool graphs) {
   setenv("DIFFRACT_CUDA_GRAPHS", graphs ? "1" : "0", 1);
   return pipeline::StableDiffusion::random(pipeline::Family::SDXL, /*tiny=*/true, "cuda:0");
+}
+
+// models::GroupNorm's CUDA kernels against ATen's group_norm (+ add, + silu) computed in fp32
+// from the same inputs: NCHW and channels-last, three dtypes, the UNet's and the VAE's shapes,
+// shapes the kernels leave to ATen, and a large mean against a small spread.
+void check_groupnorm() {
+  need_gpus(1);
+  expect(models::fused_group_norm_available(), "built with the GroupNorm kernels");
+  struct Case {
+    int64_t n, c, h, w, groups;
+    double offset;
+  };
+  const std::vector<Case> cases = {{2, 320, 128, 128, 32, 0},  {2, 640, 64, 64, 32, 0},  {2, 2560, 32, 32, 32, 0},
+                                   {1, 128, 256, 256, 32, 0},  {2, 1920, 64, 64, 32, 0}, {3, 96, 20, 12, 8, 0},
+                                   {2, 320, 16, 16, 32, 50.0}, {1, 40, 7, 5, 4, 0},       {2, 24, 9, 9, 3, 0}};
+  at::manual_seed(3);
+  for (const auto& k : cases)
+    for (auto dtype : {at::kBFloat16, at::kHalf, at::kFloat})
+      for (bool cl : {false, true})
+        for (bool with_add : {false, true}) {
+          const auto o = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+          auto x = (at::randn({k.n, k.c, k.h, k.w}, o.dtype(at::kFloat)) * 1.7 + k.offset).to(dtype);
+          if (cl) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+          const auto add = with_add ? at::randn({k.n, k.c}, o) : at::Tensor();
+          models::GroupNorm gn(models::GroupNormOptions(k.groups, k.c).eps(1e-6));
+          gn->to(at::kCUDA, dtype);
+          {
+            at::NoGradGuard no_grad;
+            gn->weight.copy_(at::randn({k.c}, o));
+            gn->bias.copy_(at::randn({k.c}, o));
+          }
+          const auto y = gn->forward(x, add, /*silu=*/true);
+          auto in = x.to(at::kFloat);
+          if (with_add) in = in + add.to(at::kFloat).view({k.n, k.c, 1, 1});
+          const auto ref = at::silu(at::group_norm(in, k.groups, gn->weight.to(at::kFloat), gn->bias.to(at::kFloat), 1e-6));
+          const double err = ((y.to(at::kFloat) - ref).abs() / (ref.abs() + 1)).max().item<double>();
+          const double tol = dtype == at::kFloat ? 1e-4 : (dtype == at::kHalf ? 2e-3 : 1e-2);
+          const bool same_format = y.is_contiguous(cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
+          std::ostringstream what;
+          what << "[" << k.n << "," << k.c << "," << k.h << "," << k.w << "]/" << k.groups << " " << dtype
+               << (cl ? " channels-last" : " NCHW") << (with_add ? " +add" : "") << (k.offset ? " offset" : "")
+               << ": max |diff| / (1 + |ref|) " << err << " (tol " << tol << ")";
+          expect(err < tol && same_format, what.str());
+        }
+  // The same call twice gives the same bits (the splits are summed in a fixed order).
+  const auto x = at::randn({2, 320, 128, 128}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
+  models::GroupNorm gn(models::GroupNormOptions(32, 320));
+  gn->to(at::kCUDA, at::kBFloat16);
+  expect(at::equal(gn->forward(x, {}, true), gn->forward(x, {}, true)), "deterministic");
 }
 
 void check_graphs() {
@@ -267,7 +318,7 @@ void check_failure() {
 
 int main(int argc, char** argv) {
   const std::map<std::string, std::function<void()>> checks = {
-      {"graphs", check_graphs}, {"previews", check_previews}, {"nccl", check_nccl},
+      {"groupnorm", check_groupnorm}, {"graphs", check_graphs}, {"previews", check_previews}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"cancel", check_cancel}, {"failure", check_failure}};
   if (argc != 2 || !checks.count(argv[1])) {
     std::cerr << "usage: diffract-gpu-checks graphs|previews|nccl|strategies|cancel|failure\n";

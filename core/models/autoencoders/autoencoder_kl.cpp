@@ -210,7 +210,7 @@ VAEEncoderImpl::VAEEncoderImpl(const AutoencoderKLConfig& c) {
                                               c.norm_num_groups, i + 1 < ch.size()));
   mid_block = register_module("mid_block", VAEMidBlock2D(ch.back(), c.norm_num_groups, c.mid_block_add_attention));
   conv_norm_out = register_module(
-      "conv_norm_out", nn::GroupNorm(nn::GroupNormOptions(c.norm_num_groups, ch.back()).eps(1e-6)));
+      "conv_norm_out", GroupNorm(GroupNormOptions(c.norm_num_groups, ch.back()).eps(1e-6)));
   conv_out = register_module("conv_out",
                              Conv2d(Conv2dOptions(ch.back(), 2 * c.latent_channels, 3).padding(1)));
 }
@@ -220,7 +220,7 @@ at::Tensor VAEEncoderImpl::forward(const at::Tensor& images) {
   auto h = conv_in->forward(images);
   for (const auto& b : *down_blocks) h = b->as<DownEncoderBlock2D>()->forward(h);
   h = mid_block->forward(h);
-  return conv_out->forward(at::silu(conv_norm_out->forward(h)));
+  return conv_out->forward(conv_norm_out->forward(h, {}, /*silu=*/true));
 }
 
 VAEDecoderImpl::VAEDecoderImpl(const AutoencoderKLConfig& c) {
@@ -232,7 +232,7 @@ VAEDecoderImpl::VAEDecoderImpl(const AutoencoderKLConfig& c) {
     up_blocks->push_back(UpDecoderBlock2D(i == 0 ? ch.front() : ch[i - 1], ch[i], c.layers_per_block + 1,
                                           c.norm_num_groups, i + 1 < ch.size()));
   conv_norm_out = register_module(
-      "conv_norm_out", nn::GroupNorm(nn::GroupNormOptions(c.norm_num_groups, ch.back()).eps(1e-6)));
+      "conv_norm_out", GroupNorm(GroupNormOptions(c.norm_num_groups, ch.back()).eps(1e-6)));
   conv_out = register_module("conv_out", Conv2d(Conv2dOptions(ch.back(), c.out_channels, 3).padding(1)));
 }
 
@@ -240,7 +240,7 @@ at::Tensor VAEDecoderImpl::forward(const at::Tensor& z) {
   // z: [B, C, h, w] (after post_quant_conv) -> images [B, 3, h * f, w * f].
   auto h = mid_block->forward(conv_in->forward(z));
   for (const auto& b : *up_blocks) h = b->as<UpDecoderBlock2D>()->forward(h);
-  return conv_out->forward(at::silu(conv_norm_out->forward(h)));
+  return conv_out->forward(conv_norm_out->forward(h, {}, /*silu=*/true));
 }
 
 // --- AutoencoderKL -----------------------------------------------------------------------------

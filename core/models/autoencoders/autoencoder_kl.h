@@ -102,7 +102,7 @@ class VAEEncoderImpl : public torch::nn::Module {
   Conv2d conv_in{nullptr}, conv_out{nullptr};
   torch::nn::ModuleList down_blocks{nullptr};
   VAEMidBlock2D mid_block{nullptr};
-  torch::nn::GroupNorm conv_norm_out{nullptr};
+  GroupNorm conv_norm_out{nullptr};
 };
 TORCH_MODULE(VAEEncoder);
 
@@ -115,7 +115,7 @@ class VAEDecoderImpl : public torch::nn::Module {
   Conv2d conv_in{nullptr}, conv_out{nullptr};
   VAEMidBlock2D mid_block{nullptr};
   torch::nn::ModuleList up_blocks{nullptr};
-  torch::nn::GroupNorm conv_norm_out{nullptr};
+  GroupNorm conv_norm_out{nullptr};
 };
 TORCH_MODULE(VAEDecoder);
 

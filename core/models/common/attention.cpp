@@ -42,7 +42,7 @@ AttentionImpl::AttentionImpl(const AttentionOptions& o) : options(o) {
   const int64_t kv_dim = o.cross_attention_dim > 0 ? o.cross_attention_dim : o.query_dim;
   if (o.norm_num_groups > 0)
     group_norm = register_module(
-        "group_norm", nn::GroupNorm(nn::GroupNormOptions(o.norm_num_groups, o.query_dim).eps(o.norm_eps)));
+        "group_norm", GroupNorm(GroupNormOptions(o.norm_num_groups, o.query_dim).eps(o.norm_eps)));
   to_q = register_module("to_q", Linear(LinearOptions(o.query_dim, inner).bias(o.bias)));
   to_k = register_module("to_k", Linear(LinearOptions(kv_dim, inner).bias(o.bias)));
   to_v = register_module("to_v", Linear(LinearOptions(kv_dim, inner).bias(o.bias)));

@@ -46,7 +46,7 @@ class AttentionImpl : public torch::nn::Module {
   // Returns the same shape as x.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& context = {});
   AttentionOptions options;
-  torch::nn::GroupNorm group_norm{nullptr};
+  GroupNorm group_norm{nullptr};
   Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
   torch::nn::ModuleList to_out{nullptr};
 };

@@ -45,6 +45,46 @@ EmbeddingImpl::EmbeddingImpl(int64_t num, int64_t dim)
 at::Tensor EmbeddingImpl::forward(const at::Tensor& ids) { return at::embedding(weight, ids); }
 
 namespace {
+std::atomic<bool> g_fused_group_norm{true};
+}  // namespace
+
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+// group_norm_cuda.cpp: false when the kernels do not take this case.
+bool fused_group_norm_cuda(const at::Tensor& x, const at::Tensor& add, const at::Tensor& weight, const at::Tensor& bias,
+                           int64_t groups, double eps, bool silu, at::Tensor& out);
+bool fused_group_norm_available() { return true; }
+#else
+bool fused_group_norm_available() { return false; }
+#endif
+void set_fused_group_norm(bool on) { g_fused_group_norm = on; }
+bool fused_group_norm_enabled() { return fused_group_norm_available() && g_fused_group_norm; }
+
+GroupNormImpl::GroupNormImpl(const GroupNormOptions& o) : options(o) {
+  TORCH_CHECK(o.groups > 0 && o.channels % o.groups == 0, "GroupNorm: ", o.channels, " channels in ", o.groups,
+              " groups");
+  weight = register_parameter("weight", at::ones({o.channels}));
+  bias = register_parameter("bias", at::zeros({o.channels}));
+}
+
+at::Tensor GroupNormImpl::forward(const at::Tensor& x, const at::Tensor& add, bool silu) {
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  at::Tensor out;
+  if (x.is_cuda() && g_fused_group_norm &&
+      fused_group_norm_cuda(x, add, weight, bias, options.groups, options.eps_, silu, out))
+    return out;
+#endif
+  auto in = x;
+  if (add.defined()) {
+    std::vector<int64_t> shape(x.dim(), 1);
+    shape[0] = add.size(0);
+    shape[1] = add.size(1);
+    in = x + add.view(shape);
+  }
+  auto y = at::group_norm(in, options.groups, weight, bias, options.eps_);
+  return silu ? at::silu(y) : y;
+}
+
+namespace {
 
 // Fills `p` from `fill` applied to an fp32 CPU tensor of its shape (or to p itself when it is one).
 template <class Fill>

@@ -69,6 +69,35 @@ class EmbeddingImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Embedding);
 
+// GroupNorm with its affine weight and bias ("weight", "bias": ones and zeros until bound),
+// as torch::nn::GroupNorm, plus what the UNet runs around it: forward(x, add, silu) is
+// silu(group_norm(x + add[:, :, None, None])) with add [N, C] (a ResNet block's time embedding).
+// On CUDA, for 4-D NCHW or channels-last input, it runs our kernels (group_norm_kernels.h):
+// channels-last in, channels-last out. Elsewhere ATen's group_norm.
+struct GroupNormOptions {
+  GroupNormOptions(int64_t groups, int64_t channels) : groups(groups), channels(channels) {}
+  GroupNormOptions& eps(double e) { eps_ = e; return *this; }
+  int64_t groups, channels;
+  double eps_ = 1e-5;
+};
+
+class GroupNormImpl : public torch::nn::Module {
+ public:
+  explicit GroupNormImpl(const GroupNormOptions& o);
+  // x [N, C, *] -> the same shape and memory format; add: undefined or [N, C].
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& add = {}, bool silu = false);
+  GroupNormOptions options;
+  at::Tensor weight;  // [C]
+  at::Tensor bias;    // [C]
+};
+TORCH_MODULE(GroupNorm);
+
+// Whether GroupNorm uses the CUDA kernels where they apply (default: built with them); the
+// benchmark turns them off to measure ATen's path.
+bool fused_group_norm_available();
+void set_fused_group_norm(bool on);
+bool fused_group_norm_enabled();
+
 // Random weights for every Linear, Conv2d and Embedding in `module`, drawn as LibTorch's
 // constructors drew them: kaiming_uniform_(a = sqrt(5)) on a weight and uniform(+-1/sqrt(fan_in))
 // on its bias; normal(0, 1) on an embedding. Layers are drawn for in the order they were

@@ -9,18 +9,20 @@ namespace nn = torch::nn;
 ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options(o) {
   if (options.out_channels == 0) options.out_channels = o.in_channels;
   const auto in = o.in_channels, out = options.out_channels;
-  norm1 = register_module("norm1", nn::GroupNorm(nn::GroupNormOptions(o.groups, in).eps(o.eps)));
+  norm1 = register_module("norm1", GroupNorm(GroupNormOptions(o.groups, in).eps(o.eps)));
   conv1 = register_module("conv1", Conv2d(Conv2dOptions(in, out, 3).padding(1)));
   if (o.temb_channels > 0) time_emb_proj = register_module("time_emb_proj", Linear(o.temb_channels, out));
-  norm2 = register_module("norm2", nn::GroupNorm(nn::GroupNormOptions(o.groups, out).eps(o.eps)));
+  norm2 = register_module("norm2", GroupNorm(GroupNormOptions(o.groups, out).eps(o.eps)));
   conv2 = register_module("conv2", Conv2d(Conv2dOptions(out, out, 3).padding(1)));
   if (in != out) conv_shortcut = register_module("conv_shortcut", Conv2d(Conv2dOptions(in, out, 1)));
 }
 
 at::Tensor ResnetBlock2DImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
-  auto h = conv1->forward(at::silu(norm1->forward(x)));
-  if (time_emb_proj && temb.defined()) h = h + time_emb_proj->forward(at::silu(temb)).unsqueeze(-1).unsqueeze(-1);
-  h = conv2->forward(at::silu(norm2->forward(h)));
+  // x [B, in, h, w], temb [B, temb_channels] or undefined -> [B, out, h, w]
+  auto h = conv1->forward(norm1->forward(x, {}, /*silu=*/true));
+  // The time embedding is added per channel inside norm2's kernels, not as a broadcast add.
+  const auto t = time_emb_proj && temb.defined() ? time_emb_proj->forward(at::silu(temb)) : at::Tensor();
+  h = conv2->forward(norm2->forward(h, t, /*silu=*/true));
   auto skip = conv_shortcut ? conv_shortcut->forward(x) : x;
   auto out = skip + h;
   return options.output_scale_factor == 1.0 ? out : out / options.output_scale_factor;

@@ -24,7 +24,7 @@ class ResnetBlock2DImpl : public torch::nn::Module {
   // x: [B, Cin, H, W], temb: [B, Ct] or undefined -> [B, Cout, H, W].
   at::Tensor forward(const at::Tensor& x, const at::Tensor& temb = {});
   ResnetBlock2DOptions options;
-  torch::nn::GroupNorm norm1{nullptr}, norm2{nullptr};
+  GroupNorm norm1{nullptr}, norm2{nullptr};
   Conv2d conv1{nullptr}, conv2{nullptr}, conv_shortcut{nullptr};
   Linear time_emb_proj{nullptr};
 };

@@ -202,7 +202,7 @@ at::Tensor BasicTransformerBlockImpl::forward(const at::Tensor& x, const at::Ten
 Transformer2DModelImpl::Transformer2DModelImpl(int64_t channels, int64_t heads, int64_t layers,
                                                int64_t cross_attention_dim, int64_t groups, bool linear)
     : linear_projection(linear) {
-  norm = register_module("norm", nn::GroupNorm(nn::GroupNormOptions(groups, channels).eps(1e-6)));
+  norm = register_module("norm", GroupNorm(GroupNormOptions(groups, channels).eps(1e-6)));
   if (linear) proj_in_linear = register_module("proj_in", Linear(channels, channels));
   else proj_in_conv = register_module("proj_in", Conv2d(Conv2dOptions(channels, channels, 1)));
   transformer_blocks = register_module("transformer_blocks", nn::ModuleList());
@@ -220,7 +220,7 @@ at::Tensor Transformer2DModelImpl::forward(const at::Tensor& x, const at::Tensor
   for (const auto& block : *transformer_blocks) hs = block->as<BasicTransformerBlock>()->forward(hs, context);
   at::Tensor out;
   if (linear_projection) {
-    out = proj_out_linear->forward(hs).reshape({b, h, w, c}).permute({0, 3, 1, 2}).contiguous();
+    out = proj_out_linear->forward(hs).reshape({b, h, w, c}).permute({0, 3, 1, 2}).contiguous(x.suggest_memory_format());
   } else {
     out = proj_out_conv->forward(hs.reshape({b, h, w, c}).permute({0, 3, 1, 2}));
   }
@@ -338,7 +338,7 @@ UNet2DConditionModelImpl::UNet2DConditionModelImpl(const UNet2DConditionConfig& 
     prev = ch[rev];
   }
   conv_norm_out = register_module("conv_norm_out",
-                                  nn::GroupNorm(nn::GroupNormOptions(c.norm_num_groups, ch[0]).eps(c.norm_eps)));
+                                  GroupNorm(GroupNormOptions(c.norm_num_groups, ch[0]).eps(c.norm_eps)));
   conv_out = register_module("conv_out", Conv2d(Conv2dOptions(ch[0], c.out_channels, 3).padding(1)));
 }
 
@@ -391,7 +391,7 @@ at::Tensor UNet2DConditionModelImpl::forward(const at::Tensor& sample, const at:
   for (const auto& block : *down_blocks) x = block->as<DownBlock>()->forward(x, temb, context, skips);
   x = mid_block->forward(x, temb, context);
   x = run_up(x, temb, context, skips, {0, 0}, {up_blocks->size(), 0});
-  return conv_out->forward(at::silu(conv_norm_out->forward(x)));
+  return conv_out->forward(conv_norm_out->forward(x, {}, /*silu=*/true));
 }
 
 UNet2DConditionModelImpl::SplitPoint UNet2DConditionModelImpl::split_point(int split) const {
@@ -450,7 +450,7 @@ at::Tensor UNet2DConditionModelImpl::forward_outer_up(UNetOuterState state, cons
                                                       const UNetConditioning& cond, int split) {
   const auto from = split_point(split);
   auto x = run_up(inner, state.temb, cond.encoder_hidden_states, state.skips, from, {up_blocks->size(), 0});
-  return conv_out->forward(at::silu(conv_norm_out->forward(x)));
+  return conv_out->forward(conv_norm_out->forward(x, {}, /*silu=*/true));
 }
 
 UNet2DConditionModel load_unet_2d_condition(const std::filesystem::path& dir, const std::string& variant) {

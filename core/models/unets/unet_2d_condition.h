@@ -74,7 +74,7 @@ class Transformer2DModelImpl : public torch::nn::Module {
                          bool linear_projection);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& context);  // [B, C, H, W] -> [B, C, H, W]
   bool linear_projection;
-  torch::nn::GroupNorm norm{nullptr};
+  GroupNorm norm{nullptr};
   // "proj_in" / "proj_out": linear (SD 2.x, SDXL) or 1x1 convolutions (SD 1.5); one of each pair exists.
   Linear proj_in_linear{nullptr}, proj_out_linear{nullptr};
   Conv2d proj_in_conv{nullptr}, proj_out_conv{nullptr};
@@ -149,7 +149,7 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   TimestepEmbedding time_embedding{nullptr}, add_embedding{nullptr};
   torch::nn::ModuleList down_blocks{nullptr}, up_blocks{nullptr};
   MidBlock mid_block{nullptr};
-  torch::nn::GroupNorm conv_norm_out{nullptr};
+  GroupNorm conv_norm_out{nullptr};
 
  private:
   struct SplitPoint {

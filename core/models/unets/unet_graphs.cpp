@@ -38,7 +38,22 @@ struct UNetGraphRunner::Cache {
 };
 
 UNetGraphRunner::UNetGraphRunner(UNet2DConditionModel unet, UNetGraphOptions options)
-    : unet_(std::move(unet)), options_(options), cache_(std::make_unique<Cache>()) {}
+    : unet_(std::move(unet)), options_(options), cache_(std::make_unique<Cache>()) {
+  if (options_.channels_last) {
+    options_.channels_last = false;
+    set_channels_last(true);
+  }
+}
+
+void UNetGraphRunner::set_channels_last(bool on) {
+  if (on == options_.channels_last) return;
+  clear();
+  const auto format = on ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  at::NoGradGuard no_grad;
+  for (auto& w : unet_->parameters())
+    if (w.dim() == 4) w.set_data(w.contiguous(format));
+  options_.channels_last = on;
+}
 
 UNetGraphRunner::~UNetGraphRunner() { clear(); }
 
@@ -79,7 +94,7 @@ at::Tensor UNetGraphRunner::forward(const at::Tensor& sample, const at::Tensor& 
       // Static buffers are made on the caller's stream, where the replays will read them.
       Cache::Entry e;
       e.key = key;
-      e.x = sample.clone();
+      e.x = sample.clone(options_.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
       e.t = timesteps.to(at::kFloat).clone();
       e.cond.encoder_hidden_states = cond.encoder_hidden_states.clone();
       if (cond.text_embeds.defined()) e.cond.text_embeds = cond.text_embeds.clone();
@@ -115,9 +130,11 @@ at::Tensor UNetGraphRunner::forward(const at::Tensor& sample, const at::Tensor& 
     if (cond.text_embeds.defined()) it->cond.text_embeds.copy_(cond.text_embeds);
     if (cond.time_ids.defined()) it->cond.time_ids.copy_(cond.time_ids);
     it->graph->replay();
-    return it->out.clone();
+    return it->out.clone(at::MemoryFormat::Contiguous);
   }
 #endif
+  if (options_.channels_last)
+    return unet_->forward(sample.contiguous(at::MemoryFormat::ChannelsLast), timesteps, cond).contiguous();
   return unet_->forward(sample, timesteps, cond);
 }
 

@@ -17,6 +17,9 @@ namespace diffract::models {
 struct UNetGraphOptions {
   bool enabled = true;  // false: always eager
   int max_graphs = 3;
+  // Weights and activations channels-last (NHWC) inside; inputs and outputs stay as given.
+  // Faster for some models on some GPUs, slower for others: the pipeline measures (tune()).
+  bool channels_last = false;
 };
 
 class UNetGraphRunner {
@@ -44,6 +47,9 @@ class UNetGraphRunner {
   }
 
   const UNet2DConditionModel& unet() const { return unet_; }
+  const UNetGraphOptions& options() const { return options_; }
+  // Switches the memory format (converts the weights in place, drops the graphs).
+  void set_channels_last(bool on);
   int graphs() const;
   double last_capture_ms() const;  // 0 until a capture happened
   void clear();                    // drops every graph and its memory

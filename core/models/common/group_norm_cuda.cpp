@@ -1,0 +1,58 @@
+// The ATen side of the GroupNorm kernels: checks, scratch buffers, the current stream.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "core/models/common/group_norm_kernels.h"
+#include "core/util/error.h"
+
+namespace diffract::models {
+
+bool fused_group_norm_cuda(const at::Tensor& x, const at::Tensor& add, const at::Tensor& weight, const at::Tensor& bias,
+                           int64_t groups, double eps, bool silu, at::Tensor& out) {
+  if (x.dim() != 4) return false;
+  kernels::GroupNormArgs a;
+  switch (x.scalar_type()) {
+    case at::kFloat: a.dtype = kernels::DType::Float; break;
+    case at::kHalf: a.dtype = kernels::DType::Half; break;
+    case at::kBFloat16: a.dtype = kernels::DType::BFloat16; break;
+    default: return false;
+  }
+  if (x.is_contiguous()) a.channels_last = false;
+  else if (x.is_contiguous(at::MemoryFormat::ChannelsLast)) a.channels_last = true;
+  else return false;
+  a.n = x.size(0);
+  a.c = x.size(1);
+  a.hw = x.size(2) * x.size(3);
+  a.groups = static_cast<int>(groups);
+  if (add.defined() && (add.dim() != 2 || add.size(0) != a.n || add.size(1) != a.c)) return false;
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty_like(x);  // keeps the memory format
+  if (!kernels::group_norm_supported(a, reinterpret_cast<uintptr_t>(x.data_ptr()),
+                                     reinterpret_cast<uintptr_t>(y.data_ptr())))
+    return false;
+  const auto like_x = [&](const at::Tensor& t) { return t.to(x.device(), x.scalar_type()).contiguous(); };
+  const auto w = like_x(weight), b = like_x(bias);
+  const auto ad = add.defined() ? like_x(add) : at::Tensor();
+  a.sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  a.splits = kernels::group_norm_splits(a);
+  const auto f32 = x.options().dtype(at::kFloat);
+  auto partial = at::empty({a.n, a.splits, a.groups, 2}, f32);
+  auto stats = at::empty({a.n, a.groups, 2}, f32);
+  a.x = x.data_ptr();
+  a.add = ad.defined() ? ad.data_ptr() : nullptr;
+  a.weight = w.data_ptr();
+  a.bias = b.data_ptr();
+  a.y = y.data_ptr();
+  a.partial = partial.data_ptr<float>();
+  a.stats = stats.data_ptr<float>();
+  a.eps = static_cast<float>(eps);
+  a.silu = silu;
+  const int rc = kernels::group_norm_forward(a, at::cuda::getCurrentCUDAStream(x.device().index()).stream());
+  if (rc != 0)
+    throw Error("GroupNorm CUDA kernels failed to launch: " + std::string(cudaGetErrorString(static_cast<cudaError_t>(rc))));
+  out = std::move(y);
+  return true;
+}
+
+}  // namespace diffract::models

@@ -1,0 +1,265 @@
+#include "core/models/common/group_norm_kernels.h"
+
+#include <algorithm>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace diffract::models::kernels {
+namespace {
+
+constexpr int kVecBytes = 16;
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+
+template <typename T>
+struct alignas(kVecBytes) Vec {
+  static constexpr int size = kVecBytes / sizeof(T);
+  T v[size];
+};
+
+// The statistics are sums of (x - shift), shift = the group's first value, so that a group whose
+// mean is large against its spread keeps its variance in fp32.
+template <typename T>
+__device__ __forceinline__ float group_shift(const GroupNormArgs& a, int64_t n, int g) {
+  const int64_t cg = a.c / a.groups;
+  const int64_t c0 = g * cg;
+  const T* x = static_cast<const T*>(a.x);
+  const int64_t at = a.channels_last ? (n * a.hw * a.c + c0) : ((n * a.c + c0) * a.hw);
+  float s = to_float(x[at]);
+  if (a.add) s += to_float(static_cast<const T*>(a.add)[n * a.c + c0]);
+  return s;
+}
+
+__device__ __forceinline__ void block_sum2(float& s, float& q) {
+  __shared__ float ws[2][kThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) {
+    s += __shfl_xor_sync(0xffffffffu, s, o);
+    q += __shfl_xor_sync(0xffffffffu, q, o);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) { ws[0][warp] = s; ws[1][warp] = q; }
+  __syncthreads();
+  if (warp == 0) {
+    const int warps = (blockDim.x + 31) / 32;
+    s = lane < warps ? ws[0][lane] : 0.f;
+    q = lane < warps ? ws[1][lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) {
+      s += __shfl_xor_sync(0xffffffffu, s, o);
+      q += __shfl_xor_sync(0xffffffffu, q, o);
+    }
+  }
+}
+
+// NCHW: grid (splits, groups, N). A group is one contiguous run of C/G * HW values; each block
+// sums a slice of it.
+template <typename T>
+__global__ void stats_nchw(GroupNormArgs a) {
+  using V = Vec<T>;
+  const int s = blockIdx.x, g = blockIdx.y;
+  const int64_t n = blockIdx.z;
+  const int64_t cg = a.c / a.groups;
+  const int64_t vectors = cg * a.hw / V::size;
+  const int64_t chunk = (vectors + a.splits - 1) / a.splits;
+  const int64_t v0 = s * chunk, v1 = min(vectors, v0 + chunk);
+  const V* x = reinterpret_cast<const V*>(static_cast<const T*>(a.x) + (n * a.c + g * cg) * a.hw);
+  const T* add = a.add ? static_cast<const T*>(a.add) + n * a.c + g * cg : nullptr;
+  const float shift = group_shift<T>(a, n, g);
+  float sum = 0.f, sq = 0.f;
+  for (int64_t v = v0 + threadIdx.x; v < v1; v += blockDim.x) {
+    const V in = x[v];
+    const float b = (add ? to_float(add[v * V::size / a.hw]) : 0.f) - shift;
+#pragma unroll
+    for (int j = 0; j < V::size; ++j) {
+      const float d = to_float(in.v[j]) + b;
+      sum += d;
+      sq += d * d;
+    }
+  }
+  block_sum2(sum, sq);
+  if (threadIdx.x == 0) {
+    float* p = a.partial + ((n * a.splits + s) * a.groups + g) * 2;
+    p[0] = sum;
+    p[1] = sq;
+  }
+}
+
+// NHWC: grid (splits, N); block = C/vec columns x k rows. Each thread keeps one vector of
+// channels over a slice of the rows, then the block adds its channels into their groups.
+template <typename T>
+__global__ void stats_nhwc(GroupNormArgs a) {
+  using V = Vec<T>;
+  extern __shared__ float acc[];  // [groups][2]
+  const int s = blockIdx.x;
+  const int64_t n = blockIdx.y;
+  const int cols = static_cast<int>(a.c / V::size);
+  const int k = blockDim.x / cols;
+  const int cg = static_cast<int>(a.c / a.groups);
+  for (int i = threadIdx.x; i < 2 * a.groups; i += blockDim.x) acc[i] = 0.f;
+  __syncthreads();
+  const int col = threadIdx.x % cols, row = threadIdx.x / cols;
+  if (row < k) {
+    const int64_t chunk = (a.hw + a.splits - 1) / a.splits;
+    const int64_t r0 = s * chunk, r1 = min(a.hw, r0 + chunk);
+    const int c0 = col * V::size;
+    float b[V::size], sum[V::size], sq[V::size];
+#pragma unroll
+    for (int j = 0; j < V::size; ++j) {
+      b[j] = (a.add ? to_float(static_cast<const T*>(a.add)[n * a.c + c0 + j]) : 0.f) -
+             group_shift<T>(a, n, (c0 + j) / cg);
+      sum[j] = sq[j] = 0.f;
+    }
+    const V* x = reinterpret_cast<const V*>(static_cast<const T*>(a.x) + n * a.hw * a.c) + col;
+    for (int64_t r = r0 + row; r < r1; r += k) {
+      const V in = x[r * cols];
+#pragma unroll
+      for (int j = 0; j < V::size; ++j) {
+        const float d = to_float(in.v[j]) + b[j];
+        sum[j] += d;
+        sq[j] += d * d;
+      }
+    }
+    // Runs of channels in one group go in as one atomic each.
+    int g = c0 / cg;
+    float gs = 0.f, gq = 0.f;
+#pragma unroll
+    for (int j = 0; j < V::size; ++j) {
+      const int gj = (c0 + j) / cg;
+      if (gj != g) {
+        atomicAdd(&acc[2 * g], gs);
+        atomicAdd(&acc[2 * g + 1], gq);
+        g = gj;
+        gs = gq = 0.f;
+      }
+      gs += sum[j];
+      gq += sq[j];
+    }
+    atomicAdd(&acc[2 * g], gs);
+    atomicAdd(&acc[2 * g + 1], gq);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < 2 * a.groups; i += blockDim.x)
+    a.partial[(n * a.splits + s) * a.groups * 2 + i] = acc[i];
+}
+
+// grid N, block groups: the splits summed in order -> mean and 1 / std.
+template <typename T>
+__global__ void finalize(GroupNormArgs a) {
+  const int64_t n = blockIdx.x;
+  for (int g = threadIdx.x; g < a.groups; g += blockDim.x) {
+    float sum = 0.f, sq = 0.f;
+    for (int s = 0; s < a.splits; ++s) {
+      const float* p = a.partial + ((n * a.splits + s) * a.groups + g) * 2;
+      sum += p[0];
+      sq += p[1];
+    }
+    const float count = static_cast<float>(a.c / a.groups * a.hw);
+    const float m = sum / count;
+    const float var = fmaxf(sq / count - m * m, 0.f);
+    a.stats[(n * a.groups + g) * 2] = group_shift<T>(a, n, g) + m;
+    a.stats[(n * a.groups + g) * 2 + 1] = rsqrtf(var + a.eps);
+  }
+}
+
+template <typename T>
+__global__ void apply(GroupNormArgs a) {
+  using V = Vec<T>;
+  const int64_t vectors = a.n * a.c * a.hw / V::size;
+  const int64_t cg = a.c / a.groups;
+  const T* add = static_cast<const T*>(a.add);
+  const T* w = static_cast<const T*>(a.weight);
+  const T* bias = static_cast<const T*>(a.bias);
+  const V* x = static_cast<const V*>(a.x);
+  V* y = static_cast<V*>(a.y);
+  for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < vectors;
+       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = v * V::size;
+    const V in = x[v];
+    V out;
+    if (a.channels_last) {
+      const int64_t n = i / (a.hw * a.c), c0 = i % a.c;
+#pragma unroll
+      for (int j = 0; j < V::size; ++j) {
+        const int64_t c = c0 + j;
+        const float* st = a.stats + (n * a.groups + c / cg) * 2;
+        float h = to_float(in.v[j]) + (add ? to_float(add[n * a.c + c]) : 0.f);
+        h = (h - st[0]) * st[1] * to_float(w[c]) + to_float(bias[c]);
+        if (a.silu) h = h / (1.f + __expf(-h));
+        out.v[j] = from_float<T>(h);
+      }
+    } else {
+      const int64_t nc = i / a.hw, c = nc % a.c, n = nc / a.c;
+      const float* st = a.stats + (n * a.groups + c / cg) * 2;
+      const float scale = st[1] * to_float(w[c]);
+      const float shift = to_float(bias[c]) - (st[0] - (add ? to_float(add[nc]) : 0.f)) * scale;
+#pragma unroll
+      for (int j = 0; j < V::size; ++j) {
+        float h = to_float(in.v[j]) * scale + shift;
+        if (a.silu) h = h / (1.f + __expf(-h));
+        out.v[j] = from_float<T>(h);
+      }
+    }
+    y[v] = out;
+  }
+}
+
+template <typename T>
+int launch(const GroupNormArgs& a, cudaStream_t stream) {
+  if (a.channels_last) {
+    const int cols = static_cast<int>(a.c / Vec<T>::size);
+    const int threads = cols * std::max(1, kThreads / cols);
+    stats_nhwc<T><<<dim3(a.splits, a.n), threads, 2 * a.groups * sizeof(float), stream>>>(a);
+  } else {
+    stats_nchw<T><<<dim3(a.splits, a.groups, a.n), kThreads, 0, stream>>>(a);
+  }
+  finalize<T><<<a.n, std::min(a.groups, 1024), 0, stream>>>(a);
+  const int64_t vectors = a.n * a.c * a.hw / Vec<T>::size;
+  const int64_t blocks = std::min<int64_t>((vectors + kThreads - 1) / kThreads, 16LL * std::max(a.sm_count, 1));
+  apply<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int vec_size(DType t) { return t == DType::Float ? kVecBytes / 4 : kVecBytes / 2; }
+
+}  // namespace
+
+bool group_norm_supported(const GroupNormArgs& a, uintptr_t x_address, uintptr_t y_address) {
+  const int vec = vec_size(a.dtype);
+  if (a.n < 1 || a.c < 1 || a.hw < 1 || a.groups < 1 || a.c % a.groups != 0) return false;
+  if (x_address % kVecBytes != 0 || y_address % kVecBytes != 0) return false;
+  if (a.channels_last) return a.c % vec == 0 && a.c / vec <= 1024 && a.groups <= 4096;
+  return a.hw % vec == 0 && a.groups <= 65535 && a.n <= 65535;
+}
+
+int group_norm_splits(const GroupNormArgs& a) {
+  const int64_t target = 4LL * std::max(a.sm_count, 1);
+  const int vec = vec_size(a.dtype);
+  int64_t s;
+  if (a.channels_last) {
+    const int64_t cols = a.c / vec, k = std::max<int64_t>(1, kThreads / cols);
+    s = std::min((target + a.n - 1) / a.n, (a.hw + k - 1) / k);  // at least one row per thread row
+  } else {
+    const int64_t vectors = a.c / a.groups * a.hw / vec;
+    s = std::min((target + a.n * a.groups - 1) / (a.n * a.groups), (vectors + kThreads - 1) / kThreads);
+  }
+  return static_cast<int>(std::clamp<int64_t>(s, 1, 65535));
+}
+
+int group_norm_forward(const GroupNormArgs& a, CUstream_st* stream) {
+  switch (a.dtype) {
+    case DType::Float: return launch<float>(a, stream);
+    case DType::Half: return launch<__half>(a, stream);
+    case DType::BFloat16: return launch<__nv_bfloat16>(a, stream);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+}  // namespace diffract::models::kernels
