@@ -579,6 +579,22 @@ class TestParallel : public QObject {
       cancelled = true;
     }
     QVERIFY(cancelled);
+    // PipeFusion, cancelled while patches are in flight.
+    engine::CancelToken token2;
+    auto pin = sd3_inputs(6, 1, 4.0);
+    pin.cancel = &token2;
+    pin.on_step = [&](int i, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+      if (i == 2) token2.cancel();
+    };
+    PipeFusion pf;
+    pf.patches = 4;
+    cancelled = false;
+    try {
+      run(pf, pin);
+    } catch (const engine::Cancelled&) {
+      cancelled = true;
+    }
+    QVERIFY(cancelled);
   }
 
   // What each strategy evaluates before its loop (GPU ranks capture their graphs there): the
