@@ -264,6 +264,40 @@ double StableDiffusion3::warm_up() {
   return ms;
 }
 
+namespace {
+
+// The denoising loop of a multi-device strategy (core/parallel). CPU virtual devices share our
+// transformer (read-only in inference); GPUs get replicas, made here before the ranks start
+// (PipeFusion's hold only their stage's weights).
+at::Tensor run_strategy(StableDiffusion3::Impl& p, const parallel::Strategy& strategy,
+                        const engine::GenerationRequest& req, schedulers::SamplerKind kind,
+                        const schedulers::SchedulerConfig& config, const StableDiffusion3::Conditioning& c,
+                        const at::Tensor& latents, const at::Generator& gen, const engine::JobObserver& observer,
+                        const engine::CancelToken& cancel, const StepReporter::Preview& preview,
+                        engine::StageTimings& timings, std::string& stats) {
+  auto& group = p.groups.group_for(p.device, strategy);
+  const auto* pipefusion = dynamic_cast<const parallel::PipeFusion*>(&strategy);
+  const int stages = pipefusion ? pipefusion->n : 0;
+  for (int r = 0; r < group.size(); ++r) p.transformer_on(group.device(r), r, stages);
+  const parallel::SD3Conditioning pos{c.prompt_embeds, c.pooled}, neg{c.negative_prompt_embeds, c.negative_pooled};
+  parallel::LoopInputs in;
+  in.kind = kind;
+  in.config = config;
+  in.steps = req.steps;
+  in.latents = latents;
+  in.generator = gen;
+  in.cancel = &cancel;
+  in.make_denoiser = [&p, pos, neg, stages, cfg_scale = req.cfg](int r, const c10::Device& d) {
+    return std::unique_ptr<parallel::Denoiser>(
+        std::make_unique<parallel::SD3Denoiser>(p.transformer_on(d, r, stages), pos, neg, cfg_scale, p.dtype, d));
+  };
+  const auto first_t = schedulers::Sampler::create(kind, config, req.steps)->timesteps().front();
+  return run_strategy_loop(strategy, group, std::move(in), latents.to(p.dtype), first_t, req, observer, preview,
+                           timings, stats);
+}
+
+}  // namespace
+
 engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequest& request,
                                                     const engine::JobObserver& observer,
                                                     const engine::CancelToken& cancel) {
@@ -348,26 +382,8 @@ engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequ
   };
   std::string strategy_stats;
   if (strategy) {
-    // CPU virtual devices share our transformer; GPUs get replicas, made here before the ranks
-    // start (PipeFusion's hold only their stage).
-    auto& group = p.groups.group_for(p.device, *strategy);
-    const auto* pipefusion = dynamic_cast<const parallel::PipeFusion*>(strategy.get());
-    const int stages = pipefusion ? pipefusion->n : 0;
-    for (int r = 0; r < group.size(); ++r) p.transformer_on(group.device(r), r, stages);
-    const parallel::SD3Conditioning pos{c.prompt_embeds, c.pooled}, neg{c.negative_prompt_embeds, c.negative_pooled};
-    parallel::LoopInputs in;
-    in.kind = kind;
-    in.config = config;
-    in.steps = req.steps;
-    in.latents = latents;
-    in.generator = gen;
-    in.cancel = &cancel;
-    in.make_denoiser = [&p, pos, neg, stages, cfg_scale = req.cfg](int r, const c10::Device& d) {
-      return std::unique_ptr<parallel::Denoiser>(
-          std::make_unique<parallel::SD3Denoiser>(p.transformer_on(d, r, stages), pos, neg, cfg_scale, p.dtype, d));
-    };
-    latents = run_strategy_loop(*strategy, group, std::move(in), latents.to(p.dtype), sampler->timesteps().front(), req,
-                                observer, preview, timings, strategy_stats);
+    latents = run_strategy(p, *strategy, req, kind, config, c, latents, gen, observer, cancel, preview, timings,
+                           strategy_stats);
   } else {
     StepReporter reporter(p.device, req, observer, *sampler, preview, timings);
     for (int i = 0; i < sampler->num_steps(); ++i) {
