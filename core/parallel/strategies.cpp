@@ -98,10 +98,9 @@ LoopOutput finish(const Strategy& s, const LoopInputs& in, DeviceGroup& g, at::T
 
 }  // namespace detail
 
-namespace {
-
 using namespace detail;
-using schedulers::Sampler;
+
+namespace {
 
 // CFG-parallel, optionally recording rel-MAE; shared by CfgParallel and HybridCfg.
 LoopOutput run_cfg_parallel(const Strategy& s, DeviceGroup& g, const LoopInputs& in, std::vector<double>& curve) {
@@ -135,8 +134,6 @@ LoopOutput run_cfg_parallel(const Strategy& s, DeviceGroup& g, const LoopInputs&
 }
 
 }  // namespace
-
-using namespace detail;
 
 LoopOutput SingleDevice::run(DeviceGroup& g, const LoopInputs& in) const {
   auto ranks = prepare(*this, g, in);
