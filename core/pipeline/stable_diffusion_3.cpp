@@ -69,8 +69,9 @@ struct StableDiffusion3::Impl {
   std::string taesd_path;
   models::TAESD taesd{nullptr};
   double load_ms = 0;
-  // Multi-GPU jobs: transformer replicas on the group's other GPUs (whole, or one PipeFusion
-  // stage's weights), by device and what they hold; the groups with their NCCL communicators.
+  // Multi-GPU jobs: a transformer replica on each of the group's other GPUs (whole, or one
+  // PipeFusion stage's weights), by device and what it holds; the groups with their NCCL
+  // communicators.
   std::map<std::pair<int, std::string>, models::SD3Transformer2DModel> replicas;
   StrategyGroups groups;
   double replica_ms = 0;
@@ -84,6 +85,9 @@ struct StableDiffusion3::Impl {
     const std::string what = stages > 0 ? "stage " + std::to_string(stage) + "/" + std::to_string(stages) : "whole";
     const auto key = std::make_pair(static_cast<int>(d.index()), what);
     if (const auto it = replicas.find(key); it != replicas.end()) return it->second;
+    // One replica per GPU: a whole one and a stage's would otherwise sit side by side.
+    for (auto it = replicas.begin(); it != replicas.end();)
+      it = it->first.first == d.index() ? replicas.erase(it) : std::next(it);
     const auto t0 = Clock::now();
     models::SD3Transformer2DModel copy(transformer->config);  // no init: each tensor is then copied or emptied
     copy->eval();
