@@ -171,6 +171,7 @@ void add_generation_options(CLI::App* cmd, engine::GenerationRequest& req, bool 
   if (with_strategy) {
     cmd->add_option("--strategy", req.strategy, "multi-device strategy (default: the plain loop)");
     cmd->add_option("--devices", req.devices, "devices the strategy uses")->capture_default_str();
+    cmd->add_option("--patches", req.patches, "pipefusion (SD3): latent row patches (default: one per device)");
   }
 }
 

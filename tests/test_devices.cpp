@@ -61,6 +61,10 @@ class TestDevices : public QObject {
     c = choose_devices({0, 1, 2}, "hybrid-cfg", 1);  // takes the first two
     QVERIFY(c.error.empty());
     QCOMPARE(c.devices, 2);
+    c = choose_devices({2, 3}, "pipefusion", 1);  // one stage per enabled GPU
+    QVERIFY(c.error.empty());
+    QCOMPARE(c.device, std::string("cuda:2"));
+    QCOMPARE(c.devices, 2);
   }
 
   void stepSkipKeepsItsSkipFactor() {

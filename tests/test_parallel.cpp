@@ -3,12 +3,16 @@
 #include <cmath>
 #include <cstdlib>
 #include <thread>
+#include <tuple>
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include "core/models/common/layers.h"
+#include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_2d_condition.h"
 #include "core/parallel/communicator.h"
 #include "core/parallel/device_group.h"
+#include "core/parallel/pipefusion.h"
 #include "core/parallel/strategies.h"
 #include "core/pipeline/stable_diffusion.h"
 #include "core/util/error.h"
@@ -89,6 +93,96 @@ class TestParallel : public QObject {
     evals_ = 0;
     auto group = DeviceGroup::virtual_cpu(s.devices());
     return s.run(*group, in);
+  }
+
+  models::SD3Transformer2DModel sd3_{nullptr};
+  SD3Conditioning sd3_pos_, sd3_neg_;
+
+  models::SD3Transformer2DModel& sd3() {
+    if (!sd3_) {
+      models::SD3Transformer2DConfig c;
+      c.sample_size = 8;
+      c.in_channels = c.out_channels = 4;
+      c.num_layers = 4;
+      c.attention_head_dim = 8;
+      c.num_attention_heads = 2;
+      c.joint_attention_dim = 24;
+      c.caption_projection_dim = 16;
+      c.pooled_projection_dim = 12;
+      c.pos_embed_max_size = 16;
+      c.qk_norm = "rms_norm";
+      c.dual_attention_layers = {0, 1};
+      sd3_ = models::SD3Transformer2DModel(c);
+      models::init_random(*sd3_, at::detail::createCPUGenerator(11));
+      sd3_->eval();
+    }
+    return sd3_;
+  }
+
+  LoopInputs sd3_inputs(int steps, int batch, double cfg, std::int64_t side = 16) {
+    auto& model = sd3();
+    at::Generator g = at::detail::createCPUGenerator(5);
+    const auto& c = model->config;
+    sd3_pos_ = {at::randn({batch, 6, c.joint_attention_dim}, g), at::randn({batch, c.pooled_projection_dim}, g)};
+    sd3_neg_ = {at::randn({batch, 6, c.joint_attention_dim}, g), at::randn({batch, c.pooled_projection_dim}, g)};
+    LoopInputs in;
+    in.kind = schedulers::SamplerKind::FlowMatchEuler;
+    in.config = schedulers::SchedulerConfig::from_json_text(
+        R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})", in.kind,
+        "test flow scheduler");
+    in.steps = steps;
+    in.latents = at::randn({batch, c.in_channels, side, side}, g);
+    in.generator = g;
+    in.make_denoiser = [model, pos = sd3_pos_, neg = sd3_neg_, cfg](int, const c10::Device& d) -> std::unique_ptr<Denoiser> {
+      return std::make_unique<SD3Denoiser>(model, pos, neg, cfg, at::kFloat, d);
+    };
+    return in;
+  }
+
+  // PipeFusion as its header describes it, in one thread: items (step, patch) in order, each
+  // through every block with one K/V cache per block; the first `warm` steps whole.
+  at::Tensor simulate_pipefusion(const LoopInputs& in, int m, int warm, double scale) {
+    at::NoGradGuard no_grad;
+    auto& model = sd3();
+    auto sampler = schedulers::Sampler::create(in.kind, in.config, in.steps);
+    const bool cfg = scale > 1;
+    const auto context = cfg ? at::cat({sd3_neg_.context, sd3_pos_.context}) : sd3_pos_.context;
+    const auto pooled = cfg ? at::cat({sd3_neg_.pooled, sd3_pos_.pooled}) : sd3_pos_.pooled;
+    const auto layers = static_cast<std::size_t>(model->config.num_layers);
+    std::vector<models::SD3BlockCache> caches(layers);
+    auto x = in.latents.clone();
+    const std::int64_t h = x.size(2), rows = h / m, p = model->config.patch_size;
+    const std::int64_t patch_tokens = (rows / p) * (x.size(3) / p);
+    auto guided = [&](const at::Tensor& out) {
+      if (!cfg) return out;
+      auto parts = out.chunk(2);
+      return parts[0] + scale * (parts[1] - parts[0]);
+    };
+    for (int i = 0; i < in.steps; ++i) {
+      const auto t = at::full({context.size(0)}, sampler->timesteps()[static_cast<std::size_t>(i)], at::kFloat);
+      const auto xin = cfg ? at::cat({x, x}) : x;
+      models::SD3State s;
+      s.temb = model->time_text_embed->forward(t, pooled);
+      s.width = x.size(3);
+      if (i < warm) {
+        s.x = model->pos_embed->forward(xin);
+        s.context = model->context_embedder->forward(context);
+        s.height = h;
+        for (std::size_t l = 0; l < layers; ++l) model->run_block(l, s, caches[l], 0);
+        x = sampler->step(guided(model->unpatchify_output(s)), i, x, {});
+        continue;
+      }
+      auto next = x.clone();
+      for (int q = 0; q < m; ++q) {
+        s.x = model->pos_embed->forward_rows(xin.narrow(2, q * rows, rows), q * rows, h);
+        s.context = model->context_embedder->forward(context);
+        s.height = rows;
+        for (std::size_t l = 0; l < layers; ++l) model->run_block(l, s, caches[l], q * patch_tokens);
+        next.narrow(2, q * rows, rows).copy_(sampler->step(guided(model->unpatchify_output(s)), i, x.narrow(2, q * rows, rows), {}));
+      }
+      x = next;
+    }
+    return x;
   }
 
  private slots:
@@ -464,6 +558,8 @@ class TestParallel : public QObject {
       QVERIFY2(worst <= 1, qPrintable(QString("%1: cfg-parallel differs by %2 levels").arg(model).arg(worst)));
       QVERIFY(par.metadata_json.find("\"strategy\":{") != std::string::npos);
       QVERIFY(par.metadata_json.find("\"rel_mae\"") != std::string::npos);
+      DIFFRACT_EXPECT_ERROR(sd->generate(req, {}, never, make_strategy("pipefusion", 2).get()), "pipefusion",
+                            "SD3 only");
     }
   }
 
@@ -479,6 +575,22 @@ class TestParallel : public QObject {
     bool cancelled = false;
     try {
       run(d, in);
+    } catch (const engine::Cancelled&) {
+      cancelled = true;
+    }
+    QVERIFY(cancelled);
+    // PipeFusion, cancelled while patches are in flight.
+    engine::CancelToken token2;
+    auto pin = sd3_inputs(6, 1, 4.0);
+    pin.cancel = &token2;
+    pin.on_step = [&](int i, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+      if (i == 2) token2.cancel();
+    };
+    PipeFusion pf;
+    pf.patches = 4;
+    cancelled = false;
+    try {
+      run(pf, pin);
     } catch (const engine::Cancelled&) {
       cancelled = true;
     }
@@ -550,10 +662,159 @@ class TestParallel : public QObject {
     QVERIFY(staged.log == (std::vector<std::string>{"eval", "outer_down 2", "inner 2", "outer_up 2"}));
   }
 
+  // --- SD3: the denoiser and PipeFusion on a tiny random MMDiT (4 blocks, qk norm, SD3.5's
+  // second attention in blocks 0 and 1, 16x16 latents of 8x8 tokens) ---
+
+  // A block pass over a patch with the cache holding this step's K/V of every other patch is
+  // the whole-image pass on those tokens; a pass over the whole image is forward() itself.
+  void sd3PatchPassesAreExact() {
+    at::NoGradGuard no_grad;
+    auto& model = sd3();
+    at::Generator g = at::detail::createCPUGenerator(2);
+    const auto x = at::randn({2, 4, 16, 16}, g);
+    const auto ctx = at::randn({2, 6, 24}, g), pooled = at::randn({2, 12}, g);
+    const auto t = at::tensor({700.0f, 300.0f});
+    const auto full = model->forward(x, ctx, pooled, t);
+    auto s = model->embed(x, ctx, pooled, t);
+    std::vector<models::SD3BlockCache> caches(4);
+    std::vector<models::SD3State> per_block;  // the whole image's state before each block
+    for (std::size_t l = 0; l < 4; ++l) {
+      per_block.push_back(s);
+      model->run_block(l, s, caches[l], 0);
+    }
+    QVERIFY(at::equal(model->unpatchify_output(s), full));
+    // Rows 4..8 of the latent (token rows 2..4: tokens 16..32) through block 1 with fresh caches.
+    const auto pe = model->pos_embed->forward_rows(x.narrow(2, 4, 4), 4, 16);
+    DIFFRACT_COMPARE_TENSORS(pe, model->pos_embed->forward(x).narrow(1, 16, 16), 1e-6);
+    auto patch = per_block[1];
+    patch.x = per_block[1].x.narrow(1, 16, 16);
+    patch.height = 4;
+    auto whole = per_block[1];
+    model->run_block(1, whole);
+    model->run_block(1, patch, caches[1], 16);
+    DIFFRACT_COMPARE_TENSORS(patch.x, whole.x.narrow(1, 16, 16), 1e-5);
+    DIFFRACT_EXPECT_ERROR(model->pos_embed->forward_rows(x.narrow(2, 3, 4), 3, 16), "whole patches");
+  }
+
+  void sd3DenoiserBranches() {
+    auto in = sd3_inputs(2, 2, 4.0);
+    auto d = in.make_denoiser(0, c10::Device(c10::kCPU));
+    QVERIFY(d->cfg());
+    QCOMPARE(d->splits(), 0);
+    at::NoGradGuard no_grad;
+    const auto x = in.latents;
+    const auto c = d->eval(x, 500, Branch::Cond), u = d->eval(x, 500, Branch::Uncond);
+    DIFFRACT_COMPARE_TENSORS(d->eval(x, 500, Branch::Guided), combine_cfg(u, c, 4.0), 1e-5);
+    const auto t = at::full({2}, 500.0, at::kFloat);
+    QVERIFY(at::equal(c, sd3()->forward(x, sd3_pos_.context, sd3_pos_.pooled, t)));
+    DIFFRACT_COMPARE_TENSORS(d->rows(1, 1)->eval(x.narrow(0, 1, 1), 500, Branch::Guided),
+                             d->eval(x, 500, Branch::Guided).narrow(0, 1, 1), 1e-5);
+    DIFFRACT_EXPECT_ERROR(d->outer_down(x, 500, Branch::Cond, 1), "cannot run the layer-split stages");
+    auto no_cfg = sd3_inputs(2, 1, 1.0).make_denoiser(0, c10::Device(c10::kCPU));
+    QVERIFY(!no_cfg->cfg());
+    DIFFRACT_EXPECT_ERROR(no_cfg->eval(x.narrow(0, 0, 1), 500, Branch::Uncond), "without CFG");
+  }
+
+  // Staleness off (every step synchronous): one device's result.
+  void pipefusionSynchronousEqualsOneDevice() {
+    for (double cfg : {1.0, 4.0}) {
+      auto in = sd3_inputs(4, 1, cfg);
+      const auto base = run(SingleDevice{}, in);
+      for (auto [n, m] : {std::pair{2, 2}, std::pair{2, 4}, std::pair{4, 4}}) {
+        PipeFusion pf;
+        pf.n = n;
+        pf.patches = m;
+        pf.warmup_steps = 4;
+        const auto out = run(pf, in);
+        DIFFRACT_COMPARE_TENSORS(out.latents, base.latents, 1e-6);
+        QCOMPARE(out.stats.messages_per_step, std::vector<std::int64_t>(4, n));
+      }
+    }
+  }
+
+  // Staleness on: the strategy is the one-thread simulation of the same algorithm, near one device.
+  void pipefusionMatchesSimulation() {
+    for (double cfg : {1.0, 4.0}) {
+      for (auto [n, m, warm] : {std::tuple{2, 2, 1}, std::tuple{2, 4, 1}, std::tuple{3, 4, 2}, std::tuple{1, 2, 1},
+                                std::tuple{4, 4, 1}}) {
+        const int steps = 5;
+        auto in = sd3_inputs(steps, 1, cfg);
+        std::vector<int> reported;
+        in.on_step = [&](int i, const at::Tensor& out, const at::Tensor& before, const at::Tensor& after) {
+          reported.push_back(i);
+          QCOMPARE(out.sizes(), before.sizes());
+          QCOMPARE(after.sizes(), before.sizes());
+        };
+        PipeFusion pf;
+        pf.n = n;
+        pf.patches = m;
+        pf.warmup_steps = warm;
+        const auto out = run(pf, in);
+        const auto sim = simulate_pipefusion(in, m, warm, cfg);
+        DIFFRACT_COMPARE_TENSORS(out.latents, sim, 1e-5);
+        QCOMPARE(reported, (std::vector<int>{0, 1, 2, 3, 4}));
+        const auto base = run(SingleDevice{}, in).latents;
+        const double rel = ((out.latents - base).norm() / base.norm()).item<double>();
+        qInfo("pipefusion n=%d M=%d warm-up %d cfg %.0f: relative L2 to one device %.3g", n, m, warm, cfg, rel);
+        QVERIFY(rel > 0 && rel < 0.2);
+
+        // Messages per step (the header's formula) and their bytes.
+        const std::int64_t rows_b = cfg > 1 ? 2 : 1, tokens = 64, text = 6, dim = 16, f = 4;
+        const std::int64_t v_bytes = 1 * 4 * 16 * 16 * f;
+        for (int i = 0; i < steps; ++i) {
+          const bool sync = i < warm;
+          const auto got = out.stats.messages_per_step[static_cast<std::size_t>(i)];
+          QCOMPARE(got, static_cast<std::int64_t>(PipeFusion::messages_per_step(sync, n, m)));
+          QCOMPARE(got, static_cast<std::int64_t>(n < 2 ? 0 : sync ? n : m * n));
+          const std::int64_t act = sync ? rows_b * (tokens + text) * dim * f : m * rows_b * (tokens / m + text) * dim * f;
+          QCOMPARE(out.stats.bytes_per_step[static_cast<std::size_t>(i)], n < 2 ? 0 : (n - 1) * act + v_bytes);
+        }
+        std::int64_t sum = 0;
+        for (auto b : out.stats.bytes_per_step) sum += b;
+        QCOMPARE(out.stats.bytes_sent, sum);
+        // Every stage holds its blocks and the timestep embedder; only the ends the rest.
+        std::int64_t total = 0;
+        for (const auto& t : sd3()->parameters()) total += t.numel();
+        for (const auto& t : sd3()->buffers()) total += t.numel();
+        QCOMPARE(static_cast<int>(out.stats.weights_per_rank.size()), n);
+        for (auto w : out.stats.weights_per_rank) QVERIFY(n == 1 ? w == total : w < total);
+      }
+    }
+  }
+
+  void pipefusionRefusesWhatItCannotSplit() {
+    auto in = sd3_inputs(3, 1, 4.0);
+    auto expect = [&](int n, int m, const char* what) {
+      PipeFusion pf;
+      pf.n = n;
+      pf.patches = m;
+      DIFFRACT_EXPECT_ERROR(run(pf, in), what);
+    };
+    expect(2, 1, "1 patches for 2 stages");
+    expect(5, 8, "5 stages for a transformer of 4 joint blocks");
+    expect(2, 3, "8 rows of transformer patches");
+    PipeFusion pf;
+    pf.warmup_steps = 0;
+    DIFFRACT_EXPECT_ERROR(run(pf, in), "1 or more synchronous warm-up steps");
+    in.kind = schedulers::SamplerKind::DPMPP2M;
+    DIFFRACT_EXPECT_ERROR(run(PipeFusion{}, in), "without history or noise");
+    // A UNet has no joint blocks.
+    DIFFRACT_EXPECT_ERROR(run(PipeFusion{}, inputs(schedulers::SamplerKind::Euler, 2, 1, 5.0)), "SD3 only");
+    QVERIFY(PipeFusion::uses_weight("transformer_blocks.1.attn.to_q.weight", 0, 2, 4));
+    QVERIFY(!PipeFusion::uses_weight("transformer_blocks.2.attn.to_q.weight", 0, 2, 4));
+    QVERIFY(PipeFusion::uses_weight("pos_embed.pos_embed", 0, 2, 4) && !PipeFusion::uses_weight("pos_embed.pos_embed", 1, 2, 4));
+    QVERIFY(PipeFusion::uses_weight("proj_out.weight", 1, 2, 4) && !PipeFusion::uses_weight("proj_out.weight", 0, 2, 4));
+    QVERIFY(PipeFusion::uses_weight("time_text_embed.text_embedder.linear_1.weight", 1, 2, 4));
+    QCOMPARE(PipeFusion::stage_blocks(2, 3, 4), (std::pair<int, int>{2, 4}));
+  }
+
   void strategyFactoryAndDeviceChecks() {
     QCOMPARE(make_strategy("driffusion-aggressive", 4)->devices(), 4);
     QCOMPARE(make_strategy("cfg-parallel", 4)->devices(), 2);
-    DIFFRACT_EXPECT_ERROR(make_strategy("pipefusion", 2), "unknown strategy");
+    DIFFRACT_EXPECT_ERROR(make_strategy("tensor-parallel", 2), "unknown strategy", "pipefusion");
+    QCOMPARE(make_strategy("pipefusion", 2)->devices(), 2);
+    QCOMPARE(dynamic_cast<PipeFusion&>(*make_strategy("pipefusion", 2, 4)).patch_count(), 4);
+    QCOMPARE(dynamic_cast<PipeFusion&>(*make_strategy("pipefusion", 3)).patch_count(), 3);
     auto group = DeviceGroup::virtual_cpu(3);
     DIFFRACT_EXPECT_ERROR(CfgParallel{}.run(*group, inputs(schedulers::SamplerKind::Euler, 2, 1, 5.0)), "needs 2 device");
     DIFFRACT_EXPECT_ERROR(DeviceGroup::parse("cuda:0,gpu1"), "'gpu1' is not cuda:N");

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/engine/engine.h"
+#include "core/parallel/strategies.h"
 #include "core/io/weights.h"
 #include "core/pipeline/stable_diffusion_3.h"
 #include "core/util/error.h"
@@ -197,11 +198,90 @@ class TestSD3Pipeline : public QObject {
     r.width = 42;  // a multiple of the VAE's 2, not of 2 x patch 2
     DIFFRACT_EXPECT_ERROR(pipe_->generate(r, {}, never), "size 42x32", "multiple of 4");
     r.width = 0;
-    r.strategy = "cfg-parallel";
+    r.strategy = "hybrid-cfg";
     r.devices = 2;
-    DIFFRACT_EXPECT_ERROR(pipe_->generate(r, {}, never), "cfg-parallel", "SD3");
+    DIFFRACT_EXPECT_ERROR(pipe_->generate(r, {}, never), "hybrid-cfg", "SD3's MMDiT has none");
     r.strategy.clear();
     DIFFRACT_EXPECT_ERROR(pipe_->generate(r, {}, never, at::zeros({1, 4, 16, 16})), "initial latents");
+  }
+
+  // The multi-device strategies on CPU virtual devices against the plain loop.
+  void runsStrategies() {
+    engine::GenerationRequest r;
+    r.model = model().string();
+    r.prompt = "a red apple";
+    r.negative_prompt = "blurry";
+    r.steps = 4;
+    r.cfg = 5.0;
+    r.seed = 3;
+    r.preview_every = 2;
+    engine::CancelToken never;
+    const auto latents = [](const engine::GenerationResult& g) {
+      return at::from_blob(const_cast<float*>(g.latents.data()), g.latents_shape, at::kFloat).clone();
+    };
+    const auto base = latents(pipe_->generate(r, {}, never));
+    int previews = 0, steps = 0;
+    engine::JobObserver obs;
+    obs.on_preview = [&](const engine::PreviewEvent&) { ++previews; };
+    obs.on_step = [&](const engine::StepEvent&) { ++steps; };
+    const auto run = [&](const std::string& name, int devices, int batch = 1, int patches = 0) {
+      auto q = r;
+      q.strategy = name;
+      q.devices = devices;
+      q.batch = batch;
+      q.patches = patches;
+      previews = steps = 0;
+      auto result = pipe_->generate(q, obs, never);
+      const auto meta = nlohmann::json::parse(result.metadata_json);
+      if (meta["strategy_name"].get<std::string>() != name || meta["devices"].get<int>() != devices ||
+          meta["strategy"]["strategy"].get<std::string>() != name)
+        throw Error("metadata names the wrong strategy: " + result.metadata_json);
+      return std::pair{latents(result), meta["strategy"]};
+    };
+    const auto rel = [&](const at::Tensor& a) { return ((a - base).norm() / base.norm()).item<double>(); };
+
+    auto [cfg_par, cfg_stats] = run("cfg-parallel", 2);
+    DIFFRACT_COMPARE_TENSORS(cfg_par, base, 1e-4);
+    QCOMPARE(cfg_stats["rel_mae"].size(), std::size_t(4));
+    QCOMPARE(previews, 2);  // previews and steps come through the step reporter
+    QCOMPARE(steps, 4);
+
+    for (const char* mode : {"driffusion", "driffusion-aggressive"}) {
+      DIFFRACT_COMPARE_TENSORS(run(mode, 1).first, base, 1e-6);
+      auto [out, stats] = run(mode, 2);
+      const auto m = std::string(mode) == "driffusion" ? parallel::DRiffusion::Mode::Conservative
+                                                       : parallel::DRiffusion::Mode::Aggressive;
+      QCOMPARE(stats["rounds"].get<int>(), parallel::DRiffusion::expected_rounds(m, 4, 2));
+      qInfo("%s n=2: relative L2 to one device %.3g", mode, rel(out));
+      QVERIFY(rel(out) > 0 && rel(out) < 0.5);
+      QCOMPARE(steps, 4);
+    }
+
+    auto batch2 = r;
+    batch2.batch = 2;
+    const auto base2 = latents(pipe_->generate(batch2, {}, never));
+    DIFFRACT_COMPARE_TENSORS(run("data-parallel", 2, 2).first, base2, 1e-4);
+
+    auto [skipped, skip_stats] = run("step-skip", 2);
+    QCOMPARE(skip_stats["rounds"].get<int>(), 2);
+    QVERIFY(rel(skipped) > 0);
+
+    auto [piped, pf_stats] = run("pipefusion", 2, 1, 4);  // 2 blocks, 8 rows of tokens in 4 patches
+    qInfo("pipefusion 2x4: relative L2 to one device %.3g", rel(piped));
+    QVERIFY(rel(piped) > 0 && rel(piped) < 0.2);
+    QCOMPARE(pf_stats["messages_per_step"].get<std::vector<int>>(), (std::vector<int>{2, 8, 8, 8}));
+    QCOMPARE(pf_stats["weights_per_rank"].size(), std::size_t(2));
+    QCOMPARE(steps, 4);
+    QCOMPARE(previews, 2);
+
+    // What cannot run says so before any work.
+    DIFFRACT_EXPECT_ERROR(run("warp-drive", 2), "unknown strategy 'warp-drive'");
+    DIFFRACT_EXPECT_ERROR(run("data-parallel", 2), "batch of at least 2");
+    DIFFRACT_EXPECT_ERROR(run("pipefusion", 2, 1, 1), "1 patches for 2 stages");
+    DIFFRACT_EXPECT_ERROR(run("pipefusion", 2, 1, 3), "do not split into 3 equal patches");
+    DIFFRACT_EXPECT_ERROR(run("pipefusion", 4), "4 stages for a transformer of 2 joint blocks");
+    r.cfg = 1.0;
+    DIFFRACT_EXPECT_ERROR(run("cfg-parallel", 2), "needs classifier-free guidance");
   }
 
   void missingComponentIsNamed() {

@@ -39,8 +39,8 @@ std::vector<DeviceInfo> list_devices() {
 
 namespace {
 
-const char* const kKnown[] = {"single",        "cfg-parallel",  "hybrid-cfg", "driffusion", "driffusion-aggressive",
-                              "data-parallel", "step-skip"};
+const char* const kKnown[] = {"single",        "cfg-parallel", "hybrid-cfg", "driffusion", "driffusion-aggressive",
+                              "data-parallel", "step-skip",    "pipefusion"};
 
 }  // namespace
 

@@ -28,8 +28,10 @@ struct GenerationRequest {
                                  // down to this many pixels a side (0: full size)
   int batch = 1;
   std::string strategy;          // multi-device strategy (core/parallel): "" or "single" runs the plain loop;
-                                 // cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip
+                                 // cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip,
+                                 // pipefusion (SD3 only)
   int devices = 1;               // devices (or drafts per round, or the skip factor) the strategy uses
+  int patches = 0;               // pipefusion (SD3): latent row patches, at least `devices`; 0: one per device
 };
 
 struct StageTimings {

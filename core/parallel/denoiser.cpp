@@ -105,4 +105,42 @@ std::unique_ptr<Denoiser> UNetDenoiser::rows(std::int64_t begin, std::int64_t co
                                         dtype_, device_);
 }
 
+SD3Denoiser::SD3Denoiser(models::SD3Transformer2DModel model, SD3Conditioning positive, SD3Conditioning negative,
+                         double scale, at::ScalarType dtype, at::Device device)
+    : model_(std::move(model)), positive_(std::move(positive)), negative_(std::move(negative)), scale_(scale),
+      cfg_(scale > 1.0 && negative_.context.defined()), dtype_(dtype), device_(device) {
+  positive_ = {positive_.context.to(device_, dtype_), positive_.pooled.to(device_, dtype_)};
+  if (cfg_) {
+    negative_ = {negative_.context.to(device_, dtype_), negative_.pooled.to(device_, dtype_)};
+    both_ = {at::cat({negative_.context, positive_.context}), at::cat({negative_.pooled, positive_.pooled})};
+  }
+}
+
+const SD3Conditioning& SD3Denoiser::conditioning(Branch branch) const {
+  if (branch == Branch::Uncond && !cfg_) throw Error("the unconditional branch was asked for without CFG");
+  return branch == Branch::Guided ? (cfg_ ? both_ : positive_) : branch == Branch::Uncond ? negative_ : positive_;
+}
+
+at::Tensor SD3Denoiser::eval(const at::Tensor& model_input, double timestep, Branch branch) {
+  const bool both = branch == Branch::Guided && cfg_;
+  const auto& c = conditioning(branch);
+  const auto x = (both ? at::cat({model_input, model_input}) : model_input).to(device_, dtype_);
+  const auto t = at::full({x.size(0)}, timestep, at::TensorOptions().dtype(at::kFloat).device(device_));
+  auto out = model_->forward(x, c.context, c.pooled, t);
+  if (!both) return out;
+  auto parts = out.chunk(2);
+  return combine_cfg(parts[0], parts[1], scale_);
+}
+
+std::unique_ptr<Denoiser> SD3Denoiser::rows(std::int64_t begin, std::int64_t count) const {
+  if (begin < 0 || count < 1 || begin + count > batch())
+    throw Error("conditioning rows " + std::to_string(begin) + "+" + std::to_string(count) + " are outside the batch of " +
+                std::to_string(batch()));
+  const auto slice = [&](const SD3Conditioning& c) {
+    if (!c.context.defined()) return SD3Conditioning{};
+    return SD3Conditioning{c.context.narrow(0, begin, count), c.pooled.narrow(0, begin, count)};
+  };
+  return std::make_unique<SD3Denoiser>(model_, slice(positive_), slice(negative_), scale_, dtype_, device_);
+}
+
 }  // namespace diffract::parallel

@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_2d_condition.h"
 #include "core/models/unets/unet_graphs.h"
 
@@ -80,6 +81,41 @@ class UNetDenoiser final : public Denoiser {
 
   std::shared_ptr<models::UNetGraphRunner> unet_;
   models::UNetConditioning positive_, negative_, both_;  // both_: [negative; positive]
+  double scale_;
+  bool cfg_;
+  at::ScalarType dtype_;
+  at::Device device_;
+};
+
+// One branch's SD3 conditioning: prompt_embeds [B, S, joint_attention_dim], pooled [B, P].
+struct SD3Conditioning {
+  at::Tensor context, pooled;
+};
+
+// SD3's MMDiT (eager: no CUDA graphs) with per-branch conditioning, as the SD3 pipeline's loop
+// calls it. No layer split (splits() = 0): hybrid-cfg's U split has no MMDiT counterpart; the
+// model-level strategy for it is PipeFusion, which drives the blocks through model() and
+// conditioning(). The module may be shared between CPU ranks (no state per call).
+class SD3Denoiser final : public Denoiser {
+ public:
+  SD3Denoiser(models::SD3Transformer2DModel model, SD3Conditioning positive, SD3Conditioning negative, double scale,
+              at::ScalarType dtype, at::Device device);
+  at::Tensor eval(const at::Tensor& model_input, double timestep, Branch branch) override;
+  bool cfg() const override { return cfg_; }
+  double guidance_scale() const override { return scale_; }
+  std::int64_t batch() const override { return positive_.context.size(0); }
+  at::ScalarType output_dtype() const override { return dtype_; }
+  std::unique_ptr<Denoiser> rows(std::int64_t begin, std::int64_t count) const override;
+
+  models::SD3Transformer2DModel& model() { return model_; }
+  // Guided: [negative; positive] with CFG (the batch order eval() combines), else the prompt.
+  const SD3Conditioning& conditioning(Branch branch) const;
+  at::ScalarType dtype() const { return dtype_; }
+  const at::Device& device() const { return device_; }
+
+ private:
+  models::SD3Transformer2DModel model_;
+  SD3Conditioning positive_, negative_, both_;
   double scale_;
   bool cfg_;
   at::ScalarType dtype_;

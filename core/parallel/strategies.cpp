@@ -11,6 +11,8 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include "core/parallel/loop_util.h"
+#include "core/parallel/pipefusion.h"
 #include "core/util/error.h"
 
 namespace diffract::parallel {
@@ -27,20 +29,16 @@ std::string LoopStats::to_json() const {
     j["tau1"] = tau1;
     j["tau2"] = tau2;
   }
+  if (!messages_per_step.empty()) j["messages_per_step"] = messages_per_step;
+  if (!bytes_per_step.empty()) j["bytes_per_step"] = bytes_per_step;
+  if (!weights_per_rank.empty()) j["weights_per_rank"] = weights_per_rank;
   if (!note.empty()) j["note"] = note;
   return j.dump();
 }
 
-namespace {
+namespace detail {
 
 using schedulers::Sampler;
-
-struct Rank {
-  std::unique_ptr<Sampler> sampler;
-  at::Generator gen;
-  std::unique_ptr<Denoiser> den;
-  at::Tensor x;
-};
 
 void check_group(const Strategy& s, const DeviceGroup& g) {
   if (g.size() != s.devices())
@@ -48,7 +46,6 @@ void check_group(const Strategy& s, const DeviceGroup& g) {
                 std::to_string(g.size()));
 }
 
-// Per-rank replicas, made on the calling thread before the workers start.
 std::vector<Rank> prepare(const Strategy& s, DeviceGroup& g, const LoopInputs& in) {
   check_group(s, g);
   if (!in.latents.defined() || !in.make_denoiser) throw Error("strategy " + s.name() + ": no latents or denoiser given");
@@ -68,30 +65,18 @@ std::vector<Rank> prepare(const Strategy& s, DeviceGroup& g, const LoopInputs& i
   return ranks;
 }
 
-// Whether to stop before round r, decided once by the first rank to get there, so every rank
-// stops at the same round and none is left waiting in a collective for a peer that quit.
-class CancelGate {
- public:
-  explicit CancelGate(const engine::CancelToken* token) : token_(token) {}
-  void check(int round) {
-    if (!token_) return;
-    bool stop;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      auto it = decided_.find(round);
-      if (it == decided_.end()) it = decided_.emplace(round, token_->cancelled()).first;
-      stop = it->second;
-    }
-    if (stop) throw engine::Cancelled{};
+void CancelGate::check(int round) {
+  if (!token_) return;
+  bool stop;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = decided_.find(round);
+    if (it == decided_.end()) it = decided_.emplace(round, token_->cancelled()).first;
+    stop = it->second;
   }
+  if (stop) throw engine::Cancelled{};
+}
 
- private:
-  const engine::CancelToken* token_;
-  std::mutex mutex_;
-  std::map<int, bool> decided_;
-};
-
-// Refines from step i with output `out`: the ordinary update, reported on rank 0.
 at::Tensor refine(Rank& k, int rank, const LoopInputs& in, const at::Tensor& out, int i, const at::Tensor& x) {
   auto next = k.sampler->step(out, i, x, k.gen);
   if (rank == 0 && in.on_step) in.on_step(i, out, x, next);
@@ -110,6 +95,12 @@ LoopOutput finish(const Strategy& s, const LoopInputs& in, DeviceGroup& g, at::T
   o.stats.bytes_sent = bytes;
   return o;
 }
+
+}  // namespace detail
+
+using namespace detail;
+
+namespace {
 
 // CFG-parallel, optionally recording rel-MAE; shared by CfgParallel and HybridCfg.
 LoopOutput run_cfg_parallel(const Strategy& s, DeviceGroup& g, const LoopInputs& in, std::vector<double>& curve) {
@@ -501,7 +492,13 @@ LoopOutput StepSkipping::run(DeviceGroup& g, const LoopInputs& in) const {
   return finish(*this, in, g, result, rounds, rounds, 0);
 }
 
-std::unique_ptr<Strategy> make_strategy(const std::string& name, int n) {
+std::unique_ptr<Strategy> make_strategy(const std::string& name, int n, int patches) {
+  if (name == "pipefusion") {
+    auto s = std::make_unique<PipeFusion>();
+    s->n = n;
+    s->patches = patches;
+    return s;
+  }
   if (name == "single") return std::make_unique<SingleDevice>();
   if (name == "cfg-parallel") return std::make_unique<CfgParallel>();
   if (name == "hybrid-cfg") return std::make_unique<HybridCfg>();
@@ -522,7 +519,7 @@ std::unique_ptr<Strategy> make_strategy(const std::string& name, int n) {
     return s;
   }
   throw Error("unknown strategy '" + name +
-              "' (single, cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip)");
+              "' (single, cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip, pipefusion)");
 }
 
 }  // namespace diffract::parallel

@@ -3,7 +3,8 @@
 // levels). Each takes the sampler settings, the initial latents and a denoiser per rank, and
 // runs the whole loop on a DeviceGroup. Every rank keeps its own sampler replica and generator
 // copy and replays the same sampler arithmetic on the exchanged model outputs, so the ranks
-// stay in lock-step with one exchange per round.
+// stay in lock-step with one exchange per round. PipeFusion (pipefusion.h, model level) is a
+// Strategy too, driving an SD3 denoiser's transformer blocks itself.
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -42,6 +43,9 @@ struct LoopStats {
   std::int64_t bytes_sent = 0;  // over all ranks
   std::vector<double> rel_mae;  // CFG-parallel / hybrid: per step
   int tau1 = -1, tau2 = -1;     // hybrid
+  // PipeFusion: point-to-point messages and their bytes per step (by the step whose work they
+  // carry), and the weights (parameters and buffers) each rank's stage uses.
+  std::vector<std::int64_t> messages_per_step, bytes_per_step, weights_per_rank;
   std::string note;
   std::string to_json() const;
 };
@@ -176,7 +180,8 @@ struct StepSkipping final : Strategy {
 };
 
 // "single", "cfg-parallel", "hybrid-cfg", "driffusion" / "driffusion-aggressive" (n devices),
-// "data-parallel" (n), "step-skip" (skip = n).
-std::unique_ptr<Strategy> make_strategy(const std::string& name, int n);
+// "data-parallel" (n), "step-skip" (skip = n), "pipefusion" (n stages, `patches` patches; 0: n;
+// SD3 only, core/parallel/pipefusion.h).
+std::unique_ptr<Strategy> make_strategy(const std::string& name, int n, int patches = 0);
 
 }  // namespace diffract::parallel

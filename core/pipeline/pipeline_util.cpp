@@ -1,9 +1,14 @@
 #include "core/pipeline/pipeline_util.h"
 
+#include <optional>
 #include <sstream>
 
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
+#include <torch/nn/module.h>
+
+#include "core/parallel/device_group.h"
+#include "core/parallel/strategies.h"
 
 #include "core/schedulers/sampler.h"
 #include "core/util/error.h"
@@ -131,6 +136,70 @@ void StepReporter::emit(const SideStreamTask::Done& d) {
   ev.decode_ms = d.device_ms;
   timings_.preview_ms.push_back(d.device_ms);
   observer_.on_preview(ev);
+}
+
+StrategyGroups::StrategyGroups() = default;
+StrategyGroups::~StrategyGroups() = default;
+
+parallel::DeviceGroup& StrategyGroups::group_for(const c10::Device& model_device, const parallel::Strategy& strategy) {
+  const int n = strategy.devices();
+  if (model_device.is_cpu()) {
+    virtual_ = parallel::DeviceGroup::virtual_cpu(n);
+    return *virtual_;
+  }
+  const int count = static_cast<int>(torch::cuda::device_count());
+  if (n > count)
+    throw Error("strategy " + strategy.name() + " needs " + std::to_string(n) + " GPUs; this machine has " +
+                std::to_string(count));
+  std::vector<int> ids;
+  for (int r = 0; r < n; ++r) ids.push_back((model_device.index() + r) % count);
+  if (!gpu_ || gpu_ids_ != ids) {
+    gpu_.reset();
+    gpu_ = parallel::DeviceGroup::cuda(ids);
+    gpu_ids_ = ids;
+  }
+  return *gpu_;
+}
+
+void copy_weights(torch::nn::Module& src, torch::nn::Module& dst, const c10::Device& d,
+                  const std::function<bool(const std::string&)>& keep) {
+  at::NoGradGuard no_grad;
+  const auto copy_to = [&](const std::string& name, const at::Tensor& t) {
+    if (keep && !keep(name)) return at::empty({0}, t.options().device(d));
+    return t.to(at::TensorOptions().device(d), false, /*copy=*/true, at::MemoryFormat::Contiguous);
+  };
+  auto params = dst.named_parameters(true);
+  for (const auto& kv : src.named_parameters(true)) params[kv.key()].set_data(copy_to(kv.key(), kv.value()));
+  auto buffers = dst.named_buffers(true);
+  for (const auto& kv : src.named_buffers(true)) buffers[kv.key()].set_data(copy_to(kv.key(), kv.value()));
+}
+
+at::Tensor run_strategy_loop(const parallel::Strategy& strategy, parallel::DeviceGroup& group, parallel::LoopInputs in,
+                             const at::Tensor& warm_input, double warm_timestep, const engine::GenerationRequest& req,
+                             const engine::JobObserver& observer, StepReporter::Preview preview,
+                             engine::StageTimings& timings, std::string& stats) {
+  if (group.device(0).is_cuda()) {
+    // Every rank's CUDA graphs are captured here, one device at a time, before the ranks start:
+    // a capture inside the loop (cuDNN autotuning, seconds for SDXL) would run while the other
+    // ranks wait in a collective. On 2 H200 DRiffusion, whose ranks first evaluate at different
+    // rounds, hung with in-loop captures while CFG-parallel ran; see docs/benchmarks.md.
+    for (int r = 0; r < group.size(); ++r) {
+      const auto d = group.device(r);
+      strategy.warm(*in.make_denoiser(r, d), at::zeros(warm_input.sizes(), warm_input.options().device(d)), warm_timestep);
+      torch::cuda::synchronize(d.index());
+    }
+  }
+  const auto sampler = schedulers::Sampler::create(in.kind, in.config, in.steps);  // timesteps, x0 for previews
+  std::optional<StepReporter> reporter;
+  const auto device = group.device(0);
+  in.on_step = [&](int i, const at::Tensor& out, const at::Tensor& before, const at::Tensor&) {
+    if (!reporter) reporter.emplace(device, req, observer, *sampler, preview, timings);  // on rank 0's thread
+    reporter->stepped(i, out, before);
+  };
+  auto out = strategy.run(group, in);
+  if (reporter) reporter->finish();
+  stats = out.stats.to_json();
+  return out.latents;
 }
 
 }  // namespace diffract::pipeline::detail

@@ -3,6 +3,7 @@
 // denoising loop's steps and previews.
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,14 @@
 
 namespace diffract::schedulers {
 class Sampler;
+}
+namespace diffract::parallel {
+class DeviceGroup;
+class Strategy;
+struct LoopInputs;
+}  // namespace diffract::parallel
+namespace torch::nn {
+class Module;
 }
 
 namespace diffract::pipeline::detail {
@@ -72,5 +81,35 @@ class StepReporter {
   SideStreamTask previews_;
   int reported_ = 0;
 };
+
+// The groups the multi-device strategies (core/parallel) run on: CPU virtual devices for a
+// model on the CPU (made per job); for a model on cuda:k, the GPUs cuda:k, cuda:k+1, ...
+// (wrapping), kept with their NCCL communicators for later jobs.
+class StrategyGroups {
+ public:
+  StrategyGroups();
+  ~StrategyGroups();
+  parallel::DeviceGroup& group_for(const c10::Device& model_device, const parallel::Strategy& strategy);
+
+ private:
+  std::unique_ptr<parallel::DeviceGroup> virtual_, gpu_;
+  std::vector<int> gpu_ids_;
+};
+
+// `src`'s parameters and buffers copied into `dst` (the same structure, built without init) on
+// device `d`, device to device; the ones `keep` refuses (by state-dict name) become empty
+// tensors there, for replicas that run part of a model.
+void copy_weights(torch::nn::Module& src, torch::nn::Module& dst, const c10::Device& d,
+                  const std::function<bool(const std::string&)>& keep = {});
+
+// A strategy's denoising loop as the pipelines run it: on GPUs every rank first evaluates the
+// loop's shapes (Strategy::warm on `warm_input`'s shape and dtype at `warm_timestep`), one device
+// at a time, so that no rank captures graphs or autotunes while its peers wait in a collective;
+// steps and previews go through a StepReporter on rank 0's thread. Returns the final latents;
+// `stats` gets the strategy's statistics (JSON, the job metadata's "strategy").
+at::Tensor run_strategy_loop(const parallel::Strategy& strategy, parallel::DeviceGroup& group, parallel::LoopInputs in,
+                             const at::Tensor& warm_input, double warm_timestep, const engine::GenerationRequest& req,
+                             const engine::JobObserver& observer, StepReporter::Preview preview,
+                             engine::StageTimings& timings, std::string& stats);
 
 }  // namespace diffract::pipeline::detail

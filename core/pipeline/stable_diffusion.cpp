@@ -99,8 +99,7 @@ struct StableDiffusion::Impl {
   // Multi-GPU jobs: the UNet copied to the group's other GPUs, and the group with its NCCL
   // communicators; both kept for later jobs.
   std::map<int, std::shared_ptr<models::UNetGraphRunner>> replicas;
-  std::unique_ptr<parallel::DeviceGroup> gpu_group;
-  std::vector<int> gpu_group_ids;
+  StrategyGroups groups;
   double replica_ms = 0;
   nlohmann::json memory_format_choice;  // what choose_memory_format() measured
   void choose_memory_format();
@@ -163,13 +162,7 @@ struct StableDiffusion::Impl {
       // a device-to-device copy of ours.
       models::UNet2DConditionModel copy(unet->config);
       copy->eval();
-      const auto copy_to = [&](const at::Tensor& t) {
-        return t.to(at::TensorOptions().device(d), false, /*copy=*/true, at::MemoryFormat::Contiguous);
-      };
-      auto dst = copy->named_parameters(true);
-      for (const auto& kv : unet->named_parameters(true)) dst[kv.key()].set_data(copy_to(kv.value()));
-      auto dst_buffers = copy->named_buffers(true);
-      for (const auto& kv : unet->named_buffers(true)) dst_buffers[kv.key()].set_data(copy_to(kv.value()));
+      copy_weights(*unet, *copy, d);
       auto o = graph_options();
       o.channels_last = runner->options().channels_last;
       r = std::make_shared<models::UNetGraphRunner>(copy, o);
@@ -445,29 +438,6 @@ models::UNetConditioning to_device(const models::UNetConditioning& c, const c10:
   return o;
 }
 
-// The group a multi-device strategy runs on: CPU virtual devices for a CPU model; for a model on
-// cuda:k, the GPUs cuda:k, cuda:k+1, ... (wrapping), kept with their NCCL communicators.
-parallel::DeviceGroup& group_for(StableDiffusion::Impl& p, const parallel::Strategy& strategy,
-                                 std::unique_ptr<parallel::DeviceGroup>& virtual_group) {
-  const int n = strategy.devices();
-  if (p.device.is_cpu()) {
-    virtual_group = parallel::DeviceGroup::virtual_cpu(n);
-    return *virtual_group;
-  }
-  const int count = static_cast<int>(torch::cuda::device_count());
-  if (n > count)
-    throw Error("strategy " + strategy.name() + " needs " + std::to_string(n) + " GPUs; this machine has " +
-                std::to_string(count));
-  std::vector<int> ids;
-  for (int r = 0; r < n; ++r) ids.push_back((p.device.index() + r) % count);
-  if (!p.gpu_group || p.gpu_group_ids != ids) {
-    p.gpu_group.reset();
-    p.gpu_group = parallel::DeviceGroup::cuda(ids);
-    p.gpu_group_ids = ids;
-  }
-  return *p.gpu_group;
-}
-
 // The denoising loop of a multi-device strategy (core/parallel). CPU virtual devices share the
 // one loaded UNet (read-only in inference); GPUs get replicas copied from ours.
 at::Tensor run_strategy(StableDiffusion::Impl& p, const parallel::Strategy& strategy, const engine::GenerationRequest& req,
@@ -488,8 +458,7 @@ at::Tensor run_strategy(StableDiffusion::Impl& p, const parallel::Strategy& stra
     return u;
   };
   const auto pos = branch(positive), neg = req.cfg > 1.0 ? branch(negative) : models::UNetConditioning{};
-  std::unique_ptr<parallel::DeviceGroup> virtual_group;
-  auto& group = group_for(p, strategy, virtual_group);
+  auto& group = p.groups.group_for(p.device, strategy);
   // Replicas are made here, on this thread, before the ranks start.
   for (int r = 0; r < group.size(); ++r) p.unet_on(group.device(r));
   parallel::LoopInputs in;
@@ -502,29 +471,8 @@ at::Tensor run_strategy(StableDiffusion::Impl& p, const parallel::Strategy& stra
   in.make_denoiser = [&p, pos, neg, &req](int, const c10::Device& d) -> std::unique_ptr<parallel::Denoiser> {
     return std::make_unique<parallel::UNetDenoiser>(p.unet_on(d), to_device(pos, d), to_device(neg, d), req.cfg, p.dtype, d);
   };
-  if (group.device(0).is_cuda()) {
-    // Every rank's CUDA graphs are captured here, one device at a time, before the ranks start:
-    // a capture inside the loop (cuDNN autotuning, seconds for SDXL) would run while the other
-    // ranks wait in a collective. On 2 H200 DRiffusion, whose ranks first evaluate at different
-    // rounds, hung with in-loop captures while CFG-parallel ran; see docs/benchmarks.md.
-    const auto t_first = config.num_train_timesteps - 1.0;
-    for (int r = 0; r < group.size(); ++r) {
-      const auto d = group.device(r);
-      strategy.warm(*in.make_denoiser(r, d), at::zeros(latents.sizes(), latents.options().device(d).dtype(p.dtype)),
-                    t_first);
-      torch::cuda::synchronize(d.index());
-    }
-  }
-  const auto sampler = schedulers::Sampler::create(kind, config, req.steps);  // timesteps, x0 for previews
-  std::optional<StepReporter> reporter;
-  in.on_step = [&](int i, const at::Tensor& out, const at::Tensor& before, const at::Tensor&) {
-    if (!reporter) reporter.emplace(p.device, req, observer, *sampler, preview_fn(p, req, use_taesd), timings);  // on rank 0's thread
-    reporter->stepped(i, out, before);
-  };
-  auto out = strategy.run(group, in);
-  if (reporter) reporter->finish();
-  stats = out.stats.to_json();
-  return out.latents;
+  return run_strategy_loop(strategy, group, std::move(in), latents.to(p.dtype), config.num_train_timesteps - 1.0, req,
+                           observer, preview_fn(p, req, use_taesd), timings, stats);
 }
 
 }  // namespace
@@ -692,7 +640,7 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
                                                    const engine::JobObserver& observer,
                                                    const engine::CancelToken& cancel) {
   if (request.strategy.empty() || request.strategy == "single") return generate(request, observer, cancel, nullptr);
-  const auto strategy = parallel::make_strategy(request.strategy, request.devices);
+  const auto strategy = parallel::make_strategy(request.strategy, request.devices, request.patches);
   strategy->validate(request.batch, request.cfg > 1.0);
   return generate(request, observer, cancel, strategy.get());
 }
@@ -711,6 +659,9 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
   result.family = family_name(p.family);
 
   // Everything a user can get wrong is checked before any work starts.
+  if (strategy && strategy->name() == "pipefusion")
+    throw Error("pipefusion splits a transformer's joint blocks into stages: it runs SD3 only, and SD 1.x / 2.x / XL "
+                "have a UNet (use cfg-parallel, hybrid-cfg, driffusion or data-parallel)");
   const int factor = p.vae_factor();
   check_request(req, native_size(), factor, "the model's latent factor");
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <map>
 #include <optional>
 #include <tuple>
 
@@ -16,6 +18,8 @@
 #include "core/models/autoencoders/taesd.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
+#include "core/parallel/pipefusion.h"
+#include "core/parallel/strategies.h"
 #include "core/pipeline/pipeline_util.h"
 #include "core/pipeline/stable_diffusion.h"
 #include "core/schedulers/sampler.h"
@@ -65,8 +69,40 @@ struct StableDiffusion3::Impl {
   std::string taesd_path;
   models::TAESD taesd{nullptr};
   double load_ms = 0;
+  // Multi-GPU jobs: a transformer replica on each of the group's other GPUs (whole, or one
+  // PipeFusion stage's weights), by device and what it holds; the groups with their NCCL
+  // communicators.
+  std::map<std::pair<int, std::string>, models::SD3Transformer2DModel> replicas;
+  StrategyGroups groups;
+  double replica_ms = 0;
 
   int vae_factor() const { return static_cast<int>(vae->config.downscale_factor()); }
+
+  // The transformer on device `d`: ours on our device and on CPU ranks (shared, read-only);
+  // elsewhere a copy made on first use, of the weights `stage` (of `stages`) runs when stages > 0.
+  models::SD3Transformer2DModel transformer_on(const c10::Device& d, int stage = 0, int stages = 0) {
+    if (d == device || d.is_cpu()) return transformer;
+    const std::string what = stages > 0 ? "stage " + std::to_string(stage) + "/" + std::to_string(stages) : "whole";
+    const auto key = std::make_pair(static_cast<int>(d.index()), what);
+    if (const auto it = replicas.find(key); it != replicas.end()) return it->second;
+    // One replica per GPU: a whole one and a stage's would otherwise sit side by side.
+    for (auto it = replicas.begin(); it != replicas.end();)
+      it = it->first.first == d.index() ? replicas.erase(it) : std::next(it);
+    const auto t0 = Clock::now();
+    models::SD3Transformer2DModel copy(transformer->config);  // no init: each tensor is then copied or emptied
+    copy->eval();
+    const int layers = static_cast<int>(transformer->config.num_layers);
+    std::function<bool(const std::string&)> keep;
+    if (stages > 0)
+      keep = [=](const std::string& name) { return parallel::PipeFusion::uses_weight(name, stage, stages, layers); };
+    copy_weights(*transformer, *copy, d, keep);
+    replica_ms += ms_since(t0);
+    log::get("pipeline").info(log::str("SD3 transformer replica (", what, ") on ", d.str(), " in ",
+                                       static_cast<int>(ms_since(t0)), " ms"));
+    replicas.emplace(key, copy);
+    return copy;
+  }
+
   // Pixel sizes must be multiples of this: the VAE's factor times the transformer's patch.
   int size_multiple() const { return vae_factor() * static_cast<int>(transformer->config.patch_size); }
 
@@ -232,6 +268,40 @@ double StableDiffusion3::warm_up() {
   return ms;
 }
 
+namespace {
+
+// The denoising loop of a multi-device strategy (core/parallel). CPU virtual devices share our
+// transformer (read-only in inference); GPUs get replicas, made here before the ranks start
+// (PipeFusion's hold only their stage's weights).
+at::Tensor run_strategy(StableDiffusion3::Impl& p, const parallel::Strategy& strategy,
+                        const engine::GenerationRequest& req, schedulers::SamplerKind kind,
+                        const schedulers::SchedulerConfig& config, const StableDiffusion3::Conditioning& c,
+                        const at::Tensor& latents, const at::Generator& gen, const engine::JobObserver& observer,
+                        const engine::CancelToken& cancel, const StepReporter::Preview& preview,
+                        engine::StageTimings& timings, std::string& stats) {
+  auto& group = p.groups.group_for(p.device, strategy);
+  const auto* pipefusion = dynamic_cast<const parallel::PipeFusion*>(&strategy);
+  const int stages = pipefusion ? pipefusion->n : 0;
+  for (int r = 0; r < group.size(); ++r) p.transformer_on(group.device(r), r, stages);
+  const parallel::SD3Conditioning pos{c.prompt_embeds, c.pooled}, neg{c.negative_prompt_embeds, c.negative_pooled};
+  parallel::LoopInputs in;
+  in.kind = kind;
+  in.config = config;
+  in.steps = req.steps;
+  in.latents = latents;
+  in.generator = gen;
+  in.cancel = &cancel;
+  in.make_denoiser = [&p, pos, neg, stages, cfg_scale = req.cfg](int r, const c10::Device& d) {
+    return std::unique_ptr<parallel::Denoiser>(
+        std::make_unique<parallel::SD3Denoiser>(p.transformer_on(d, r, stages), pos, neg, cfg_scale, p.dtype, d));
+  };
+  const auto first_t = schedulers::Sampler::create(kind, config, req.steps)->timesteps().front();
+  return run_strategy_loop(strategy, group, std::move(in), latents.to(p.dtype), first_t, req, observer, preview,
+                           timings, stats);
+}
+
+}  // namespace
+
 engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequest& request,
                                                     const engine::JobObserver& observer,
                                                     const engine::CancelToken& cancel) {
@@ -252,8 +322,14 @@ engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequ
   result.family = "sd3";
 
   // Everything a user can get wrong is checked before any work starts.
-  if (!req.strategy.empty() && req.strategy != "single")
-    throw Error("strategy " + req.strategy + " does not run SD3 yet (only SD 1.x / 2.x / XL); leave --strategy out");
+  std::unique_ptr<parallel::Strategy> strategy;  // a multi-device strategy (core/parallel) runs the loop instead
+  if (!req.strategy.empty() && req.strategy != "single") {
+    if (req.strategy == "hybrid-cfg")
+      throw Error("hybrid-cfg's stale window needs a layer split of the UNet (its U split); SD3's MMDiT has none: use "
+                  "cfg-parallel, or pipefusion for a split of the transformer's blocks");
+    strategy = parallel::make_strategy(req.strategy, req.devices, req.patches);
+    strategy->validate(req.batch, req.cfg > 1.0);
+  }
   check_request(req, native_size(), p.size_multiple(), "the VAE's factor times the transformer's patch size");
 
   schedulers::SamplerKind kind = schedulers::SamplerKind::FlowMatchEuler;
@@ -305,29 +381,34 @@ engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequ
                                                  : at::randn(shape, gen, p.dtype).to(p.device);
   latents = latents * sampler->init_noise_sigma();
 
-  StepReporter reporter(p.device, req, observer, *sampler,
-                        [&p, use_taesd, max_side = req.preview_max_side](const at::Tensor& x0) {
-                          return p.preview(x0, use_taesd, max_side);
-                        },
-                        timings);
-  for (int i = 0; i < sampler->num_steps(); ++i) {
-    if (cancel.cancelled()) throw engine::Cancelled{};
-    const double t = sampler->timesteps()[static_cast<std::size_t>(i)];
-    auto x_in = sampler->scale_model_input(cfg ? at::cat({latents, latents}) : latents, i);
-    auto timestep = at::full({x_in.size(0)}, t, at::TensorOptions().dtype(at::kFloat).device(p.device));
-    auto out = p.transformer->forward(x_in.to(p.dtype), context, pooled, timestep);
-    if (cfg) {
-      auto parts = out.chunk(2);
-      out = parts[0] + req.cfg * (parts[1] - parts[0]);
+  const StepReporter::Preview preview = [&p, use_taesd, max_side = req.preview_max_side](const at::Tensor& x0) {
+    return p.preview(x0, use_taesd, max_side);
+  };
+  std::string strategy_stats;
+  if (strategy) {
+    latents = run_strategy(p, *strategy, req, kind, config, c, latents, gen, observer, cancel, preview, timings,
+                           strategy_stats);
+  } else {
+    StepReporter reporter(p.device, req, observer, *sampler, preview, timings);
+    for (int i = 0; i < sampler->num_steps(); ++i) {
+      if (cancel.cancelled()) throw engine::Cancelled{};
+      const double t = sampler->timesteps()[static_cast<std::size_t>(i)];
+      auto x_in = sampler->scale_model_input(cfg ? at::cat({latents, latents}) : latents, i);
+      auto timestep = at::full({x_in.size(0)}, t, at::TensorOptions().dtype(at::kFloat).device(p.device));
+      auto out = p.transformer->forward(x_in.to(p.dtype), context, pooled, timestep);
+      if (cfg) {
+        auto parts = out.chunk(2);
+        out = parts[0] + req.cfg * (parts[1] - parts[0]);
+      }
+      const auto before = latents;
+      latents = sampler->step(out, i, latents, gen);
+      if (p.device.is_cpu() && !at::isfinite(latents).all().item<bool>())
+        throw Error("the latents hold NaN or Inf after step " + std::to_string(i + 1) +
+                    ": the model's weights or settings are broken (try fp32)");
+      reporter.stepped(i, out, before);
     }
-    const auto before = latents;
-    latents = sampler->step(out, i, latents, gen);
-    if (p.device.is_cpu() && !at::isfinite(latents).all().item<bool>())
-      throw Error("the latents hold NaN or Inf after step " + std::to_string(i + 1) +
-                  ": the model's weights or settings are broken (try fp32)");
-    reporter.stepped(i, out, before);
+    reporter.finish();
   }
-  reporter.finish();
   if (!at::isfinite(latents).all().item<bool>())
     throw Error("the final latents hold NaN or Inf: the model's weights or settings are broken");
   if (cancel.cancelled()) throw engine::Cancelled{};
@@ -355,13 +436,16 @@ engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequ
       {"prompt", req.prompt}, {"negative_prompt", req.negative_prompt},
       {"width", req.width}, {"height", req.height}, {"steps", req.steps}, {"cfg", req.cfg},
       {"seed", req.seed}, {"sampler", req.sampler}, {"device", req.device}, {"batch", req.batch},
-      {"taesd", req.taesd}, {"strategy_name", "single"}, {"devices", 1},
+      {"taesd", req.taesd}, {"strategy_name", strategy ? strategy->name() : "single"},
+      {"devices", strategy ? req.devices : 1},
       {"initial_latents", initial_latents.defined() ? "given" : "seed"},
       {"timings_ms", {{"load", timings.load_ms}, {"tokenize", timings.tokenize_ms},
                       {"text_encode", timings.text_encode_ms}, {"steps", timings.step_ms},
                       {"previews", timings.preview_ms}, {"previews_dropped", timings.previews_dropped},
                       {"vae_decode", timings.vae_decode_ms}, {"total", timings.total_ms}}},
   };
+  if (!strategy_stats.empty()) meta["strategy"] = nlohmann::json::parse(strategy_stats);
+  if (!p.replicas.empty()) meta["replicas_ms"] = p.replica_ms;
   result.metadata_json = meta.dump();
   const auto cpu_latents = latents.to(at::kCPU, at::kFloat).contiguous();
   result.latents.assign(cpu_latents.data_ptr<float>(), cpu_latents.data_ptr<float>() + cpu_latents.numel());

@@ -20,7 +20,10 @@ namespace diffract::pipeline {
 // T5: not supported yet. A folder whose model_index.json lists text_encoder_3 loads anyway:
 // T5 is not loaded and its part of the embedding is zeros, with a warning at load and
 // "t5": "dropped" in the job's metadata (diffusers' images with T5 differ from these).
-// Multi-device strategies and single-file SD3 checkpoints are not supported yet either.
+// Multi-device strategies (request.strategy, core/parallel): cfg-parallel, driffusion(-aggressive),
+// data-parallel and step-skip through parallel::SD3Denoiser, and pipefusion (its blocks split
+// into stages, request.patches patches); hybrid-cfg needs a UNet's layer split and is refused.
+// Single-file SD3 checkpoints are not supported yet.
 class StableDiffusion3 : public TextToImage {
  public:
   // A diffusers SD3 folder: transformer, vae, text_encoder(_2), tokenizer(_2), scheduler.

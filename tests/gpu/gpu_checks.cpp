@@ -1,5 +1,5 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks groupnorm|graphs|previews|nccl|strategies|cancel|failure
+//   diffract-gpu-checks groupnorm|graphs|previews|nccl|strategies|cancel|failure|sd3
 // Exit 0: passed; 1: failed (the reasons printed); 77: skipped (too few GPUs).
 #include <cmath>
 #include <cstdlib>
@@ -10,13 +10,16 @@
 #include <thread>
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
 #include <torch/cuda.h>
 
 #include "core/metrics/metrics.h"
 #include "core/models/common/layers.h"
+#include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/parallel/communicator.h"
 #include "core/parallel/device_group.h"
+#include "core/parallel/pipefusion.h"
 #include "core/parallel/strategies.h"
 #include "core/pipeline/stable_diffusion.h"
 #include "core/schedulers/sampler.h"
@@ -314,14 +317,77 @@ void check_failure() {
   expect(ok, "the group (communicators rebuilt) runs the next job");
 }
 
+// SD3's denoiser through CFG-parallel and PipeFusion over NCCL, on a tiny random MMDiT in fp32
+// (one copy per GPU, the same seed), against one GPU.
+void check_sd3() {
+  need_gpus(2);
+  models::SD3Transformer2DConfig c;
+  c.sample_size = 16;
+  c.in_channels = c.out_channels = 4;
+  c.num_layers = 4;
+  c.attention_head_dim = 16;
+  c.num_attention_heads = 4;
+  c.joint_attention_dim = 32;
+  c.caption_projection_dim = 64;
+  c.pooled_projection_dim = 16;
+  c.pos_embed_max_size = 32;
+  c.qk_norm = "rms_norm";
+  c.dual_attention_layers = {0};
+  std::vector<models::SD3Transformer2DModel> models;
+  for (int d = 0; d < 2; ++d) {
+    models::SD3Transformer2DModel m(c);
+    models::init_random(*m, at::detail::createCPUGenerator(11));
+    m->eval();
+    m->to(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d)));
+    models.push_back(m);
+  }
+  at::Generator g = at::detail::createCPUGenerator(5);
+  const parallel::SD3Conditioning pos{at::randn({1, 8, 32}, g), at::randn({1, 16}, g)};
+  const parallel::SD3Conditioning neg{at::randn({1, 8, 32}, g), at::randn({1, 16}, g)};
+  parallel::LoopInputs in;
+  in.kind = schedulers::SamplerKind::FlowMatchEuler;
+  in.config = schedulers::SchedulerConfig::from_json_text(
+      R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})", in.kind, "gpu check");
+  in.steps = 6;
+  in.latents = at::randn({1, 4, 32, 32}, g).to(at::Device(at::kCUDA, 0));
+  in.make_denoiser = [&](int, const c10::Device& d) -> std::unique_ptr<parallel::Denoiser> {
+    return std::make_unique<parallel::SD3Denoiser>(models[static_cast<std::size_t>(d.index())], pos, neg, 4.0,
+                                                   at::kFloat, d);
+  };
+  auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+    return ((a.cpu() - b.cpu()).norm() / b.cpu().norm()).item<double>();
+  };
+  auto one = parallel::DeviceGroup::cuda({0});
+  auto two = parallel::DeviceGroup::cuda({0, 1});
+  const auto base = parallel::SingleDevice{}.run(*one, in).latents;
+  const auto cfgp = parallel::CfgParallel{}.run(*two, in).latents;
+  std::cout << "  sd3 cfg-parallel vs one GPU: rel-L2 " << rel(cfgp, base) << "\n";
+  expect(rel(cfgp, base) < 1e-3, "SD3 cfg-parallel on 2 GPUs gives the one-GPU result");
+  parallel::PipeFusion pf;
+  pf.warmup_steps = in.steps;
+  const auto sync = pf.run(*two, in);
+  std::cout << "  pipefusion, every step synchronous, vs one GPU: rel-L2 " << rel(sync.latents, base) << "\n";
+  expect(rel(sync.latents, base) < 1e-3, "pipefusion without staleness gives the one-GPU result");
+  for (int m : {2, 4}) {
+    pf.warmup_steps = 1;
+    pf.patches = m;
+    const auto out = pf.run(*two, in);
+    std::cout << "  pipefusion 2 stages x " << m << " patches vs one GPU: rel-L2 " << rel(out.latents, base) << "; "
+              << out.stats.to_json() << "\n";
+    expect(rel(out.latents, base) < 0.1, "pipefusion with stale K/V stays near the one-GPU result");
+    expect(out.stats.messages_per_step.back() == parallel::PipeFusion::messages_per_step(false, 2, m),
+           "pipefusion sends the messages its design says");
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::map<std::string, std::function<void()>> checks = {
       {"groupnorm", check_groupnorm}, {"graphs", check_graphs}, {"previews", check_previews}, {"nccl", check_nccl},
-      {"strategies", check_strategies}, {"cancel", check_cancel}, {"failure", check_failure}};
+      {"strategies", check_strategies}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3}};
   if (argc != 2 || !checks.count(argv[1])) {
-    std::cerr << "usage: diffract-gpu-checks graphs|previews|nccl|strategies|cancel|failure\n";
+    std::cerr << "usage: diffract-gpu-checks groupnorm|graphs|previews|nccl|strategies|cancel|failure|sd3\n";
     return 2;
   }
   std::cout << std::unitbuf;

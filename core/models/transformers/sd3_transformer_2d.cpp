@@ -262,7 +262,8 @@ JointAttentionImpl::JointAttentionImpl(const JointAttentionOptions& o) : options
   }
 }
 
-std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context) {
+std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context,
+                                                              ImageKV* cache, int64_t begin) {
   // x [B, N, D], context [B, S, D] (joint) -> {[B, N, D], [B, S, D] (joint) or undefined}
   const int64_t b = x.size(0), n = x.size(1), h = options.heads, d = options.head_dim;
   // Per-head RMS norm on packed [B, T, H*D] projections.
@@ -273,6 +274,18 @@ std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& 
   auto q = per_head(norm_q, to_q->forward(x));
   auto k = per_head(norm_k, to_k->forward(x));
   auto v = to_v->forward(x);
+  if (cache) {
+    if (!cache->k.defined() || cache->k.size(1) == n) {
+      TORCH_CHECK(begin == 0, "an empty image K/V cache is filled by a pass over the whole image");
+      cache->k = k;
+      cache->v = v;
+    } else {
+      cache->k.narrow(1, begin, n).copy_(k);
+      cache->v.narrow(1, begin, n).copy_(v);
+      k = cache->k;
+      v = cache->v;
+    }
+  }
   const bool joint = options.joint && context.defined();
   TORCH_CHECK(joint == options.joint, "joint attention needs the text tokens");
   if (joint) {
@@ -312,16 +325,17 @@ JointTransformerBlockImpl::JointTransformerBlockImpl(int64_t dim, int64_t heads,
 }
 
 std::pair<at::Tensor, at::Tensor> JointTransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& context,
-                                                                     const at::Tensor& temb) {
+                                                                     const at::Tensor& temb, ImageKV* cache,
+                                                                     ImageKV* cache2, int64_t begin) {
   // x [B, N, D], context [B, S, D], temb [B, D] -> {context' [B, S, D] or undefined, x' [B, N, D]}
   const auto n = norm1->forward(x, temb);
   AdaNormZeroOut c;
   if (context_pre_only) c.x = norm1_context_continuous->forward(context, temb);
   else c = norm1_context_zero->forward(context, temb);
 
-  auto [attn_out, context_attn_out] = attn->forward(n.x, c.x);
+  auto [attn_out, context_attn_out] = attn->forward(n.x, c.x, cache, begin);
   auto h = x + n.gate_msa.unsqueeze(1) * attn_out;
-  if (dual_attention) h = h + n.gate_msa2.unsqueeze(1) * attn2->forward(n.x2).first;
+  if (dual_attention) h = h + n.gate_msa2.unsqueeze(1) * attn2->forward(n.x2, {}, cache2, begin).first;
   const auto nh = layer_norm(h) * (1 + n.scale_mlp.unsqueeze(1)) + n.shift_mlp.unsqueeze(1);
   h = h + n.gate_mlp.unsqueeze(1) * ff->forward(nh);
   if (context_pre_only) return {at::Tensor(), h};
@@ -350,6 +364,17 @@ at::Tensor SD3PatchEmbedImpl::cropped_pos_embed(int64_t h, int64_t w) const {
       .slice(1, top, top + h)
       .slice(2, left, left + w)
       .reshape({1, h * w, -1});
+}
+
+at::Tensor SD3PatchEmbedImpl::forward_rows(const at::Tensor& rows, int64_t row0, int64_t full_height) {
+  // rows [B, C, h, W] -> [B, (h/p)*(W/p), D]
+  const int64_t h = rows.size(-2) / patch_size, w = rows.size(-1) / patch_size;
+  if (row0 % patch_size || rows.size(-2) % patch_size || full_height % patch_size || row0 + rows.size(-2) > full_height)
+    throw Error("SD3 patch embedding: latent rows " + std::to_string(row0) + "+" + std::to_string(rows.size(-2)) +
+                " of " + std::to_string(full_height) + " do not fall on whole patches of " + std::to_string(patch_size));
+  const auto pos = cropped_pos_embed(full_height / patch_size, w).reshape({1, full_height / patch_size, w, -1});
+  const auto x = proj->forward(rows).flatten(2).transpose(1, 2);
+  return (x + pos.narrow(1, row0 / patch_size, h).reshape({1, h * w, -1})).to(x.scalar_type());
 }
 
 at::Tensor SD3PatchEmbedImpl::forward(const at::Tensor& latent) {
@@ -408,6 +433,13 @@ SD3State SD3Transformer2DModelImpl::embed(const at::Tensor& hidden_states, const
 
 void SD3Transformer2DModelImpl::run_block(size_t index, SD3State& s) {
   auto [context, x] = transformer_blocks[index]->as<JointTransformerBlock>()->forward(s.x, s.context, s.temb);
+  s.context = context;
+  s.x = x;
+}
+
+void SD3Transformer2DModelImpl::run_block(size_t index, SD3State& s, SD3BlockCache& cache, int64_t begin) {
+  auto [context, x] =
+      transformer_blocks[index]->as<JointTransformerBlock>()->forward(s.x, s.context, s.temb, &cache.attn, &cache.attn2, begin);
   s.context = context;
   s.x = x;
 }

@@ -89,6 +89,13 @@ class AdaLayerNormContinuousImpl : public torch::nn::Module {
 };
 TORCH_MODULE(AdaLayerNormContinuous);
 
+// One attention's image-token keys and values for the whole image, [B, N, H*D] each (after the
+// qk norm): PipeFusion's per-layer cache. A pass over a patch writes the patch's rows and attends
+// over all N rows, the others as the cache last saw them.
+struct ImageKV {
+  at::Tensor k, v;
+};
+
 // diffusers' Attention with JointAttnProcessor2_0. Joint: image tokens (to_q/k/v) and text
 // tokens (add_q/k/v_proj) are projected separately, optionally RMS-normed per head (norm_q,
 // norm_k, norm_added_q, norm_added_k), attend as one sequence, and are split again: to_out.0 for
@@ -107,7 +114,11 @@ class JointAttentionImpl : public torch::nn::Module {
  public:
   explicit JointAttentionImpl(const JointAttentionOptions& o);
   // x [B, N, D], context [B, S, D] (joint) -> {x' [B, N, D], context' [B, S, D] or undefined}.
-  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context = {});
+  // With `cache`, x holds image tokens [begin, begin + N) of the image the cache covers: their
+  // keys and values go into the cache (which an undefined cache takes whole when x is the whole
+  // image), and the image keys and values attended over are the cache's.
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context = {},
+                                            ImageKV* cache = nullptr, int64_t begin = 0);
   JointAttentionOptions options;
   Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
   Linear add_q_proj{nullptr}, add_k_proj{nullptr}, add_v_proj{nullptr}, to_add_out{nullptr};
@@ -123,8 +134,10 @@ class JointTransformerBlockImpl : public torch::nn::Module {
   JointTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim, bool context_pre_only, bool qk_norm,
                             bool dual_attention);
   // x [B, N, D], context [B, S, D], temb [B, D] -> {context' [B, S, D] (undefined when
-  // context_pre_only), x' [B, N, D]}, in diffusers' order.
-  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context, const at::Tensor& temb);
+  // context_pre_only), x' [B, N, D]}, in diffusers' order. `cache` / `begin`: the attentions'
+  // image K/V caches (attn, attn2) when x is a patch of the image (JointAttention::forward).
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context, const at::Tensor& temb,
+                                            ImageKV* cache = nullptr, ImageKV* cache2 = nullptr, int64_t begin = 0);
   bool context_pre_only, dual_attention;
   AdaLayerNormZero norm1{nullptr}, norm1_context_zero{nullptr};  // the latter registered as "norm1_context"
   AdaLayerNormContinuous norm1_context_continuous{nullptr};       // "norm1_context" of the last block
@@ -139,6 +152,9 @@ class SD3PatchEmbedImpl : public torch::nn::Module {
  public:
   explicit SD3PatchEmbedImpl(const SD3Transformer2DConfig& c);
   at::Tensor forward(const at::Tensor& latent);  // [B, C, H, W] -> [B, (H/p)*(W/p), D]
+  // Latent rows [row0, row0 + h) of a latent `full_height` rows high: its tokens as forward()
+  // of the whole latent gives them (row0, h and full_height multiples of the patch size).
+  at::Tensor forward_rows(const at::Tensor& rows, int64_t row0, int64_t full_height);
   // The position embeddings of an h x w patch grid: [1, h*w, D]. Errors past the stored grid.
   at::Tensor cropped_pos_embed(int64_t h, int64_t w) const;
   int64_t patch_size, max_size;
@@ -156,6 +172,11 @@ class CombinedTimestepTextProjEmbeddingsImpl : public torch::nn::Module {
   TimestepEmbedding timestep_embedder{nullptr}, text_embedder{nullptr};
 };
 TORCH_MODULE(CombinedTimestepTextProjEmbeddings);
+
+// One block's image K/V caches (attn2's only for SD3.5's dual-attention blocks).
+struct SD3BlockCache {
+  ImageKV attn, attn2;
+};
 
 // The streams between blocks: what a model-level strategy (PipeFusion, ...) splits and passes on.
 struct SD3State {
@@ -177,7 +198,10 @@ class SD3Transformer2DModelImpl : public torch::nn::Module {
   SD3State embed(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
                  const at::Tensor& pooled_projections, const at::Tensor& timestep);
   void run_block(size_t index, SD3State& state);
-  at::Tensor unpatchify_output(const SD3State& state);  // norm_out, proj_out -> [B, Cout, H, W]
+  // The same on image tokens [begin, begin + n) of the image the cache covers (PipeFusion).
+  void run_block(size_t index, SD3State& state, SD3BlockCache& cache, int64_t begin);
+  // norm_out, proj_out -> [B, Cout, height, width] (state.x: the tokens of those latent rows).
+  at::Tensor unpatchify_output(const SD3State& state);
 
   SD3Transformer2DConfig config;
   SD3PatchEmbed pos_embed{nullptr};

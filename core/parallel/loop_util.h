@@ -1,0 +1,44 @@
+#pragma once
+// What the strategies' loops share (strategies.cpp, pipefusion.cpp): per-rank replicas of the
+// sampler, generator and denoiser, the cancel gate, the refine step and the stats.
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "core/parallel/strategies.h"
+
+namespace diffract::parallel::detail {
+
+struct Rank {
+  std::unique_ptr<schedulers::Sampler> sampler;
+  at::Generator gen;
+  std::unique_ptr<Denoiser> den;
+  at::Tensor x;
+};
+
+// Throws unless the group has the strategy's device count.
+void check_group(const Strategy& s, const DeviceGroup& g);
+// Per-rank replicas, made on the calling thread before the workers start; validates the job.
+std::vector<Rank> prepare(const Strategy& s, DeviceGroup& g, const LoopInputs& in);
+
+// Whether to stop before round r, decided once by the first rank to get there, so every rank
+// stops at the same round and none is left waiting in a collective for a peer that quit.
+class CancelGate {
+ public:
+  explicit CancelGate(const engine::CancelToken* token) : token_(token) {}
+  void check(int round);
+
+ private:
+  const engine::CancelToken* token_;
+  std::mutex mutex_;
+  std::map<int, bool> decided_;
+};
+
+// Refines from step i with output `out`: the ordinary update, reported on rank 0.
+at::Tensor refine(Rank& k, int rank, const LoopInputs& in, const at::Tensor& out, int i, const at::Tensor& x);
+
+LoopOutput finish(const Strategy& s, const LoopInputs& in, DeviceGroup& g, at::Tensor latents, int rounds,
+                  int evaluations, std::int64_t bytes);
+
+}  // namespace diffract::parallel::detail

@@ -1,0 +1,271 @@
+#include "core/parallel/pipefusion.h"
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+
+#include <ATen/ATen.h>
+
+#include "core/parallel/loop_util.h"
+#include "core/util/error.h"
+
+namespace diffract::parallel {
+
+using namespace detail;
+
+namespace {
+
+SD3Denoiser& sd3_of(Denoiser& d) {
+  auto* s = dynamic_cast<SD3Denoiser*>(&d);
+  if (!s)
+    throw Error("pipefusion splits SD3's transformer into stages of joint blocks; this model has none "
+                "(pipefusion runs SD3 only)");
+  return *s;
+}
+
+bool starts_with(const std::string& s, const std::string& prefix) { return s.compare(0, prefix.size(), prefix) == 0; }
+
+}  // namespace
+
+void PipeFusion::validate(std::int64_t, bool) const {
+  if (n < 1) throw Error("pipefusion needs 1 or more devices (stages), not " + std::to_string(n));
+  if (patches < 0) throw Error("pipefusion: patches must be 0 (one per device) or more, not " + std::to_string(patches));
+  if (patch_count() < n)
+    throw Error("pipefusion: " + std::to_string(patch_count()) + " patches for " + std::to_string(n) +
+                " stages; it needs at least one patch per stage (patches >= devices)");
+  if (warmup_steps < 1)
+    throw Error("pipefusion needs 1 or more synchronous warm-up steps to fill its K/V caches, not " +
+                std::to_string(warmup_steps));
+}
+
+void PipeFusion::warm(Denoiser&, const at::Tensor&, double) const {}
+
+void PipeFusion::check_shape(std::int64_t layers, std::int64_t latent_height, std::int64_t patch_size) const {
+  if (n > layers)
+    throw Error("pipefusion: " + std::to_string(n) + " stages for a transformer of " + std::to_string(layers) +
+                " joint blocks; at most one stage per block");
+  const std::int64_t token_rows = latent_height / patch_size;
+  if (token_rows % patch_count())
+    throw Error("pipefusion: the latent's " + std::to_string(token_rows) + " rows of transformer patches (" +
+                std::to_string(latent_height) + " latent rows / patch size " + std::to_string(patch_size) +
+                ") do not split into " + std::to_string(patch_count()) + " equal patches");
+}
+
+std::pair<int, int> PipeFusion::stage_blocks(int rank, int n, int layers) {
+  return {static_cast<int>(static_cast<std::int64_t>(rank) * layers / n),
+          static_cast<int>(static_cast<std::int64_t>(rank + 1) * layers / n)};
+}
+
+bool PipeFusion::uses_weight(const std::string& name, int rank, int n, int layers) {
+  const std::string blocks = "transformer_blocks.";
+  if (starts_with(name, blocks)) {
+    const int index = std::stoi(name.substr(blocks.size()));
+    const auto [first, last] = stage_blocks(rank, n, layers);
+    return index >= first && index < last;
+  }
+  if (starts_with(name, "pos_embed.") || starts_with(name, "context_embedder.")) return rank == 0;
+  if (starts_with(name, "norm_out.") || starts_with(name, "proj_out.")) return rank == n - 1;
+  return true;  // time_text_embed: every rank
+}
+
+int PipeFusion::messages_per_step(bool synchronous, int n, int patches) {
+  if (n < 2) return 0;
+  return synchronous ? n : patches * n;
+}
+
+LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
+  using K = schedulers::SamplerKind;
+  if (in.kind != K::FlowMatchEuler && in.kind != K::Euler && in.kind != K::DDIM)
+    throw Error("pipefusion steps the latents a patch at a time: it needs a sampler without history or noise "
+                "(flow-euler, euler, ddim)");
+  auto ranks = prepare(*this, g, in);
+  for (auto& k : ranks) sd3_of(*k.den);
+  auto& head_den = sd3_of(*ranks[0].den);
+  const auto& mc = head_den.model()->config;
+  const int layers = static_cast<int>(mc.num_layers);
+  const std::int64_t height = in.latents.size(2), width = in.latents.size(3), p = mc.patch_size;
+  check_shape(layers, height, p);
+  const int stages = n, m = patch_count(), steps = in.steps;
+  const int sync_steps = std::min(warmup_steps, steps);
+  const bool cfg = head_den.cfg();
+  const std::int64_t batch = in.latents.size(0), rows_b = cfg ? 2 * batch : batch;
+  const std::int64_t tokens = (height / p) * (width / p), patch_tokens = tokens / m, rows = height / m;
+  const std::int64_t text = head_den.conditioning(Branch::Guided).context.size(1), dim = mc.inner_dim();
+  const int items = (steps - sync_steps) * m;
+  const int ticks = items > 0 ? items + stages - 1 : 0;
+
+  std::vector<std::int64_t> messages(static_cast<std::size_t>(steps), 0), step_bytes(messages);
+  std::mutex stats_mutex;
+  const auto sent = [&](int step, const at::Tensor& t) {
+    std::lock_guard<std::mutex> lock(stats_mutex);
+    ++messages[static_cast<std::size_t>(step)];
+    step_bytes[static_cast<std::size_t>(step)] += static_cast<std::int64_t>(t.nbytes());
+  };
+  std::atomic<std::int64_t> bytes{0};
+  at::Tensor result;
+  CancelGate gate(in.cancel);
+  g.run([&](int rank, Communicator& comm) {
+    auto& k = ranks[static_cast<std::size_t>(rank)];
+    auto& den = sd3_of(*k.den);
+    auto& model = den.model();
+    const auto dev = g.device(rank);
+    const auto opts = at::TensorOptions().device(dev).dtype(den.dtype());
+    const auto& cond = den.conditioning(Branch::Guided);
+    const auto range = stage_blocks(rank, stages, layers);
+    const int first = range.first, last = range.second;
+    const bool head = rank == 0, tail = rank == stages - 1;
+    std::vector<models::SD3BlockCache> caches(static_cast<std::size_t>(last - first));
+    const auto bytes0 = comm.bytes_sent();
+    if (head) k.x = k.x.clone();  // stepped in place, a patch at a time
+    // The embedded prompt: the same every step.
+    const auto context0 = head ? model->context_embedder->forward(cond.context) : at::Tensor();
+    int temb_step = -1;
+    at::Tensor temb;
+    const auto temb_at = [&](int i) {
+      if (i != temb_step) {
+        const auto t = at::full({rows_b}, k.sampler->timesteps().at(static_cast<std::size_t>(i)),
+                                at::TensorOptions().dtype(at::kFloat).device(dev));
+        temb = model->time_text_embed->forward(t, cond.pooled);
+        temb_step = i;
+      }
+      return temb;
+    };
+    // The head's input: latent rows [row0, row0 + count) at step i, both branches.
+    const auto input_rows = [&](int i, std::int64_t row0, std::int64_t count) {
+      auto x = k.sampler->scale_model_input(k.x, i).narrow(2, row0, count);
+      if (cfg) x = at::cat({x, x});
+      return x.to(opts);
+    };
+    const auto run_stage = [&](models::SD3State& s, std::int64_t begin) {
+      for (int l = first; l < last; ++l)
+        model->run_block(static_cast<std::size_t>(l), s, caches[static_cast<std::size_t>(l - first)], begin);
+    };
+    const auto pack = [](const models::SD3State& s) { return at::cat({s.x, s.context}, 1); };
+    const auto unpack = [&](const at::Tensor& a, std::int64_t n_tokens, models::SD3State& s) {
+      s.x = a.narrow(1, 0, n_tokens);
+      s.context = a.narrow(1, n_tokens, text);
+    };
+    const auto output = [&](const models::SD3State& s) {
+      auto out = model->unpatchify_output(s);
+      if (!cfg) return out;
+      auto parts = out.chunk(2);
+      return combine_cfg(parts[0], parts[1], den.guidance_scale());
+    };
+    const auto v_buffer = [&](std::int64_t count) { return at::empty({batch, mc.out_channels, count, width}, opts); };
+
+    for (int i = 0; i < sync_steps; ++i) {
+      gate.check(i);
+      models::SD3State s;
+      s.temb = temb_at(i);
+      s.height = height;
+      s.width = width;
+      if (head) {
+        s.x = model->pos_embed->forward(input_rows(i, 0, height));
+        s.context = context0;
+      } else {
+        auto a = at::empty({rows_b, tokens + text, dim}, opts);
+        comm.recv(a, rank - 1);
+        unpack(a, tokens, s);
+      }
+      run_stage(s, 0);
+      at::Tensor v;
+      if (!tail) {
+        const auto a = pack(s);
+        comm.send(a, rank + 1);
+        sent(i, a);
+      } else {
+        v = output(s);
+        if (!head) {
+          comm.send(v, 0);
+          sent(i, v);
+        }
+      }
+      if (head) {
+        if (!tail) {
+          v = v_buffer(height);
+          comm.recv(v, stages - 1);
+        }
+        k.x = refine(k, rank, in, v, i, k.x);
+      }
+    }
+
+    at::Tensor incoming;        // from the previous stage, for the next tick
+    at::Tensor v_step, before;  // head: the step being completed, patch by patch
+    const auto busy = [&](int item) { return item >= 0 && item < items; };
+    for (int tau = 0; tau < ticks; ++tau) {
+      gate.check(sync_steps + tau);
+      const int item = tau - rank;
+      const int item_step = sync_steps + item / m;
+      at::Tensor act, v;
+      if (busy(item)) {
+        const int q = item % m;
+        models::SD3State s;
+        s.temb = temb_at(item_step);
+        s.height = rows;
+        s.width = width;
+        if (head) {
+          s.x = model->pos_embed->forward_rows(input_rows(item_step, q * rows, rows), q * rows, height);
+          s.context = context0;
+        } else {
+          unpack(incoming, patch_tokens, s);
+        }
+        run_stage(s, q * patch_tokens);
+        if (!tail) act = pack(s);
+        else v = output(s);
+      }
+      // The chain: 0 sends, 1 receives then sends, ..., the last sends to 0, 0 receives.
+      if (head && act.defined()) {
+        comm.send(act, 1);
+        sent(item_step, act);
+      }
+      if (!head && busy(tau - (rank - 1))) {
+        incoming = at::empty({rows_b, patch_tokens + text, dim}, opts);
+        comm.recv(incoming, rank - 1);
+      }
+      if (!head && act.defined()) {
+        comm.send(act, rank + 1);
+        sent(item_step, act);
+      }
+      if (!head && v.defined()) {
+        comm.send(v, 0);
+        sent(item_step, v);
+      }
+      const int done = tau - (stages - 1);
+      if (head && busy(done)) {
+        if (!tail) {
+          v = v_buffer(rows);
+          comm.recv(v, stages - 1);
+        }
+        const int i = sync_steps + done / m, q = done % m;
+        if (q == 0) {
+          before = k.x.clone();
+          v_step = at::empty(k.x.sizes(), v.options());
+        }
+        v_step.narrow(2, q * rows, rows).copy_(v);
+        auto x_rows = k.x.narrow(2, q * rows, rows);
+        x_rows.copy_(k.sampler->step(v, i, x_rows, k.gen));
+        if (q == m - 1 && in.on_step) in.on_step(i, v_step, before, k.x.clone());
+      }
+    }
+    bytes += comm.bytes_sent() - bytes0;
+    if (head) result = k.x;
+  });
+
+  auto o = finish(*this, in, g, result, steps, steps, bytes.load());
+  o.stats.messages_per_step = messages;
+  o.stats.bytes_per_step = step_bytes;
+  for (int r = 0; r < stages; ++r) {
+    std::int64_t count = 0;
+    for (const auto& kv : head_den.model()->named_parameters(true))
+      if (uses_weight(kv.key(), r, stages, layers)) count += kv.value().numel();
+    for (const auto& kv : head_den.model()->named_buffers(true))
+      if (uses_weight(kv.key(), r, stages, layers)) count += kv.value().numel();
+    o.stats.weights_per_rank.push_back(count);
+  }
+  o.stats.note = std::to_string(stages) + " stages x " + std::to_string(m) + " patches; " +
+                 std::to_string(sync_steps) + " synchronous step(s), then " + std::to_string(ticks) +
+                 " pipeline ticks (each one stage on one patch)";
+  return o;
+}
+
+}  // namespace diffract::parallel
