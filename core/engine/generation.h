@@ -30,6 +30,7 @@ struct GenerationRequest {
   std::string strategy;          // multi-device strategy (core/parallel): "" or "single" runs the plain loop;
                                  // cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip
   int devices = 1;               // devices (or drafts per round, or the skip factor) the strategy uses
+  bool drop_t5 = false;          // SD3: run without the T5 encoder (its part of the prompt embedding zeros)
 };
 
 struct StageTimings {
