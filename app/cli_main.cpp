@@ -168,6 +168,7 @@ void add_generation_options(CLI::App* cmd, engine::GenerationRequest& req, bool 
   cmd->add_option("--device", req.device, "cpu or cuda:N")->capture_default_str();
   cmd->add_option("--taesd", req.taesd, "TAESD for previews (folder or .pth pair)");
   cmd->add_option("--batch", req.batch, "images per prompt")->capture_default_str();
+  cmd->add_flag("--no-t5", req.drop_t5, "SD3: run without the T5 encoder (its part of the prompt embedding zeros)");
   if (with_strategy) {
     cmd->add_option("--strategy", req.strategy, "multi-device strategy (default: the plain loop)");
     cmd->add_option("--devices", req.devices, "devices the strategy uses")->capture_default_str();

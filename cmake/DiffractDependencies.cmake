@@ -25,12 +25,29 @@ if(NOT ICU_FOUND)
   message(WARNING "ICU not found: the CLIP tokenizer will reject non-ASCII prompts")
 endif()
 
+# SentencePiece (Debian libsentencepiece-dev) tokenizes T5's prompts. Optional: without it
+# (the GPU machine) the core builds and SD3 runs with T5's part of the embedding zeros.
+option(DIFFRACT_WITH_SENTENCEPIECE "Use SentencePiece for the T5 tokenizer when it is found" ON)
+set(SentencePiece_FOUND OFF)
+if(DIFFRACT_WITH_SENTENCEPIECE)
+  find_path(SentencePiece_INCLUDE_DIR sentencepiece_processor.h)
+  find_library(SentencePiece_LIBRARY sentencepiece)
+  if(SentencePiece_INCLUDE_DIR AND SentencePiece_LIBRARY)
+    set(SentencePiece_FOUND ON)
+    add_library(SentencePiece::SentencePiece UNKNOWN IMPORTED)
+    set_target_properties(SentencePiece::SentencePiece PROPERTIES IMPORTED_LOCATION "${SentencePiece_LIBRARY}"
+                          INTERFACE_INCLUDE_DIRECTORIES "${SentencePiece_INCLUDE_DIR}")
+  else()
+    message(WARNING "SentencePiece not found (Debian: libsentencepiece-dev): SD3 will run without its T5 encoder")
+  endif()
+endif()
+
 set(DIFFRACT_HAS_CUDA OFF)
 if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
   set(DIFFRACT_HAS_CUDA ON)
   find_package(NCCL)
 endif()
-message(STATUS "Diffract: CUDA ${DIFFRACT_HAS_CUDA}, NCCL ${NCCL_FOUND}, ICU ${ICU_FOUND}")
+message(STATUS "Diffract: CUDA ${DIFFRACT_HAS_CUDA}, NCCL ${NCCL_FOUND}, ICU ${ICU_FOUND}, SentencePiece ${SentencePiece_FOUND}")
 
 if(DIFFRACT_BUILD_CLI)
   # CLI11 is header-only: without its CMake package (the GPU machine), its headers will do.

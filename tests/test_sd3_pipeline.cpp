@@ -1,5 +1,5 @@
-// The SD3 pipeline without T5 against diffusers' StableDiffusion3Pipeline(text_encoder_3=None):
-// tests/reference/make_sd3_pipeline_fixtures.py's tiny seeded pipeline, CPU fp32.
+// The SD3 pipeline against diffusers' StableDiffusion3Pipeline, without T5 (text_encoder_3=None)
+// and with a tiny T5: tests/reference/make_sd3_pipeline_fixtures.py's tiny seeded pipelines, CPU fp32.
 #include <fstream>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -9,6 +9,7 @@
 #include "core/parallel/strategies.h"
 #include "core/io/weights.h"
 #include "core/pipeline/stable_diffusion_3.h"
+#include "core/text/t5_tokenizer.h"
 #include "core/util/error.h"
 #include "test_util.h"
 
@@ -19,6 +20,17 @@ namespace {
 
 fs::path dir() { return test::fixtures() / "sd3_pipeline"; }
 fs::path model() { return dir() / "tiny-sd3"; }
+fs::path model_t5() { return dir() / "tiny-sd3-t5"; }
+
+at::Tensor latents_of(const engine::GenerationResult& r) {
+  return at::from_blob(const_cast<float*>(r.latents.data()), r.latents_shape, at::kFloat).clone();
+}
+
+fs::path copy_of(const QTemporaryDir& tmp, const fs::path& src) {
+  const fs::path copy = fs::path(tmp.path().toStdString()) / "sd3";
+  fs::copy(src, copy, fs::copy_options::recursive);
+  return copy;
+}
 
 nlohmann::json cases() {
   std::ifstream in(dir() / "sd3_pipeline_cases.json");
@@ -301,6 +313,98 @@ class TestSD3Pipeline : public QObject {
     }
   }
 
+  // With T5: prompt embeddings (CLIP and T5 parts), final latents and image as diffusers'.
+  void withT5MatchesDiffusers_data() { cases_data(); }
+  void withT5MatchesDiffusers() {
+    if (!text::T5Tokenizer::available()) QSKIP("this build has no SentencePiece: T5 is dropped");
+    if (!pipe_t5_) pipe_t5_ = pipeline::StableDiffusion3::load(model_t5(), "cpu");
+    QVERIFY(pipe_t5_->has_t5());
+    QVERIFY(!pipe_t5_->t5_dropped());
+    QFETCH(int, index);
+    const auto c = cases()[static_cast<std::size_t>(index)];
+    const std::string name = "t5." + c["name"].get<std::string>();
+    const auto e = io::load_state_dict(dir() / "sd3_pipeline_cases.safetensors");
+    const bool cfg = c["guidance_scale"].get<double>() > 1;
+    const auto ours = pipe_t5_->encode_prompt(c["prompt"], c["negative_prompt"], c.value("num_images_per_prompt", 1), cfg);
+    DIFFRACT_COMPARE_TENSORS(ours.prompt_embeds, e.at(name + ".prompt_embeds"), kEmbedTol);
+    DIFFRACT_COMPARE_TENSORS(ours.pooled, e.at(name + ".pooled"), kEmbedTol);
+    if (cfg) DIFFRACT_COMPARE_TENSORS(ours.negative_prompt_embeds, e.at(name + ".negative_prompt_embeds"), kEmbedTol);
+    QVERIFY(ours.prompt_embeds.narrow(1, 77, 256).abs().max().item<double>() > 0.1);  // T5's part is not zeros
+
+    const auto request = request_for(c);
+    engine::CancelToken never;
+    const auto result = pipe_t5_->generate(request, {}, never, e.at(name + ".latents.initial"));
+    DIFFRACT_COMPARE_TENSORS(latents_of(result), e.at(name + ".latents.final"), kLatentTol);
+    qInfo("%s: prompt embeddings max |diff| %.3g, final latents %.3g", name.c_str(),
+          test::max_abs_diff(ours.prompt_embeds, e.at(name + ".prompt_embeds")),
+          test::max_abs_diff(latents_of(result), e.at(name + ".latents.final")));
+    const auto expected = e.at(name + ".image");
+    for (std::size_t b = 0; b < result.images.size(); ++b) {
+      const auto& img = result.images[b];
+      auto ours_img = at::from_blob(const_cast<std::uint8_t*>(img.rgb.data()), {img.height, img.width, 3}, at::kByte).to(at::kInt);
+      auto theirs = (expected[static_cast<int64_t>(b)].permute({1, 2, 0}) * 255).round().to(at::kInt);
+      QVERIFY((ours_img - theirs).abs().max().item<int>() <= kMaxLevels);
+    }
+    QCOMPARE(nlohmann::json::parse(result.metadata_json)["t5"].get<std::string>(), std::string("used"));
+
+    // Dropped by the request: diffusers with text_encoder_3=None (the T5-less folder's cases).
+    auto dropped_request = request;
+    dropped_request.drop_t5 = true;
+    const std::string plain = c["name"];
+    const auto dropped = pipe_t5_->generate(dropped_request, {}, never, e.at(plain + ".latents.initial"));
+    DIFFRACT_COMPARE_TENSORS(latents_of(dropped), e.at(plain + ".latents.final"), kLatentTol);
+    QCOMPARE(nlohmann::json::parse(dropped.metadata_json)["t5"].get<std::string>(), std::string("dropped"));
+  }
+
+  // Dropped at load (the CLI's --no-t5 through the engine): T5 is not loaded at all.
+  void droppedAtLoadEqualsDiffusersWithoutT5() {
+    pipeline::StableDiffusion3::LoadOptions options;
+    options.drop_t5 = true;
+    auto p = pipeline::StableDiffusion3::load(model_t5(), "cpu", options);
+    QVERIFY(!p->has_t5());
+    QVERIFY(p->t5_dropped());
+    const auto c = cases()[0];
+    const auto e = io::load_state_dict(dir() / "sd3_pipeline_cases.safetensors");
+    const std::string name = c["name"];
+    const auto ours = p->encode_prompt(c["prompt"], c["negative_prompt"], 1, true);
+    DIFFRACT_COMPARE_TENSORS(ours.prompt_embeds, e.at(name + ".prompt_embeds"), kEmbedTol);
+    engine::Engine eng;
+    auto r = request_for(c);
+    r.model = model_t5().string();
+    r.drop_t5 = true;
+    engine::CancelToken never;
+    const auto result = eng.run(r, {}, never);
+    QCOMPARE(nlohmann::json::parse(result.metadata_json)["t5"].get<std::string>(), std::string("dropped"));
+  }
+
+  void t5Errors() {
+    if (!text::T5Tokenizer::available()) QSKIP("this build has no SentencePiece: T5 is dropped");
+    {
+      QTemporaryDir tmp;
+      const auto copy = copy_of(tmp, model_t5());
+      fs::remove(copy / "tokenizer_3" / "spiece.model");
+      DIFFRACT_EXPECT_ERROR(pipeline::StableDiffusion3::load(copy, "cpu"), "tokenizer_3", "spiece.model is missing");
+    }
+    {
+      QTemporaryDir tmp;
+      const auto copy = copy_of(tmp, model_t5());
+      nlohmann::json j;
+      {
+        std::ifstream in(copy / "text_encoder_3" / "config.json");
+        j = nlohmann::json::parse(in);
+      }
+      j["d_ff"] = 64;
+      std::ofstream(copy / "text_encoder_3" / "config.json") << j.dump(1);
+      DIFFRACT_EXPECT_ERROR(pipeline::StableDiffusion3::load(copy, "cpu"), "encoder.block.0.layer.1.DenseReluDense.wi_0.weight");
+    }
+    {
+      QTemporaryDir tmp;
+      const auto copy = copy_of(tmp, model_t5());
+      fs::remove_all(copy / "text_encoder_3");
+      DIFFRACT_EXPECT_ERROR(pipeline::StableDiffusion3::load(copy, "cpu"), "text_encoder_3", "missing");
+    }
+  }
+
   void listedT5IsDroppedWithAWarning() {
     QTemporaryDir tmp;
     const fs::path copy = fs::path(tmp.path().toStdString()) / "sd3";
@@ -313,7 +417,13 @@ class TestSD3Pipeline : public QObject {
     index["text_encoder_3"] = {"transformers", "T5EncoderModel"};
     index["tokenizer_3"] = {"transformers", "T5TokenizerFast"};
     std::ofstream(copy / "model_index.json") << index.dump(1);
-    auto p = pipeline::StableDiffusion3::load(copy, "cpu");
+    // Listed without its folders: an error with SentencePiece, dropped (with a warning) without it.
+    pipeline::StableDiffusion3::LoadOptions options;
+    if (text::T5Tokenizer::available()) {
+      DIFFRACT_EXPECT_ERROR(pipeline::StableDiffusion3::load(copy, "cpu"), "text_encoder_3", "missing");
+      options.drop_t5 = true;
+    }
+    auto p = pipeline::StableDiffusion3::load(copy, "cpu", options);
     QVERIFY(p->t5_dropped());
     engine::GenerationRequest r;
     r.model = copy.string();
@@ -328,7 +438,7 @@ class TestSD3Pipeline : public QObject {
   }
 
  private:
-  std::unique_ptr<pipeline::StableDiffusion3> pipe_;
+  std::unique_ptr<pipeline::StableDiffusion3> pipe_, pipe_t5_;
 };
 
 QTEST_GUILESS_MAIN(TestSD3Pipeline)

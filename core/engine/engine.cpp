@@ -26,14 +26,17 @@ struct Engine::Impl {
   std::mutex model_mutex;         // one job at a time uses the model
   std::unique_ptr<pipeline::TextToImage> model;  // chosen from the folder: SD 1.x / 2.x / XL or SD3
   std::string model_config;
+  bool model_without_t5 = false;  // loaded with drop_t5: a job that wants T5 needs a reload
   std::thread worker;
 
   pipeline::TextToImage& model_for(const GenerationRequest& r) {
     if (r.model.empty()) throw Error("no model chosen");
-    if (!model || model->path() != r.model || model->device() != r.device || model_config != r.model_config) {
+    if (!model || model->path() != r.model || model->device() != r.device || model_config != r.model_config ||
+        (model_without_t5 && !r.drop_t5)) {
       model.reset();  // free the old one first: two SDXL models may not fit
-      model = pipeline::load_text_to_image(r.model, r.device, r.model_config);
+      model = pipeline::load_text_to_image(r.model, r.device, r.model_config, r.drop_t5);
       model_config = r.model_config;
+      model_without_t5 = r.drop_t5;
       // On a GPU the first job would otherwise pay for cuDNN plans and graph captures.
       if (r.device.rfind("cuda", 0) == 0) model->warm_up();
     }

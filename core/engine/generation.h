@@ -32,6 +32,7 @@ struct GenerationRequest {
                                  // pipefusion (SD3 only)
   int devices = 1;               // devices (or drafts per round, or the skip factor) the strategy uses
   int patches = 0;               // pipefusion (SD3): latent row patches, at least `devices`; 0: one per device
+  bool drop_t5 = false;          // SD3: run without the T5 encoder (its part of the prompt embedding zeros)
 };
 
 struct StageTimings {

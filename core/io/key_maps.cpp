@@ -25,6 +25,14 @@ StateDict map_clip_text_keys(StateDict weights) {
   return out;
 }
 
+StateDict map_t5_encoder_keys(StateDict weights) {
+  const auto tied = weights.find("encoder.embed_tokens.weight");
+  if (tied == weights.end()) return weights;
+  if (!weights.count("shared.weight")) weights.emplace("shared.weight", tied->second);
+  weights.erase("encoder.embed_tokens.weight");
+  return weights;
+}
+
 StateDict map_taesd_keys(StateDict weights, const std::string& part) {
   if (part != "encoder" && part != "decoder")
     throw Error("map_taesd_keys: part must be \"encoder\" or \"decoder\", got \"" + part + "\"");

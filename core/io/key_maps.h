@@ -19,4 +19,8 @@ StateDict map_clip_text_keys(StateDict weights);
 // Keys already in diffusers' layout pass unchanged; a decoder key at index 0 is an error.
 StateDict map_taesd_keys(StateDict weights, const std::string& part);
 
+// transformers ties T5's encoder.embed_tokens.weight to shared.weight: exports hold both, or
+// only one of them. Our T5Encoder has shared.weight alone.
+StateDict map_t5_encoder_keys(StateDict weights);
+
 }  // namespace diffract::io

@@ -17,6 +17,7 @@
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
 #include "core/models/text_encoders/clip_text.h"
+#include "core/models/text_encoders/t5_encoder.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/parallel/pipefusion.h"
 #include "core/parallel/strategies.h"
@@ -24,6 +25,7 @@
 #include "core/pipeline/stable_diffusion.h"
 #include "core/schedulers/sampler.h"
 #include "core/text/clip_tokenizer.h"
+#include "core/text/t5_tokenizer.h"
 #include "core/util/build_info.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
@@ -60,6 +62,8 @@ struct StableDiffusion3::Impl {
   at::ScalarType dtype = at::kFloat;
   std::unique_ptr<text::CLIPTokenizer> tokenizer, tokenizer_2;
   models::CLIPTextModelWithProjection text_encoder{nullptr}, text_encoder_2{nullptr};
+  std::unique_ptr<text::T5Tokenizer> tokenizer_3;
+  models::T5Encoder text_encoder_3{nullptr};
   models::SD3Transformer2DModel transformer{nullptr};
   models::AutoencoderKL vae{nullptr};
   fs::path scheduler_json;
@@ -107,7 +111,7 @@ struct StableDiffusion3::Impl {
   int size_multiple() const { return vae_factor() * static_cast<int>(transformer->config.patch_size); }
 
   // One prompt: [1, 77 + max_sequence_length, joint], pooled [1, P].
-  std::pair<at::Tensor, at::Tensor> encode_one(const std::string& prompt, engine::StageTimings& t) {
+  std::pair<at::Tensor, at::Tensor> encode_one(const std::string& prompt, engine::StageTimings& t, bool use_t5) {
     auto run_tokenizer = [&](const text::CLIPTokenizer& tok) {
       const auto t0 = Clock::now();
       auto tokens = tok.tokenize(prompt);
@@ -125,11 +129,24 @@ struct StableDiffusion3::Impl {
     auto clip = at::cat({o1.hidden_states[o1.hidden_states.size() - 2], o2.hidden_states[o2.hidden_states.size() - 2]}, -1);
     const int64_t joint = transformer->config.joint_attention_dim;
     clip = at::constant_pad_nd(clip, {0, joint - clip.size(-1)});  // checked at load: never negative
-    auto t5 = at::zeros({1, max_sequence_length, joint}, clip.options());
-    auto embeds = at::cat({clip, t5}, -2);
     auto pooled = at::cat({o1.text_embeds, o2.text_embeds}, -1);
     t.text_encode_ms += ms_since(t0);
-    return {embeds, pooled};
+    at::Tensor t5;
+    if (use_t5) {
+      const auto t1 = Clock::now();
+      const auto tokens = tokenizer_3->encode(prompt, max_sequence_length);
+      t.tokenize_ms += ms_since(t1);
+      if (tokens.dropped > 0)
+        log::get("pipeline").warn(log::str("prompt is ", tokens.dropped, " tokens over T5's ", max_sequence_length,
+                                           "-token limit: the end was cut off ('", prompt.substr(0, 40), "...')"));
+      const auto t2 = Clock::now();
+      const auto ids = at::tensor(at::ArrayRef<int>(tokens.ids), at::kLong).unsqueeze(0).to(device);
+      t5 = text_encoder_3->forward(ids).last_hidden_state.to(clip.scalar_type());  // d_model == joint, checked at load
+      t.text_encode_ms += ms_since(t2);
+    } else {
+      t5 = at::zeros({1, max_sequence_length, joint}, clip.options());
+    }
+    return {at::cat({clip, t5}, -2), pooled};
   }
 
   at::Tensor preview(const at::Tensor& x0, bool use_taesd, int max_side) {
@@ -156,7 +173,7 @@ struct StableDiffusion3::Impl {
 
 namespace {
 
-void load_folder(StableDiffusion3::Impl& p, const fs::path& model) {
+void load_folder(StableDiffusion3::Impl& p, const fs::path& model, const StableDiffusion3::LoadOptions& options) {
   const auto folder = io::DiffusersFolder::open(model);
   const auto& tr_c = folder.require("transformer");
   const auto& vae_c = folder.require("vae");
@@ -169,12 +186,24 @@ void load_folder(StableDiffusion3::Impl& p, const fs::path& model) {
     throw Error(model.string() + ": transformer is a " + tr_c.class_name + ", not an SD3Transformer2DModel");
   if (vae_c.class_name != "AutoencoderKL")
     throw Error(model.string() + ": vae is a " + vae_c.class_name + "; the SD3 pipeline needs an AutoencoderKL");
-  if (folder.find("text_encoder_3") || folder.find("tokenizer_3")) {
+  const bool t5_listed = folder.find("text_encoder_3") || folder.find("tokenizer_3");
+  if (t5_listed && options.drop_t5) {
+    p.t5_dropped = true;
+    log::get("pipeline").info(model.string() + ": T5 (text_encoder_3) dropped as asked; its part of the prompt "
+                              "embedding is zeros");
+  } else if (t5_listed && !text::T5Tokenizer::available()) {
     p.t5_dropped = true;
     log::get("pipeline").warn(
-        model.string() + " has a T5 text encoder (text_encoder_3), which Diffract does not support yet: it runs "
-        "without it, T5's part of the prompt embedding zeros (as diffusers with text_encoder_3=None); prompts are "
-        "followed less closely than with T5");
+        model.string() + " has a T5 text encoder (text_encoder_3), but this build of Diffract has no SentencePiece "
+        "(Debian libsentencepiece-dev) for its tokenizer: it runs without T5, T5's part of the prompt embedding "
+        "zeros (as diffusers with text_encoder_3=None); prompts are followed less closely than with T5");
+  } else if (t5_listed) {
+    const auto& te3_c = folder.require("text_encoder_3");
+    const auto& tok3_c = folder.require("tokenizer_3");
+    if (te3_c.class_name != "T5EncoderModel")
+      throw Error(model.string() + ": text_encoder_3 is a " + te3_c.class_name + ", not a T5EncoderModel");
+    p.tokenizer_3 = std::make_unique<text::T5Tokenizer>(text::T5Tokenizer::from_folder(tok3_c.dir));
+    p.text_encoder_3 = models::load_t5_encoder(te3_c.dir, te3_c.variant);
   }
   p.scheduler_json = sched_c.config;
   p.native_sampler = schedulers::native_sampler(sched_c.config);
@@ -196,6 +225,12 @@ void load_folder(StableDiffusion3::Impl& p, const fs::path& model) {
     throw Error(model.string() + ": text_encoder and text_encoder_2 give " + std::to_string(l.hidden_size) + " + " +
                 std::to_string(g.hidden_size) + " features, more than the transformer's joint_attention_dim " +
                 std::to_string(tc.joint_attention_dim));
+  if (p.text_encoder_3 && p.text_encoder_3->options.d_model != tc.joint_attention_dim)
+    throw Error(model.string() + ": text_encoder_3 (T5) gives " + std::to_string(p.text_encoder_3->options.d_model) +
+                " features; the transformer's joint_attention_dim is " + std::to_string(tc.joint_attention_dim));
+  if (p.tokenizer_3 && p.tokenizer_3->vocab_size() > p.text_encoder_3->options.vocab_size)
+    throw Error(model.string() + ": tokenizer_3 has " + std::to_string(p.tokenizer_3->vocab_size()) +
+                " tokens, more than text_encoder_3's vocab_size " + std::to_string(p.text_encoder_3->options.vocab_size));
   if (l.projection_dim + g.projection_dim != tc.pooled_projection_dim)
     throw Error(model.string() + ": the text encoders' projections give " + std::to_string(l.projection_dim) + " + " +
                 std::to_string(g.projection_dim) + " pooled features; the transformer's pooled_projection_dim is " +
@@ -211,10 +246,12 @@ const std::string& StableDiffusion3::device() const { return impl_->device_name;
 int StableDiffusion3::native_size() const {
   return static_cast<int>(impl_->transformer->config.sample_size) * impl_->vae_factor();
 }
+bool StableDiffusion3::has_t5() const { return static_cast<bool>(impl_->text_encoder_3); }
 bool StableDiffusion3::t5_dropped() const { return impl_->t5_dropped; }
 int StableDiffusion3::max_sequence_length() const { return impl_->max_sequence_length; }
 
-std::unique_ptr<StableDiffusion3> StableDiffusion3::load(const fs::path& model, const std::string& device) {
+std::unique_ptr<StableDiffusion3> StableDiffusion3::load(const fs::path& model, const std::string& device,
+                                                         const LoadOptions& options) {
   const auto t0 = Clock::now();
   auto p = std::make_unique<Impl>();
   p->path = model;
@@ -223,7 +260,7 @@ std::unique_ptr<StableDiffusion3> StableDiffusion3::load(const fs::path& model, 
   p->dtype = p->device.is_cuda() ? at::kBFloat16 : at::kFloat;
   if (!fs::is_directory(model))
     throw Error(model.string() + ": SD3 loads from a diffusers folder; single-file SD3 checkpoints are not supported yet");
-  load_folder(*p, model);
+  load_folder(*p, model, options);
   {
     at::NoGradGuard no_grad;
     for (torch::nn::Module* m : {static_cast<torch::nn::Module*>(p->transformer.get()),
@@ -233,25 +270,29 @@ std::unique_ptr<StableDiffusion3> StableDiffusion3::load(const fs::path& model, 
       m->eval();
       m->to(p->device, p->dtype);
     }
+    // bf16 on CUDA, never fp16: see T5EncoderImpl.
+    if (p->text_encoder_3) p->text_encoder_3->to(p->device, p->dtype);
   }
   if (p->device.is_cuda()) at::globalContext().setBenchmarkCuDNN(true);
   p->load_ms = ms_since(t0);
-  log::get("pipeline").info(log::str("loaded ", model.string(), " (sd3", p->t5_dropped ? ", T5 dropped" : ", no T5",
+  log::get("pipeline").info(log::str("loaded ", model.string(), " (sd3", p->text_encoder_3 ? ", T5" : p->t5_dropped ? ", T5 dropped" : ", no T5",
                                      ") on ", device, " in ", static_cast<int>(p->load_ms), " ms"));
   return std::unique_ptr<StableDiffusion3>(new StableDiffusion3(std::move(p)));
 }
 
 StableDiffusion3::Conditioning StableDiffusion3::encode_prompt(const std::string& prompt, const std::string& negative,
-                                                               int batch, bool cfg, engine::StageTimings* timings) {
+                                                               int batch, bool cfg, engine::StageTimings* timings,
+                                                               bool drop_t5) {
   at::NoGradGuard no_grad;
   engine::StageTimings scratch;
   auto& t = timings ? *timings : scratch;
   Conditioning c;
-  std::tie(c.prompt_embeds, c.pooled) = impl_->encode_one(prompt, t);
+  const bool use_t5 = impl_->text_encoder_3 && !drop_t5;
+  std::tie(c.prompt_embeds, c.pooled) = impl_->encode_one(prompt, t, use_t5);
   c.prompt_embeds = c.prompt_embeds.repeat({batch, 1, 1});
   c.pooled = c.pooled.repeat({batch, 1});
   if (cfg) {
-    std::tie(c.negative_prompt_embeds, c.negative_pooled) = impl_->encode_one(negative, t);
+    std::tie(c.negative_prompt_embeds, c.negative_pooled) = impl_->encode_one(negative, t, use_t5);
     c.negative_prompt_embeds = c.negative_prompt_embeds.repeat({batch, 1, 1});
     c.negative_pooled = c.negative_pooled.repeat({batch, 1});
   }
@@ -369,7 +410,9 @@ engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequ
   const auto stage = [&](const char* name, double ms) {
     if (observer.on_stage) observer.on_stage(name, ms);
   };
-  const auto c = encode_prompt(req.prompt, req.negative_prompt, req.batch, cfg, &timings);
+  const auto c = encode_prompt(req.prompt, req.negative_prompt, req.batch, cfg, &timings, req.drop_t5);
+  const char* t5_state = p.text_encoder_3 && !req.drop_t5 ? "used"
+                         : p.text_encoder_3 || p.t5_dropped ? "dropped" : "absent";
   stage("tokenize", timings.tokenize_ms);
   stage("text_encode", timings.text_encode_ms);
   const auto context = (cfg ? at::cat({c.negative_prompt_embeds, c.prompt_embeds}) : c.prompt_embeds).to(p.dtype);
@@ -431,7 +474,7 @@ engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequ
   nlohmann::json meta = {
       {"diffract_version", build_info().diffract_version},
       {"model", p.path.string()}, {"family", result.family},
-      {"t5", p.t5_dropped ? "dropped" : "absent"}, {"max_sequence_length", p.max_sequence_length},
+      {"t5", t5_state}, {"max_sequence_length", p.max_sequence_length},
       {"shift", config.shift},
       {"prompt", req.prompt}, {"negative_prompt", req.negative_prompt},
       {"width", req.width}, {"height", req.height}, {"steps", req.steps}, {"cfg", req.cfg},
@@ -466,12 +509,14 @@ bool is_sd3_folder(const fs::path& model) {
 }
 
 std::unique_ptr<TextToImage> load_text_to_image(const fs::path& model, const std::string& device,
-                                                const fs::path& config_dir) {
+                                                const fs::path& config_dir, bool drop_t5) {
   if (is_sd3_folder(model)) {
     if (!config_dir.empty())
       log::get("pipeline").warn("--config applies to single-file checkpoints; ignored for the SD3 folder " +
                                 model.string());
-    return StableDiffusion3::load(model, device);
+    StableDiffusion3::LoadOptions options;
+    options.drop_t5 = drop_t5;
+    return StableDiffusion3::load(model, device, options);
   }
   return StableDiffusion::load(model, device, config_dir);
 }

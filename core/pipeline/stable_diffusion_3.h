@@ -10,44 +10,53 @@
 
 namespace diffract::pipeline {
 
-// SD3 / SD3.5 text-to-image without the T5-XXL encoder, as diffusers' StableDiffusion3Pipeline
-// runs with text_encoder_3=None: prompt -> CLIP-L and OpenCLIP-bigG (penultimate hidden states
-// concatenated on channels and zero-padded to the transformer's joint_attention_dim, followed
-// by max_sequence_length zero tokens where T5's would be; pooled = both projections
-// concatenated) -> CFG flow-matching Euler loop over SD3Transformer2DModel -> the 16-channel
-// AutoencoderKL (scaling and shift undone).
+// SD3 / SD3.5 text-to-image as diffusers' StableDiffusion3Pipeline: prompt -> CLIP-L and
+// OpenCLIP-bigG (penultimate hidden states concatenated on channels and zero-padded to the
+// transformer's joint_attention_dim) followed by T5-XXL's max_sequence_length tokens (pooled =
+// both CLIP projections concatenated) -> CFG flow-matching Euler loop over
+// SD3Transformer2DModel -> the 16-channel AutoencoderKL (scaling and shift undone).
 //
-// T5: not supported yet. A folder whose model_index.json lists text_encoder_3 loads anyway:
-// T5 is not loaded and its part of the embedding is zeros, with a warning at load and
-// "t5": "dropped" in the job's metadata (diffusers' images with T5 differ from these).
+// T5 (text_encoder_3 + tokenizer_3, SentencePiece) runs in bf16 on CUDA, fp32 on the CPU. It is
+// dropped, its part of the embedding zeros as diffusers with text_encoder_3=None, when the
+// folder has none, when asked (LoadOptions::drop_t5 or the request's drop_t5, the CLI's
+// --no-t5), or when this build has no SentencePiece (a warning at load). The job's metadata
+// says "t5": "used", "dropped" or "absent".
 // Multi-device strategies (request.strategy, core/parallel): cfg-parallel, driffusion(-aggressive),
 // data-parallel and step-skip through parallel::SD3Denoiser, and pipefusion (its blocks split
 // into stages, request.patches patches); hybrid-cfg needs a UNet's layer split and is refused.
 // Single-file SD3 checkpoints are not supported yet.
+struct SD3LoadOptions {
+  bool drop_t5 = false;  // leave a listed T5 encoder unloaded (saves its ~9.5 GB in bf16)
+};
+
 class StableDiffusion3 : public TextToImage {
  public:
-  // A diffusers SD3 folder: transformer, vae, text_encoder(_2), tokenizer(_2), scheduler.
-  // Errors name the missing or mismatched component.
-  static std::unique_ptr<StableDiffusion3> load(const std::filesystem::path& model, const std::string& device);
+  using LoadOptions = SD3LoadOptions;
+  // A diffusers SD3 folder: transformer, vae, text_encoder(_2), tokenizer(_2), scheduler and,
+  // when listed, text_encoder_3 / tokenizer_3. Errors name the missing or mismatched component.
+  static std::unique_ptr<StableDiffusion3> load(const std::filesystem::path& model, const std::string& device,
+                                                const LoadOptions& options = {});
   ~StableDiffusion3() override;
   struct Impl;
 
   const std::filesystem::path& path() const override;
   const std::string& device() const override;
   int native_size() const;  // pixels, square
-  bool t5_dropped() const;  // the folder lists a T5 encoder that is not used
-  int max_sequence_length() const;  // the zero T5 tokens after CLIP's 77 (diffusers' default 256)
+  bool has_t5() const;      // T5 is loaded
+  bool t5_dropped() const;  // the folder lists a T5 encoder that is not loaded
+  int max_sequence_length() const;  // T5's tokens after CLIP's 77 (diffusers' default 256)
 
   double warm_up() override;
 
   // What diffusers' encode_prompt(prompt, negative_prompt=..., num_images_per_prompt=batch)
-  // gives without T5: [batch, 77 + max_sequence_length, joint_attention_dim] and
-  // [batch, pooled_projection_dim]; the negative pair only with `cfg` (empty negative: "").
+  // gives: [batch, 77 + max_sequence_length, joint_attention_dim] and [batch,
+  // pooled_projection_dim]; the negative pair only with `cfg` (empty negative: ""). T5's part
+  // is zeros without T5 or with `drop_t5`.
   struct Conditioning {
     at::Tensor prompt_embeds, pooled, negative_prompt_embeds, negative_pooled;
   };
   Conditioning encode_prompt(const std::string& prompt, const std::string& negative, int batch, bool cfg,
-                             engine::StageTimings* timings = nullptr);
+                             engine::StageTimings* timings = nullptr, bool drop_t5 = false);
 
   engine::GenerationResult generate(const engine::GenerationRequest& request, const engine::JobObserver& observer,
                                     const engine::CancelToken& cancel) override;

@@ -27,8 +27,9 @@ class TextToImage {
 bool is_sd3_folder(const std::filesystem::path& model);
 
 // The pipeline for `model` (a diffusers folder or a single-file checkpoint), chosen from its
-// model_index.json: StableDiffusion3 for SD3 folders, StableDiffusion otherwise.
+// model_index.json: StableDiffusion3 for SD3 folders, StableDiffusion otherwise. `drop_t5`: an
+// SD3 folder's T5 encoder is not loaded (ignored by the other families).
 std::unique_ptr<TextToImage> load_text_to_image(const std::filesystem::path& model, const std::string& device,
-                                                const std::filesystem::path& config_dir = {});
+                                                const std::filesystem::path& config_dir = {}, bool drop_t5 = false);
 
 }  // namespace diffract::pipeline

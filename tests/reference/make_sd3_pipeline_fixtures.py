@@ -1,22 +1,26 @@
 #!/usr/bin/env python3
-"""Reference oracle for the SD3 pipeline without T5: a tiny seeded diffusers StableDiffusion3Pipeline.
+"""Reference oracle for the SD3 pipeline: tiny seeded diffusers StableDiffusion3Pipelines without and with T5.
 
 Writes into --out only: `tiny-sd3/` (a pipeline folder: tiny SD3Transformer2DModel, tiny CLIP-L and
 OpenCLIP-bigG-style CLIPTextModelWithProjection encoders with the fixtures' tokenizers, a tiny
 16-channel AutoencoderKL with scaling and shift and no quant convs, FlowMatchEulerDiscreteScheduler
 with shift 3, text_encoder_3 / tokenizer_3 null), sd3_pipeline_cases.json and
 sd3_pipeline_cases.safetensors with, per case, what encode_prompt gives (T5 part zeros), the
-initial latents handed to the pipeline, the final latents and the decoded image. Needs
-make_fixtures.py's tokenizer_l / tokenizer_g (--fixtures). CPU, fp32, a few seconds.
+initial latents handed to the pipeline, the final latents and the decoded image. `tiny-sd3-t5/` is the
+same pipeline plus a tiny seeded T5EncoderModel (text_encoder_3, d_model = joint_attention_dim) and
+make_t5_fixtures.py's SentencePiece tokenizer (tokenizer_3); its cases are keyed "t5.<case>.*". Needs
+make_fixtures.py's tokenizer_l / tokenizer_g and make_t5_fixtures.py's t5/tokenizer (--fixtures).
+CPU, fp32, a few seconds.
 """
 import argparse
 import json
 import os
+import shutil
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from safetensors.torch import save_file
-from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
+from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
 
 torch.set_grad_enabled(False)
 
@@ -55,6 +59,16 @@ def make_pipeline(fixtures):
                                     tokenizer_3=None)
 
 
+def with_t5(pipe, fixtures):
+    tok = T5Tokenizer.from_pretrained(os.path.join(fixtures, "t5", "tokenizer"))
+    torch.manual_seed(45)
+    cfg = T5Config(vocab_size=len(tok), d_model=96, d_kv=8, d_ff=101, num_layers=2, num_heads=4,
+                   feed_forward_proj="gated-gelu", dropout_rate=0.0)
+    t5 = T5EncoderModel(cfg).eval()
+    components = dict(pipe.components, text_encoder_3=t5, tokenizer_3=tok)
+    return StableDiffusion3Pipeline(**components)
+
+
 CASES = [
     dict(name="cfg", prompt="a red apple on a white background", negative_prompt="", num_inference_steps=4,
          guidance_scale=5.0, height=32, width=48, seed=7),
@@ -73,11 +87,25 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     pipe = make_pipeline(args.fixtures)
     pipe.save_pretrained(os.path.join(args.out, "tiny-sd3"))
+    pipe_t5 = with_t5(pipe, args.fixtures)
+    pipe_t5.save_pretrained(os.path.join(args.out, "tiny-sd3-t5"))
+    # transformers 5 saves only tokenizer.json; SD3's published folders carry spiece.model too.
+    shutil.copy(os.path.join(args.fixtures, "t5", "tokenizer", "spiece.model"),
+                os.path.join(args.out, "tiny-sd3-t5", "tokenizer_3"))
+    tensors = {}
+    for prefix, p in [("", pipe), ("t5.", pipe_t5)]:
+        tensors.update(run_cases(p, prefix))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(args.out, "sd3_pipeline_cases.safetensors"))
+    with open(os.path.join(args.out, "sd3_pipeline_cases.json"), "w", encoding="utf-8") as f:
+        json.dump(CASES, f, indent=1)
+
+
+def run_cases(pipe, prefix):
     pipe.set_progress_bar_config(disable=True)
     tensors = {}
     for case in CASES:
         c = dict(case)
-        name, seed = c.pop("name"), c.pop("seed")
+        name, seed = prefix + c.pop("name"), c.pop("seed")
         n = c.get("num_images_per_prompt", 1)
         cfg = c["guidance_scale"] > 1
         pe, npe, pp, npp = pipe.encode_prompt(prompt=c["prompt"], prompt_2=None, prompt_3=None,
@@ -92,9 +120,7 @@ def main():
                         f"{name}.latents.final": final, f"{name}.image": image})
         if cfg:
             tensors.update({f"{name}.negative_prompt_embeds": npe, f"{name}.negative_pooled": npp})
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(args.out, "sd3_pipeline_cases.safetensors"))
-    with open(os.path.join(args.out, "sd3_pipeline_cases.json"), "w", encoding="utf-8") as f:
-        json.dump(CASES, f, indent=1)
+    return tensors
 
 
 if __name__ == "__main__":
