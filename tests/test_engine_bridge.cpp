@@ -127,6 +127,27 @@ class TestEngineBridge : public QObject {
     QCOMPARE(finished.count(), 1);
   }
 
+  // Preparing is for GPUs only, and a preparation that fails (here: no CUDA on this machine)
+  // says nothing and leaves the bridge working.
+  void prepareQueuesOnlyGpuRequestsAndFailsSilently() {
+    EngineBridge bridge;
+    QSignalSpy finished(&bridge, &EngineBridge::finished);
+    QSignalSpy failed(&bridge, &EngineBridge::failed);
+    QVERIFY(!bridge.prepare(tiny(2)));  // CPU
+    auto noModel = tiny(2);
+    noModel.model.clear();
+    noModel.device = "cuda:0";
+    QVERIFY(!bridge.prepare(noModel));
+    auto gpu = tiny(2);
+    gpu.device = "cuda:0";
+    QVERIFY(bridge.prepare(gpu));
+    QVERIFY(bridge.prepare(gpu));  // replaces the first
+    QVERIFY(!bridge.isRunning());
+    bridge.start(tiny(2));
+    QTRY_COMPARE_WITH_TIMEOUT(finished.count() + failed.count(), 1, 180000);
+    QCOMPARE(finished.count(), 1);
+  }
+
   void aNewerJobSilencesTheOlderOne() {
     EngineBridge bridge;
     QSignalSpy steps(&bridge, &EngineBridge::stepDone);

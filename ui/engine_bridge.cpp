@@ -56,6 +56,15 @@ EngineBridge::~EngineBridge() {
   m_engine.reset();
 }
 
+bool EngineBridge::prepare(const engine::GenerationRequest& request) {
+  if (request.model.empty() || request.device.rfind("cuda", 0) != 0) return false;
+  if (m_prepareJob) m_prepareJob->cancel();  // a queued one is skipped; one loading finishes
+  engine::JobObserver o;
+  o.on_error = [](const std::string&) {};  // the job that needs the model reports it
+  m_prepareJob = m_engine->preload(request, std::move(o));
+  return true;
+}
+
 quint64 EngineBridge::start(const engine::GenerationRequest& request) {
   if (m_job) m_job->cancel();  // its remaining events are stale from here on
   const quint64 id = ++m_currentJob;

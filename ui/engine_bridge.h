@@ -45,6 +45,10 @@ class EngineBridge : public QObject {
   // Starts a job (cancelling the current one) and returns its id (1, 2, ...).
   quint64 start(const engine::GenerationRequest& request);
   void cancel();
+  // On a GPU, loads the request's model and prepares its size, batch and previews in the
+  // background (engine::Engine::preload), replacing a preparation still queued; silent.
+  // Returns false (nothing queued) for CPU requests and requests without a model.
+  bool prepare(const engine::GenerationRequest& request);
   bool isRunning() const { return m_running; }
   quint64 currentJob() const { return m_currentJob; }
 
@@ -63,6 +67,7 @@ class EngineBridge : public QObject {
 
   std::unique_ptr<engine::Engine> m_engine;
   std::shared_ptr<engine::Job> m_job;
+  std::shared_ptr<engine::Job> m_prepareJob;
   quint64 m_currentJob = 0;
   bool m_running = false;
 };

@@ -125,8 +125,17 @@ QString formatSeconds(double s) {
 MainWindow::MainWindow(QWidget* parent) : QMainWindow(parent), m_bridge(new EngineBridge(this)) {
   setObjectName(QStringLiteral("mainWindow"));
   setWindowTitle(QStringLiteral("Diffract"));
+  m_prepareTimer = new QTimer(this);
+  m_prepareTimer->setSingleShot(true);
+  m_prepareTimer->setInterval(800);
+  connect(m_prepareTimer, &QTimer::timeout, this, [this] {
+    if (m_bridge->isRunning() || m_model->text().trimmed().isEmpty() || !deviceChoice().error.empty()) return;
+    const auto r = requestFromFields();
+    if (r.strategy.empty() || r.strategy == "single") m_bridge->prepare(r);
+  });
   buildUi();
   loadSettings();
+  schedulePrepare();
   m_gallery->setFolder(outputDir());
 
   connect(m_bridge, &EngineBridge::stageTimed, m_timings, &TimingsChart::setStage);
@@ -231,6 +240,7 @@ void MainWindow::buildUi() {
                                                       tr("Checkpoints (*.safetensors *.ckpt)"));
     if (!file.isEmpty()) m_model->setText(file);
   });
+  connect(m_model, &QLineEdit::textChanged, this, &MainWindow::schedulePrepare);
   connect(m_model, &QLineEdit::textChanged, this, [this] {
     matchTaesdToModel();
     updateControls();
@@ -261,6 +271,7 @@ void MainWindow::buildUi() {
   taesdBrowse->setText(tr("Folder…"));
   taesdRow->addWidget(m_taesd, 1);
   taesdRow->addWidget(taesdBrowse);
+  connect(m_taesd, &QLineEdit::textChanged, this, &MainWindow::schedulePrepare);
   connect(m_taesd, &QLineEdit::textChanged, this, [this] {
     m_taesdMatched = false;
     m_taesd->setToolTip(QString());
@@ -290,6 +301,7 @@ void MainWindow::buildUi() {
   sizeRow->insertWidget(1, new QLabel(QStringLiteral("×")));
   fields->addRow(QString(), sizeRow);
   connect(m_sizePreset, &QComboBox::activated, this, &MainWindow::applySizePreset);
+  for (QSpinBox* s : {m_width, m_height}) connect(s, &QSpinBox::valueChanged, this, &MainWindow::schedulePrepare);
   for (QSpinBox* s : {m_width, m_height})
     connect(s, &QSpinBox::valueChanged, this, [this] {
       // Typing a size that no preset has switches to Custom.
@@ -338,6 +350,8 @@ void MainWindow::buildUi() {
   m_batch->setObjectName(QStringLiteral("batchSpin"));
   m_batch->setRange(1, 16);
   fields->addRow(tr("Batch"), m_batch);
+  connect(m_batch, &QSpinBox::valueChanged, this, &MainWindow::schedulePrepare);
+  connect(m_cfg, &QDoubleSpinBox::valueChanged, this, &MainWindow::schedulePrepare);
 
   const BuildInfo info = build_info();
   auto* strategyRow = new QHBoxLayout;
@@ -1102,8 +1116,13 @@ engine::DeviceChoice MainWindow::deviceChoice() const {
   return engine::choose_devices(enabledGpus(), m_strategy->currentData().toString().toStdString(), m_devices->value());
 }
 
+void MainWindow::schedulePrepare() {
+  if (m_prepareTimer) m_prepareTimer->start();
+}
+
 void MainWindow::updateDeviceSummary() {
   if (!m_deviceSummary || !m_strategy || !m_devices) return;
+  schedulePrepare();
   const engine::DeviceChoice c = deviceChoice();
   if (!c.error.empty()) {
     m_deviceSummary->setText(QString::fromStdString(c.error));

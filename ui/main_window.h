@@ -1,5 +1,6 @@
 #pragma once
 #include <QElapsedTimer>
+#include <QTimer>
 #include <QImage>
 #include <QList>
 #include <QSet>
@@ -108,6 +109,10 @@ class MainWindow : public QMainWindow {
   void saveSettings() const;
   void updateControls();
   void updateDeviceSummary();
+  // After the model, size, batch, CFG, previews or devices change (and at start): on a GPU the
+  // engine loads and prepares that job in the background once the fields rest for a moment,
+  // so that Generate starts at full speed.
+  void schedulePrepare();
   void refreshDevices();
   void matchTaesdToModel();
   void showError(const QString& message);
@@ -121,6 +126,7 @@ class MainWindow : public QMainWindow {
                   const JobTimings& timings);
 
   EngineBridge* m_bridge = nullptr;
+  QTimer* m_prepareTimer = nullptr;
   QPlainTextEdit* m_prompt = nullptr;
   QPlainTextEdit* m_negative = nullptr;
   QLineEdit* m_model = nullptr;

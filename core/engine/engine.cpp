@@ -69,8 +69,8 @@ struct Engine::Impl {
         if (job->token().cancelled()) throw Cancelled{};
         if (load_only) {
           std::lock_guard model_lock(model_mutex);
-          model_for(request);
-          if (observer.on_stage) observer.on_stage("loaded", 0.0);
+          const double prepared_ms = model_for(request).prepare(request);
+          if (observer.on_stage) observer.on_stage("loaded", prepared_ms);
         } else {
           auto result = run(request, observer, job->token());
           if (observer.on_done) observer.on_done(result);

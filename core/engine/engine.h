@@ -27,8 +27,9 @@ class Engine {
   std::shared_ptr<Job> submit(GenerationRequest request, JobObserver observer);
 
   // Loads (and on a GPU warms up) the request's model in the background, so that the first
-  // job after start-up runs as fast as later ones. Reports "loaded" through on_stage, errors
-  // through on_error.
+  // job after start-up runs as fast as later ones; on a GPU it also prepares the request's size,
+  // batch and previews (TextToImage::prepare) when they are not the warm-up's. Reports "loaded"
+  // (with the ms spent preparing) through on_stage, errors through on_error.
   std::shared_ptr<Job> preload(GenerationRequest request, JobObserver observer = {});
   // Runs a job on the calling thread (the CLI), with the same model cache. Throws
   // diffract::Error or Cancelled.

@@ -1,5 +1,6 @@
 #include "core/pipeline/pipeline_util.h"
 
+#include <cstdlib>
 #include <optional>
 #include <sstream>
 
@@ -9,6 +10,7 @@
 
 #include "core/parallel/device_group.h"
 #include "core/parallel/strategies.h"
+#include "core/pipeline/text_to_image.h"
 
 #include "core/schedulers/sampler.h"
 #include "core/util/error.h"
@@ -92,6 +94,40 @@ double warm_up(const std::string& device, const std::string& taesd,
   log::get("pipeline").info(log::str("warm-up in ", static_cast<int>(ms), " ms"));
   return ms;
 }
+
+}  // namespace diffract::pipeline::detail
+
+namespace diffract::pipeline {
+
+double TextToImage::prepare(const engine::GenerationRequest& request) {
+  if (device().rfind("cuda", 0) != 0 || !(request.strategy.empty() || request.strategy == "single")) return 0;
+  const int w = request.width > 0 ? request.width : native_size(), h = request.height > 0 ? request.height : native_size();
+  const bool cfg = request.cfg > 1.0, previews = request.preview_every > 0;
+  if (w == native_size() && h == native_size() && request.batch == 1 && cfg) return 0;  // warm_up()'s
+  const std::string key = std::to_string(w) + "x" + std::to_string(h) + "x" + std::to_string(request.batch) +
+                          (cfg ? " cfg " : " ") + (previews ? request.taesd : std::string());
+  if (!prepared_.insert(key).second) return 0;
+  const auto t0 = detail::Clock::now();
+  auto r = request;
+  r.width = w;
+  r.height = h;
+  r.steps = 2;
+  r.prompt = "warm-up";
+  r.seed = 0;
+  engine::JobObserver o;
+  if (previews) {
+    r.preview_every = 1;
+    o.on_preview = [](const engine::PreviewEvent&) {};
+  }
+  generate(r, o, engine::CancelToken{});
+  const double ms = detail::ms_since(t0);
+  log::get("pipeline").info(log::str("prepared ", key, " in ", static_cast<int>(ms), " ms"));
+  return ms;
+}
+
+}  // namespace diffract::pipeline
+
+namespace diffract::pipeline::detail {
 
 StepReporter::StepReporter(const c10::Device& device, const engine::GenerationRequest& req,
                            const engine::JobObserver& observer, const schedulers::Sampler& sampler, Preview preview,

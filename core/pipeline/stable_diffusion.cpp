@@ -396,6 +396,7 @@ std::unique_ptr<StableDiffusion> StableDiffusion::random(Family family, bool tin
   use_builtin_scheduler(*p, family == Family::SD2 ? "v_prediction" : "epsilon", p->path.string());
   p->taesd->eval();
   p->taesd->to(p->device, p->dtype);
+  if (p->device.is_cuda()) models::set_memory_format(*p->taesd, at::MemoryFormat::ChannelsLast);
   p->place();
   p->load_ms = ms_since(t0);
   return std::unique_ptr<StableDiffusion>(new StableDiffusion(std::move(p)));
@@ -685,6 +686,7 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
   if (!req.taesd.empty() && req.taesd != p.taesd_path) {
     p.taesd = models::load_taesd(req.taesd);
     p.taesd->to(p.device, p.dtype);
+    if (p.device.is_cuda()) models::set_memory_format(*p.taesd, at::MemoryFormat::ChannelsLast);
     p.taesd_path = req.taesd;
   }
   const bool use_taesd = !req.taesd.empty();

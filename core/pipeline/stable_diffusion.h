@@ -32,7 +32,7 @@ class StableDiffusion : public TextToImage {
   Family family() const;
   const std::filesystem::path& path() const override;
   const std::string& device() const override;
-  int native_size() const;  // pixels, square
+  int native_size() const override;  // pixels, square
 
   // One short job at the native size (2 steps, CFG, previews) so that cuDNN's plans, the CUDA
   // graph of the default shape and the allocator's pools exist before the first real job.

@@ -400,6 +400,7 @@ engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequ
                   " latent channels cannot preview SD3's " + std::to_string(channels) + " (use taesd3)");
     taesd->eval();
     taesd->to(p.device, p.dtype);
+    if (p.device.is_cuda()) models::set_memory_format(*taesd, at::MemoryFormat::ChannelsLast);
     p.taesd = taesd;
     p.taesd_path = req.taesd;
   }

@@ -41,7 +41,7 @@ class StableDiffusion3 : public TextToImage {
 
   const std::filesystem::path& path() const override;
   const std::string& device() const override;
-  int native_size() const;  // pixels, square
+  int native_size() const override;  // pixels, square
   bool has_t5() const;      // T5 is loaded
   bool t5_dropped() const;  // the folder lists a T5 encoder that is not loaded
   int max_sequence_length() const;  // T5's tokens after CLIP's 77 (diffusers' default 256)

@@ -1,6 +1,7 @@
 #pragma once
 #include <filesystem>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "core/engine/generation.h"
@@ -14,12 +15,22 @@ class TextToImage {
   virtual ~TextToImage() = default;
   virtual const std::filesystem::path& path() const = 0;
   virtual const std::string& device() const = 0;
+  virtual int native_size() const = 0;  // pixels, square
   // A short job so that the first real one runs at full speed on a GPU; ms, 0 on the CPU.
   virtual double warm_up() = 0;
+  // On a GPU, a 2-step job of the request's size, batch, CFG and previews, once per such shape
+  // (graph capture, cuDNN plans, allocator growth: 1.7x the time of later jobs for SDXL at
+  // batch 4), so that its first real job runs at full speed. warm_up() covers the native size
+  // at batch 1. Single-device jobs only (strategies warm their ranks themselves). Returns ms;
+  // 0 when there was nothing to do.
+  double prepare(const engine::GenerationRequest& request);
   // Runs one job on the calling thread. Throws diffract::Error with a readable message, or
   // engine::Cancelled when `cancel` fires (checked between steps).
   virtual engine::GenerationResult generate(const engine::GenerationRequest& request, const engine::JobObserver& observer,
                                             const engine::CancelToken& cancel) = 0;
+
+ private:
+  std::set<std::string> prepared_;
 };
 
 // Whether `model` is a diffusers SD3 folder: model_index.json's _class_name names a

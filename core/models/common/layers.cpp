@@ -59,6 +59,12 @@ bool fused_group_norm_available() { return false; }
 void set_fused_group_norm(bool on) { g_fused_group_norm = on; }
 bool fused_group_norm_enabled() { return fused_group_norm_available() && g_fused_group_norm; }
 
+void set_memory_format(torch::nn::Module& module, at::MemoryFormat format) {
+  at::NoGradGuard no_grad;
+  for (auto& w : module.parameters())
+    if (w.dim() == 4) w.set_data(w.contiguous(format));
+}
+
 GroupNormImpl::GroupNormImpl(const GroupNormOptions& o) : options(o) {
   TORCH_CHECK(o.groups > 0 && o.channels % o.groups == 0, "GroupNorm: ", o.channels, " channels in ", o.groups,
               " groups");

@@ -98,6 +98,10 @@ bool fused_group_norm_available();
 void set_fused_group_norm(bool on);
 bool fused_group_norm_enabled();
 
+// Every 4-D parameter of `module` (convolution weights) in memory format `format`, in place.
+// cuDNN runs its NHWC kernels on channels-last weights and inputs without converting them first.
+void set_memory_format(torch::nn::Module& module, at::MemoryFormat format);
+
 // Random weights for every Linear, Conv2d and Embedding in `module`, drawn as LibTorch's
 // constructors drew them: kaiming_uniform_(a = sqrt(5)) on a weight and uniform(+-1/sqrt(fan_in))
 // on its bias; normal(0, 1) on an embedding. Layers are drawn for in the order they were

@@ -48,10 +48,7 @@ UNetGraphRunner::UNetGraphRunner(UNet2DConditionModel unet, UNetGraphOptions opt
 void UNetGraphRunner::set_channels_last(bool on) {
   if (on == options_.channels_last) return;
   clear();
-  const auto format = on ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
-  at::NoGradGuard no_grad;
-  for (auto& w : unet_->parameters())
-    if (w.dim() == 4) w.set_data(w.contiguous(format));
+  set_memory_format(*unet_, on ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
   options_.channels_last = on;
 }
 
