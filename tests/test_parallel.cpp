@@ -676,6 +676,25 @@ class TestParallel : public QObject {
       cancelled = true;
     }
     QVERIFY(cancelled);
+    // AsyncDiff, cancelled in its stale steps while states are in flight between 3 ranks.
+    engine::CancelToken token3;
+    in = inputs(schedulers::SamplerKind::Euler, 6, 1, 5.0);
+    in.cancel = &token3;
+    int last = -1;
+    in.on_step = [&](int i, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+      last = i;
+      if (i == 2) token3.cancel();
+    };
+    AsyncDiff a;
+    a.n = 3;
+    cancelled = false;
+    try {
+      run(a, in);
+    } catch (const engine::Cancelled&) {
+      cancelled = true;
+    }
+    QVERIFY(cancelled);
+    QVERIFY(last >= 2 && last < 5);
   }
 
   // --- AsyncDiff: the UNet's sequential layers, the synchronous and the stale loop ---
