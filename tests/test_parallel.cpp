@@ -641,6 +641,19 @@ class TestParallel : public QObject {
       QVERIFY(par.metadata_json.find("\"rel_mae\"") != std::string::npos);
       DIFFRACT_EXPECT_ERROR(sd->generate(req, {}, never, make_strategy("pipefusion", 2).get()), "pipefusion",
                             "SD3 only");
+      // AsyncDiff through the pipeline: all steps synchronous is the plain loop; with its
+      // default one warm-up step it runs stale and says so.
+      AsyncDiff sync;
+      sync.n = 3;
+      sync.warmup = req.steps;
+      const auto synced = sd->generate(req, {}, never, &sync);
+      const auto& s3 = synced.images.front().rgb;
+      worst = 0;
+      for (std::size_t i = 0; i < s3.size(); ++i) worst = std::max(worst, std::abs(int(s3[i]) - int(b[i])));
+      QVERIFY2(worst <= 1, qPrintable(QString("%1: synchronous asyncdiff differs by %2 levels").arg(model).arg(worst)));
+      const auto stale = sd->generate(req, {}, never, make_strategy("asyncdiff", 2).get());
+      QVERIFY(stale.metadata_json.find("one-step-stale") != std::string::npos);
+      QVERIFY(stale.metadata_json.find("\"messages_per_step\":[2,2,2,1]") != std::string::npos);
     }
   }
 
