@@ -21,8 +21,8 @@ void AsyncDiff::validate(std::int64_t, bool) const {
                 std::to_string(warmup));
   if (stride != 1)
     throw Error("asyncdiff: stride " + std::to_string(stride) +
-                " (stride denoising, each component's result reused for several steps) is not implemented; use "
-                "stride 1");
+                " (stride denoising: each component's result reused for several steps, which the reference "
+                "runs on n + 1 devices) is not implemented; use stride 1");
 }
 
 std::vector<int> AsyncDiff::balanced_split(const std::vector<double>& cost, int n) {

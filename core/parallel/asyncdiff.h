@@ -22,18 +22,25 @@ namespace diffract::parallel {
 //   after the other (each waits for the previous one's state), which is one device's
 //   evaluation, bit for bit. warmup >= steps is exactly one device.
 //  Stale steps t >= warmup: component 0 runs on x_t; component k > 0 runs on the state
-//   component k-1 produced at step t-1 (its input at t-1 had gone through components 0..k-2 at
-//   t-1, ...). Stale, then: the hidden state h and every skip connection the state carries
-//   across the boundary (the skips the down path produced before the boundary and the up path
-//   has not consumed yet; they travel with h, so everything a component reads from outside
-//   itself is one state, all of it from step t-1). Fresh: the timestep (each component
-//   embeds t itself, and the SDXL added embedding with it), the text conditioning (each rank has
-//   its own copy), and within a component everything it computes. The last component's output
-//   at step t is eps_t (so it has seen x_{t-n+1}'s data through n components of decreasing
-//   staleness); rank 0 alone runs the sampler on it.
+//   component k-1 produced at step t-1, at step t's timestep. That state is h and every skip
+//   connection crossing boundary k (made by the down path before it, not yet consumed by the
+//   up path); the skips travel with h, one message per boundary. Exactly what is stale, then:
+//   h is from step t-1; a skip made by component j < k reached component k through the states
+//   of components j+1 .. k-1, one step each, so it was made at step max(t-(k-j), warmup-1): at
+//   t-1 when j = k-1 (always so for n = 2), one step older per component in between for n >= 3.
+//   Component k's input is thus one consistent partial pass: components 0..k-1 applied to
+//   x_{t-k}, component i at step t-k+i's timestep (near the warm-up the chain starts at its
+//   last synchronous step, where all of them ran on that step's x). eps_t, the last
+//   component's output, completes such a pass. Fresh: the timestep (each component embeds t itself, with SDXL's added
+//   embedding), the text conditioning (each rank has its own copy) and everything a component
+//   computes inside itself. (The reference implementation broadcasts every module's output to
+//   every rank each step, so there every crossing skip is from t-1 and component k's inputs mix
+//   lineages; the one-state-per-boundary design here needs n messages a step, not a broadcast
+//   per module.) Rank 0 alone runs the sampler on eps_t.
 //  CFG: both branches as one batch of 2B through every component, combined on the last rank.
 //   Splitting the branches over 2n devices is not implemented (the group must have n devices).
-//  Stride (the paper's stride denoising, S steps per component result): only S = 1.
+//  Stride (the paper's stride denoising, S steps per component result; the reference runs S = 2
+//   on n + 1 devices): only S = 1, other values are refused.
 //  Messages, point to point, one tensor each (a state is packed flat: h then its skips): rank k
 //   sends its output state to rank k+1 and the last rank sends eps (guided) to rank 0: n per
 //   step, but only eps (1 message) in a stale last step, whose states nobody would consume. Per
