@@ -132,7 +132,11 @@ class TestParallel : public QObject {
   // first `warmup` steps through the components in order; later, component 0 on x_t and
   // component k > 0 on the state component k-1 produced at the step before, at this step's
   // timestep; the last component's output is the step's (guided) eps. pos_ / neg_ as inputs() left them.
-  at::Tensor simulate_asyncdiff(const LoopInputs& in, models::UNet2DConditionModel u, int n, int warmup, double scale) {
+  // Without `lineage`, as the reference runs it: every layer before component k's returns its
+  // output of the step before (a skip-pushing layer pushes it, a consuming one pops), which is
+  // component k's input; with `lineage`, component k takes component k-1's whole output state.
+  at::Tensor simulate_asyncdiff(const LoopInputs& in, models::UNet2DConditionModel u, int n, int warmup, double scale,
+                                bool lineage = false) {
     at::NoGradGuard no_grad;
     auto sampler = schedulers::Sampler::create(in.kind, in.config, in.steps);
     at::Generator gen = in.generator.clone();
@@ -148,6 +152,11 @@ class TestParallel : public QObject {
     std::vector<double> cost;
     for (const auto& l : u->layer_info(in.latents.size(2), in.latents.size(3))) cost.push_back(l.cost);
     const auto b = AsyncDiff::balanced_split(cost, n);
+    const int layers = u->layer_count();
+    std::vector<int> depth;  // the skip stack's depth before each layer
+    for (int j = 0; j <= layers; ++j)
+      depth.push_back(static_cast<int>(u->stage_shapes(j, 1, in.latents.size(2), in.latents.size(3)).size()) - 1);
+    std::vector<at::Tensor> cached(static_cast<std::size_t>(layers));  // each layer's output h at the step before
     std::vector<models::UNetStageState> prev(static_cast<std::size_t>(n));  // each component's input at the step before
     auto x = in.latents.clone();
     for (int i = 0; i < in.steps; ++i) {
@@ -157,14 +166,27 @@ class TestParallel : public QObject {
       std::vector<models::UNetStageState> now(static_cast<std::size_t>(n));
       now[0] = u->stage_begin(xin, t, c);
       at::Tensor out;
+      auto fresh = cached;
       for (int k = 0; k < n; ++k) {
         const auto uk = static_cast<std::size_t>(k);
         auto s = i < warmup || k == 0 ? now[uk] : prev[uk];
+        if (i >= warmup && k > 0 && !lineage) {
+          s = models::UNetStageState{};
+          for (int j = 0; j < b[uk]; ++j) {
+            s.h = cached[static_cast<std::size_t>(j)];
+            if (depth[static_cast<std::size_t>(j) + 1] > depth[static_cast<std::size_t>(j)]) s.skips.push_back(s.h);
+            if (depth[static_cast<std::size_t>(j) + 1] < depth[static_cast<std::size_t>(j)]) s.skips.pop_back();
+          }
+        }
         s.temb = u->embed_time(t, c, at::kFloat);
-        u->forward_range(s, b[uk], b[uk + 1], c);
+        for (int j = b[uk]; j < b[uk + 1]; ++j) {
+          u->forward_range(s, j, j + 1, c);
+          fresh[static_cast<std::size_t>(j)] = s.h;
+        }
         if (k + 1 < n) now[uk + 1] = s;
         else out = s.h;
       }
+      cached = fresh;
       prev = now;
       at::Tensor eps = out;
       if (cfg) {
@@ -813,20 +835,28 @@ class TestParallel : public QObject {
       int n, warmup;
       double cfg;
       bool xl;
+      bool lineage = false;
     };
     for (const auto& k : {Case{schedulers::SamplerKind::Euler, 2, 1, 5.0, false}, Case{schedulers::SamplerKind::Euler, 2, 2, 1.0, false},
                           Case{schedulers::SamplerKind::DPMPP2M, 3, 1, 5.0, false}, Case{schedulers::SamplerKind::Euler, 3, 2, 1.0, false},
                           Case{schedulers::SamplerKind::DDIM, 4, 1, 5.0, false}, Case{schedulers::SamplerKind::Euler, 2, 1, 5.0, true},
-                          Case{schedulers::SamplerKind::Euler, 3, 1, 1.0, true}}) {
+                          Case{schedulers::SamplerKind::Euler, 3, 1, 1.0, true},
+                          Case{schedulers::SamplerKind::Euler, 3, 1, 5.0, false, true},
+                          Case{schedulers::SamplerKind::DPMPP2M, 4, 2, 1.0, false, true}}) {
       const int steps = 6;
       auto in = inputs(k.kind, steps, 1, k.cfg, 7, k.xl ? sdxl() : unet_);
       AsyncDiff a;
       a.n = k.n;
       a.warmup = k.warmup;
+      a.lineage_skips = k.lineage;
       const auto out = run(a, in);
-      const auto sim = simulate_asyncdiff(in, k.xl ? sdxl() : unet_, k.n, k.warmup, k.cfg);
-      const auto what = QString("n %1 warmup %2 cfg %3 xl %4").arg(k.n).arg(k.warmup).arg(k.cfg).arg(k.xl);
+      const auto sim = simulate_asyncdiff(in, k.xl ? sdxl() : unet_, k.n, k.warmup, k.cfg, k.lineage);
+      const auto what =
+          QString("n %1 warmup %2 cfg %3 xl %4 lineage %5").arg(k.n).arg(k.warmup).arg(k.cfg).arg(k.xl).arg(k.lineage);
       QVERIFY2(test::max_abs_diff(out.latents, sim) < 1e-5, qPrintable(what));
+      // The other skip rule: the same for 2 components, different from 3 on.
+      const auto other = simulate_asyncdiff(in, k.xl ? sdxl() : unet_, k.n, k.warmup, k.cfg, !k.lineage);
+      QVERIFY2(k.n == 2 ? test::max_abs_diff(other, sim) < 1e-5 : test::max_abs_diff(other, sim) > 1e-6, qPrintable(what));
       const auto base = run(SingleDevice{}, in);
       const double rel = (out.latents - base.latents).norm().item<double>() / base.latents.norm().item<double>();
       // Four components of a tiny random UNet, three of them stale, drift far (0.97 at 6 steps).

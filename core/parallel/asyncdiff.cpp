@@ -127,6 +127,17 @@ LoopOutput AsyncDiff::run(DeviceGroup& g, const LoopInputs& in) const {
     for (const auto& s : shapes[static_cast<std::size_t>(k)]) state_numel[static_cast<std::size_t>(k)] += numel_of(s);
   }
 
+  // Producer skips: how many of its input's skips component k (k > 0) passes on untouched (the
+  // bottom of its output's stack, below the ones it pushes): the least depth the skip stack
+  // reaches inside it.
+  std::vector<std::size_t> carried(static_cast<std::size_t>(n), 0);
+  for (int k = 1; k < n; ++k) {
+    std::size_t least = std::numeric_limits<std::size_t>::max();
+    for (int j = bounds[static_cast<std::size_t>(k)]; j <= bounds[static_cast<std::size_t>(k) + 1]; ++j)
+      least = std::min(least, d0.stage_shapes(j, height, width, branch).size() - 1);
+    carried[static_cast<std::size_t>(k)] = least;
+  }
+
   std::vector<std::int64_t> messages(static_cast<std::size_t>(steps), 0), step_bytes(messages);
   std::mutex stats_mutex;
   const auto sent = [&](int step, const at::Tensor& t) {
@@ -179,6 +190,13 @@ LoopOutput AsyncDiff::run(DeviceGroup& g, const LoopInputs& in) const {
       if (stale && feed) {
         input = state_buffer();
         comm.recv(input, rank - 1);
+        // The skips this component carried came with its input from step i - 1; the state just
+        // received holds the same ones as their producers made them at step i (refreshed
+        // likewise by rank - 1 before it sent), which is what rank + 1 gets.
+        if (!lineage_skips && !tail) {
+          const auto fresh = unpack(input, shapes[static_cast<std::size_t>(rank)]);
+          for (std::size_t q = 0; q < carried[static_cast<std::size_t>(rank)]; ++q) st.skips[q] = fresh.skips[q];
+        }
       }
       if (!tail) {
         if (feed) {
@@ -223,8 +241,9 @@ LoopOutput AsyncDiff::run(DeviceGroup& g, const LoopInputs& in) const {
   o.stats.note = std::to_string(n) + " sequential components of " + std::to_string(layers.size()) + " UNet layers [" +
                  split + "]; " + std::to_string(sync_steps) + " synchronous step(s), then " +
                  std::to_string(steps - sync_steps) +
-                 " one-step-stale step(s) (each component on the previous one's state from the step before), stride " +
-                 std::to_string(stride);
+                 " one-step-stale step(s) (each component on the previous one's state from the step before, the skips " +
+                 (lineage_skips ? std::string("as that state carried them") : std::string("from their producers")) +
+                 "), stride " + std::to_string(stride);
   return o;
 }
 

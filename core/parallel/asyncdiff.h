@@ -25,18 +25,19 @@ namespace diffract::parallel {
 //   component k-1 produced at step t-1, at step t's timestep. That state is h and every skip
 //   connection crossing boundary k (made by the down path before it, not yet consumed by the
 //   up path); the skips travel with h, one message per boundary. Exactly what is stale, then:
-//   h is from step t-1; a skip made by component j < k reached component k through the states
-//   of components j+1 .. k-1, one step each, so it was made at step max(t-(k-j), warmup-1): at
-//   t-1 when j = k-1 (always so for n = 2), one step older per component in between for n >= 3.
-//   Component k's input is thus one consistent partial pass: components 0..k-1 applied to
-//   x_{t-k}, component i at step t-k+i's timestep (near the warm-up the chain starts at its
-//   last synchronous step, where all of them ran on that step's x). eps_t, the last
-//   component's output, completes such a pass. Fresh: the timestep (each component embeds t itself, with SDXL's added
+//   h, the output of component k-1 at step t-1; every crossing skip, as its producer (the
+//   component j < k owning the layer that made it) made it at step t-1, as in the reference
+//   implementation, where every module's output of the step before is what the other ranks
+//   use. That costs no extra message: every rank receives before it sends, so rank k-1, having
+//   received the state rank k-2 made at t-1, swaps the skips it carried in from t-2 for those
+//   (already refreshed the same way) before sending. With lineage_skips the swap is off and a
+//   skip made by component j reaches component k as the states carried it, made at step
+//   max(t-(k-j), warmup-1); component k's input is then one consistent partial pass
+//   (components 0..k-1 on x_{t-k}, component i at step t-k+i's timestep). For n = 2 the two are
+//   the same. Fresh in both: the timestep (each component embeds t itself, with SDXL's added
 //   embedding), the text conditioning (each rank has its own copy) and everything a component
-//   computes inside itself. (The reference implementation broadcasts every module's output to
-//   every rank each step, so there every crossing skip is from t-1 and component k's inputs mix
-//   lineages; the one-state-per-boundary design here needs n messages a step, not a broadcast
-//   per module.) Rank 0 alone runs the sampler on eps_t.
+//   computes inside itself. eps_t is the last component's output; rank 0 alone runs the
+//   sampler on it.
 //  CFG: both branches as one batch of 2B through every component, combined on the last rank.
 //   Splitting the branches over 2n devices is not implemented (the group must have n devices).
 //  Stride (the paper's stride denoising, S steps per component result; the reference runs S = 2
@@ -53,6 +54,7 @@ struct AsyncDiff final : Strategy {
   int n = 2;       // components (devices)
   int warmup = 1;  // synchronous steps first (>= 1)
   int stride = 1;  // S; only 1 is implemented
+  bool lineage_skips = false;  // crossing skips as the states carried them, not from their producers
 
   std::string name() const override { return "asyncdiff"; }
   int devices() const override { return n; }
