@@ -183,7 +183,7 @@ LoopOutput AsyncDiff::run(DeviceGroup& g, const LoopInputs& in) const {
         }
         auto eps = at::empty(me.x.sizes(), me.x.options().dtype(den.output_dtype()));
         comm.recv(eps, n - 1);
-        me.x = refine(me, rank, in, eps.to(me.x.device()), i, me.x);
+        me.x = refine(me, rank, in, eps, i, me.x);
         continue;
       }
       // A stale step's input for step i + 1 comes now, after this step's work.
@@ -217,6 +217,9 @@ LoopOutput AsyncDiff::run(DeviceGroup& g, const LoopInputs& in) const {
   auto o = finish(*this, in, g, result, steps, steps, bytes.load());
   o.stats.messages_per_step = messages;
   o.stats.bytes_per_step = step_bytes;
+  double total = 0;
+  for (double v : cost) total += v;
+  total = std::max(total, 1.0);
   std::string split;
   for (int k = 0; k < n; ++k) {
     std::int64_t weights = 0;
@@ -226,11 +229,6 @@ LoopOutput AsyncDiff::run(DeviceGroup& g, const LoopInputs& in) const {
       c += layers[static_cast<std::size_t>(j)].cost;
     }
     o.stats.weights_per_rank.push_back(weights);
-    const double total = std::max(1.0, [&] {
-      double s = 0;
-      for (double v : cost) s += v;
-      return s;
-    }());
     split += (k ? ", " : "") + std::string("rank ") + std::to_string(k) + ": layers " +
              std::to_string(bounds[static_cast<std::size_t>(k)]) + ".." +
              std::to_string(bounds[static_cast<std::size_t>(k) + 1] - 1) + " (" +
