@@ -277,7 +277,8 @@ int main(int argc, char** argv) {
   auto* cmp_cmd = app.add_subcommand("compare", "A strategy against the one-device baseline, same seed: speed and quality");
   add_generation_options(cmp_cmd, req, /*with_strategy=*/false);
   cmp_cmd->add_option("--strategy", compare_strategy,
-                      "cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip")
+                      "cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip, "
+                      "pipefusion (SD3), asyncdiff (SD / SDXL)")
       ->required();
   cmp_cmd->add_option("--devices", compare_devices, "devices (drafts per round for DRiffusion, skip for step-skip)")
       ->capture_default_str();

@@ -65,6 +65,10 @@ class TestDevices : public QObject {
     QVERIFY(c.error.empty());
     QCOMPARE(c.device, std::string("cuda:2"));
     QCOMPARE(c.devices, 2);
+    c = choose_devices({1, 2, 3}, "asyncdiff", 1);  // one UNet component per enabled GPU
+    QVERIFY(c.error.empty());
+    QCOMPARE(c.device, std::string("cuda:1"));
+    QCOMPARE(c.devices, 3);
   }
 
   void stepSkipKeepsItsSkipFactor() {

@@ -10,6 +10,7 @@
 #include "core/models/common/layers.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_2d_condition.h"
+#include "core/parallel/asyncdiff.h"
 #include "core/parallel/communicator.h"
 #include "core/parallel/device_group.h"
 #include "core/parallel/pipefusion.h"
@@ -48,6 +49,20 @@ class Counting final : public Denoiser {
   at::Tensor outer_up(models::UNetOuterState st, const at::Tensor& in, Branch b, int split) override {
     return inner_->outer_up(std::move(st), in, b, split);
   }
+  std::vector<models::UNetLayerInfo> stage_layers(std::int64_t h, std::int64_t w) const override {
+    return inner_->stage_layers(h, w);
+  }
+  models::UNetStageState stage_input(const at::Tensor& x, double t, Branch b) override {
+    return inner_->stage_input(x, t, b);
+  }
+  void run_stage(models::UNetStageState& s, int begin, int end, double t, Branch b) override {
+    if (fail_) throw Error("simulated device failure");
+    inner_->run_stage(s, begin, end, t, b);
+  }
+  at::Tensor stage_output(const models::UNetStageState& s, Branch b) override { return inner_->stage_output(s, b); }
+  std::vector<std::vector<std::int64_t>> stage_shapes(int layer, std::int64_t h, std::int64_t w, Branch b) const override {
+    return inner_->stage_shapes(layer, h, w, b);
+  }
 
  private:
   std::unique_ptr<Denoiser> inner_;
@@ -65,13 +80,22 @@ class TestParallel : public QObject {
   int fail_rank_ = -1;
   models::UNetConditioning pos_, neg_;  // the last inputs()' conditioning
 
-  LoopInputs inputs(schedulers::SamplerKind kind, int steps, int batch, double cfg, std::uint64_t seed = 7) {
+  // `model`: the tiny SD UNet when null (the tiny SDXL one gets pooled text and time ids too).
+  LoopInputs inputs(schedulers::SamplerKind kind, int steps, int batch, double cfg, std::uint64_t seed = 7,
+                    models::UNet2DConditionModel model = nullptr) {
+    if (!model) model = unet_;
     at::Generator g = at::detail::createCPUGenerator(seed);
-    const auto& c = unet_->config;
+    const auto& c = model->config;
     const int64_t ctx = c.cross_attention_dim.front();
     models::UNetConditioning pos, neg;
     pos.encoder_hidden_states = at::randn({batch, 5, ctx}, g);
     neg.encoder_hidden_states = at::randn({batch, 5, ctx}, g);
+    if (c.addition_embed_type == "text_time") {
+      const int64_t pooled = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim;
+      pos.text_embeds = at::randn({batch, pooled}, g);
+      neg.text_embeds = at::randn({batch, pooled}, g);
+      pos.time_ids = neg.time_ids = at::tensor({16.0f, 16.0f, 0.0f, 0.0f, 16.0f, 16.0f}).repeat({batch, 1});
+    }
     pos_ = pos;
     neg_ = neg;
     LoopInputs in;
@@ -81,7 +105,7 @@ class TestParallel : public QObject {
     auto sampler = schedulers::Sampler::create(kind, in.config, steps);
     in.latents = at::randn({batch, c.in_channels, c.sample_size, c.sample_size}, g) * sampler->init_noise_sigma();
     in.generator = g;
-    auto unet = std::make_shared<models::UNetGraphRunner>(unet_);
+    auto unet = std::make_shared<models::UNetGraphRunner>(model);
     in.make_denoiser = [this, unet, pos, neg, cfg](int rank, const c10::Device& d) -> std::unique_ptr<Denoiser> {
       return std::make_unique<Counting>(std::make_unique<UNetDenoiser>(unet, pos, neg, cfg, at::kFloat, d), evals_,
                                         rank == fail_rank_);
@@ -93,6 +117,85 @@ class TestParallel : public QObject {
     evals_ = 0;
     auto group = DeviceGroup::virtual_cpu(s.devices());
     return s.run(*group, in);
+  }
+
+  models::UNet2DConditionModel sdxl_{nullptr};
+  models::UNet2DConditionModel sdxl() {
+    if (!sdxl_) {
+      sdxl_ = models::load_unet_2d_condition(test::fixtures() / "tiny-sdxl" / "unet");
+      sdxl_->eval();
+    }
+    return sdxl_;
+  }
+
+  // AsyncDiff as its header describes it, in one thread, on the UNet's layers directly: the
+  // first `warmup` steps through the components in order; later, component 0 on x_t and
+  // component k > 0 on the state component k-1 produced at the step before, at this step's
+  // timestep; the last component's output is the step's (guided) eps. pos_ / neg_ as inputs() left them.
+  // Without `lineage`, as the reference runs it: every layer before component k's returns its
+  // output of the step before (a skip-pushing layer pushes it, a consuming one pops), which is
+  // component k's input; with `lineage`, component k takes component k-1's whole output state.
+  at::Tensor simulate_asyncdiff(const LoopInputs& in, models::UNet2DConditionModel u, int n, int warmup, double scale,
+                                bool lineage = false) {
+    at::NoGradGuard no_grad;
+    auto sampler = schedulers::Sampler::create(in.kind, in.config, in.steps);
+    at::Generator gen = in.generator.clone();
+    const bool cfg = scale > 1;
+    models::UNetConditioning c = pos_;
+    if (cfg) {
+      c.encoder_hidden_states = at::cat({neg_.encoder_hidden_states, pos_.encoder_hidden_states});
+      if (pos_.text_embeds.defined()) {
+        c.text_embeds = at::cat({neg_.text_embeds, pos_.text_embeds});
+        c.time_ids = at::cat({neg_.time_ids, pos_.time_ids});
+      }
+    }
+    std::vector<double> cost;
+    for (const auto& l : u->layer_info(in.latents.size(2), in.latents.size(3))) cost.push_back(l.cost);
+    const auto b = AsyncDiff::balanced_split(cost, n);
+    const int layers = u->layer_count();
+    std::vector<int> depth;  // the skip stack's depth before each layer
+    for (int j = 0; j <= layers; ++j)
+      depth.push_back(static_cast<int>(u->stage_shapes(j, 1, in.latents.size(2), in.latents.size(3)).size()) - 1);
+    std::vector<at::Tensor> cached(static_cast<std::size_t>(layers));  // each layer's output h at the step before
+    std::vector<models::UNetStageState> prev(static_cast<std::size_t>(n));  // each component's input at the step before
+    auto x = in.latents.clone();
+    for (int i = 0; i < in.steps; ++i) {
+      const auto x1 = sampler->scale_model_input(x, i);
+      const auto xin = cfg ? at::cat({x1, x1}) : x1;
+      const auto t = at::full({xin.size(0)}, sampler->timesteps()[static_cast<std::size_t>(i)], at::kFloat);
+      std::vector<models::UNetStageState> now(static_cast<std::size_t>(n));
+      now[0] = u->stage_begin(xin, t, c);
+      at::Tensor out;
+      auto fresh = cached;
+      for (int k = 0; k < n; ++k) {
+        const auto uk = static_cast<std::size_t>(k);
+        auto s = i < warmup || k == 0 ? now[uk] : prev[uk];
+        if (i >= warmup && k > 0 && !lineage) {
+          s = models::UNetStageState{};
+          for (int j = 0; j < b[uk]; ++j) {
+            s.h = cached[static_cast<std::size_t>(j)];
+            if (depth[static_cast<std::size_t>(j) + 1] > depth[static_cast<std::size_t>(j)]) s.skips.push_back(s.h);
+            if (depth[static_cast<std::size_t>(j) + 1] < depth[static_cast<std::size_t>(j)]) s.skips.pop_back();
+          }
+        }
+        s.temb = u->embed_time(t, c, at::kFloat);
+        for (int j = b[uk]; j < b[uk + 1]; ++j) {
+          u->forward_range(s, j, j + 1, c);
+          fresh[static_cast<std::size_t>(j)] = s.h;
+        }
+        if (k + 1 < n) now[uk + 1] = s;
+        else out = s.h;
+      }
+      cached = fresh;
+      prev = now;
+      at::Tensor eps = out;
+      if (cfg) {
+        auto parts = out.chunk(2);
+        eps = parts[0] + scale * (parts[1] - parts[0]);
+      }
+      x = sampler->step(eps, i, x, gen);
+    }
+    return x;
   }
 
   models::SD3Transformer2DModel sd3_{nullptr};
@@ -560,6 +663,19 @@ class TestParallel : public QObject {
       QVERIFY(par.metadata_json.find("\"rel_mae\"") != std::string::npos);
       DIFFRACT_EXPECT_ERROR(sd->generate(req, {}, never, make_strategy("pipefusion", 2).get()), "pipefusion",
                             "SD3 only");
+      // AsyncDiff through the pipeline: all steps synchronous is the plain loop; with its
+      // default one warm-up step it runs stale and says so.
+      AsyncDiff sync;
+      sync.n = 3;
+      sync.warmup = req.steps;
+      const auto synced = sd->generate(req, {}, never, &sync);
+      const auto& s3 = synced.images.front().rgb;
+      worst = 0;
+      for (std::size_t i = 0; i < s3.size(); ++i) worst = std::max(worst, std::abs(int(s3[i]) - int(b[i])));
+      QVERIFY2(worst <= 1, qPrintable(QString("%1: synchronous asyncdiff differs by %2 levels").arg(model).arg(worst)));
+      const auto stale = sd->generate(req, {}, never, make_strategy("asyncdiff", 2).get());
+      QVERIFY(stale.metadata_json.find("one-step-stale") != std::string::npos);
+      QVERIFY(stale.metadata_json.find("\"messages_per_step\":[2,2,2,1]") != std::string::npos);
     }
   }
 
@@ -595,6 +711,233 @@ class TestParallel : public QObject {
       cancelled = true;
     }
     QVERIFY(cancelled);
+    // AsyncDiff, cancelled in its stale steps while states are in flight between 3 ranks.
+    engine::CancelToken token3;
+    in = inputs(schedulers::SamplerKind::Euler, 6, 1, 5.0);
+    in.cancel = &token3;
+    int last = -1;
+    in.on_step = [&](int i, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+      last = i;
+      if (i == 2) token3.cancel();
+    };
+    AsyncDiff a;
+    a.n = 3;
+    cancelled = false;
+    try {
+      run(a, in);
+    } catch (const engine::Cancelled&) {
+      cancelled = true;
+    }
+    QVERIFY(cancelled);
+    QVERIFY(last >= 2 && last < 5);
+  }
+
+  // --- AsyncDiff: the UNet's sequential layers, the synchronous and the stale loop ---
+
+  // (a) The layers chained, one at a time or in balanced components, are forward() bit for bit,
+  // for the tiny SD and SDXL UNets, at the fixture's latent size and an odd one; the state's
+  // shapes are stage_shapes(); through the denoiser, every branch equals eval().
+  void asyncdiffStagesEqualForward() {
+    at::NoGradGuard no_grad;
+    for (auto u : {unet_, sdxl()}) {
+      auto in = inputs(schedulers::SamplerKind::Euler, 2, 2, 5.0, 3, u);
+      const auto& c = u->config;
+      QCOMPARE(u->layer_count(), 16);  // conv_in, 3 + 2 down, 2 mid, 4 + 3 up, head
+      at::Generator g = at::detail::createCPUGenerator(4);
+      const std::vector<std::pair<std::int64_t, std::int64_t>> sizes = {{16, 16}, {13, 10}};
+      for (const auto& [hh, ww] : sizes) {
+        const auto x = at::randn({2, c.in_channels, hh, ww}, g);
+        const auto t = at::tensor({500.0f, 20.0f});
+        const auto full = u->forward(x, t, pos_);
+        auto s = u->stage_begin(x, t, pos_);
+        for (int j = 0; j < u->layer_count(); ++j) {
+          const auto shapes = u->stage_shapes(j, 2, hh, ww);
+          QCOMPARE(shapes.size(), s.skips.size() + 1);
+          QVERIFY(shapes[0] == s.h.sizes().vec());
+          for (std::size_t k = 0; k < s.skips.size(); ++k) QVERIFY(shapes[k + 1] == s.skips[k].sizes().vec());
+          u->forward_range(s, j, j + 1, pos_);
+        }
+        QVERIFY(s.skips.empty());
+        QVERIFY(at::equal(s.h, full));
+        std::vector<double> cost;
+        const auto info = u->layer_info(hh, ww);
+        for (const auto& l : info) {
+          QVERIFY(l.cost > 0 && l.parameters > 0);
+          cost.push_back(l.cost);
+        }
+        QCOMPARE(info.front().name, std::string("conv_in"));
+        QCOMPARE(info[3].name, std::string("down_blocks.0.downsamplers.0"));
+        for (int n = 1; n <= 4; ++n) {
+          const auto b = AsyncDiff::balanced_split(cost, n);
+          QCOMPARE(static_cast<int>(b.size()), n + 1);
+          auto s2 = u->stage_begin(x, t, pos_);
+          for (int k = 0; k < n; ++k) u->forward_range(s2, b[static_cast<std::size_t>(k)], b[static_cast<std::size_t>(k) + 1], pos_);
+          QVERIFY(at::equal(s2.h, full));
+        }
+      }
+      models::UNetStageState none;
+      DIFFRACT_EXPECT_ERROR(u->forward_range(none, 3, 17, pos_), "layers [3, 17)", "0 to 15");
+      // Through the denoiser (batch 2 of conditioning), per branch and guided.
+      auto d = in.make_denoiser(0, c10::Device(c10::kCPU));
+      std::vector<double> cost;
+      for (const auto& l : d->stage_layers(16, 16)) cost.push_back(l.cost);
+      const auto b = AsyncDiff::balanced_split(cost, 3);
+      const auto x2 = at::randn({2, c.in_channels, 16, 16}, g);
+      for (auto br : {Branch::Cond, Branch::Uncond, Branch::Guided}) {
+        auto st = d->stage_input(x2, 321, br);
+        for (int k = 0; k < 3; ++k) {
+          const auto shapes = d->stage_shapes(b[static_cast<std::size_t>(k)], 16, 16, br);
+          QVERIFY(shapes[0] == st.h.sizes().vec());
+          QCOMPARE(shapes.size(), st.skips.size() + 1);
+          d->run_stage(st, b[static_cast<std::size_t>(k)], b[static_cast<std::size_t>(k) + 1], 321, br);
+        }
+        DIFFRACT_COMPARE_TENSORS(d->stage_output(st, br), d->eval(x2, 321, br), 1e-6);
+      }
+      auto st = d->stage_input(x2, 321, Branch::Guided);
+      d->run_stage(st, 0, 3, 321, Branch::Guided);
+      DIFFRACT_EXPECT_ERROR(d->stage_output(st, Branch::Guided), "still holds");
+    }
+    // The split itself.
+    QVERIFY(AsyncDiff::balanced_split({1, 1, 1, 1}, 2) == (std::vector<int>{0, 2, 4}));
+    QVERIFY(AsyncDiff::balanced_split({10, 1, 1, 1, 1}, 2) == (std::vector<int>{0, 1, 5}));
+    QVERIFY(AsyncDiff::balanced_split({1, 2, 3, 4, 5}, 3) == (std::vector<int>{0, 3, 4, 5}));
+    QVERIFY(AsyncDiff::balanced_split({5}, 1) == (std::vector<int>{0, 1}));
+    DIFFRACT_EXPECT_ERROR(AsyncDiff::balanced_split({1, 2}, 3), "3 components for a model of 2 sequential layers");
+  }
+
+  // (b) warmup >= steps: every step synchronous through the components, which is one device.
+  void asyncdiffSynchronousEqualsOneDevice() {
+    for (auto kind : {schedulers::SamplerKind::Euler, schedulers::SamplerKind::DPMPP2M})
+      for (double cfg : {5.0, 1.0})
+        for (int n : {2, 3}) {
+          auto in = inputs(kind, 4, 1, cfg);
+          const auto base = run(SingleDevice{}, in);
+          AsyncDiff a;
+          a.n = n;
+          a.warmup = 4;
+          const auto out = run(a, in);
+          DIFFRACT_COMPARE_TENSORS(out.latents, base.latents, 1e-6);
+          QVERIFY(out.stats.messages_per_step == std::vector<std::int64_t>(4, n));
+          QCOMPARE(out.stats.rounds, 4);
+        }
+    auto in = inputs(schedulers::SamplerKind::Euler, 3, 1, 5.0, 7, sdxl());
+    AsyncDiff a;
+    a.n = 4;
+    a.warmup = 10;
+    DIFFRACT_COMPARE_TENSORS(run(a, in).latents, run(SingleDevice{}, in).latents, 1e-6);
+  }
+
+  // (c) Stale steps on: the strategy equals the one-thread replay above, and moves away from
+  // the single device.
+  void asyncdiffStaleMatchesSimulation() {
+    struct Case {
+      schedulers::SamplerKind kind;
+      int n, warmup;
+      double cfg;
+      bool xl;
+      bool lineage = false;
+    };
+    for (const auto& k : {Case{schedulers::SamplerKind::Euler, 2, 1, 5.0, false}, Case{schedulers::SamplerKind::Euler, 2, 2, 1.0, false},
+                          Case{schedulers::SamplerKind::DPMPP2M, 3, 1, 5.0, false}, Case{schedulers::SamplerKind::Euler, 3, 2, 1.0, false},
+                          Case{schedulers::SamplerKind::DDIM, 4, 1, 5.0, false}, Case{schedulers::SamplerKind::Euler, 2, 1, 5.0, true},
+                          Case{schedulers::SamplerKind::Euler, 3, 1, 1.0, true},
+                          Case{schedulers::SamplerKind::Euler, 3, 1, 5.0, false, true},
+                          Case{schedulers::SamplerKind::DPMPP2M, 4, 2, 1.0, false, true}}) {
+      const int steps = 6;
+      auto in = inputs(k.kind, steps, 1, k.cfg, 7, k.xl ? sdxl() : unet_);
+      AsyncDiff a;
+      a.n = k.n;
+      a.warmup = k.warmup;
+      a.lineage_skips = k.lineage;
+      const auto out = run(a, in);
+      const auto sim = simulate_asyncdiff(in, k.xl ? sdxl() : unet_, k.n, k.warmup, k.cfg, k.lineage);
+      const auto what =
+          QString("n %1 warmup %2 cfg %3 xl %4 lineage %5").arg(k.n).arg(k.warmup).arg(k.cfg).arg(k.xl).arg(k.lineage);
+      QVERIFY2(test::max_abs_diff(out.latents, sim) < 1e-5, qPrintable(what));
+      // The other skip rule: the same for 2 components, different from 3 on.
+      const auto other = simulate_asyncdiff(in, k.xl ? sdxl() : unet_, k.n, k.warmup, k.cfg, !k.lineage);
+      QVERIFY2(k.n == 2 ? test::max_abs_diff(other, sim) < 1e-5 : test::max_abs_diff(other, sim) > 1e-6, qPrintable(what));
+      const auto base = run(SingleDevice{}, in);
+      const double rel = (out.latents - base.latents).norm().item<double>() / base.latents.norm().item<double>();
+      // Four components of a tiny random UNet, three of them stale, drift far (0.97 at 6 steps).
+      QVERIFY2(rel > 1e-6 && rel < (k.n < 4 ? 0.5 : 2.0), qPrintable(what + QString(": rel L2 to one device %1").arg(rel)));
+      QCOMPARE(out.stats.evaluations, steps);
+      QVERIFY(out.stats.note.find("one-step-stale") != std::string::npos);
+    }
+  }
+
+  // (d) n messages a step (n - 1 states and eps), only eps in a stale last step; their bytes.
+  void asyncdiffMessagesPerStep() {
+    const int steps = 5, n = 3;
+    auto in = inputs(schedulers::SamplerKind::Euler, steps, 1, 5.0);
+    AsyncDiff a;
+    a.n = n;
+    a.warmup = 2;
+    const auto out = run(a, in);
+    QVERIFY(out.stats.messages_per_step == (std::vector<std::int64_t>{3, 3, 3, 3, 1}));
+    for (int i = 0; i < steps; ++i) QCOMPARE(AsyncDiff::messages_per_step(i, steps, 2, n), static_cast<int>(out.stats.messages_per_step[static_cast<std::size_t>(i)]));
+    QCOMPARE(AsyncDiff::messages_per_step(4, 5, 5, 3), 3);  // a synchronous last step feeds its components
+    auto d = in.make_denoiser(0, c10::Device(c10::kCPU));
+    std::vector<double> cost;
+    std::int64_t total_weights = 0;
+    for (const auto& l : d->stage_layers(16, 16)) {
+      cost.push_back(l.cost);
+      total_weights += l.parameters;
+    }
+    const auto b = AsyncDiff::balanced_split(cost, n);
+    std::int64_t state_bytes = 0;
+    for (int k = 1; k < n; ++k)
+      for (const auto& shape : d->stage_shapes(b[static_cast<std::size_t>(k)], 16, 16, Branch::Guided)) {
+        QCOMPARE(shape[0], std::int64_t{2});  // both branches
+        std::int64_t count = 4;               // float
+        for (auto v : shape) count *= v;
+        state_bytes += count;
+      }
+    const std::int64_t eps_bytes = in.latents.numel() * 4;
+    QVERIFY(out.stats.bytes_per_step ==
+            (std::vector<std::int64_t>{state_bytes + eps_bytes, state_bytes + eps_bytes, state_bytes + eps_bytes,
+                                       state_bytes + eps_bytes, eps_bytes}));
+    QCOMPARE(out.stats.bytes_sent, 4 * (state_bytes + eps_bytes) + eps_bytes);
+    QCOMPARE(static_cast<int>(out.stats.weights_per_rank.size()), n);
+    std::int64_t sum = 0;
+    for (auto w : out.stats.weights_per_rank) {
+      QVERIFY(w > 0);
+      sum += w;
+    }
+    QCOMPARE(sum, total_weights);
+    QVERIFY(out.stats.note.find("2 synchronous step(s), then 3 one-step-stale") != std::string::npos);
+    QVERIFY(out.stats.to_json().find("messages_per_step") != std::string::npos);
+  }
+
+  // (e) What it cannot run, with clear errors.
+  void asyncdiffRefusesWhatItCannotSplit() {
+    auto in = inputs(schedulers::SamplerKind::Euler, 3, 1, 5.0);
+    AsyncDiff a;
+    a.n = 17;
+    DIFFRACT_EXPECT_ERROR(run(a, in), "17 components for a model of 16 sequential layers");
+    a = AsyncDiff{};
+    a.stride = 2;
+    DIFFRACT_EXPECT_ERROR(run(a, in), "stride 2", "not implemented");
+    a = AsyncDiff{};
+    a.warmup = 0;
+    DIFFRACT_EXPECT_ERROR(run(a, in), "1 or more synchronous warm-up steps");
+    a = AsyncDiff{};
+    a.n = 1;
+    DIFFRACT_EXPECT_ERROR(run(a, in), "2 or more devices");
+    DIFFRACT_EXPECT_ERROR(run(AsyncDiff{}, sd3_inputs(2, 1, 4.0)), "cannot be split into sequential stages");
+    auto group = DeviceGroup::virtual_cpu(3);
+    DIFFRACT_EXPECT_ERROR(AsyncDiff{}.run(*group, in), "needs 2 device");
+    // A failing rank is one error, and nobody hangs.
+    fail_rank_ = 1;
+    DIFFRACT_EXPECT_ERROR(run(AsyncDiff{}, inputs(schedulers::SamplerKind::Euler, 3, 1, 5.0)), "device 1",
+                          "simulated device failure");
+    fail_rank_ = -1;
+    SD3Denoiser sd3d(sd3(), sd3_pos_, sd3_neg_, 4.0, at::kFloat, c10::Device(c10::kCPU));
+    QVERIFY(sd3d.stage_layers(16, 16).empty());
+    DIFFRACT_EXPECT_ERROR(sd3d.stage_input(at::zeros({1, 4, 16, 16}), 1, Branch::Guided),
+                          "cannot run AsyncDiff's sequential stages");
+    QCOMPARE(make_strategy("asyncdiff", 3)->devices(), 3);
+    QCOMPARE(make_strategy("asyncdiff", 3)->name(), std::string("asyncdiff"));
   }
 
   // What each strategy evaluates before its loop (GPU ranks capture their graphs there): the
@@ -627,6 +970,7 @@ class TestParallel : public QObject {
     QVERIFY(warm("single", 1) == (L{{5, Branch::Guided}}));
     QVERIFY(warm("data-parallel", 2) == (L{{2, Branch::Guided}, {3, Branch::Guided}}));  // 5 rows: 3 + 2
     QVERIFY(warm("data-parallel", 5) == (L{{1, Branch::Guided}}));
+    QVERIFY(warm("asyncdiff", 2).empty());  // no stages to warm on a denoiser that cannot split
 
     // Hybrid CFG also runs its stages once on a denoiser that can split, so that their first
     // calls never happen while the peer waits in NCCL.
@@ -660,6 +1004,39 @@ class TestParallel : public QObject {
     Staged staged;
     make_strategy("hybrid-cfg", 2)->warm(staged, x, 999);
     QVERIFY(staged.log == (std::vector<std::string>{"eval", "outer_down 2", "inner 2", "outer_up 2"}));
+
+    // AsyncDiff runs every component once, chained, guided (its loop never calls eval()).
+    struct Sequential final : Denoiser {
+      std::vector<std::string> log;
+      at::Tensor eval(const at::Tensor& x, double, Branch) override {
+        log.push_back("eval");
+        return x;
+      }
+      bool cfg() const override { return true; }
+      double guidance_scale() const override { return 5; }
+      std::int64_t batch() const override { return 5; }
+      at::ScalarType output_dtype() const override { return at::kFloat; }
+      std::unique_ptr<Denoiser> rows(std::int64_t, std::int64_t) const override { return nullptr; }
+      std::vector<models::UNetLayerInfo> stage_layers(std::int64_t, std::int64_t) const override {
+        return std::vector<models::UNetLayerInfo>(6, models::UNetLayerInfo{"layer", 1, 1.0});
+      }
+      models::UNetStageState stage_input(const at::Tensor& x, double, Branch b) override {
+        log.push_back(b == Branch::Guided ? "input guided" : "input one branch");
+        models::UNetStageState s;
+        s.h = x;
+        return s;
+      }
+      void run_stage(models::UNetStageState&, int begin, int end, double, Branch) override {
+        log.push_back("stage " + std::to_string(begin) + ".." + std::to_string(end));
+      }
+      at::Tensor stage_output(const models::UNetStageState& s, Branch) override {
+        log.push_back("output");
+        return s.h;
+      }
+    };
+    Sequential seq;
+    make_strategy("asyncdiff", 3)->warm(seq, x, 999);
+    QVERIFY(seq.log == (std::vector<std::string>{"input guided", "stage 0..2", "stage 2..4", "stage 4..6", "output"}));
   }
 
   // --- SD3: the denoiser and PipeFusion on a tiny random MMDiT (4 blocks, qk norm, SD3.5's

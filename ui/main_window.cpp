@@ -88,7 +88,8 @@ constexpr int kCustomPreset = static_cast<int>(std::size(kSizePresets));
 
 const char* const kSamplers[] = {"euler", "euler-ancestral", "ddim", "ddpm", "dpmpp-2m", "dpmpp-2m-karras"};
 const char* const kStrategies[] = {"single",        "cfg-parallel",  "hybrid-cfg", "driffusion",
-                                   "driffusion-aggressive", "data-parallel", "step-skip", "pipefusion"};
+                                   "driffusion-aggressive", "data-parallel", "step-skip", "pipefusion",
+                                   "asyncdiff"};
 
 // The first local file among dragged URLs (or a file URL dragged as text), else "".
 QString droppedFile(const QMimeData* mime) {

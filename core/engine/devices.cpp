@@ -40,7 +40,7 @@ std::vector<DeviceInfo> list_devices() {
 namespace {
 
 const char* const kKnown[] = {"single",        "cfg-parallel", "hybrid-cfg", "driffusion", "driffusion-aggressive",
-                              "data-parallel", "step-skip",    "pipefusion"};
+                              "data-parallel", "step-skip",    "pipefusion", "asyncdiff"};
 
 }  // namespace
 

@@ -19,6 +19,20 @@ models::UNetOuterState Denoiser::outer_down(const at::Tensor&, double, Branch, i
 at::Tensor Denoiser::inner(const at::Tensor&, double, Branch, int) { no_stages(); }
 at::Tensor Denoiser::outer_up(models::UNetOuterState, const at::Tensor&, Branch, int) { no_stages(); }
 
+namespace {
+[[noreturn]] void no_sequential_stages() {
+  throw Error("this denoiser cannot run AsyncDiff's sequential stages (only an SD / SDXL UNet can be split into them)");
+}
+}  // namespace
+
+std::vector<models::UNetLayerInfo> Denoiser::stage_layers(std::int64_t, std::int64_t) const { return {}; }
+models::UNetStageState Denoiser::stage_input(const at::Tensor&, double, Branch) { no_sequential_stages(); }
+void Denoiser::run_stage(models::UNetStageState&, int, int, double, Branch) { no_sequential_stages(); }
+at::Tensor Denoiser::stage_output(const models::UNetStageState&, Branch) { no_sequential_stages(); }
+std::vector<std::vector<std::int64_t>> Denoiser::stage_shapes(int, std::int64_t, std::int64_t, Branch) const {
+  no_sequential_stages();
+}
+
 at::Tensor combine_cfg(const at::Tensor& uncond, const at::Tensor& cond, double scale) {
   return uncond + scale * (cond - uncond);
 }
@@ -95,6 +109,49 @@ at::Tensor UNetDenoiser::inner(const at::Tensor& h, double timestep, Branch bran
 
 at::Tensor UNetDenoiser::outer_up(models::UNetOuterState state, const at::Tensor& inner, Branch branch, int split) {
   return unet_->forward_outer_up(std::move(state), inner.to(device_, dtype_), branch_conditioning(branch), split);
+}
+
+const models::UNetConditioning& UNetDenoiser::conditioning(Branch branch) const {
+  if (branch == Branch::Uncond && !cfg_) throw Error("the unconditional branch was asked for without CFG");
+  return branch == Branch::Guided ? (cfg_ ? both_ : positive_) : branch == Branch::Uncond ? negative_ : positive_;
+}
+
+std::vector<models::UNetLayerInfo> UNetDenoiser::stage_layers(std::int64_t height, std::int64_t width) const {
+  return unet_->unet()->layer_info(height, width);
+}
+
+models::UNetStageState UNetDenoiser::stage_input(const at::Tensor& model_input, double, Branch branch) {
+  conditioning(branch);  // checks the branch
+  const bool both = branch == Branch::Guided && cfg_;
+  models::UNetStageState s;
+  s.h = (both ? at::cat({model_input, model_input}) : model_input).to(device_, dtype_);
+  return s;
+}
+
+void UNetDenoiser::run_stage(models::UNetStageState& s, int begin, int end, double timestep, Branch branch) {
+  const auto& cond = conditioning(branch);
+  s.h = s.h.to(device_, dtype_);
+  for (auto& k : s.skips) k = k.to(device_, dtype_);
+  const auto t = at::full({s.h.size(0)}, timestep, at::TensorOptions().dtype(at::kFloat).device(device_));
+  s.temb = unet_->embed_time(t, cond, dtype_);
+  unet_->forward_range(s, begin, end, cond);
+}
+
+at::Tensor UNetDenoiser::stage_output(const models::UNetStageState& s, Branch branch) {
+  conditioning(branch);
+  if (!s.skips.empty())
+    throw Error("the UNet stage state still holds " + std::to_string(s.skips.size()) +
+                " skip(s): the last layer has not run");
+  if (!(branch == Branch::Guided && cfg_)) return s.h;
+  auto parts = s.h.chunk(2);
+  return combine_cfg(parts[0], parts[1], scale_);
+}
+
+std::vector<std::vector<std::int64_t>> UNetDenoiser::stage_shapes(int layer, std::int64_t height, std::int64_t width,
+                                                                  Branch branch) const {
+  conditioning(branch);
+  const std::int64_t rows = batch() * (branch == Branch::Guided && cfg_ ? 2 : 1);
+  return unet_->unet()->stage_shapes(layer, rows, height, width);
 }
 
 std::unique_ptr<Denoiser> UNetDenoiser::rows(std::int64_t begin, std::int64_t count) const {

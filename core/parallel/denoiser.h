@@ -2,6 +2,7 @@
 // The model evaluation the parallel strategies drive, apart from the pipeline that owns it.
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -46,6 +47,26 @@ class Denoiser {
   virtual at::Tensor inner(const at::Tensor& h, double timestep, Branch branch, int split);
   // The outer state and an inner output -> eval()'s result [B, C, h, w] for that branch.
   virtual at::Tensor outer_up(models::UNetOuterState state, const at::Tensor& inner, Branch branch, int split);
+
+  // AsyncDiff's sequential layers (UNet2DConditionModelImpl::forward_range): eval() is
+  //   stage_output(run_stage(stage_input(x, t, b), 0, L, t, b), b)
+  // with L = stage_layers(h, w).size(), and run_stage over [a, b) then [b, c) is [a, c). Any
+  // branch; Guided runs both as one batch of 2B with CFG (the state has 2B rows) and
+  // stage_output combines them. stage_layers(): the layers with their estimated costs for
+  // latents of height x width, empty when this denoiser cannot split (then the other stage
+  // calls throw diffract::Error).
+  virtual std::vector<models::UNetLayerInfo> stage_layers(std::int64_t height, std::int64_t width) const;
+  // model_input [B, C, h, w] -> the state before layer 0 (h: the model input on this device).
+  virtual models::UNetStageState stage_input(const at::Tensor& model_input, double timestep, Branch branch);
+  // Runs layers [begin, end) on `state` in place at `timestep`: the time embedding is made here
+  // (replacing the state's), so a state made at another step runs at this one.
+  virtual void run_stage(models::UNetStageState& state, int begin, int end, double timestep, Branch branch);
+  // The state after the last layer -> eval()'s result.
+  virtual at::Tensor stage_output(const models::UNetStageState& state, Branch branch);
+  // The shapes of the state's tensors (h, then the skips) before layer `layer` for this
+  // denoiser's batch and `branch`, latents of height x width: what a peer receives.
+  virtual std::vector<std::vector<std::int64_t>> stage_shapes(int layer, std::int64_t height, std::int64_t width,
+                                                              Branch branch) const;
 };
 
 // eps_u + s * (eps_c - eps_u), written as the pipeline writes it.
@@ -75,9 +96,17 @@ class UNetDenoiser final : public Denoiser {
   models::UNetOuterState outer_down(const at::Tensor& model_input, double timestep, Branch branch, int split) override;
   at::Tensor inner(const at::Tensor& h, double timestep, Branch branch, int split) override;
   at::Tensor outer_up(models::UNetOuterState state, const at::Tensor& inner, Branch branch, int split) override;
+  std::vector<models::UNetLayerInfo> stage_layers(std::int64_t height, std::int64_t width) const override;
+  models::UNetStageState stage_input(const at::Tensor& model_input, double timestep, Branch branch) override;
+  void run_stage(models::UNetStageState& state, int begin, int end, double timestep, Branch branch) override;
+  at::Tensor stage_output(const models::UNetStageState& state, Branch branch) override;
+  std::vector<std::vector<std::int64_t>> stage_shapes(int layer, std::int64_t height, std::int64_t width,
+                                                      Branch branch) const override;
 
  private:
   const models::UNetConditioning& branch_conditioning(Branch branch) const;
+  // Any branch: Guided is both_ with CFG, else the prompt.
+  const models::UNetConditioning& conditioning(Branch branch) const;
 
   std::shared_ptr<models::UNetGraphRunner> unet_;
   models::UNetConditioning positive_, negative_, both_;  // both_: [negative; positive]

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include "core/parallel/asyncdiff.h"
 #include "core/parallel/loop_util.h"
 #include "core/parallel/pipefusion.h"
 #include "core/util/error.h"
@@ -499,6 +500,11 @@ std::unique_ptr<Strategy> make_strategy(const std::string& name, int n, int patc
     s->patches = patches;
     return s;
   }
+  if (name == "asyncdiff") {
+    auto s = std::make_unique<AsyncDiff>();
+    s->n = n;
+    return s;
+  }
   if (name == "single") return std::make_unique<SingleDevice>();
   if (name == "cfg-parallel") return std::make_unique<CfgParallel>();
   if (name == "hybrid-cfg") return std::make_unique<HybridCfg>();
@@ -519,7 +525,7 @@ std::unique_ptr<Strategy> make_strategy(const std::string& name, int n, int patc
     return s;
   }
   throw Error("unknown strategy '" + name +
-              "' (single, cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip, pipefusion)");
+              "' (single, cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip, pipefusion, asyncdiff)");
 }
 
 }  // namespace diffract::parallel

@@ -181,7 +181,8 @@ struct StepSkipping final : Strategy {
 
 // "single", "cfg-parallel", "hybrid-cfg", "driffusion" / "driffusion-aggressive" (n devices),
 // "data-parallel" (n), "step-skip" (skip = n), "pipefusion" (n stages, `patches` patches; 0: n;
-// SD3 only, core/parallel/pipefusion.h).
+// SD3 only, core/parallel/pipefusion.h), "asyncdiff" (n sequential UNet components,
+// core/parallel/asyncdiff.h).
 std::unique_ptr<Strategy> make_strategy(const std::string& name, int n, int patches = 0);
 
 }  // namespace diffract::parallel

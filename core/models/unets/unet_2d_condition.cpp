@@ -340,6 +340,218 @@ UNet2DConditionModelImpl::UNet2DConditionModelImpl(const UNet2DConditionConfig& 
   conv_norm_out = register_module("conv_norm_out",
                                   GroupNorm(GroupNormOptions(c.norm_num_groups, ch[0]).eps(c.norm_eps)));
   conv_out = register_module("conv_out", Conv2d(Conv2dOptions(ch[0], c.out_channels, 3).padding(1)));
+
+  // The flat execution order forward() runs (forward_range).
+  using K = Layer::Kind;
+  layers_.push_back({K::ConvIn, 0, 0});
+  for (size_t i = 0; i < n; ++i) {
+    const auto* down = down_blocks[i]->as<DownBlock>();
+    for (size_t l = 0; l < down->resnets->size(); ++l) layers_.push_back({K::Down, static_cast<int>(i), static_cast<int>(l)});
+    if (down->downsamplers) layers_.push_back({K::Downsample, static_cast<int>(i), 0});
+  }
+  layers_.push_back({K::Mid, 0, 0});
+  layers_.push_back({K::Mid, 0, 1});
+  for (size_t i = 0; i < n; ++i) {
+    const auto* up = up_blocks[i]->as<UpBlock>();
+    for (size_t l = 0; l < up->resnets->size(); ++l) layers_.push_back({K::Up, static_cast<int>(i), static_cast<int>(l)});
+    if (up->upsamplers) layers_.push_back({K::Upsample, static_cast<int>(i), 0});
+  }
+  layers_.push_back({K::Head, 0, 0});
+}
+
+std::string UNet2DConditionModelImpl::layer_name(const Layer& l) const {
+  const auto b = std::to_string(l.block), r = std::to_string(l.index);
+  switch (l.kind) {
+    case Layer::Kind::ConvIn: return "conv_in";
+    case Layer::Kind::Down: return "down_blocks." + b + ".resnets." + r;
+    case Layer::Kind::Downsample: return "down_blocks." + b + ".downsamplers.0";
+    case Layer::Kind::Mid: return l.index == 0 ? "mid_block.resnets.0+attentions.0" : "mid_block.resnets.1";
+    case Layer::Kind::Up: return "up_blocks." + b + ".resnets." + r;
+    case Layer::Kind::Upsample: return "up_blocks." + b + ".upsamplers.0";
+    case Layer::Kind::Head: return "conv_norm_out+conv_out";
+  }
+  return "?";
+}
+
+UNetStageState UNet2DConditionModelImpl::stage_begin(const at::Tensor& sample, const at::Tensor& timesteps,
+                                                     const UNetConditioning& cond) {
+  const auto t = timesteps.dim() == 0 ? timesteps.expand({sample.size(0)}) : timesteps;
+  UNetStageState s;
+  s.temb = embed_time(t, cond, sample.scalar_type());
+  s.h = sample;
+  return s;
+}
+
+void UNet2DConditionModelImpl::forward_range(UNetStageState& s, int begin, int end, const UNetConditioning& cond) {
+  if (begin < 0 || end > layer_count() || begin > end)
+    throw Error("UNet layers [" + std::to_string(begin) + ", " + std::to_string(end) + "): this UNet has layers 0 to " +
+                std::to_string(layer_count() - 1));
+  const auto& context = cond.encoder_hidden_states;
+  for (int j = begin; j < end; ++j) {
+    const auto& l = layers_[static_cast<size_t>(j)];
+    const auto block = static_cast<size_t>(l.block), index = static_cast<size_t>(l.index);
+    switch (l.kind) {
+      case Layer::Kind::ConvIn:
+        s.h = conv_in->forward(s.h);
+        s.skips.push_back(s.h);
+        break;
+      case Layer::Kind::Down: {
+        auto* down = down_blocks[block]->as<DownBlock>();
+        s.h = down->resnets[index]->as<ResnetBlock2D>()->forward(s.h, s.temb);
+        if (down->attentions) s.h = down->attentions[index]->as<Transformer2DModel>()->forward(s.h, context);
+        s.skips.push_back(s.h);
+        break;
+      }
+      case Layer::Kind::Downsample:
+        s.h = down_blocks[block]->as<DownBlock>()->downsamplers[0]->as<Downsample2D>()->forward(s.h);
+        s.skips.push_back(s.h);
+        break;
+      case Layer::Kind::Mid:
+        if (index == 0) {
+          s.h = mid_block->resnets[0]->as<ResnetBlock2D>()->forward(s.h, s.temb);
+          s.h = mid_block->attentions[0]->as<Transformer2DModel>()->forward(s.h, context);
+        } else {
+          s.h = mid_block->resnets[1]->as<ResnetBlock2D>()->forward(s.h, s.temb);
+        }
+        break;
+      case Layer::Kind::Up:
+        if (s.skips.empty())
+          throw Error("UNet layer " + std::to_string(j) + " (" + layer_name(l) + ") needs a skip the state does not carry");
+        s.h = up_blocks[block]->as<UpBlock>()->forward_part(s.h, s.temb, context, s.skips, index, index + 1, false, {});
+        break;
+      case Layer::Kind::Upsample: {
+        // To the size of the skip the next block consumes first (odd latent sizes), as run_up.
+        if (s.skips.empty())
+          throw Error("UNet layer " + std::to_string(j) + " (" + layer_name(l) + ") needs a skip the state does not carry");
+        const auto& next = s.skips.back();
+        const std::vector<int64_t> size = {next.size(2), next.size(3)};
+        s.h = up_blocks[block]->as<UpBlock>()->upsamplers[0]->as<Upsample2D>()->forward(s.h, size);
+        break;
+      }
+      case Layer::Kind::Head:
+        s.h = conv_out->forward(conv_norm_out->forward(s.h, {}, /*silu=*/true));
+        break;
+    }
+  }
+}
+
+namespace {
+
+std::int64_t parameter_count(const nn::Module& m) {
+  std::int64_t count = 0;
+  for (const auto& p : m.parameters(true)) count += p.numel();
+  return count;
+}
+
+// Self-attention's score and value products: 2 T^2 C per transformer block.
+double attention_cost(const nn::ModuleList& attentions, size_t index, double tokens, std::int64_t channels) {
+  if (!attentions) return 0;
+  const auto blocks = attentions->ptr(index)->as<Transformer2DModel>()->transformer_blocks->size();
+  return 2.0 * tokens * tokens * static_cast<double>(channels) * static_cast<double>(blocks);
+}
+
+}  // namespace
+
+// Latent size at each level (after each downsampler), as Downsample2D computes it.
+static std::vector<std::pair<std::int64_t, std::int64_t>> level_sizes(const UNet2DConditionConfig& c, std::int64_t height,
+                                                                      std::int64_t width) {
+  const std::int64_t p = c.downsample_padding, extra = p == 0 ? 1 : 0;
+  std::vector<std::pair<std::int64_t, std::int64_t>> sizes = {{height, width}};
+  for (size_t i = 1; i < c.block_out_channels.size(); ++i) {
+    const auto [h, w] = sizes.back();
+    sizes.emplace_back((h + 2 * p + extra - 3) / 2 + 1, (w + 2 * p + extra - 3) / 2 + 1);
+  }
+  return sizes;
+}
+
+std::vector<UNetLayerInfo> UNet2DConditionModelImpl::layer_info(std::int64_t height, std::int64_t width) const {
+  const auto sizes = level_sizes(config, height, width);
+  const auto& ch = config.block_out_channels;
+  const auto n = ch.size();
+  const auto positions = [&](size_t level) {
+    return static_cast<double>(sizes[level].first) * static_cast<double>(sizes[level].second);
+  };
+  std::vector<UNetLayerInfo> out;
+  for (const auto& l : layers_) {
+    const auto block = static_cast<size_t>(l.block), index = static_cast<size_t>(l.index);
+    UNetLayerInfo info;
+    info.name = layer_name(l);
+    double attention = 0;
+    size_t level = 0;
+    switch (l.kind) {
+      case Layer::Kind::ConvIn:
+        info.parameters = parameter_count(*conv_in);
+        break;
+      case Layer::Kind::Down: {
+        const auto* down = down_blocks->ptr(block)->as<DownBlock>();
+        level = block;
+        info.parameters = parameter_count(*down->resnets->ptr(index));
+        if (down->attentions) info.parameters += parameter_count(*down->attentions->ptr(index));
+        attention = attention_cost(down->attentions, index, positions(level), ch[block]);
+        break;
+      }
+      case Layer::Kind::Downsample:
+        level = block + 1;
+        info.parameters = parameter_count(*down_blocks->ptr(block)->as<DownBlock>()->downsamplers->ptr(0));
+        break;
+      case Layer::Kind::Mid:
+        level = n - 1;
+        info.parameters = parameter_count(*mid_block->resnets->ptr(index));
+        if (index == 0) {
+          info.parameters += parameter_count(*mid_block->attentions->ptr(0));
+          attention = attention_cost(mid_block->attentions, 0, positions(level), ch[n - 1]);
+        }
+        break;
+      case Layer::Kind::Up: {
+        const auto* up = up_blocks->ptr(block)->as<UpBlock>();
+        level = n - 1 - block;
+        info.parameters = parameter_count(*up->resnets->ptr(index));
+        if (up->attentions) info.parameters += parameter_count(*up->attentions->ptr(index));
+        attention = attention_cost(up->attentions, index, positions(level), ch[n - 1 - block]);
+        break;
+      }
+      case Layer::Kind::Upsample:
+        level = n - 2 - block;
+        info.parameters = parameter_count(*up_blocks->ptr(block)->as<UpBlock>()->upsamplers->ptr(0));
+        break;
+      case Layer::Kind::Head:
+        info.parameters = parameter_count(*conv_norm_out) + parameter_count(*conv_out);
+        break;
+    }
+    info.cost = static_cast<double>(info.parameters) * positions(level) + attention;
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+std::vector<std::vector<std::int64_t>> UNet2DConditionModelImpl::stage_shapes(int layer, std::int64_t rows,
+                                                                              std::int64_t height,
+                                                                              std::int64_t width) const {
+  if (layer < 0 || layer > layer_count())
+    throw Error("UNet layer " + std::to_string(layer) + ": this UNet has layers 0 to " + std::to_string(layer_count() - 1));
+  const auto sizes = level_sizes(config, height, width);
+  const auto& ch = config.block_out_channels;
+  const auto n = ch.size();
+  const auto shape = [&](std::int64_t channels, size_t level) {
+    return std::vector<std::int64_t>{rows, channels, sizes[level].first, sizes[level].second};
+  };
+  std::vector<std::int64_t> h = shape(config.in_channels, 0);
+  std::vector<std::vector<std::int64_t>> skips;
+  for (int j = 0; j < layer; ++j) {
+    const auto& l = layers_[static_cast<size_t>(j)];
+    const auto block = static_cast<size_t>(l.block);
+    switch (l.kind) {
+      case Layer::Kind::ConvIn: h = shape(ch[0], 0); skips.push_back(h); break;
+      case Layer::Kind::Down: h = shape(ch[block], block); skips.push_back(h); break;
+      case Layer::Kind::Downsample: h = shape(ch[block], block + 1); skips.push_back(h); break;
+      case Layer::Kind::Mid: break;
+      case Layer::Kind::Up: h = shape(ch[n - 1 - block], n - 1 - block); skips.pop_back(); break;
+      case Layer::Kind::Upsample: h = shape(ch[n - 1 - block], n - 2 - block); break;
+      case Layer::Kind::Head: h = shape(config.out_channels, 0); break;
+    }
+  }
+  skips.insert(skips.begin(), h);
+  return skips;
 }
 
 at::Tensor UNet2DConditionModelImpl::embed_time(const at::Tensor& timesteps, const UNetConditioning& cond,

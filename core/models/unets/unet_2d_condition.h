@@ -1,4 +1,5 @@
 #pragma once
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -123,6 +124,22 @@ struct UNetOuterState {
   std::vector<at::Tensor> skips;   // the skips the outer up layers consume, in production order
 };
 
+// AsyncDiff's sequential view of the UNet (UNet2DConditionModelImpl::forward_range): the state
+// between two layers of the flat execution order.
+struct UNetStageState {
+  at::Tensor h;                   // the running hidden state; the sample before layer 0, the output after the last
+  at::Tensor temb;                // [B, time_embed_dim] at the step being evaluated
+  std::vector<at::Tensor> skips;  // the skip connections produced and not yet consumed, in production order
+};
+
+// One layer of that order: its name (the diffusers module it runs, e.g. "down_blocks.1.resnets.0"
+// with its attention), its weights and an estimated cost at one latent size.
+struct UNetLayerInfo {
+  std::string name;
+  std::int64_t parameters = 0;
+  double cost = 0;  // multiply-adds, estimated (UNet2DConditionModelImpl::layer_info)
+};
+
 class UNet2DConditionModelImpl : public torch::nn::Module {
  public:
   explicit UNet2DConditionModelImpl(const UNet2DConditionConfig& c);
@@ -144,6 +161,29 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   // The state (its skips are consumed) and the inner output [B, ch[split], h', w'] -> [B, Cout, H, W].
   at::Tensor forward_outer_up(UNetOuterState state, const at::Tensor& inner, const UNetConditioning& cond, int split);
 
+  // The sequential split AsyncDiff needs: the model as a flat list of layers in execution order,
+  //   conv_in | per down block: each resnet (+ its attention), the downsampler |
+  //   mid_block.0 (resnet 0 + attention) | mid_block.1 (resnet 1) |
+  //   per up block: each resnet (+ its attention; it consumes one skip), the upsampler | the head
+  //   (conv_norm_out, SiLU, conv_out),
+  // each a function of the state: forward(x, t, c) == forward_range(stage_begin(x, t, c), 0,
+  // layer_count(), c).h, bit for bit, and forward_range over [a, b) then [b, c) is [a, c).
+  int layer_count() const { return static_cast<int>(layers_.size()); }
+  // The state before layer 0: h = sample, temb = embed_time(timesteps), no skips.
+  UNetStageState stage_begin(const at::Tensor& sample, const at::Tensor& timesteps, const UNetConditioning& cond);
+  // Runs layers [begin, end) on the state in place with its temb and cond's context.
+  void forward_range(UNetStageState& state, int begin, int end, const UNetConditioning& cond);
+  // Every layer's name, parameters and estimated cost for latents of height x width: each weight
+  // applied once per output position at the layer's resolution (convolutions, linear
+  // projections; the cross-attention K/V projections, which see the text tokens only, are
+  // over-counted), plus 2 T^2 C per self-attention (scores and weighted values; T tokens of C
+  // channels). The time embedding, which every stage runs, is left out.
+  std::vector<UNetLayerInfo> layer_info(std::int64_t height, std::int64_t width) const;
+  // The shapes of the state's tensors before layer `layer` (h first, then the skips in order)
+  // for `rows` rows of height x width latents; temb is not counted (each stage makes its own).
+  std::vector<std::vector<std::int64_t>> stage_shapes(int layer, std::int64_t rows, std::int64_t height,
+                                                      std::int64_t width) const;
+
   UNet2DConditionConfig config;
   Conv2d conv_in{nullptr}, conv_out{nullptr};
   TimestepEmbedding time_embedding{nullptr}, add_embedding{nullptr};
@@ -152,6 +192,13 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   GroupNorm conv_norm_out{nullptr};
 
  private:
+  struct Layer {
+    enum class Kind { ConvIn, Down, Downsample, Mid, Up, Upsample, Head } kind;
+    int block = 0, index = 0;  // down / up block and resnet (mid: 0 or 1)
+  };
+  std::vector<Layer> layers_;
+  std::string layer_name(const Layer& l) const;
+
   struct SplitPoint {
     size_t up_block = 0, up_resnet = 0;  // where the outer stage resumes the up path
   };

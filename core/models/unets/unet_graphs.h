@@ -46,6 +46,18 @@ class UNetGraphRunner {
     return unet_->forward_outer_up(std::move(state), inner, cond, split);
   }
 
+  // AsyncDiff's sequential layers (UNet2DConditionModelImpl::forward_range etc.), always eager:
+  // a stage's shapes change with its split, and the stages are short.
+  UNetStageState stage_begin(const at::Tensor& sample, const at::Tensor& timesteps, const UNetConditioning& cond) {
+    return unet_->stage_begin(sample, timesteps, cond);
+  }
+  void forward_range(UNetStageState& state, int begin, int end, const UNetConditioning& cond) {
+    unet_->forward_range(state, begin, end, cond);
+  }
+  at::Tensor embed_time(const at::Tensor& timesteps, const UNetConditioning& cond, c10::ScalarType dtype) {
+    return unet_->embed_time(timesteps, cond, dtype);
+  }
+
   const UNet2DConditionModel& unet() const { return unet_; }
   const UNetGraphOptions& options() const { return options_; }
   // Switches the memory format (converts the weights in place, drops the graphs).

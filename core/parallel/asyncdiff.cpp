@@ -1,0 +1,248 @@
+#include "core/parallel/asyncdiff.h"
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <mutex>
+
+#include <ATen/ATen.h>
+
+#include "core/parallel/loop_util.h"
+#include "core/util/error.h"
+
+namespace diffract::parallel {
+
+using namespace detail;
+
+void AsyncDiff::validate(std::int64_t, bool) const {
+  if (n < 2) throw Error("asyncdiff needs 2 or more devices (one per component), not " + std::to_string(n));
+  if (warmup < 1)
+    throw Error("asyncdiff needs 1 or more synchronous warm-up steps to fill its pipeline, not " +
+                std::to_string(warmup));
+  if (stride != 1)
+    throw Error("asyncdiff: stride " + std::to_string(stride) +
+                " (stride denoising: each component's result reused for several steps, which the reference "
+                "runs on n + 1 devices) is not implemented; use stride 1");
+}
+
+std::vector<int> AsyncDiff::balanced_split(const std::vector<double>& cost, int n) {
+  const int layers = static_cast<int>(cost.size());
+  if (n < 1) throw Error("asyncdiff: " + std::to_string(n) + " components");
+  if (n > layers)
+    throw Error("asyncdiff: " + std::to_string(n) + " components for a model of " + std::to_string(layers) +
+                " sequential layers (at most one component per layer)");
+  std::vector<double> prefix(static_cast<std::size_t>(layers) + 1, 0.0);
+  for (int j = 0; j < layers; ++j) prefix[static_cast<std::size_t>(j) + 1] = prefix[static_cast<std::size_t>(j)] + cost[static_cast<std::size_t>(j)];
+  const auto sum = [&](int a, int b) { return prefix[static_cast<std::size_t>(b)] - prefix[static_cast<std::size_t>(a)]; };
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[k][j]: the smallest largest part splitting layers [0, j) into k parts; from[k][j]: where
+  // the last of them starts.
+  std::vector<std::vector<double>> best(static_cast<std::size_t>(n) + 1,
+                                        std::vector<double>(static_cast<std::size_t>(layers) + 1, inf));
+  std::vector<std::vector<int>> from(best.size(), std::vector<int>(static_cast<std::size_t>(layers) + 1, 0));
+  best[0][0] = 0;
+  for (int k = 1; k <= n; ++k)
+    for (int j = k; j <= layers; ++j)
+      for (int i = k - 1; i < j; ++i) {
+        const double v = std::max(best[static_cast<std::size_t>(k) - 1][static_cast<std::size_t>(i)], sum(i, j));
+        if (v < best[static_cast<std::size_t>(k)][static_cast<std::size_t>(j)]) {
+          best[static_cast<std::size_t>(k)][static_cast<std::size_t>(j)] = v;
+          from[static_cast<std::size_t>(k)][static_cast<std::size_t>(j)] = i;
+        }
+      }
+  std::vector<int> bounds(static_cast<std::size_t>(n) + 1, 0);
+  bounds[static_cast<std::size_t>(n)] = layers;
+  for (int k = n; k >= 1; --k)
+    bounds[static_cast<std::size_t>(k) - 1] = from[static_cast<std::size_t>(k)][static_cast<std::size_t>(bounds[static_cast<std::size_t>(k)])];
+  return bounds;
+}
+
+int AsyncDiff::messages_per_step(int step, int steps, int warmup, int n) {
+  const bool stale = step >= warmup;
+  return stale && step + 1 >= steps ? 1 : n;
+}
+
+void AsyncDiff::warm(Denoiser& d, const at::Tensor& x, double t) const {
+  const auto layers = d.stage_layers(x.size(2), x.size(3));
+  if (layers.empty() || n > static_cast<int>(layers.size())) return;
+  std::vector<double> cost;
+  for (const auto& l : layers) cost.push_back(l.cost);
+  const auto bounds = balanced_split(cost, n);
+  auto st = d.stage_input(x, t, Branch::Guided);
+  for (int k = 0; k < n; ++k)
+    d.run_stage(st, bounds[static_cast<std::size_t>(k)], bounds[static_cast<std::size_t>(k) + 1], t, Branch::Guided);
+  d.stage_output(st, Branch::Guided);
+}
+
+namespace {
+
+std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+// h then the skips, flattened into one tensor (one message).
+at::Tensor pack(const models::UNetStageState& s) {
+  std::vector<at::Tensor> parts;
+  parts.reserve(s.skips.size() + 1);
+  parts.push_back(s.h.contiguous().view(-1));
+  for (const auto& k : s.skips) parts.push_back(k.contiguous().view(-1));
+  return at::cat(parts);
+}
+
+models::UNetStageState unpack(const at::Tensor& flat, const std::vector<std::vector<std::int64_t>>& shapes) {
+  models::UNetStageState s;
+  std::int64_t offset = 0;
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    const auto count = numel_of(shapes[i]);
+    auto t = flat.narrow(0, offset, count).view(shapes[i]);
+    offset += count;
+    if (i == 0) s.h = t;
+    else s.skips.push_back(t);
+  }
+  return s;
+}
+
+}  // namespace
+
+LoopOutput AsyncDiff::run(DeviceGroup& g, const LoopInputs& in) const {
+  auto ranks = prepare(*this, g, in);
+  auto& d0 = *ranks[0].den;
+  const std::int64_t height = in.latents.size(2), width = in.latents.size(3);
+  const auto layers = d0.stage_layers(height, width);
+  if (layers.empty())
+    throw Error("asyncdiff: this model cannot be split into sequential stages (only an SD / SDXL UNet can; for SD3 "
+                "use pipefusion)");
+  std::vector<double> cost;
+  for (const auto& l : layers) cost.push_back(l.cost);
+  const auto bounds = balanced_split(cost, n);
+  const int steps = in.steps, sync_steps = std::min(warmup, steps);
+  const Branch branch = Branch::Guided;
+  // The state each rank k > 0 receives: the one before its first layer.
+  std::vector<std::vector<std::vector<std::int64_t>>> shapes(static_cast<std::size_t>(n));
+  std::vector<std::int64_t> state_numel(static_cast<std::size_t>(n), 0);
+  for (int k = 1; k < n; ++k) {
+    shapes[static_cast<std::size_t>(k)] = d0.stage_shapes(bounds[static_cast<std::size_t>(k)], height, width, branch);
+    for (const auto& s : shapes[static_cast<std::size_t>(k)]) state_numel[static_cast<std::size_t>(k)] += numel_of(s);
+  }
+
+  // Producer skips: how many of its input's skips component k (k > 0) passes on untouched (the
+  // bottom of its output's stack, below the ones it pushes): the least depth the skip stack
+  // reaches inside it.
+  std::vector<std::size_t> carried(static_cast<std::size_t>(n), 0);
+  for (int k = 1; k < n; ++k) {
+    std::size_t least = std::numeric_limits<std::size_t>::max();
+    for (int j = bounds[static_cast<std::size_t>(k)]; j <= bounds[static_cast<std::size_t>(k) + 1]; ++j)
+      least = std::min(least, d0.stage_shapes(j, height, width, branch).size() - 1);
+    carried[static_cast<std::size_t>(k)] = least;
+  }
+
+  std::vector<std::int64_t> messages(static_cast<std::size_t>(steps), 0), step_bytes(messages);
+  std::mutex stats_mutex;
+  const auto sent = [&](int step, const at::Tensor& t) {
+    std::lock_guard<std::mutex> lock(stats_mutex);
+    ++messages[static_cast<std::size_t>(step)];
+    step_bytes[static_cast<std::size_t>(step)] += static_cast<std::int64_t>(t.nbytes());
+  };
+  std::atomic<std::int64_t> bytes{0};
+  at::Tensor result;
+  CancelGate gate(in.cancel);
+  g.run([&](int rank, Communicator& comm) {
+    auto& me = ranks[static_cast<std::size_t>(rank)];
+    auto& den = *me.den;
+    const auto dev = g.device(rank);
+    const bool head = rank == 0, tail = rank == n - 1;
+    const int begin = bounds[static_cast<std::size_t>(rank)], end = bounds[static_cast<std::size_t>(rank) + 1];
+    const auto bytes0 = comm.bytes_sent();
+    const auto state_buffer = [&] {
+      return at::empty({state_numel[static_cast<std::size_t>(rank)]}, at::TensorOptions().device(dev).dtype(den.output_dtype()));
+    };
+    at::Tensor input;  // rank > 0: the last state received from rank - 1 (packed)
+    for (int i = 0; i < steps; ++i) {
+      gate.check(i);
+      const double t = me.sampler->timesteps().at(static_cast<std::size_t>(i));
+      const bool stale = i >= sync_steps;
+      const bool feed = !stale || i + 1 < steps;  // whether this step's states have a consumer
+      models::UNetStageState st;
+      if (head) {
+        st = den.stage_input(me.sampler->scale_model_input(me.x, i), t, branch);
+      } else {
+        if (!stale) {
+          input = state_buffer();
+          comm.recv(input, rank - 1);
+        }
+        st = unpack(input, shapes[static_cast<std::size_t>(rank)]);
+      }
+      den.run_stage(st, begin, end, t, branch);
+      if (head) {
+        const auto out = pack(st);
+        if (feed) {
+          comm.send(out, 1);
+          sent(i, out);
+        }
+        auto eps = at::empty(me.x.sizes(), me.x.options().dtype(den.output_dtype()));
+        comm.recv(eps, n - 1);
+        me.x = refine(me, rank, in, eps, i, me.x);
+        continue;
+      }
+      // A stale step's input for step i + 1 comes now, after this step's work.
+      if (stale && feed) {
+        input = state_buffer();
+        comm.recv(input, rank - 1);
+        // The skips this component carried came with its input from step i - 1; the state just
+        // received holds the same ones as their producers made them at step i (refreshed
+        // likewise by rank - 1 before it sent), which is what rank + 1 gets.
+        if (!lineage_skips && !tail) {
+          const auto fresh = unpack(input, shapes[static_cast<std::size_t>(rank)]);
+          for (std::size_t q = 0; q < carried[static_cast<std::size_t>(rank)]; ++q) st.skips[q] = fresh.skips[q];
+        }
+      }
+      if (!tail) {
+        if (feed) {
+          const auto out = pack(st);
+          comm.send(out, rank + 1);
+          sent(i, out);
+        }
+      } else {
+        const auto eps = den.stage_output(st, branch).contiguous();
+        comm.send(eps, 0);
+        sent(i, eps);
+      }
+    }
+    bytes += comm.bytes_sent() - bytes0;
+    if (head) result = me.x;
+  });
+
+  auto o = finish(*this, in, g, result, steps, steps, bytes.load());
+  o.stats.messages_per_step = messages;
+  o.stats.bytes_per_step = step_bytes;
+  double total = 0;
+  for (double v : cost) total += v;
+  total = std::max(total, 1.0);
+  std::string split;
+  for (int k = 0; k < n; ++k) {
+    std::int64_t weights = 0;
+    double c = 0;
+    for (int j = bounds[static_cast<std::size_t>(k)]; j < bounds[static_cast<std::size_t>(k) + 1]; ++j) {
+      weights += layers[static_cast<std::size_t>(j)].parameters;
+      c += layers[static_cast<std::size_t>(j)].cost;
+    }
+    o.stats.weights_per_rank.push_back(weights);
+    split += (k ? ", " : "") + std::string("rank ") + std::to_string(k) + ": layers " +
+             std::to_string(bounds[static_cast<std::size_t>(k)]) + ".." +
+             std::to_string(bounds[static_cast<std::size_t>(k) + 1] - 1) + " (" +
+             layers[static_cast<std::size_t>(bounds[static_cast<std::size_t>(k)])].name + " .. " +
+             layers[static_cast<std::size_t>(bounds[static_cast<std::size_t>(k) + 1] - 1)].name + ", " +
+             std::to_string(static_cast<int>(100.0 * c / total + 0.5)) + "% of the estimated cost)";
+  }
+  o.stats.note = std::to_string(n) + " sequential components of " + std::to_string(layers.size()) + " UNet layers [" +
+                 split + "]; " + std::to_string(sync_steps) + " synchronous step(s), then " +
+                 std::to_string(steps - sync_steps) +
+                 " one-step-stale step(s) (each component on the previous one's state from the step before, the skips " +
+                 (lineage_skips ? std::string("as that state carried them") : std::string("from their producers")) +
+                 "), stride " + std::to_string(stride);
+  return o;
+}
+
+}  // namespace diffract::parallel
