@@ -10,6 +10,8 @@
 #     diffract-bench on the same GPU (side by side in one run), the single-GPU checks, batch 4.
 #   PLAN=multi2 (two GPUs, no training, no anchor): the single-GPU bench on the first GPU, then the
 #     multi-GPU checks and the strategy bench (hybrid last, its NCCL stale window on).
+#   PLAN=short (two GPUs, what a few minutes allow): the 2-GPU strategy check, then the strategy
+#     bench for BENCH_STRATEGIES (default asyncdiff:2,cfg-parallel) against our one GPU.
 #   PLAN=final (a later, shorter call, no training; carry .carry without emoji/): the single-GPU
 #     bench on the first GPU beside the anchor on the second, then the multi-GPU checks and the
 #     strategy bench.
@@ -158,6 +160,17 @@ import json
 for r in json.load(open('$logs/bench_batch4.json'))['results']:
     print(json.dumps({k: v for k, v in r.items() if k != 'unet_step_variants'}))" 2>&1 | cut -c1-900
   fi
+  exit 0
+fi
+
+if [ "$plan" = short ]; then
+  ctest --test-dir build/gpu -R gpu_strategies -V --timeout 90 > "$logs/checks_strategies.log" 2>&1
+  grep -E "  (ok|FAIL)  |tests passed|rel-L2|Timeout" "$logs/checks_strategies.log" | cut -c1-600
+  echo "strategy check at $(elapsed) s"
+  timeout "$(left 5)" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 2 \
+    --strategies "${BENCH_STRATEGIES:-asyncdiff:2,cfg-parallel}" > "$logs/bench_strategies.json" 2> "$logs/bench_strategies.log"
+  echo "strategy bench rc $? at $(elapsed) s"
+  grep -o '{"denoising_ms.*' "$logs/bench_strategies.log" | cut -c1-700
   exit 0
 fi
 

@@ -138,13 +138,8 @@ LoopOutput AsyncDiff::run(DeviceGroup& g, const LoopInputs& in) const {
     carried[static_cast<std::size_t>(k)] = least;
   }
 
-  std::vector<std::int64_t> messages(static_cast<std::size_t>(steps), 0), step_bytes(messages);
-  std::mutex stats_mutex;
-  const auto sent = [&](int step, const at::Tensor& t) {
-    std::lock_guard<std::mutex> lock(stats_mutex);
-    ++messages[static_cast<std::size_t>(step)];
-    step_bytes[static_cast<std::size_t>(step)] += static_cast<std::int64_t>(t.nbytes());
-  };
+  StepTraffic traffic(steps);
+  const auto sent = [&traffic](int step, const at::Tensor& t) { traffic.sent(step, t); };
   std::atomic<std::int64_t> bytes{0};
   at::Tensor result;
   CancelGate gate(in.cancel);
@@ -215,8 +210,8 @@ LoopOutput AsyncDiff::run(DeviceGroup& g, const LoopInputs& in) const {
   });
 
   auto o = finish(*this, in, g, result, steps, steps, bytes.load());
-  o.stats.messages_per_step = messages;
-  o.stats.bytes_per_step = step_bytes;
+  o.stats.messages_per_step = traffic.messages();
+  o.stats.bytes_per_step = traffic.bytes();
   double total = 0;
   for (double v : cost) total += v;
   total = std::max(total, 1.0);

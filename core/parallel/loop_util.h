@@ -1,5 +1,5 @@
 #pragma once
-// What the strategies' loops share (strategies.cpp, pipefusion.cpp): per-rank replicas of the
+// What the strategies' loops share (strategies.cpp, pipefusion.cpp, asyncdiff.cpp): per-rank replicas of the
 // sampler, generator and denoiser, the cancel gate, the refine step and the stats.
 #include <map>
 #include <memory>
@@ -33,6 +33,24 @@ class CancelGate {
   const engine::CancelToken* token_;
   std::mutex mutex_;
   std::map<int, bool> decided_;
+};
+
+// Point-to-point messages and their bytes per step, counted from every rank's thread
+// (PipeFusion, AsyncDiff: LoopStats::messages_per_step / bytes_per_step).
+class StepTraffic {
+ public:
+  explicit StepTraffic(int steps) : messages_(static_cast<std::size_t>(steps), 0), bytes_(messages_) {}
+  void sent(int step, const at::Tensor& t) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++messages_[static_cast<std::size_t>(step)];
+    bytes_[static_cast<std::size_t>(step)] += static_cast<std::int64_t>(t.nbytes());
+  }
+  const std::vector<std::int64_t>& messages() const { return messages_; }
+  const std::vector<std::int64_t>& bytes() const { return bytes_; }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::int64_t> messages_, bytes_;
 };
 
 // Refines from step i with output `out`: the ordinary update, reported on rank 0.

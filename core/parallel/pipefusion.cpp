@@ -94,13 +94,8 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
   const int items = (steps - sync_steps) * m;
   const int ticks = items > 0 ? items + stages - 1 : 0;
 
-  std::vector<std::int64_t> messages(static_cast<std::size_t>(steps), 0), step_bytes(messages);
-  std::mutex stats_mutex;
-  const auto sent = [&](int step, const at::Tensor& t) {
-    std::lock_guard<std::mutex> lock(stats_mutex);
-    ++messages[static_cast<std::size_t>(step)];
-    step_bytes[static_cast<std::size_t>(step)] += static_cast<std::int64_t>(t.nbytes());
-  };
+  StepTraffic traffic(steps);
+  const auto sent = [&traffic](int step, const at::Tensor& t) { traffic.sent(step, t); };
   std::atomic<std::int64_t> bytes{0};
   at::Tensor result;
   CancelGate gate(in.cancel);
@@ -252,8 +247,8 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
   });
 
   auto o = finish(*this, in, g, result, steps, steps, bytes.load());
-  o.stats.messages_per_step = messages;
-  o.stats.bytes_per_step = step_bytes;
+  o.stats.messages_per_step = traffic.messages();
+  o.stats.bytes_per_step = traffic.bytes();
   for (int r = 0; r < stages; ++r) {
     std::int64_t count = 0;
     for (const auto& kv : head_den.model()->named_parameters(true))
