@@ -61,6 +61,7 @@ class NcclCommunicator final : public Communicator {
 
   std::vector<at::Tensor> all_gather(const at::Tensor& t) override {
     auto send = prepare(t, "all_gather");
+    send.record_stream(stream_);  // as in send(): a copy may be freed before the stream has read it
     std::vector<int64_t> shape{size()};
     for (auto d : send.sizes()) shape.push_back(d);
     auto recv = at::empty(shape, send.options());
@@ -89,6 +90,9 @@ class NcclCommunicator final : public Communicator {
   void send(const at::Tensor& t, int dst) override {
     check_rank(dst, "send destination");
     auto buf = prepare(t, "send");
+    // A copy made by prepare() is freed when this returns, while the send may still read it on
+    // the communication stream: the allocator must not hand its memory out before then.
+    buf.record_stream(stream_);
     enqueue([&] {
       check(ncclSend(buf.data_ptr(), static_cast<size_t>(buf.numel()), nccl_type(buf.scalar_type()), dst, comm(),
                      stream_.stream()),
@@ -101,6 +105,7 @@ class NcclCommunicator final : public Communicator {
     check_rank(src, "recv source");
     if (!out.defined() || !out.is_cuda() || out.device() != device_ || !out.is_contiguous())
       throw Error("NCCL recv needs a contiguous tensor on " + device_.str());
+    out.record_stream(stream_);
     enqueue([&] {
       check(ncclRecv(out.data_ptr(), static_cast<size_t>(out.numel()), nccl_type(out.scalar_type()), src, comm(),
                      stream_.stream()),
