@@ -65,6 +65,11 @@ class TestDevices : public QObject {
     QVERIFY(c.error.empty());
     QCOMPARE(c.device, std::string("cuda:2"));
     QCOMPARE(c.devices, 2);
+    c = choose_devices({0, 1, 2, 3, 4}, "cfg-driffusion", 1);  // pairs of GPUs: the first four
+    QVERIFY(c.error.empty());
+    QCOMPARE(c.devices, 4);
+    c = choose_devices({3}, "cfg-driffusion-aggressive", 1);
+    QVERIFY(!c.error.empty());
     c = choose_devices({1, 2, 3}, "asyncdiff", 1);  // one UNet component per enabled GPU
     QVERIFY(c.error.empty());
     QCOMPARE(c.device, std::string("cuda:1"));

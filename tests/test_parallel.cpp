@@ -383,7 +383,7 @@ class TestParallel : public QObject {
 
   void driffusionRoundsMatchFormulas() {
     const int steps = 10;
-    for (int n : {2, 4}) {
+    for (int n : {2, 4, 8}) {
       for (auto mode : {DRiffusion::Mode::Aggressive, DRiffusion::Mode::Conservative}) {
         DRiffusion d;
         d.n = n;
@@ -411,6 +411,38 @@ class TestParallel : public QObject {
     // Asymptotic latencies: 1/n and 2/(n+1).
     QCOMPARE(DRiffusion::expected_rounds(DRiffusion::Mode::Aggressive, 401, 4), 101);
     QCOMPARE(DRiffusion::expected_rounds(DRiffusion::Mode::Conservative, 500, 4), 200);
+  }
+
+  // CFG-parallel x DRiffusion: n drafts on 2n devices, each pair splitting the prompt and the
+  // negative prompt. The same trajectory as DRiffusion on n devices (branches apart instead of
+  // batched) in the same rounds; on 2 devices the plain loop. Up to 8 virtual devices: issue 9's
+  // 2 x 2 and 2 x 4 layouts.
+  void cfgDriffusionPairsTheBranches() {
+    const int steps = 10;
+    for (int n : {1, 2, 4}) {
+      for (auto mode : {DRiffusion::Mode::Aggressive, DRiffusion::Mode::Conservative}) {
+        auto in = inputs(schedulers::SamplerKind::Euler, steps, 1, 4.0);
+        DRiffusion plain;
+        plain.n = n;
+        plain.mode = mode;
+        DRiffusion split = plain;
+        split.cfg_split = true;
+        const auto a = run(plain, in);
+        const auto b = run(split, in);
+        QCOMPARE(split.devices(), 2 * n);
+        QCOMPARE(b.stats.devices, 2 * n);
+        QCOMPARE(b.stats.rounds, DRiffusion::expected_rounds(mode, steps, n));
+        QCOMPARE(b.stats.evaluations, steps);
+        QCOMPARE(evals_.load(), 2 * steps);  // each step's two branches, on two devices
+        // Batch-1 against batch-2 rounding, as for CFG-parallel.
+        DIFFRACT_COMPARE_TENSORS(b.latents, a.latents, 1e-4);
+        if (n == 1) DIFFRACT_COMPARE_TENSORS(b.latents, run(SingleDevice{}, in).latents, 1e-4);
+      }
+    }
+    QCOMPARE(make_strategy("cfg-driffusion-aggressive", 8)->devices(), 8);
+    QCOMPARE(make_strategy("cfg-driffusion", 4)->name(), std::string("cfg-driffusion"));
+    DIFFRACT_EXPECT_ERROR(make_strategy("cfg-driffusion", 3), "even number of devices");
+    DIFFRACT_EXPECT_ERROR(make_strategy("cfg-driffusion", 4)->validate(1, /*cfg=*/false), "needs CFG");
   }
 
   void hybridSwitchingRule() {
@@ -600,9 +632,9 @@ class TestParallel : public QObject {
   }
 
   void dataParallelEqualsOneDevice() {
-    for (int n : {2, 4}) {
+    for (int n : {2, 4, 8}) {  // 8: issue 9's batch of 8 over 8 devices, here virtual
       for (double cfg : {1.0, 5.0}) {
-        auto in = inputs(schedulers::SamplerKind::Euler, 4, 5, cfg);
+        auto in = inputs(schedulers::SamplerKind::Euler, 4, std::max(5, n), cfg);
         const auto base = run(SingleDevice{}, in);
         DataParallel dp;
         dp.n = n;

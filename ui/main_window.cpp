@@ -87,9 +87,10 @@ constexpr SizePreset kSizePresets[] = {
 constexpr int kCustomPreset = static_cast<int>(std::size(kSizePresets));
 
 const char* const kSamplers[] = {"euler", "euler-ancestral", "ddim", "ddpm", "dpmpp-2m", "dpmpp-2m-karras"};
-const char* const kStrategies[] = {"single",        "cfg-parallel",  "hybrid-cfg", "driffusion",
-                                   "driffusion-aggressive", "data-parallel", "step-skip", "pipefusion",
-                                   "asyncdiff"};
+const char* const kStrategies[] = {"single",         "cfg-parallel",          "hybrid-cfg",
+                                   "driffusion",     "driffusion-aggressive", "cfg-driffusion",
+                                   "cfg-driffusion-aggressive", "data-parallel", "step-skip",
+                                   "pipefusion",     "asyncdiff"};
 
 // The first local file among dragged URLs (or a file URL dragged as text), else "".
 QString droppedFile(const QMimeData* mime) {

@@ -40,7 +40,8 @@ std::vector<DeviceInfo> list_devices() {
 namespace {
 
 const char* const kKnown[] = {"single",        "cfg-parallel", "hybrid-cfg", "driffusion", "driffusion-aggressive",
-                              "data-parallel", "step-skip",    "pipefusion", "asyncdiff"};
+                              "data-parallel", "step-skip",    "pipefusion", "asyncdiff", "cfg-driffusion",
+                              "cfg-driffusion-aggressive"};
 
 }  // namespace
 
@@ -69,8 +70,9 @@ DeviceChoice choose_devices(std::vector<int> enabled_gpus, const std::string& st
     c.devices = std::max(1, cpu_devices);  // the skip factor, on one GPU
     return c;
   }
-  const int needed = (name == "cfg-parallel" || name == "hybrid-cfg") ? 2 : enabled;
-  if (enabled < needed) {
+  const bool pairs = name.rfind("cfg-driffusion", 0) == 0;  // a pair of GPUs per draft
+  const int needed = (name == "cfg-parallel" || name == "hybrid-cfg") ? 2 : pairs ? enabled - enabled % 2 : enabled;
+  if (enabled < needed || needed < 1) {
     c.error = "strategy " + name + " needs 2 GPUs; " + std::to_string(enabled) +
               " is enabled (enable another GPU, or choose single)";
     return c;

@@ -333,10 +333,21 @@ LoopOutput HybridCfg::run(DeviceGroup& g, const LoopInputs& in) const {
   return o;
 }
 
-std::string DRiffusion::name() const { return mode == Mode::Aggressive ? "driffusion-aggressive" : "driffusion"; }
+std::string DRiffusion::name() const {
+  return std::string(cfg_split ? "cfg-" : "") + (mode == Mode::Aggressive ? "driffusion-aggressive" : "driffusion");
+}
 
-void DRiffusion::validate(std::int64_t, bool) const {
-  if (n < 1) throw Error("driffusion needs 1 or more devices, not " + std::to_string(n));
+void DRiffusion::validate(std::int64_t, bool cfg) const {
+  if (n < 1)
+    throw Error(name() + " needs " + (cfg_split ? "an even number of devices, 2 or more" : "1 or more devices") +
+                ", not " + std::to_string(devices()));
+  if (cfg_split && !cfg)
+    throw Error(name() + " splits the prompt and the negative prompt over two devices: it needs CFG (a scale above 1)");
+}
+
+void DRiffusion::warm(Denoiser& d, const at::Tensor& x, double t) const {
+  if (cfg_split) d.eval(x, t, Branch::Cond);  // one branch: the shape every rank evaluates
+  else Strategy::warm(d, x, t);
 }
 
 int DRiffusion::expected_rounds(Mode mode, int steps, int n) {
@@ -353,7 +364,8 @@ LoopOutput DRiffusion::run(DeviceGroup& g, const LoopInputs& in) const {
   int rounds = 0;
   at::Tensor result;
   const Mode m = mode;
-  const int devices = n;
+  const int devices = n;  // drafts per round
+  const bool split = cfg_split;
   CancelGate gate(in.cancel);
   g.run([&](int rank, Communicator& comm) {
     auto& k = ranks[static_cast<std::size_t>(rank)];
@@ -364,19 +376,25 @@ LoopOutput DRiffusion::run(DeviceGroup& g, const LoopInputs& in) const {
     int my_rounds = 0;
     // Evaluates points[r] (state at step first + r) on rank r; every rank gets all outputs.
     // Idle ranks contribute zeros: NCCL needs a tensor of the same shape from every rank.
+    // With cfg_split the point is rank / 2, its branch the rank's parity, and the pairs are
+    // combined after the exchange.
     auto round = [&](const std::vector<at::Tensor>& points, int first) {
       gate.check(my_rounds++);
       at::Tensor mine;
-      if (rank < static_cast<int>(points.size())) {
-        mine = eval_at(*k.den, s, points[static_cast<std::size_t>(rank)], first + rank, Branch::Guided);
-        ++evals;
+      const int point = split ? rank / 2 : rank;
+      if (point < static_cast<int>(points.size())) {
+        const auto branch = !split ? Branch::Guided : rank % 2 == 0 ? Branch::Cond : Branch::Uncond;
+        mine = eval_at(*k.den, s, points[static_cast<std::size_t>(point)], first + point, branch);
+        if (!split || rank % 2 == 0) ++evals;
       } else {
         mine = at::zeros(k.x.sizes(), k.x.options().dtype(k.den->output_dtype()));
       }
       auto all = comm.all_gather(mine);
       if (rank == 0) ++rounds;
       std::vector<at::Tensor> outs;
-      for (std::size_t r = 0; r < points.size(); ++r) outs.push_back(all[r].to(dev));
+      for (std::size_t r = 0; r < points.size(); ++r)
+        outs.push_back(split ? combine_cfg(all[2 * r + 1].to(dev), all[2 * r].to(dev), k.den->guidance_scale())
+                             : all[r].to(dev));
       return outs;
     };
     at::Tensor stale;  // aggressive: the previous round's last output
@@ -508,10 +526,16 @@ std::unique_ptr<Strategy> make_strategy(const std::string& name, int n, int patc
   if (name == "single") return std::make_unique<SingleDevice>();
   if (name == "cfg-parallel") return std::make_unique<CfgParallel>();
   if (name == "hybrid-cfg") return std::make_unique<HybridCfg>();
-  if (name == "driffusion" || name == "driffusion-aggressive") {
+  if (name == "driffusion" || name == "driffusion-aggressive" || name == "cfg-driffusion" ||
+      name == "cfg-driffusion-aggressive") {
     auto s = std::make_unique<DRiffusion>();
-    s->n = n;
-    s->mode = name == "driffusion" ? DRiffusion::Mode::Conservative : DRiffusion::Mode::Aggressive;
+    s->cfg_split = name.rfind("cfg-", 0) == 0;
+    if (s->cfg_split && (n < 2 || n % 2 != 0))
+      throw Error(name + " runs each draft's prompt and negative prompt on a pair of devices: it needs an even "
+                  "number of devices, 2 or more, not " + std::to_string(n));
+    s->n = s->cfg_split ? n / 2 : n;
+    s->mode = name.find("aggressive") == std::string::npos ? DRiffusion::Mode::Conservative
+                                                           : DRiffusion::Mode::Aggressive;
     return s;
   }
   if (name == "data-parallel") {

@@ -145,14 +145,20 @@ struct HybridCfg final : Strategy {
 //   round's last output (the first round has none, so it evaluates the anchor alone): n steps
 //   per round (ideal 1/n).
 // With n = 1 both reduce to the ordinary loop.
+// cfg_split (CFG-parallel x DRiffusion, "cfg-driffusion(-aggressive)"): 2n devices, rank r
+//  evaluates point r / 2 on the prompt (even r) or the negative prompt (odd r), one all_gather
+//  per round, and every rank combines the pairs as the pipeline does: the same rounds, each a
+//  batch-1 evaluation instead of batch 2. Needs CFG.
 struct DRiffusion final : Strategy {
   enum class Mode { Aggressive, Conservative };
   int n = 2;
   Mode mode = Mode::Conservative;
+  bool cfg_split = false;
   std::string name() const override;
-  int devices() const override { return n; }
+  int devices() const override { return cfg_split ? 2 * n : n; }
   void validate(std::int64_t batch, bool cfg) const override;
   LoopOutput run(DeviceGroup& group, const LoopInputs& in) const override;
+  void warm(Denoiser& d, const at::Tensor& x, double timestep) const override;
   // The number of rounds each mode takes for `steps` steps on `n` devices.
   static int expected_rounds(Mode mode, int steps, int n);
 };
@@ -180,6 +186,7 @@ struct StepSkipping final : Strategy {
 };
 
 // "single", "cfg-parallel", "hybrid-cfg", "driffusion" / "driffusion-aggressive" (n devices),
+// "cfg-driffusion" / "cfg-driffusion-aggressive" (n devices, even: n / 2 drafts per round),
 // "data-parallel" (n), "step-skip" (skip = n), "pipefusion" (n stages, `patches` patches; 0: n;
 // SD3 only, core/parallel/pipefusion.h), "asyncdiff" (n sequential UNet components,
 // core/parallel/asyncdiff.h).
