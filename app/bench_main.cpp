@@ -18,6 +18,7 @@
 #include "core/metrics/metrics.h"
 #include "core/models/unets/unet_2d_condition.h"
 #include "core/pipeline/stable_diffusion.h"
+#include "core/pipeline/stable_diffusion_3.h"
 #include "core/util/build_info.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
@@ -34,6 +35,7 @@ struct BenchConfig {
   int size;
   int steps;
   double cfg;
+  bool sd3 = false;  // SD3-medium (`family` unused)
 };
 
 const std::vector<BenchConfig>& configs() {
@@ -41,7 +43,9 @@ const std::vector<BenchConfig>& configs() {
       {"sdxl-1024", pipeline::Family::SDXL, false, 1024, 30, 7.0},
       {"sdxl-768", pipeline::Family::SDXL, false, 768, 30, 7.0},
       {"sd15-512", pipeline::Family::SD1, false, 512, 30, 7.0},
+      {"sd3-1024", pipeline::Family::SDXL, false, 1024, 28, 7.0, true},
       {"tiny", pipeline::Family::SDXL, true, 64, 4, 7.0},  // CI: the same code path in seconds on CPU
+      {"tiny-sd3", pipeline::Family::SDXL, true, 64, 4, 7.0, true},
   };
   return all;
 }
@@ -84,7 +88,15 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
     c10::cuda::CUDACachingAllocator::resetPeakStats(index);
   }
 #endif
-  auto sd = pipeline::StableDiffusion::random(c.family, c.tiny, device);
+  std::unique_ptr<pipeline::TextToImage> sd;
+  pipeline::StableDiffusion* unet_pipeline = nullptr;  // the UNet profile is SD / SDXL only
+  if (c.sd3) {
+    sd = pipeline::StableDiffusion3::random(c.tiny, device);
+  } else {
+    auto m = pipeline::StableDiffusion::random(c.family, c.tiny, device);
+    unet_pipeline = m.get();
+    sd = std::move(m);
+  }
   const double warm_up_ms = sd->warm_up();  // what the engine does at load (GPU only)
   engine::GenerationRequest req;
   req.model = "<random>";
@@ -94,7 +106,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   req.cfg = c.cfg;
   req.batch = batch;
   req.device = device;
-  req.sampler = "euler";
+  req.sampler = c.sd3 ? "flow-euler" : "euler";
   req.preview_every = 0;
   engine::CancelToken never;
   const auto clock = [] { return std::chrono::steady_clock::now(); };
@@ -158,7 +170,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
     const auto meta = json::parse(last.metadata_json);
     if (meta.contains("unet_graphs")) j["unet_graphs"] = meta["unet_graphs"];
   }
-  if (cuda) j["unet_step_variants"] = json::parse(sd->profile_unet_step(c.size, 2 * batch, 10));
+  if (cuda && unet_pipeline) j["unet_step_variants"] = json::parse(unet_pipeline->profile_unet_step(c.size, 2 * batch, 10));
   // Strategies: the same job run by each, against the single-device result of this run.
   const double base_e2e = percentile(e2e, 0.5), base_denoise = denoise;
   for (const auto& spec : strategies) {
@@ -202,7 +214,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
 // Only the UNet's construction on the CPU (what every model load and replica pays before the
 // weights are bound), then the explicit random init that random-weight models add on top.
 json build_only(const BenchConfig& c) {
-  if (c.tiny) throw Error("--build-only times the full-size UNets: pick an sdxl or sd15 config");
+  if (c.tiny || c.sd3) throw Error("--build-only times the full-size UNets: pick an sdxl or sd15 config");
   const auto config = c.family == pipeline::Family::SDXL ? models::UNet2DConditionConfig::sdxl_base()
                                                          : models::UNet2DConditionConfig::sd15();
   const auto clock = [] { return std::chrono::steady_clock::now(); };

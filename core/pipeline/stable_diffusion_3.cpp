@@ -16,12 +16,14 @@
 #include "core/io/json_file.h"
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
+#include "core/models/common/layers.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/text_encoders/t5_encoder.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/parallel/pipefusion.h"
 #include "core/parallel/strategies.h"
 #include "core/pipeline/pipeline_util.h"
+#include "core/pipeline/single_file.h"
 #include "core/pipeline/stable_diffusion.h"
 #include "core/schedulers/sampler.h"
 #include "core/text/clip_tokenizer.h"
@@ -67,6 +69,7 @@ struct StableDiffusion3::Impl {
   models::SD3Transformer2DModel transformer{nullptr};
   models::AutoencoderKL vae{nullptr};
   fs::path scheduler_json;
+  std::string scheduler_text;  // random(): the scheduler's config itself, no file
   std::optional<schedulers::SamplerKind> native_sampler;
   bool t5_dropped = false;
   int max_sequence_length = 256;
@@ -250,6 +253,60 @@ bool StableDiffusion3::has_t5() const { return static_cast<bool>(impl_->text_enc
 bool StableDiffusion3::t5_dropped() const { return impl_->t5_dropped; }
 int StableDiffusion3::max_sequence_length() const { return impl_->max_sequence_length; }
 
+std::unique_ptr<StableDiffusion3> StableDiffusion3::random(bool tiny, const std::string& device) {
+  const auto t0 = Clock::now();
+  auto p = std::make_unique<Impl>();
+  p->path = tiny ? "random-tiny-sd3" : "random-sd3-medium";
+  p->device_name = device;
+  p->device = parse_device(device);
+  p->dtype = p->device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  auto tr_c = models::SD3Transformer2DConfig::sd3_medium();
+  auto vae_c = models::AutoencoderKLConfig::sd3();
+  auto te_c = models::CLIPTextConfig::clip_l(), te2_c = models::CLIPTextConfig::open_clip_bigg();
+  auto taesd_c = models::TAESDConfig::taesd3();
+  if (tiny) {  // the same architectures, a few channels wide: for CI
+    tr_c.num_layers = 2, tr_c.num_attention_heads = 2, tr_c.attention_head_dim = 8;
+    tr_c.caption_projection_dim = 16, tr_c.joint_attention_dim = 64, tr_c.pooled_projection_dim = 64;
+    tr_c.sample_size = 8, tr_c.pos_embed_max_size = 16;
+    te_c.hidden_size = te2_c.hidden_size = 32, te_c.intermediate_size = te2_c.intermediate_size = 64;
+    te_c.num_hidden_layers = te2_c.num_hidden_layers = 2, te_c.num_attention_heads = te2_c.num_attention_heads = 2;
+    te_c.projection_dim = te2_c.projection_dim = 32;
+    vae_c.block_out_channels = {16, 16, 32, 32};
+    vae_c.norm_num_groups = 8;
+    taesd_c.encoder_block_out_channels = taesd_c.decoder_block_out_channels = {16, 16, 16, 16};
+    p->max_sequence_length = 16;
+  }
+  p->transformer = models::SD3Transformer2DModel(tr_c);
+  p->vae = models::AutoencoderKL(vae_c);
+  p->text_encoder = models::CLIPTextModelWithProjection(te_c);
+  p->text_encoder_2 = models::CLIPTextModelWithProjection(te2_c);
+  p->taesd = models::TAESD(taesd_c, /*with_encoder=*/false);
+  p->taesd_path = "<random>";
+  const std::vector<torch::nn::Module*> modules = {p->transformer.get(), p->vae.get(), p->text_encoder.get(),
+                                                   p->text_encoder_2.get(), p->taesd.get()};
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
+  for (auto* m : modules) models::init_random(*m, gen);
+  p->tokenizer = std::make_unique<text::CLIPTokenizer>(make_clip_tokenizer({}));
+  text::CLIPTokenizerOptions bang;
+  bang.pad_token = "!";
+  p->tokenizer_2 = std::make_unique<text::CLIPTokenizer>(make_clip_tokenizer(bang));
+  p->scheduler_text = R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})";
+  p->native_sampler = schedulers::SamplerKind::FlowMatchEuler;
+  {
+    at::NoGradGuard no_grad;
+    for (auto* m : modules) {
+      m->eval();
+      m->to(p->device, p->dtype);
+    }
+  }
+  if (p->device.is_cuda()) {
+    models::set_memory_format(*p->taesd, at::MemoryFormat::ChannelsLast);
+    at::globalContext().setBenchmarkCuDNN(true);
+  }
+  p->load_ms = ms_since(t0);
+  return std::unique_ptr<StableDiffusion3>(new StableDiffusion3(std::move(p)));
+}
+
 std::unique_ptr<StableDiffusion3> StableDiffusion3::load(const fs::path& model, const std::string& device,
                                                          const LoadOptions& options) {
   const auto t0 = Clock::now();
@@ -381,7 +438,9 @@ engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequ
     throw Error("SD3 is a flow-matching model: the " + std::string(schedulers::sampler_name(kind)) +
                 " sampler does not apply to it (use flow-euler)");
   req.sampler = std::string(schedulers::sampler_name(kind));
-  const auto config = schedulers::SchedulerConfig::from_json(p.scheduler_json, kind);
+  const auto config = p.scheduler_text.empty()
+                          ? schedulers::SchedulerConfig::from_json(p.scheduler_json, kind)
+                          : schedulers::SchedulerConfig::from_json_text(p.scheduler_text, kind, p.path.string());
   check_steps(req, config.num_train_timesteps);
   auto sampler = schedulers::Sampler::create(kind, config, req.steps);
 

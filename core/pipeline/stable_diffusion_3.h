@@ -36,6 +36,10 @@ class StableDiffusion3 : public TextToImage {
   // when listed, text_encoder_3 / tokenizer_3. Errors name the missing or mismatched component.
   static std::unique_ptr<StableDiffusion3> load(const std::filesystem::path& model, const std::string& device,
                                                 const LoadOptions& options = {});
+  // SD3-medium's architecture (or a few-channel `tiny` one) with random weights and no T5 (its
+  // 256 tokens zeros: the sequence diffusers' anchor times), a random TAESD3 decoder under the
+  // name "<random>", flow-Euler with shift 3: for benchmarks, no files needed.
+  static std::unique_ptr<StableDiffusion3> random(bool tiny, const std::string& device);
   ~StableDiffusion3() override;
   struct Impl;
 
