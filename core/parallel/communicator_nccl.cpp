@@ -103,14 +103,18 @@ class NcclCommunicator final : public Communicator {
 
   void recv(at::Tensor& out, int src) override {
     check_rank(src, "recv source");
-    if (!out.defined() || !out.is_cuda() || out.device() != device_ || !out.is_contiguous())
-      throw Error("NCCL recv needs a contiguous tensor on " + device_.str());
-    out.record_stream(stream_);
+    if (!out.defined() || !out.is_cuda() || out.device() != device_)
+      throw Error("NCCL recv needs a tensor on " + device_.str());
+    // send() moves the values in contiguous order; a channels-last `out` (the UNet's activations
+    // when it runs channels-last) takes them through a contiguous buffer.
+    auto buf = out.is_contiguous() ? out : at::empty(out.sizes(), out.options());
+    buf.record_stream(stream_);
     enqueue([&] {
-      check(ncclRecv(out.data_ptr(), static_cast<size_t>(out.numel()), nccl_type(out.scalar_type()), src, comm(),
+      check(ncclRecv(buf.data_ptr(), static_cast<size_t>(buf.numel()), nccl_type(buf.scalar_type()), src, comm(),
                      stream_.stream()),
             "recv");
     });
+    if (!buf.is_same(out)) out.copy_(buf);  // on the compute stream, which waits for the receive
   }
 
   void barrier() override {
