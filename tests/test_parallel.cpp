@@ -712,55 +712,33 @@ class TestParallel : public QObject {
   }
 
   void cancellationStopsAllRanks() {
-    engine::CancelToken token;
-    auto in = inputs(schedulers::SamplerKind::Euler, 6, 1, 5.0);
-    in.cancel = &token;
-    in.on_step = [&](int i, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
-      if (i == 1) token.cancel();
+    // Runs `s` on `in`, cancelling after step `when`; true when the run ended in Cancelled.
+    // `last`: the last step reported.
+    int last = -1;
+    const auto cancelled_at = [&](const Strategy& s, LoopInputs in, int when) {
+      engine::CancelToken token;
+      in.cancel = &token;
+      last = -1;
+      in.on_step = [&](int i, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+        last = i;
+        if (i == when) token.cancel();
+      };
+      try {
+        run(s, in);
+      } catch (const engine::Cancelled&) {
+        return true;
+      }
+      return false;
     };
     DRiffusion d;
     d.n = 2;
-    bool cancelled = false;
-    try {
-      run(d, in);
-    } catch (const engine::Cancelled&) {
-      cancelled = true;
-    }
-    QVERIFY(cancelled);
-    // PipeFusion, cancelled while patches are in flight.
-    engine::CancelToken token2;
-    auto pin = sd3_inputs(6, 1, 4.0);
-    pin.cancel = &token2;
-    pin.on_step = [&](int i, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
-      if (i == 2) token2.cancel();
-    };
-    PipeFusion pf;
+    QVERIFY(cancelled_at(d, inputs(schedulers::SamplerKind::Euler, 6, 1, 5.0), 1));
+    PipeFusion pf;  // cancelled while patches are in flight
     pf.patches = 4;
-    cancelled = false;
-    try {
-      run(pf, pin);
-    } catch (const engine::Cancelled&) {
-      cancelled = true;
-    }
-    QVERIFY(cancelled);
-    // AsyncDiff, cancelled in its stale steps while states are in flight between 3 ranks.
-    engine::CancelToken token3;
-    in = inputs(schedulers::SamplerKind::Euler, 6, 1, 5.0);
-    in.cancel = &token3;
-    int last = -1;
-    in.on_step = [&](int i, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
-      last = i;
-      if (i == 2) token3.cancel();
-    };
-    AsyncDiff a;
+    QVERIFY(cancelled_at(pf, sd3_inputs(6, 1, 4.0), 2));
+    AsyncDiff a;  // cancelled in its stale steps while states are in flight between 3 ranks
     a.n = 3;
-    cancelled = false;
-    try {
-      run(a, in);
-    } catch (const engine::Cancelled&) {
-      cancelled = true;
-    }
-    QVERIFY(cancelled);
+    QVERIFY(cancelled_at(a, inputs(schedulers::SamplerKind::Euler, 6, 1, 5.0), 2));
     QVERIFY(last >= 2 && last < 5);
   }
 
