@@ -12,6 +12,8 @@
 #     multi-GPU checks and the strategy bench (hybrid last, its NCCL stale window on).
 #   PLAN=short (two GPUs, what a few minutes allow): the 2-GPU strategy check, then the strategy
 #     bench for BENCH_STRATEGIES (default asyncdiff:2,cfg-parallel) against our one GPU.
+#   PLAN=sd3 (two GPUs, not run yet): our sd3-1024 bench on the first GPU beside the anchor on
+#     the second, then SD3's strategies (cfg-parallel, pipefusion, DRiffusion) on both.
 #   PLAN=final (a later, shorter call, no training; carry .carry without emoji/): the single-GPU
 #     bench on the first GPU beside the anchor on the second, then the multi-GPU checks and the
 #     strategy bench.
@@ -160,6 +162,30 @@ import json
 for r in json.load(open('$logs/bench_batch4.json'))['results']:
     print(json.dumps({k: v for k, v in r.items() if k != 'unet_step_variants'}))" 2>&1 | cut -c1-900
   fi
+  exit 0
+fi
+
+if [ "$plan" = sd3 ]; then
+  CUDA_VISIBLE_DEVICES=1 timeout 200 python3 .carry/diffusers_sdxl_sd3.py > "$logs/anchor.log" 2>&1 &
+  anchor=$!
+  CUDA_VISIBLE_DEVICES=0 timeout 200 "$bench" --device cuda:0 --config sd3-1024 --batch 1 --runs 3 \
+    > "$logs/bench_sd3.json" 2> "$logs/bench_sd3.log"
+  echo "sd3 bench rc $? at $(elapsed) s"
+  wait "$anchor"
+  anchor_json
+  python3 -c "
+import json
+a = json.load(open('$logs/anchor.json'))
+for r in json.load(open('$logs/bench_sd3.json'))['results']:
+    s = r['denoiser_step_ms']['mean']
+    print(r['config'], 'e2e %.1f ms' % r['end_to_end_ms']['median'], 'step %.2f ms' % s,
+          'vs diffusers eager %.2f ms (ratio %.3f)' % (a.get('sd3_step_b2_ms', 0), s / a['sd3_step_b2_ms'] if a.get('sd3_step_b2_ms') else 0),
+          'vae %.1f ms' % r['vae_decode_ms'], 'previews +%.2f %%' % r['preview_added_to_denoising_pct'], 'peak %.2f GiB' % r.get('peak_vram_gib', 0))" 2>&1
+  timeout "$(left 5)" "$bench" --device cuda:0 --config sd3-1024 --batch 1 --runs 2 \
+    --strategies "${BENCH_STRATEGIES:-cfg-parallel,pipefusion:2,driffusion-aggressive:2}" \
+    > "$logs/bench_sd3_strategies.json" 2> "$logs/bench_sd3_strategies.log"
+  echo "sd3 strategy bench rc $? at $(elapsed) s"
+  grep -o '{"denoising_ms.*' "$logs/bench_sd3_strategies.log" | cut -c1-700
   exit 0
 fi
 
