@@ -60,7 +60,9 @@ lines = ["# Strategy quality on diffract-emoji", "",
          f"`scripts/quality_report.py`: `diffract-cli compare` on the shipped model for the first {len(rows)} held-out "
          f"prompts (seed 1000 + index, {args.steps} Euler steps, CFG {args.cfg}, 128²), each strategy against the "
          "one-device baseline of the same seed. CPU virtual devices: the images are the ones GPUs would make (up to "
-         "rounding); speed is measured on GPUs in `docs/benchmarks.md`.", "",
+         "rounding); speed is measured on GPUs in `docs/benchmarks.md`. A round is one sequential model evaluation; "
+         "AsyncDiff's are one UNet component each (about 1/n of the UNet), so its 30 rounds cost about 30 / n "
+         "evaluations.", "",
          "| strategy | rounds (of 30) | PSNR mean / min (dB) | SSIM mean / min | latent rel-L2 mean / max |",
          "| --- | --- | --- | --- | --- |"]
 for (name, n), v in results.items():
