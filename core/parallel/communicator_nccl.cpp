@@ -1,6 +1,7 @@
 // The NCCL communicator: built only when CMake found NCCL (DIFFRACT_HAS_NCCL).
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <mutex>
 #include <shared_mutex>
 
@@ -11,6 +12,7 @@
 #include <nccl.h>
 
 #include "core/parallel/communicator.h"
+#include "core/util/log.h"
 
 namespace diffract::parallel {
 
@@ -32,6 +34,18 @@ ncclDataType_t nccl_type(at::ScalarType t) {
     case at::kChar: return ncclInt8;
     default: throw Error(std::string("NCCL cannot carry tensors of type ") + c10::toString(t));
   }
+}
+
+// DIFFRACT_NCCL_TRACE=1 logs every operation as it is enqueued (rank, operation, peer, bytes);
+// =sync also waits for each to finish on the device and logs that, so that a hang shows which
+// operation of which rank never completes. For diagnosis: sync serialises the communication.
+int trace_level() {
+  static const int level = [] {
+    const char* env = std::getenv("DIFFRACT_NCCL_TRACE");
+    if (!env || !*env || std::string(env) == "0") return 0;
+    return std::string(env) == "sync" ? 2 : 1;
+  }();
+  return level;
 }
 
 // The communicators of one ncclCommInitAll, shared by the ranks' objects.
@@ -69,7 +83,7 @@ class NcclCommunicator final : public Communicator {
       check(ncclAllGather(send.data_ptr(), recv.data_ptr(), static_cast<size_t>(send.numel()), nccl_type(send.scalar_type()),
                           comm(), stream_.stream()),
             "all_gather");
-    });
+    }, "all_gather", -1, static_cast<std::int64_t>(send.nbytes()));
     bytes_ += static_cast<std::int64_t>(send.nbytes());
     auto parts = recv.unbind(0);
     return {parts.begin(), parts.end()};
@@ -82,7 +96,7 @@ class NcclCommunicator final : public Communicator {
       check(ncclBroadcast(buf.data_ptr(), buf.data_ptr(), static_cast<size_t>(buf.numel()), nccl_type(buf.scalar_type()),
                           root, comm(), stream_.stream()),
             "broadcast");
-    });
+    }, "broadcast", root, static_cast<std::int64_t>(buf.nbytes()));
     if (rank_ == root) bytes_ += static_cast<std::int64_t>(buf.nbytes());
     return buf;
   }
@@ -97,7 +111,7 @@ class NcclCommunicator final : public Communicator {
       check(ncclSend(buf.data_ptr(), static_cast<size_t>(buf.numel()), nccl_type(buf.scalar_type()), dst, comm(),
                      stream_.stream()),
             "send");
-    });
+    }, "send", dst, static_cast<std::int64_t>(buf.nbytes()));
     bytes_ += static_cast<std::int64_t>(buf.nbytes());
   }
 
@@ -113,7 +127,7 @@ class NcclCommunicator final : public Communicator {
       check(ncclRecv(buf.data_ptr(), static_cast<size_t>(buf.numel()), nccl_type(buf.scalar_type()), src, comm(),
                      stream_.stream()),
             "recv");
-    });
+    }, "recv", src, static_cast<std::int64_t>(buf.nbytes()));
     if (!buf.is_same(out)) out.copy_(buf);  // on the compute stream, which waits for the receive
   }
 
@@ -121,7 +135,7 @@ class NcclCommunicator final : public Communicator {
     auto one = at::ones({1}, at::TensorOptions().device(device_));
     enqueue([&] {
       check(ncclAllReduce(one.data_ptr(), one.data_ptr(), 1, ncclFloat32, ncclSum, comm(), stream_.stream()), "barrier");
-    });
+    }, "barrier");
     stream_.synchronize();
   }
 
@@ -154,7 +168,7 @@ class NcclCommunicator final : public Communicator {
   // the compute stream's later work waits for it. Launches hold the group's lock so that
   // abort() never frees a communicator under one.
   template <class F>
-  void enqueue(F&& launch) {
+  void enqueue(F&& launch, const char* op = "", int peer = -1, std::int64_t bytes = 0) {
     std::shared_lock<std::shared_timed_mutex> lock(s_->mutex);
     if (s_->aborted) throw Aborted("aborted: " + s_->reason);
     c10::cuda::CUDAGuard guard(device_);
@@ -162,9 +176,15 @@ class NcclCommunicator final : public Communicator {
     at::cuda::CUDAEvent before, after;
     before.record(compute);
     before.block(stream_);
+    const int trace = trace_level();
+    if (trace) log::get("nccl").info(log::str("rank ", rank_, " enqueues ", op, " peer ", peer, ", ", bytes, " bytes"));
     launch();
     after.record(stream_);
     after.block(compute);
+    if (trace == 2) {
+      stream_.synchronize();
+      log::get("nccl").info(log::str("rank ", rank_, " finished ", op));
+    }
   }
 
   std::shared_ptr<NcclShared> s_;
