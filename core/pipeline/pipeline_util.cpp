@@ -174,6 +174,30 @@ void StepReporter::emit(const SideStreamTask::Done& d) {
   observer_.on_preview(ev);
 }
 
+at::Tensor denoise(schedulers::Sampler& sampler, at::Tensor latents, at::Generator& gen, double cfg_scale,
+                   const std::function<at::Tensor(const at::Tensor& x_in, const at::Tensor& timesteps)>& model,
+                   StepReporter& reporter, const engine::CancelToken& cancel, const std::string& nan_hint) {
+  const bool cfg = cfg_scale > 1.0;
+  for (int i = 0; i < sampler.num_steps(); ++i) {
+    if (cancel.cancelled()) throw engine::Cancelled{};
+    const double t = sampler.timesteps()[static_cast<std::size_t>(i)];
+    auto x_in = sampler.scale_model_input(cfg ? at::cat({latents, latents}) : latents, i);
+    auto out = model(x_in, at::full({x_in.size(0)}, t, at::TensorOptions().dtype(at::kFloat).device(latents.device())));
+    if (cfg) {
+      auto parts = out.chunk(2);
+      out = parallel::combine_cfg(parts[0], parts[1], cfg_scale);
+    }
+    const auto before = latents;
+    latents = sampler.step(out, i, latents, gen);
+    if (latents.is_cpu() && !at::isfinite(latents).all().item<bool>())
+      throw Error("the latents hold NaN or Inf after step " + std::to_string(i + 1) +
+                  ": the model's weights or settings are broken (" + nan_hint + ")");
+    reporter.stepped(i, out, before);
+  }
+  reporter.finish();
+  return latents;
+}
+
 StrategyGroups::StrategyGroups() = default;
 StrategyGroups::~StrategyGroups() = default;
 

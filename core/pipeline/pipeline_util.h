@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
@@ -81,6 +82,15 @@ class StepReporter {
   SideStreamTask previews_;
   int reported_ = 0;
 };
+
+// The plain single-device loop of both pipelines: each step's model input (the CFG halves as one
+// batch, [negative; prompt], when `cfg_scale` > 1), `model(x_in, timesteps)` on it, the halves
+// combined (parallel::combine_cfg), the sampler's step and the reporter told. Cancellation is
+// checked before each step; on the CPU a step that produces NaN or Inf is an error (`nan_hint`
+// says what to try). Returns the final latents.
+at::Tensor denoise(schedulers::Sampler& sampler, at::Tensor latents, at::Generator& gen, double cfg_scale,
+                   const std::function<at::Tensor(const at::Tensor& x_in, const at::Tensor& timesteps)>& model,
+                   StepReporter& reporter, const engine::CancelToken& cancel, const std::string& nan_hint);
 
 // The groups the multi-device strategies (core/parallel) run on: CPU virtual devices for a
 // model on the CPU (made per job); for a model on cuda:k, the GPUs cuda:k, cuda:k+1, ...

@@ -40,8 +40,11 @@ class StableDiffusion : public TextToImage {
   double warm_up() override;
 
   // Diagnostics for the benchmarks: one UNet call of `rows` rows at size² pixels on random
-  // inputs, timed eager, from a CUDA graph, and from a graph with channels-last weights and
-  // input; JSON {"eager_ms", "graph_ms", "graph_channels_last_ms", "capture_ms"}. GPU only.
+  // inputs, timed eager and from CUDA graphs in both layouts, with our GroupNorm kernels and with
+  // ATen's; JSON {"eager_ms", "graph_ms", "graph_channels_last_ms", "graph_aten_group_norm_ms",
+  // "graph_channels_last_aten_group_norm_ms", each graph's "..._capture_ms", "capture_ms" (the
+  // NCHW graph's), Kineto "kernels" / "kernels_channels_last"}. GPU only; the pipeline's runner
+  // keeps its layout.
   std::string profile_unet_step(int size, int rows, int reps);
 
   // Runs one job on the calling thread. Throws diffract::Error with a readable message,

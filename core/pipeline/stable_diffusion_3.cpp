@@ -493,24 +493,12 @@ engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequ
                            strategy_stats);
   } else {
     StepReporter reporter(p.device, req, observer, *sampler, preview, timings);
-    for (int i = 0; i < sampler->num_steps(); ++i) {
-      if (cancel.cancelled()) throw engine::Cancelled{};
-      const double t = sampler->timesteps()[static_cast<std::size_t>(i)];
-      auto x_in = sampler->scale_model_input(cfg ? at::cat({latents, latents}) : latents, i);
-      auto timestep = at::full({x_in.size(0)}, t, at::TensorOptions().dtype(at::kFloat).device(p.device));
-      auto out = p.transformer->forward(x_in.to(p.dtype), context, pooled, timestep);
-      if (cfg) {
-        auto parts = out.chunk(2);
-        out = parts[0] + req.cfg * (parts[1] - parts[0]);
-      }
-      const auto before = latents;
-      latents = sampler->step(out, i, latents, gen);
-      if (p.device.is_cpu() && !at::isfinite(latents).all().item<bool>())
-        throw Error("the latents hold NaN or Inf after step " + std::to_string(i + 1) +
-                    ": the model's weights or settings are broken (try fp32)");
-      reporter.stepped(i, out, before);
-    }
-    reporter.finish();
+    latents = denoise(
+        *sampler, latents, gen, req.cfg,
+        [&](const at::Tensor& x_in, const at::Tensor& t) {
+          return p.transformer->forward(x_in.to(p.dtype), context, pooled, t);
+        },
+        reporter, cancel, "try fp32");
   }
   if (!at::isfinite(latents).all().item<bool>())
     throw Error("the final latents hold NaN or Inf: the model's weights or settings are broken");
