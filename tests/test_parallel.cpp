@@ -982,9 +982,8 @@ class TestParallel : public QObject {
     QVERIFY(warm("data-parallel", 5) == (L{{1, Branch::Guided}}));
     QVERIFY(warm("asyncdiff", 2).empty());  // no stages to warm on a denoiser that cannot split
 
-    // Hybrid CFG also runs its stages once on a denoiser that can split, so that their first
-    // calls never happen while the peer waits in NCCL.
-    struct Staged final : Denoiser {
+    // A denoiser of 5 CFG rows that logs its calls and returns its input.
+    struct Logging : Denoiser {
       std::vector<std::string> log;
       at::Tensor eval(const at::Tensor& x, double, Branch) override {
         log.push_back("eval");
@@ -995,6 +994,10 @@ class TestParallel : public QObject {
       std::int64_t batch() const override { return 5; }
       at::ScalarType output_dtype() const override { return at::kFloat; }
       std::unique_ptr<Denoiser> rows(std::int64_t, std::int64_t) const override { return nullptr; }
+    };
+    // Hybrid CFG also runs its stages once on a denoiser that can split, so that their first
+    // calls never happen while the peer waits in NCCL.
+    struct Staged final : Logging {
       int splits() const override { return 2; }
       models::UNetOuterState outer_down(const at::Tensor& x, double, Branch, int s) override {
         log.push_back("outer_down " + std::to_string(s));
@@ -1016,17 +1019,7 @@ class TestParallel : public QObject {
     QVERIFY(staged.log == (std::vector<std::string>{"eval", "outer_down 2", "inner 2", "outer_up 2"}));
 
     // AsyncDiff runs every component once, chained, guided (its loop never calls eval()).
-    struct Sequential final : Denoiser {
-      std::vector<std::string> log;
-      at::Tensor eval(const at::Tensor& x, double, Branch) override {
-        log.push_back("eval");
-        return x;
-      }
-      bool cfg() const override { return true; }
-      double guidance_scale() const override { return 5; }
-      std::int64_t batch() const override { return 5; }
-      at::ScalarType output_dtype() const override { return at::kFloat; }
-      std::unique_ptr<Denoiser> rows(std::int64_t, std::int64_t) const override { return nullptr; }
+    struct Sequential final : Logging {
       std::vector<models::UNetLayerInfo> stage_layers(std::int64_t, std::int64_t) const override {
         return std::vector<models::UNetLayerInfo>(6, models::UNetLayerInfo{"layer", 1, 1.0});
       }
