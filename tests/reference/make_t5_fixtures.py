@@ -13,6 +13,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 
 import sentencepiece as spm
 import torch
@@ -44,6 +45,9 @@ def train_tokenizer(out_dir):
     """A T5-style SentencePiece model (<pad> 0, </s> 1, <unk> 2, no BOS) saved as a tokenizer folder."""
     files = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
     lines = [line for f in files for line in open(f, encoding="utf-8").read().splitlines() if line.strip()]
+    # A fresh folder: a tokenizer.json left by an earlier run (the docs it trains on change) would
+    # be loaded in place of the new spiece.model.
+    shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(out_dir, exist_ok=True)
     prefix = os.path.join(out_dir, "spiece")
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=prefix, vocab_size=600,
