@@ -170,7 +170,12 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
     const auto meta = json::parse(last.metadata_json);
     if (meta.contains("unet_graphs")) j["unet_graphs"] = meta["unet_graphs"];
   }
-  if (cuda && unet_pipeline) j["unet_step_variants"] = json::parse(unet_pipeline->profile_unet_step(c.size, 2 * batch, 10));
+  if (cuda && unet_pipeline) {
+    j["unet_step_variants"] = json::parse(unet_pipeline->profile_unet_step(c.size, 2 * batch, 10));
+    // What one branch costs alone: the floor under CFG-parallel's step.
+    if (!strategies.empty())
+      j["unet_step_variants_one_branch"] = json::parse(unet_pipeline->profile_unet_step(c.size, batch, 10));
+  }
   // Strategies: the same job run by each, against the single-device result of this run.
   const double base_e2e = percentile(e2e, 0.5), base_denoise = denoise;
   for (const auto& spec : strategies) {
@@ -197,6 +202,9 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
                {"ssim", metrics::ssim(sres.images.front(), last.images.front())},
                {"latents_rel_l2", metrics::latents_rel_l2(sres, last)}};
     if (meta.contains("strategy")) sj["stats"] = meta["strategy"];
+    sj["step_ms"] = sres.timings.step_ms;
+    sj["text_encode_ms"] = sres.timings.text_encode_ms;
+    sj["vae_decode_ms"] = sres.timings.vae_decode_ms;
     j["strategies"].push_back(sj);
     log::get("bench").info(sj.dump());
   }

@@ -12,6 +12,12 @@
 #     multi-GPU checks and the strategy bench (hybrid last, its NCCL stale window on).
 #   PLAN=short (two GPUs, what a few minutes allow): the 2-GPU strategy check, then the strategy
 #     bench for BENCH_STRATEGIES (default asyncdiff:2,cfg-parallel) against our one GPU.
+#   PLAN=hang (two GPUs): why AsyncDiff / hybrid CFG's point-to-point strategies hang on NCCL at
+#     SDXL 1024²: the same bench under settings that each remove one suspect (HANG_CASES), each
+#     cut off after HANG_TIMEOUT s; a hung run's last NCCL operations per rank and, where
+#     cuda-gdb can attach, its threads' stacks go to the logs.
+#   PLAN=two (two GPUs): the SDXL strategy bench (SDXL_STRATEGIES), then PLAN=sd3's work, then
+#     the multi-GPU checks if time is left.
 #   PLAN=sd3 (two GPUs, not run yet): our sd3-1024 bench on the first GPU beside the anchor on
 #     the second, then SD3's strategies (cfg-parallel, pipefusion, DRiffusion) on both.
 #   PLAN=final (a later, shorter call, no training; carry .carry without emoji/): the single-GPU
@@ -115,11 +121,16 @@ print('anchor', r)"
 
 # strategies: the multi-GPU checks, then the strategy bench against our one GPU.
 strategies() {
+  multigpu_checks
+  strategy_bench "$@"
+}
+multigpu_checks() {
   ctest --test-dir build/gpu -L multigpu -V --timeout 45 > "$logs/checks_multigpu.log" 2>&1
   grep -E "  (ok|FAIL)  |skipped|tests passed|Timeout|rel-L2|rounds|error:|steps reported|stale" "$logs/checks_multigpu.log"
   echo "multi-GPU checks done at $(elapsed) s"
-  # hybrid-cfg last and with its NCCL stale window switched on: it hung there once.
-  DIFFRACT_HYBRID_STALE_NCCL=1 timeout "${1:-180}" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 3 \
+}
+strategy_bench() {
+  timeout "${1:-180}" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 3 \
     --strategies "${BENCH_STRATEGIES:-cfg-parallel,driffusion-aggressive:2,driffusion:2,step-skip:2,hybrid-cfg}" \
     > "$logs/bench_strategies.json" 2> "$logs/bench_strategies.log"
   echo "strategy bench rc $? at $(elapsed) s"
@@ -165,7 +176,58 @@ for r in json.load(open('$logs/bench_batch4.json'))['results']:
   exit 0
 fi
 
-if [ "$plan" = sd3 ]; then
+# hang_case NAME ENV...: the strategy bench for $HANG_STRATEGIES under extra environment settings.
+hang_case() {
+  local name="$1"
+  shift
+  echo "== $name: $* at $(elapsed) s"
+  env DIFFRACT_NCCL_TRACE=1 "$@" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 1 \
+    --strategies "${HANG_STRATEGIES:-cfg-parallel,asyncdiff:2}" > "$logs/hang_$name.json" 2> "$logs/hang_$name.log" &
+  local pid=$! waited=0
+  while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "${HANG_TIMEOUT:-75}" ]; do sleep 1; waited=$((waited + 1)); done
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "   still running after ${waited} s: hung"
+    if command -v cuda-gdb > /dev/null; then
+      timeout 40 cuda-gdb -p "$pid" -batch -ex "thread apply all bt 30" > "$logs/hang_${name}_stacks.txt" 2>&1
+      grep -E "^Thread|^#[0-9]+ .* in (nccl|cuda|cu[A-Z]|c10|at::|diffract|pthread|std::)" "$logs/hang_${name}_stacks.txt" \
+        | grep -vE "^#[0-9]+ .* in (std::__|pthread_cond)" | cut -c1-160 | head -60
+    fi
+    kill -9 "$pid"
+    wait "$pid" 2>/dev/null
+    grep "\[nccl\]" "$logs/hang_$name.log" | tail -8 | cut -c1-160
+  else
+    wait "$pid"
+    echo "   rc $? after ${waited} s"
+  fi
+  grep -o '{"denoising_ms.*' "$logs/hang_$name.log" | python3 -c "
+import json, sys
+for line in sys.stdin:
+    s = json.loads(line)
+    print('   %-14s e2e %.1f ms  x%.2f e2e  x%.2f denoise  PSNR %.1f dB' % (s['strategy'], s['end_to_end_ms'], s['speedup_end_to_end'],
+          s['speedup_denoising'], s['psnr_db']))"
+  grep -E "error|Error" "$logs/hang_$name.log" | head -3 | cut -c1-300
+}
+
+if [ "$plan" = hang ]; then
+  for c in ${HANG_CASES:-plain p2p_off malloc_async runtime_connect_off}; do
+    [ "$(left 30)" -gt 60 ] || break
+    case "$c" in
+      plain) hang_case plain ;;
+      p2p_off) hang_case p2p_off NCCL_P2P_DISABLE=1 ;;
+      malloc_async) hang_case malloc_async PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync ;;
+      runtime_connect_off) hang_case runtime_connect_off NCCL_RUNTIME_CONNECT=0 ;;
+      sync_each) hang_case sync_each DIFFRACT_NCCL_TRACE=2 ;;
+      hybrid) HANG_STRATEGIES=hybrid-cfg hang_case hybrid ${HYBRID_ENV:-} ;;
+    esac
+  done
+  exit 0
+fi
+
+if [ "$plan" = sd3 ] || [ "$plan" = two ]; then
+  if [ "$plan" = two ]; then
+    BENCH_STRATEGIES="${SDXL_STRATEGIES:-cfg-parallel,driffusion-aggressive:2,step-skip:2,asyncdiff:2,hybrid-cfg}" \
+      strategy_bench 170
+  fi
   CUDA_VISIBLE_DEVICES=1 timeout 200 python3 .carry/diffusers_sdxl_sd3.py > "$logs/anchor.log" 2>&1 &
   anchor=$!
   CUDA_VISIBLE_DEVICES=0 timeout 200 "$bench" --device cuda:0 --config sd3-1024 --batch 1 --runs 3 \
@@ -186,6 +248,7 @@ for r in json.load(open('$logs/bench_sd3.json'))['results']:
     > "$logs/bench_sd3_strategies.json" 2> "$logs/bench_sd3_strategies.log"
   echo "sd3 strategy bench rc $? at $(elapsed) s"
   grep -o '{"denoising_ms.*' "$logs/bench_sd3_strategies.log" | cut -c1-700
+  [ "$plan" = two ] && [ "$(left)" -gt 60 ] && multigpu_checks
   exit 0
 fi
 

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
 
 #include "core/engine/generation.h"
@@ -83,8 +84,29 @@ std::string DeviceGroup::device_name(int rank) const {
   return d.is_cpu() ? "cpu:virtual " + std::to_string(rank) : d.str();
 }
 
+namespace {
+// cuDNN's autotuning of a convolution it has not timed yet calls cudaDeviceSynchronize and
+// empties the allocator's cache (cudaFree, which synchronises too). On a rank whose device holds
+// an NCCL receive waiting for a peer whose thread is blocked the same way, neither returns: the
+// stacks of AsyncDiff's hang on 2 H200 (docs/benchmarks.md) were exactly these two. While ranks
+// run, convolutions take cuDNN's heuristic choice instead; graphs captured before keep theirs.
+class NoCudnnAutotuning {
+ public:
+  explicit NoCudnnAutotuning(bool on) : on_(on), was_(at::globalContext().benchmarkCuDNN()) {
+    if (on_) at::globalContext().setBenchmarkCuDNN(false);
+  }
+  ~NoCudnnAutotuning() {
+    if (on_) at::globalContext().setBenchmarkCuDNN(was_);
+  }
+
+ private:
+  bool on_, was_;
+};
+}  // namespace
+
 void DeviceGroup::run(const std::function<void(int rank, Communicator& comm)>& fn) {
   if (!keep_comms_ || comms_.empty()) comms_ = make_comms_();
+  const NoCudnnAutotuning no_autotuning(size() > 1 && device(0).is_cuda());
   auto& comms = comms_;
   std::mutex mutex;
   std::exception_ptr first;

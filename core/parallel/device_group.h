@@ -3,6 +3,7 @@
 // own Communicator, running the same function (SPMD).
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,10 @@ class DeviceGroup {
   // anything else as diffract::Error "device <rank> (<name>): <message>".
   void run(const std::function<void(int rank, Communicator& comm)>& fn);
 
+  // True the first time `key` is asked about on this group: what a caller did once per group
+  // (the pipeline warms a strategy's shapes on every rank once, not before every job).
+  bool first_use(const std::string& key) { return used_.insert(key).second; }
+
  private:
   using Comms = std::vector<std::unique_ptr<Communicator>>;
   DeviceGroup(std::vector<c10::Device> devices, std::function<Comms()> make, bool keep);
@@ -42,6 +47,7 @@ class DeviceGroup {
   std::function<Comms()> make_comms_;
   bool keep_comms_ = false;
   Comms comms_;
+  std::set<std::string> used_;
 };
 
 }  // namespace diffract::parallel

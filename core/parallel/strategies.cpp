@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -217,11 +216,7 @@ LoopOutput HybridCfg::run(DeviceGroup& g, const LoopInputs& in) const {
                            : "hybrid-cfg: split " + std::to_string(s) + " is past this UNet's last split point " +
                                  std::to_string(splits));
   const int steps = in.steps;
-  // The stale window hung on NCCL in its first GPU run (2026-11-30, before warm() covered the
-  // stages); until a GPU run shows it fixed, NCCL groups run it only when asked to.
-  const char* nccl_opt_in = std::getenv("DIFFRACT_HYBRID_STALE_NCCL");
-  const bool stale_here = !g.device(0).is_cuda() || (nccl_opt_in && std::string(nccl_opt_in) == "1");
-  const int k_run = stale_here ? k : 0;
+  const int k_run = k;
   std::atomic<int> evals{0};
   std::atomic<std::int64_t> bytes{0};
   at::Tensor result;
@@ -327,9 +322,7 @@ LoopOutput HybridCfg::run(DeviceGroup& g, const LoopInputs& in) const {
                      ? "steps " + std::to_string(tau1 + 2) + ".." + std::to_string(tau1 + 1 + stale_steps) +
                            " ran layer-split one-step-stale (split " + std::to_string(s) + ", step " +
                            std::to_string(tau1 + 1) + " filled the pipeline); the others CFG-parallel"
-                     : !stale_here ? "every step ran CFG-parallel: the stale window is off on NCCL unless "
-                                     "DIFFRACT_HYBRID_STALE_NCCL=1 (it hung in its first GPU run)"
-                                   : "every step ran CFG-parallel (the stale window fell outside the loop or k < 2)";
+                     : "every step ran CFG-parallel (the stale window fell outside the loop or k < 2)";
   return o;
 }
 

@@ -582,6 +582,9 @@ std::string StableDiffusion::profile_unet_step(int size, int rows, int reps) {
   const auto xl = x.contiguous(at::MemoryFormat::ChannelsLast);
   j["kernels_channels_last"] = kernel_profile(reps, [&] { p.unet->forward(xl, t, cond); }, p.device.index());
   p.runner->set_channels_last(was_channels_last);
+  // The graphs just captured ran the variants' settings (the last one ATen's GroupNorm): later
+  // jobs must capture their own, or they replay the slowest variant.
+  p.runner->clear();
   j["fused_group_norm"] = models::fused_group_norm_available();
   return j.dump();
 }

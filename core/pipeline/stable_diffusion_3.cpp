@@ -1,6 +1,7 @@
 #include "core/pipeline/stable_diffusion_3.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -16,6 +17,7 @@
 #include "core/io/json_file.h"
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
+#include "core/util/graphed_function.h"
 #include "core/models/common/layers.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/text_encoders/t5_encoder.h"
@@ -36,6 +38,13 @@ namespace diffract::pipeline {
 
 namespace fs = std::filesystem;
 using namespace detail;
+
+namespace {
+bool graphs_enabled() {
+  const char* env = std::getenv("DIFFRACT_CUDA_GRAPHS");
+  return !(env && std::string(env) == "0");
+}
+}  // namespace
 
 namespace {
 
@@ -67,6 +76,9 @@ struct StableDiffusion3::Impl {
   std::unique_ptr<text::T5Tokenizer> tokenizer_3;
   models::T5Encoder text_encoder_3{nullptr};
   models::SD3Transformer2DModel transformer{nullptr};
+  // The single-device step as CUDA graphs (x, context, pooled, t); DIFFRACT_CUDA_GRAPHS=0: eager.
+  GraphedFunction transformer_graph{
+      [this](const std::vector<at::Tensor>& in) { return transformer->forward(in[0], in[1], in[2], in[3]); }, 2};
   models::AutoencoderKL vae{nullptr};
   fs::path scheduler_json;
   std::string scheduler_text;  // random(): the scheduler's config itself, no file
@@ -496,7 +508,9 @@ engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequ
     latents = denoise(
         *sampler, latents, gen, req.cfg,
         [&](const at::Tensor& x_in, const at::Tensor& t) {
-          return p.transformer->forward(x_in.to(p.dtype), context, pooled, t);
+          const auto x = x_in.to(p.dtype);
+          if (p.device.is_cuda() && graphs_enabled()) return p.transformer_graph({x, context, pooled, t});
+          return p.transformer->forward(x, context, pooled, t);
         },
         reporter, cancel, "try fp32");
   }

@@ -15,6 +15,7 @@
 #include <torch/cuda.h>
 
 #include "core/metrics/metrics.h"
+#include "core/models/autoencoders/taesd.h"
 #include "core/models/common/layers.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/parallel/communicator.h"
@@ -24,6 +25,7 @@
 #include "core/pipeline/stable_diffusion.h"
 #include "core/schedulers/sampler.h"
 #include "core/util/error.h"
+#include "core/util/graphed_function.h"
 
 using namespace diffract;
 
@@ -161,6 +163,24 @@ void check_previews() {
   std::cout << "  previews shown " << previews.size() << ", dropped " << r.timings.previews_dropped << "\n";
   expect(static_cast<int>(previews.size()) + r.timings.previews_dropped == req.steps, "each step's preview shown or dropped");
   expect(std::is_sorted(previews.begin(), previews.end()) && !previews.empty(), "previews arrive in step order");
+
+  // The preview decode's CUDA graphs (GraphedFunction) against the same TAESD run eagerly.
+  at::NoGradGuard no_grad;
+  at::manual_seed(3);
+  models::TAESD taesd(models::TAESDConfig::taesdxl(), /*with_encoder=*/false);
+  models::init_random(*taesd, 3);
+  taesd->eval();
+  taesd->to(at::Device("cuda:0"), at::kBFloat16);
+  models::set_memory_format(*taesd, at::MemoryFormat::ChannelsLast);
+  GraphedFunction decode([&](const at::Tensor& z) { return taesd->decode(z); });
+  for (int side : {64, 64, 32, 48, 64}) {
+    const auto z = at::randn({1, 4, side, side}, at::TensorOptions().device("cuda:0").dtype(at::kBFloat16));
+    const auto want = taesd->decode(z).to(at::kFloat), got = decode(z).to(at::kFloat);
+    const double diff = (got - want).abs().max().item<double>();
+    expect(got.sizes() == want.sizes() && diff < 1e-2,
+           "graphed TAESD decode of a " + std::to_string(side) + "² latent equals eager (max |diff| " + std::to_string(diff) + ")");
+  }
+  expect(decode.graphs() == 2, "the preview graph cache keeps 2 shapes (has " + std::to_string(decode.graphs()) + ")");
 }
 
 void check_nccl() {
