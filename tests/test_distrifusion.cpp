@@ -100,6 +100,32 @@ class StaleBand final : public models::BandContext {
   std::vector<std::vector<at::Tensor>>& now_;
 };
 
+// A UNet denoiser whose stage run throws on one rank from its `after`-th call on.
+class Failing final : public Denoiser {
+ public:
+  Failing(std::unique_ptr<Denoiser> inner, bool fail, int after) : inner_(std::move(inner)), fail_(fail), after_(after) {}
+  at::Tensor eval(const at::Tensor& x, double t, Branch b) override { return inner_->eval(x, t, b); }
+  bool cfg() const override { return inner_->cfg(); }
+  double guidance_scale() const override { return inner_->guidance_scale(); }
+  std::int64_t batch() const override { return inner_->batch(); }
+  at::ScalarType output_dtype() const override { return inner_->output_dtype(); }
+  std::unique_ptr<Denoiser> rows(std::int64_t, std::int64_t) const override { return nullptr; }
+  std::vector<models::UNetLayerInfo> stage_layers(std::int64_t h, std::int64_t w) const override {
+    return inner_->stage_layers(h, w);
+  }
+  models::UNetStageState stage_input(const at::Tensor& x, double t, Branch b) override { return inner_->stage_input(x, t, b); }
+  void run_stage(models::UNetStageState& s, int begin, int end, double t, Branch b) override {
+    if (fail_ && calls_++ >= after_) throw Error("simulated device failure");
+    inner_->run_stage(s, begin, end, t, b);
+  }
+  at::Tensor stage_output(const models::UNetStageState& s, Branch b) override { return inner_->stage_output(s, b); }
+
+ private:
+  std::unique_ptr<Denoiser> inner_;
+  bool fail_;
+  int after_, calls_ = 0;
+};
+
 }  // namespace
 
 class TestDistriFusion : public QObject {
@@ -488,6 +514,38 @@ class TestDistriFusion : public QObject {
     QCOMPARE(make_strategy("distrifusion", 3)->devices(), 3);
     QCOMPARE(make_strategy("distrifusion", 3)->name(), std::string("distrifusion"));
     DIFFRACT_EXPECT_ERROR(make_strategy("distrifuse", 2), "unknown strategy", "distrifusion)");
+  }
+
+  // Cancelled in a stale step: every rank stops at the same step (none left in a layer's
+  // all_gather); a rank failing mid-loop is one error naming it, and nobody hangs.
+  void cancelAndFailure() {
+    auto in = inputs(schedulers::SamplerKind::Euler, 6, 1, 5.0, unet_);
+    DistriFusion d;
+    d.n = 4;
+    d.warmup = 1;
+    engine::CancelToken token;
+    in.cancel = &token;
+    int last = -1;
+    in.on_step = [&](int i, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+      last = i;
+      if (i == 2) token.cancel();
+    };
+    bool cancelled = false;
+    try {
+      run(d, in);
+    } catch (const engine::Cancelled&) {
+      cancelled = true;
+    }
+    QVERIFY(cancelled);
+    QVERIFY(last >= 2 && last < 5);
+    for (int after : {0, 3}) {  // in the synchronous step, in a stale one
+      auto fin = inputs(schedulers::SamplerKind::Euler, 6, 1, 5.0, unet_);
+      const auto make = fin.make_denoiser;
+      fin.make_denoiser = [make, after](int rank, const c10::Device& dev) -> std::unique_ptr<Denoiser> {
+        return std::make_unique<Failing>(make(rank, dev), rank == 1, after);
+      };
+      DIFFRACT_EXPECT_ERROR(run(d, fin), "device 1", "simulated device failure");
+    }
   }
 
   // Through the SD pipeline (make_denoiser gives UNetDenoisers): synchronous is the plain loop
