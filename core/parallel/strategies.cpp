@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/parallel/asyncdiff.h"
+#include "core/parallel/distrifusion.h"
 #include "core/parallel/loop_util.h"
 #include "core/parallel/pipefusion.h"
 #include "core/util/error.h"
@@ -516,6 +517,11 @@ std::unique_ptr<Strategy> make_strategy(const std::string& name, int n, int patc
     s->n = n;
     return s;
   }
+  if (name == "distrifusion") {
+    auto s = std::make_unique<DistriFusion>();
+    s->n = n;
+    return s;
+  }
   if (name == "single") return std::make_unique<SingleDevice>();
   if (name == "cfg-parallel") return std::make_unique<CfgParallel>();
   if (name == "hybrid-cfg") return std::make_unique<HybridCfg>();
@@ -542,7 +548,8 @@ std::unique_ptr<Strategy> make_strategy(const std::string& name, int n, int patc
     return s;
   }
   throw Error("unknown strategy '" + name +
-              "' (single, cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip, pipefusion, asyncdiff)");
+              "' (single, cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip, pipefusion, asyncdiff, "
+              "distrifusion)");
 }
 
 }  // namespace diffract::parallel

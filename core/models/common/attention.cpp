@@ -1,8 +1,11 @@
 #include "core/models/common/attention.h"
 
+#include <tuple>
+
 #include <ATen/ATen.h>
 #include <torch/nn/modules/dropout.h>
 
+#include "core/models/common/patch_parallel.h"
 #include "core/util/error.h"
 
 namespace diffract::models {
@@ -59,7 +62,11 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context
   }
   if (group_norm) h = group_norm->forward(h.transpose(1, 2)).transpose(1, 2);
   const at::Tensor& kv = context.defined() ? context : h;
-  auto out = multi_head_attention(to_q->forward(h), to_k->forward(kv), to_v->forward(kv), options.heads);
+  auto k = to_k->forward(kv), v = to_v->forward(kv);
+  // Patch parallelism: this band's queries against the whole image's keys and values.
+  if (!context.defined())
+    if (auto* patch = patch_context()) std::tie(k, v) = patch->self_attention_kv(k, v);
+  auto out = multi_head_attention(to_q->forward(h), k, v, options.heads);
   out = to_out[0]->as<Linear>()->forward(out);
   if (spatial) out = out.transpose(1, 2).reshape({b, c, height, width});
   if (options.residual_connection) out = out + x;

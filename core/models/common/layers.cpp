@@ -10,6 +10,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/GradMode.h>
 
+#include "core/models/common/patch_parallel.h"
+
 namespace diffract::models {
 
 namespace {
@@ -34,6 +36,8 @@ Conv2dImpl::Conv2dImpl(const Conv2dOptions& o) : options(o), construction_index(
 }
 
 at::Tensor Conv2dImpl::forward(const at::Tensor& x) {
+  if (options.kernel > 1)
+    if (auto* patch = patch_context()) return patch->conv2d(*this, x);
   return at::conv2d(x, weight, bias, {options.stride_, options.stride_}, {options.padding_, options.padding_});
 }
 
@@ -73,6 +77,7 @@ GroupNormImpl::GroupNormImpl(const GroupNormOptions& o) : options(o) {
 }
 
 at::Tensor GroupNormImpl::forward(const at::Tensor& x, const at::Tensor& add, bool silu) {
+  if (auto* patch = patch_context()) return patch->group_norm(*this, x, add, silu);
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
   at::Tensor out;
   if (x.is_cuda() && g_fused_group_norm &&

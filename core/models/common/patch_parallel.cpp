@@ -1,0 +1,113 @@
+#include "core/models/common/patch_parallel.h"
+
+#include <string>
+
+#include <ATen/ATen.h>
+
+#include "core/models/common/layers.h"
+#include "core/util/error.h"
+
+namespace diffract::models {
+
+namespace {
+thread_local PatchContext* t_context = nullptr;
+}  // namespace
+
+PatchContext::~PatchContext() = default;
+
+PatchContext* patch_context() { return t_context; }
+
+PatchScope::PatchScope(PatchContext* context) : previous_(t_context) { t_context = context; }
+PatchScope::~PatchScope() { t_context = previous_; }
+
+at::Tensor conv_halo(const at::Tensor& x, std::int64_t p) {
+  const auto h = x.size(2);
+  if (h < p)
+    throw Error("patch parallelism: a band of " + std::to_string(h) + " row(s) is thinner than the convolution's " +
+                std::to_string(p) + "-row halo");
+  return at::cat({x.narrow(2, 0, p), x.narrow(2, h - p, p)}, 2).contiguous();
+}
+
+at::Tensor band_conv2d(const Conv2dImpl& conv, const at::Tensor& x, const std::vector<at::Tensor>& halos, int rank) {
+  const auto& o = conv.options;
+  const std::int64_t p = o.padding_;
+  if (o.kernel != 2 * p + 1 || (o.stride_ != 1 && o.stride_ != 2))
+    throw Error("patch parallelism: a convolution with kernel " + std::to_string(o.kernel) + ", padding " +
+                std::to_string(p) + ", stride " + std::to_string(o.stride_) +
+                " (only 'same' padding, kernel 2p + 1, at stride 1 or 2)");
+  if (o.stride_ == 2 && x.size(2) % 2 != 0)
+    throw Error("patch parallelism: a stride-2 convolution on a band of " + std::to_string(x.size(2)) +
+                " rows (needs an even band height)");
+  const int n = static_cast<int>(halos.size());
+  const auto zeros = [&] {
+    auto s = x.sizes().vec();
+    s[2] = p;
+    return at::zeros(s, x.options().memory_format(x.suggest_memory_format()));
+  };
+  // A neighbour's halo holds its first p rows then its last p rows.
+  const auto above = rank > 0 ? halos[static_cast<std::size_t>(rank) - 1].narrow(2, p, p).to(x.device(), x.scalar_type())
+                              : zeros();
+  const auto below = rank + 1 < n ? halos[static_cast<std::size_t>(rank) + 1].narrow(2, 0, p).to(x.device(), x.scalar_type())
+                                  : zeros();
+  const auto padded = at::cat({above, x, below}, 2);
+  const std::vector<std::int64_t> stride = {o.stride_, o.stride_}, padding = {0, p};
+  return at::conv2d(padded, conv.weight, conv.bias, stride, padding);
+}
+
+at::Tensor group_stats(const at::Tensor& x, std::int64_t groups) {
+  const auto grouped = x.to(at::kFloat).reshape({x.size(0), groups, -1});
+  const auto [var, mean] = at::var_mean(grouped, /*dim=*/{2}, /*correction=*/0, /*keepdim=*/false);
+  return at::stack({mean, var}).contiguous();
+}
+
+at::Tensor band_group_norm(const GroupNormImpl& norm, const at::Tensor& x, const std::vector<at::Tensor>& stats,
+                           bool silu) {
+  const auto groups = norm.options.groups;
+  const auto all = at::stack(at::TensorList(stats)).to(x.device());  // [n, 2, B, G]
+  const auto means = all.select(1, 0), vars = all.select(1, 1);
+  const auto mean = means.mean(0);
+  const auto var = (vars + (means - mean).pow(2)).mean(0);
+  const auto rstd = at::rsqrt(var + norm.options.eps_);
+  const auto shape = x.sizes().vec();
+  auto y = (x.to(at::kFloat).reshape({x.size(0), groups, -1}) - mean.unsqueeze(2)) * rstd.unsqueeze(2);
+  std::vector<std::int64_t> channel(shape.size(), 1);
+  channel[1] = shape[1];
+  y = y.view(shape) * norm.weight.to(at::kFloat).view(channel) + norm.bias.to(at::kFloat).view(channel);
+  if (silu) y = at::silu(y);
+  return y.to(x.scalar_type()).contiguous(x.suggest_memory_format());
+}
+
+at::Tensor kv_pack(const at::Tensor& k, const at::Tensor& v) { return at::cat({k, v}, -1).contiguous(); }
+
+std::pair<at::Tensor, at::Tensor> kv_unpack(const std::vector<at::Tensor>& packs) {
+  const auto device = packs.front().device();
+  std::vector<at::Tensor> on;
+  on.reserve(packs.size());
+  for (const auto& p : packs) on.push_back(p.to(device));
+  const auto all = at::cat(on, 1);
+  const auto c = all.size(2) / 2;
+  return {all.narrow(2, 0, c), all.narrow(2, c, c)};
+}
+
+at::Tensor BandContext::conv2d(Conv2dImpl& conv, const at::Tensor& x) {
+  return band_conv2d(conv, x, exchange(conv_halo(x, conv.options.padding_)), rank_);
+}
+
+at::Tensor BandContext::group_norm(GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& add, bool silu) {
+  auto in = x;
+  if (add.defined()) {
+    std::vector<std::int64_t> shape(static_cast<std::size_t>(x.dim()), 1);
+    shape[0] = add.size(0);
+    shape[1] = add.size(1);
+    in = x + add.view(shape);
+  }
+  return band_group_norm(norm, in, exchange(group_stats(in, norm.options.groups)), silu);
+}
+
+std::pair<at::Tensor, at::Tensor> BandContext::self_attention_kv(const at::Tensor& k, const at::Tensor& v) {
+  auto packs = exchange(kv_pack(k, v));
+  auto out = kv_unpack(packs);
+  return {out.first.to(k.device()), out.second.to(k.device())};
+}
+
+}  // namespace diffract::models

@@ -1,0 +1,85 @@
+#pragma once
+// Patch parallelism's hook into the layers (DistriFusion, core/parallel/distrifusion.h): every
+// rank runs the whole model on a horizontal band of the image's rows, and the layers that look
+// beyond a row (convolutions with a kernel > 1, GroupNorm, self-attention) ask this thread's
+// PatchContext for the other bands' part. No context (the default, and everywhere outside
+// DistriFusion) leaves the layers as they are: one thread-local read per such layer call.
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace diffract::models {
+
+class Conv2dImpl;
+class GroupNormImpl;
+
+class PatchContext {
+ public:
+  virtual ~PatchContext();
+  // x [B, C, h, W], this band's rows -> this band's output rows [B, C', h / stride, W'].
+  virtual at::Tensor conv2d(Conv2dImpl& conv, const at::Tensor& x) = 0;
+  // x [B, C, h, ...] (this band), add undefined or [B, C] -> norm.forward(x, add, silu) of this
+  // band, normalised with the whole image's per-group statistics.
+  virtual at::Tensor group_norm(GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& add, bool silu) = 0;
+  // k, v [B, t, C] of this band's tokens -> k, v [B, T, C] of the whole image (bands in order).
+  virtual std::pair<at::Tensor, at::Tensor> self_attention_kv(const at::Tensor& k, const at::Tensor& v) = 0;
+};
+
+// This thread's context, or null.
+PatchContext* patch_context();
+
+// Sets this thread's context for its lifetime (null: none), then restores the previous one.
+class PatchScope {
+ public:
+  explicit PatchScope(PatchContext* context);
+  ~PatchScope();
+  PatchScope(const PatchScope&) = delete;
+  PatchScope& operator=(const PatchScope&) = delete;
+
+ private:
+  PatchContext* previous_;
+};
+
+// What one band contributes per layer, and how a band combines every band's contribution.
+// Bands are equal: band r holds rows [r h, (r + 1) h) of every activation of height n h.
+//  Convolution (kernel k = 2p + 1, padding p, stride 1 or 2): the band's first and last p rows.
+at::Tensor conv_halo(const at::Tensor& x, std::int64_t p);
+//  halos: every band's conv_halo (the own one unused) -> the band's output rows: the band with
+//  p rows of its neighbours above and below (zeros beyond the image), convolved with padding 0
+//  along H. Stride 2: an even band start and height keep the output rows aligned (out row o
+//  reads in rows 2o-1 .. 2o+1, so the bottom halo goes unused).
+at::Tensor band_conv2d(const Conv2dImpl& conv, const at::Tensor& x, const std::vector<at::Tensor>& halos, int rank);
+//  GroupNorm: x [B, C, ...] -> [2, B, G] fp32: the band's per-group mean and (biased) variance.
+at::Tensor group_stats(const at::Tensor& x, std::int64_t groups);
+//  x [B, C, ...] (the add already added), every band's group_stats -> normalised with the whole
+//  image's statistics (equal counts per band: mean of the means; mean of the variances plus the
+//  variance of the means), then the affine and the SiLU; computed in fp32, returned in x's type.
+at::Tensor band_group_norm(const GroupNormImpl& norm, const at::Tensor& x, const std::vector<at::Tensor>& stats,
+                           bool silu);
+//  Self-attention: [B, t, 2C] = k and v side by side; every band's -> k, v [B, T, C].
+at::Tensor kv_pack(const at::Tensor& k, const at::Tensor& v);
+std::pair<at::Tensor, at::Tensor> kv_unpack(const std::vector<at::Tensor>& packs);
+
+// A band's context whose only question is exchange(): the layer math above, with the other
+// bands' contributions from wherever the subclass keeps them (DistriFusion's communicator and
+// its buffers of the step before; a test's tables).
+class BandContext : public PatchContext {
+ public:
+  BandContext(int rank, int size) : rank_(rank), size_(size) {}
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // This band's contribution to the next hooked layer call -> every band's, in band order (the
+  // own entry `mine`).
+  virtual std::vector<at::Tensor> exchange(const at::Tensor& mine) = 0;
+
+  at::Tensor conv2d(Conv2dImpl& conv, const at::Tensor& x) override;
+  at::Tensor group_norm(GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& add, bool silu) override;
+  std::pair<at::Tensor, at::Tensor> self_attention_kv(const at::Tensor& k, const at::Tensor& v) override;
+
+ protected:
+  int rank_, size_;
+};
+
+}  // namespace diffract::models

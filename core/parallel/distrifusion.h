@@ -1,0 +1,76 @@
+#pragma once
+// DistriFusion (arXiv 2402.19481, "displaced patch parallelism") for the SD / SDXL UNet: a
+// model-level strategy (DESIGN.md, level 3).
+#include <cstdint>
+#include <string>
+
+#include "core/parallel/strategies.h"
+
+namespace diffract::parallel {
+
+// The latent cut into n horizontal bands of equal height, one per rank; every rank runs the
+// whole UNet on its band, and the layers that see beyond a row take the other bands' part
+// through the patch hook (core/models/common/patch_parallel.h).
+//  Bands: rank r owns latent rows [r H/n, (r + 1) H/n). H must divide by n 2^D (D: the UNet's
+//   downsamplings), so that at every resolution a band has whole rows (1 or more at the
+//   deepest) and every stride-2 convolution's band starts on an even row with an even height.
+//  Layers and what travels (one all_gather per hooked layer call, layer identity = the call's
+//   index within one evaluation, the UNet's call order being fixed):
+//   - convolutions with a kernel > 1 (3x3, stride 1 or 2, padding 1; conv_in, the ResNets',
+//     the downsamplers', the upsamplers' on their upsampled input, conv_out): the band's first
+//     and last row ([2B, C, 2, W] with CFG); a band convolves its rows with its neighbours'
+//     adjacent row above and below (zeros at the image's top and bottom).
+//   - GroupNorm (the ResNets', the transformers', conv_norm_out): per group mean and variance
+//     of the band in fp32 ([2, 2B, G]); the image's statistics combine every band's (mean of
+//     the means, mean of the variances plus the variance of the means: never negative, unlike
+//     the reference's E[x^2] - E[x]^2 over stale means, which it patches with the band's own).
+//   - self-attention (the transformer blocks' attn1): this band's K and V side by side
+//     ([2B, t, 2C]); queries stay local. K / V rather than the attention input (half the
+//     bytes) so that no rank recomputes the other bands' K / V projections: per-rank compute
+//     stays 1/n of the model, as the reference does.
+//   - eps: every step the bands' guided eps ([B, C, H/n, W]) are gathered and every rank runs
+//     the sampler on the whole latent (replicas in lock-step, as the other strategies).
+//  Warm-up: the first `warmup` steps (>= 1; default 4, the reference implementation's
+//   DistriConfig.warmup_steps) are synchronous: every hooked layer gathers the other bands'
+//   fresh values before it computes, which is one device's evaluation up to fp32 rounding
+//   (GroupNorm's statistics are combined from the bands', and the convolutions / attention
+//   run on band shapes).
+//  Stale steps t >= warmup: each hooked layer uses its own band fresh and the other bands'
+//   contributions from step t-1 (halo rows, GroupNorm statistics, K / V), and gathers its
+//   fresh contribution for step t+1. A stale last step gathers nothing but eps. Everything
+//   else (the band's own activations, the timestep, the text conditioning) is fresh.
+//  Communication: the gathers are blocking collectives right at the layer: the arithmetic is
+//   stale but the communication is not yet overlapped with the computation (the paper's
+//   asynchronous all_gather, consumed the step after, is not implemented), so on GPUs a stale
+//   step waits for the same transfers as a synchronous one.
+//  Messages per step (LoopStats::messages_per_step counts one per rank per collective, bytes
+//   what each rank contributes): n (L + 1) with L hooked layer calls per evaluation; n in a
+//   stale last step.
+//  Memory: every rank keeps the previous step's contributions of every band for every hooked
+//   layer: the whole image's K / V of every self-attention layer dominate.
+//  CFG: both branches as one batch of 2B on every rank, combined on the band before the gather.
+//  Speed (once overlapped): each rank runs 1/n of the pixels of every layer; self-attention's
+//   T^2 term falls by n too. Runs eager (no CUDA graphs), through the denoiser's stage API.
+struct DistriFusion final : Strategy {
+  int n = 2;       // bands (devices)
+  int warmup = 4;  // synchronous steps first (>= 1)
+
+  std::string name() const override { return "distrifusion"; }
+  int devices() const override { return n; }
+  void validate(std::int64_t batch, bool cfg) const override;
+  LoopOutput run(DeviceGroup& group, const LoopInputs& in) const override;
+  // One guided evaluation of band 0's shape with no exchange (the other bands' contributions
+  // zeros), so that a GPU rank's first eager calls on the band shapes (cuDNN autotuning,
+  // allocator growth) never happen while a peer waits in NCCL. Nothing for a denoiser that is
+  // not a UNet or a height run() refuses.
+  void warm(Denoiser& d, const at::Tensor& x, double timestep) const override;
+
+  // The band height in latent rows for a latent of `height` rows over n bands of a UNet with
+  // `downsamplings` stride-2 stages; throws diffract::Error naming the sizes when it cannot split.
+  static std::int64_t band_height(std::int64_t height, int n, int downsamplings);
+  // The all_gather contributions step `step` of `steps` makes (the design above) with `layers`
+  // hooked layer calls per evaluation.
+  static int messages_per_step(int step, int steps, int warmup, int n, int layers);
+};
+
+}  // namespace diffract::parallel

@@ -1,0 +1,582 @@
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "core/models/common/attention.h"
+#include "core/models/common/layers.h"
+#include "core/models/common/patch_parallel.h"
+#include "core/models/transformers/sd3_transformer_2d.h"
+#include "core/models/unets/unet_2d_condition.h"
+#include "core/parallel/distrifusion.h"
+#include "core/parallel/device_group.h"
+#include "core/parallel/strategies.h"
+#include "core/pipeline/stable_diffusion.h"
+#include "core/util/error.h"
+#include "test_util.h"
+
+using namespace diffract;
+using namespace diffract::parallel;
+
+namespace {
+
+// Rows [r h, (r + 1) h) of dim `dim` split n ways.
+at::Tensor band(const at::Tensor& x, int r, int n, int dim = 2) {
+  const auto h = x.size(dim) / n;
+  return x.narrow(dim, r * h, h);
+}
+
+double rel_l2(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kDouble) - b.to(at::kDouble)).norm().item<double>() / b.to(at::kDouble).norm().item<double>();
+}
+
+// A band context answering from fixed tables: the layer-level tests' "fresh neighbours".
+class Fixed final : public models::BandContext {
+ public:
+  Fixed(int rank, std::vector<at::Tensor> values) : BandContext(rank, static_cast<int>(values.size())), values_(std::move(values)) {}
+  std::vector<at::Tensor> exchange(const at::Tensor& mine) override {
+    ++calls;
+    auto all = values_;
+    all[static_cast<std::size_t>(rank_)] = mine;
+    return all;
+  }
+  int calls = 0;
+
+ private:
+  std::vector<at::Tensor> values_;
+};
+
+// Runs the whole image on one thread and writes down what each of n bands would contribute to
+// every hooked layer call: table[call][band]. The layers run whole (no context inside).
+class Recorder final : public models::PatchContext {
+ public:
+  Recorder(int n, std::vector<std::vector<at::Tensor>>& table) : n_(n), table_(table) { table_.clear(); }
+  at::Tensor conv2d(models::Conv2dImpl& conv, const at::Tensor& x) override {
+    record([&](int b) { return models::conv_halo(band(x, b, n_), conv.options.padding_); });
+    const models::PatchScope none(nullptr);
+    return conv.forward(x);
+  }
+  at::Tensor group_norm(models::GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& add, bool silu) override {
+    const auto in = add.defined() ? x + add.view({add.size(0), add.size(1), 1, 1}) : x;
+    record([&](int b) { return models::group_stats(band(in, b, n_), norm.options.groups); });
+    const models::PatchScope none(nullptr);
+    return norm.forward(x, add, silu);
+  }
+  std::pair<at::Tensor, at::Tensor> self_attention_kv(const at::Tensor& k, const at::Tensor& v) override {
+    record([&](int b) { return models::kv_pack(band(k, b, n_, 1), band(v, b, n_, 1)); });
+    return {k, v};
+  }
+
+ private:
+  template <class F>
+  void record(F f) {
+    std::vector<at::Tensor> row;
+    for (int b = 0; b < n_; ++b) row.push_back(f(b));
+    table_.push_back(std::move(row));
+  }
+  int n_;
+  std::vector<std::vector<at::Tensor>>& table_;
+};
+
+// Band `rank` at a stale step: the other bands' contributions from `before`, its own written
+// into `now`.
+class StaleBand final : public models::BandContext {
+ public:
+  StaleBand(int rank, int n, const std::vector<std::vector<at::Tensor>>& before, std::vector<std::vector<at::Tensor>>& now)
+      : BandContext(rank, n), before_(before), now_(now) {}
+  std::vector<at::Tensor> exchange(const at::Tensor& mine) override {
+    const auto layer = static_cast<std::size_t>(calls_++);
+    auto all = before_.at(layer);
+    all[static_cast<std::size_t>(rank_)] = mine;
+    if (now_.size() <= layer) now_.resize(layer + 1, std::vector<at::Tensor>(static_cast<std::size_t>(size_)));
+    now_[layer][static_cast<std::size_t>(rank_)] = mine;
+    return all;
+  }
+
+ private:
+  int calls_ = 0;
+  const std::vector<std::vector<at::Tensor>>& before_;
+  std::vector<std::vector<at::Tensor>>& now_;
+};
+
+// A UNet denoiser whose stage run throws on one rank from its `after`-th call on.
+class Failing final : public Denoiser {
+ public:
+  Failing(std::unique_ptr<Denoiser> inner, bool fail, int after) : inner_(std::move(inner)), fail_(fail), after_(after) {}
+  at::Tensor eval(const at::Tensor& x, double t, Branch b) override { return inner_->eval(x, t, b); }
+  bool cfg() const override { return inner_->cfg(); }
+  double guidance_scale() const override { return inner_->guidance_scale(); }
+  std::int64_t batch() const override { return inner_->batch(); }
+  at::ScalarType output_dtype() const override { return inner_->output_dtype(); }
+  std::unique_ptr<Denoiser> rows(std::int64_t, std::int64_t) const override { return nullptr; }
+  std::vector<models::UNetLayerInfo> stage_layers(std::int64_t h, std::int64_t w) const override {
+    return inner_->stage_layers(h, w);
+  }
+  models::UNetStageState stage_input(const at::Tensor& x, double t, Branch b) override { return inner_->stage_input(x, t, b); }
+  void run_stage(models::UNetStageState& s, int begin, int end, double t, Branch b) override {
+    if (fail_ && calls_++ >= after_) throw Error("simulated device failure");
+    inner_->run_stage(s, begin, end, t, b);
+  }
+  at::Tensor stage_output(const models::UNetStageState& s, Branch b) override { return inner_->stage_output(s, b); }
+
+ private:
+  std::unique_ptr<Denoiser> inner_;
+  bool fail_;
+  int after_, calls_ = 0;
+};
+
+}  // namespace
+
+class TestDistriFusion : public QObject {
+  Q_OBJECT
+
+  models::UNet2DConditionModel unet_{nullptr}, sdxl_{nullptr};
+  models::UNetConditioning pos_, neg_;  // the last inputs()' conditioning
+
+  // `model`: the tiny SD UNet when null (the tiny SDXL one gets pooled text and time ids too).
+  LoopInputs inputs(schedulers::SamplerKind kind, int steps, int batch, double cfg, models::UNet2DConditionModel model,
+                    std::int64_t side = 0) {
+    at::Generator g = at::detail::createCPUGenerator(7);
+    const auto& c = model->config;
+    const int64_t ctx = c.cross_attention_dim.front();
+    models::UNetConditioning pos, neg;
+    pos.encoder_hidden_states = at::randn({batch, 5, ctx}, g);
+    neg.encoder_hidden_states = at::randn({batch, 5, ctx}, g);
+    if (c.addition_embed_type == "text_time") {
+      const int64_t pooled = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim;
+      pos.text_embeds = at::randn({batch, pooled}, g);
+      neg.text_embeds = at::randn({batch, pooled}, g);
+      pos.time_ids = neg.time_ids = at::tensor({16.0f, 16.0f, 0.0f, 0.0f, 16.0f, 16.0f}).repeat({batch, 1});
+    }
+    pos_ = pos;
+    neg_ = neg;
+    LoopInputs in;
+    in.kind = kind;
+    in.config = schedulers::SchedulerConfig::from_json(test::fixtures() / "tiny-sd" / "scheduler" / "scheduler_config.json", kind);
+    in.steps = steps;
+    auto sampler = schedulers::Sampler::create(kind, in.config, steps);
+    if (side == 0) side = c.sample_size;
+    in.latents = at::randn({batch, c.in_channels, side, side}, g) * sampler->init_noise_sigma();
+    in.generator = g;
+    auto unet = std::make_shared<models::UNetGraphRunner>(model);
+    in.make_denoiser = [unet, pos, neg, cfg](int, const c10::Device& d) -> std::unique_ptr<Denoiser> {
+      return std::make_unique<UNetDenoiser>(unet, pos, neg, cfg, at::kFloat, d);
+    };
+    return in;
+  }
+
+  LoopOutput run(const Strategy& s, const LoopInputs& in) {
+    auto group = DeviceGroup::virtual_cpu(s.devices());
+    return s.run(*group, in);
+  }
+
+  models::UNet2DConditionModel sdxl() {
+    if (!sdxl_) {
+      sdxl_ = models::load_unet_2d_condition(test::fixtures() / "tiny-sdxl" / "unet");
+      sdxl_->eval();
+    }
+    return sdxl_;
+  }
+
+  models::UNetConditioning guided(double scale) const {
+    if (scale <= 1) return pos_;
+    models::UNetConditioning c;
+    c.encoder_hidden_states = at::cat({neg_.encoder_hidden_states, pos_.encoder_hidden_states});
+    if (pos_.text_embeds.defined()) {
+      c.text_embeds = at::cat({neg_.text_embeds, pos_.text_embeds});
+      c.time_ids = at::cat({neg_.time_ids, pos_.time_ids});
+    }
+    return c;
+  }
+
+  // DistriFusion as its header describes it, in one thread, on the UNet directly, sharing none
+  // of the strategy's loop, threads or communicator: a synchronous step runs the whole image
+  // (one device) and writes down every band's contribution to every hooked layer call; a stale
+  // step runs the bands one after the other, each with the other bands' contributions of the
+  // step before and its own fresh. pos_ / neg_ as inputs() left them.
+  at::Tensor simulate(const LoopInputs& in, models::UNet2DConditionModel u, int n, int warmup, double scale) {
+    at::NoGradGuard no_grad;
+    auto sampler = schedulers::Sampler::create(in.kind, in.config, in.steps);
+    at::Generator gen = in.generator.clone();
+    const bool cfg = scale > 1;
+    const auto c = guided(scale);
+    std::vector<std::vector<at::Tensor>> table;
+    auto x = in.latents.clone();
+    for (int i = 0; i < in.steps; ++i) {
+      const auto x1 = sampler->scale_model_input(x, i);
+      const auto xin = cfg ? at::cat({x1, x1}) : x1;
+      const auto t = at::full({xin.size(0)}, sampler->timesteps()[static_cast<std::size_t>(i)], at::kFloat);
+      at::Tensor out;
+      if (i < warmup) {
+        Recorder rec(n, table);
+        const models::PatchScope scope(&rec);
+        out = u->forward(xin, t, c);
+      } else {
+        std::vector<std::vector<at::Tensor>> now;
+        std::vector<at::Tensor> bands;
+        for (int b = 0; b < n; ++b) {
+          StaleBand ctx(b, n, table, now);
+          const models::PatchScope scope(&ctx);
+          bands.push_back(u->forward(band(xin, b, n).contiguous(), t, c));
+        }
+        out = at::cat(bands, 2);
+        table = now;
+      }
+      at::Tensor eps = out;
+      if (cfg) {
+        auto parts = out.chunk(2);
+        eps = parts[0] + scale * (parts[1] - parts[0]);
+      }
+      x = sampler->step(eps, i, x, gen);
+    }
+    return x;
+  }
+
+  // The hooked layer calls of one evaluation and each call's contribution per band, by the
+  // Recorder (the UNet's own count, not the strategy's).
+  std::vector<std::vector<at::Tensor>> record_layers(models::UNet2DConditionModel u, const at::Tensor& x, double scale, int n) {
+    at::NoGradGuard no_grad;
+    const auto xin = scale > 1 ? at::cat({x, x}) : x;
+    std::vector<std::vector<at::Tensor>> table;
+    Recorder rec(n, table);
+    const models::PatchScope scope(&rec);
+    u->forward(xin, at::full({xin.size(0)}, 500.0, at::kFloat), guided(scale));
+    return table;
+  }
+
+  models::SD3Transformer2DModel sd3_{nullptr};
+  models::SD3Transformer2DModel& sd3() {
+    if (!sd3_) {
+      models::SD3Transformer2DConfig c;
+      c.sample_size = 8;
+      c.in_channels = c.out_channels = 4;
+      c.num_layers = 2;
+      c.attention_head_dim = 8;
+      c.num_attention_heads = 2;
+      c.joint_attention_dim = 24;
+      c.caption_projection_dim = 16;
+      c.pooled_projection_dim = 12;
+      c.pos_embed_max_size = 16;
+      sd3_ = models::SD3Transformer2DModel(c);
+      models::init_random(*sd3_, at::detail::createCPUGenerator(11));
+      sd3_->eval();
+    }
+    return sd3_;
+  }
+
+ private slots:
+  void initTestCase() {
+    unet_ = models::load_unet_2d_condition(test::fixtures() / "tiny-sd" / "unet");
+    unet_->eval();
+  }
+
+  // (1) The patch-aware layers on bands with fresh neighbours equal the whole-tensor layers,
+  // through the layers' own hooks.
+  void layersOnBandsEqualWholeLayers() {
+    at::NoGradGuard no_grad;
+    at::Generator g = at::detail::createCPUGenerator(3);
+    for (int n : {2, 4}) {
+      const auto x = at::randn({2, 8, 16, 12}, g);
+      for (std::int64_t stride : {1, 2}) {
+        models::Conv2d conv(models::Conv2dOptions(8, 6, 3).stride(stride).padding(1));
+        models::init_random(*conv, at::detail::createCPUGenerator(5));
+        const auto whole = conv->forward(x);
+        std::vector<at::Tensor> halos;
+        for (int b = 0; b < n; ++b) halos.push_back(models::conv_halo(band(x, b, n), 1));
+        std::vector<at::Tensor> parts;
+        for (int b = 0; b < n; ++b) {
+          Fixed ctx(b, halos);
+          const models::PatchScope scope(&ctx);
+          parts.push_back(conv->forward(band(x, b, n)));
+          QCOMPARE(ctx.calls, 1);
+        }
+        DIFFRACT_COMPARE_TENSORS(at::cat(parts, 2), whole, 1e-5);
+      }
+      // A 1x1 convolution never asks.
+      models::Conv2d pointwise(models::Conv2dOptions(8, 4, 1));
+      models::init_random(*pointwise, at::detail::createCPUGenerator(6));
+      Fixed none(0, std::vector<at::Tensor>(static_cast<std::size_t>(n)));
+      {
+        const models::PatchScope scope(&none);
+        pointwise->forward(band(x, 0, n));
+      }
+      QCOMPARE(none.calls, 0);
+
+      models::GroupNorm norm(models::GroupNormOptions(4, 8));
+      norm->weight.uniform_(0.5, 1.5, g);
+      norm->bias.uniform_(-0.5, 0.5, g);
+      const auto add = at::randn({2, 8}, g);
+      for (bool silu : {false, true}) {
+        const auto shifted = x * 3 + 2;  // a mean far from 0
+        const auto whole = norm->forward(shifted, add, silu);
+        std::vector<at::Tensor> stats;
+        for (int b = 0; b < n; ++b)
+          stats.push_back(models::group_stats(band(shifted, b, n) + add.view({2, 8, 1, 1}), 4));
+        std::vector<at::Tensor> parts;
+        for (int b = 0; b < n; ++b) {
+          Fixed ctx(b, stats);
+          const models::PatchScope scope(&ctx);
+          parts.push_back(norm->forward(band(shifted, b, n), add, silu));
+        }
+        DIFFRACT_COMPARE_TENSORS(at::cat(parts, 2), whole, 1e-5);
+      }
+
+      // Self-attention on [B, T, C] tokens (row-major, so a band of rows is a run of tokens);
+      // cross-attention never asks.
+      models::AttentionOptions o;
+      o.query_dim = 16;
+      o.heads = 2;
+      o.dim_head = 8;
+      models::Attention attn(o);
+      models::init_random(*attn, at::detail::createCPUGenerator(8));
+      const auto tokens = at::randn({2, 32, 16}, g);
+      const auto whole = attn->forward(tokens);
+      std::vector<at::Tensor> kv;
+      for (int b = 0; b < n; ++b) {
+        const auto tb = band(tokens, b, n, 1);
+        kv.push_back(models::kv_pack(attn->to_k->forward(tb), attn->to_v->forward(tb)));
+      }
+      std::vector<at::Tensor> parts;
+      for (int b = 0; b < n; ++b) {
+        Fixed ctx(b, kv);
+        const models::PatchScope scope(&ctx);
+        parts.push_back(attn->forward(band(tokens, b, n, 1)));
+      }
+      DIFFRACT_COMPARE_TENSORS(at::cat(parts, 1), whole, 1e-5);
+      models::AttentionOptions co = o;
+      co.cross_attention_dim = 12;
+      models::Attention cross(co);
+      models::init_random(*cross, at::detail::createCPUGenerator(9));
+      Fixed unused(0, kv);
+      {
+        const models::PatchScope scope(&unused);
+        cross->forward(band(tokens, 0, n, 1), at::randn({2, 5, 12}, g));
+      }
+      QCOMPARE(unused.calls, 0);
+    }
+    QVERIFY(models::patch_context() == nullptr);  // every scope restored
+  }
+
+  // (2) Every step synchronous (warmup >= steps) is one device: the bands' layers see their
+  // neighbours' fresh values, so only fp32 rounding differs (band-shaped convolution / GEMM
+  // blocking, GroupNorm statistics combined from the bands'). rel-L2 < 1e-5 over 4 steps (the
+  // differences are ~1e-7 per op and the tiny UNets do not amplify them).
+  void synchronousEqualsOneDevice() {
+    struct Case {
+      int n;
+      double cfg;
+      bool xl;
+      schedulers::SamplerKind kind;
+    };
+    for (const auto& k : {Case{2, 5.0, false, schedulers::SamplerKind::Euler}, Case{4, 5.0, false, schedulers::SamplerKind::DPMPP2M},
+                          Case{2, 1.0, false, schedulers::SamplerKind::DDIM}, Case{4, 1.0, false, schedulers::SamplerKind::Euler},
+                          Case{2, 5.0, true, schedulers::SamplerKind::Euler}, Case{4, 1.0, true, schedulers::SamplerKind::Euler},
+                          Case{4, 5.0, true, schedulers::SamplerKind::EulerAncestral}}) {
+      auto in = inputs(k.kind, 4, 1, k.cfg, k.xl ? sdxl() : unet_);
+      const auto base = run(SingleDevice{}, in);
+      DistriFusion d;
+      d.n = k.n;
+      d.warmup = 4;
+      const auto out = run(d, in);
+      const double rel = rel_l2(out.latents, base.latents);
+      const auto what = QString("n %1 cfg %2 xl %3: rel L2 %4").arg(k.n).arg(k.cfg).arg(k.xl).arg(rel);
+      qInfo("%s", qPrintable(what));
+      QVERIFY2(rel < 1e-5, qPrintable(what));
+      QCOMPARE(out.stats.rounds, 4);
+      QCOMPARE(out.stats.evaluations, 4 * k.n);
+      QVERIFY(out.stats.note.find("4 synchronous step(s), then 0 one-step-stale") != std::string::npos);
+    }
+  }
+
+  // (3) Stale steps: the strategy equals the one-thread simulation above; (4) it moves away
+  // from one device, not far.
+  void staleMatchesSimulation() {
+    struct Case {
+      int n, warmup;
+      double cfg;
+      bool xl;
+      schedulers::SamplerKind kind;
+    };
+    for (const auto& k : {Case{2, 1, 5.0, false, schedulers::SamplerKind::Euler}, Case{4, 2, 5.0, false, schedulers::SamplerKind::DPMPP2M},
+                          Case{2, 2, 1.0, false, schedulers::SamplerKind::DDIM}, Case{4, 1, 1.0, false, schedulers::SamplerKind::Euler},
+                          Case{2, 1, 5.0, true, schedulers::SamplerKind::Euler}, Case{4, 2, 1.0, true, schedulers::SamplerKind::Euler}}) {
+      const int steps = 6;
+      auto in = inputs(k.kind, steps, 1, k.cfg, k.xl ? sdxl() : unet_);
+      DistriFusion d;
+      d.n = k.n;
+      d.warmup = k.warmup;
+      const auto out = run(d, in);
+      const auto sim = simulate(in, k.xl ? sdxl() : unet_, k.n, k.warmup, k.cfg);
+      const auto base = run(SingleDevice{}, in);
+      const double to_sim = rel_l2(out.latents, sim), to_one = rel_l2(out.latents, base.latents);
+      const auto what = QString("n %1 warmup %2 cfg %3 xl %4: rel L2 to the simulation %5, to one device %6")
+                            .arg(k.n).arg(k.warmup).arg(k.cfg).arg(k.xl).arg(to_sim).arg(to_one);
+      qInfo("%s", qPrintable(what));
+      QVERIFY2(to_sim < 1e-5, qPrintable(what));
+      QVERIFY2(to_one > 100 * std::max(to_sim, 1e-7) && to_one < 0.3, qPrintable(what));
+      QVERIFY(out.stats.note.find(std::to_string(steps - k.warmup) + " one-step-stale") != std::string::npos);
+    }
+  }
+
+  // (4) Messages and bytes per step as the header counts them: every rank contributes once to
+  // each hooked layer call's all_gather and to eps's; a stale last step only to eps's.
+  void messagesPerStep() {
+    for (bool xl : {false, true})
+      for (int n : {2, 4}) {
+        const int steps = 5, warmup = 2;
+        const double scale = 5.0;
+        auto in = inputs(schedulers::SamplerKind::Euler, steps, 1, scale, xl ? sdxl() : unet_);
+        DistriFusion d;
+        d.n = n;
+        d.warmup = warmup;
+        const auto out = run(d, in);
+        const auto table = record_layers(xl ? sdxl() : unet_, in.latents, scale, n);
+        const int layers = static_cast<int>(table.size());
+        std::int64_t layer_bytes = 0;
+        int convs = 0, norms = 0, kvs = 0;
+        for (const auto& row : table) {
+          for (const auto& t : row) layer_bytes += static_cast<std::int64_t>(t.nbytes());
+          const auto& t = row.front();
+          if (t.dim() == 4) ++convs;  // halo rows [2B, C, 2, W]
+          else if (t.size(2) == (xl ? sdxl() : unet_)->config.norm_num_groups) ++norms;  // [2, 2B, G]; K / V: [2B, t, 2C]
+        }
+        kvs = layers - convs - norms;
+        QVERIFY(convs > 0 && norms > 0);
+        // Transformer blocks: SD 2 down + 1 mid + 3 up; SDXL's two per transformer there: 4 + 2 + 6.
+        QVERIFY2(kvs == (xl ? 12 : 6), qPrintable(QString("%1 self-attention calls").arg(kvs)));
+        const std::int64_t eps_bytes = in.latents.numel() * 4;  // n bands of 1/n each
+        std::vector<std::int64_t> messages, bytes;
+        for (int i = 0; i < steps; ++i) {
+          const bool only_eps = i >= warmup && i + 1 == steps;
+          messages.push_back(std::int64_t{n} * (only_eps ? 1 : layers + 1));
+          bytes.push_back(eps_bytes + (only_eps ? 0 : layer_bytes));
+          QCOMPARE(DistriFusion::messages_per_step(i, steps, warmup, n, layers), static_cast<int>(messages.back()));
+        }
+        QVERIFY2(out.stats.messages_per_step == messages,
+                 qPrintable(QString("xl %1 n %2: %3 hooked layer calls; first step %4 messages")
+                                .arg(xl).arg(n).arg(layers).arg(out.stats.messages_per_step.front())));
+        QVERIFY(out.stats.bytes_per_step == bytes);
+        std::int64_t total = 0;
+        for (auto b : bytes) total += b;
+        QCOMPARE(out.stats.bytes_sent, total);
+        QVERIFY(out.stats.note.find(std::to_string(layers) + " hooked layer calls") != std::string::npos);
+        QVERIFY(out.stats.to_json().find("messages_per_step") != std::string::npos);
+      }
+    QCOMPARE(DistriFusion::messages_per_step(4, 5, 5, 3, 10), 33);  // a synchronous last step exchanges
+  }
+
+  // warm(): one band, no collective (a context without a communicator would crash on one).
+  void warmRunsOneIsolatedBand() {
+    auto in = inputs(schedulers::SamplerKind::Euler, 2, 1, 5.0, unet_);
+    auto den = in.make_denoiser(0, c10::Device(c10::kCPU));
+    DistriFusion d;
+    d.n = 4;
+    d.warm(*den, in.latents, 999);
+    QVERIFY(models::patch_context() == nullptr);
+    d.warm(*den, at::zeros({1, 4, 12, 16}), 999);  // a height run() refuses: nothing
+    SD3Denoiser sd3d(sd3(), {at::randn({1, 6, 24}), at::randn({1, 12})}, {}, 1.0, at::kFloat, c10::Device(c10::kCPU));
+    d.warm(sd3d, at::zeros({1, 4, 8, 8}), 999);
+  }
+
+  // (5) What it refuses, naming what is wrong.
+  void refusesWhatItCannotSplit() {
+    auto in = inputs(schedulers::SamplerKind::Euler, 3, 1, 5.0, unet_, 10);
+    DIFFRACT_EXPECT_ERROR(run(*make_strategy("distrifusion", 2), in), "latent height of 10 rows", "2 bands",
+                          "1 downsampling", "multiple of 4");
+    in = inputs(schedulers::SamplerKind::Euler, 3, 1, 5.0, unet_);
+    DistriFusion d;
+    d.n = 3;
+    DIFFRACT_EXPECT_ERROR(run(d, in), "latent height of 16 rows", "3 bands", "multiple of 6");
+    d.n = 16;  // one latent row each: half a row at 8 x 8
+    DIFFRACT_EXPECT_ERROR(run(d, in), "latent height of 16 rows", "16 bands", "multiple of 32");
+    DIFFRACT_EXPECT_ERROR(DistriFusion::band_height(64, 16, 3), "multiple of 128", "1024 px with");
+    QCOMPARE(DistriFusion::band_height(128, 8, 3), std::int64_t{16});
+    d.n = 1;
+    DIFFRACT_EXPECT_ERROR(run(d, in), "2 or more devices", "not 1");
+    d.n = 2;
+    d.warmup = 0;
+    DIFFRACT_EXPECT_ERROR(run(d, in), "1 or more synchronous warm-up steps");
+    auto group = DeviceGroup::virtual_cpu(3);
+    DIFFRACT_EXPECT_ERROR(DistriFusion{}.run(*group, in), "needs 2 device");
+    LoopInputs sd3_in = in;
+    sd3_in.latents = at::randn({1, 4, 8, 8});
+    sd3_in.kind = schedulers::SamplerKind::FlowMatchEuler;
+    sd3_in.config = schedulers::SchedulerConfig::from_json_text(
+        R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})", sd3_in.kind,
+        "test flow scheduler");
+    auto model = sd3();
+    sd3_in.make_denoiser = [model](int, const c10::Device& dev) -> std::unique_ptr<Denoiser> {
+      return std::make_unique<SD3Denoiser>(model, SD3Conditioning{at::randn({1, 6, 24}), at::randn({1, 12})},
+                                           SD3Conditioning{}, 1.0, at::kFloat, dev);
+    };
+    DIFFRACT_EXPECT_ERROR(run(DistriFusion{}, sd3_in), "not an SD / SDXL UNet", "pipefusion");
+    QCOMPARE(make_strategy("distrifusion", 3)->devices(), 3);
+    QCOMPARE(make_strategy("distrifusion", 3)->name(), std::string("distrifusion"));
+    DIFFRACT_EXPECT_ERROR(make_strategy("distrifuse", 2), "unknown strategy", "distrifusion)");
+  }
+
+  // Cancelled in a stale step: every rank stops at the same step (none left in a layer's
+  // all_gather); a rank failing mid-loop is one error naming it, and nobody hangs.
+  void cancelAndFailure() {
+    auto in = inputs(schedulers::SamplerKind::Euler, 6, 1, 5.0, unet_);
+    DistriFusion d;
+    d.n = 4;
+    d.warmup = 1;
+    engine::CancelToken token;
+    in.cancel = &token;
+    int last = -1;
+    in.on_step = [&](int i, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+      last = i;
+      if (i == 2) token.cancel();
+    };
+    bool cancelled = false;
+    try {
+      run(d, in);
+    } catch (const engine::Cancelled&) {
+      cancelled = true;
+    }
+    QVERIFY(cancelled);
+    QVERIFY(last >= 2 && last < 5);
+    for (int after : {0, 3}) {  // in the synchronous step, in a stale one
+      auto fin = inputs(schedulers::SamplerKind::Euler, 6, 1, 5.0, unet_);
+      const auto make = fin.make_denoiser;
+      fin.make_denoiser = [make, after](int rank, const c10::Device& dev) -> std::unique_ptr<Denoiser> {
+        return std::make_unique<Failing>(make(rank, dev), rank == 1, after);
+      };
+      DIFFRACT_EXPECT_ERROR(run(d, fin), "device 1", "simulated device failure");
+    }
+  }
+
+  // Through the SD pipeline (make_denoiser gives UNetDenoisers): synchronous is the plain loop
+  // within a level; the default runs stale and says so.
+  void pipelineRunsDistriFusion() {
+    for (const char* model : {"tiny-sd", "tiny-sdxl"}) {
+      auto sd = pipeline::StableDiffusion::load(test::fixtures() / model, "cpu");
+      engine::GenerationRequest req;
+      req.prompt = "a red apple";
+      req.negative_prompt = "blurry";
+      req.steps = 6;
+      req.cfg = 5.0;
+      req.seed = 3;
+      req.sampler = "euler";
+      engine::CancelToken never;
+      const auto base = sd->generate(req, {}, never);
+      DistriFusion sync;
+      sync.n = 2;
+      sync.warmup = req.steps;
+      const auto synced = sd->generate(req, {}, never, &sync);
+      const auto& a = synced.images.front().rgb;
+      const auto& b = base.images.front().rgb;
+      int worst = 0;
+      for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(int(a[i]) - int(b[i])));
+      QVERIFY2(worst <= 1, qPrintable(QString("%1: synchronous distrifusion differs by %2 levels").arg(model).arg(worst)));
+      const auto stale = sd->generate(req, {}, never, make_strategy("distrifusion", 2).get());
+      QVERIFY(stale.metadata_json.find("4 synchronous step(s), then 2 one-step-stale") != std::string::npos);
+      QVERIFY(stale.metadata_json.find("\"messages_per_step\":[") != std::string::npos);
+    }
+  }
+};
+
+QTEST_APPLESS_MAIN(TestDistriFusion)
+#include "test_distrifusion.moc"
