@@ -42,6 +42,7 @@ const std::vector<BenchConfig>& configs() {
   static const std::vector<BenchConfig> all = {
       {"sdxl-1024", pipeline::Family::SDXL, false, 1024, 30, 7.0},
       {"sdxl-768", pipeline::Family::SDXL, false, 768, 30, 7.0},
+      {"sdxl-2048", pipeline::Family::SDXL, false, 2048, 30, 7.0},  // the patch strategies' large case
       {"sd15-512", pipeline::Family::SD1, false, 512, 30, 7.0},
       {"sd3-1024", pipeline::Family::SDXL, false, 1024, 28, 7.0, true},
       {"tiny", pipeline::Family::SDXL, true, 64, 4, 7.0},  // CI: the same code path in seconds on CPU

@@ -16,6 +16,9 @@
 #     SDXL 1024²: the same bench under settings that each remove one suspect (HANG_CASES), each
 #     cut off after HANG_TIMEOUT s; a hung run's last NCCL operations per rank and, where
 #     cuda-gdb can attach, its threads' stacks go to the logs.
+#   PLAN=three (two GPUs): the 2-GPU strategy check, the SDXL bench of the eager strategies
+#     (DistriFusion, AsyncDiff, hybrid) with their time split, SD3 eager against graphed, and
+#     SDXL 2048² with the patch strategies if time is left.
 #   PLAN=two (two GPUs): the SDXL strategy bench (SDXL_STRATEGIES), then PLAN=sd3's work, then
 #     the multi-GPU checks if time is left.
 #   PLAN=sd3 (two GPUs, not run yet): our sd3-1024 bench on the first GPU beside the anchor on
@@ -220,6 +223,41 @@ if [ "$plan" = hang ]; then
       hybrid) HANG_STRATEGIES=hybrid-cfg hang_case hybrid ${HYBRID_ENV:-} ;;
     esac
   done
+  exit 0
+fi
+
+if [ "$plan" = three ]; then
+  ctest --test-dir build/gpu -R gpu_strategies -V --timeout 90 > "$logs/checks_strategies.log" 2>&1
+  grep -E "  (ok|FAIL)  |tests passed|rel-L2|Timeout" "$logs/checks_strategies.log" | cut -c1-300
+  echo "strategy check at $(elapsed) s"
+  BENCH_STRATEGIES="${SDXL_STRATEGIES:-distrifusion:2,asyncdiff:2,hybrid-cfg,cfg-parallel}" strategy_bench 150
+  python3 - "$logs/bench_strategies.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    for s in r.get("strategies", []):
+        st = s.get("stats", {})
+        steps = s.get("step_ms", [])
+        print(f"  {s['strategy']}: warm {st.get('warm_ms', 0):.0f} ms, loop {st.get('loop_ms', 0):.0f} ms, text {s.get('text_encode_ms', 0):.1f}, "
+              f"vae {s.get('vae_decode_ms', 0):.1f}, steps {len(steps)}: first {steps[:3]} last {steps[-2:]}")
+PY
+  CUDA_VISIBLE_DEVICES=0 DIFFRACT_CUDA_GRAPHS=0 timeout 120 "$bench" --device cuda:0 --config sd3-1024 --batch 1 --runs 2 \
+    > "$logs/bench_sd3_eager.json" 2> "$logs/bench_sd3_eager.log"
+  echo "sd3 eager bench rc $? at $(elapsed) s"
+  python3 -c "
+import json
+for r in json.load(open('$logs/bench_sd3_eager.json'))['results']:
+    print('  sd3-1024 eager: e2e %.1f ms step %.2f ms' % (r['end_to_end_ms']['median'], r['denoiser_step_ms']['mean']))" 2>&1
+  if [ "$(left)" -gt 120 ]; then
+    timeout "$(left 5)" "$bench" --device cuda:0 --config sdxl-2048 --batch 1 --runs 1 \
+      --strategies "${BIG_STRATEGIES:-cfg-parallel,distrifusion:2,asyncdiff:2}" > "$logs/bench_2048.json" 2> "$logs/bench_2048.log"
+    echo "2048 bench rc $? at $(elapsed) s"
+    grep -o '{"denoising_ms.*' "$logs/bench_2048.log" | python3 -c "
+import json, sys
+for line in sys.stdin:
+    s = json.loads(line)
+    print('   %-14s e2e %.1f ms  x%.2f e2e  x%.2f denoise  PSNR %.1f dB SSIM %.4f' % (s['strategy'], s['end_to_end_ms'], s['speedup_end_to_end'],
+          s['speedup_denoising'], s['psnr_db'], s['ssim']))"
+  fi
   exit 0
 fi
 

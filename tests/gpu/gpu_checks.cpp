@@ -247,6 +247,11 @@ void check_strategies() {
   const auto dp = run("data-parallel", 2, 3);
   std::cout << "  data-parallel batch 3 vs one GPU: rel-L2 " << rel_l2(dp, single3) << "\n";
   expect(rel_l2(dp, single3) < 2e-2, "data-parallel batch 3 over 2 GPUs gives the one-GPU images");
+  const auto distri = run("distrifusion", 2);
+  const auto distri_stats = nlohmann::json::parse(distri.metadata_json)["strategy"];
+  std::cout << "  distrifusion n=2 vs one GPU: rel-L2 " << rel_l2(distri, base) << "; messages per step "
+            << distri_stats["messages_per_step"].dump() << "\n";
+  expect(rel_l2(distri, base) < 0.3, "distrifusion on 2 GPUs (4 synchronous steps, then stale) stays near one GPU");
   const auto hybrid = run("hybrid-cfg", 2);
   expect(nlohmann::json::parse(hybrid.metadata_json)["strategy"]["rel_mae"].size() == 9u, "hybrid-cfg reports rel-MAE per step");
   // AsyncDiff over NCCL: one synchronous step, then the stale components, n messages a step.
