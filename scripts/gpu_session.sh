@@ -240,7 +240,7 @@ for r in json.load(open(sys.argv[1]))["results"]:
         print(f"  {s['strategy']}: warm {st.get('warm_ms', 0):.0f} ms, loop {st.get('loop_ms', 0):.0f} ms, text {s.get('text_encode_ms', 0):.1f}, "
               f"vae {s.get('vae_decode_ms', 0):.1f}, steps {len(steps)}: first {steps[:3]} last {steps[-2:]}")
 PY
-  CUDA_VISIBLE_DEVICES=0 DIFFRACT_CUDA_GRAPHS=0 timeout 120 "$bench" --device cuda:0 --config sd3-1024 --batch 1 --runs 2 \
+  [ -z "${SKIP_SD3_EAGER:-}" ] && CUDA_VISIBLE_DEVICES=0 DIFFRACT_CUDA_GRAPHS=0 timeout 120 "$bench" --device cuda:0 --config sd3-1024 --batch 1 --runs 2 \
     > "$logs/bench_sd3_eager.json" 2> "$logs/bench_sd3_eager.log"
   echo "sd3 eager bench rc $? at $(elapsed) s"
   python3 -c "

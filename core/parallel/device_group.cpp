@@ -1,5 +1,7 @@
 #include "core/parallel/device_group.h"
 
+#include <condition_variable>
+#include <cstdint>
 #include <exception>
 #include <mutex>
 #include <optional>
@@ -18,8 +20,81 @@
 
 namespace diffract::parallel {
 
+// One thread per rank, bound to its device, running the tasks run_all() hands out.
+struct DeviceGroup::Workers {
+  explicit Workers(const std::vector<c10::Device>& devices) {
+    for (std::size_t r = 0; r < devices.size(); ++r) threads.emplace_back([this, r, d = devices[r]] { loop(static_cast<int>(r), d); });
+  }
+  ~Workers() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      stop = true;
+    }
+    wake.notify_all();
+    for (auto& t : threads) t.join();
+  }
+  // task(rank) on every worker; returns when all are done. `task` must not throw.
+  void run_all(const std::function<void(int)>& t) {
+    std::unique_lock<std::mutex> lock(mutex);
+    task = &t;
+    pending = static_cast<int>(threads.size());
+    ++generation;
+    wake.notify_all();
+    done.wait(lock, [&] { return pending == 0; });
+    task = nullptr;
+  }
+  void loop(int rank, const c10::Device& device) {
+    at::NoGradGuard no_grad;
+#ifdef DIFFRACT_HAS_CUDA
+    std::optional<c10::cuda::CUDAGuard> bind;
+    if (device.is_cuda()) bind.emplace(device);
+#else
+    (void)device;
+#endif
+    std::uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* t = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        wake.wait(lock, [&] { return stop || generation != seen; });
+        if (stop) return;
+        seen = generation;
+        t = task;
+      }
+      (*t)(rank);
+      std::lock_guard<std::mutex> lock(mutex);
+      if (--pending == 0) done.notify_all();
+    }
+  }
+
+  std::mutex mutex;
+  std::condition_variable wake, done;
+  const std::function<void(int)>* task = nullptr;
+  std::uint64_t generation = 0;
+  int pending = 0;
+  bool stop = false;
+  std::vector<std::thread> threads;
+};
+
 DeviceGroup::DeviceGroup(std::vector<c10::Device> devices, std::function<Comms()> make, bool keep)
-    : devices_(std::move(devices)), make_comms_(std::move(make)), keep_comms_(keep) {}
+    : devices_(std::move(devices)), make_comms_(std::move(make)), keep_comms_(keep),
+      workers_(std::make_unique<Workers>(devices_)) {}
+
+DeviceGroup::~DeviceGroup() = default;
+
+void DeviceGroup::run_on(int rank, const std::function<void()>& f) {
+  if (rank < 0 || rank >= size()) throw Error("rank " + std::to_string(rank) + " is not in this group of " + std::to_string(size()));
+  std::exception_ptr error;
+  workers_->run_all([&](int r) {
+    if (r != rank) return;
+    try {
+      f();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  if (error) std::rethrow_exception(error);
+}
 
 std::unique_ptr<DeviceGroup> DeviceGroup::virtual_cpu(int n) {
   if (n < 1 || n > 64) throw Error("a device group needs 1 to 64 devices, not " + std::to_string(n));
@@ -111,42 +186,32 @@ void DeviceGroup::run(const std::function<void(int rank, Communicator& comm)>& f
   std::mutex mutex;
   std::exception_ptr first;
   int first_rank = -1;
-  std::vector<std::thread> workers;
-  workers.reserve(comms.size());
-  for (int r = 0; r < size(); ++r) {
-    workers.emplace_back([&, r] {
-      Communicator& comm = *comms[static_cast<std::size_t>(r)];
+  workers_->run_all([&](int r) {
+    Communicator& comm = *comms[static_cast<std::size_t>(r)];
+    try {
+      fn(r, comm);
+    } catch (...) {
+      std::string what = "unknown error";
       try {
-        at::NoGradGuard no_grad;
-#ifdef DIFFRACT_HAS_CUDA
-        std::optional<c10::cuda::CUDAGuard> bind;
-        if (device(r).is_cuda()) bind.emplace(device(r));
-#endif
-        fn(r, comm);
+        throw;
+      } catch (const engine::Cancelled&) {
+        what = "cancelled";
+      } catch (const std::exception& e) {
+        what = e.what();
       } catch (...) {
-        std::string what = "unknown error";
-        try {
-          throw;
-        } catch (const engine::Cancelled&) {
-          what = "cancelled";
-        } catch (const std::exception& e) {
-          what = e.what();
-        } catch (...) {
-        }
-        {
-          std::lock_guard<std::mutex> lock(mutex);
-          if (!first) {
-            first = std::current_exception();
-            first_rank = r;
-          }
-        }
-        // Cancellation reaches every rank at the same round (the strategies decide it once per
-        // round), so only failures need the others released.
-        if (what != "cancelled") comm.abort("device " + std::to_string(r) + " failed: " + what);
       }
-    });
-  }
-  for (auto& w : workers) w.join();
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!first) {
+          first = std::current_exception();
+          first_rank = r;
+        }
+      }
+      // Cancellation reaches every rank at the same round (the strategies decide it once per
+      // round), so only failures need the others released.
+      if (what != "cancelled") comm.abort("device " + std::to_string(r) + " failed: " + what);
+    }
+  });
   if (!first) return;
   comms_.clear();  // an aborted or half-used set is not reused
   try {

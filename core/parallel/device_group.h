@@ -29,12 +29,19 @@ class DeviceGroup {
   // "cpu:virtual 1", for messages.
   std::string device_name(int rank) const;
 
-  // Runs fn(rank, comm) on every rank's worker and waits for all of them. Virtual groups get
+  // Runs fn(rank, comm) on every rank's worker and waits for all of them. A rank's worker is the
+  // same thread for the group's whole life: cuDNN keeps its execution plans per thread, and on
+  // fresh threads each job every eager convolution planned again (AsyncDiff's first SDXL step
+  // took 458 ms instead of 20 on 2 H200, docs/benchmarks.md). Virtual groups get
   // fresh communicators each run; NCCL ones keep theirs until a run fails. Either way a failed
   // run leaves the group usable. The workers run under at::NoGradGuard, bound to their device. The first exception on any rank aborts the communicators (ranks
   // blocked in collectives are released) and is rethrown here: engine::Cancelled as is,
   // anything else as diffract::Error "device <rank> (<name>): <message>".
   void run(const std::function<void(int rank, Communicator& comm)>& fn);
+
+  // Runs f() on rank `rank`'s worker thread (no communicator) and waits; rethrows what it throws.
+  // For per-rank work that must happen on that thread, such as warming a rank's convolutions.
+  void run_on(int rank, const std::function<void()>& f);
 
   // True the first time `key` is asked about on this group: what a caller did once per group
   // (the pipeline warms a strategy's shapes on every rank once, not before every job).
@@ -43,11 +50,16 @@ class DeviceGroup {
  private:
   using Comms = std::vector<std::unique_ptr<Communicator>>;
   DeviceGroup(std::vector<c10::Device> devices, std::function<Comms()> make, bool keep);
+  struct Workers;
   std::vector<c10::Device> devices_;
   std::function<Comms()> make_comms_;
   bool keep_comms_ = false;
   Comms comms_;
   std::set<std::string> used_;
+  std::unique_ptr<Workers> workers_;  // last: its threads stop before the rest goes
+
+ public:
+  ~DeviceGroup();
 };
 
 }  // namespace diffract::parallel

@@ -248,10 +248,13 @@ at::Tensor run_strategy_loop(const parallel::Strategy& strategy, parallel::Devic
     // a capture inside the loop (cuDNN autotuning, seconds for SDXL) would run while the other
     // ranks wait in a collective. On 2 H200 DRiffusion, whose ranks first evaluate at different
     // rounds, hung with in-loop captures while CFG-parallel ran; see docs/benchmarks.md.
+    // Each on its rank's own thread, where cuDNN keeps the plans it makes.
     for (int r = 0; r < group.size(); ++r) {
-      const auto d = group.device(r);
-      strategy.warm(*in.make_denoiser(r, d), at::zeros(warm_input.sizes(), warm_input.options().device(d)), warm_timestep);
-      torch::cuda::synchronize(d.index());
+      group.run_on(r, [&] {
+        const auto d = group.device(r);
+        strategy.warm(*in.make_denoiser(r, d), at::zeros(warm_input.sizes(), warm_input.options().device(d)), warm_timestep);
+        torch::cuda::synchronize(d.index());
+      });
     }
   }
   const double warm_ms = ms_since(t0);
