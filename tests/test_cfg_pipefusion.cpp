@@ -5,6 +5,8 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <nlohmann/json.hpp>
+
 #include "core/engine/devices.h"
 #include "core/models/common/layers.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
@@ -18,6 +20,7 @@
 #undef emit
 #include "core/pipeline/pipeline_util.h"
 #pragma pop_macro("emit")
+#include "core/pipeline/stable_diffusion_3.h"
 #include "core/util/error.h"
 #include "test_util.h"
 
@@ -336,6 +339,64 @@ class TestCfgPipeFusion : public QObject {
     c = engine::choose_devices({0, 1, 2, 3}, "cfg-pipefusion", 1);
     QCOMPARE(c.devices, 4);
     QVERIFY(!engine::choose_devices({0}, "cfg-pipefusion", 1).error.empty());
+  }
+
+  // Through the SD3 pipeline (tests/reference/make_sd3_pipeline_fixtures.py's tiny-sd3, 2 joint
+  // blocks) on 4 CPU virtual devices: the job's metadata, steps and previews, and batched
+  // PipeFusion's latents on 2. (CPU ranks share the pipeline's transformer; the GPU replicas'
+  // stage_of hand-off is what stageReplicasHoldEnough checks.)
+  void sd3PipelineRunsIt() {
+    auto pipe = pipeline::StableDiffusion3::load(test::fixtures() / "sd3_pipeline" / "tiny-sd3", "cpu");
+    engine::GenerationRequest r;
+    r.model = (test::fixtures() / "sd3_pipeline" / "tiny-sd3").string();
+    r.prompt = "a red apple";
+    r.negative_prompt = "blurry";
+    r.steps = 4;
+    r.cfg = 5.0;
+    r.seed = 3;
+    r.preview_every = 2;
+    engine::CancelToken never;
+    int previews = 0, steps = 0;
+    engine::JobObserver obs;
+    obs.on_preview = [&](const engine::PreviewEvent&) { ++previews; };
+    obs.on_step = [&](const engine::StepEvent&) { ++steps; };
+    const auto run = [&](const std::string& name, int devices, int patches) {
+      auto q = r;
+      q.strategy = name;
+      q.devices = devices;
+      q.patches = patches;
+      previews = steps = 0;
+      auto result = pipe->generate(q, obs, never);
+      const auto meta = nlohmann::json::parse(result.metadata_json);
+      if (meta["strategy_name"].get<std::string>() != name || meta["devices"].get<int>() != devices ||
+          meta["strategy"]["strategy"].get<std::string>() != name)
+        throw Error("metadata names the wrong strategy: " + result.metadata_json);
+      return std::pair{at::from_blob(result.latents.data(), result.latents_shape, at::kFloat).clone(), meta["strategy"]};
+    };
+    auto plain = pipe->generate(r, {}, never);
+    const auto base = at::from_blob(plain.latents.data(), plain.latents_shape, at::kFloat).clone();
+    const auto [batched, pf_stats] = run("pipefusion", 2, 4);
+    const auto [split, stats] = run("cfg-pipefusion", 4, 4);
+    QCOMPARE(steps, 4);
+    QCOMPARE(previews, 2);
+    qInfo("SD3 pipeline cfg-pipefusion 2x2 M=4: max |diff| to pipefusion %.3g, relative L2 to one device %.3g",
+          test::max_abs_diff(split, batched), rel_l2(split, base));
+    DIFFRACT_COMPARE_TENSORS(split, batched, 1e-5);
+    QVERIFY(rel_l2(split, base) > 0 && rel_l2(split, base) < 0.2);
+    QCOMPARE(stats["messages_per_step"].get<std::vector<int>>(), (std::vector<int>{6, 24, 24, 24}));
+    const auto weights = stats["weights_per_rank"].get<std::vector<std::int64_t>>();
+    const auto pf_weights = pf_stats["weights_per_rank"].get<std::vector<std::int64_t>>();
+    QCOMPARE(weights, (std::vector<std::int64_t>{pf_weights[0], pf_weights[1], pf_weights[0], pf_weights[1]}));
+    const auto refused = [&](engine::GenerationRequest q, const std::string& name, int devices) {
+      q.strategy = name;
+      q.devices = devices;
+      pipe->generate(q, {}, never);
+    };
+    DIFFRACT_EXPECT_ERROR(refused(r, "cfg-pipefusion", 3), "even number of devices");
+    DIFFRACT_EXPECT_ERROR(refused(r, "cfg-pipefusion", 8), "4 stages for a transformer of 2 joint blocks");
+    auto no_cfg = r;
+    no_cfg.cfg = 1.0;
+    DIFFRACT_EXPECT_ERROR(refused(no_cfg, "cfg-pipefusion", 4), "needs CFG");
   }
 
   // A cancel while patches are in flight ends every rank of both pipelines without a hang.
