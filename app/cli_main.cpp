@@ -172,7 +172,7 @@ void add_generation_options(CLI::App* cmd, engine::GenerationRequest& req, bool 
   if (with_strategy) {
     cmd->add_option("--strategy", req.strategy, "multi-device strategy (default: the plain loop)");
     cmd->add_option("--devices", req.devices, "devices the strategy uses")->capture_default_str();
-    cmd->add_option("--patches", req.patches, "pipefusion (SD3): latent row patches (default: one per device)");
+    cmd->add_option("--patches", req.patches, "pipefusion, cfg-pipefusion (SD3): latent row patches (default: one per stage)");
   }
 }
 
@@ -278,7 +278,7 @@ int main(int argc, char** argv) {
   add_generation_options(cmp_cmd, req, /*with_strategy=*/false);
   cmp_cmd->add_option("--strategy", compare_strategy,
                       "cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip, "
-                      "pipefusion (SD3), asyncdiff (SD / SDXL), distrifusion (SD / SDXL)")
+                      "pipefusion (SD3), cfg-pipefusion (SD3, even devices), asyncdiff (SD / SDXL), distrifusion (SD / SDXL)")
       ->required();
   cmp_cmd->add_option("--devices", compare_devices, "devices (drafts per round for DRiffusion, skip for step-skip)")
       ->capture_default_str();

@@ -90,7 +90,8 @@ const char* const kSamplers[] = {"euler", "euler-ancestral", "ddim", "ddpm", "dp
 const char* const kStrategies[] = {"single",         "cfg-parallel",          "hybrid-cfg",
                                    "driffusion",     "driffusion-aggressive", "cfg-driffusion",
                                    "cfg-driffusion-aggressive", "data-parallel", "step-skip",
-                                   "pipefusion",     "asyncdiff",             "distrifusion"};
+                                   "pipefusion",     "cfg-pipefusion",        "asyncdiff",
+                                   "distrifusion"};
 
 // The first local file among dragged URLs (or a file URL dragged as text), else "".
 QString droppedFile(const QMimeData* mime) {

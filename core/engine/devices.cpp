@@ -41,7 +41,7 @@ namespace {
 
 const char* const kKnown[] = {"single",        "cfg-parallel", "hybrid-cfg", "driffusion", "driffusion-aggressive",
                               "data-parallel", "step-skip",    "pipefusion", "asyncdiff", "cfg-driffusion",
-                              "cfg-driffusion-aggressive"};
+                              "cfg-driffusion-aggressive", "cfg-pipefusion"};
 
 }  // namespace
 
@@ -70,7 +70,8 @@ DeviceChoice choose_devices(std::vector<int> enabled_gpus, const std::string& st
     c.devices = std::max(1, cpu_devices);  // the skip factor, on one GPU
     return c;
   }
-  const bool pairs = name.rfind("cfg-driffusion", 0) == 0;  // a pair of GPUs per draft
+  // A pair of GPUs per draft (cfg-driffusion) or per stage (cfg-pipefusion: a pipeline per branch).
+  const bool pairs = name.rfind("cfg-driffusion", 0) == 0 || name == "cfg-pipefusion";
   const int needed = (name == "cfg-parallel" || name == "hybrid-cfg") ? 2 : pairs ? enabled - enabled % 2 : enabled;
   if (enabled < needed || needed < 1) {
     c.error = "strategy " + name + " needs 2 GPUs; " + std::to_string(enabled) +

@@ -18,8 +18,8 @@ namespace {
 SD3Denoiser& sd3_of(Denoiser& d) {
   auto* s = dynamic_cast<SD3Denoiser*>(&d);
   if (!s)
-    throw Error("pipefusion splits SD3's transformer into stages of joint blocks; this model has none "
-                "(pipefusion runs SD3 only)");
+    throw Error("pipefusion and cfg-pipefusion split SD3's transformer into stages of joint blocks; this model has "
+                "none (they run SD3 only)");
   return *s;
 }
 
@@ -27,14 +27,21 @@ bool starts_with(const std::string& s, const std::string& prefix) { return s.com
 
 }  // namespace
 
-void PipeFusion::validate(std::int64_t, bool) const {
-  if (n < 1) throw Error("pipefusion needs 1 or more devices (stages), not " + std::to_string(n));
-  if (patches < 0) throw Error("pipefusion: patches must be 0 (one per device) or more, not " + std::to_string(patches));
+void PipeFusion::validate(std::int64_t, bool cfg) const {
+  const std::string me = name();
+  if (n < 1)
+    throw Error(cfg_split ? me + " needs an even number of devices, 2 or more (a pipeline per CFG branch), not " +
+                                std::to_string(devices())
+                          : me + " needs 1 or more devices (stages), not " + std::to_string(n));
+  if (cfg_split && !cfg)
+    throw Error(me + " runs the prompt and the negative prompt on two pipelines: it needs CFG (a scale above 1); "
+                "without it use pipefusion");
+  if (patches < 0) throw Error(me + ": patches must be 0 (one per stage) or more, not " + std::to_string(patches));
   if (patch_count() < n)
-    throw Error("pipefusion: " + std::to_string(patch_count()) + " patches for " + std::to_string(n) +
-                " stages; it needs at least one patch per stage (patches >= devices)");
+    throw Error(me + ": " + std::to_string(patch_count()) + " patches for " + std::to_string(n) +
+                " stages; it needs at least one patch per stage (patches >= stages)");
   if (warmup_steps < 1)
-    throw Error("pipefusion needs 1 or more synchronous warm-up steps to fill its K/V caches, not " +
+    throw Error(me + " needs 1 or more synchronous warm-up steps to fill its K/V caches, not " +
                 std::to_string(warmup_steps));
 }
 
@@ -42,11 +49,11 @@ void PipeFusion::warm(Denoiser&, const at::Tensor&, double) const {}
 
 void PipeFusion::check_shape(std::int64_t layers, std::int64_t latent_height, std::int64_t patch_size) const {
   if (n > layers)
-    throw Error("pipefusion: " + std::to_string(n) + " stages for a transformer of " + std::to_string(layers) +
+    throw Error(name() + ": " + std::to_string(n) + " stages for a transformer of " + std::to_string(layers) +
                 " joint blocks; at most one stage per block");
   const std::int64_t token_rows = latent_height / patch_size;
   if (token_rows % patch_count())
-    throw Error("pipefusion: the latent's " + std::to_string(token_rows) + " rows of transformer patches (" +
+    throw Error(name() + ": the latent's " + std::to_string(token_rows) + " rows of transformer patches (" +
                 std::to_string(latent_height) + " latent rows / patch size " + std::to_string(patch_size) +
                 ") do not split into " + std::to_string(patch_count()) + " equal patches");
 }
@@ -68,15 +75,16 @@ bool PipeFusion::uses_weight(const std::string& name, int rank, int n, int layer
   return true;  // time_text_embed: every rank
 }
 
-int PipeFusion::messages_per_step(bool synchronous, int n, int patches) {
-  if (n < 2) return 0;
-  return synchronous ? n : patches * n;
+int PipeFusion::messages_per_step(bool synchronous, int n, int patches, bool cfg_split) {
+  const int chain = n < 2 ? 0 : n;                // one pipeline, per pass
+  const int pass = cfg_split ? 2 * chain + 2 : chain;  // two pipelines and the heads' swap
+  return synchronous ? pass : patches * pass;
 }
 
 LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
   using K = schedulers::SamplerKind;
   if (in.kind != K::FlowMatchEuler && in.kind != K::Euler && in.kind != K::DDIM)
-    throw Error("pipefusion steps the latents a patch at a time: it needs a sampler without history or noise "
+    throw Error(name() + " steps the latents a patch at a time: it needs a sampler without history or noise "
                 "(flow-euler, euler, ddim)");
   auto ranks = prepare(*this, g, in);
   for (auto& k : ranks) sd3_of(*k.den);
@@ -87,8 +95,10 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
   check_shape(layers, height, p);
   const int stages = n, m = patch_count(), steps = in.steps;
   const int sync_steps = std::min(warmup_steps, steps);
-  const bool cfg = head_den.cfg();
-  const std::int64_t batch = in.latents.size(0), rows_b = cfg ? 2 * batch : batch;
+  // Without the split the tail combines the branches of a 2B batch; with it each pipeline runs
+  // one branch at batch B and the heads combine.
+  const bool split = cfg_split, batched_cfg = head_den.cfg() && !split;
+  const std::int64_t batch = in.latents.size(0), rows_b = batched_cfg ? 2 * batch : batch;
   const std::int64_t tokens = (height / p) * (width / p), patch_tokens = tokens / m, rows = height / m;
   const std::int64_t text = head_den.conditioning(Branch::Guided).context.size(1), dim = mc.inner_dim();
   const int items = (steps - sync_steps) * m;
@@ -105,10 +115,14 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
     auto& model = den.model();
     const auto dev = g.device(rank);
     const auto opts = at::TensorOptions().device(dev).dtype(den.dtype());
-    const auto& cond = den.conditioning(Branch::Guided);
-    const auto range = stage_blocks(rank, stages, layers);
+    // This rank's pipeline (0: cond, 1: uncond with the split), its stage, and its head's rank.
+    const int pipe = rank / stages, stage = rank % stages, base = pipe * stages;
+    const Branch branch = !split ? Branch::Guided : pipe == 0 ? Branch::Cond : Branch::Uncond;
+    const auto& cond = den.conditioning(branch);
+    const auto range = stage_blocks(stage, stages, layers);
     const int first = range.first, last = range.second;
-    const bool head = rank == 0, tail = rank == stages - 1;
+    const bool head = stage == 0, tail = stage == stages - 1;
+    const int partner = pipe == 0 ? stages : 0;  // the other pipeline's head (split only)
     std::vector<models::SD3BlockCache> caches(static_cast<std::size_t>(last - first));
     const auto bytes0 = comm.bytes_sent();
     if (head) k.x = k.x.clone();  // stepped in place, a patch at a time
@@ -125,10 +139,10 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
       }
       return temb;
     };
-    // The head's input: latent rows [row0, row0 + count) at step i, both branches.
+    // The head's input: latent rows [row0, row0 + count) at step i, both branches if batched.
     const auto input_rows = [&](int i, std::int64_t row0, std::int64_t count) {
       auto x = k.sampler->scale_model_input(k.x, i).narrow(2, row0, count);
-      if (cfg) x = at::cat({x, x});
+      if (batched_cfg) x = at::cat({x, x});
       return x.to(opts);
     };
     const auto run_stage = [&](models::SD3State& s, std::int64_t begin) {
@@ -142,11 +156,27 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
     };
     const auto output = [&](const models::SD3State& s) {
       auto out = model->unpatchify_output(s);
-      if (!cfg) return out;
+      if (!batched_cfg) return out;
       auto parts = out.chunk(2);
       return combine_cfg(parts[0], parts[1], den.guidance_scale());
     };
     const auto v_buffer = [&](std::int64_t count) { return at::empty({batch, mc.out_channels, count, width}, opts); };
+    // A head's patch output (step i) -> the guided one. With the split the heads swap their
+    // branches' outputs, rank 0 sending first (the order in the header), and both combine.
+    const auto guide = [&](const at::Tensor& mine, int i) {
+      if (!split) return mine;
+      auto other = at::empty_like(mine);
+      if (pipe == 0) {
+        comm.send(mine, partner);
+        sent(i, mine);
+        comm.recv(other, partner);
+      } else {
+        comm.recv(other, partner);
+        comm.send(mine, partner);
+        sent(i, mine);
+      }
+      return pipe == 0 ? combine_cfg(other, mine, den.guidance_scale()) : combine_cfg(mine, other, den.guidance_scale());
+    };
 
     for (int i = 0; i < sync_steps; ++i) {
       gate.check(i);
@@ -171,16 +201,16 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
       } else {
         v = output(s);
         if (!head) {
-          comm.send(v, 0);
+          comm.send(v, base);
           sent(i, v);
         }
       }
       if (head) {
         if (!tail) {
           v = v_buffer(height);
-          comm.recv(v, stages - 1);
+          comm.recv(v, base + stages - 1);
         }
-        k.x = refine(k, rank, in, v, i, k.x);
+        k.x = refine(k, rank, in, guide(v, i), i, k.x);  // reports on rank 0 only
       }
     }
 
@@ -189,7 +219,7 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
     const auto busy = [&](int item) { return item >= 0 && item < items; };
     for (int tau = 0; tau < ticks; ++tau) {
       gate.check(sync_steps + tau);
-      const int item = tau - rank;
+      const int item = tau - stage;
       const int item_step = sync_steps + item / m;
       at::Tensor act, v;
       if (busy(item)) {
@@ -208,12 +238,13 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
         if (!tail) act = pack(s);
         else v = output(s);
       }
-      // The chain: 0 sends, 1 receives then sends, ..., the last sends to 0, 0 receives.
+      // The chain: 0 sends, 1 receives then sends, ..., the last sends to 0, 0 receives (ranks
+      // counted from the pipeline's head); then the heads' swap (guide).
       if (head && act.defined()) {
-        comm.send(act, 1);
+        comm.send(act, rank + 1);
         sent(item_step, act);
       }
-      if (!head && busy(tau - (rank - 1))) {
+      if (!head && busy(tau - (stage - 1))) {
         incoming = at::empty({rows_b, patch_tokens + text, dim}, opts);
         comm.recv(incoming, rank - 1);
       }
@@ -222,16 +253,17 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
         sent(item_step, act);
       }
       if (!head && v.defined()) {
-        comm.send(v, 0);
+        comm.send(v, base);
         sent(item_step, v);
       }
       const int done = tau - (stages - 1);
       if (head && busy(done)) {
         if (!tail) {
           v = v_buffer(rows);
-          comm.recv(v, stages - 1);
+          comm.recv(v, base + stages - 1);
         }
         const int i = sync_steps + done / m, q = done % m;
+        v = guide(v, i);
         if (q == 0) {
           before = k.x.clone();
           v_step = at::empty(k.x.sizes(), v.options());
@@ -239,25 +271,31 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
         v_step.narrow(2, q * rows, rows).copy_(v);
         auto x_rows = k.x.narrow(2, q * rows, rows);
         x_rows.copy_(k.sampler->step(v, i, x_rows, k.gen));
-        if (q == m - 1 && in.on_step) in.on_step(i, v_step, before, k.x.clone());
+        if (q == m - 1 && rank == 0 && in.on_step) in.on_step(i, v_step, before, k.x.clone());
       }
     }
     bytes += comm.bytes_sent() - bytes0;
-    if (head) result = k.x;
+    if (rank == 0) result = k.x;
   });
 
   auto o = finish(*this, in, g, result, steps, steps, bytes.load());
   o.stats.messages_per_step = traffic.messages();
   o.stats.bytes_per_step = traffic.bytes();
-  for (int r = 0; r < stages; ++r) {
+  // Counted in each rank's own model: a replica holding only its stage's weights has the others
+  // empty, so rank 0's would undercount the other stages.
+  for (int r = 0; r < devices(); ++r) {
     std::int64_t count = 0;
-    for (const auto& kv : head_den.model()->named_parameters(true))
-      if (uses_weight(kv.key(), r, stages, layers)) count += kv.value().numel();
-    for (const auto& kv : head_den.model()->named_buffers(true))
-      if (uses_weight(kv.key(), r, stages, layers)) count += kv.value().numel();
+    auto& model = sd3_of(*ranks[static_cast<std::size_t>(r)].den).model();
+    for (const auto& kv : model->named_parameters(true))
+      if (uses_weight(kv.key(), stage_of(r), stages, layers)) count += kv.value().numel();
+    for (const auto& kv : model->named_buffers(true))
+      if (uses_weight(kv.key(), stage_of(r), stages, layers)) count += kv.value().numel();
     o.stats.weights_per_rank.push_back(count);
   }
-  o.stats.note = std::to_string(stages) + " stages x " + std::to_string(m) + " patches; " +
+  o.stats.note = std::string(split ? "2 pipelines (cond on ranks 0.." + std::to_string(stages - 1) +
+                                          ", uncond on " + std::to_string(stages) + ".." +
+                                          std::to_string(2 * stages - 1) + "), each " : "") +
+                 std::to_string(stages) + " stages x " + std::to_string(m) + " patches; " +
                  std::to_string(sync_steps) + " synchronous step(s), then " + std::to_string(ticks) +
                  " pipeline ticks (each one stage on one patch)";
   return o;

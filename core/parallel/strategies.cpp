@@ -506,9 +506,13 @@ LoopOutput StepSkipping::run(DeviceGroup& g, const LoopInputs& in) const {
 }
 
 std::unique_ptr<Strategy> make_strategy(const std::string& name, int n, int patches) {
-  if (name == "pipefusion") {
+  if (name == "pipefusion" || name == "cfg-pipefusion") {
     auto s = std::make_unique<PipeFusion>();
-    s->n = n;
+    s->cfg_split = name == "cfg-pipefusion";
+    if (s->cfg_split && (n < 2 || n % 2 != 0))
+      throw Error("cfg-pipefusion runs one pipeline for the prompt and one for the negative prompt, each over half "
+                  "the devices: it needs an even number of devices, 2 or more, not " + std::to_string(n));
+    s->n = s->cfg_split ? n / 2 : n;
     s->patches = patches;
     return s;
   }
@@ -548,8 +552,8 @@ std::unique_ptr<Strategy> make_strategy(const std::string& name, int n, int patc
     return s;
   }
   throw Error("unknown strategy '" + name +
-              "' (single, cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip, pipefusion, asyncdiff, "
-              "distrifusion)");
+              "' (single, cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, cfg-driffusion, "
+              "cfg-driffusion-aggressive, data-parallel, step-skip, pipefusion, cfg-pipefusion, asyncdiff, distrifusion)");
 }
 
 }  // namespace diffract::parallel

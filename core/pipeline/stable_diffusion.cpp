@@ -663,9 +663,9 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
   result.family = family_name(p.family);
 
   // Everything a user can get wrong is checked before any work starts.
-  if (strategy && strategy->name() == "pipefusion")
-    throw Error("pipefusion splits a transformer's joint blocks into stages: it runs SD3 only, and SD 1.x / 2.x / XL "
-                "have a UNet (use cfg-parallel, hybrid-cfg, driffusion or data-parallel)");
+  if (strategy && (strategy->name() == "pipefusion" || strategy->name() == "cfg-pipefusion"))
+    throw Error(strategy->name() + " splits a transformer's joint blocks into stages: it runs SD3 only, and SD 1.x / "
+                "2.x / XL have a UNet (use cfg-parallel, hybrid-cfg, driffusion or data-parallel)");
   const int factor = p.vae_factor();
   check_request(req, native_size(), factor, "the model's latent factor");
 

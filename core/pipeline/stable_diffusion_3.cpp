@@ -390,9 +390,12 @@ at::Tensor run_strategy(StableDiffusion3::Impl& p, const parallel::Strategy& str
                         const engine::CancelToken& cancel, const StepReporter::Preview& preview,
                         engine::StageTimings& timings, std::string& stats) {
   auto& group = p.groups.group_for(p.device, strategy);
+  // PipeFusion (and cfg-pipefusion, whose rank r is stage r % n of its branch's pipeline): the
+  // stage each rank runs, whose weights are all its replica holds.
   const auto* pipefusion = dynamic_cast<const parallel::PipeFusion*>(&strategy);
   const int stages = pipefusion ? pipefusion->n : 0;
-  for (int r = 0; r < group.size(); ++r) p.transformer_on(group.device(r), r, stages);
+  const auto stage_of = [pipefusion](int r) { return pipefusion ? pipefusion->stage_of(r) : r; };
+  for (int r = 0; r < group.size(); ++r) p.transformer_on(group.device(r), stage_of(r), stages);
   const parallel::SD3Conditioning pos{c.prompt_embeds, c.pooled}, neg{c.negative_prompt_embeds, c.negative_pooled};
   parallel::LoopInputs in;
   in.kind = kind;
@@ -401,9 +404,9 @@ at::Tensor run_strategy(StableDiffusion3::Impl& p, const parallel::Strategy& str
   in.latents = latents;
   in.generator = gen;
   in.cancel = &cancel;
-  in.make_denoiser = [&p, pos, neg, stages, cfg_scale = req.cfg](int r, const c10::Device& d) {
-    return std::unique_ptr<parallel::Denoiser>(
-        std::make_unique<parallel::SD3Denoiser>(p.transformer_on(d, r, stages), pos, neg, cfg_scale, p.dtype, d));
+  in.make_denoiser = [&p, pos, neg, stages, stage_of, cfg_scale = req.cfg](int r, const c10::Device& d) {
+    return std::unique_ptr<parallel::Denoiser>(std::make_unique<parallel::SD3Denoiser>(
+        p.transformer_on(d, stage_of(r), stages), pos, neg, cfg_scale, p.dtype, d));
   };
   const auto first_t = schedulers::Sampler::create(kind, config, req.steps)->timesteps().front();
   return run_strategy_loop(strategy, group, std::move(in), latents.to(p.dtype), first_t, req, observer, preview,

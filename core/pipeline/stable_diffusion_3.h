@@ -22,8 +22,9 @@ namespace diffract::pipeline {
 // --no-t5), or when this build has no SentencePiece (a warning at load). The job's metadata
 // says "t5": "used", "dropped" or "absent".
 // Multi-device strategies (request.strategy, core/parallel): cfg-parallel, driffusion(-aggressive),
-// data-parallel and step-skip through parallel::SD3Denoiser, and pipefusion (its blocks split
-// into stages, request.patches patches); hybrid-cfg needs a UNet's layer split and is refused.
+// data-parallel and step-skip through parallel::SD3Denoiser, pipefusion (its blocks split
+// into stages, request.patches patches) and cfg-pipefusion (a pipefusion per CFG branch, each on
+// half the devices); hybrid-cfg needs a UNet's layer split and is refused.
 // Single-file SD3 checkpoints are not supported yet.
 struct SD3LoadOptions {
   bool drop_t5 = false;  // leave a listed T5 encoder unloaded (saves its ~9.5 GB in bf16)

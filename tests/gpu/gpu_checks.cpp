@@ -1,6 +1,7 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks groupnorm|graphs|previews|nccl|strategies|cancel|failure|sd3
+//   diffract-gpu-checks groupnorm|graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion
 // Exit 0: passed; 1: failed (the reasons printed); 77: skipped (too few GPUs).
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
@@ -412,14 +413,93 @@ void check_sd3() {
   }
 }
 
+// cfg-pipefusion over NCCL: on 2 GPUs one stage per branch (the heads' swap alone), on 4 also
+// 2 stages per branch (chains, tails and the swap in one tick: the ordering its header argues
+// cannot deadlock). Against one GPU with every step synchronous, and against batched PipeFusion
+// (the same stale schedule) with staleness on.
+void check_cfg_pipefusion() {
+  need_gpus(2);
+  const int gpus = std::min(4, static_cast<int>(torch::cuda::device_count()));
+  models::SD3Transformer2DConfig c;
+  c.sample_size = 16;
+  c.in_channels = c.out_channels = 4;
+  c.num_layers = 4;
+  c.attention_head_dim = 16;
+  c.num_attention_heads = 4;
+  c.joint_attention_dim = 32;
+  c.caption_projection_dim = 64;
+  c.pooled_projection_dim = 16;
+  c.pos_embed_max_size = 32;
+  c.qk_norm = "rms_norm";
+  c.dual_attention_layers = {0};
+  std::vector<models::SD3Transformer2DModel> models;
+  for (int d = 0; d < gpus; ++d) {
+    models::SD3Transformer2DModel m(c);
+    models::init_random(*m, at::detail::createCPUGenerator(11));
+    m->eval();
+    m->to(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d)));
+    models.push_back(m);
+  }
+  at::Generator g = at::detail::createCPUGenerator(5);
+  const parallel::SD3Conditioning pos{at::randn({1, 8, 32}, g), at::randn({1, 16}, g)};
+  const parallel::SD3Conditioning neg{at::randn({1, 8, 32}, g), at::randn({1, 16}, g)};
+  parallel::LoopInputs in;
+  in.kind = schedulers::SamplerKind::FlowMatchEuler;
+  in.config = schedulers::SchedulerConfig::from_json_text(
+      R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})", in.kind, "gpu check");
+  in.steps = 6;
+  in.latents = at::randn({1, 4, 32, 32}, g).to(at::Device(at::kCUDA, 0));
+  in.make_denoiser = [&](int, const c10::Device& d) -> std::unique_ptr<parallel::Denoiser> {
+    return std::make_unique<parallel::SD3Denoiser>(models[static_cast<std::size_t>(d.index())], pos, neg, 4.0,
+                                                   at::kFloat, d);
+  };
+  auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+    return ((a.cpu() - b.cpu()).norm() / b.cpu().norm()).item<double>();
+  };
+  const auto group = [](int n) {
+    std::vector<int> ids;
+    for (int d = 0; d < n; ++d) ids.push_back(d);
+    return parallel::DeviceGroup::cuda(ids);
+  };
+  auto one = group(1);
+  const auto base = parallel::SingleDevice{}.run(*one, in).latents;
+  for (int n = 1; 2 * n <= gpus; n *= 2) {
+    auto pair = group(2 * n);
+    auto half = group(n);
+    parallel::PipeFusion split;
+    split.cfg_split = true;
+    split.n = n;
+    split.warmup_steps = in.steps;
+    const auto sync = split.run(*pair, in);
+    std::cout << "  cfg-pipefusion 2x" << n << ", every step synchronous, vs one GPU: rel-L2 " << rel(sync.latents, base) << "\n";
+    expect(rel(sync.latents, base) < 1e-3, "cfg-pipefusion without staleness gives the one-GPU result");
+    for (int m : {2, 4}) {
+      split.warmup_steps = 1;
+      split.patches = m;
+      parallel::PipeFusion batched;
+      batched.n = n;
+      batched.patches = m;
+      const auto out = split.run(*pair, in);
+      const auto ref = batched.run(*half, in);
+      std::cout << "  cfg-pipefusion 2x" << n << " x " << m << " patches: rel-L2 to pipefusion " << rel(out.latents, ref.latents)
+                << ", to one GPU " << rel(out.latents, base) << "; " << out.stats.to_json() << "\n";
+      expect(rel(out.latents, ref.latents) < 1e-3, "cfg-pipefusion gives batched pipefusion's result (the same stale schedule)");
+      expect(out.stats.messages_per_step.back() == parallel::PipeFusion::messages_per_step(false, n, m, true),
+             "cfg-pipefusion sends the messages its design says");
+    }
+  }
+  if (gpus < 4) std::cout << "  (2 stages per branch need 4 GPUs; found " << gpus << ")\n";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::map<std::string, std::function<void()>> checks = {
       {"groupnorm", check_groupnorm}, {"graphs", check_graphs}, {"previews", check_previews}, {"nccl", check_nccl},
-      {"strategies", check_strategies}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3}};
+      {"strategies", check_strategies}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
+      {"cfg_pipefusion", check_cfg_pipefusion}};
   if (argc != 2 || !checks.count(argv[1])) {
-    std::cerr << "usage: diffract-gpu-checks groupnorm|graphs|previews|nccl|strategies|cancel|failure|sd3\n";
+    std::cerr << "usage: diffract-gpu-checks groupnorm|graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion\n";
     return 2;
   }
   std::cout << std::unitbuf;
