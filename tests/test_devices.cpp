@@ -2,6 +2,8 @@
 #include <QtTest>
 
 #include "core/engine/devices.h"
+#include "core/parallel/strategies.h"
+#include "core/util/error.h"
 #include "core/util/build_info.h"
 
 using namespace diffract;
@@ -37,6 +39,32 @@ class TestDevices : public QObject {
     c = choose_devices({}, "", 0);
     QVERIFY(c.error.empty());
     QCOMPARE(c.devices, 1);
+  }
+
+  // choose_devices keeps its own list of strategy names; every one the registry offers (the list
+  // its unknown-name error gives) must be in it, or the GUI and CLI refuse a strategy that exists.
+  void knowsEveryRegisteredStrategy() {
+    std::string offered;
+    try {
+      parallel::make_strategy("no-such-strategy", 2, 0);
+      QFAIL("make_strategy accepted an unknown name");
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      const auto open = what.rfind('('), close = what.rfind(')');
+      QVERIFY(open != std::string::npos && close > open);
+      offered = what.substr(open + 1, close - open - 1);
+    }
+    int names = 0;
+    for (std::size_t pos = 0; pos < offered.size();) {
+      const auto end = std::min(offered.find(',', pos), offered.size());
+      auto name = offered.substr(pos, end - pos);
+      name.erase(0, name.find_first_not_of(' '));
+      pos = end + 1;
+      ++names;
+      const auto c = choose_devices({}, name, 4);
+      QVERIFY2(c.error.empty(), (name + ": " + c.error).c_str());
+    }
+    QVERIFY(names >= 13);
   }
 
   void singleRunsOnTheLowestEnabledGpu() {

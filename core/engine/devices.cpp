@@ -41,7 +41,7 @@ namespace {
 
 const char* const kKnown[] = {"single",        "cfg-parallel", "hybrid-cfg", "driffusion", "driffusion-aggressive",
                               "data-parallel", "step-skip",    "pipefusion", "asyncdiff", "cfg-driffusion",
-                              "cfg-driffusion-aggressive", "cfg-pipefusion"};
+                              "cfg-driffusion-aggressive", "cfg-pipefusion", "distrifusion"};
 
 }  // namespace
 
