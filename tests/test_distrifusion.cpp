@@ -419,8 +419,10 @@ class TestDistriFusion : public QObject {
     }
   }
 
-  // (4) Messages and bytes per step as the header counts them: every rank contributes once to
-  // each hooked layer call's all_gather and to eps's; a stale last step only to eps's.
+  // (4) Messages and bytes per step as the header counts them: in a synchronous step every rank
+  // contributes once to each hooked layer call's all_gather and to eps's; in a stale step once
+  // to the step's one all_gather (every hooked layer call's contribution and eps packed; eps
+  // alone in a stale last step). The pack's bytes are the per-layer gathers' (fp32: no padding).
   void messagesPerStep() {
     for (bool xl : {false, true})
       for (int n : {2, 4}) {
@@ -449,7 +451,7 @@ class TestDistriFusion : public QObject {
         std::vector<std::int64_t> messages, bytes;
         for (int i = 0; i < steps; ++i) {
           const bool only_eps = i >= warmup && i + 1 == steps;
-          messages.push_back(std::int64_t{n} * (only_eps ? 1 : layers + 1));
+          messages.push_back(std::int64_t{n} * (i >= warmup ? 1 : layers + 1));
           bytes.push_back(eps_bytes + (only_eps ? 0 : layer_bytes));
           QCOMPARE(DistriFusion::messages_per_step(i, steps, warmup, n, layers), static_cast<int>(messages.back()));
         }
