@@ -320,6 +320,19 @@ class TestDistriFusion : public QObject {
           parts.push_back(norm->forward(band(shifted, b, n), add, silu));
         }
         DIFFRACT_COMPARE_TENSORS(at::cat(parts, 2), whole, 1e-5);
+        // bf16 activations (as on GPUs): fp32 statistics, scale and shift, the output in bf16
+        // within bf16's rounding of the fp32 layer.
+        const auto add16 = add.to(at::kBFloat16);
+        std::vector<at::Tensor> stats16, parts16;
+        for (int b = 0; b < n; ++b)
+          stats16.push_back(models::group_stats(band(shifted, b, n).to(at::kBFloat16) + add16.view({2, 8, 1, 1}), 4));
+        for (int b = 0; b < n; ++b) {
+          Fixed ctx(b, stats16);
+          const models::PatchScope scope(&ctx);
+          parts16.push_back(norm->forward(band(shifted, b, n).to(at::kBFloat16), add16, silu));
+          QCOMPARE(parts16.back().scalar_type(), at::kBFloat16);
+        }
+        DIFFRACT_COMPARE_TENSORS(at::cat(parts16, 2).to(at::kFloat), whole, 0.1);
       }
 
       // Self-attention on [B, T, C] tokens (row-major, so a band of rows is a run of tokens);
