@@ -320,6 +320,19 @@ class TestDistriFusion : public QObject {
           parts.push_back(norm->forward(band(shifted, b, n), add, silu));
         }
         DIFFRACT_COMPARE_TENSORS(at::cat(parts, 2), whole, 1e-5);
+        // bf16 activations (as on GPUs): fp32 statistics, scale and shift, the output in bf16
+        // within bf16's rounding of the fp32 layer.
+        const auto add16 = add.to(at::kBFloat16);
+        std::vector<at::Tensor> stats16, parts16;
+        for (int b = 0; b < n; ++b)
+          stats16.push_back(models::group_stats(band(shifted, b, n).to(at::kBFloat16) + add16.view({2, 8, 1, 1}), 4));
+        for (int b = 0; b < n; ++b) {
+          Fixed ctx(b, stats16);
+          const models::PatchScope scope(&ctx);
+          parts16.push_back(norm->forward(band(shifted, b, n).to(at::kBFloat16), add16, silu));
+          QCOMPARE(parts16.back().scalar_type(), at::kBFloat16);
+        }
+        DIFFRACT_COMPARE_TENSORS(at::cat(parts16, 2).to(at::kFloat), whole, 0.1);
       }
 
       // Self-attention on [B, T, C] tokens (row-major, so a band of rows is a run of tokens);
@@ -419,8 +432,10 @@ class TestDistriFusion : public QObject {
     }
   }
 
-  // (4) Messages and bytes per step as the header counts them: every rank contributes once to
-  // each hooked layer call's all_gather and to eps's; a stale last step only to eps's.
+  // (4) Messages and bytes per step as the header counts them: in a synchronous step every rank
+  // contributes once to each hooked layer call's all_gather and to eps's; in a stale step once
+  // to the step's one all_gather (every hooked layer call's contribution and eps packed; eps
+  // alone in a stale last step). The pack's bytes are the per-layer gathers' (fp32: no padding).
   void messagesPerStep() {
     for (bool xl : {false, true})
       for (int n : {2, 4}) {
@@ -449,7 +464,7 @@ class TestDistriFusion : public QObject {
         std::vector<std::int64_t> messages, bytes;
         for (int i = 0; i < steps; ++i) {
           const bool only_eps = i >= warmup && i + 1 == steps;
-          messages.push_back(std::int64_t{n} * (only_eps ? 1 : layers + 1));
+          messages.push_back(std::int64_t{n} * (i >= warmup ? 1 : layers + 1));
           bytes.push_back(eps_bytes + (only_eps ? 0 : layer_bytes));
           QCOMPARE(DistriFusion::messages_per_step(i, steps, warmup, n, layers), static_cast<int>(messages.back()));
         }

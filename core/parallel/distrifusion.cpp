@@ -35,9 +35,8 @@ std::int64_t DistriFusion::band_height(std::int64_t height, int n, int downsampl
   return height / n;
 }
 
-int DistriFusion::messages_per_step(int step, int steps, int warmup, int n, int layers) {
-  const bool stale = step >= warmup, last = step + 1 >= steps;
-  return n * (stale && last ? 1 : layers + 1);
+int DistriFusion::messages_per_step(int step, int, int warmup, int n, int layers) {
+  return n * (step >= warmup ? 1 : layers + 1);
 }
 
 namespace {
@@ -57,8 +56,9 @@ enum class Mode { Isolated, Sync, Stale };
 
 // One rank's band context: hooked layer call k of an evaluation is layer k. Sync: gathers every
 // band's fresh contribution now (and keeps it); Stale: the other bands' from the evaluation
-// before, then gathers its fresh one for the next (unless `publish` is off); Isolated: zeros
-// for the other bands, no collective.
+// before, and (unless `publish` is off) its own fresh one copied into its slot of this step's
+// pack, which finish() gathers with eps in one all_gather; Isolated: zeros for the other bands,
+// no collective.
 class Exchange final : public models::BandContext {
  public:
   Exchange(int rank, int size, Communicator* comm, StepTraffic* traffic)
@@ -99,23 +99,100 @@ class Exchange final : public models::BandContext {
                   "before (" + std::to_string(previous_.size()) + " calls then): the UNet's call order changed");
     auto all = previous_[layer];
     const auto& other = all[(own + 1) % all.size()];
-    if (other.sizes() != mine.sizes())
+    if (other.sizes() != mine.sizes() || other.scalar_type() != mine.scalar_type())
       throw Error("distrifusion: hooked layer call " + std::to_string(layer) + " contributes " +
-                  std::to_string(mine.numel()) + " values, " + std::to_string(other.numel()) + " the step before");
+                  std::to_string(mine.numel()) + " values of " + c10::toString(mine.scalar_type()) + ", " +
+                  std::to_string(other.numel()) + " of " + c10::toString(other.scalar_type()) + " the step before");
     all[own] = mine;
-    if (publish_) {
-      previous_[layer] = gather(mine);
-      previous_[layer][own] = at::Tensor();
+    if (publish_) slot(pack(mine.device()), layer).copy_(mine);  // sent at the end of the step
+    return all;
+  }
+
+  // The end of an evaluation: every band's eps [B, C, h, W], in band order. In a publishing
+  // stale step, eps goes into the pack and the pack is the step's one collective: every band's
+  // contributions of this step become the other bands' values of the next (views of the
+  // gathered buffer). Otherwise eps alone.
+  std::vector<at::Tensor> finish(const at::Tensor& eps) {
+    const auto own = static_cast<std::size_t>(rank_);
+    if (mode_ != Mode::Stale || !publish_) {
+      eps_shape_ = eps.sizes().vec();
+      eps_dtype_ = eps.scalar_type();
+      return gather(eps);
     }
+    const auto layers = slots_.empty() ? previous_.size() : slots_.size() - 1;
+    if (static_cast<std::size_t>(calls_) != layers)
+      throw Error("distrifusion: " + std::to_string(calls_) + " hooked layer calls in a stale step, " +
+                  std::to_string(layers) + " in the step before: the UNet's call order changed");
+    if (eps.sizes() != at::IntArrayRef(eps_shape_) || eps.scalar_type() != eps_dtype_)
+      throw Error("distrifusion: the band's eps changed shape or type since the synchronous steps");
+    auto packed = pack(eps.device());
+    slot(packed, layers).copy_(eps);
+    pack_ = at::Tensor();
+    previous_.clear();  // read by this step's layers only: freed before the gathered buffer arrives
+    auto parts = comm_->all_gather(packed);
+    if (traffic_) traffic_->sent(step_, packed);
+    packed = at::Tensor();
+    previous_.assign(layers, std::vector<at::Tensor>(static_cast<std::size_t>(size_)));
+    std::vector<at::Tensor> all(static_cast<std::size_t>(size_));
+    for (std::size_t r = 0; r < all.size(); ++r) {
+      if (r == own) continue;
+      for (std::size_t l = 0; l < layers; ++l) previous_[l][r] = slot(parts[r], l);
+      all[r] = slot(parts[r], layers);
+    }
+    all[own] = eps;
     return all;
   }
 
  private:
+  struct Slot {
+    std::vector<std::int64_t> shape;
+    at::ScalarType dtype;
+    std::int64_t offset, bytes;
+  };
+
   std::vector<at::Tensor> gather(const at::Tensor& mine) {
     auto all = comm_->all_gather(mine);
     if (traffic_) traffic_->sent(step_, mine);
     all[static_cast<std::size_t>(rank_)] = mine;
     return all;
+  }
+
+  // Slot i of a pack (layer i's contribution; the last: eps), as a tensor of its shape and type.
+  at::Tensor slot(const at::Tensor& bytes, std::size_t i) const {
+    const auto& s = slots_[i];
+    return bytes.narrow(0, s.offset, s.bytes).view(s.dtype).view(s.shape);
+  }
+
+  // This step's pack, a flat byte buffer: every hooked layer call's contribution then eps, laid
+  // out on first use from the synchronous steps' shapes (every rank's alike: equal bands).
+  // Slots in order of element size, largest first, and the total rounded up to the largest, so
+  // that every slot is aligned for its type in each rank's part of the gathered buffer.
+  const at::Tensor& pack(const at::Device& device) {
+    if (slots_.empty()) {
+      const auto other = (static_cast<std::size_t>(rank_) + 1) % static_cast<std::size_t>(size_);
+      for (const auto& layer : previous_)
+        slots_.push_back({layer[other].sizes().vec(), layer[other].scalar_type(), 0, static_cast<std::int64_t>(layer[other].nbytes())});
+      std::int64_t numel = 1;
+      for (auto d : eps_shape_) numel *= d;
+      slots_.push_back({eps_shape_, eps_dtype_, 0, numel * static_cast<std::int64_t>(c10::elementSize(eps_dtype_))});
+      std::vector<std::size_t> order(slots_.size());
+      for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+      const auto size_of = [&](std::size_t i) { return c10::elementSize(slots_[i].dtype); };
+      std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return size_of(a) > size_of(b); });
+      std::int64_t offset = 0;
+      for (auto i : order) {
+        slots_[i].offset = offset;
+        offset += slots_[i].bytes;
+      }
+      const auto align = static_cast<std::int64_t>(size_of(order.front()));
+      used_bytes_ = offset;
+      pack_bytes_ = (offset + align - 1) / align * align;
+    }
+    if (!pack_.defined()) {
+      pack_ = at::empty({pack_bytes_}, at::TensorOptions().dtype(at::kByte).device(device));
+      if (pack_bytes_ > used_bytes_) pack_.narrow(0, used_bytes_, pack_bytes_ - used_bytes_).zero_();  // the padding
+    }
+    return pack_;
   }
 
   Communicator* comm_;
@@ -124,6 +201,11 @@ class Exchange final : public models::BandContext {
   bool publish_ = false;
   int step_ = 0, calls_ = 0;
   std::vector<std::vector<at::Tensor>> previous_;  // per layer call: every band's (own undefined)
+  std::vector<std::int64_t> eps_shape_;
+  at::ScalarType eps_dtype_ = at::kFloat;
+  std::vector<Slot> slots_;  // per layer call, then eps
+  std::int64_t used_bytes_ = 0, pack_bytes_ = 0;
+  at::Tensor pack_;  // this stale step's, while it fills
 };
 
 // The guided output of `band` [B, C, h, W] under `ex`.
@@ -168,8 +250,7 @@ LoopOutput DistriFusion::run(DeviceGroup& g, const LoopInputs& in) const {
       ex.begin(i < sync_steps ? Mode::Sync : Mode::Stale, i + 1 < steps, i);
       const auto band = me.sampler->scale_model_input(me.x, i).narrow(2, rank * rows, rows).contiguous();
       const auto eps = eval_band(*me.den, ex, band, t, layer_count);
-      auto all = comm.all_gather(eps);
-      traffic.sent(i, eps);
+      auto all = ex.finish(eps);
       for (auto& e : all) e = e.to(eps.device());
       me.x = refine(me, rank, in, at::cat(all, 2), i, me.x);
     }
@@ -189,8 +270,9 @@ LoopOutput DistriFusion::run(DeviceGroup& g, const LoopInputs& in) const {
   o.stats.note = std::to_string(n) + " bands of " + std::to_string(rows) + " of " + std::to_string(height) +
                  " latent rows; " + std::to_string(sync_steps) + " synchronous step(s), then " +
                  std::to_string(steps - sync_steps) + " one-step-stale step(s); " + std::to_string(hooked.load()) +
-                 " hooked layer calls per evaluation (conv halos, GroupNorm statistics, self-attention K / V), each a "
-                 "blocking all_gather at the layer (not overlapped); the previous step's contributions kept: " +
+                 " hooked layer calls per evaluation (conv halos, GroupNorm statistics, self-attention K / V): an "
+                 "all_gather at each in a synchronous step, one packed all_gather of them all with eps at the end of a "
+                 "stale step; the previous step's contributions kept: " +
                  mib + " MiB per rank";
   return o;
 }

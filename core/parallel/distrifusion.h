@@ -14,8 +14,8 @@ namespace diffract::parallel {
 //  Bands: rank r owns latent rows [r H/n, (r + 1) H/n). H must divide by n 2^D (D: the UNet's
 //   downsamplings), so that at every resolution a band has whole rows (1 or more at the
 //   deepest) and every stride-2 convolution's band starts on an even row with an even height.
-//  Layers and what travels (one all_gather per hooked layer call, layer identity = the call's
-//   index within one evaluation, the UNet's call order being fixed):
+//  Layers and what travels (layer identity = the call's index within one evaluation, the UNet's
+//   call order being fixed; each band's contribution per hooked layer call):
 //   - convolutions with a kernel > 1 (3x3, stride 1 or 2, padding 1; conv_in, the ResNets',
 //     the downsamplers', the upsamplers' on their upsampled input, conv_out): the band's first
 //     and last row ([2B, C, 2, W] with CFG); a band convolves its rows with its neighbours'
@@ -36,21 +36,32 @@ namespace diffract::parallel {
 //   (GroupNorm's statistics are combined from the bands', and the convolutions / attention
 //   run on band shapes).
 //  Stale steps t >= warmup: each hooked layer uses its own band fresh and the other bands'
-//   contributions from step t-1 (halo rows, GroupNorm statistics, K / V), and gathers its
-//   fresh contribution for step t+1. A stale last step gathers nothing but eps. Everything
-//   else (the band's own activations, the timestep, the text conditioning) is fresh.
-//  Communication: the gathers are blocking collectives right at the layer: the arithmetic is
-//   stale but the communication is not yet overlapped with the computation (the paper's
-//   asynchronous all_gather, consumed the step after, is not implemented), so on GPUs a stale
-//   step waits for the same transfers as a synchronous one.
+//   contributions from step t-1 (halo rows, GroupNorm statistics, K / V). Its fresh
+//   contribution is consumed only at step t+1, so nothing is exchanged at the layer: the rank
+//   copies it into its slot of one flat byte buffer (the pack: every hooked layer call's
+//   contribution in call order, grouped by element size, largest first, so that every slot
+//   stays aligned; laid out once from the synchronous steps' shapes, alike on every rank since
+//   the bands are equal) and at the end of the step puts its eps in too and does ONE all_gather
+//   of the pack. Every band's contributions for step t+1 are views of the gathered buffer (no
+//   copy). A stale last step gathers nothing but eps. Everything else (the band's own
+//   activations, the timestep, the text conditioning) is fresh.
+//  Communication: synchronous steps gather at each hooked layer (blocking: the layer needs the
+//   fresh values). A stale step's layers never wait for a collective: the compute stream runs
+//   the whole UNet without stopping, and the step's one packed all_gather (SDXL 1024^2 with
+//   CFG: ~870 MB per rank, mostly K / V) replaces 156 small ones, each of which made
+//   the compute stream wait for NCCL between layers. The transfer itself still sits between
+//   the steps (not overlapped with the next step's computation, as the paper's asynchronous
+//   all_gather would be).
 //  Messages per step (LoopStats::messages_per_step counts one per rank per collective, bytes
-//   what each rank contributes): n (L + 1) with L hooked layer calls per evaluation; n in a
-//   stale last step.
+//   what each rank contributes): n (L + 1) in a synchronous step, with L hooked layer calls per
+//   evaluation; n in a stale step (the pack with eps, or eps alone in a stale last step).
 //  Memory: every rank keeps the previous step's contributions of every band for every hooked
-//   layer: the whole image's K / V of every self-attention layer dominate.
+//   layer: the whole image's K / V of every self-attention layer dominate. In a stale step: the
+//   step before's gathered buffer (n packs, the own one unread; freed just before the
+//   gather), this step's pack, then the new gathered buffer.
 //  CFG: both branches as one batch of 2B on every rank, combined on the band before the gather.
-//  Speed (once overlapped): each rank runs 1/n of the pixels of every layer; self-attention's
-//   T^2 term falls by n too. Runs eager (no CUDA graphs), through the denoiser's stage API.
+//  Speed: each rank runs 1/n of the pixels of every layer; self-attention's T^2 term falls by n
+//   too. Runs eager (no CUDA graphs), through the denoiser's stage API.
 struct DistriFusion final : Strategy {
   int n = 2;       // bands (devices)
   int warmup = 4;  // synchronous steps first (>= 1)

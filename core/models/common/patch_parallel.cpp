@@ -68,13 +68,25 @@ at::Tensor band_group_norm(const GroupNormImpl& norm, const at::Tensor& x, const
   const auto mean = means.mean(0);
   const auto var = (vars + (means - mean).pow(2)).mean(0);
   const auto rstd = at::rsqrt(var + norm.options.eps_);
-  const auto shape = x.sizes().vec();
-  auto y = (x.to(at::kFloat).reshape({x.size(0), groups, -1}) - mean.unsqueeze(2)) * rstd.unsqueeze(2);
-  std::vector<std::int64_t> channel(shape.size(), 1);
-  channel[1] = shape[1];
-  y = y.view(shape) * norm.weight.to(at::kFloat).view(channel) + norm.bias.to(at::kFloat).view(channel);
-  if (silu) y = at::silu(y);
-  return y.to(x.scalar_type()).contiguous(x.suggest_memory_format());
+  // Per (batch, channel) scale and shift in fp32, as at::group_norm's kernels fold them:
+  // y = x * rstd w + (b - mean rstd w). One pass over x in its own type (fp32 arithmetic per
+  // element, no fp32 copy of the activation), the SiLU in place.
+  const auto channels = x.size(1);
+  const auto per_channel = [&](const at::Tensor& g) { return g.repeat_interleave(channels / groups, 1); };  // [B, C]
+  const auto scale = per_channel(rstd) * norm.weight.to(at::kFloat).view({1, channels});
+  const auto shift = norm.bias.to(at::kFloat).view({1, channels}) - per_channel(mean) * scale;
+  std::vector<std::int64_t> bc(static_cast<std::size_t>(x.dim()), 1);
+  bc[0] = x.size(0);
+  bc[1] = channels;
+  at::Tensor y;
+  if (at::GradMode::is_enabled() && (x.requires_grad() || scale.requires_grad() || shift.requires_grad())) {
+    y = at::addcmul(shift.view(bc), x, scale.view(bc)).to(x.scalar_type());  // out= does not differentiate
+  } else {
+    y = at::empty_like(x, x.options(), x.suggest_memory_format());
+    at::addcmul_out(y, shift.view(bc), x, scale.view(bc));
+  }
+  if (silu) y = y.requires_grad() ? at::silu(y) : at::silu_(y);
+  return y.contiguous(x.suggest_memory_format());
 }
 
 at::Tensor kv_pack(const at::Tensor& k, const at::Tensor& v) { return at::cat({k, v}, -1).contiguous(); }

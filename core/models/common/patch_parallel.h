@@ -55,7 +55,8 @@ at::Tensor band_conv2d(const Conv2dImpl& conv, const at::Tensor& x, const std::v
 at::Tensor group_stats(const at::Tensor& x, std::int64_t groups);
 //  x [B, C, ...] (the add already added), every band's group_stats -> normalised with the whole
 //  image's statistics (equal counts per band: mean of the means; mean of the variances plus the
-//  variance of the means), then the affine and the SiLU; computed in fp32, returned in x's type.
+//  variance of the means), then the affine and the SiLU; statistics, scale and shift in fp32,
+//  applied in one pass that writes x's type (no fp32 copy of x).
 at::Tensor band_group_norm(const GroupNormImpl& norm, const at::Tensor& x, const std::vector<at::Tensor>& stats,
                            bool silu);
 //  Self-attention: [B, t, 2C] = k and v side by side; every band's -> k, v [B, T, C].
