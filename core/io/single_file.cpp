@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 
 #include <cctype>
+#include <cmath>
+#include <tuple>
 #include <map>
 #include <set>
 
@@ -140,10 +142,15 @@ SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, con
   if (shapes.empty()) throw Error(what + ": holds no tensors, so it is no Stable Diffusion checkpoint");
 
   // Other architectures, recognised by their distinctive keys.
+  // SD3 files load through the SD3 pipeline (detect_sd3_single_file); reaching here means a caller
+  // took one for an SD / SDXL file.
+  const std::string sd3_hint = "; it loads through the SD3 pipeline (StableDiffusion3, which load_text_to_image picks)";
   if (auto k = any_contains("joint_blocks."); !k.empty())
-    unsupported("an SD3 / SD3.5 (MMDiT) checkpoint (found '" + k + "')");
+    throw Error(what + ": an SD3 / SD3.5 (MMDiT) checkpoint (found '" + k + "'), not an SD 1.x / 2.x / SDXL one" +
+                sd3_hint);
   if (auto k = first_with_prefix("text_encoders."); !k.empty())
-    unsupported("an SD3-style checkpoint with text_encoders.* (found '" + k + "')");
+    throw Error(what + ": an SD3-style checkpoint with text_encoders.* (found '" + k + "') but no MMDiT " +
+                "(joint_blocks.*); only Stable Diffusion 1.x, 2.x, SDXL base and SD3 / SD3.5 single files are supported");
   if (auto k = any_contains("double_blocks."); !k.empty())
     unsupported("a FLUX-style checkpoint (found '" + k + "')");
   if (auto k = first_with_prefix("control_model."); !k.empty()) unsupported("a ControlNet (found '" + k + "')");
@@ -462,6 +469,259 @@ StateDict map_open_clip(const StateDict& all, const std::string& prefix, int64_t
     out.emplace(mapped.empty() ? prefix + key : mapped, tensor);
   }
   return out;
+}
+
+// --- SD3 / SD3.5 -------------------------------------------------------------------------------
+
+namespace {
+
+const char* kClipL = "text_encoders.clip_l.transformer.";
+const char* kClipG = "text_encoders.clip_g.transformer.";
+const char* kT5 = "text_encoders.t5xxl.transformer.";
+
+std::string sd3_transformer_prefix(const std::map<std::string, std::vector<int64_t>>& shapes) {
+  for (const std::string prefix : {"model.diffusion_model.", ""}) {
+    const std::string head = prefix + "joint_blocks.";
+    auto it = shapes.lower_bound(head);
+    if (it != shapes.end() && starts_with(it->first, head)) return prefix;
+  }
+  return "-";
+}
+
+}  // namespace
+
+bool is_sd3_single_file(const std::vector<TensorShape>& tensors) {
+  for (const auto& t : tensors)
+    if (starts_with(t.name, "model.diffusion_model.joint_blocks.") || starts_with(t.name, "joint_blocks.")) return true;
+  return false;
+}
+
+SD3SingleFileLayout detect_sd3_single_file(const std::vector<TensorShape>& tensors, const std::string& what) {
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& t : tensors) shapes.emplace(t.name, t.shape);
+  const auto has = [&](const std::string& key) { return shapes.count(key) > 0; };
+  const auto any_prefix = [&](const std::string& prefix) {
+    auto it = shapes.lower_bound(prefix);
+    return it != shapes.end() && starts_with(it->first, prefix);
+  };
+  SD3SingleFileLayout l;
+  l.transformer_prefix = sd3_transformer_prefix(shapes);
+  if (l.transformer_prefix == "-")
+    throw Error(what + ": not an SD3 / SD3.5 checkpoint: no MMDiT (model.diffusion_model.joint_blocks.*)");
+  const std::string& tp = l.transformer_prefix;
+  const std::string mmdit = "the MMDiT (" + tp + "*)";
+  const auto need = [&](const std::string& key, std::size_t rank) -> const std::vector<int64_t>& {
+    auto it = shapes.find(tp + key);
+    if (it == shapes.end())
+      throw Error(what + ": " + mmdit + " lacks '" + tp + key + "' (a truncated or partial SD3 checkpoint?)");
+    if (it->second.size() != rank)
+      throw Error(what + ": " + mmdit + ": '" + tp + key + "' has shape " + shape_str(it->second) + ", expected " +
+                  std::to_string(rank) + " dimensions");
+    return it->second;
+  };
+  const auto bad_shape = [&](const std::string& key, const std::string& expected) {
+    throw Error(what + ": " + mmdit + ": '" + tp + key + "' has shape " + shape_str(shapes.at(tp + key)) +
+                ", expected " + expected + " (a damaged file or mixed-up components?)");
+  };
+
+  const auto& x_embedder = need("x_embedder.proj.weight", 4);  // [D, Cin, p, p]
+  l.hidden_size = x_embedder[0];
+  l.in_channels = x_embedder[1];
+  l.patch_size = x_embedder[2];
+  const auto& pos = need("pos_embed", 3);  // [1, G*G, D]
+  l.pos_embed_max_size = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(pos[1]))));
+  if (l.pos_embed_max_size * l.pos_embed_max_size != pos[1] || pos[2] != l.hidden_size)
+    bad_shape("pos_embed", "[1, G*G, " + std::to_string(l.hidden_size) + "] (a square position grid)");
+  const auto& context = need("context_embedder.weight", 2);  // [D, joint]
+  if (context[0] != l.hidden_size) bad_shape("context_embedder.weight", "[" + std::to_string(l.hidden_size) + ", joint]");
+  l.joint_attention_dim = context[1];
+  l.pooled_projection_dim = need("y_embedder.mlp.0.weight", 2)[1];
+  need("y_embedder.mlp.2.weight", 2);
+  need("t_embedder.mlp.0.weight", 2);
+  need("t_embedder.mlp.2.weight", 2);
+  need("final_layer.linear.weight", 2);
+  const auto& final_mod = need("final_layer.adaLN_modulation.1.weight", 2);
+  if (final_mod[0] != 2 * l.hidden_size)
+    bad_shape("final_layer.adaLN_modulation.1.weight", "[" + std::to_string(2 * l.hidden_size) + ", D]");
+
+  const auto blocks = indices(shapes, tp + "joint_blocks.");
+  l.depth = static_cast<int64_t>(blocks.size());
+  if (l.depth == 0 || *blocks.rbegin() != l.depth - 1)
+    throw Error(what + ": " + mmdit + ": joint_blocks are not numbered 0.." + std::to_string(l.depth - 1) +
+                " (a truncated or partial SD3 checkpoint?)");
+  l.qk_norm = has(tp + "joint_blocks.0.x_block.attn.ln_q.weight");
+  const std::string qkv_shape = "[" + std::to_string(3 * l.hidden_size) + ", " + std::to_string(l.hidden_size) + "]";
+  for (int64_t b = 0; b < l.depth; ++b) {
+    const std::string block = "joint_blocks." + std::to_string(b) + ".";
+    for (const std::string part : {"x_block.attn.qkv.weight", "context_block.attn.qkv.weight"}) {
+      const auto& qkv = need(block + part, 2);
+      if (qkv[0] != 3 * l.hidden_size || qkv[1] != l.hidden_size) bad_shape(block + part, qkv_shape);
+    }
+    need(block + "x_block.adaLN_modulation.1.weight", 2);
+    need(block + "context_block.adaLN_modulation.1.weight", 2);
+    need(block + "x_block.mlp.fc1.weight", 2);
+    if (l.qk_norm) need(block + "x_block.attn.ln_q.weight", 1);
+    if (has(tp + block + "x_block.attn2.qkv.weight")) {
+      const auto& qkv = need(block + "x_block.attn2.qkv.weight", 2);
+      if (qkv[0] != 3 * l.hidden_size || qkv[1] != l.hidden_size) bad_shape(block + "x_block.attn2.qkv.weight", qkv_shape);
+      l.dual_attention_layers.push_back(b);
+    }
+  }
+  const bool dual = !l.dual_attention_layers.empty();
+  if (l.depth == 24 && l.hidden_size == 1536 && !l.qk_norm && !dual && l.pos_embed_max_size == 192) l.variant = "SD3 medium";
+  else if (l.depth == 24 && l.hidden_size == 1536 && l.qk_norm && dual) l.variant = "SD3.5 medium";
+  else if (l.depth == 38 && l.hidden_size == 2432 && l.qk_norm && !dual) l.variant = "SD3.5 large";
+  else l.variant = "SD3-like";
+
+  // VAE: both halves or none.
+  const std::string vae = "first_stage_model.";
+  if (has(vae + "encoder.conv_in.weight") && has(vae + "decoder.conv_in.weight")) {
+    l.vae_prefix = vae;
+    const auto& dec = shapes.at(vae + "decoder.conv_in.weight");  // [C, latent, 3, 3]
+    if (dec.size() != 4 || dec[1] != l.in_channels)
+      throw Error(what + ": the VAE (" + vae + "*) decodes " + (dec.size() == 4 ? std::to_string(dec[1]) : "?") +
+                  " latent channels, the MMDiT makes " + std::to_string(l.in_channels) + " (mixed-up components?)");
+  } else if (any_prefix(vae)) {
+    throw Error(what + ": the VAE (" + vae + "*) is incomplete: it lacks " +
+                (has(vae + "encoder.conv_in.weight") ? vae + "decoder.conv_in.weight" : vae + "encoder.conv_in.weight") +
+                " (a truncated file?)");
+  }
+  // Text encoders: transformers' layouts; a present one must at least have its embeddings.
+  int64_t clip_width = 0;
+  for (auto [prefix, slot, name] : {std::make_tuple(std::string(kClipL), &l.clip_l_prefix, "CLIP-L"),
+                                    std::make_tuple(std::string(kClipG), &l.clip_g_prefix, "CLIP-G")}) {
+    const std::string token = prefix + "text_model.embeddings.token_embedding.weight";
+    if (has(token)) {
+      *slot = prefix;
+      if (shapes.at(token).size() == 2) clip_width += shapes.at(token)[1];
+    } else if (any_prefix(prefix)) {
+      throw Error(what + ": the " + std::string(name) + " text encoder (" + prefix + "*) lacks '" + token +
+                  "' (a truncated file?)");
+    }
+  }
+  if (!l.clip_l_prefix.empty() && !l.clip_g_prefix.empty() && clip_width > l.joint_attention_dim)
+    throw Error(what + ": CLIP-L and CLIP-G give " + std::to_string(clip_width) +
+                " features, more than the MMDiT's context width " + std::to_string(l.joint_attention_dim) +
+                " (mixed-up components?)");
+  if (has(std::string(kT5) + "shared.weight") || has(std::string(kT5) + "encoder.embed_tokens.weight")) {
+    l.t5_prefix = kT5;
+    const auto& emb = has(std::string(kT5) + "shared.weight") ? shapes.at(std::string(kT5) + "shared.weight")
+                                                                : shapes.at(std::string(kT5) + "encoder.embed_tokens.weight");
+    if (emb.size() == 2 && emb[1] != l.joint_attention_dim)
+      throw Error(what + ": the T5 text encoder (" + std::string(kT5) + "*) gives " + std::to_string(emb[1]) +
+                  " features; the MMDiT's context width is " + std::to_string(l.joint_attention_dim) +
+                  " (mixed-up components?)");
+  } else if (any_prefix(kT5)) {
+    throw Error(what + ": the T5 text encoder (" + std::string(kT5) + "*) lacks its embedding (" + kT5 +
+                "shared.weight; a truncated file?)");
+  }
+  log::get("io").debug(log::str(what, ": ", l.variant, " single file, ", l.depth, " blocks, width ", l.hidden_size,
+                                l.qk_norm ? ", qk norm" : "", dual ? ", dual attention" : ""));
+  return l;
+}
+
+StateDict map_sd3_transformer(const StateDict& all, const std::string& prefix) {
+  const StateDict sai = strip(all, prefix);
+  if (sai.empty() || indices(sai, "joint_blocks.").empty())
+    throw Error("no SD3 MMDiT tensors (joint_blocks.*) under '" + prefix + "'");
+  const int64_t last = *indices(sai, "joint_blocks.").rbegin();
+  // (shift, scale) -> (scale, shift) on dim 0.
+  const auto swap_halves = [](const at::Tensor& t, const std::string& key) {
+    if (t.dim() < 1 || t.size(0) % 2 != 0)
+      throw Error(key + ": " + shape_str(t.sizes().vec()) + " cannot be split into shift and scale");
+    const auto h = t.chunk(2, 0);
+    return at::cat({h[1], h[0]}, 0);
+  };
+  static const std::pair<const char*, const char*> fixed[] = {
+      {"x_embedder.proj.", "pos_embed.proj."},
+      {"t_embedder.mlp.0.", "time_text_embed.timestep_embedder.linear_1."},
+      {"t_embedder.mlp.2.", "time_text_embed.timestep_embedder.linear_2."},
+      {"y_embedder.mlp.0.", "time_text_embed.text_embedder.linear_1."},
+      {"y_embedder.mlp.2.", "time_text_embed.text_embedder.linear_2."},
+      {"context_embedder.", "context_embedder."},
+      {"final_layer.linear.", "proj_out."}};
+  // Inside a block, by stream: (original, ours) name prefixes.
+  static const std::pair<const char*, const char*> x_names[] = {
+      {"attn.ln_q.", "attn.norm_q."},   {"attn.ln_k.", "attn.norm_k."},   {"attn.proj.", "attn.to_out.0."},
+      {"attn2.ln_q.", "attn2.norm_q."}, {"attn2.ln_k.", "attn2.norm_k."}, {"attn2.proj.", "attn2.to_out.0."},
+      {"adaLN_modulation.1.", "norm1.linear."}, {"mlp.fc1.", "ff.net.0.proj."}, {"mlp.fc2.", "ff.net.2."}};
+  static const std::pair<const char*, const char*> context_names[] = {
+      {"attn.ln_q.", "attn.norm_added_q."}, {"attn.ln_k.", "attn.norm_added_k."}, {"attn.proj.", "attn.to_add_out."},
+      {"adaLN_modulation.1.", "norm1_context.linear."}, {"mlp.fc1.", "ff_context.net.0.proj."},
+      {"mlp.fc2.", "ff_context.net.2."}};
+
+  StateDict out;
+  const auto put = [&](const std::string& key, const at::Tensor& t) {
+    if (!out.emplace(key, t).second) throw Error(prefix + ": two tensors map to '" + key + "'");
+  };
+  const auto split_qkv = [&](const at::Tensor& t, const std::string& key, const std::string& head,
+                             const char* const names[3], const std::string& kind) {
+    if (t.dim() < 1 || t.size(0) % 3 != 0)
+      throw Error(prefix + key + ": qkv of " + shape_str(t.sizes().vec()) + " cannot be split into query, key and value");
+    const auto parts = t.chunk(3, 0);
+    for (int i = 0; i < 3; ++i) put(head + names[i] + kind, parts[static_cast<std::size_t>(i)]);
+  };
+  static const char* const self_qkv[3] = {"to_q.", "to_k.", "to_v."};
+  static const char* const added_qkv[3] = {"add_q_proj.", "add_k_proj.", "add_v_proj."};
+
+  for (const auto& [key, tensor] : sai) {
+    std::string mapped;
+    if (key == "pos_embed") mapped = "pos_embed.pos_embed";
+    for (const auto& [from, to] : fixed)
+      if (mapped.empty() && starts_with(key, from)) mapped = to + key.substr(std::string(from).size());
+    if (starts_with(key, "final_layer.adaLN_modulation.1.")) {
+      put("norm_out.linear." + key.substr(31), swap_halves(tensor, prefix + key));
+      continue;
+    }
+    int64_t b = 0;
+    std::string rest;
+    if (mapped.empty() && take_index(key, "joint_blocks.", b, rest)) {
+      const std::string block = "transformer_blocks." + std::to_string(b) + ".";
+      const bool x = starts_with(rest, "x_block.");
+      const bool ctx = starts_with(rest, "context_block.");
+      const std::string inner = x ? rest.substr(8) : ctx ? rest.substr(14) : std::string();
+      if (x || ctx) {
+        // Fused projections: x_block's attn / attn2 -> to_q/k/v, context_block's attn -> add_*_proj.
+        for (const std::string attn : {"attn.", "attn2."}) {
+          if (ctx && attn == "attn2.") continue;
+          for (const std::string kind : {"weight", "bias"})
+            if (inner == attn + "qkv." + kind) {
+              split_qkv(tensor, key, block + attn, x ? self_qkv : added_qkv, kind);
+              mapped = "-";
+            }
+        }
+        if (mapped == "-") continue;
+        if (ctx && b == last && starts_with(inner, "adaLN_modulation.1.")) {
+          // The last block's context norm is AdaLayerNormContinuous: (shift, scale) -> (scale, shift).
+          put(block + "norm1_context.linear." + inner.substr(19), swap_halves(tensor, prefix + key));
+          continue;
+        }
+        const auto* begin = x ? std::begin(x_names) : std::begin(context_names);
+        const auto* end = x ? std::end(x_names) : std::end(context_names);
+        for (const auto* it = begin; it != end && mapped.empty(); ++it)
+          if (starts_with(inner, it->first)) mapped = block + it->second + inner.substr(std::string(it->first).size());
+      }
+    }
+    put(mapped.empty() ? prefix + key : mapped, tensor);
+  }
+  return out;
+}
+
+StateDict map_sd3_clip(const StateDict& all, const std::string& prefix) {
+  StateDict out = map_sd_clip(all, prefix);
+  if (!out.count("text_projection.weight")) {
+    auto it = out.find("text_model.embeddings.token_embedding.weight");
+    if (it == out.end() || it->second.dim() != 2)
+      throw Error("no CLIP token embedding under '" + prefix + "' (text_model.embeddings.token_embedding.weight)");
+    out.emplace("text_projection.weight", at::eye(it->second.size(1), it->second.options()));
+  }
+  return out;
+}
+
+StateDict map_sd3_t5(const StateDict& all, const std::string& prefix) {
+  StateDict out = strip(all, prefix);
+  if (out.empty()) throw Error("no T5 text encoder tensors under '" + prefix + "'");
+  return map_t5_encoder_keys(std::move(out));
 }
 
 }  // namespace diffract::io

@@ -75,4 +75,61 @@ StateDict map_sd_clip(const StateDict& all, const std::string& prefix);
 StateDict map_open_clip(const StateDict& all, const std::string& prefix, int64_t num_layers = -1,
                         bool with_projection = true);
 
+// --- SD3 / SD3.5 ----------------------------------------------------------------------------------
+// Stability's SD3 files (sd3_medium_incl_clips*.safetensors, sd3.5_*.safetensors):
+//   model.diffusion_model.*              the MMDiT (joint_blocks.N.{x,context}_block with fused qkv,
+//                                        pos_embed, x_embedder, t_embedder, y_embedder,
+//                                        context_embedder, final_layer); bare (no prefix) in
+//                                        transformer-only files
+//   first_stage_model.*                  the 16-channel LDM VAE
+//   text_encoders.clip_l.transformer.*   CLIP-L, transformers' keys (text_model.*)
+//   text_encoders.clip_g.transformer.*   OpenCLIP-bigG, transformers' keys (+ text_projection)
+//   text_encoders.t5xxl.transformer.*    T5-XXL encoder, transformers' keys (optional)
+// SD3.5 files hold only the MMDiT and VAE; the text encoders then come from elsewhere
+// (core/pipeline/single_file.h: the config folder).
+
+// True when the tensors hold an MMDiT (joint_blocks.N.*, with or without model.diffusion_model.).
+bool is_sd3_single_file(const std::vector<TensorShape>& tensors);
+
+struct SD3SingleFileLayout {
+  std::string transformer_prefix = "model.diffusion_model.";  // or "" for a bare MMDiT
+  // Empty when the file lacks the component.
+  std::string vae_prefix, clip_l_prefix, clip_g_prefix, t5_prefix;
+  // The MMDiT's shape facts (checked against each other at detection).
+  int64_t depth = 0;         // joint blocks
+  int64_t hidden_size = 0;   // x_embedder's output width
+  int64_t in_channels = 0;   // latent channels
+  int64_t patch_size = 0;
+  int64_t pos_embed_max_size = 0;
+  int64_t joint_attention_dim = 0;    // context_embedder's input width
+  int64_t pooled_projection_dim = 0;  // y_embedder's input width
+  bool qk_norm = false;               // ln_q / ln_k (SD3.5)
+  std::vector<int64_t> dual_attention_layers;  // blocks with x_block.attn2 (SD3.5 medium)
+  std::string variant;  // "SD3 medium", "SD3.5 medium", "SD3.5 large" or "SD3-like" (other sizes)
+};
+
+// Decides the SD3 layout from names and shapes (never the data). The MMDiT must be complete (every
+// fixed tensor, every joint block numbered 0..N-1 with its qkv, consistent widths) and a VAE present
+// must give the MMDiT's latent channels; errors name `what`, the component and the tensor. Missing
+// text encoders or VAE are not errors here: the loader decides where they come from.
+SD3SingleFileLayout detect_sd3_single_file(const std::vector<TensorShape>& tensors, const std::string& what);
+
+// The MMDiT -> diffusers' SD3Transformer2DModel keys, as diffusers' convert_sd3_transformer_checkpoint_to_diffusers:
+// fused qkv split into to_q/to_k/to_v (x_block) and add_q_proj/add_k_proj/add_v_proj (context_block),
+// ln_q/ln_k -> norm_q/norm_k (norm_added_q/k for the context), attn.proj -> to_out.0 / to_add_out,
+// adaLN_modulation.1 -> norm1 / norm1_context .linear, mlp.fc1/fc2 -> ff(_context).net.0.proj / net.2,
+// attn2 (SD3.5 medium) likewise. The original final layer and the last block's context norm
+// chunk their modulation (shift, scale); diffusers' AdaLayerNormContinuous takes (scale, shift): those
+// two are swapped (a copy, the only tensors that are not views).
+StateDict map_sd3_transformer(const StateDict& all, const std::string& prefix = "model.diffusion_model.");
+
+// SD3's CLIP encoders (transformers' keys under `prefix`) -> text_model.* + text_projection.weight.
+// A file without CLIP-L's text_projection gets the identity (as diffusers' from_single_file gives
+// SD3's CLIP-L): its pooled output is then the pooled hidden state.
+StateDict map_sd3_clip(const StateDict& all, const std::string& prefix);
+
+// SD3's T5 (transformers' T5EncoderModel keys under `prefix`) -> our T5Encoder's (shared.weight,
+// encoder.*; the tied encoder.embed_tokens folded in as map_t5_encoder_keys does).
+StateDict map_sd3_t5(const StateDict& all, const std::string& prefix);
+
 }  // namespace diffract::io

@@ -5,6 +5,7 @@
 #include <cctype>
 #include <set>
 
+#include "core/io/diffusers_folder.h"
 #include "core/io/json_file.h"
 #include "core/io/safetensors.h"
 #include "core/io/weights.h"
@@ -357,6 +358,187 @@ SingleFileModels load_single_file(const fs::path& file, const SingleFileOptions&
   log::get("pipeline").info(log::str(what, ": ", io::single_file_family_name(m.family), " single file, ",
                                      all.size(), " tensors, prediction ", m.prediction_type,
                                      m.configured.empty() ? "" : ", configs from " + options.config_dir.string()));
+  return m;
+}
+
+// --- SD3 / SD3.5 ---------------------------------------------------------------------------------
+
+models::T5EncoderOptions infer_t5_config(const StateDict& t5, const std::string& what) {
+  const Shapes s(t5, what);
+  models::T5EncoderOptions o;
+  o.vocab_size = s.dim("shared.weight", 0);
+  o.d_model = s.dim("shared.weight", 1);
+  o.num_layers = s.count("encoder.block.");
+  if (o.num_layers == 0) s.fail("no encoder.block.*");
+  const std::string attn = "encoder.block.0.layer.0.SelfAttention.";
+  o.relative_attention_num_buckets = s.dim(attn + "relative_attention_bias.weight", 0);
+  o.num_heads = s.dim(attn + "relative_attention_bias.weight", 1);
+  const int64_t inner = s.dim(attn + "q.weight", 0);
+  if (o.num_heads <= 0 || inner % o.num_heads != 0)
+    s.fail("the attention's " + std::to_string(inner) + " features do not split into the relative-position table's " +
+           std::to_string(o.num_heads) + " heads");
+  o.d_kv = inner / o.num_heads;
+  const std::string ff = "encoder.block.0.layer.1.DenseReluDense.";
+  if (s.has(ff + "wi_0.weight")) {
+    o.feed_forward_proj = "gated-gelu";  // T5 v1.1 (SD3's t5xxl)
+    o.d_ff = s.dim(ff + "wi_0.weight", 0);
+  } else {
+    o.feed_forward_proj = "relu";
+    o.d_ff = s.dim(ff + "wi.weight", 0);
+  }
+  return o;
+}
+
+bool is_sd3_single_file(const fs::path& file) {
+  std::error_code ec;
+  if (!ends_with(file.filename().string(), ".safetensors") || !fs::is_regular_file(file, ec)) return false;
+  try {
+    return io::is_sd3_single_file(io::tensor_shapes(*io::SafetensorsArchive::open(file)));
+  } catch (const Error&) {
+    return false;  // unreadable: the SD loader reports it
+  }
+}
+
+SD3SingleFileModels load_sd3_single_file(const fs::path& file, const SingleFileOptions& options, bool load_t5) {
+  const std::string what = file.string();
+  if (!fs::is_regular_file(file)) throw Error(what + ": no such checkpoint file");
+  if (!options.config_dir.empty() && !fs::is_directory(options.config_dir))
+    throw Error(options.config_dir.string() + ": config folder for " + what + " does not exist");
+
+  StateDict all;
+  SD3SingleFileModels m;
+  m.path = file;
+  if (ends_with(file.filename().string(), ".safetensors")) {
+    std::shared_ptr<const io::SafetensorsArchive> archive = io::SafetensorsArchive::open(file);
+    m.layout = io::detect_sd3_single_file(io::tensor_shapes(*archive), what);  // header only
+    for (const auto& t : archive->tensors()) all.emplace(t.name, io::to_tensor(archive, t));
+  } else {
+    all = io::load_state_dict(file);
+    m.layout = io::detect_sd3_single_file(io::tensor_shapes(all), what);
+  }
+  const auto& layout = m.layout;
+  const auto part = [&](const std::string& name, const std::string& prefix) {
+    return what + " (" + name + " at " + prefix + "*)";
+  };
+  // A whole component of config_dir (config.json and weights), for what the file lacks.
+  const auto folder_component = [&](const std::string& name) -> std::optional<fs::path> {
+    if (options.config_dir.empty()) return std::nullopt;
+    const auto dir = options.config_dir / name;
+    if (!fs::is_regular_file(dir / "config.json")) return std::nullopt;
+    if (io::find_weights(dir, "") || io::find_weights(dir, "fp16")) return dir;
+    return std::nullopt;
+  };
+  const auto folder_variant = [](const fs::path& dir) { return io::find_weights(dir, "") ? "" : "fp16"; };
+
+  {
+    std::vector<std::string> missing;
+    if (layout.vae_prefix.empty() && !folder_component("vae")) missing.push_back("the VAE (first_stage_model.*)");
+    if (layout.clip_l_prefix.empty() && !folder_component("text_encoder"))
+      missing.push_back("the CLIP-L text encoder (text_encoders.clip_l.transformer.*)");
+    if (layout.clip_g_prefix.empty() && !folder_component("text_encoder_2"))
+      missing.push_back("the CLIP-G text encoder (text_encoders.clip_g.transformer.*)");
+    if (!missing.empty()) {
+      std::string msg = what + ": incomplete " + layout.variant + " single file: it lacks ";
+      for (std::size_t i = 0; i < missing.size(); ++i)
+        msg += (i ? (i + 1 == missing.size() ? " and " : ", ") : "") + missing[i];
+      msg += ". Give a diffusers SD3 folder holding " + std::string(missing.size() > 1 ? "them" : "it") +
+             " as the config folder (--config; its vae/, text_encoder/, text_encoder_2/ weights are used), or use a "
+             "file that includes the text encoders (sd3_medium_incl_clips*.safetensors)";
+      if (!options.config_dir.empty()) msg += "; " + options.config_dir.string() + " has no weights for it";
+      throw Error(msg);
+    }
+  }
+
+  {
+    const std::string where = part("transformer", layout.transformer_prefix);
+    const auto json = component_config(options, "transformer");
+    auto sd = io::map_sd3_transformer(all, layout.transformer_prefix);
+    const auto config = json ? models::SD3Transformer2DConfig::from_json(*json)
+                             : models::SD3Transformer2DConfig::from_shapes(io::tensor_shapes(sd), where);
+    if (json) m.configured.push_back("transformer");
+    m.transformer = models::SD3Transformer2DModel(config);
+    bind_strict(m.transformer, sd, where);
+  }
+  if (!layout.vae_prefix.empty()) {
+    const std::string where = part("vae", layout.vae_prefix);
+    const auto json = component_config(options, "vae");
+    auto vae = io::map_ldm_vae(all, layout.vae_prefix);
+    models::AutoencoderKLConfig config;
+    if (json) {
+      config = models::AutoencoderKLConfig::from_json(*json);
+      m.configured.push_back("vae");
+    } else {
+      config = infer_vae_config(vae, SingleFileFamily::SDXL, where);
+      const auto sd3 = models::AutoencoderKLConfig::sd3();
+      config.scaling_factor = sd3.scaling_factor;
+      config.shift_factor = sd3.shift_factor;
+      config.sample_size = sd3.sample_size;
+    }
+    m.vae = models::AutoencoderKL(config);
+    bind_strict(m.vae, vae, where);
+  } else {
+    const auto dir = *folder_component("vae");
+    m.vae = models::load_autoencoder_kl(dir, folder_variant(dir));
+    m.from_config_dir.push_back("vae");
+  }
+  const auto clip = [&](const std::string& name, const std::string& prefix, const char* act) {
+    if (prefix.empty()) {
+      const auto dir = *folder_component(name);
+      m.from_config_dir.push_back(name);
+      return models::load_clip_text_model_with_projection(dir, folder_variant(dir));
+    }
+    const std::string where = part(name, prefix);
+    const auto json = component_config(options, name);
+    auto te = io::map_sd3_clip(all, prefix);
+    const auto config = json ? models::CLIPTextConfig::from_json(*json) : infer_clip_text_config(te, act, where);
+    if (json) m.configured.push_back(name);
+    models::CLIPTextModelWithProjection model(config);
+    bind_strict(model, te, where);
+    return model;
+  };
+  m.text_encoder = clip("text_encoder", layout.clip_l_prefix, "quick_gelu");
+  m.text_encoder_2 = clip("text_encoder_2", layout.clip_g_prefix, "gelu");
+  m.tokenizer.max_length = static_cast<int>(m.text_encoder->text_model->config.max_position_embeddings);
+  m.tokenizer_2.pad_token = "!";
+  m.tokenizer_2.max_length = static_cast<int>(m.text_encoder_2->text_model->config.max_position_embeddings);
+
+  const auto t5_dir = layout.t5_prefix.empty() ? folder_component("text_encoder_3") : std::nullopt;
+  m.t5_available = !layout.t5_prefix.empty() || t5_dir.has_value();
+  if (!options.config_dir.empty() && fs::is_directory(options.config_dir / "tokenizer_3"))
+    m.t5_tokenizer_dir = options.config_dir / "tokenizer_3";
+  if (m.t5_available && !load_t5) {
+    m.t5 = "not loaded";
+  } else if (!layout.t5_prefix.empty()) {
+    const std::string where = part("text_encoder_3", layout.t5_prefix);
+    const auto json = component_config(options, "text_encoder_3");
+    auto t5 = io::map_sd3_t5(all, layout.t5_prefix);
+    const auto config = json ? models::T5EncoderOptions::from_json(*json) : infer_t5_config(t5, where);
+    if (json) m.configured.push_back("text_encoder_3");
+    m.text_encoder_3 = models::T5Encoder(config);
+    bind_strict(m.text_encoder_3, t5, where);
+    m.t5 = "loaded";
+  } else if (t5_dir) {
+    m.text_encoder_3 = models::load_t5_encoder(*t5_dir, folder_variant(*t5_dir));
+    m.from_config_dir.push_back("text_encoder_3");
+    m.t5 = "loaded";
+  }
+
+  m.scheduler_text = R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})";
+  if (!options.config_dir.empty()) {
+    const auto sched = options.config_dir / "scheduler" / "scheduler_config.json";
+    if (fs::exists(sched)) {
+      m.scheduler_json = sched;
+      m.configured.push_back("scheduler");
+    }
+  }
+  std::string extra;
+  if (!m.configured.empty()) extra += ", configs from " + options.config_dir.string();
+  if (!m.from_config_dir.empty()) {
+    extra += ", from the config folder:";
+    for (const auto& c : m.from_config_dir) extra += " " + c;
+  }
+  log::get("pipeline").info(log::str(what, ": ", layout.variant, " single file, ", all.size(), " tensors, ",
+                                     layout.depth, " blocks, T5 ", m.t5, extra));
   return m;
 }
 

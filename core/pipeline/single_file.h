@@ -7,6 +7,8 @@
 #include "core/io/single_file.h"
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/text_encoders/clip_text.h"
+#include "core/models/text_encoders/t5_encoder.h"
+#include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_2d_condition.h"
 #include "core/text/clip_tokenizer.h"
 
@@ -62,6 +64,57 @@ models::AutoencoderKLConfig infer_vae_config(const io::StateDict& vae, io::Singl
                                              const std::string& what);
 models::CLIPTextConfig infer_clip_text_config(const io::StateDict& text_encoder, const std::string& hidden_act,
                                               const std::string& what);
+
+// --- SD3 / SD3.5 ---------------------------------------------------------------------------------
+// Models from Stability's SD3 single files (io::detect_sd3_single_file for the layout). Configs
+// inferred from shapes:
+//   transformer: SD3Transformer2DConfig::from_shapes on the mapped keys (depth, width, patch, latent
+//                channels, pos_embed_max_size, joint / pooled widths, qk norm, dual-attention blocks;
+//                64-wide heads unless the qk-norm weights show the width), sample_size 128.
+//   vae:         16-channel AutoencoderKLConfig::sd3() conventions (scaling 1.5305, shift 0.0609),
+//                block widths and latent channels from shapes.
+//   CLIP-L / G:  64-wide heads; quick_gelu (L) and gelu (G); CLIP-L pooled at the end token (id
+//                argmax), CLIP-G at the end token too.
+//   T5:          every size from shapes (heads from the relative-position table), gated-gelu when
+//                wi_0 / wi_1 are there.
+//   scheduler:   FlowMatchEulerDiscrete, shift 3.0.
+// `options.config_dir` (a diffusers SD3 folder) replaces any of these with its transformer/, vae/,
+// text_encoder/, text_encoder_2/, text_encoder_3/ config.json and scheduler/scheduler_config.json,
+// and supplies whole components the file lacks (SD3.5 files ship without text encoders): a missing
+// VAE, CLIP-L, CLIP-G or T5 is loaded from the folder's weights when it has them. T5's SentencePiece
+// model comes only from config_dir/tokenizer_3 (single files carry none).
+struct SD3SingleFileModels {
+  std::filesystem::path path;
+  io::SD3SingleFileLayout layout;
+  // fp32 on the CPU, strictly bound; move / cast them afterwards.
+  models::SD3Transformer2DModel transformer{nullptr};
+  models::AutoencoderKL vae{nullptr};
+  models::CLIPTextModelWithProjection text_encoder{nullptr};    // CLIP-L
+  models::CLIPTextModelWithProjection text_encoder_2{nullptr};  // OpenCLIP-bigG
+  models::T5Encoder text_encoder_3{nullptr};                    // null: not loaded (see t5)
+  // "loaded"; "not in file" (neither the file nor config_dir has T5); "not loaded" (load_t5 false).
+  std::string t5 = "not in file";
+  bool t5_available = false;                 // the file or config_dir has T5 weights
+  std::filesystem::path t5_tokenizer_dir;    // config_dir/tokenizer_3 when it exists; else empty
+  text::CLIPTokenizerOptions tokenizer;      // CLIP-L: pad "<|endoftext|>"
+  text::CLIPTokenizerOptions tokenizer_2;    // CLIP-G: pad "!"
+  std::filesystem::path scheduler_json;      // config_dir's scheduler config, or empty: scheduler_text
+  std::string scheduler_text;                // FlowMatchEulerDiscrete, shift 3.0 (when no scheduler_json)
+  std::vector<std::string> configured;       // components whose config came from config_dir
+  std::vector<std::string> from_config_dir;  // components whose weights came from config_dir
+};
+
+// True for a file whose tensor names hold an SD3 MMDiT (joint_blocks.*). A .safetensors reads only
+// its header; other formats are not SD3 files (false). Never throws for a readable file.
+bool is_sd3_single_file(const std::filesystem::path& file);
+
+// Detects, maps, builds and binds. `load_t5` false leaves T5 unloaded (dropped, or no tokenizer
+// for it). Errors (diffract::Error) name the file and the component.
+SD3SingleFileModels load_sd3_single_file(const std::filesystem::path& file, const SingleFileOptions& options = {},
+                                         bool load_t5 = true);
+
+// Shape inference on a mapped state dict (our keys, as io::map_sd3_t5 returns it).
+models::T5EncoderOptions infer_t5_config(const io::StateDict& t5, const std::string& what);
 
 // The shipped CLIP BPE vocabulary, resources/clip/bpe_simple_vocab_16e6.txt.gz. An explicit `bpe_gz`
 // must exist. Otherwise searched next to the executable and in every folder above it (also under

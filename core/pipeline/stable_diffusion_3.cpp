@@ -188,6 +188,8 @@ struct StableDiffusion3::Impl {
 
 namespace {
 
+void check_components(const StableDiffusion3::Impl& p, const fs::path& model);
+
 void load_folder(StableDiffusion3::Impl& p, const fs::path& model, const StableDiffusion3::LoadOptions& options) {
   const auto folder = io::DiffusersFolder::open(model);
   const auto& tr_c = folder.require("transformer");
@@ -228,8 +230,11 @@ void load_folder(StableDiffusion3::Impl& p, const fs::path& model, const StableD
   p.text_encoder_2 = models::load_clip_text_model_with_projection(te2_c.dir, te2_c.variant);
   p.tokenizer = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(tok_c.dir));
   p.tokenizer_2 = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(tok2_c.dir));
+  check_components(p, model);
+}
 
-  // The components must fit together; diffusers would fail deep inside a forward instead.
+// The components must fit together; diffusers would fail deep inside a forward instead.
+void check_components(const StableDiffusion3::Impl& p, const fs::path& model) {
   const auto& tc = p.transformer->config;
   const auto& l = p.text_encoder->text_model->config;
   const auto& g = p.text_encoder_2->text_model->config;
@@ -250,6 +255,52 @@ void load_folder(StableDiffusion3::Impl& p, const fs::path& model, const StableD
     throw Error(model.string() + ": the text encoders' projections give " + std::to_string(l.projection_dim) + " + " +
                 std::to_string(g.projection_dim) + " pooled features; the transformer's pooled_projection_dim is " +
                 std::to_string(tc.pooled_projection_dim));
+}
+
+// Stability's SD3 / SD3.5 single file (load_sd3_single_file). T5 loads only when it can run: a
+// tokenizer (config_dir/tokenizer_3) and SentencePiece in this build; otherwise it is dropped with a warning.
+void load_single(StableDiffusion3::Impl& p, const fs::path& file, const StableDiffusion3::LoadOptions& options) {
+  SingleFileOptions sf;
+  sf.config_dir = options.config_dir;
+  const bool tokenizer_3 = !options.config_dir.empty() && fs::is_directory(options.config_dir / "tokenizer_3");
+  const bool load_t5 = !options.drop_t5 && text::T5Tokenizer::available() && tokenizer_3;
+  auto m = load_sd3_single_file(file, sf, load_t5);
+  if (m.t5_available && !m.text_encoder_3) {
+    p.t5_dropped = true;
+    if (options.drop_t5)
+      log::get("pipeline").info(file.string() + ": T5 dropped as asked; its part of the prompt embedding is zeros");
+    else if (!text::T5Tokenizer::available())
+      log::get("pipeline").warn(
+          file.string() + " has a T5 text encoder, but this build of Diffract has no SentencePiece (Debian "
+          "libsentencepiece-dev) for its tokenizer: it runs without T5, T5's part of the prompt embedding zeros (as "
+          "diffusers with text_encoder_3=None); prompts are followed less closely than with T5");
+    else
+      log::get("pipeline").warn(
+          file.string() + " has a T5 text encoder, but a single file carries no T5 tokenizer: give a config folder "
+          "(--config) with tokenizer_3/spiece.model (SD3's diffusers folder has it). It runs without T5, T5's part "
+          "of the prompt embedding zeros (as diffusers with text_encoder_3=None)");
+  } else if (!m.t5_available) {
+    log::get("pipeline").info(file.string() + ": no T5 text encoder in the file (nor in a config folder); T5's part "
+                              "of the prompt embedding is zeros");
+  }
+  if (m.text_encoder_3) {
+    p.tokenizer_3 = std::make_unique<text::T5Tokenizer>(text::T5Tokenizer::from_folder(m.t5_tokenizer_dir));
+    p.text_encoder_3 = m.text_encoder_3;
+  }
+  p.transformer = m.transformer;
+  p.vae = m.vae;
+  p.text_encoder = m.text_encoder;
+  p.text_encoder_2 = m.text_encoder_2;
+  p.tokenizer = std::make_unique<text::CLIPTokenizer>(make_clip_tokenizer(m.tokenizer));
+  p.tokenizer_2 = std::make_unique<text::CLIPTokenizer>(make_clip_tokenizer(m.tokenizer_2));
+  if (!m.scheduler_json.empty()) {
+    p.scheduler_json = m.scheduler_json;
+    p.native_sampler = schedulers::native_sampler(m.scheduler_json);
+  } else {
+    p.scheduler_text = m.scheduler_text;
+    p.native_sampler = schedulers::SamplerKind::FlowMatchEuler;
+  }
+  check_components(p, file);
 }
 
 }  // namespace
@@ -327,9 +378,16 @@ std::unique_ptr<StableDiffusion3> StableDiffusion3::load(const fs::path& model, 
   p->device_name = device;
   p->device = parse_device(device);
   p->dtype = p->device.is_cuda() ? at::kBFloat16 : at::kFloat;
-  if (!fs::is_directory(model))
-    throw Error(model.string() + ": SD3 loads from a diffusers folder; single-file SD3 checkpoints are not supported yet");
-  load_folder(*p, model, options);
+  if (fs::is_directory(model)) {
+    if (!options.config_dir.empty())
+      log::get("pipeline").warn("a config folder applies to single-file checkpoints; ignored for the SD3 folder " +
+                                model.string());
+    load_folder(*p, model, options);
+  } else if (fs::is_regular_file(model)) {
+    load_single(*p, model, options);
+  } else {
+    throw Error(model.string() + ": no such SD3 model folder or single file");
+  }
   {
     at::NoGradGuard no_grad;
     for (torch::nn::Module* m : {static_cast<torch::nn::Module*>(p->transformer.get()),
@@ -575,12 +633,10 @@ bool is_sd3_folder(const fs::path& model) {
 
 std::unique_ptr<TextToImage> load_text_to_image(const fs::path& model, const std::string& device,
                                                 const fs::path& config_dir, bool drop_t5) {
-  if (is_sd3_folder(model)) {
-    if (!config_dir.empty())
-      log::get("pipeline").warn("--config applies to single-file checkpoints; ignored for the SD3 folder " +
-                                model.string());
+  if (is_sd3_folder(model) || is_sd3_single_file(model)) {
     StableDiffusion3::LoadOptions options;
     options.drop_t5 = drop_t5;
+    options.config_dir = config_dir;
     return StableDiffusion3::load(model, device, options);
   }
   return StableDiffusion::load(model, device, config_dir);

@@ -25,16 +25,22 @@ namespace diffract::pipeline {
 // data-parallel and step-skip through parallel::SD3Denoiser, pipefusion (its blocks split
 // into stages, request.patches patches) and cfg-pipefusion (a pipefusion per CFG branch, each on
 // half the devices); hybrid-cfg needs a UNet's layer split and is refused.
-// Single-file SD3 checkpoints are not supported yet.
+// Single files: Stability's SD3 / SD3.5 .safetensors (core/pipeline/single_file.h,
+// load_sd3_single_file) load as the folder does; their T5 needs config_dir/tokenizer_3 (a
+// SentencePiece model), else it is dropped with a warning.
 struct SD3LoadOptions {
   bool drop_t5 = false;  // leave a listed T5 encoder unloaded (saves its ~9.5 GB in bf16)
+  // Single files only: a diffusers SD3 folder whose configs replace the inferred ones and whose
+  // components fill what the file lacks (SingleFileOptions::config_dir).
+  std::filesystem::path config_dir;
 };
 
 class StableDiffusion3 : public TextToImage {
  public:
   using LoadOptions = SD3LoadOptions;
   // A diffusers SD3 folder: transformer, vae, text_encoder(_2), tokenizer(_2), scheduler and,
-  // when listed, text_encoder_3 / tokenizer_3. Errors name the missing or mismatched component.
+  // when listed, text_encoder_3 / tokenizer_3; or an SD3 single file (.safetensors, .ckpt).
+  // Errors name the missing or mismatched component.
   static std::unique_ptr<StableDiffusion3> load(const std::filesystem::path& model, const std::string& device,
                                                 const LoadOptions& options = {});
   // SD3-medium's architecture (or a few-channel `tiny` one) with random weights and no T5 (its

@@ -38,8 +38,10 @@ class TextToImage {
 bool is_sd3_folder(const std::filesystem::path& model);
 
 // The pipeline for `model` (a diffusers folder or a single-file checkpoint), chosen from its
-// model_index.json: StableDiffusion3 for SD3 folders, StableDiffusion otherwise. `drop_t5`: an
-// SD3 folder's T5 encoder is not loaded (ignored by the other families).
+// model_index.json or, for a .safetensors file, its tensor names: StableDiffusion3 for SD3 folders
+// and SD3 / SD3.5 single files (an MMDiT's joint_blocks), StableDiffusion otherwise. `config_dir`:
+// the single-file config folder (either family). `drop_t5`: an SD3 model's T5 encoder is not
+// loaded (ignored by the other families).
 std::unique_ptr<TextToImage> load_text_to_image(const std::filesystem::path& model, const std::string& device,
                                                 const std::filesystem::path& config_dir = {}, bool drop_t5 = false);
 
