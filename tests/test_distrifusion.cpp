@@ -15,6 +15,7 @@
 #include "core/pipeline/stable_diffusion.h"
 #include "core/util/error.h"
 #include "test_util.h"
+#include "unet_loop_inputs.h"
 
 using namespace diffract;
 using namespace diffract::parallel;
@@ -137,29 +138,12 @@ class TestDistriFusion : public QObject {
   // `model`: the tiny SD UNet when null (the tiny SDXL one gets pooled text and time ids too).
   LoopInputs inputs(schedulers::SamplerKind kind, int steps, int batch, double cfg, models::UNet2DConditionModel model,
                     std::int64_t side = 0) {
-    at::Generator g = at::detail::createCPUGenerator(7);
-    const auto& c = model->config;
-    const int64_t ctx = c.cross_attention_dim.front();
-    models::UNetConditioning pos, neg;
-    pos.encoder_hidden_states = at::randn({batch, 5, ctx}, g);
-    neg.encoder_hidden_states = at::randn({batch, 5, ctx}, g);
-    if (c.addition_embed_type == "text_time") {
-      const int64_t pooled = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim;
-      pos.text_embeds = at::randn({batch, pooled}, g);
-      neg.text_embeds = at::randn({batch, pooled}, g);
-      pos.time_ids = neg.time_ids = at::tensor({16.0f, 16.0f, 0.0f, 0.0f, 16.0f, 16.0f}).repeat({batch, 1});
-    }
-    pos_ = pos;
-    neg_ = neg;
-    LoopInputs in;
-    in.kind = kind;
-    in.config = schedulers::SchedulerConfig::from_json(test::fixtures() / "tiny-sd" / "scheduler" / "scheduler_config.json", kind);
-    in.steps = steps;
-    auto sampler = schedulers::Sampler::create(kind, in.config, steps);
-    if (side == 0) side = c.sample_size;
-    in.latents = at::randn({batch, c.in_channels, side, side}, g) * sampler->init_noise_sigma();
-    in.generator = g;
-    auto unet = std::make_shared<models::UNetGraphRunner>(model);
+    auto made = test::unet_loop_inputs(kind, steps, batch, model, 7, side);
+    pos_ = made.pos;
+    neg_ = made.neg;
+    auto in = made.in;
+    const auto unet = made.unet;
+    const auto pos = made.pos, neg = made.neg;
     in.make_denoiser = [unet, pos, neg, cfg](int, const c10::Device& d) -> std::unique_ptr<Denoiser> {
       return std::make_unique<UNetDenoiser>(unet, pos, neg, cfg, at::kFloat, d);
     };
