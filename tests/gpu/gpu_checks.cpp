@@ -350,10 +350,14 @@ void check_failure() {
   expect(ok, "the group (communicators rebuilt) runs the next job");
 }
 
-// SD3's denoiser through CFG-parallel and PipeFusion over NCCL, on a tiny random MMDiT in fp32
-// (one copy per GPU, the same seed), against one GPU.
-void check_sd3() {
-  need_gpus(2);
+// A tiny random MMDiT in fp32 (SD3.5-style: qk-norm, one dual-attention block), one copy per GPU
+// from the same seed, and a 6-step flow-matching loop of its denoiser with CFG 4.
+struct TinySD3Loop {
+  std::shared_ptr<std::vector<models::SD3Transformer2DModel>> models;
+  parallel::LoopInputs in;
+};
+
+TinySD3Loop tiny_sd3_loop(int gpus) {
   models::SD3Transformer2DConfig c;
   c.sample_size = 16;
   c.in_channels = c.out_channels = 4;
@@ -366,30 +370,39 @@ void check_sd3() {
   c.pos_embed_max_size = 32;
   c.qk_norm = "rms_norm";
   c.dual_attention_layers = {0};
-  std::vector<models::SD3Transformer2DModel> models;
-  for (int d = 0; d < 2; ++d) {
+  TinySD3Loop loop;
+  loop.models = std::make_shared<std::vector<models::SD3Transformer2DModel>>();
+  for (int d = 0; d < gpus; ++d) {
     models::SD3Transformer2DModel m(c);
     models::init_random(*m, at::detail::createCPUGenerator(11));
     m->eval();
     m->to(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d)));
-    models.push_back(m);
+    loop.models->push_back(m);
   }
   at::Generator g = at::detail::createCPUGenerator(5);
   const parallel::SD3Conditioning pos{at::randn({1, 8, 32}, g), at::randn({1, 16}, g)};
   const parallel::SD3Conditioning neg{at::randn({1, 8, 32}, g), at::randn({1, 16}, g)};
-  parallel::LoopInputs in;
+  auto& in = loop.in;
   in.kind = schedulers::SamplerKind::FlowMatchEuler;
   in.config = schedulers::SchedulerConfig::from_json_text(
       R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})", in.kind, "gpu check");
   in.steps = 6;
   in.latents = at::randn({1, 4, 32, 32}, g).to(at::Device(at::kCUDA, 0));
-  in.make_denoiser = [&](int, const c10::Device& d) -> std::unique_ptr<parallel::Denoiser> {
-    return std::make_unique<parallel::SD3Denoiser>(models[static_cast<std::size_t>(d.index())], pos, neg, 4.0,
+  in.make_denoiser = [models = loop.models, pos, neg](int, const c10::Device& d) -> std::unique_ptr<parallel::Denoiser> {
+    return std::make_unique<parallel::SD3Denoiser>((*models)[static_cast<std::size_t>(d.index())], pos, neg, 4.0,
                                                    at::kFloat, d);
   };
-  auto rel = [](const at::Tensor& a, const at::Tensor& b) {
-    return ((a.cpu() - b.cpu()).norm() / b.cpu().norm()).item<double>();
-  };
+  return loop;
+}
+
+double rel(const at::Tensor& a, const at::Tensor& b) { return ((a.cpu() - b.cpu()).norm() / b.cpu().norm()).item<double>(); }
+
+// SD3's denoiser through CFG-parallel and PipeFusion over NCCL, on a tiny random MMDiT in fp32
+// (one copy per GPU, the same seed), against one GPU.
+void check_sd3() {
+  need_gpus(2);
+  const auto loop = tiny_sd3_loop(2);
+  const auto& in = loop.in;
   auto one = parallel::DeviceGroup::cuda({0});
   auto two = parallel::DeviceGroup::cuda({0, 1});
   const auto base = parallel::SingleDevice{}.run(*one, in).latents;
@@ -420,42 +433,8 @@ void check_sd3() {
 void check_cfg_pipefusion() {
   need_gpus(2);
   const int gpus = std::min(4, static_cast<int>(torch::cuda::device_count()));
-  models::SD3Transformer2DConfig c;
-  c.sample_size = 16;
-  c.in_channels = c.out_channels = 4;
-  c.num_layers = 4;
-  c.attention_head_dim = 16;
-  c.num_attention_heads = 4;
-  c.joint_attention_dim = 32;
-  c.caption_projection_dim = 64;
-  c.pooled_projection_dim = 16;
-  c.pos_embed_max_size = 32;
-  c.qk_norm = "rms_norm";
-  c.dual_attention_layers = {0};
-  std::vector<models::SD3Transformer2DModel> models;
-  for (int d = 0; d < gpus; ++d) {
-    models::SD3Transformer2DModel m(c);
-    models::init_random(*m, at::detail::createCPUGenerator(11));
-    m->eval();
-    m->to(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d)));
-    models.push_back(m);
-  }
-  at::Generator g = at::detail::createCPUGenerator(5);
-  const parallel::SD3Conditioning pos{at::randn({1, 8, 32}, g), at::randn({1, 16}, g)};
-  const parallel::SD3Conditioning neg{at::randn({1, 8, 32}, g), at::randn({1, 16}, g)};
-  parallel::LoopInputs in;
-  in.kind = schedulers::SamplerKind::FlowMatchEuler;
-  in.config = schedulers::SchedulerConfig::from_json_text(
-      R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})", in.kind, "gpu check");
-  in.steps = 6;
-  in.latents = at::randn({1, 4, 32, 32}, g).to(at::Device(at::kCUDA, 0));
-  in.make_denoiser = [&](int, const c10::Device& d) -> std::unique_ptr<parallel::Denoiser> {
-    return std::make_unique<parallel::SD3Denoiser>(models[static_cast<std::size_t>(d.index())], pos, neg, 4.0,
-                                                   at::kFloat, d);
-  };
-  auto rel = [](const at::Tensor& a, const at::Tensor& b) {
-    return ((a.cpu() - b.cpu()).norm() / b.cpu().norm()).item<double>();
-  };
+  const auto loop = tiny_sd3_loop(gpus);
+  const auto& in = loop.in;
   const auto group = [](int n) {
     std::vector<int> ids;
     for (int d = 0; d < n; ++d) ids.push_back(d);
