@@ -16,6 +16,7 @@
 #include "core/pipeline/stable_diffusion_3.h"
 #include "core/text/t5_tokenizer.h"
 #include "core/util/error.h"
+#include "same_tensors.h"
 #include "test_util.h"
 
 using namespace diffract;
@@ -30,30 +31,6 @@ fs::path folder_of(const std::string& name) {
   return name == "tiny-sd35m" ? dir() / name : test::fixtures() / "sd3_pipeline" / name;
 }
 
-std::map<std::string, at::Tensor> tensors_of(const torch::nn::Module& m) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& p : m.named_parameters(true)) out.emplace(p.key(), p.value());
-  for (const auto& b : m.named_buffers(true)) out.emplace(b.key(), b.value());
-  return out;
-}
-
-// Empty when both modules hold the same names with bitwise-equal tensors; else what differs.
-std::string same_tensors(const torch::nn::Module& a, const torch::nn::Module& b) {
-  const auto ta = tensors_of(a), tb = tensors_of(b);
-  if (ta.size() != tb.size()) return std::to_string(ta.size()) + " vs " + std::to_string(tb.size()) + " tensors";
-  for (const auto& [key, t] : ta) {
-    auto it = tb.find(key);
-    if (it == tb.end()) return "'" + key + "' only in the first";
-    if (!at::equal(t, it->second)) return "'" + key + "' differs";
-  }
-  return {};
-}
-
-#define EXPECT_SAME_TENSORS(a, b)                                                 \
-  do {                                                                            \
-    const std::string _why = same_tensors(*(a), *(b));                            \
-    QVERIFY2(_why.empty(), qPrintable(QString::fromStdString(#a ": " + _why)));   \
-  } while (0)
 
 std::vector<io::TensorShape> shapes_of(const fs::path& path) {
   return io::tensor_shapes(*io::SafetensorsArchive::open(path));

@@ -8,6 +8,7 @@
 #include "core/io/weights.h"
 #include "core/pipeline/single_file.h"
 #include "core/util/error.h"
+#include "same_tensors.h"
 #include "test_util.h"
 
 using namespace diffract;
@@ -25,31 +26,6 @@ fs::path folder_of(const std::string& name) {
   return name == "tiny-sd2" ? single() / "tiny-sd2" : test::fixtures() / name;
 }
 
-// Every parameter and buffer, by name.
-std::map<std::string, at::Tensor> tensors_of(const torch::nn::Module& m) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& p : m.named_parameters(true)) out.emplace(p.key(), p.value());
-  for (const auto& b : m.named_buffers(true)) out.emplace(b.key(), b.value());
-  return out;
-}
-
-// Empty when both modules hold the same names with bitwise-equal tensors; else what differs.
-std::string same_tensors(const torch::nn::Module& a, const torch::nn::Module& b) {
-  const auto ta = tensors_of(a), tb = tensors_of(b);
-  if (ta.size() != tb.size()) return std::to_string(ta.size()) + " vs " + std::to_string(tb.size()) + " tensors";
-  for (const auto& [key, t] : ta) {
-    auto it = tb.find(key);
-    if (it == tb.end()) return "'" + key + "' only in the first";
-    if (!at::equal(t, it->second)) return "'" + key + "' differs";
-  }
-  return {};
-}
-
-#define EXPECT_SAME_TENSORS(a, b)                           \
-  do {                                                      \
-    const std::string _why = same_tensors(*(a), *(b));      \
-    QVERIFY2(_why.empty(), qPrintable(QString::fromStdString(#a ": " + _why))); \
-  } while (0)
 
 // Real-size layouts, written by the oracle from diffusers / transformers models on the meta device:
 // "checkpoint": the single file's names and shapes; "expected": each component's keys and shapes in
