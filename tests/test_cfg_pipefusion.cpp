@@ -22,6 +22,7 @@
 #pragma pop_macro("emit")
 #include "core/pipeline/stable_diffusion_3.h"
 #include "core/util/error.h"
+#include "loop_inputs.h"
 #include "test_util.h"
 
 using namespace diffract;
@@ -46,43 +47,17 @@ class TestCfgPipeFusion : public QObject {
 
   models::SD3Transformer2DModel& sd3() {
     if (!sd3_) {
-      auto& c = config_;
-      c.sample_size = 8;
-      c.in_channels = c.out_channels = 4;
-      c.num_layers = 4;
-      c.attention_head_dim = 8;
-      c.num_attention_heads = 2;
-      c.joint_attention_dim = 24;
-      c.caption_projection_dim = 16;
-      c.pooled_projection_dim = 12;
-      c.pos_embed_max_size = 16;
-      c.qk_norm = "rms_norm";
-      c.dual_attention_layers = {0, 1};
-      sd3_ = models::SD3Transformer2DModel(c);
-      models::init_random(*sd3_, at::detail::createCPUGenerator(11));
-      sd3_->eval();
+      sd3_ = test::tiny_sd3(4, /*sd35=*/true);
+      config_ = sd3_->config;
     }
     return sd3_;
   }
 
   LoopInputs sd3_inputs(int steps, int batch, double cfg) {
-    auto& model = sd3();
-    at::Generator g = at::detail::createCPUGenerator(5);
-    const auto& c = model->config;
-    pos_ = {at::randn({batch, 6, c.joint_attention_dim}, g), at::randn({batch, c.pooled_projection_dim}, g)};
-    neg_ = {at::randn({batch, 6, c.joint_attention_dim}, g), at::randn({batch, c.pooled_projection_dim}, g)};
-    LoopInputs in;
-    in.kind = schedulers::SamplerKind::FlowMatchEuler;
-    in.config = schedulers::SchedulerConfig::from_json_text(
-        R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})", in.kind,
-        "test flow scheduler");
-    in.steps = steps;
-    in.latents = at::randn({batch, c.in_channels, 16, 16}, g);
-    in.generator = g;
-    in.make_denoiser = [model, pos = pos_, neg = neg_, cfg](int, const c10::Device& d) -> std::unique_ptr<Denoiser> {
-      return std::make_unique<SD3Denoiser>(model, pos, neg, cfg, at::kFloat, d);
-    };
-    return in;
+    auto made = test::sd3_loop_inputs(sd3(), steps, batch, cfg);
+    pos_ = made.pos;
+    neg_ = made.neg;
+    return made.in;
   }
 
   static LoopOutput run(const Strategy& s, const LoopInputs& in) {

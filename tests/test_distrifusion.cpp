@@ -15,7 +15,7 @@
 #include "core/pipeline/stable_diffusion.h"
 #include "core/util/error.h"
 #include "test_util.h"
-#include "unet_loop_inputs.h"
+#include "loop_inputs.h"
 
 using namespace diffract;
 using namespace diffract::parallel;
@@ -231,21 +231,7 @@ class TestDistriFusion : public QObject {
 
   models::SD3Transformer2DModel sd3_{nullptr};
   models::SD3Transformer2DModel& sd3() {
-    if (!sd3_) {
-      models::SD3Transformer2DConfig c;
-      c.sample_size = 8;
-      c.in_channels = c.out_channels = 4;
-      c.num_layers = 2;
-      c.attention_head_dim = 8;
-      c.num_attention_heads = 2;
-      c.joint_attention_dim = 24;
-      c.caption_projection_dim = 16;
-      c.pooled_projection_dim = 12;
-      c.pos_embed_max_size = 16;
-      sd3_ = models::SD3Transformer2DModel(c);
-      models::init_random(*sd3_, at::detail::createCPUGenerator(11));
-      sd3_->eval();
-    }
+    if (!sd3_) sd3_ = test::tiny_sd3(2, /*sd35=*/false);
     return sd3_;
   }
 

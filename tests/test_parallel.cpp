@@ -18,7 +18,7 @@
 #include "core/pipeline/stable_diffusion.h"
 #include "core/util/error.h"
 #include "test_util.h"
-#include "unet_loop_inputs.h"
+#include "loop_inputs.h"
 
 using namespace diffract;
 using namespace diffract::parallel;
@@ -187,44 +187,15 @@ class TestParallel : public QObject {
   SD3Conditioning sd3_pos_, sd3_neg_;
 
   models::SD3Transformer2DModel& sd3() {
-    if (!sd3_) {
-      models::SD3Transformer2DConfig c;
-      c.sample_size = 8;
-      c.in_channels = c.out_channels = 4;
-      c.num_layers = 4;
-      c.attention_head_dim = 8;
-      c.num_attention_heads = 2;
-      c.joint_attention_dim = 24;
-      c.caption_projection_dim = 16;
-      c.pooled_projection_dim = 12;
-      c.pos_embed_max_size = 16;
-      c.qk_norm = "rms_norm";
-      c.dual_attention_layers = {0, 1};
-      sd3_ = models::SD3Transformer2DModel(c);
-      models::init_random(*sd3_, at::detail::createCPUGenerator(11));
-      sd3_->eval();
-    }
+    if (!sd3_) sd3_ = test::tiny_sd3(4, /*sd35=*/true);
     return sd3_;
   }
 
   LoopInputs sd3_inputs(int steps, int batch, double cfg, std::int64_t side = 16) {
-    auto& model = sd3();
-    at::Generator g = at::detail::createCPUGenerator(5);
-    const auto& c = model->config;
-    sd3_pos_ = {at::randn({batch, 6, c.joint_attention_dim}, g), at::randn({batch, c.pooled_projection_dim}, g)};
-    sd3_neg_ = {at::randn({batch, 6, c.joint_attention_dim}, g), at::randn({batch, c.pooled_projection_dim}, g)};
-    LoopInputs in;
-    in.kind = schedulers::SamplerKind::FlowMatchEuler;
-    in.config = schedulers::SchedulerConfig::from_json_text(
-        R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})", in.kind,
-        "test flow scheduler");
-    in.steps = steps;
-    in.latents = at::randn({batch, c.in_channels, side, side}, g);
-    in.generator = g;
-    in.make_denoiser = [model, pos = sd3_pos_, neg = sd3_neg_, cfg](int, const c10::Device& d) -> std::unique_ptr<Denoiser> {
-      return std::make_unique<SD3Denoiser>(model, pos, neg, cfg, at::kFloat, d);
-    };
-    return in;
+    auto made = test::sd3_loop_inputs(sd3(), steps, batch, cfg, side);
+    sd3_pos_ = made.pos;
+    sd3_neg_ = made.neg;
+    return made.in;
   }
 
   // PipeFusion as its header describes it, in one thread: items (step, patch) in order, each
