@@ -16,7 +16,7 @@
 #     SDXL 1024²: the same bench under settings that each remove one suspect (HANG_CASES), each
 #     cut off after HANG_TIMEOUT s; a hung run's last NCCL operations per rank and, where
 #     cuda-gdb can attach, its threads' stacks go to the logs.
-#   PLAN=three (two GPUs): the 2-GPU strategy check, the SDXL bench of the eager strategies
+#   PLAN=three (two GPUs): the 2-GPU strategy and cfg-pipefusion checks, the SDXL bench of the eager strategies
 #     (DistriFusion, AsyncDiff, hybrid) with their time split, SD3 eager against graphed, and
 #     SDXL 2048² with the patch strategies if time is left.
 #   PLAN=two (two GPUs): the SDXL strategy bench (SDXL_STRATEGIES), then PLAN=sd3's work, then
@@ -227,7 +227,7 @@ if [ "$plan" = hang ]; then
 fi
 
 if [ "$plan" = three ]; then
-  ctest --test-dir build/gpu -R gpu_strategies -V --timeout 90 > "$logs/checks_strategies.log" 2>&1
+  ctest --test-dir build/gpu -R "gpu_strategies|gpu_cfg_pipefusion" -V --timeout 90 > "$logs/checks_strategies.log" 2>&1
   grep -E "  (ok|FAIL)  |tests passed|rel-L2|Timeout" "$logs/checks_strategies.log" | cut -c1-300
   echo "strategy check at $(elapsed) s"
   BENCH_STRATEGIES="${SDXL_STRATEGIES:-distrifusion:2,asyncdiff:2,hybrid-cfg,cfg-parallel}" strategy_bench 150
