@@ -296,6 +296,19 @@ class TestMainWindow : public QObject {
     QCOMPARE(request.devices, 3);
     QVERIFY2(child<QLabel>(w, "deviceSummaryLabel")->text().contains("CPU as 3 virtual devices"),
              qPrintable(child<QLabel>(w, "deviceSummaryLabel")->text()));
+    // Patches count only for the PipeFusion strategies.
+    auto* patches = child<QSpinBox>(w, "patchesSpin");
+    QVERIFY(!patches->isEnabled());
+    patches->setValue(4);
+    QCOMPARE(w.requestFromFields().patches, 0);
+    for (const char* name : {"pipefusion", "cfg-pipefusion"}) {
+      child<QComboBox>(w, "strategyCombo")->setCurrentIndex(child<QComboBox>(w, "strategyCombo")->findData(name));
+      QVERIFY(patches->isEnabled());
+      QCOMPARE(w.requestFromFields().patches, 4);
+    }
+    patches->setValue(0);
+    QCOMPARE(patches->text(), QStringLiteral("auto"));
+    QCOMPARE(w.requestFromFields().patches, 0);
   }
 
   void gpuTogglesDecideTheRequestAndPersist() {

@@ -367,9 +367,23 @@ void MainWindow::buildUi() {
   m_devices->setRange(1, 64);
   m_devices->setToolTip(tr("CPU virtual devices when no GPU is enabled (drafts per round for DRiffusion); "
                            "the skip factor for step skipping. With GPUs the enabled ones count."));
+  m_patches = new QSpinBox;
+  m_patches->setObjectName(QStringLiteral("patchesSpin"));
+  m_patches->setRange(0, 64);
+  m_patches->setSpecialValueText(tr("auto"));
+  m_patches->setPrefix(tr("patches "));
+  m_patches->setToolTip(tr("PipeFusion: the latent's row patches streaming through the stages, at least one per "
+                           "stage; auto: one per stage"));
   strategyRow->addWidget(m_strategy, 1);
   strategyRow->addWidget(m_devices);
+  strategyRow->addWidget(m_patches);
   fields->addRow(tr("Strategy"), strategyRow);
+  const auto patchesApply = [this] {
+    const QString st = m_strategy->currentData().toString();
+    m_patches->setEnabled(st == QLatin1String("pipefusion") || st == QLatin1String("cfg-pipefusion"));
+  };
+  connect(m_strategy, &QComboBox::currentIndexChanged, this, patchesApply);
+  patchesApply();
   connect(m_strategy, &QComboBox::currentIndexChanged, this, [this] { updateDeviceSummary(); });
   connect(m_devices, &QSpinBox::valueChanged, this, [this] { updateDeviceSummary(); });
 
@@ -592,6 +606,7 @@ engine::GenerationRequest MainWindow::requestFromFields() {
   r.preview_every = 1;
   r.prompt = engine::fill_prompt_template(m_promptTemplate.toStdString(), r.prompt);
   r.strategy = m_strategy->currentData().toString().toStdString();
+  r.patches = m_patches->isEnabled() ? m_patches->value() : 0;
   const engine::DeviceChoice choice = deviceChoice();
   r.device = choice.device;
   r.devices = choice.devices;
@@ -731,6 +746,7 @@ void MainWindow::loadSettings() {
   for (QCheckBox* box : m_gpuChecks) box->setChecked(!m_disabledGpus.contains(box->property("gpuIndex").toInt()));
   m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(s.value(QStringLiteral("strategy")).toString())));
   m_devices->setValue(s.value(QStringLiteral("devices"), 1).toInt());
+  m_patches->setValue(s.value(QStringLiteral("patches"), 0).toInt());
   reloadPresets(s.value(QStringLiteral("preset")).toString());
   restoreGeometry(s.value(QStringLiteral("window/geometry")).toByteArray());
   restoreState(s.value(QStringLiteral("window/state")).toByteArray());
@@ -760,6 +776,7 @@ void MainWindow::saveSettings() const {
   s.setValue(QStringLiteral("disabledGpus"), disabledText);
   s.setValue(QStringLiteral("strategy"), m_strategy->currentData().toString());
   s.setValue(QStringLiteral("devices"), m_devices->value());
+  s.setValue(QStringLiteral("patches"), m_patches->value());
   s.setValue(QStringLiteral("preset"), m_preset->currentIndex() > 0 ? m_preset->currentText() : QString());
   s.setValue(QStringLiteral("window/geometry"), saveGeometry());
   s.setValue(QStringLiteral("window/state"), saveState());

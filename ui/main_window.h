@@ -151,6 +151,7 @@ class MainWindow : public QMainWindow {
   bool m_taesdMatched = false;  // m_taesd holds matchingTaesd()'s pick, not the user's
   QComboBox* m_strategy = nullptr;
   QSpinBox* m_devices = nullptr;
+  QSpinBox* m_patches = nullptr;  // pipefusion / cfg-pipefusion: latent row patches (0: one per stage)
   QComboBox* m_preset = nullptr;
   QLabel* m_template = nullptr;
   QLabel* m_restored = nullptr;
