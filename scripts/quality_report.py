@@ -17,7 +17,7 @@ from PIL import Image, ImageDraw
 
 STRATEGIES = [("cfg-parallel", 2), ("hybrid-cfg", 2), ("driffusion", 2), ("driffusion-aggressive", 2),
               ("driffusion", 4), ("driffusion-aggressive", 4), ("cfg-driffusion-aggressive", 4), ("asyncdiff", 2),
-              ("asyncdiff", 3), ("step-skip", 2), ("step-skip", 4)]
+              ("asyncdiff", 3), ("distrifusion", 2), ("step-skip", 2), ("step-skip", 4)]
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--cli", default="build/default/app/diffract-cli")
