@@ -23,6 +23,7 @@
 #include "core/pipeline/stable_diffusion_3.h"
 #include "core/util/error.h"
 #include "loop_inputs.h"
+#include "strategy_job.h"
 #include "test_util.h"
 
 using namespace diffract;
@@ -336,17 +337,8 @@ class TestCfgPipeFusion : public QObject {
     obs.on_preview = [&](const engine::PreviewEvent&) { ++previews; };
     obs.on_step = [&](const engine::StepEvent&) { ++steps; };
     const auto run = [&](const std::string& name, int devices, int patches) {
-      auto q = r;
-      q.strategy = name;
-      q.devices = devices;
-      q.patches = patches;
       previews = steps = 0;
-      auto result = pipe->generate(q, obs, never);
-      const auto meta = nlohmann::json::parse(result.metadata_json);
-      if (meta["strategy_name"].get<std::string>() != name || meta["devices"].get<int>() != devices ||
-          meta["strategy"]["strategy"].get<std::string>() != name)
-        throw Error("metadata names the wrong strategy: " + result.metadata_json);
-      return std::pair{at::from_blob(result.latents.data(), result.latents_shape, at::kFloat).clone(), meta["strategy"]};
+      return test::strategy_job(*pipe, r, name, devices, r.batch, patches, obs);
     };
     auto plain = pipe->generate(r, {}, never);
     const auto base = at::from_blob(plain.latents.data(), plain.latents_shape, at::kFloat).clone();

@@ -11,6 +11,7 @@
 #include "core/pipeline/stable_diffusion_3.h"
 #include "core/text/t5_tokenizer.h"
 #include "core/util/error.h"
+#include "strategy_job.h"
 #include "test_util.h"
 
 using namespace diffract;
@@ -237,18 +238,8 @@ class TestSD3Pipeline : public QObject {
     obs.on_preview = [&](const engine::PreviewEvent&) { ++previews; };
     obs.on_step = [&](const engine::StepEvent&) { ++steps; };
     const auto run = [&](const std::string& name, int devices, int batch = 1, int patches = 0) {
-      auto q = r;
-      q.strategy = name;
-      q.devices = devices;
-      q.batch = batch;
-      q.patches = patches;
       previews = steps = 0;
-      auto result = pipe_->generate(q, obs, never);
-      const auto meta = nlohmann::json::parse(result.metadata_json);
-      if (meta["strategy_name"].get<std::string>() != name || meta["devices"].get<int>() != devices ||
-          meta["strategy"]["strategy"].get<std::string>() != name)
-        throw Error("metadata names the wrong strategy: " + result.metadata_json);
-      return std::pair{latents(result), meta["strategy"]};
+      return test::strategy_job(*pipe_, r, name, devices, batch, patches, obs);
     };
     const auto rel = [&](const at::Tensor& a) { return ((a - base).norm() / base.norm()).item<double>(); };
 
