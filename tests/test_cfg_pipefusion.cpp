@@ -341,7 +341,7 @@ class TestCfgPipeFusion : public QObject {
       return test::strategy_job(*pipe, r, name, devices, r.batch, patches, obs);
     };
     auto plain = pipe->generate(r, {}, never);
-    const auto base = at::from_blob(plain.latents.data(), plain.latents_shape, at::kFloat).clone();
+    const auto base = test::latents_tensor(plain);
     const auto [batched, pf_stats] = run("pipefusion", 2, 4);
     const auto [split, stats] = run("cfg-pipefusion", 4, 4);
     QCOMPARE(steps, 4);

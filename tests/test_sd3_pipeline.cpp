@@ -23,10 +23,6 @@ fs::path dir() { return test::fixtures() / "sd3_pipeline"; }
 fs::path model() { return dir() / "tiny-sd3"; }
 fs::path model_t5() { return dir() / "tiny-sd3-t5"; }
 
-at::Tensor latents_of(const engine::GenerationResult& r) {
-  return at::from_blob(const_cast<float*>(r.latents.data()), r.latents_shape, at::kFloat).clone();
-}
-
 fs::path copy_of(const QTemporaryDir& tmp, const fs::path& src) {
   const fs::path copy = fs::path(tmp.path().toStdString()) / "sd3";
   fs::copy(src, copy, fs::copy_options::recursive);
@@ -229,10 +225,7 @@ class TestSD3Pipeline : public QObject {
     r.seed = 3;
     r.preview_every = 2;
     engine::CancelToken never;
-    const auto latents = [](const engine::GenerationResult& g) {
-      return at::from_blob(const_cast<float*>(g.latents.data()), g.latents_shape, at::kFloat).clone();
-    };
-    const auto base = latents(pipe_->generate(r, {}, never));
+    const auto base = test::latents_tensor(pipe_->generate(r, {}, never));
     int previews = 0, steps = 0;
     engine::JobObserver obs;
     obs.on_preview = [&](const engine::PreviewEvent&) { ++previews; };
@@ -262,7 +255,7 @@ class TestSD3Pipeline : public QObject {
 
     auto batch2 = r;
     batch2.batch = 2;
-    const auto base2 = latents(pipe_->generate(batch2, {}, never));
+    const auto base2 = test::latents_tensor(pipe_->generate(batch2, {}, never));
     DIFFRACT_COMPARE_TENSORS(run("data-parallel", 2, 2).first, base2, 1e-4);
 
     auto [skipped, skip_stats] = run("step-skip", 2);
@@ -325,10 +318,10 @@ class TestSD3Pipeline : public QObject {
     const auto request = request_for(c);
     engine::CancelToken never;
     const auto result = pipe_t5_->generate(request, {}, never, e.at(name + ".latents.initial"));
-    DIFFRACT_COMPARE_TENSORS(latents_of(result), e.at(name + ".latents.final"), kLatentTol);
+    DIFFRACT_COMPARE_TENSORS(test::latents_tensor(result), e.at(name + ".latents.final"), kLatentTol);
     qInfo("%s: prompt embeddings max |diff| %.3g, final latents %.3g", name.c_str(),
           test::max_abs_diff(ours.prompt_embeds, e.at(name + ".prompt_embeds")),
-          test::max_abs_diff(latents_of(result), e.at(name + ".latents.final")));
+          test::max_abs_diff(test::latents_tensor(result), e.at(name + ".latents.final")));
     const auto expected = e.at(name + ".image");
     for (std::size_t b = 0; b < result.images.size(); ++b) {
       const auto& img = result.images[b];
@@ -343,7 +336,7 @@ class TestSD3Pipeline : public QObject {
     dropped_request.drop_t5 = true;
     const std::string plain = c["name"];
     const auto dropped = pipe_t5_->generate(dropped_request, {}, never, e.at(plain + ".latents.initial"));
-    DIFFRACT_COMPARE_TENSORS(latents_of(dropped), e.at(plain + ".latents.final"), kLatentTol);
+    DIFFRACT_COMPARE_TENSORS(test::latents_tensor(dropped), e.at(plain + ".latents.final"), kLatentTol);
     QCOMPARE(nlohmann::json::parse(dropped.metadata_json)["t5"].get<std::string>(), std::string("dropped"));
   }
 
