@@ -22,6 +22,7 @@
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/unets/unet_2d_condition.h"
 #include "core/models/unets/unet_graphs.h"
+#include "core/pipeline/clip_graph.h"
 #include "core/pipeline/pipeline_util.h"
 #include "core/pipeline/single_file.h"
 #include "core/parallel/strategies.h"
@@ -94,6 +95,10 @@ struct StableDiffusion::Impl {
   std::unique_ptr<text::CLIPTokenizer> tokenizer, tokenizer_2;
   models::CLIPTextModel text_encoder{nullptr};
   models::CLIPTextModelWithProjection text_encoder_2{nullptr};
+  CLIPGraph text_graph{[this](const at::Tensor& ids) { return text_encoder->forward(ids, true); },
+                       [this]() -> const models::CLIPTextConfig& { return text_encoder->text_model->config; }, false};
+  CLIPGraph text_graph_2{[this](const at::Tensor& ids) { return text_encoder_2->forward(ids, true); },
+                         [this]() -> const models::CLIPTextConfig& { return text_encoder_2->text_model->config; }, true};
   models::UNet2DConditionModel unet{nullptr};
   std::shared_ptr<models::UNetGraphRunner> runner;  // `unet`, replayed from CUDA graphs on a GPU
   // Multi-GPU jobs: the UNet copied to the group's other GPUs, and the group with its NCCL
@@ -189,23 +194,26 @@ struct StableDiffusion::Impl {
       return at::tensor(at::ArrayRef<int>(tokens.ids), at::kLong).unsqueeze(0).to(device);
     };
     Conditioning c;
-    if (family == Family::SDXL) {
+    if (family == Family::SDXL && zeros) {
+      // SDXL's empty negative prompt: zeros of the encoders' shapes, nothing to run.
+      const auto opts = at::TensorOptions().device(device).dtype(dtype);
+      const auto& c1 = text_encoder->text_model->config;
+      const auto& c2 = text_encoder_2->text_model->config;
+      c.context = at::zeros({1, tokenizer->max_length(), c1.hidden_size + c2.hidden_size}, opts);
+      c.pooled = at::zeros({1, c2.projection_dim}, opts);
+    } else if (family == Family::SDXL) {
       auto ids1 = run_tokenizer(*tokenizer);
       auto ids2 = run_tokenizer(*tokenizer_2);
       const auto t0 = Clock::now();
-      auto o1 = text_encoder->forward(ids1, true);
-      auto o2 = text_encoder_2->forward(ids2, true);
-      c.context = at::cat({o1.hidden_states[o1.hidden_states.size() - 2], o2.hidden_states[o2.hidden_states.size() - 2]}, -1);
-      c.pooled = o2.text_embeds;
+      auto o1 = text_graph(ids1);
+      auto o2 = text_graph_2(ids2);
+      c.context = at::cat({o1.penultimate, o2.penultimate}, -1);
+      c.pooled = o2.pooled;
       t.text_encode_ms += ms_since(t0);
-      if (zeros) {
-        c.context = at::zeros_like(c.context);
-        c.pooled = at::zeros_like(c.pooled);
-      }
     } else {
       auto ids = run_tokenizer(*tokenizer);
       const auto t0 = Clock::now();
-      c.context = text_encoder->forward(ids).last_hidden_state;
+      c.context = text_graph(ids).last_hidden_state;
       t.text_encode_ms += ms_since(t0);
     }
     c.context = c.context.repeat({batch, 1, 1});

@@ -24,6 +24,7 @@
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/parallel/pipefusion.h"
 #include "core/parallel/strategies.h"
+#include "core/pipeline/clip_graph.h"
 #include "core/pipeline/pipeline_util.h"
 #include "core/pipeline/single_file.h"
 #include "core/pipeline/stable_diffusion.h"
@@ -73,6 +74,10 @@ struct StableDiffusion3::Impl {
   at::ScalarType dtype = at::kFloat;
   std::unique_ptr<text::CLIPTokenizer> tokenizer, tokenizer_2;
   models::CLIPTextModelWithProjection text_encoder{nullptr}, text_encoder_2{nullptr};
+  CLIPGraph text_graph{[this](const at::Tensor& ids) { return text_encoder->forward(ids, true); },
+                       [this]() -> const models::CLIPTextConfig& { return text_encoder->text_model->config; }, true};
+  CLIPGraph text_graph_2{[this](const at::Tensor& ids) { return text_encoder_2->forward(ids, true); },
+                         [this]() -> const models::CLIPTextConfig& { return text_encoder_2->text_model->config; }, true};
   std::unique_ptr<text::T5Tokenizer> tokenizer_3;
   models::T5Encoder text_encoder_3{nullptr};
   models::SD3Transformer2DModel transformer{nullptr};
@@ -139,12 +144,12 @@ struct StableDiffusion3::Impl {
     auto ids1 = run_tokenizer(*tokenizer);
     auto ids2 = run_tokenizer(*tokenizer_2);
     const auto t0 = Clock::now();
-    auto o1 = text_encoder->forward(ids1, true);
-    auto o2 = text_encoder_2->forward(ids2, true);
-    auto clip = at::cat({o1.hidden_states[o1.hidden_states.size() - 2], o2.hidden_states[o2.hidden_states.size() - 2]}, -1);
+    auto o1 = text_graph(ids1);
+    auto o2 = text_graph_2(ids2);
+    auto clip = at::cat({o1.penultimate, o2.penultimate}, -1);
     const int64_t joint = transformer->config.joint_attention_dim;
     clip = at::constant_pad_nd(clip, {0, joint - clip.size(-1)});  // checked at load: never negative
-    auto pooled = at::cat({o1.text_embeds, o2.text_embeds}, -1);
+    auto pooled = at::cat({o1.pooled, o2.pooled}, -1);
     t.text_encode_ms += ms_since(t0);
     at::Tensor t5;
     if (use_t5) {
