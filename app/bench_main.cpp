@@ -1,7 +1,11 @@
 // diffract-bench: named benchmark configs on random-weight full-size models (no downloads);
 // prints one JSON object per config and batch.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <iostream>
 #include <numeric>
 
@@ -15,6 +19,9 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include "core/io/safetensors_writer.h"
+#include "core/io/upload.h"
+#include "core/io/weights.h"
 #include "core/metrics/metrics.h"
 #include "core/models/unets/unet_2d_condition.h"
 #include "core/pipeline/stable_diffusion.h"
@@ -239,6 +246,74 @@ json build_only(const BenchConfig& c) {
           {"unet_init_random_ms", ms(t1, t2)}};
 }
 
+// The file's pages out of the page cache, so the next read comes from the disk.
+bool drop_from_page_cache(const std::filesystem::path& file) {
+  const int fd = ::open(file.c_str(), O_RDONLY);
+  if (fd < 0) return false;
+  const bool ok = ::fsync(fd) == 0 && ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// Loading the config's UNet from one safetensors file of fp16 weights (as downloads ship them)
+// onto `device` in the pipeline's dtype, two ways in turns: bound into CPU tensors and the
+// module moved afterwards (DIFFRACT_PINNED_UPLOAD=0), and through pinned chunks straight onto the
+// device (io::ScopedPlacement, what the pipelines do on GPUs); each from the page cache and with
+// the file's pages dropped from it first.
+json load_only(const BenchConfig& c, const std::string& device, const std::filesystem::path& scratch, int runs) {
+  if (c.tiny || c.sd3) throw Error("--load-only times the full-size UNets: pick an sdxl or sd15 config");
+  const auto config = c.family == pipeline::Family::SDXL ? models::UNet2DConditionConfig::sdxl_base()
+                                                         : models::UNet2DConditionConfig::sd15();
+  const at::Device dev(device);
+  const auto dtype = dev.is_cuda() ? at::kBFloat16 : at::kFloat;
+  const auto file = scratch / (c.name + "-unet.fp16.safetensors");
+  std::filesystem::create_directories(scratch);
+  std::int64_t bytes = 0;
+  {
+    models::UNet2DConditionModel unet(config);
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const auto& p : unet->named_parameters()) {
+      tensors.emplace_back(p.key(), at::zeros(p.value().sizes(), at::kHalf));
+      bytes += static_cast<std::int64_t>(tensors.back().second.nbytes());
+    }
+    io::write_safetensors(file, tensors);
+  }
+  const auto clock = [] { return std::chrono::steady_clock::now(); };
+  const auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+  const auto sync = [&] {
+    if (dev.is_cuda()) torch::cuda::synchronize(dev.index());
+  };
+  const auto load = [&](bool pinned) {
+    const auto t0 = clock();
+    std::unique_ptr<io::ScopedPlacement> placement;
+    if (pinned) placement = std::make_unique<io::ScopedPlacement>(dev, dtype);
+    models::UNet2DConditionModel unet(config);
+    io::bind(*unet, io::load_state_dict(file), file.string());
+    unet->to(dev, dtype);
+    sync();
+    return ms(t0, clock());
+  };
+  json out = {{"config", c.name}, {"device", device}, {"file_bytes", bytes}, {"file", file.string()}};
+  for (const bool cold : {false, true}) {
+    std::vector<double> plain, pinned;
+    bool dropped = true;
+    load(true);  // the allocator's first growth, off the clock
+    for (int r = 0; r < runs; ++r)
+      for (const bool p : {false, true}) {
+        if (cold) dropped = drop_from_page_cache(file) && dropped;
+        (p ? pinned : plain).push_back(load(p));
+      }
+    const auto gbs = [&](double t) { return static_cast<double>(bytes) / 1e9 / (t / 1000); };
+    out[cold ? "cold" : "page_cache"] = {
+        {"bind_then_move_ms", percentile(plain, 0.5)}, {"pinned_upload_ms", percentile(pinned, 0.5)},
+        {"bind_then_move_gb_s", gbs(percentile(plain, 0.5))}, {"pinned_upload_gb_s", gbs(percentile(pinned, 0.5))},
+        {"speed_up", percentile(plain, 0.5) / percentile(pinned, 0.5)}};
+    if (cold) out["cold"]["pages_dropped"] = dropped;
+  }
+  std::filesystem::remove(file);
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -247,7 +322,8 @@ int main(int argc, char** argv) {
   std::vector<int> batches = {1};
   std::string device = "cpu";
   int runs = 3;
-  bool verbose = false, build = false;
+  bool verbose = false, build = false, load = false;
+  std::string scratch = (std::filesystem::temp_directory_path() / "diffract-bench").string();
   std::vector<std::string> strategies;
   std::string names_help = "configs:";
   for (const auto& c : configs()) names_help += " " + c.name;
@@ -260,6 +336,10 @@ int main(int argc, char** argv) {
                  "the single-device result: speed-up, PSNR, SSIM, latent rel-L2")
       ->delimiter(',');
   app.add_flag("--build-only", build, "only time building each config's UNet on the CPU, and its random init");
+  app.add_flag("--load-only", load,
+               "only time loading each config's UNet from an fp16 safetensors file (written to --scratch first) onto "
+               "--device: bound then moved, against pinned chunks straight to the device; page cache and cold");
+  app.add_option("--scratch", scratch, "folder for --load-only's file")->capture_default_str();
   app.add_flag("-v,--verbose", verbose);
   CLI11_PARSE(app, argc, argv);
   log::set_verbose(verbose);
@@ -273,6 +353,11 @@ int main(int argc, char** argv) {
       if (it == configs().end()) throw Error("unknown config '" + name + "' (" + names_help + ")");
       if (build) {
         out["results"].push_back(build_only(*it));
+        continue;
+      }
+      if (load) {
+        out["results"].push_back(load_only(*it, device, scratch, runs));
+        log::get("bench").info(out["results"].back().dump());
         continue;
       }
       for (int b : batches) {

@@ -2,7 +2,9 @@
 
 #include <torch/nn.h>
 
+#include "core/io/upload.h"
 #include "core/io/weights.h"
+#include "core/models/unets/unet_2d_condition.h"
 #include "core/util/error.h"
 #include "test_util.h"
 
@@ -93,6 +95,47 @@ class TestWeights : public QObject {
     auto w2 = good_weights();
     w2["extra.weight"] = at::zeros({1});
     QCOMPARE(io::bind(*m, w2, "small", ignoring).bound, std::size_t(5));
+  }
+  // The GPU load path (pinned chunks, conversion on the device) run on the CPU: chunks far
+  // smaller than the tensors, so every tensor crosses several chunk boundaries.
+  void placementReplacesBoundTensorsInItsDtype() {
+    Small m;
+    auto w = good_weights();
+    w["proj.weight"] = at::arange(6, at::kHalf).view({2, 3}).t().contiguous().t();  // non-contiguous
+    {
+      io::ScopedPlacement placement(at::kCPU, at::kBFloat16, 64);
+      QVERIFY(io::ScopedPlacement::current() != nullptr);
+      io::bind(*m, w, "small.safetensors");
+      QCOMPARE(placement.stats().tensors, std::int64_t(5));
+      QCOMPARE(placement.stats().bytes, std::int64_t(6 * 2 + 4 * (2 + 2 + 2 + 2)));
+    }
+    QVERIFY(io::ScopedPlacement::current() == nullptr);
+    QCOMPARE(m->proj->weight.dtype(), at::kBFloat16);
+    QVERIFY(at::equal(m->proj->weight, w["proj.weight"].to(at::kBFloat16)));
+    QCOMPARE(m->scale.dtype(), at::kBFloat16);
+    QCOMPARE(m->scale[1].item<float>(), 3.0f);
+    QVERIFY2(m->proj->weight.is_same(m->named_parameters()["proj.weight"]), "the module holds the new tensor");
+  }
+
+  void placementLoadsAUNetFolderAsBindingThenConverting() {
+    const auto dir = test::fixtures() / "tiny-sdxl" / "unet";
+    auto plain = models::load_unet_2d_condition(dir);
+    plain->to(at::kBFloat16);
+    io::ScopedPlacement placement(at::kCPU, at::kBFloat16, 1000);  // 1000 bytes: most tensors span chunks
+    auto placed = models::load_unet_2d_condition(dir);
+    QVERIFY(placement.stats().tensors > 100);
+    const auto a = plain->named_parameters(), b = placed->named_parameters();
+    QCOMPARE(a.size(), b.size());
+    for (const auto& p : a) {
+      const auto& q = b[p.key()];
+      QVERIFY2(q.scalar_type() == at::kBFloat16 && at::equal(p.value(), q), p.key().c_str());
+    }
+  }
+
+  void uploaderRefusesChunksTooSmallAndDeviceSources() {
+    DIFFRACT_EXPECT_ERROR(io::Uploader(at::kCPU, at::kFloat, 8), "chunks of 8 bytes");
+    io::Uploader up(at::kCPU, at::kFloat, 64);
+    QVERIFY(at::equal(up.upload(at::arange(100, at::kInt)), at::arange(100, at::kInt)));  // integers keep their type
   }
 };
 

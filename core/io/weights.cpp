@@ -4,6 +4,7 @@
 
 #include "core/io/pth.h"
 #include "core/io/safetensors.h"
+#include "core/io/upload.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -106,7 +107,12 @@ BindReport bind(torch::nn::Module& module, const StateDict& weights, const std::
   }
   {
     at::NoGradGuard no_grad;
-    for (auto& [target, source] : copies) target.copy_(source);
+    if (auto* upload = ScopedPlacement::current()) {
+      for (auto& [target, source] : copies) target.set_data(upload->upload(source));
+      upload->finish();
+    } else {
+      for (auto& [target, source] : copies) target.copy_(source);
+    }
   }
   report.bound = copies.size();
   if (bad)

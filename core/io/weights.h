@@ -39,7 +39,8 @@ struct BindReport {
 };
 
 // Copies checkpoint tensors into the module's parameters and buffers, whose names must
-// equal the keys (converting dtype and device). Strict mode throws one error listing every
+// equal the keys (converting dtype and device); under an io::ScopedPlacement (upload.h) the
+// bound tensors are replaced by new ones on the placement's device and dtype instead. Strict mode throws one error listing every
 // missing, unexpected and mismatched key, naming `what` (usually the weight file).
 BindReport bind(torch::nn::Module& module, const StateDict& weights, const std::string& what,
                 const BindOptions& options = {});

@@ -9,6 +9,7 @@
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
 
+#include "core/io/upload.h"
 #include "core/parallel/device_group.h"
 #include "core/parallel/strategies.h"
 #include "core/pipeline/text_to_image.h"
@@ -273,6 +274,21 @@ at::Tensor run_strategy_loop(const parallel::Strategy& strategy, parallel::Devic
   j["loop_ms"] = ms_since(t1);
   stats = j.dump();
   return out.latents;
+}
+
+std::unique_ptr<io::ScopedPlacement> placement_for(const at::Device& device, at::ScalarType dtype) {
+  const char* env = std::getenv("DIFFRACT_PINNED_UPLOAD");
+  if (!device.is_cuda() || (env && std::string(env) == "0")) return nullptr;
+  return std::make_unique<io::ScopedPlacement>(device, dtype);
+}
+
+void log_placement(const io::ScopedPlacement* placement, const std::string& what) {
+  if (!placement) return;
+  const auto& s = placement->stats();
+  const double gb = static_cast<double>(s.bytes) / 1e9;
+  log::get("io").info(log::str(what, ": ", s.tensors, " tensors, ", format_number(gb), " GB to the device in ",
+                               static_cast<int>(s.ms), " ms (", format_number(s.ms > 0 ? gb / (s.ms / 1000) : 0),
+                               " GB/s)"));
 }
 
 }  // namespace diffract::pipeline::detail

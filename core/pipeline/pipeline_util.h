@@ -26,6 +26,9 @@ struct LoopInputs;
 namespace torch::nn {
 class Module;
 }
+namespace diffract::io {
+class ScopedPlacement;
+}
 
 namespace diffract::pipeline::detail {
 
@@ -49,6 +52,13 @@ std::string format_number(double v);
 void check_request(engine::GenerationRequest& req, int native, int multiple, const std::string& why);
 // 1 <= steps <= the model's training timesteps.
 void check_steps(const engine::GenerationRequest& req, int train_timesteps);
+
+// For a model loaded onto a GPU: weights go from the checkpoint through pinned buffers straight
+// onto it, in `dtype` (io::ScopedPlacement, for as long as the result lives). Null on the CPU and
+// with DIFFRACT_PINNED_UPLOAD=0 (weights bound into CPU tensors, the module moved afterwards).
+std::unique_ptr<io::ScopedPlacement> placement_for(const at::Device& device, at::ScalarType dtype);
+// Logs what a placement moved.
+void log_placement(const io::ScopedPlacement* placement, const std::string& what);
 
 // A 2-step job with a preview every step through `run`, so that graphs, cuDNN plans and the
 // previews' stream exist before the first real job; logs and returns its ms.

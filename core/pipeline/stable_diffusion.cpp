@@ -17,6 +17,7 @@
 
 #include "core/io/diffusers_folder.h"
 #include "core/io/json_file.h"
+#include "core/io/upload.h"
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
 #include "core/models/text_encoders/clip_text.h"
@@ -419,10 +420,14 @@ std::unique_ptr<StableDiffusion> StableDiffusion::load(const fs::path& model, co
   p->device = parse_device(device);
   p->dtype = p->device.is_cuda() ? at::kBFloat16 : at::kFloat;
 
-  if (fs::is_regular_file(model)) {
-    load_single(*p, model, config_dir);
-  } else {
-    load_folder(*p, model);
+  {
+    const auto placement = placement_for(p->device, p->dtype);
+    if (fs::is_regular_file(model)) {
+      load_single(*p, model, config_dir);
+    } else {
+      load_folder(*p, model);
+    }
+    log_placement(placement.get(), model.string());
   }
   p->place();
   p->load_ms = ms_since(t0);

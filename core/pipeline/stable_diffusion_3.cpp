@@ -15,6 +15,7 @@
 
 #include "core/io/diffusers_folder.h"
 #include "core/io/json_file.h"
+#include "core/io/upload.h"
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
 #include "core/util/graphed_function.h"
@@ -383,15 +384,19 @@ std::unique_ptr<StableDiffusion3> StableDiffusion3::load(const fs::path& model, 
   p->device_name = device;
   p->device = parse_device(device);
   p->dtype = p->device.is_cuda() ? at::kBFloat16 : at::kFloat;
-  if (fs::is_directory(model)) {
-    if (!options.config_dir.empty())
-      log::get("pipeline").warn("a config folder applies to single-file checkpoints; ignored for the SD3 folder " +
-                                model.string());
-    load_folder(*p, model, options);
-  } else if (fs::is_regular_file(model)) {
-    load_single(*p, model, options);
-  } else {
-    throw Error(model.string() + ": no such SD3 model folder or single file");
+  {
+    const auto placement = placement_for(p->device, p->dtype);
+    if (fs::is_directory(model)) {
+      if (!options.config_dir.empty())
+        log::get("pipeline").warn("a config folder applies to single-file checkpoints; ignored for the SD3 folder " +
+                                  model.string());
+      load_folder(*p, model, options);
+    } else if (fs::is_regular_file(model)) {
+      load_single(*p, model, options);
+    } else {
+      throw Error(model.string() + ": no such SD3 model folder or single file");
+    }
+    log_placement(placement.get(), model.string());
   }
   {
     at::NoGradGuard no_grad;
