@@ -278,7 +278,8 @@ int main(int argc, char** argv) {
   add_generation_options(cmp_cmd, req, /*with_strategy=*/false);
   cmp_cmd->add_option("--strategy", compare_strategy,
                       "cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip, "
-                      "pipefusion (SD3), cfg-pipefusion (SD3, even devices), asyncdiff (SD / SDXL), distrifusion (SD / SDXL)")
+                      "pipefusion (SD3), cfg-pipefusion (SD3, even devices), asyncdiff (SD / SDXL), asyncdiff-stride2 (SD / SDXL, "
+                      "3+ devices), distrifusion (SD / SDXL)")
       ->required();
   cmp_cmd->add_option("--devices", compare_devices, "devices (drafts per round for DRiffusion, skip for step-skip)")
       ->capture_default_str();

@@ -102,6 +102,14 @@ class TestDevices : public QObject {
     QVERIFY(c.error.empty());
     QCOMPARE(c.device, std::string("cuda:1"));
     QCOMPARE(c.devices, 3);
+    c = choose_devices({1, 2, 3}, "asyncdiff-stride2", 1);  // 2 components, the last on 2 GPUs
+    QVERIFY(c.error.empty());
+    QCOMPARE(c.devices, 3);
+    c = choose_devices({0, 1}, "asyncdiff-stride2", 1);
+    QVERIFY2(c.error.find("needs 3 GPUs") != std::string::npos, c.error.c_str());
+    c = choose_devices({}, "asyncdiff-stride2", 3);  // CPU virtual devices
+    QVERIFY(c.error.empty());
+    QCOMPARE(c.devices, 3);
   }
 
   void stepSkipKeepsItsSkipFactor() {

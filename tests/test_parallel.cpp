@@ -2,6 +2,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <functional>
+#include <mutex>
 #include <thread>
 #include <tuple>
 
@@ -28,8 +30,9 @@ namespace {
 // Counts evaluations; optionally fails on one rank.
 class Counting final : public Denoiser {
  public:
-  Counting(std::unique_ptr<Denoiser> inner, std::atomic<int>& count, bool fail)
-      : inner_(std::move(inner)), count_(count), fail_(fail) {}
+  using StageHook = std::function<void(int begin, double t)>;
+  Counting(std::unique_ptr<Denoiser> inner, std::atomic<int>& count, bool fail, StageHook on_stage = {})
+      : inner_(std::move(inner)), count_(count), fail_(fail), on_stage_(std::move(on_stage)) {}
   at::Tensor eval(const at::Tensor& x, double t, Branch b) override {
     ++count_;
     if (fail_) throw Error("simulated device failure");
@@ -40,7 +43,7 @@ class Counting final : public Denoiser {
   std::int64_t batch() const override { return inner_->batch(); }
   at::ScalarType output_dtype() const override { return inner_->output_dtype(); }
   std::unique_ptr<Denoiser> rows(std::int64_t b, std::int64_t n) const override {
-    return std::make_unique<Counting>(inner_->rows(b, n), count_, fail_);
+    return std::make_unique<Counting>(inner_->rows(b, n), count_, fail_, on_stage_);
   }
   int splits() const override { return inner_->splits(); }
   models::UNetOuterState outer_down(const at::Tensor& x, double t, Branch b, int split) override {
@@ -58,6 +61,7 @@ class Counting final : public Denoiser {
   }
   void run_stage(models::UNetStageState& s, int begin, int end, double t, Branch b) override {
     if (fail_) throw Error("simulated device failure");
+    if (on_stage_) on_stage_(begin, t);
     inner_->run_stage(s, begin, end, t, b);
   }
   at::Tensor stage_output(const models::UNetStageState& s, Branch b) override { return inner_->stage_output(s, b); }
@@ -69,6 +73,7 @@ class Counting final : public Denoiser {
   std::unique_ptr<Denoiser> inner_;
   std::atomic<int>& count_;
   bool fail_;
+  StageHook on_stage_;
 };
 
 }  // namespace
@@ -179,6 +184,98 @@ class TestParallel : public QObject {
         eps = parts[0] + scale * (parts[1] - parts[0]);
       }
       x = sampler->step(eps, i, x, gen);
+    }
+    return x;
+  }
+
+  // AsyncDiff's stride denoising as the reference runs it, in one thread, with a cache of every
+  // layer's last output: the first `warmup` steps whole; later, a round starts at each step i with
+  // (i - 1) % stride == 0 and covers steps i .. last (at most `stride`): component 0 on x_i,
+  // component k > 0 on the cached outputs of every layer before it (the round before), all at
+  // last's timestep, refreshing the cache; the last component again on the same cached inputs at
+  // each other step's timestep gives that step's eps. Steps before the first round reuse the last
+  // warm-up eps.
+  at::Tensor simulate_asyncdiff_stride(const LoopInputs& in, models::UNet2DConditionModel u, int n, int stride,
+                                       int warmup, double scale) {
+    at::NoGradGuard no_grad;
+    auto sampler = schedulers::Sampler::create(in.kind, in.config, in.steps);
+    at::Generator gen = in.generator.clone();
+    const bool cfg = scale > 1;
+    models::UNetConditioning c = pos_;
+    if (cfg) {
+      c.encoder_hidden_states = at::cat({neg_.encoder_hidden_states, pos_.encoder_hidden_states});
+      if (pos_.text_embeds.defined()) {
+        c.text_embeds = at::cat({neg_.text_embeds, pos_.text_embeds});
+        c.time_ids = at::cat({neg_.time_ids, pos_.time_ids});
+      }
+    }
+    const auto guide = [&](const at::Tensor& out) {
+      if (!cfg) return out;
+      auto parts = out.chunk(2);
+      return parts[0] + scale * (parts[1] - parts[0]);
+    };
+    std::vector<double> cost;
+    for (const auto& l : u->layer_info(in.latents.size(2), in.latents.size(3))) cost.push_back(l.cost);
+    const auto b = AsyncDiff::balanced_split(cost, n);
+    const int layers = u->layer_count();
+    std::vector<int> depth;
+    for (int j = 0; j <= layers; ++j)
+      depth.push_back(static_cast<int>(u->stage_shapes(j, 1, in.latents.size(2), in.latents.size(3)).size()) - 1);
+    std::vector<at::Tensor> cached(static_cast<std::size_t>(layers));
+    const auto rows = cfg ? 2 * in.latents.size(0) : in.latents.size(0);
+    const auto time = [&](int i) { return at::full({rows}, sampler->timesteps()[static_cast<std::size_t>(i)], at::kFloat); };
+    // The state before layer `upto` as the cache has it.
+    const auto replay = [&](int upto, const at::Tensor& t) {
+      models::UNetStageState s;
+      for (int j = 0; j < upto; ++j) {
+        s.h = cached[static_cast<std::size_t>(j)];
+        if (depth[static_cast<std::size_t>(j) + 1] > depth[static_cast<std::size_t>(j)]) s.skips.push_back(s.h);
+        if (depth[static_cast<std::size_t>(j) + 1] < depth[static_cast<std::size_t>(j)]) s.skips.pop_back();
+      }
+      s.temb = u->embed_time(t, c, at::kFloat);
+      return s;
+    };
+    at::Tensor warm_eps;
+    auto x = in.latents.clone();
+    for (int i = 0; i < in.steps;) {
+      const auto x1 = sampler->scale_model_input(x, i);
+      const auto xin = cfg ? at::cat({x1, x1}) : x1;
+      if (i < warmup) {
+        auto s = u->stage_begin(xin, time(i), c);
+        for (int j = 0; j < layers; ++j) {
+          u->forward_range(s, j, j + 1, c);
+          cached[static_cast<std::size_t>(j)] = s.h;
+        }
+        warm_eps = guide(s.h);
+        x = sampler->step(warm_eps, i, x, gen);
+        ++i;
+        continue;
+      }
+      if ((i - 1) % stride != 0) {
+        x = sampler->step(warm_eps, i, x, gen);
+        ++i;
+        continue;
+      }
+      const int last = std::min(i + stride - 1, in.steps - 1);
+      std::vector<at::Tensor> eps(static_cast<std::size_t>(last - i + 1));
+      auto fresh = cached;
+      for (int k = 0; k < n; ++k) {
+        const auto uk = static_cast<std::size_t>(k);
+        auto s = k == 0 ? u->stage_begin(xin, time(last), c) : replay(b[uk], time(last));
+        for (int j = b[uk]; j < b[uk + 1]; ++j) {
+          u->forward_range(s, j, j + 1, c);
+          fresh[static_cast<std::size_t>(j)] = s.h;
+        }
+        if (k == n - 1) eps.back() = guide(s.h);
+      }
+      for (int q = i; q < last; ++q) {
+        auto s = replay(b[static_cast<std::size_t>(n) - 1], time(q));
+        u->forward_range(s, b[static_cast<std::size_t>(n) - 1], layers, c);
+        eps[static_cast<std::size_t>(q - i)] = guide(s.h);
+      }
+      cached = fresh;
+      for (int q = i; q <= last; ++q) x = sampler->step(eps[static_cast<std::size_t>(q - i)], q, x, gen);
+      i = last + 1;
     }
     return x;
   }
@@ -696,6 +793,12 @@ class TestParallel : public QObject {
     a.n = 3;
     QVERIFY(cancelled_at(a, inputs(schedulers::SamplerKind::Euler, 6, 1, 5.0), 2));
     QVERIFY(last >= 2 && last < 5);
+    a.n = 2;  // with a stride (rounds (1, 2), (3, 4), ...), within two rounds of the cancel
+    a.stride = 2;
+    QVERIFY(cancelled_at(a, inputs(schedulers::SamplerKind::Euler, 9, 1, 5.0), 3));
+    QVERIFY(last >= 4 && last < 8);
+    QVERIFY(cancelled_at(a, inputs(schedulers::SamplerKind::Euler, 7, 1, 5.0), 0));
+    QVERIFY(last >= 0 && last < 6);
   }
 
   // --- AsyncDiff: the UNet's sequential layers, the synchronous and the stale loop ---
@@ -882,9 +985,6 @@ class TestParallel : public QObject {
     a.n = 17;
     DIFFRACT_EXPECT_ERROR(run(a, in), "17 components for a model of 16 sequential layers");
     a = AsyncDiff{};
-    a.stride = 2;
-    DIFFRACT_EXPECT_ERROR(run(a, in), "stride 2", "not implemented");
-    a = AsyncDiff{};
     a.warmup = 0;
     DIFFRACT_EXPECT_ERROR(run(a, in), "1 or more synchronous warm-up steps");
     a = AsyncDiff{};
@@ -904,6 +1004,193 @@ class TestParallel : public QObject {
                           "cannot run AsyncDiff's sequential stages");
     QCOMPARE(make_strategy("asyncdiff", 3)->devices(), 3);
     QCOMPARE(make_strategy("asyncdiff", 3)->name(), std::string("asyncdiff"));
+  }
+
+  // --- AsyncDiff's stride denoising ---
+
+  // (f) warmup >= steps: every step synchronous, the helpers idle, which is one device.
+  void asyncdiffStrideSynchronousEqualsOneDevice() {
+    for (int stride : {2, 3})
+      for (double cfg : {5.0, 1.0})
+        for (int n : {2, 3}) {
+          auto in = inputs(schedulers::SamplerKind::DPMPP2M, 4, 1, cfg);
+          const auto base = run(SingleDevice{}, in);
+          AsyncDiff a;
+          a.n = n;
+          a.stride = stride;
+          a.warmup = 4 + stride - 2;  // also past the steps
+          QCOMPARE(a.devices(), n + stride - 1);
+          const auto out = run(a, in);
+          QCOMPARE(out.stats.devices, n + stride - 1);
+          DIFFRACT_COMPARE_TENSORS(out.latents, base.latents, 1e-6);
+          QVERIFY(out.stats.messages_per_step == std::vector<std::int64_t>(4, n));
+          QCOMPARE(out.stats.rounds, 4);
+          QCOMPARE(out.stats.evaluations, 4);
+        }
+  }
+
+  // (g) Rounds on: the strategy equals the one-thread replay of the reference's scheme, differs
+  // from stride 1 and stays near one device.
+  void asyncdiffStrideMatchesSimulation() {
+    struct Case {
+      schedulers::SamplerKind kind;
+      int n, stride, warmup;
+      double cfg;
+      bool xl;
+    };
+    for (const auto& k : {Case{schedulers::SamplerKind::Euler, 2, 2, 1, 5.0, false},
+                          Case{schedulers::SamplerKind::DPMPP2M, 3, 2, 1, 5.0, false},
+                          Case{schedulers::SamplerKind::Euler, 2, 2, 2, 1.0, false},  // a step reusing warm-up's eps
+                          Case{schedulers::SamplerKind::DDIM, 4, 2, 3, 1.0, false},
+                          Case{schedulers::SamplerKind::Euler, 3, 3, 2, 5.0, false},
+                          Case{schedulers::SamplerKind::Euler, 2, 2, 1, 5.0, true},
+                          Case{schedulers::SamplerKind::Euler, 3, 2, 1, 1.0, true}}) {
+      const int steps = 6;
+      auto in = inputs(k.kind, steps, 1, k.cfg, 7, k.xl ? sdxl() : unet_);
+      AsyncDiff a;
+      a.n = k.n;
+      a.stride = k.stride;
+      a.warmup = k.warmup;
+      const auto out = run(a, in);
+      const auto sim = simulate_asyncdiff_stride(in, k.xl ? sdxl() : unet_, k.n, k.stride, k.warmup, k.cfg);
+      const auto what = QString("n %1 stride %2 warmup %3 cfg %4 xl %5").arg(k.n).arg(k.stride).arg(k.warmup).arg(k.cfg).arg(k.xl);
+      QVERIFY2(test::max_abs_diff(out.latents, sim) < 1e-5,
+               qPrintable(what + QString(": %1 from the replay").arg(test::max_abs_diff(out.latents, sim))));
+      AsyncDiff one;
+      one.n = k.n;
+      one.warmup = k.warmup;
+      QVERIFY2(test::max_abs_diff(run(one, in).latents, out.latents) > 1e-6, qPrintable(what + ": the same as stride 1"));
+      const auto base = run(SingleDevice{}, in);
+      const double rel = (out.latents - base.latents).norm().item<double>() / base.latents.norm().item<double>();
+      QVERIFY2(rel > 1e-6 && rel < (k.n < 4 ? 0.5 : 2.0), qPrintable(what + QString(": rel L2 to one device %1").arg(rel)));
+      QVERIFY(out.stats.note.find("one-round-stale") != std::string::npos);
+      QCOMPARE(out.stats.strategy, "asyncdiff-stride" + std::to_string(k.stride));
+    }
+    // For 2 components the skip rules agree; for 3 they differ (and the producers' rule is the replay's).
+    for (int n : {2, 3}) {
+      auto in = inputs(schedulers::SamplerKind::Euler, 6, 1, 5.0);
+      AsyncDiff a;
+      a.n = n;
+      a.stride = 2;
+      const auto producers = run(a, in).latents;
+      a.lineage_skips = true;
+      const double d = test::max_abs_diff(run(a, in).latents, producers);
+      QVERIFY2(n == 2 ? d < 1e-6 : d > 1e-6, qPrintable(QString("n %1: lineage differs by %2").arg(n).arg(d)));
+    }
+  }
+
+  // (h) Messages per step, counted through the communicator, against the formula and by hand.
+  void asyncdiffStrideMessagesPerStep() {
+    struct Case {
+      int n, stride, warmup, steps;
+      std::vector<std::int64_t> expected;
+    };
+    for (const auto& k : {Case{3, 2, 1, 6, {4, 4, 1, 3, 1, 1}}, Case{2, 2, 2, 6, {2, 3, 0, 2, 1, 1}},
+                          Case{2, 3, 1, 7, {4, 4, 1, 1, 1, 1, 1}}, Case{2, 2, 3, 7, {2, 2, 3, 3, 1, 1, 1}},
+                          Case{3, 2, 1, 5, {4, 4, 1, 1, 1}}}) {
+      auto in = inputs(schedulers::SamplerKind::Euler, k.steps, 1, 5.0);
+      AsyncDiff a;
+      a.n = k.n;
+      a.stride = k.stride;
+      a.warmup = k.warmup;
+      const auto out = run(a, in);
+      const auto what = QString("n %1 stride %2 warmup %3 steps %4").arg(k.n).arg(k.stride).arg(k.warmup).arg(k.steps);
+      QVERIFY2(out.stats.messages_per_step == k.expected, qPrintable(what));
+      std::int64_t bytes = 0;
+      for (int i = 0; i < k.steps; ++i) {
+        QCOMPARE(AsyncDiff::messages_per_step(i, k.steps, k.warmup, k.n, k.stride),
+                 static_cast<int>(out.stats.messages_per_step[static_cast<std::size_t>(i)]));
+        bytes += out.stats.bytes_per_step[static_cast<std::size_t>(i)];
+      }
+      QCOMPARE(out.stats.bytes_sent, bytes);
+    }
+    // Stride 1 through the general formula is the old one.
+    for (int i = 0; i < 5; ++i) QCOMPARE(AsyncDiff::messages_per_step(i, 5, 2, 3, 1), AsyncDiff::messages_per_step(i, 5, 2, 3));
+    QCOMPARE(AsyncDiff::first_group(6, 1, 2), 1);
+    QCOMPARE(AsyncDiff::first_group(6, 2, 2), 3);
+    QCOMPARE(AsyncDiff::first_group(6, 2, 3), 4);
+    QCOMPARE(AsyncDiff::first_group(6, 9, 2), 6);
+  }
+
+  // (i) What a stride saves: component 0 (the latency chain's start) runs once a round, the last
+  // component once a step, spread over rank n-1 and the helpers, at the steps' timesteps.
+  void asyncdiffStrideRunsFewerRounds() {
+    struct Call {
+      int rank, begin;
+      double t;
+    };
+    std::mutex m;
+    std::vector<Call> calls;
+    for (int stride : {1, 2, 3}) {
+      const int steps = 6, n = 2;
+      auto in = inputs(schedulers::SamplerKind::Euler, steps, 1, 5.0);
+      calls.clear();
+      const auto plain = in.make_denoiser;
+      in.make_denoiser = [&, plain](int rank, const c10::Device& d) -> std::unique_ptr<Denoiser> {
+        return std::make_unique<Counting>(plain(rank, d), evals_, false, [&m, &calls, rank](int begin, double t) {
+          std::lock_guard<std::mutex> lock(m);
+          calls.push_back({rank, begin, t});
+        });
+      };
+      AsyncDiff a;
+      a.n = n;
+      a.stride = stride;
+      const auto out = run(a, in);
+      const auto ts = schedulers::Sampler::create(in.kind, in.config, steps)->timesteps();
+      // Per rank, the timesteps (as step indices) it ran its component at.
+      std::vector<std::vector<int>> at(static_cast<std::size_t>(n + stride - 1));
+      for (const auto& c : calls) {
+        const auto it = std::find(ts.begin(), ts.end(), c.t);
+        QVERIFY(it != ts.end());
+        at[static_cast<std::size_t>(c.rank)].push_back(static_cast<int>(it - ts.begin()));
+      }
+      using V = std::vector<int>;
+      if (stride == 1) {
+        QVERIFY(at[0] == (V{0, 1, 2, 3, 4, 5}) && at[1] == (V{0, 1, 2, 3, 4, 5}));
+      } else if (stride == 2) {  // rounds (1, 2), (3, 4), (5)
+        QVERIFY(at[0] == (V{0, 2, 4, 5}));
+        QVERIFY(at[1] == (V{0, 2, 4, 5}));
+        QVERIFY(at[2] == (V{1, 3}));
+      } else {  // rounds (1, 2, 3), (4, 5)
+        QVERIFY(at[0] == (V{0, 3, 5}));
+        QVERIFY(at[1] == (V{0, 3, 5}));
+        QVERIFY(at[2] == (V{1, 4}));
+        QVERIFY(at[3] == (V{2}));
+      }
+      QCOMPARE(out.stats.rounds, static_cast<int>(at[0].size()));
+      QCOMPARE(out.stats.rounds, 1 + (steps - 1 + stride - 1) / stride);
+      QCOMPARE(out.stats.evaluations, steps);  // one eps a step, none reused
+    }
+  }
+
+  // (j) Strides it cannot run, and the strategy's name form.
+  void asyncdiffStrideRefusals() {
+    auto in = inputs(schedulers::SamplerKind::Euler, 3, 1, 5.0);
+    for (int bad : {0, -1}) {
+      AsyncDiff a;
+      a.stride = bad;
+      QCOMPARE(a.devices(), 2);
+      const auto named = "stride " + std::to_string(bad);
+      DIFFRACT_EXPECT_ERROR(run(a, in), named.c_str(), "must be 1 or more");
+    }
+    AsyncDiff a;
+    a.n = 1;
+    a.stride = 2;
+    DIFFRACT_EXPECT_ERROR(run(a, in), "needs 2 or more UNet components", "3 or more devices");
+    a.n = 2;
+    auto two = DeviceGroup::virtual_cpu(2);
+    DIFFRACT_EXPECT_ERROR(a.run(*two, in), "asyncdiff-stride2 needs 3 device");
+    DIFFRACT_EXPECT_ERROR(make_strategy("asyncdiff-stride2", 2), "needs 3 or more devices, not 2");
+    DIFFRACT_EXPECT_ERROR(make_strategy("asyncdiff-stride3", 3), "needs 4 or more devices, not 3");
+    for (const char* bad : {"asyncdiff-stride0", "asyncdiff-stride", "asyncdiff-stride-1", "asyncdiff-stridex"})
+      DIFFRACT_EXPECT_ERROR(make_strategy(bad, 3), "whole number 1 or more");
+    const auto s = make_strategy("asyncdiff-stride2", 4);
+    QCOMPARE(s->devices(), 4);
+    QCOMPARE(s->name(), std::string("asyncdiff-stride2"));
+    const auto* ad = dynamic_cast<const AsyncDiff*>(s.get());
+    QVERIFY(ad && ad->n == 3 && ad->stride == 2);
+    QCOMPARE(make_strategy("asyncdiff-stride1", 3)->name(), std::string("asyncdiff"));
+    QCOMPARE(make_strategy("asyncdiff-stride1", 3)->devices(), 3);
   }
 
   // What each strategy evaluates before its loop (GPU ranks capture their graphs there): the

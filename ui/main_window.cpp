@@ -91,7 +91,7 @@ const char* const kStrategies[] = {"single",         "cfg-parallel",          "h
                                    "driffusion",     "driffusion-aggressive", "cfg-driffusion",
                                    "cfg-driffusion-aggressive", "data-parallel", "step-skip",
                                    "pipefusion",     "cfg-pipefusion",        "asyncdiff",
-                                   "distrifusion"};
+                                   "asyncdiff-stride2", "distrifusion"};
 
 // The first local file among dragged URLs (or a file URL dragged as text), else "".
 QString droppedFile(const QMimeData* mime) {

@@ -41,7 +41,7 @@ namespace {
 
 const char* const kKnown[] = {"single",        "cfg-parallel", "hybrid-cfg", "driffusion", "driffusion-aggressive",
                               "data-parallel", "step-skip",    "pipefusion", "asyncdiff", "cfg-driffusion",
-                              "cfg-driffusion-aggressive", "cfg-pipefusion", "distrifusion"};
+                              "cfg-driffusion-aggressive", "cfg-pipefusion", "distrifusion", "asyncdiff-stride2"};
 
 }  // namespace
 
@@ -73,6 +73,11 @@ DeviceChoice choose_devices(std::vector<int> enabled_gpus, const std::string& st
   // A pair of GPUs per draft (cfg-driffusion) or per stage (cfg-pipefusion: a pipeline per branch).
   const bool pairs = name.rfind("cfg-driffusion", 0) == 0 || name == "cfg-pipefusion";
   const int needed = (name == "cfg-parallel" || name == "hybrid-cfg") ? 2 : pairs ? enabled - enabled % 2 : enabled;
+  if (name == "asyncdiff-stride2" && enabled < 3) {  // 2 components, the last on a second GPU too
+    c.error = "strategy asyncdiff-stride2 needs 3 GPUs; " + std::to_string(enabled) +
+              " enabled (enable another GPU, or choose asyncdiff)";
+    return c;
+  }
   if (enabled < needed || needed < 1) {
     c.error = "strategy " + name + " needs 2 GPUs; " + std::to_string(enabled) +
               " is enabled (enable another GPU, or choose single)";

@@ -26,7 +26,7 @@ struct DeviceChoice {
 // devices. No GPU enabled runs on the CPU with `cpu_devices` virtual devices. With GPUs the job
 // runs on the lowest enabled one; multi-GPU strategies take consecutive GPUs from there
 // (cfg-parallel and hybrid-cfg need 2, driffusion, data-parallel, pipefusion and asyncdiff use every
-// enabled GPU).
+// enabled GPU; asyncdiff-stride2 every one of 3 or more).
 // step-skip runs on one device and keeps `cpu_devices` as its skip factor.
 DeviceChoice choose_devices(std::vector<int> enabled_gpus, const std::string& strategy, int cpu_devices);
 

@@ -15,14 +15,16 @@ namespace diffract::parallel {
 using namespace detail;
 
 void AsyncDiff::validate(std::int64_t, bool) const {
-  if (n < 2) throw Error("asyncdiff needs 2 or more devices (one per component), not " + std::to_string(n));
+  if (stride < 1)
+    throw Error("asyncdiff: stride " + std::to_string(stride) + " (steps per round) must be 1 or more");
+  if (n < 2 && stride == 1) throw Error("asyncdiff needs 2 or more devices (one per component), not " + std::to_string(n));
+  if (n < 2)
+    throw Error("asyncdiff stride " + std::to_string(stride) + " needs 2 or more UNet components on n + " +
+                std::to_string(stride - 1) + " devices (" + std::to_string(stride + 1) + " or more devices), not " +
+                std::to_string(n) + " component(s)");
   if (warmup < 1)
     throw Error("asyncdiff needs 1 or more synchronous warm-up steps to fill its pipeline, not " +
                 std::to_string(warmup));
-  if (stride != 1)
-    throw Error("asyncdiff: stride " + std::to_string(stride) +
-                " (stride denoising: each component's result reused for several steps, which the reference "
-                "runs on n + 1 devices) is not implemented; use stride 1");
 }
 
 std::vector<int> AsyncDiff::balanced_split(const std::vector<double>& cost, int n) {
@@ -57,9 +59,26 @@ std::vector<int> AsyncDiff::balanced_split(const std::vector<double>& cost, int 
   return bounds;
 }
 
-int AsyncDiff::messages_per_step(int step, int steps, int warmup, int n) {
-  const bool stale = step >= warmup;
-  return stale && step + 1 >= steps ? 1 : n;
+int AsyncDiff::first_group(int steps, int warmup, int stride) {
+  const int sync = std::min(warmup, steps);
+  return std::min(steps, sync + (stride - (sync - 1) % stride) % stride);
+}
+
+namespace {
+
+// The helpers (ranks n..n+S-2) that run in the round starting at step s: one per step of its
+// group but the last.
+int working_helpers(int s, int steps, int stride) { return s < steps ? std::min(stride, steps - s) - 1 : 0; }
+
+}  // namespace
+
+int AsyncDiff::messages_per_step(int step, int steps, int warmup, int n, int stride) {
+  const int sync = std::min(warmup, steps), first = first_group(steps, warmup, stride);
+  if (step < sync) return n + (step + 1 == sync ? working_helpers(first, steps, stride) : 0);
+  if (step < first) return 0;
+  if ((step - first) % stride != 0) return 1;
+  const int next = step + stride;
+  return 1 + (next < steps ? n - 1 + working_helpers(next, steps, stride) : 0);
 }
 
 void AsyncDiff::warm(Denoiser& d, const at::Tensor& x, double t) const {
@@ -143,73 +162,181 @@ LoopOutput AsyncDiff::run(DeviceGroup& g, const LoopInputs& in) const {
   std::atomic<std::int64_t> bytes{0};
   at::Tensor result;
   CancelGate gate(in.cancel);
-  g.run([&](int rank, Communicator& comm) {
-    auto& me = ranks[static_cast<std::size_t>(rank)];
-    auto& den = *me.den;
-    const auto dev = g.device(rank);
-    const bool head = rank == 0, tail = rank == n - 1;
-    const int begin = bounds[static_cast<std::size_t>(rank)], end = bounds[static_cast<std::size_t>(rank) + 1];
-    const auto bytes0 = comm.bytes_sent();
-    const auto state_buffer = [&] {
-      return at::empty({state_numel[static_cast<std::size_t>(rank)]}, at::TensorOptions().device(dev).dtype(den.output_dtype()));
-    };
-    at::Tensor input;  // rank > 0: the last state received from rank - 1 (packed)
-    for (int i = 0; i < steps; ++i) {
-      gate.check(i);
-      const double t = me.sampler->timesteps().at(static_cast<std::size_t>(i));
-      const bool stale = i >= sync_steps;
-      const bool feed = !stale || i + 1 < steps;  // whether this step's states have a consumer
-      models::UNetStageState st;
-      if (head) {
-        st = den.stage_input(me.sampler->scale_model_input(me.x, i), t, branch);
-      } else {
-        if (!stale) {
+  const int first = first_group(steps, warmup, stride);
+  if (stride > 1) {
+    g.run([&](int rank, Communicator& comm) {
+      auto& me = ranks[static_cast<std::size_t>(rank)];
+      auto& den = *me.den;
+      const auto dev = g.device(rank);
+      const int comp = std::min(rank, n - 1), helper = rank >= n ? rank - n : -1;
+      const auto uc = static_cast<std::size_t>(comp);
+      const bool head = rank == 0, tail = comp == n - 1;
+      const int begin = bounds[uc], end = bounds[uc + 1];
+      const int source = helper >= 0 ? n - 2 : rank - 1;
+      const auto bytes0 = comm.bytes_sent();
+      const auto state_buffer = [&] {
+        return at::empty({state_numel[uc]}, at::TensorOptions().device(dev).dtype(den.output_dtype()));
+      };
+      const auto works = [&](int s) { return helper < 0 ? s < steps : helper < working_helpers(s, steps, stride); };
+      // A non-last rank's state goes to the next rank; rank n-2's also to the helpers of the round at step s.
+      const auto send_state = [&](const models::UNetStageState& st, int step, int s) {
+        const auto out = pack(st);
+        comm.send(out, rank + 1);
+        sent(step, out);
+        if (rank != n - 2) return;
+        for (int j = 0; j < working_helpers(s, steps, stride); ++j) {
+          comm.send(out, n + j);
+          sent(step, out);
+        }
+      };
+      const auto timestep = [&](int i) { return me.sampler->timesteps().at(static_cast<std::size_t>(i)); };
+      at::Tensor input, last_eps;
+      for (int i = 0; i < steps; ++i) {
+        gate.check(i);
+        if (i < sync_steps) {
+          const bool last_sync = i + 1 == sync_steps;
+          if (helper >= 0) {
+            if (last_sync && works(first)) {
+              input = state_buffer();
+              comm.recv(input, source);
+            }
+            continue;
+          }
+          const double t = timestep(i);
+          models::UNetStageState st;
+          if (head) {
+            st = den.stage_input(me.sampler->scale_model_input(me.x, i), t, branch);
+          } else {
+            input = state_buffer();
+            comm.recv(input, rank - 1);
+            st = unpack(input, shapes[uc]);
+          }
+          den.run_stage(st, begin, end, t, branch);
+          if (!tail) {
+            send_state(st, i, last_sync ? first : steps);
+          } else {
+            const auto eps = den.stage_output(st, branch).contiguous();
+            comm.send(eps, 0);
+            sent(i, eps);
+          }
+          if (head) {
+            last_eps = at::empty(me.x.sizes(), me.x.options().dtype(den.output_dtype()));
+            comm.recv(last_eps, n - 1);
+            me.x = refine(me, rank, in, last_eps, i, me.x);
+          }
+          continue;
+        }
+        if (i < first) {  // between the warm-up and the first group: the last warm-up eps again
+          if (head) me.x = refine(me, rank, in, last_eps, i, me.x);
+          continue;
+        }
+        if ((i - first) % stride != 0 || !works(i)) continue;
+        const int last = std::min(i + stride - 1, steps - 1), next = i + stride;
+        const int at = helper >= 0 ? i + helper : last;
+        const double t = timestep(at);
+        models::UNetStageState st;
+        if (head) st = den.stage_input(me.sampler->scale_model_input(me.x, i), t, branch);
+        else st = unpack(input, shapes[uc]);
+        den.run_stage(st, begin, end, t, branch);
+        if (head) {
+          if (next < steps) send_state(st, i, next);
+          std::vector<at::Tensor> eps;
+          for (int q = i; q <= last; ++q) {
+            eps.push_back(at::empty(me.x.sizes(), me.x.options().dtype(den.output_dtype())));
+            comm.recv(eps.back(), q < last ? n + (q - i) : n - 1);
+          }
+          for (int q = i; q <= last; ++q) me.x = refine(me, rank, in, eps[static_cast<std::size_t>(q - i)], q, me.x);
+          continue;
+        }
+        if (works(next)) {
+          input = state_buffer();
+          comm.recv(input, source);
+          if (!lineage_skips && !tail) {
+            const auto fresh = unpack(input, shapes[uc]);
+            for (std::size_t q = 0; q < carried[uc]; ++q) st.skips[q] = fresh.skips[q];
+          }
+        }
+        if (!tail) {
+          if (next < steps) send_state(st, i, next);
+        } else {
+          const auto eps = den.stage_output(st, branch).contiguous();
+          comm.send(eps, 0);
+          sent(at, eps);
+        }
+      }
+      bytes += comm.bytes_sent() - bytes0;
+      if (head) result = me.x;
+    });
+  } else {
+    g.run([&](int rank, Communicator& comm) {
+      auto& me = ranks[static_cast<std::size_t>(rank)];
+      auto& den = *me.den;
+      const auto dev = g.device(rank);
+      const bool head = rank == 0, tail = rank == n - 1;
+      const int begin = bounds[static_cast<std::size_t>(rank)], end = bounds[static_cast<std::size_t>(rank) + 1];
+      const auto bytes0 = comm.bytes_sent();
+      const auto state_buffer = [&] {
+        return at::empty({state_numel[static_cast<std::size_t>(rank)]}, at::TensorOptions().device(dev).dtype(den.output_dtype()));
+      };
+      at::Tensor input;  // rank > 0: the last state received from rank - 1 (packed)
+      for (int i = 0; i < steps; ++i) {
+        gate.check(i);
+        const double t = me.sampler->timesteps().at(static_cast<std::size_t>(i));
+        const bool stale = i >= sync_steps;
+        const bool feed = !stale || i + 1 < steps;  // whether this step's states have a consumer
+        models::UNetStageState st;
+        if (head) {
+          st = den.stage_input(me.sampler->scale_model_input(me.x, i), t, branch);
+        } else {
+          if (!stale) {
+            input = state_buffer();
+            comm.recv(input, rank - 1);
+          }
+          st = unpack(input, shapes[static_cast<std::size_t>(rank)]);
+        }
+        den.run_stage(st, begin, end, t, branch);
+        if (head) {
+          const auto out = pack(st);
+          if (feed) {
+            comm.send(out, 1);
+            sent(i, out);
+          }
+          auto eps = at::empty(me.x.sizes(), me.x.options().dtype(den.output_dtype()));
+          comm.recv(eps, n - 1);
+          me.x = refine(me, rank, in, eps, i, me.x);
+          continue;
+        }
+        // A stale step's input for step i + 1 comes now, after this step's work.
+        if (stale && feed) {
           input = state_buffer();
           comm.recv(input, rank - 1);
+          // The skips this component carried came with its input from step i - 1; the state just
+          // received holds the same ones as their producers made them at step i (refreshed
+          // likewise by rank - 1 before it sent), which is what rank + 1 gets.
+          if (!lineage_skips && !tail) {
+            const auto fresh = unpack(input, shapes[static_cast<std::size_t>(rank)]);
+            for (std::size_t q = 0; q < carried[static_cast<std::size_t>(rank)]; ++q) st.skips[q] = fresh.skips[q];
+          }
         }
-        st = unpack(input, shapes[static_cast<std::size_t>(rank)]);
-      }
-      den.run_stage(st, begin, end, t, branch);
-      if (head) {
-        const auto out = pack(st);
-        if (feed) {
-          comm.send(out, 1);
-          sent(i, out);
-        }
-        auto eps = at::empty(me.x.sizes(), me.x.options().dtype(den.output_dtype()));
-        comm.recv(eps, n - 1);
-        me.x = refine(me, rank, in, eps, i, me.x);
-        continue;
-      }
-      // A stale step's input for step i + 1 comes now, after this step's work.
-      if (stale && feed) {
-        input = state_buffer();
-        comm.recv(input, rank - 1);
-        // The skips this component carried came with its input from step i - 1; the state just
-        // received holds the same ones as their producers made them at step i (refreshed
-        // likewise by rank - 1 before it sent), which is what rank + 1 gets.
-        if (!lineage_skips && !tail) {
-          const auto fresh = unpack(input, shapes[static_cast<std::size_t>(rank)]);
-          for (std::size_t q = 0; q < carried[static_cast<std::size_t>(rank)]; ++q) st.skips[q] = fresh.skips[q];
+        if (!tail) {
+          if (feed) {
+            const auto out = pack(st);
+            comm.send(out, rank + 1);
+            sent(i, out);
+          }
+        } else {
+          const auto eps = den.stage_output(st, branch).contiguous();
+          comm.send(eps, 0);
+          sent(i, eps);
         }
       }
-      if (!tail) {
-        if (feed) {
-          const auto out = pack(st);
-          comm.send(out, rank + 1);
-          sent(i, out);
-        }
-      } else {
-        const auto eps = den.stage_output(st, branch).contiguous();
-        comm.send(eps, 0);
-        sent(i, eps);
-      }
-    }
-    bytes += comm.bytes_sent() - bytes0;
-    if (head) result = me.x;
-  });
+      bytes += comm.bytes_sent() - bytes0;
+      if (head) result = me.x;
+    });
+  }
 
-  auto o = finish(*this, in, g, result, steps, steps, bytes.load());
+  const int groups = (steps - first + stride - 1) / stride;
+  auto o = finish(*this, in, g, result, sync_steps + groups, steps - (first - sync_steps), bytes.load());
   o.stats.messages_per_step = traffic.messages();
   o.stats.bytes_per_step = traffic.bytes();
   double total = 0;
@@ -231,12 +358,21 @@ LoopOutput AsyncDiff::run(DeviceGroup& g, const LoopInputs& in) const {
              layers[static_cast<std::size_t>(bounds[static_cast<std::size_t>(k) + 1] - 1)].name + ", " +
              std::to_string(static_cast<int>(100.0 * c / total + 0.5)) + "% of the estimated cost)";
   }
-  o.stats.note = std::to_string(n) + " sequential components of " + std::to_string(layers.size()) + " UNet layers [" +
-                 split + "]; " + std::to_string(sync_steps) + " synchronous step(s), then " +
-                 std::to_string(steps - sync_steps) +
-                 " one-step-stale step(s) (each component on the previous one's state from the step before, the skips " +
-                 (lineage_skips ? std::string("as that state carried them") : std::string("from their producers")) +
-                 "), stride " + std::to_string(stride);
+  const std::string skips =
+      lineage_skips ? std::string("as that state carried them") : std::string("from their producers");
+  if (stride == 1)
+    o.stats.note = std::to_string(n) + " sequential components of " + std::to_string(layers.size()) + " UNet layers [" +
+                   split + "]; " + std::to_string(sync_steps) + " synchronous step(s), then " +
+                   std::to_string(steps - sync_steps) +
+                   " one-step-stale step(s) (each component on the previous one's state from the step before, the "
+                   "skips " + skips + "), stride 1";
+  else
+    o.stats.note = std::to_string(n) + " sequential components of " + std::to_string(layers.size()) + " UNet layers [" +
+                   split + "], the last also on " + std::to_string(stride - 1) + " helper device(s); " +
+                   std::to_string(sync_steps) + " synchronous step(s), " + std::to_string(first - sync_steps) +
+                   " step(s) reusing the last warm-up eps, then " + std::to_string(groups) + " one-round-stale round(s) of up to " +
+                   std::to_string(stride) + " steps (each component on the previous one's state from the round before, the "
+                   "skips " + skips + "; the last component once per step of the round), stride " + std::to_string(stride);
   return o;
 }
 

@@ -521,6 +521,19 @@ std::unique_ptr<Strategy> make_strategy(const std::string& name, int n, int patc
     s->n = n;
     return s;
   }
+  if (name.rfind("asyncdiff-stride", 0) == 0) {
+    const std::string digits = name.substr(std::string("asyncdiff-stride").size());
+    if (digits.empty() || digits.size() > 3 || digits.find_first_not_of("0123456789") != std::string::npos ||
+        std::stoi(digits) < 1)
+      throw Error("strategy '" + name + "': the stride after asyncdiff-stride must be a whole number 1 or more");
+    auto s = std::make_unique<AsyncDiff>();
+    s->stride = std::stoi(digits);
+    s->n = n - (s->stride - 1);  // the last component also runs on stride - 1 more devices
+    if (s->n < 2)
+      throw Error(name + " runs 2 or more UNet components on components + " + std::to_string(s->stride - 1) +
+                  " devices: it needs " + std::to_string(s->stride + 1) + " or more devices, not " + std::to_string(n));
+    return s;
+  }
   if (name == "distrifusion") {
     auto s = std::make_unique<DistriFusion>();
     s->n = n;
@@ -553,7 +566,8 @@ std::unique_ptr<Strategy> make_strategy(const std::string& name, int n, int patc
   }
   throw Error("unknown strategy '" + name +
               "' (single, cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, cfg-driffusion, "
-              "cfg-driffusion-aggressive, data-parallel, step-skip, pipefusion, cfg-pipefusion, asyncdiff, distrifusion)");
+              "cfg-driffusion-aggressive, data-parallel, step-skip, pipefusion, cfg-pipefusion, asyncdiff, asyncdiff-stride2, "
+              "distrifusion)");
 }
 
 }  // namespace diffract::parallel

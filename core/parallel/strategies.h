@@ -189,7 +189,8 @@ struct StepSkipping final : Strategy {
 // "cfg-driffusion" / "cfg-driffusion-aggressive" (n devices, even: n / 2 drafts per round),
 // "data-parallel" (n), "step-skip" (skip = n), "pipefusion" (n stages, `patches` patches; 0: n;
 // SD3 only, core/parallel/pipefusion.h), "asyncdiff" (n sequential UNet components,
-// core/parallel/asyncdiff.h).
+// core/parallel/asyncdiff.h), "asyncdiff-stride<S>" (AsyncDiff's stride denoising, S steps a
+// round: n - S + 1 components on n devices).
 std::unique_ptr<Strategy> make_strategy(const std::string& name, int n, int patches = 0);
 
 }  // namespace diffract::parallel
