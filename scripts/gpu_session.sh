@@ -227,8 +227,8 @@ if [ "$plan" = hang ]; then
 fi
 
 if [ "$plan" = three ]; then
-  ctest --test-dir build/gpu -R "gpu_strategies|gpu_cfg_pipefusion" -V --timeout 90 > "$logs/checks_strategies.log" 2>&1
-  grep -E "  (ok|FAIL)  |tests passed|rel-L2|Timeout" "$logs/checks_strategies.log" | cut -c1-300
+  ctest --test-dir build/gpu -R "gpu_stage_graphs|gpu_strategies|gpu_cfg_pipefusion" -V --timeout 90 > "$logs/checks_strategies.log" 2>&1
+  grep -E "  (ok|FAIL)  |tests passed|rel-L2|graphed vs eager|Timeout" "$logs/checks_strategies.log" | cut -c1-300
   echo "strategy check at $(elapsed) s"
   BENCH_STRATEGIES="${SDXL_STRATEGIES:-distrifusion:2,asyncdiff:2,hybrid-cfg,cfg-parallel}" strategy_bench 150
   python3 - "$logs/bench_strategies.json" <<'PY'
@@ -292,7 +292,7 @@ fi
 
 if [ "$plan" = short ]; then
   ctest --test-dir build/gpu -R gpu_strategies -V --timeout 90 > "$logs/checks_strategies.log" 2>&1
-  grep -E "  (ok|FAIL)  |tests passed|rel-L2|Timeout" "$logs/checks_strategies.log" | cut -c1-600
+  grep -E "  (ok|FAIL)  |tests passed|rel-L2|graphed vs eager|Timeout" "$logs/checks_strategies.log" | cut -c1-600
   echo "strategy check at $(elapsed) s"
   timeout "$(left 5)" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 2 \
     --strategies "${BENCH_STRATEGIES:-asyncdiff:2,cfg-parallel}" > "$logs/bench_strategies.json" 2> "$logs/bench_strategies.log"

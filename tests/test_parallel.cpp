@@ -1272,17 +1272,45 @@ class TestParallel : public QObject {
         s.h = x;
         return s;
       }
-      void run_stage(models::UNetStageState&, int begin, int end, double, Branch) override {
-        log.push_back("stage " + std::to_string(begin) + ".." + std::to_string(end));
-      }
       at::Tensor stage_output(const models::UNetStageState& s, Branch) override {
         log.push_back("output");
         return s.h;
+      }
+      std::vector<std::vector<std::int64_t>> stage_shapes(int layer, std::int64_t, std::int64_t, Branch) const override {
+        return {{10, 4, 8, 8}, std::vector<std::int64_t>{10, 2, 8, static_cast<std::int64_t>(layer)}};
+      }
+      void run_stage(models::UNetStageState& s, int begin, int end, double, Branch) override {
+        if (!s.skips.empty())  // warm_rank's zero state of the shapes the rank receives in the loop
+          log.push_back("state " + std::to_string(s.skips.size()) + " skip(s), width " +
+                        std::to_string(s.skips.back().size(3)) + ", rows " + std::to_string(s.h.size(0)) +
+                        (s.h.abs().sum().item<double>() == 0 ? ", zero" : ", not zero"));
+        log.push_back("stage " + std::to_string(begin) + ".." + std::to_string(end));
       }
     };
     Sequential seq;
     make_strategy("asyncdiff", 3)->warm(seq, x, 999);
     QVERIFY(seq.log == (std::vector<std::string>{"input guided", "stage 0..2", "stage 2..4", "stage 4..6", "output"}));
+    // Per rank (what the pipeline calls): each rank its own component only, on the state it
+    // receives in the loop, so that it captures one stage graph, not n.
+    using S = std::vector<std::string>;
+    const S per_rank[] = {{"input guided", "stage 0..2"},
+                          {"state 1 skip(s), width 2, rows 10, zero", "stage 2..4"},
+                          {"state 1 skip(s), width 4, rows 10, zero", "stage 4..6", "output"}};
+    for (int r = 0; r < 3; ++r) {
+      Sequential one;
+      make_strategy("asyncdiff", 3)->warm_rank(one, x, 999, r);
+      QVERIFY(one.log == per_rank[r]);
+    }
+    // With a stride the extra ranks run the last component, and warm only it.
+    for (int r = 0; r < 4; ++r) {
+      Sequential one;
+      make_strategy("asyncdiff-stride2", 4)->warm_rank(one, x, 999, r);
+      QVERIFY(one.log == per_rank[std::min(r, 2)]);
+    }
+    // Strategies whose ranks run alike warm every rank as warm() does.
+    Staged staged1;
+    make_strategy("hybrid-cfg", 2)->warm_rank(staged1, x, 999, 1);
+    QVERIFY(staged1.log == staged.log);
   }
 
   // --- SD3: the denoiser and PipeFusion on a tiny random MMDiT (4 blocks, qk norm, SD3.5's

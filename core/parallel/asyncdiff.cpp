@@ -93,6 +93,32 @@ void AsyncDiff::warm(Denoiser& d, const at::Tensor& x, double t) const {
   d.stage_output(st, Branch::Guided);
 }
 
+void AsyncDiff::warm_rank(Denoiser& d, const at::Tensor& x, double t, int rank) const {
+  const auto layers = d.stage_layers(x.size(2), x.size(3));
+  if (layers.empty() || n > static_cast<int>(layers.size())) return;
+  if (rank < 0 || rank >= devices()) return warm(d, x, t);
+  const int component = std::min(rank, n - 1);  // stride's extra ranks run the last component
+  std::vector<double> cost;
+  for (const auto& l : layers) cost.push_back(l.cost);
+  const auto bounds = balanced_split(cost, n);
+  const int begin = bounds[static_cast<std::size_t>(component)], end = bounds[static_cast<std::size_t>(component) + 1];
+  models::UNetStageState st;
+  if (component == 0) {
+    st = d.stage_input(x, t, Branch::Guided);
+  } else {
+    // What run() unpacks from its peer's message: h and the skips, in the output dtype.
+    const auto options = x.options().dtype(d.output_dtype());
+    const auto shapes = d.stage_shapes(begin, x.size(2), x.size(3), Branch::Guided);
+    for (std::size_t i = 0; i < shapes.size(); ++i) {
+      auto z = at::zeros(shapes[i], options);
+      if (i == 0) st.h = z;
+      else st.skips.push_back(z);
+    }
+  }
+  d.run_stage(st, begin, end, t, Branch::Guided);
+  if (component == n - 1) d.stage_output(st, Branch::Guided);
+}
+
 namespace {
 
 std::int64_t numel_of(const std::vector<std::int64_t>& shape) {

@@ -77,7 +77,9 @@ namespace diffract::parallel {
 //   step 0 (messages_per_step).
 //  Speed: in a stale step the n ranks run disjoint ~1/n parts of the layers concurrently, so a
 //   step costs about the largest component plus the chain's transfers instead of a whole UNet.
-//   Warm-up steps cost a whole UNet plus n transfers. The stages run eager (no CUDA graphs).
+//   Warm-up steps cost a whole UNet plus n transfers. On GPUs each rank's component replays a
+//   CUDA graph (UNetGraphRunner::forward_range; DIFFRACT_STAGE_GRAPHS=0: eager), captured in
+//   warm_rank() before the loop.
 //   Stats: rounds = warm-up steps + groups; evaluations = the eps the model produced (steps less
 //   the reuse steps).
 struct AsyncDiff final : Strategy {
@@ -94,6 +96,10 @@ struct AsyncDiff final : Strategy {
   // GPU rank's first eager stage calls (cuDNN autotuning, allocator growth) never happen while
   // a peer waits in NCCL. Nothing for a denoiser that cannot split (run() refuses it).
   void warm(Denoiser& d, const at::Tensor& x, double timestep) const override;
+  // Rank `rank`'s component alone, on a zero state of the shapes it receives in the loop (rank 0:
+  // the model input), so that the rank captures its component's CUDA graph (one: the others'
+  // would only hold memory) before the loop. Nothing for a denoiser that cannot split.
+  void warm_rank(Denoiser& d, const at::Tensor& x, double timestep, int rank) const override;
 
   // n + 1 boundaries 0 = b_0 < b_1 < ... < b_n = cost.size() minimising the largest
   // sum(cost[b_k .. b_{k+1})) (dynamic programming; deterministic). Throws when n > cost.size().

@@ -132,9 +132,10 @@ void UNetDenoiser::run_stage(models::UNetStageState& s, int begin, int end, doub
   const auto& cond = conditioning(branch);
   s.h = s.h.to(device_, dtype_);
   for (auto& k : s.skips) k = k.to(device_, dtype_);
+  // The timestep as a device tensor, the time embedding made with the layers (inside their CUDA
+  // graph on a GPU, so one graph serves every step).
   const auto t = at::full({s.h.size(0)}, timestep, at::TensorOptions().dtype(at::kFloat).device(device_));
-  s.temb = unet_->embed_time(t, cond, dtype_);
-  unet_->forward_range(s, begin, end, cond);
+  unet_->forward_range(s, begin, end, t, cond);
 }
 
 at::Tensor UNetDenoiser::stage_output(const models::UNetStageState& s, Branch branch) {

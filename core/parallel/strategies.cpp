@@ -21,6 +21,7 @@ namespace diffract::parallel {
 Strategy::~Strategy() = default;
 
 void Strategy::warm(Denoiser& d, const at::Tensor& x, double t) const { d.eval(x, t, Branch::Guided); }
+void Strategy::warm_rank(Denoiser& d, const at::Tensor& x, double t, int) const { warm(d, x, t); }
 
 std::string LoopStats::to_json() const {
   nlohmann::json j = {{"strategy", strategy}, {"devices", devices},     {"steps", steps},

@@ -67,6 +67,9 @@ class Strategy {
   // its device), so that GPU ranks capture their CUDA graphs before the loop rather than while
   // their peers wait in a collective. Default: the guided batch.
   virtual void warm(Denoiser& d, const at::Tensor& x, double timestep) const;
+  // warm() for rank `rank` of the group run() will use, on that rank's thread (what the pipeline
+  // calls): strategies whose ranks run different calls warm only the rank's own. Default: warm().
+  virtual void warm_rank(Denoiser& d, const at::Tensor& x, double timestep, int rank) const;
 };
 
 // One device, the pipeline's own loop (the reference).
@@ -119,8 +122,9 @@ HybridWindow hybrid_cfg_window(const std::vector<double>& rel_mae, int L, double
 //   when step i+1 is stale, eps_i (0 -> 1) so rank 1 replays the sampler. The fill step adds
 //   h and the inner output to CFG-parallel's all_gather.
 //  Speed-up: the ranks run disjoint halves of the layers at batch 1 concurrently, so a stale
-//   step costs about the larger stage instead of a whole UNet. The stage path runs eager
-//   (no CUDA graphs); stats.rel_mae is NaN for stale steps (no pair of branches there).
+//   step costs about the larger stage instead of a whole UNet. The stage calls replay CUDA
+//   graphs on GPUs (UNetGraphRunner; DIFFRACT_STAGE_GRAPHS=0: eager), captured in warm();
+//   stats.rel_mae is NaN for stale steps (no pair of branches there).
 struct HybridCfg final : Strategy {
   int L = 12;
   double eps = 4e-4;
@@ -131,7 +135,8 @@ struct HybridCfg final : Strategy {
   int devices() const override { return 2; }
   void validate(std::int64_t batch, bool cfg) const override;
   LoopOutput run(DeviceGroup& group, const LoopInputs& in) const override;
-  // The CFG-parallel steps' graph shape (one branch); the window's stages run eager.
+  // The CFG-parallel steps' graph shape (one branch), then the window's three stage calls (every
+  // rank runs all three in the fill step).
   void warm(Denoiser& d, const at::Tensor& x, double timestep) const override;
 };
 

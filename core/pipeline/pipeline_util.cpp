@@ -253,7 +253,8 @@ at::Tensor run_strategy_loop(const parallel::Strategy& strategy, parallel::Devic
     for (int r = 0; r < group.size(); ++r) {
       group.run_on(r, [&] {
         const auto d = group.device(r);
-        strategy.warm(*in.make_denoiser(r, d), at::zeros(warm_input.sizes(), warm_input.options().device(d)), warm_timestep);
+        strategy.warm_rank(*in.make_denoiser(r, d), at::zeros(warm_input.sizes(), warm_input.options().device(d)),
+                           warm_timestep, r);
         torch::cuda::synchronize(d.index());
       });
     }

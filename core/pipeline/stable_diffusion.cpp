@@ -59,6 +59,7 @@ models::UNetGraphOptions graph_options() {
   models::UNetGraphOptions o;
   const char* env = std::getenv("DIFFRACT_CUDA_GRAPHS");
   o.enabled = !(env && std::string(env) == "0");
+  o.stage_graphs = models::stage_graphs_from_env();  // DIFFRACT_STAGE_GRAPHS=0: the strategies' stages eager
   return o;
 }
 
@@ -785,6 +786,7 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
   if (p.device.is_cuda())
     meta["unet_graphs"] = {{"graphs", p.runner->graphs()},
                            {"last_capture_ms", p.runner->last_capture_ms()},
+                           {"stage_graphs", p.runner->stage_graphs()},
                            {"replicas_ms", p.replica_ms},
                            {"channels_last", p.runner->options().channels_last},
                            {"memory_format_choice", p.memory_format_choice}};

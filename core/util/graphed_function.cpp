@@ -1,6 +1,7 @@
 #include "core/util/graphed_function.h"
 
 #include <algorithm>
+#include <chrono>
 #include <list>
 #include <vector>
 
@@ -15,34 +16,43 @@
 
 namespace diffract {
 
-struct GraphedFunction::Cache {
+struct GraphCache::Cache {
+  double last_capture_ms = 0;
 #ifdef DIFFRACT_HAS_CUDA
   struct Entry {
+    std::vector<std::int64_t> tag;
     std::vector<std::vector<std::int64_t>> sizes;
     std::vector<at::ScalarType> dtypes;
     at::Device device{at::kCPU};
-    std::vector<at::Tensor> inputs;
-    at::Tensor out;
+    std::vector<at::Tensor> inputs, outputs;
+    // Per output: the input it is (passed through, >= 0), or an earlier output it is (-2 - j).
+    std::vector<int> same;
     std::unique_ptr<at::cuda::CUDAGraph> graph;
   };
   std::list<Entry> entries;  // most recently used first
+
+  // A replay may still be running on the device when its pool is handed back.
+  void drop_last() {
+    c10::cuda::getCurrentCUDAStream(entries.back().device.index()).synchronize();
+    entries.pop_back();
+  }
 #endif
 };
 
-GraphedFunction::GraphedFunction(Function f, int max_graphs)
-    : f_(std::move(f)), max_graphs_(max_graphs), cache_(std::make_unique<Cache>()) {}
+GraphCache::GraphCache(int max_graphs) : max_graphs_(max_graphs), cache_(std::make_unique<Cache>()) {}
 
-GraphedFunction::GraphedFunction(std::function<at::Tensor(const at::Tensor&)> f, int max_graphs)
-    : GraphedFunction([f = std::move(f)](const std::vector<at::Tensor>& in) { return f(in.at(0)); }, max_graphs) {}
+GraphCache::~GraphCache() { clear(); }
 
-GraphedFunction::~GraphedFunction() { clear(); }
-
-void GraphedFunction::set_enabled(bool on) {
-  if (!on) clear();
-  enabled_ = on;
+bool GraphCache::graphable(const std::vector<at::Tensor>& inputs) const {
+#ifdef DIFFRACT_HAS_CUDA
+  return max_graphs_ > 0 && !inputs.empty() && inputs.front().is_cuda();
+#else
+  (void)inputs;
+  return false;
+#endif
 }
 
-int GraphedFunction::graphs() const {
+int GraphCache::graphs() const {
 #ifdef DIFFRACT_HAS_CUDA
   return static_cast<int>(cache_->entries.size());
 #else
@@ -50,41 +60,51 @@ int GraphedFunction::graphs() const {
 #endif
 }
 
-void GraphedFunction::clear() {
+double GraphCache::last_capture_ms() const { return cache_->last_capture_ms; }
+
+void GraphCache::set_max_graphs(int n) {
+  max_graphs_ = n;
 #ifdef DIFFRACT_HAS_CUDA
-  // A replay may still be running when its memory pool is handed back.
-  for (const auto& e : cache_->entries) c10::cuda::getCurrentCUDAStream(e.device.index()).synchronize();
-  cache_->entries.clear();
+  while (static_cast<int>(cache_->entries.size()) > std::max(n, 0)) cache_->drop_last();
 #endif
 }
 
-at::Tensor GraphedFunction::operator()(const std::vector<at::Tensor>& inputs) {
+void GraphCache::clear() {
 #ifdef DIFFRACT_HAS_CUDA
-  if (enabled_ && max_graphs_ > 0 && !inputs.empty() && inputs.front().is_cuda()) {
+  while (!cache_->entries.empty()) cache_->drop_last();
+#endif
+}
+
+std::vector<at::Tensor> GraphCache::run(const std::vector<std::int64_t>& tag, const std::vector<at::Tensor>& inputs,
+                                        const Function& f, std::optional<at::MemoryFormat> layout) {
+#ifdef DIFFRACT_HAS_CUDA
+  if (graphable(inputs)) {
     auto& entries = cache_->entries;
     const auto device = inputs.front().device();
     std::vector<std::vector<std::int64_t>> sizes;
     std::vector<at::ScalarType> dtypes;
     for (const auto& t : inputs) {
+      TORCH_CHECK(t.defined() && t.device() == device, "GraphCache: every input must be defined and on ", device);
       sizes.push_back(t.sizes().vec());
       dtypes.push_back(t.scalar_type());
     }
     auto it = std::find_if(entries.begin(), entries.end(), [&](const Cache::Entry& e) {
-      return e.sizes == sizes && e.dtypes == dtypes && e.device == device;
+      return e.tag == tag && e.sizes == sizes && e.dtypes == dtypes && e.device == device;
     });
     if (it == entries.end()) {
+      const auto t0 = std::chrono::steady_clock::now();
       const auto index = device.index();
       c10::cuda::CUDAGuard device_guard(device);
       const auto current = c10::cuda::getCurrentCUDAStream(index);
-      if (static_cast<int>(entries.size()) >= max_graphs_) {
-        current.synchronize();
-        entries.pop_back();
-      }
+      while (!entries.empty() && static_cast<int>(entries.size()) >= max_graphs_) cache_->drop_last();
       Cache::Entry e;
+      e.tag = tag;
       e.sizes = sizes;
       e.dtypes = dtypes;
       e.device = device;
-      for (const auto& t : inputs) e.inputs.push_back(t.clone());  // on the caller's stream, where replays read them
+      // On the caller's stream, where the replays read them.
+      for (const auto& t : inputs)
+        e.inputs.push_back(layout && t.dim() == 4 ? t.clone(*layout) : t.clone());
       e.graph = std::make_unique<at::cuda::CUDAGraph>();
       // Captures need a stream other than the legacy default one; the caller's may be either.
       auto capture = c10::cuda::getStreamFromPool(false, index);
@@ -93,27 +113,66 @@ at::Tensor GraphedFunction::operator()(const std::vector<at::Tensor>& inputs) {
       behind.block(capture);
       {
         c10::cuda::CUDAStreamGuard stream_guard(capture);
-        for (int i = 0; i < 2; ++i) f_(e.inputs);
-        // Thread-local capture: other threads keep launching work on their own devices.
+        for (int i = 0; i < 2; ++i) f(e.inputs);  // cuDNN / cuBLAS plans and workspaces
+        // Thread-local capture: other threads (ranks) keep launching work on their own devices.
         e.graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
-        e.out = f_(e.inputs);
+        e.outputs = f(e.inputs);
         e.graph->capture_end();
       }
       at::cuda::CUDAEvent captured;
       captured.record(capture);
       captured.block(current);
+      for (std::size_t o = 0; o < e.outputs.size(); ++o) {
+        int same = -1;
+        for (std::size_t i = 0; i < e.inputs.size() && same == -1; ++i)
+          if (e.outputs[o].is_same(e.inputs[i])) same = static_cast<int>(i);
+        for (std::size_t j = 0; j < o && same == -1; ++j)
+          if (e.outputs[o].is_same(e.outputs[j])) same = -2 - static_cast<int>(j);
+        e.same.push_back(same);
+      }
       entries.push_front(std::move(e));
       it = entries.begin();
+      current.synchronize();
+      cache_->last_capture_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     } else if (it != entries.begin()) {
       entries.splice(entries.begin(), entries, it);
       it = entries.begin();
     }
     for (std::size_t i = 0; i < inputs.size(); ++i) it->inputs[i].copy_(inputs[i]);
     it->graph->replay();
-    return it->out.clone();
+    std::vector<at::Tensor> out;
+    out.reserve(it->outputs.size());
+    for (std::size_t o = 0; o < it->outputs.size(); ++o) {
+      const int same = it->same[o];
+      if (same >= 0) out.push_back(inputs[static_cast<std::size_t>(same)]);
+      else if (same <= -2) out.push_back(out[static_cast<std::size_t>(-2 - same)]);
+      else out.push_back(it->outputs[o].clone());
+    }
+    return out;
   }
 #endif
-  return f_(inputs);
+  (void)tag;
+  (void)layout;
+  return f(inputs);
+}
+
+GraphedFunction::GraphedFunction(Function f, int max_graphs) : f_(std::move(f)), cache_(max_graphs) {}
+
+GraphedFunction::GraphedFunction(std::function<at::Tensor(const at::Tensor&)> f, int max_graphs)
+    : GraphedFunction([f = std::move(f)](const std::vector<at::Tensor>& in) { return f(in.at(0)); }, max_graphs) {}
+
+GraphedFunction::~GraphedFunction() = default;
+
+void GraphedFunction::set_enabled(bool on) {
+  if (!on) clear();
+  enabled_ = on;
+}
+
+at::Tensor GraphedFunction::operator()(const std::vector<at::Tensor>& inputs) {
+  if (!enabled_ || !cache_.graphable(inputs)) return f_(inputs);
+  const auto& f = f_;
+  return cache_.run({}, inputs, [&f](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{f(in)}; })
+      .front();
 }
 
 }  // namespace diffract

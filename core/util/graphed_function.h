@@ -1,17 +1,59 @@
 #pragma once
-// A function of tensors replayed from CUDA graphs, one per set of input shapes and dtypes, as
-// UNetGraphRunner does for the UNet (unet_graphs.h): the first call for a shape runs it eagerly
-// twice (cuDNN's plans, workspaces) and captures it; later calls copy into the static inputs and
-// replay. SD3's transformer step uses it. (Graphing the TAESD preview decode was measured and
-// did not pay: SD 1.5's previews cost +10.4 % graphed against +10.1 % eager, docs/benchmarks.md.)
+// Functions of tensors replayed from CUDA graphs, one per set of input shapes and dtypes, as
+// UNetGraphRunner does for the whole UNet (unet_graphs.h): the first call for a shape runs it
+// eagerly twice (cuDNN's plans, workspaces) and captures it; later calls copy into the static
+// inputs and replay.
+//  GraphCache: the machinery, for functions of several tensors to several tensors, keyed also
+//   by a caller's tag (which function: UNetGraphRunner's stage calls keep one cache for all of
+//   their layer ranges and splits).
+//  GraphedFunction: one function, one output. SD3's transformer step uses it. (Graphing the
+//   TAESD preview decode was measured and did not pay: SD 1.5's previews cost +10.4 % graphed
+//   against +10.1 % eager, docs/benchmarks.md.)
 // Eager on the CPU and when disabled.
+#include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/MemoryFormat.h>
 
 namespace diffract {
+
+class GraphCache {
+ public:
+  using Function = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+  // Keeps the `max_graphs` most recently used keys (each graph holds its own memory pool).
+  explicit GraphCache(int max_graphs = 2);
+  ~GraphCache();
+  GraphCache(const GraphCache&) = delete;
+  GraphCache& operator=(const GraphCache&) = delete;
+
+  // True when run() would replay a graph: max_graphs > 0 and the inputs on a CUDA device.
+  bool graphable(const std::vector<at::Tensor>& inputs) const;
+  // f(inputs), replayed from the graph of the key (tag, every input's sizes and dtype, the
+  // device), captured on the key's first call (f run eagerly twice first, on the inputs' copies);
+  // f(inputs) itself when !graphable(inputs). `f` must be capturable (no host synchronisation,
+  // no CPU tensors) and do the same work for a given key. Every input must be a defined tensor on
+  // one device. The outputs are tensors of their own (copies of the graph's static outputs, made
+  // on the current stream right after the replay: the next replay cannot touch them), except that
+  // an output that is one of f's inputs passed through unchanged comes back as the caller's
+  // tensor, and outputs that were one tensor inside f share one copy. `layout`: the static 4-D
+  // inputs' memory format (the copies convert), else each input's own as on the first call.
+  std::vector<at::Tensor> run(const std::vector<std::int64_t>& tag, const std::vector<at::Tensor>& inputs,
+                              const Function& f, std::optional<at::MemoryFormat> layout = std::nullopt);
+  int graphs() const;
+  int max_graphs() const { return max_graphs_; }
+  void set_max_graphs(int n);      // drops the least recently used graphs above n
+  double last_capture_ms() const;  // the last capture's wall time (warm-up calls included); 0 before
+  void clear();                    // drops every graph and its memory
+
+ private:
+  struct Cache;
+  int max_graphs_;
+  std::unique_ptr<Cache> cache_;
+};
 
 class GraphedFunction {
  public:
@@ -30,15 +72,13 @@ class GraphedFunction {
   at::Tensor operator()(const at::Tensor& x) { return (*this)(std::vector<at::Tensor>{x}); }
   void set_enabled(bool on);
   bool enabled() const { return enabled_; }
-  int graphs() const;
-  void clear();  // drops every graph and its memory
+  int graphs() const { return cache_.graphs(); }
+  void clear() { cache_.clear(); }  // drops every graph and its memory
 
  private:
-  struct Cache;
   Function f_;
-  int max_graphs_;
   bool enabled_ = true;
-  std::unique_ptr<Cache> cache_;
+  GraphCache cache_;
 };
 
 }  // namespace diffract

@@ -1,5 +1,5 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks groupnorm|graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion
+//   diffract-gpu-checks groupnorm|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion
 // Exit 0: passed; 1: failed (the reasons printed); 77: skipped (too few GPUs).
 #include <algorithm>
 #include <cmath>
@@ -19,6 +19,8 @@
 #include "core/models/autoencoders/taesd.h"
 #include "core/models/common/layers.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
+#include "core/models/unets/unet_graphs.h"
+#include "core/parallel/asyncdiff.h"
 #include "core/parallel/communicator.h"
 #include "core/parallel/device_group.h"
 #include "core/parallel/pipefusion.h"
@@ -141,6 +143,168 @@ void check_graphs() {
   }
   const auto last = nlohmann::json::parse(graphed->generate(req, {}, never).metadata_json);
   expect(last["unet_graphs"]["graphs"].get<int>() <= 3, "the graph cache keeps at most 3 shapes");
+}
+
+// The strategies' stage calls replayed from CUDA graphs (UNetGraphRunner::forward_range, the U
+// split) against the same calls run eagerly on the same module and inputs: a tiny SDXL-shaped
+// UNet in bf16 (pooled text and time ids), AsyncDiff's layer ranges for 2 and 3 components and
+// the whole range, both U splits; several timesteps through one graph per call, each call
+// replayed twice (the first results must survive the second replay), and a check that the
+// comparison can fail (other timesteps give other outputs).
+void check_stage_graphs() {
+  need_gpus(1);
+  at::NoGradGuard no_grad;
+  at::globalContext().setBenchmarkCuDNN(true);  // as the pipeline runs
+  const at::Device dev("cuda:0");
+  const auto bf16 = at::TensorOptions().device(dev).dtype(at::kBFloat16);
+  auto c = models::UNet2DConditionConfig::sdxl_base();  // StableDiffusion::random's tiny SDXL
+  c.block_out_channels = {32, 64, 64};
+  c.down_block_types = {"DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"};
+  c.up_block_types = {"CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"};
+  c.layers_per_block = {1, 1, 1};
+  c.num_attention_heads = {2, 2, 2};
+  c.transformer_layers_per_block = {1, 1, 1};
+  c.reverse_transformer_layers_per_block = {1, 1, 1};
+  c.norm_num_groups = 16;
+  c.cross_attention_dim = {64, 64, 64};
+  c.projection_class_embeddings_input_dim = 32 + 6 * c.addition_time_embed_dim;
+  models::UNet2DConditionModel unet(c);
+  models::init_random(*unet, 5);
+  unet->eval();
+  unet->to(dev, at::kBFloat16);
+  models::UNetGraphOptions off;
+  off.enabled = false;
+  models::UNetGraphRunner eager(unet, off), graphed(unet);  // one module, so the same weights
+  expect(graphed.options().stage_graphs, "stage graphs are on by default");
+
+  const std::int64_t rows = 2, side = 24;  // AsyncDiff's guided batch of one image
+  at::manual_seed(7);
+  models::UNetConditioning cond;
+  cond.encoder_hidden_states = at::randn({rows, 7, 64}, bf16);
+  cond.text_embeds = at::randn({rows, 32}, bf16);
+  cond.time_ids = at::tensor({24.0f, 24.0f, 0.0f, 0.0f, 24.0f, 24.0f}).repeat({rows, 1}).to(bf16);
+  const auto ts = [&](double t) { return at::full({rows}, t, at::TensorOptions().device(dev).dtype(at::kFloat)); };
+  const auto sample = [&] { return at::randn({rows, c.in_channels, side, side}, bf16); };
+  // max |a - b| / max |b|: 0 when the replay is bit for bit the eager call.
+  const auto diff = [](const at::Tensor& a, const at::Tensor& b) {
+    if (!a.defined() || !b.defined() || a.sizes() != b.sizes()) return 1e30;
+    const auto fa = a.to(at::kFloat), fb = b.to(at::kFloat);
+    return (fa - fb).abs().max().item<double>() / std::max(fb.abs().max().item<double>(), 1e-12);
+  };
+  const double tol = 1e-2;  // bf16; identical kernels normally give 0
+  double worst = 0;
+  const auto state_diff = [&](const models::UNetStageState& a, const models::UNetStageState& b) {
+    double d = std::max(diff(a.h, b.h), diff(a.temb, b.temb));
+    if (a.skips.size() != b.skips.size()) return 1e30;
+    for (std::size_t i = 0; i < a.skips.size(); ++i) d = std::max(d, diff(a.skips[i], b.skips[i]));
+    return d;
+  };
+  const auto copy = [](const models::UNetStageState& s) {
+    models::UNetStageState r;
+    r.h = s.h.clone();
+    if (s.temb.defined()) r.temb = s.temb.clone();
+    for (const auto& k : s.skips) r.skips.push_back(k.clone());
+    return r;
+  };
+
+  // (a) forward_range over AsyncDiff's components and the whole model.
+  std::vector<double> cost;
+  for (const auto& l : unet->layer_info(side, side)) cost.push_back(l.cost);
+  const int layers = unet->layer_count();
+  std::vector<std::pair<int, int>> ranges = {{0, layers}};
+  for (int n : {2, 3}) {
+    const auto b = parallel::AsyncDiff::balanced_split(cost, n);
+    for (int k = 0; k < n; ++k) ranges.emplace_back(b[static_cast<std::size_t>(k)], b[static_cast<std::size_t>(k) + 1]);
+  }
+  const std::vector<double> steps = {999, 601, 1};
+  for (const auto& [begin, end] : ranges) {
+    // The state before `begin` (eager), for two different inputs.
+    std::vector<models::UNetStageState> before;
+    for (int v = 0; v < 2; ++v) {
+      auto s = eager.stage_begin(sample(), ts(999), cond);
+      eager.forward_range(s, 0, begin, cond);
+      before.push_back(s);
+    }
+    const std::string what = "forward_range [" + std::to_string(begin) + ", " + std::to_string(end) + ")";
+    double d = 0, d_temb = 0, spread = 0;
+    models::UNetStageState first_eager_out;
+    for (double t : steps) {
+      std::vector<models::UNetStageState> want, got;
+      for (int v = 0; v < 2; ++v) {  // two replays of one graph, the first result held across the second
+        auto e = copy(before[static_cast<std::size_t>(v)]);
+        auto g = copy(before[static_cast<std::size_t>(v)]);
+        eager.forward_range(e, begin, end, ts(t), cond);
+        graphed.forward_range(g, begin, end, ts(t), cond);
+        want.push_back(e);
+        got.push_back(g);
+      }
+      for (int v = 0; v < 2; ++v) d = std::max(d, state_diff(got[static_cast<std::size_t>(v)], want[static_cast<std::size_t>(v)]));
+      if (t == steps.front()) first_eager_out = want[0];
+      else spread = std::max(spread, diff(want[0].h, first_eager_out.h));
+      // The form with the state's own temb (an input of its graph).
+      auto e = copy(before[0]), g = copy(before[0]);
+      e.temb = g.temb = eager.embed_time(ts(t), cond, at::kBFloat16);
+      eager.forward_range(e, begin, end, cond);
+      graphed.forward_range(g, begin, end, cond);
+      d_temb = std::max(d_temb, state_diff(g, e));
+    }
+    worst = std::max({worst, d, d_temb});
+    std::cout << "  " << what << ": graphed vs eager " << d << " (temb given: " << d_temb << "), other timesteps differ by "
+              << spread << "\n";
+    expect(d <= tol && d_temb <= tol, what + " replays give the eager states, every timestep, twice");
+    expect(spread > tol, what + ": the timestep changes the output by more than the tolerance (a graph stuck on one step would fail)");
+  }
+  expect(graphed.stage_graphs() > 0 && graphed.stage_graphs() <= graphed.options().max_stage_graphs,
+         "stage graphs were captured and the cache keeps at most max_stage_graphs (" + std::to_string(graphed.stage_graphs()) + ")");
+  expect(graphed.graphs() == 0, "the stage calls leave forward()'s graphs alone");
+
+  // (b) the U split, chained as hybrid CFG's fill step, then stale (inner on an older h).
+  for (int split = 1; split < static_cast<int>(c.block_out_channels.size()); ++split) {
+    const std::string what = "U split " + std::to_string(split);
+    double d = 0, spread = 0;
+    at::Tensor first_out;
+    const auto x0 = sample(), x1 = sample();
+    for (double t : steps) {
+      auto se = eager.forward_outer_down(x0, ts(t), cond, split);
+      auto sg = graphed.forward_outer_down(x0, ts(t), cond, split);
+      auto sg1 = graphed.forward_outer_down(x1, ts(t), cond, split);  // replays again: sg must not change
+      const auto se1 = eager.forward_outer_down(x1, ts(t), cond, split);
+      d = std::max({d, diff(sg.h, se.h), diff(sg.temb, se.temb), diff(sg1.h, se1.h)});
+      if (sg.skips.size() != se.skips.size()) d = 1e30;
+      for (std::size_t i = 0; i < std::min(sg.skips.size(), se.skips.size()); ++i) d = std::max(d, diff(sg.skips[i], se.skips[i]));
+      const auto ie = eager.forward_inner(se.h, ts(t), cond, split);
+      const auto ig = graphed.forward_inner(sg.h, ts(t), cond, split);
+      const auto stale_e = eager.forward_inner(se1.h, ts(t), cond, split);
+      const auto stale_g = graphed.forward_inner(sg1.h, ts(t), cond, split);
+      d = std::max({d, diff(ig, ie), diff(stale_g, stale_e)});
+      const auto oe = eager.forward_outer_up(se, ie, cond, split);
+      const auto og = graphed.forward_outer_up(sg, ig, cond, split);
+      const auto oe1 = eager.forward_outer_up(se1, stale_e, cond, split);
+      const auto og1 = graphed.forward_outer_up(sg1, stale_g, cond, split);
+      d = std::max({d, diff(og, oe), diff(og1, oe1)});
+      if (t == steps.front()) first_out = oe;
+      else spread = std::max(spread, diff(oe, first_out));
+    }
+    worst = std::max(worst, d);
+    std::cout << "  " << what << ": graphed vs eager " << d << ", other timesteps differ by " << spread << "\n";
+    expect(d <= tol, what + ": outer_down / inner / outer_up replays give the eager results, every timestep, twice");
+    expect(spread > tol, what + ": the timestep changes the output by more than the tolerance (a graph stuck on one step would fail)");
+  }
+  expect(graphed.stage_graphs() <= graphed.options().max_stage_graphs, "the stage cache stays bounded");
+  std::cout << "  worst graphed vs eager: " << worst << (worst == 0 ? " (bit for bit)" : "") << "\n";
+
+  // Off (DIFFRACT_STAGE_GRAPHS=0 in the pipeline): eager, graphs dropped; clear() drops them too.
+  auto s = eager.stage_begin(sample(), ts(500), cond);
+  graphed.forward_range(s, 0, 3, ts(500), cond);
+  expect(graphed.stage_graphs() > 0, "a stage graph before clear()");
+  graphed.clear();
+  expect(graphed.stage_graphs() == 0, "clear() drops the stage graphs");
+  graphed.set_stage_graphs(false);
+  auto e = eager.stage_begin(sample(), ts(500), cond);
+  auto g = copy(e);
+  eager.forward_range(e, 0, layers, ts(500), cond);
+  graphed.forward_range(g, 0, layers, ts(500), cond);
+  expect(graphed.stage_graphs() == 0 && state_diff(g, e) == 0, "stage graphs off: eager, bit for bit");
 }
 
 void check_previews() {
@@ -474,11 +638,12 @@ void check_cfg_pipefusion() {
 
 int main(int argc, char** argv) {
   const std::map<std::string, std::function<void()>> checks = {
-      {"groupnorm", check_groupnorm}, {"graphs", check_graphs}, {"previews", check_previews}, {"nccl", check_nccl},
+      {"groupnorm", check_groupnorm}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
+      {"previews", check_previews}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}};
   if (argc != 2 || !checks.count(argv[1])) {
-    std::cerr << "usage: diffract-gpu-checks groupnorm|graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion\n";
+    std::cerr << "usage: diffract-gpu-checks groupnorm|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion\n";
     return 2;
   }
   std::cout << std::unitbuf;

@@ -1,7 +1,9 @@
 #include "core/models/unets/unet_graphs.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <list>
+#include <string>
 #include <tuple>
 
 #include <ATen/ATen.h>
@@ -37,8 +39,13 @@ struct UNetGraphRunner::Cache {
 #endif
 };
 
+bool stage_graphs_from_env() {
+  const char* env = std::getenv("DIFFRACT_STAGE_GRAPHS");
+  return !(env && std::string(env) == "0");
+}
+
 UNetGraphRunner::UNetGraphRunner(UNet2DConditionModel unet, UNetGraphOptions options)
-    : unet_(std::move(unet)), options_(options), cache_(std::make_unique<Cache>()) {
+    : unet_(std::move(unet)), options_(options), cache_(std::make_unique<Cache>()), stages_(options.max_stage_graphs) {
   if (options_.channels_last) {
     options_.channels_last = false;
     set_channels_last(true);
@@ -64,7 +71,15 @@ int UNetGraphRunner::graphs() const {
 
 double UNetGraphRunner::last_capture_ms() const { return cache_->last_capture_ms; }
 
+int UNetGraphRunner::stage_graphs() const { return stages_.graphs(); }
+
+void UNetGraphRunner::set_stage_graphs(bool on) {
+  if (!on) stages_.clear();
+  options_.stage_graphs = on;
+}
+
 void UNetGraphRunner::clear() {
+  stages_.clear();
 #ifdef DIFFRACT_HAS_CUDA
   if (cache_->entries.empty()) return;
   // A replay may still be running on the device when its pool is handed back.
@@ -133,6 +148,171 @@ at::Tensor UNetGraphRunner::forward(const at::Tensor& sample, const at::Tensor& 
   if (options_.channels_last)
     return unet_->forward(sample.contiguous(at::MemoryFormat::ChannelsLast), timesteps, cond).contiguous();
   return unet_->forward(sample, timesteps, cond);
+}
+
+// --- The stage calls -------------------------------------------------------------------------
+
+namespace {
+
+// Which stage call a graph runs (the first element of its GraphCache tag).
+enum StageCall : std::int64_t { RangeWithTemb = 1, RangeAtTimestep, OuterDown, Inner, OuterUp };
+
+// The conditioning's defined tensors, appended to a graph's inputs.
+void push_cond(std::vector<at::Tensor>& in, const UNetConditioning& c) {
+  in.push_back(c.encoder_hidden_states);
+  if (c.text_embeds.defined()) in.push_back(c.text_embeds);
+  if (c.time_ids.defined()) in.push_back(c.time_ids);
+}
+
+// The conditioning from a graph's inputs [at, ...), as push_cond laid it out for `like`.
+UNetConditioning pop_cond(const std::vector<at::Tensor>& in, std::size_t at, const UNetConditioning& like) {
+  UNetConditioning c;
+  c.encoder_hidden_states = in.at(at++);
+  if (like.text_embeds.defined()) c.text_embeds = in.at(at++);
+  if (like.time_ids.defined()) c.time_ids = in.at(at++);
+  return c;
+}
+
+std::vector<std::int64_t> tag_of(StageCall call, std::int64_t a, std::int64_t b, std::size_t skips,
+                                 const UNetConditioning& c, bool channels_last) {
+  return {call, a, b, static_cast<std::int64_t>(skips), c.text_embeds.defined() ? 1 : 0, c.time_ids.defined() ? 1 : 0,
+          channels_last ? 1 : 0};
+}
+
+at::Tensor expand_rows(const at::Tensor& timesteps, std::int64_t rows) {
+  return timesteps.dim() == 0 ? timesteps.expand({rows}) : timesteps;
+}
+
+}  // namespace
+
+bool UNetGraphRunner::stage_graphed(const at::Tensor& x) const {
+  return options_.enabled && options_.stage_graphs && options_.max_stage_graphs > 0 && x.defined() && x.is_cuda();
+}
+
+at::MemoryFormat UNetGraphRunner::layout() const {
+  return options_.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+}
+
+void UNetGraphRunner::forward_range(UNetStageState& state, int begin, int end, const UNetConditioning& cond) {
+  // An empty or invalid range: nothing to graph (the model throws for an invalid one).
+  if (!stage_graphed(state.h) || !state.temb.defined() || begin >= end || begin < 0 || end > unet_->layer_count()) {
+    unet_->forward_range(state, begin, end, cond);
+    return;
+  }
+  if (stages_.max_graphs() != options_.max_stage_graphs) stages_.set_max_graphs(options_.max_stage_graphs);
+  const auto skips = state.skips.size();
+  std::vector<at::Tensor> in = {state.h, state.temb};
+  in.insert(in.end(), state.skips.begin(), state.skips.end());
+  push_cond(in, cond);
+  auto out = stages_.run(
+      tag_of(RangeWithTemb, begin, end, skips, cond, options_.channels_last), in,
+      [&](const std::vector<at::Tensor>& x) {
+        UNetStageState s;
+        s.h = x[0];
+        s.temb = x[1];
+        s.skips.assign(x.begin() + 2, x.begin() + 2 + static_cast<std::ptrdiff_t>(skips));
+        unet_->forward_range(s, begin, end, pop_cond(x, 2 + skips, cond));
+        std::vector<at::Tensor> r = {s.h};
+        r.insert(r.end(), s.skips.begin(), s.skips.end());
+        return r;
+      },
+      layout());
+  state.h = out[0];
+  state.skips.assign(out.begin() + 1, out.end());
+}
+
+void UNetGraphRunner::forward_range(UNetStageState& state, int begin, int end, const at::Tensor& timesteps,
+                                    const UNetConditioning& cond) {
+  if (!stage_graphed(state.h) || begin >= end || begin < 0 || end > unet_->layer_count()) {
+    state.temb = unet_->embed_time(expand_rows(timesteps, state.h.size(0)), cond, state.h.scalar_type());
+    unet_->forward_range(state, begin, end, cond);
+    return;
+  }
+  if (stages_.max_graphs() != options_.max_stage_graphs) stages_.set_max_graphs(options_.max_stage_graphs);
+  const auto skips = state.skips.size();
+  std::vector<at::Tensor> in = {state.h, timesteps};
+  in.insert(in.end(), state.skips.begin(), state.skips.end());
+  push_cond(in, cond);
+  auto out = stages_.run(
+      tag_of(RangeAtTimestep, begin, end, skips, cond, options_.channels_last), in,
+      [&](const std::vector<at::Tensor>& x) {
+        const auto c = pop_cond(x, 2 + skips, cond);
+        UNetStageState s;
+        s.h = x[0];
+        s.temb = unet_->embed_time(expand_rows(x[1], x[0].size(0)), c, x[0].scalar_type());
+        s.skips.assign(x.begin() + 2, x.begin() + 2 + static_cast<std::ptrdiff_t>(skips));
+        unet_->forward_range(s, begin, end, c);
+        std::vector<at::Tensor> r = {s.temb, s.h};
+        r.insert(r.end(), s.skips.begin(), s.skips.end());
+        return r;
+      },
+      layout());
+  state.temb = out[0];
+  state.h = out[1];
+  state.skips.assign(out.begin() + 2, out.end());
+}
+
+UNetOuterState UNetGraphRunner::forward_outer_down(const at::Tensor& sample, const at::Tensor& timesteps,
+                                                   const UNetConditioning& cond, int split) {
+  if (!stage_graphed(sample) || split < 1 || split >= static_cast<int>(unet_->down_blocks->size()))
+    return unet_->forward_outer_down(sample, timesteps, cond, split);
+  if (stages_.max_graphs() != options_.max_stage_graphs) stages_.set_max_graphs(options_.max_stage_graphs);
+  std::vector<at::Tensor> in = {sample, timesteps};
+  push_cond(in, cond);
+  auto out = stages_.run(
+      tag_of(OuterDown, split, 0, 0, cond, options_.channels_last), in,
+      [&](const std::vector<at::Tensor>& x) {
+        auto s = unet_->forward_outer_down(x[0], x[1], pop_cond(x, 2, cond), split);
+        std::vector<at::Tensor> r = {s.temb, s.h};
+        r.insert(r.end(), s.skips.begin(), s.skips.end());
+        return r;
+      },
+      layout());
+  UNetOuterState s;
+  s.temb = out[0];
+  s.h = out[1];
+  s.skips.assign(out.begin() + 2, out.end());
+  return s;
+}
+
+at::Tensor UNetGraphRunner::forward_inner(const at::Tensor& h, const at::Tensor& timesteps, const UNetConditioning& cond,
+                                          int split) {
+  if (!stage_graphed(h) || split < 1 || split >= static_cast<int>(unet_->down_blocks->size()))
+    return unet_->forward_inner(h, timesteps, cond, split);
+  if (stages_.max_graphs() != options_.max_stage_graphs) stages_.set_max_graphs(options_.max_stage_graphs);
+  std::vector<at::Tensor> in = {h, timesteps};
+  push_cond(in, cond);
+  return stages_
+      .run(
+          tag_of(Inner, split, 0, 0, cond, options_.channels_last), in,
+          [&](const std::vector<at::Tensor>& x) {
+            return std::vector<at::Tensor>{unet_->forward_inner(x[0], x[1], pop_cond(x, 2, cond), split)};
+          },
+          layout())
+      .front();
+}
+
+at::Tensor UNetGraphRunner::forward_outer_up(UNetOuterState state, const at::Tensor& inner, const UNetConditioning& cond,
+                                             int split) {
+  if (!stage_graphed(inner) || !state.temb.defined() || split < 1 || split >= static_cast<int>(unet_->down_blocks->size()))
+    return unet_->forward_outer_up(std::move(state), inner, cond, split);
+  if (stages_.max_graphs() != options_.max_stage_graphs) stages_.set_max_graphs(options_.max_stage_graphs);
+  const auto skips = state.skips.size();
+  std::vector<at::Tensor> in = {inner, state.temb};
+  in.insert(in.end(), state.skips.begin(), state.skips.end());
+  push_cond(in, cond);
+  return stages_
+      .run(
+          tag_of(OuterUp, split, 0, skips, cond, options_.channels_last), in,
+          [&](const std::vector<at::Tensor>& x) {
+            UNetOuterState s;
+            s.temb = x[1];
+            s.skips.assign(x.begin() + 2, x.begin() + 2 + static_cast<std::ptrdiff_t>(skips));
+            return std::vector<at::Tensor>{
+                unet_->forward_outer_up(std::move(s), x[0], pop_cond(x, 2 + skips, cond), split)};
+          },
+          layout())
+      .front();
 }
 
 }  // namespace diffract::models
