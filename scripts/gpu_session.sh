@@ -133,11 +133,12 @@ multigpu_checks() {
   echo "multi-GPU checks done at $(elapsed) s"
 }
 strategy_bench() {
-  timeout "${1:-180}" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 3 \
+  local tag="${BENCH_TAG:-strategies}"
+  timeout "${1:-180}" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs "${BENCH_RUNS:-3}" \
     --strategies "${BENCH_STRATEGIES:-cfg-parallel,driffusion-aggressive:2,driffusion:2,step-skip:2,hybrid-cfg}" \
-    > "$logs/bench_strategies.json" 2> "$logs/bench_strategies.log"
-  echo "strategy bench rc $? at $(elapsed) s"
-  python3 - "$logs/bench_strategies.json" <<'PY'
+    > "$logs/bench_$tag.json" 2> "$logs/bench_$tag.log"
+  echo "strategy bench ($tag) rc $? at $(elapsed) s"
+  python3 - "$logs/bench_$tag.json" <<'PY'
 import json, sys
 try:
     r = json.load(open(sys.argv[1]))
@@ -223,6 +224,44 @@ if [ "$plan" = hang ]; then
       hybrid) HANG_STRATEGIES=hybrid-cfg hang_case hybrid ${HYBRID_ENV:-} ;;
     esac
   done
+  exit 0
+fi
+
+# strategy_split FILE: each strategy's warm-up, loop, text, VAE and first / last steps.
+strategy_split() {
+  python3 - "$1" <<'PY'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as e:
+    print("no strategy JSON:", e); sys.exit(0)
+for x in r["results"]:
+    print(f"  one GPU: e2e {x['end_to_end_ms']['median']:.1f} ms, step {x['denoiser_step_ms']['mean']:.2f} ms, text {x['text_encode_ms']:.2f} ms, vae {x['vae_decode_ms']:.1f} ms")
+    for s in x.get("strategies", []):
+        st = s.get("stats", {})
+        steps = s.get("step_ms", [])
+        print(f"  {s['strategy']}: warm {st.get('warm_ms', 0):.0f} ms, loop {st.get('loop_ms', 0):.0f} ms, text {s.get('text_encode_ms', 0):.1f}, "
+              f"vae {s.get('vae_decode_ms', 0):.1f}, steps {len(steps)}: {[round(v, 1) for v in steps]}")
+PY
+}
+
+#   PLAN=six (two GPUs): the stage-graph, strategy and cfg-pipefusion checks; the SDXL strategy
+#     bench (AsyncDiff and hybrid with stage graphs, then without if time allows); the UNet load
+#     bench (pinned upload against bind-then-move).
+if [ "$plan" = six ]; then
+  ctest --test-dir build/gpu -R "gpu_stage_graphs|gpu_strategies|gpu_cfg_pipefusion" -V --timeout 90 > "$logs/checks_strategies.log" 2>&1
+  grep -E "  (ok|FAIL)  |tests passed|rel-L2|graphed vs eager|bit for bit|Timeout" "$logs/checks_strategies.log" | cut -c1-300
+  echo "strategy checks at $(elapsed) s"
+  BENCH_STRATEGIES="${SDXL_STRATEGIES:-cfg-parallel,driffusion-aggressive:2,asyncdiff:2,hybrid-cfg,distrifusion:2}" strategy_bench 220
+  strategy_split "$logs/bench_strategies.json"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 "$bench" --device cuda:0 --config sdxl-1024 --load-only --runs 2 --scratch /tmp/dbench \
+    > "$logs/bench_load.json" 2> "$logs/bench_load.log"
+  echo "load bench rc $? at $(elapsed) s"
+  python3 -c "import json; [print(' ', json.dumps(r)) for r in json.load(open('$logs/bench_load.json'))['results']]" 2>&1
+  if [ "$(left)" -gt 90 ]; then
+    DIFFRACT_STAGE_GRAPHS=0 BENCH_TAG=eager_stages BENCH_RUNS=2 BENCH_STRATEGIES=asyncdiff:2,hybrid-cfg strategy_bench "$(left 5)"
+    strategy_split "$logs/bench_eager_stages.json"
+  fi
   exit 0
 fi
 

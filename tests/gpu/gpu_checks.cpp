@@ -417,6 +417,10 @@ void check_strategies() {
   std::cout << "  distrifusion n=2 vs one GPU: rel-L2 " << rel_l2(distri, base) << "; messages per step "
             << distri_stats["messages_per_step"].dump() << "\n";
   expect(rel_l2(distri, base) < 0.3, "distrifusion on 2 GPUs (4 synchronous steps, then stale) stays near one GPU");
+  // n (L + 1) messages in a synchronous step with L hooked layer calls; 2 would mean the layers
+  // ran without their exchanges (a CUDA graph replaying a captured band).
+  expect(distri_stats["messages_per_step"][0].get<int>() > 2,
+         "distrifusion's synchronous steps gather at every hooked layer (the bands are never graph-replayed)");
   const auto hybrid = run("hybrid-cfg", 2);
   expect(nlohmann::json::parse(hybrid.metadata_json)["strategy"]["rel_mae"].size() == 9u, "hybrid-cfg reports rel-MAE per step");
   // AsyncDiff over NCCL: one synchronous step, then the stale components, n messages a step.

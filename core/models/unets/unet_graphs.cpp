@@ -15,6 +15,8 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include "core/models/common/patch_parallel.h"
+
 namespace diffract::models {
 
 namespace {
@@ -91,7 +93,8 @@ void UNetGraphRunner::clear() {
 
 at::Tensor UNetGraphRunner::forward(const at::Tensor& sample, const at::Tensor& timesteps, const UNetConditioning& cond) {
 #ifdef DIFFRACT_HAS_CUDA
-  if (options_.enabled && options_.max_graphs > 0 && sample.is_cuda()) {
+  // A patch-parallel band (DistriFusion) exchanges with its peers inside the layers: never captured.
+  if (options_.enabled && options_.max_graphs > 0 && sample.is_cuda() && !patch_context()) {
     auto& entries = cache_->entries;
     const Key key = key_of(sample, cond);
     auto it = std::find_if(entries.begin(), entries.end(), [&](const Cache::Entry& e) { return e.key == key; });
@@ -186,7 +189,8 @@ at::Tensor expand_rows(const at::Tensor& timesteps, std::int64_t rows) {
 }  // namespace
 
 bool UNetGraphRunner::stage_graphed(const at::Tensor& x) const {
-  return options_.enabled && options_.stage_graphs && options_.max_stage_graphs > 0 && x.defined() && x.is_cuda();
+  return options_.enabled && options_.stage_graphs && options_.max_stage_graphs > 0 && x.defined() && x.is_cuda() &&
+         !patch_context();
 }
 
 at::MemoryFormat UNetGraphRunner::layout() const {
