@@ -270,15 +270,7 @@ if [ "$plan" = three ]; then
   grep -E "  (ok|FAIL)  |tests passed|rel-L2|graphed vs eager|Timeout" "$logs/checks_strategies.log" | cut -c1-300
   echo "strategy check at $(elapsed) s"
   BENCH_STRATEGIES="${SDXL_STRATEGIES:-distrifusion:2,asyncdiff:2,hybrid-cfg,cfg-parallel}" strategy_bench 150
-  python3 - "$logs/bench_strategies.json" <<'PY'
-import json, sys
-for r in json.load(open(sys.argv[1]))["results"]:
-    for s in r.get("strategies", []):
-        st = s.get("stats", {})
-        steps = s.get("step_ms", [])
-        print(f"  {s['strategy']}: warm {st.get('warm_ms', 0):.0f} ms, loop {st.get('loop_ms', 0):.0f} ms, text {s.get('text_encode_ms', 0):.1f}, "
-              f"vae {s.get('vae_decode_ms', 0):.1f}, steps {len(steps)}: first {steps[:3]} last {steps[-2:]}")
-PY
+  strategy_split "$logs/bench_strategies.json"
   [ -z "${SKIP_SD3_EAGER:-}" ] && CUDA_VISIBLE_DEVICES=0 DIFFRACT_CUDA_GRAPHS=0 timeout 120 "$bench" --device cuda:0 --config sd3-1024 --batch 1 --runs 2 \
     > "$logs/bench_sd3_eager.json" 2> "$logs/bench_sd3_eager.log"
   echo "sd3 eager bench rc $? at $(elapsed) s"

@@ -86,6 +86,18 @@ class TestParallel : public QObject {
   int fail_rank_ = -1;
   models::UNetConditioning pos_, neg_;  // the last inputs()' conditioning
 
+  // The batch a guided evaluation runs: [negative; prompt] with CFG, else the prompt.
+  models::UNetConditioning guided_conditioning(bool cfg) const {
+    models::UNetConditioning c = pos_;
+    if (!cfg) return c;
+    c.encoder_hidden_states = at::cat({neg_.encoder_hidden_states, pos_.encoder_hidden_states});
+    if (pos_.text_embeds.defined()) {
+      c.text_embeds = at::cat({neg_.text_embeds, pos_.text_embeds});
+      c.time_ids = at::cat({neg_.time_ids, pos_.time_ids});
+    }
+    return c;
+  }
+
   // `model`: the tiny SD UNet when null (the tiny SDXL one gets pooled text and time ids too).
   LoopInputs inputs(schedulers::SamplerKind kind, int steps, int batch, double cfg, std::uint64_t seed = 7,
                     models::UNet2DConditionModel model = nullptr) {
@@ -131,14 +143,7 @@ class TestParallel : public QObject {
     auto sampler = schedulers::Sampler::create(in.kind, in.config, in.steps);
     at::Generator gen = in.generator.clone();
     const bool cfg = scale > 1;
-    models::UNetConditioning c = pos_;
-    if (cfg) {
-      c.encoder_hidden_states = at::cat({neg_.encoder_hidden_states, pos_.encoder_hidden_states});
-      if (pos_.text_embeds.defined()) {
-        c.text_embeds = at::cat({neg_.text_embeds, pos_.text_embeds});
-        c.time_ids = at::cat({neg_.time_ids, pos_.time_ids});
-      }
-    }
+    const models::UNetConditioning c = guided_conditioning(cfg);
     std::vector<double> cost;
     for (const auto& l : u->layer_info(in.latents.size(2), in.latents.size(3))) cost.push_back(l.cost);
     const auto b = AsyncDiff::balanced_split(cost, n);
@@ -201,14 +206,7 @@ class TestParallel : public QObject {
     auto sampler = schedulers::Sampler::create(in.kind, in.config, in.steps);
     at::Generator gen = in.generator.clone();
     const bool cfg = scale > 1;
-    models::UNetConditioning c = pos_;
-    if (cfg) {
-      c.encoder_hidden_states = at::cat({neg_.encoder_hidden_states, pos_.encoder_hidden_states});
-      if (pos_.text_embeds.defined()) {
-        c.text_embeds = at::cat({neg_.text_embeds, pos_.text_embeds});
-        c.time_ids = at::cat({neg_.time_ids, pos_.time_ids});
-      }
-    }
+    const models::UNetConditioning c = guided_conditioning(cfg);
     const auto guide = [&](const at::Tensor& out) {
       if (!cfg) return out;
       auto parts = out.chunk(2);
