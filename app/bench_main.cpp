@@ -154,6 +154,24 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   }
   // Previews decode on their own stream: what they cost is what the denoising loop lost.
   const double denoise = mean(steps) * c.steps;
+  // Previews at half the image's side (a quarter of the decode), where the default cap leaves
+  // them full size: what a smaller preview would cost instead.
+  json half_side;
+  if (c.size / 2 < with_previews.preview_max_side) {
+    auto half = with_previews;
+    half.preview_max_side = c.size / 2;
+    sd->prepare(half);
+    std::vector<double> denoise_h, previews_h;
+    for (int r = 0; r < runs; ++r) {
+      auto res = sd->generate(half, o, never);
+      denoise_h.push_back(denoise_ms(res));
+      previews_h.insert(previews_h.end(), res.timings.preview_ms.begin(), res.timings.preview_ms.end());
+    }
+    half_side = {{"preview_side", half.preview_max_side},
+                 {"preview_decode_ms", mean(previews_h)},
+                 {"preview_added_to_denoising_pct",
+                  denoise > 0 ? 100.0 * (percentile(denoise_h, 0.5) - denoise) / denoise : 0.0}};
+  }
   json j = {
       {"config", c.name}, {"batch", batch}, {"device", device}, {"width", c.size}, {"height", c.size},
       {"steps", c.steps}, {"cfg", c.cfg}, {"runs", runs},
@@ -174,6 +192,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
       {"warm_up_ms", warm_up_ms},
       {"prepare_ms", prepare_ms},
   };
+  if (!half_side.is_null()) j["previews_half_side"] = half_side;
   {
     const auto meta = json::parse(last.metadata_json);
     if (meta.contains("unet_graphs")) j["unet_graphs"] = meta["unet_graphs"];
