@@ -1,7 +1,8 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks groupnorm|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion
+//   diffract-gpu-checks groupnorm|geglu|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion
 // Exit 0: passed; 1: failed (the reasons printed); 77: skipped (too few GPUs).
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
@@ -17,6 +18,7 @@
 
 #include "core/metrics/metrics.h"
 #include "core/models/autoencoders/taesd.h"
+#include "core/models/common/geglu.h"
 #include "core/models/common/layers.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_graphs.h"
@@ -151,6 +153,52 @@ void check_graphs() {
 // the whole range, both U splits; several timesteps through one graph per call, each call
 // replayed twice (the first results must survive the second replay), and a check that the
 // comparison can fail (other timesteps give other outputs).
+// The fused GEGLU gate against a * gelu(b) computed in fp32 from the same inputs: three dtypes,
+// SDXL's feed-forward shapes, a size with a tail, an input off the 16-byte alignment; then the
+// time of both at SDXL's widest feed-forward.
+void check_geglu() {
+  need_gpus(1);
+  expect(models::fused_geglu_available(), "built with the GEGLU kernel");
+  at::NoGradGuard no_grad;
+  const at::Device dev("cuda:0");
+  double worst = 0;
+  for (const auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    const double tol = dtype == at::kFloat ? 1e-6 : dtype == at::kHalf ? 2e-3 : 1e-2;
+    for (const std::vector<std::int64_t>& shape : {std::vector<std::int64_t>{2, 4096, 5120}, {2, 1024, 10240}, {3, 77, 33}}) {
+      const auto a = at::randn(shape, at::TensorOptions().device(dev).dtype(dtype));
+      const auto b = at::randn(shape, at::TensorOptions().device(dev).dtype(dtype)) * 3;
+      const auto want = a.to(at::kFloat) * at::gelu(b.to(at::kFloat));
+      const auto got = models::geglu(a, b);
+      const double err = (got.to(at::kFloat) - want).abs().max().item<double>() / want.abs().max().item<double>();
+      worst = std::max(worst, err);
+      std::ostringstream what;
+      what << "geglu " << c10::toString(dtype) << " " << at::IntArrayRef(shape) << ": max error " << err << " of max |out|";
+      expect(err < tol, what.str());
+    }
+    // Off the vector alignment: the element-wise path.
+    const auto big = at::randn({1 + 4099}, at::TensorOptions().device(dev).dtype(dtype));
+    const auto a = big.narrow(0, 1, 4099), b = big.narrow(0, 0, 4099).contiguous();
+    const auto want = a.to(at::kFloat) * at::gelu(b.to(at::kFloat));
+    const double err = (models::geglu(a, b).to(at::kFloat) - want).abs().max().item<double>() / want.abs().max().item<double>();
+    expect(err < tol, std::string("geglu ") + c10::toString(dtype) + " on an unaligned input");
+  }
+  std::cout << "  worst relative error " << worst << "\n";
+  const auto opts = at::TensorOptions().device(dev).dtype(at::kBFloat16);
+  const auto a = at::randn({2, 4096, 5120}, opts), b = at::randn({2, 4096, 5120}, opts);
+  const auto time = [&](bool fused) {
+    models::set_fused_geglu(fused);
+    for (int i = 0; i < 3; ++i) models::geglu(a, b);
+    torch::cuda::synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 50; ++i) models::geglu(a, b);
+    torch::cuda::synchronize();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / 50;
+  };
+  const double aten = time(false), fused = time(true);
+  std::cout << "  [2, 4096, 5120] bf16: fused " << fused << " ms, ATen gelu + product " << aten << " ms\n";
+  expect(fused < aten, "the fused gate is faster than ATen's two kernels");
+}
+
 void check_stage_graphs() {
   need_gpus(1);
   at::NoGradGuard no_grad;
@@ -642,12 +690,12 @@ void check_cfg_pipefusion() {
 
 int main(int argc, char** argv) {
   const std::map<std::string, std::function<void()>> checks = {
-      {"groupnorm", check_groupnorm}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
+      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}};
   if (argc != 2 || !checks.count(argv[1])) {
-    std::cerr << "usage: diffract-gpu-checks groupnorm|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion\n";
+    std::cerr << "usage: diffract-gpu-checks groupnorm|geglu|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion\n";
     return 2;
   }
   std::cout << std::unitbuf;

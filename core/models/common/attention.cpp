@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/modules/dropout.h>
 
+#include "core/models/common/geglu.h"
 #include "core/models/common/patch_parallel.h"
 #include "core/util/error.h"
 
@@ -80,15 +81,16 @@ class GEGLUImpl : public nn::Module {
  public:
   GEGLUImpl(int64_t dim, int64_t inner) { proj = register_module("proj", Linear(dim, inner * 2)); }
   // Two GEMMs over the halves of the weight rather than one whose output is chunked: each
-  // half comes out contiguous, so gelu and the product run vectorised (on strided halves they
-  // ran as non-vectorised kernels, 5.1 ms of the SDXL step on an H200).
+  // half comes out contiguous, so the gate runs vectorised (on strided halves gelu and the
+  // product ran as non-vectorised kernels, 5.1 ms of the SDXL step on an H200), on CUDA as one
+  // kernel (geglu.h).
   at::Tensor forward(const at::Tensor& x) {
     const int64_t inner = proj->weight.size(0) / 2;
     const auto half = [&](int64_t i) {
       return at::linear(x, proj->weight.narrow(0, i * inner, inner),
                         proj->bias.defined() ? proj->bias.narrow(0, i * inner, inner) : at::Tensor());
     };
-    return half(0) * at::gelu(half(1));
+    return geglu(half(0), half(1));
   }
   Linear proj{nullptr};
 };

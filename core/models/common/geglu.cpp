@@ -1,0 +1,57 @@
+#include "core/models/common/geglu.h"
+
+#include <atomic>
+
+#include <ATen/ATen.h>
+
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "core/models/common/geglu_kernels.h"
+#include "core/util/error.h"
+#endif
+
+namespace diffract::models {
+
+namespace {
+std::atomic<bool> g_fused{true};
+}  // namespace
+
+void set_fused_geglu(bool on) { g_fused = on; }
+
+bool fused_geglu_available() {
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  return g_fused;
+#else
+  return false;
+#endif
+}
+
+at::Tensor geglu(const at::Tensor& a, const at::Tensor& b) {
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  if (a.is_cuda() && g_fused && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && a.is_contiguous() &&
+      b.is_contiguous()) {
+    kernels::DType dtype;
+    bool known = true;
+    switch (a.scalar_type()) {
+      case at::kFloat: dtype = kernels::DType::Float; break;
+      case at::kHalf: dtype = kernels::DType::Half; break;
+      case at::kBFloat16: dtype = kernels::DType::BFloat16; break;
+      default: known = false;
+    }
+    if (known) {
+      const c10::cuda::CUDAGuard guard(a.device());
+      auto out = at::empty_like(a);
+      const int rc = kernels::geglu_forward(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel(), dtype,
+                                            at::cuda::getCurrentCUDAStream(a.device().index()).stream());
+      if (rc != 0)
+        throw Error("GEGLU CUDA kernel failed to launch: " + std::string(cudaGetErrorString(static_cast<cudaError_t>(rc))));
+      return out;
+    }
+  }
+#endif
+  return a * at::gelu(b);
+}
+
+}  // namespace diffract::models
