@@ -245,6 +245,23 @@ for x in r["results"]:
 PY
 }
 
+#   PLAN=kernels (one GPU, no anchor): the GEGLU and graph checks, then the single-GPU bench.
+if [ "$plan" = kernels ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  ctest --test-dir build/gpu -R "gpu_geglu|gpu_graphs" -V --timeout 90 > "$logs/checks_kernels.log" 2>&1
+  grep -E "  (ok|FAIL)  |tests passed|worst|fused|Timeout" "$logs/checks_kernels.log" | cut -c1-300
+  timeout "$(left 5)" "$bench" --device cuda:0 --config sdxl-1024,sd15-512 --batch 1 --runs 2 \
+    > "$logs/bench_single.json" 2> "$logs/bench_single.log"
+  echo "single-GPU bench rc $? at $(elapsed) s"
+  python3 -c "
+import json
+for r in json.load(open('$logs/bench_single.json'))['results']:
+    print(json.dumps({k: v for k, v in r.items() if not k.startswith('unet_step_variants')}))
+    v = r.get('unet_step_variants', {}).get('kernels_channels_last', {})
+    print('  kernels:', v.get('device_ms_per_call'), v.get('families_ms'))" 2>&1 | cut -c1-1500
+  exit 0
+fi
+
 #   PLAN=six (two GPUs): the stage-graph, strategy and cfg-pipefusion checks; the SDXL strategy
 #     bench (AsyncDiff and hybrid with stage graphs, then without if time allows); the UNet load
 #     bench (pinned upload against bind-then-move).
