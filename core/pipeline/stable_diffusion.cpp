@@ -26,6 +26,8 @@
 #include "core/pipeline/clip_graph.h"
 #include "core/pipeline/pipeline_util.h"
 #include "core/pipeline/single_file.h"
+#include "core/parallel/device_group.h"
+#include "core/parallel/parallel_vae.h"
 #include "core/parallel/strategies.h"
 #include "core/schedulers/sampler.h"
 #include "core/text/clip_tokenizer.h"
@@ -126,13 +128,25 @@ struct StableDiffusion::Impl {
     return static_cast<int>(tiny_vae ? tiny_vae->config.downscale_factor() : vae->config.downscale_factor());
   }
 
-  // Diffusion latents to images in [-1, 1], with the VAE's scaling (and shift) undone.
-  at::Tensor decode_latents(const at::Tensor& latents) {
+  // Diffusion latents to images in [-1, 1], with the VAE's scaling (and shift) undone. A
+  // multi-device job's `group` (2 or more devices) splits the decoder over its devices in row
+  // bands (parallel::decode_parallel, exact) unless DIFFRACT_PARALLEL_VAE=0; tiled decodes and
+  // the tiny VAE stay on this device.
+  at::Tensor decode_latents(const at::Tensor& latents, parallel::DeviceGroup* group = nullptr) {
     if (!tiny_vae) {
       // Above 2048² pixels the decoder's activations alone run to tens of GiB: decode in tiles.
       const auto z = vae->unscale_latents(latents.to(dtype));
       const int64_t f = vae->config.downscale_factor();
       if (z.size(2) * z.size(3) * f * f > int64_t(2048) * 2048) return vae->decode_tiled(z);
+      if (group && group->size() >= 2 && parallel::parallel_vae_enabled()) {
+        std::vector<models::AutoencoderKL> on;  // replicas made here, before the ranks start
+        for (int r = 0; r < group->size(); ++r) on.push_back(vae_on(group->device(r)));
+        parallel::ParallelDecodeStats s;
+        auto images = parallel::decode_parallel(*group, on, z, &s);
+        last_decode_ranks = s.ranks;
+        return images;
+      }
+      last_decode_ranks = 1;
       return vae->decode(z);
     }
     const auto& c = tiny_vae->config;
@@ -177,6 +191,23 @@ struct StableDiffusion::Impl {
       log::get("pipeline").info(log::str("UNet replica on ", d.str(), " in ", static_cast<int>(ms_since(t0)), " ms"));
     }
     return r;
+  }
+
+  // The VAE on device `d`: ours, or a replica copied device to device on first use (the
+  // parallel decode's other ranks).
+  std::map<int, models::AutoencoderKL> vae_replicas;
+  int last_decode_ranks = 1;  // devices the last AutoencoderKL decode ran on
+  models::AutoencoderKL vae_on(const c10::Device& d) {
+    if (d == device || d.is_cpu()) return vae;
+    if (const auto it = vae_replicas.find(d.index()); it != vae_replicas.end()) return it->second;
+    const auto t0 = Clock::now();
+    at::NoGradGuard no_grad;
+    models::AutoencoderKL copy(vae->config);
+    copy->eval();
+    copy_weights(*vae, *copy, d);
+    vae_replicas.emplace(d.index(), copy);
+    log::get("pipeline").info(log::str("VAE replica on ", d.str(), " in ", static_cast<int>(ms_since(t0)), " ms"));
+    return copy;
   }
 
   struct Conditioning {
@@ -460,7 +491,8 @@ at::Tensor run_strategy(StableDiffusion::Impl& p, const parallel::Strategy& stra
                         const StableDiffusion::Impl::Conditioning& positive,
                         const StableDiffusion::Impl::Conditioning& negative, const at::Tensor& latents,
                         const at::Generator& gen, const engine::JobObserver& observer, const engine::CancelToken& cancel,
-                        bool use_taesd, engine::StageTimings& timings, std::string& stats) {
+                        bool use_taesd, engine::StageTimings& timings, std::string& stats,
+                        parallel::DeviceGroup*& group_used) {
   auto branch = [&](const StableDiffusion::Impl::Conditioning& c) {
     models::UNetConditioning u;
     if (!c.context.defined()) return u;
@@ -474,6 +506,7 @@ at::Tensor run_strategy(StableDiffusion::Impl& p, const parallel::Strategy& stra
   };
   const auto pos = branch(positive), neg = req.cfg > 1.0 ? branch(negative) : models::UNetConditioning{};
   auto& group = p.groups.group_for(p.device, strategy);
+  group_used = &group;
   // Replicas are made here, on this thread, before the ranks start.
   for (int r = 0; r < group.size(); ++r) p.unet_on(group.device(r));
   parallel::LoopInputs in;
@@ -738,9 +771,10 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
                      .to(p.device) * sampler->init_noise_sigma();
 
   std::string strategy_stats;  // a multi-device strategy (core/parallel) runs the loop instead
+  parallel::DeviceGroup* strategy_group = nullptr;  // and its group decodes the latents
   if (strategy)
     latents = run_strategy(p, *strategy, req, kind, config, positive, negative, latents, gen, observer, cancel, use_taesd,
-                           timings, strategy_stats);
+                           timings, strategy_stats, strategy_group);
   if (!strategy) {
     StepReporter reporter(p.device, req, observer, *sampler, preview_fn(p, req, use_taesd), timings);
     latents = denoise(
@@ -753,7 +787,8 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
   if (cancel.cancelled()) throw engine::Cancelled{};
 
   const auto td = Clock::now();
-  auto images = p.decode_latents(latents);
+  p.last_decode_ranks = 1;
+  auto images = p.decode_latents(latents, strategy_group);
   if (!at::isfinite(images).all().item<bool>())
     throw Error("the VAE decode produced NaN or Inf (an fp16 overflow? the VAE may need fp32)");
   result.images = to_images(images);
@@ -783,6 +818,7 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
                       {"total", timings.total_ms}}},
   };
   if (!strategy_stats.empty()) meta["strategy"] = nlohmann::json::parse(strategy_stats);
+  if (strategy && !p.tiny_vae) meta["vae_decode_devices"] = p.last_decode_ranks;
   if (p.device.is_cuda())
     meta["unet_graphs"] = {{"graphs", p.runner->graphs()},
                            {"last_capture_ms", p.runner->last_capture_ms()},

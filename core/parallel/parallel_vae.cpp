@@ -1,0 +1,230 @@
+#include "core/parallel/parallel_vae.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+#include <ATen/ATen.h>
+
+#include "core/models/common/layers.h"
+#include "core/models/common/patch_parallel.h"
+#include "core/parallel/communicator.h"
+#include "core/parallel/device_group.h"
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+namespace diffract::parallel {
+
+namespace {
+
+// One rank's band of the decoder: the layer hooks answered synchronously through `comm`.
+class VaeBand final : public models::PatchContext {
+ public:
+  VaeBand(Communicator& comm, std::vector<std::int64_t> band_rows)
+      : comm_(comm), rank_(comm.rank()), n_(comm.size()), rows_(std::move(band_rows)) {}
+
+  at::Tensor conv2d(models::Conv2dImpl& conv, const at::Tensor& x) override {
+    const auto& o = conv.options;
+    const std::int64_t p = o.padding_;
+    if (o.kernel != 2 * p + 1 || o.stride_ != 1)
+      throw Error("parallel VAE decode: a convolution with kernel " + std::to_string(o.kernel) + ", padding " +
+                  std::to_string(p) + ", stride " + std::to_string(o.stride_) + " (only kernel 2p + 1 at stride 1)");
+    const std::int64_t h = x.size(2);
+    if (h < p)
+      throw Error("parallel VAE decode: a band of " + std::to_string(h) + " row(s) is thinner than the convolution's " +
+                  std::to_string(p) + "-row halo");
+    ++convs;
+    const bool up = rank_ > 0, down = rank_ + 1 < n_;
+    auto rows_shape = x.sizes().vec();
+    rows_shape[2] = p;
+    const auto top = x.narrow(2, 0, p).contiguous(), bottom = x.narrow(2, h - p, p).contiguous();
+    at::Tensor above = up ? at::empty(rows_shape, x.options()) : at::Tensor();
+    at::Tensor below = down ? at::empty(rows_shape, x.options()) : at::Tensor();
+    // Down the chain (own last rows to the band below), then up it (own first rows to the band
+    // above). Even ranks send first and odd ranks receive first, so no two neighbours both wait
+    // on a send (NCCL's point-to-point calls block until the peer's matching call).
+    const bool even = rank_ % 2 == 0;
+    auto send = [&](const at::Tensor& t, int dst) {
+      comm_.send(t, dst);
+      ++sends;
+    };
+    if (even) {
+      if (down) send(bottom, rank_ + 1);
+      if (up) comm_.recv(above, rank_ - 1);
+      if (up) send(top, rank_ - 1);
+      if (down) comm_.recv(below, rank_ + 1);
+    } else {
+      if (up) comm_.recv(above, rank_ - 1);
+      if (down) send(bottom, rank_ + 1);
+      if (down) comm_.recv(below, rank_ + 1);
+      if (up) send(top, rank_ - 1);
+    }
+    const std::vector<std::int64_t> one = {1, 1};
+    const auto zeros = [&] { return at::zeros(rows_shape, x.options()); };
+    if (h <= 2 * p) {  // too thin to patch the edges: the band with both halos, convolved whole
+      const auto padded = at::cat({up ? above : zeros(), x, down ? below : zeros()}, 2);
+      return at::conv2d(padded, conv.weight, conv.bias, one, std::vector<std::int64_t>{0, p});
+    }
+    // The band with zero padding (right everywhere but the p rows at an edge that has a
+    // neighbour), then those rows again from the halo and the 2p rows beside it.
+    const std::vector<std::int64_t> pad = {p, p}, pad_w = {0, p};
+    auto out = at::conv2d(x, conv.weight, conv.bias, one, pad);
+    if (up)
+      out.narrow(2, 0, p).copy_(at::conv2d(at::cat({above, x.narrow(2, 0, 2 * p)}, 2), conv.weight, conv.bias, one, pad_w));
+    if (down)
+      out.narrow(2, h - p, p)
+          .copy_(at::conv2d(at::cat({x.narrow(2, h - 2 * p, 2 * p), below}, 2), conv.weight, conv.bias, one, pad_w));
+    return out;
+  }
+
+  at::Tensor group_norm(models::GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& add, bool silu) override {
+    ++norms;
+    auto in = x;
+    if (add.defined()) {
+      std::vector<std::int64_t> shape(static_cast<std::size_t>(x.dim()), 1);
+      shape[0] = add.size(0);
+      shape[1] = add.size(1);
+      in = x + add.view(shape);
+    }
+    const auto groups = norm.options.groups;
+    const auto b = in.size(0);
+    const auto grouped = in.reshape({b, groups, -1});
+    const auto count = static_cast<double>(grouped.size(2));
+    // Per group: element count, sum, sum of squared deviations from the band's own mean.
+    at::Tensor sum, m2;
+    if (in.scalar_type() == at::kFloat || in.scalar_type() == at::kDouble) {
+      const auto [var, mean] = at::var_mean(grouped, /*dim=*/{2}, /*correction=*/0, /*keepdim=*/false);
+      sum = mean.to(at::kDouble) * count;
+      m2 = var.to(at::kDouble) * count;
+    } else {  // half types: fp32 reductions over the activation itself, no fp32 copy of it
+      const auto s = at::sum(grouped, {2}, false, at::kFloat).to(at::kDouble);
+      const auto q = at::linalg_vector_norm(grouped, 2, at::IntArrayRef{2}, false, at::kFloat).to(at::kDouble).square();
+      sum = s;
+      m2 = (q - s * s / count).clamp_min(0);
+    }
+    const auto mine = at::stack({at::full_like(sum, count), sum, m2}).contiguous();  // [3, B, G] fp64
+    const auto all = comm_.all_gather(mine);
+    // Chan et al.'s combination, in rank order: the same numbers on every rank.
+    at::Tensor total_n, total_sum;
+    for (const auto& a : all) {
+      const auto t = a.to(in.device());
+      total_n = total_n.defined() ? total_n + t[0] : t[0].clone();
+      total_sum = total_sum.defined() ? total_sum + t[1] : t[1].clone();
+    }
+    const auto mean = total_sum / total_n;
+    at::Tensor total_m2;
+    for (const auto& a : all) {
+      const auto t = a.to(in.device());
+      const auto term = t[2] + t[0] * (t[1] / t[0] - mean).square();
+      total_m2 = total_m2.defined() ? total_m2 + term : term;
+    }
+    const auto stats = at::stack({mean, total_m2 / total_n}).to(at::kFloat);  // [2, B, G]: mean, variance
+    return models::band_group_norm(norm, in, {stats}, silu);
+  }
+
+  std::pair<at::Tensor, at::Tensor> self_attention_kv(const at::Tensor& k, const at::Tensor& v) override {
+    ++attentions;
+    // Tokens per latent row at this layer, the same for every band.
+    const auto t = k.size(1), mine = rows_[static_cast<std::size_t>(rank_)];
+    if (t % mine != 0)
+      throw Error("parallel VAE decode: attention over " + std::to_string(t) + " tokens in a band of " +
+                  std::to_string(mine) + " latent rows");
+    const auto per_row = t / mine;
+    const auto tallest = *std::max_element(rows_.begin(), rows_.end());
+    auto pack = models::kv_pack(k, v);  // [B, t, 2C]
+    if (mine < tallest)  // all_gather needs one shape on every rank (NCCL)
+      pack = at::constant_pad_nd(pack, {0, 0, 0, (tallest - mine) * per_row}, 0);
+    auto packs = comm_.all_gather(pack.contiguous());
+    for (std::size_t r = 0; r < packs.size(); ++r) packs[r] = packs[r].narrow(1, 0, rows_[r] * per_row);
+    auto [all_k, all_v] = models::kv_unpack(packs);
+    return {all_k.to(k.device()), all_v.to(k.device())};
+  }
+
+  std::int64_t convs = 0, sends = 0, norms = 0, attentions = 0;
+
+ private:
+  Communicator& comm_;
+  int rank_, n_;
+  std::vector<std::int64_t> rows_;
+};
+
+}  // namespace
+
+std::vector<std::int64_t> vae_band_rows(std::int64_t rows, int ranks) {
+  if (ranks < 1) throw Error("parallel VAE decode: a group needs at least one rank");
+  std::vector<std::int64_t> out(static_cast<std::size_t>(ranks), rows / ranks);
+  for (std::int64_t r = 0; r < rows % ranks; ++r) ++out[static_cast<std::size_t>(r)];
+  return out;
+}
+
+bool parallel_vae_enabled() {
+  const char* v = std::getenv("DIFFRACT_PARALLEL_VAE");
+  return !(v && std::string(v) == "0");
+}
+
+at::Tensor decode_parallel(DeviceGroup& group, const std::vector<models::AutoencoderKL>& replicas, const at::Tensor& z,
+                           ParallelDecodeStats* stats) {
+  const int n = group.size();
+  if (replicas.size() != 1 && replicas.size() != static_cast<std::size_t>(n))
+    throw Error("parallel VAE decode: " + std::to_string(replicas.size()) + " VAE replicas for a group of " +
+                std::to_string(n) + " (one per rank, or one shared)");
+  if (z.dim() != 4) throw Error("parallel VAE decode: expects latents [B, C, h, w]");
+  models::AutoencoderKL vae = replicas.front();
+  const auto replica = [&](int r) -> models::AutoencoderKL { return replicas.size() == 1 ? vae : replicas[static_cast<std::size_t>(r)]; };
+  ParallelDecodeStats local;
+  ParallelDecodeStats& s = stats ? *stats : local;
+  s = ParallelDecodeStats{};
+  s.ranks = n;
+  const auto rows = z.size(2);
+  if (n < 2 || rows < n) {
+    if (n >= 2)
+      log::get("parallel").info(log::str("parallel VAE decode: ", rows, " latent row(s) for ", n,
+                                         " devices (a band needs one); decoding on one device"));
+    s.ranks = 1;
+    s.band_rows = {rows};
+    return vae->decode(z);
+  }
+  s.parallel = true;
+  s.band_rows = vae_band_rows(rows, n);
+  std::vector<std::int64_t> starts(static_cast<std::size_t>(n), 0);
+  for (int r = 1; r < n; ++r) starts[r] = starts[r - 1] + s.band_rows[r - 1];
+  // A shared replica that upcasts makes its fp32 copy on first use: once, here, not on n threads.
+  if (replicas.size() == 1 && vae->upcasts()) vae->decode(z.narrow(2, 0, 1).narrow(3, 0, 1));
+
+  const auto f = vae->config.downscale_factor();
+  at::Tensor image;
+  std::vector<std::int64_t> sends(static_cast<std::size_t>(n)), bytes(static_cast<std::size_t>(n));
+  group.run([&](int rank, Communicator& comm) {
+    const auto bytes_before = comm.bytes_sent();
+    VaeBand band(comm, s.band_rows);
+    at::Tensor out;
+    {
+      const models::PatchScope scope(&band);
+      out = replica(rank)->decode(z.narrow(2, starts[rank], s.band_rows[rank]).to(group.device(rank)));
+    }
+    if (rank == 0) {
+      std::vector<at::Tensor> parts{out};
+      for (int r = 1; r < n; ++r) {
+        auto part = at::empty({out.size(0), out.size(1), s.band_rows[r] * f, out.size(3)}, out.options());
+        comm.recv(part, r);
+        parts.push_back(part);
+      }
+      image = at::cat(parts, 2);
+    } else {
+      comm.send(out.contiguous(), 0);
+    }
+    sends[rank] = band.sends;
+    bytes[rank] = comm.bytes_sent() - bytes_before;
+    if (rank == 0) {
+      s.convs = band.convs;
+      s.norms = band.norms;
+      s.attentions = band.attentions;
+    }
+  });
+  for (int r = 0; r < n; ++r) s.halo_messages += sends[r];
+  s.image_messages = n - 1;
+  s.bytes_sent = bytes;
+  return image;
+}
+
+}  // namespace diffract::parallel

@@ -1,0 +1,221 @@
+// The AutoencoderKL decoder split over a device group in row bands (core/parallel/parallel_vae.h),
+// on CPU virtual devices: exact against the one-device decode, the messages its design says, the
+// fallback, and through the SD pipeline's multi-device jobs.
+#include <algorithm>
+#include <cstdlib>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+
+#include "core/models/autoencoders/autoencoder_kl.h"
+#include "core/models/common/layers.h"
+#include "core/parallel/device_group.h"
+#include "core/parallel/parallel_vae.h"
+#include "core/parallel/strategies.h"
+#include "core/pipeline/stable_diffusion.h"
+#include "core/util/error.h"
+#include "test_util.h"
+
+using namespace diffract;
+using namespace diffract::parallel;
+
+namespace {
+
+// A tiny random VAE: 3 blocks (two 2x upsamples), mid-block attention, random norm affines.
+models::AutoencoderKL tiny_vae() {
+  models::AutoencoderKLConfig c;
+  c.block_out_channels = {8, 16, 16};
+  c.up_block_types = std::vector<std::string>(3, "UpDecoderBlock2D");
+  c.down_block_types = std::vector<std::string>(3, "DownEncoderBlock2D");
+  c.layers_per_block = 1;
+  c.norm_num_groups = 4;
+  models::AutoencoderKL vae(c);
+  vae->eval();
+  models::init_random(*vae, 5);
+  at::NoGradGuard no_grad;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  for (auto& p : vae->named_parameters()) {
+    const auto& name = p.key();
+    if (name.find("norm") != std::string::npos) {
+      auto noise = at::randn(p.value().sizes(), gen) * 0.2;
+      p.value().add_(noise);  // weight 1 + noise, bias 0 + noise
+    }
+  }
+  return vae;
+}
+
+double max_rel(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() / b.to(at::kDouble).abs().max().item<double>();
+}
+
+at::Tensor latents(int64_t b, int64_t h, int64_t w) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  return at::randn({b, 4, h, w}, gen);
+}
+
+// The decoder's 3x3 convolutions in call order: (input channels, width in latent widths).
+std::vector<std::pair<int64_t, int64_t>> decoder_convs(const models::AutoencoderKLConfig& c) {
+  const std::vector<int64_t> ch(c.block_out_channels.rbegin(), c.block_out_channels.rend());
+  std::vector<std::pair<int64_t, int64_t>> out{{c.latent_channels, 1}};
+  for (int i = 0; i < 4; ++i) out.push_back({ch[0], 1});  // mid block: 2 resnets
+  int64_t s = 1;
+  for (std::size_t i = 0; i < ch.size(); ++i) {
+    const auto in = i == 0 ? ch[0] : ch[i - 1];
+    for (int64_t l = 0; l < c.layers_per_block + 1; ++l) {
+      out.push_back({l == 0 ? in : ch[i], s});
+      out.push_back({ch[i], s});
+    }
+    if (i + 1 < ch.size()) {
+      s *= 2;
+      out.push_back({ch[i], s});  // the upsampler's conv, after the nearest 2x
+    }
+  }
+  out.push_back({ch.back(), s});  // conv_out
+  return out;
+}
+
+int64_t count_norms(torch::nn::Module& m) {
+  int64_t n = 0;
+  for (const auto& child : m.modules(/*include_self=*/false))
+    if (dynamic_cast<models::GroupNormImpl*>(child.get())) ++n;
+  return n;
+}
+
+}  // namespace
+
+class TestParallelVae : public QObject {
+  Q_OBJECT
+
+ private slots:
+  void bandRows() {
+    QVERIFY(vae_band_rows(13, 4) == (std::vector<int64_t>{4, 3, 3, 3}));
+    QVERIFY(vae_band_rows(9, 2) == (std::vector<int64_t>{5, 4}));
+    QVERIFY(vae_band_rows(6, 3) == (std::vector<int64_t>{2, 2, 2}));
+  }
+
+  // 2, 3 and 4 bands of 13 latent rows (uneven) give the one-device decode; each band decoded on
+  // its own (no exchange) does not, so the comparison can fail.
+  void matchesOneDevice() {
+    auto vae = tiny_vae();
+    QVERIFY(!vae->decoder->mid_block->attentions.is_empty());
+    const auto z = latents(2, 13, 6);
+    const auto ref = vae->decode(z);
+    for (int n : {2, 3, 4}) {
+      auto group = DeviceGroup::virtual_cpu(n);
+      ParallelDecodeStats s;
+      const auto out = decode_parallel(*group, {vae}, z, &s);
+      QVERIFY(s.parallel);
+      QCOMPARE(s.ranks, n);
+      QVERIFY(out.sizes() == ref.sizes());
+      const double d = max_rel(out, ref);
+      qInfo("%d bands: max relative difference %.3g", n, d);
+      QVERIFY2(d < 1e-5, qPrintable(QString("%1 bands differ by %2").arg(n).arg(d)));
+      // Independent bands: what the exchanges are for.
+      std::vector<at::Tensor> parts;
+      int64_t start = 0;
+      for (auto rows : vae_band_rows(13, n)) {
+        parts.push_back(vae->decode(z.narrow(2, start, rows)));
+        start += rows;
+      }
+      QVERIFY(max_rel(at::cat(parts, 2), ref) > 1e-3);
+    }
+    // One replica per rank (as on GPUs) gives the same.
+    auto group = DeviceGroup::virtual_cpu(3);
+    std::vector<models::AutoencoderKL> replicas{vae, tiny_vae(), tiny_vae()};
+    QVERIFY(max_rel(decode_parallel(*group, replicas, z), ref) < 1e-5);
+    // Without the attention, and a band of a single latent row.
+    auto c = vae->config;
+    c.mid_block_add_attention = false;
+    models::AutoencoderKL plain(c);
+    plain->eval();
+    models::init_random(*plain, 6);
+    const auto z4 = latents(1, 4, 5);
+    auto four = DeviceGroup::virtual_cpu(4);
+    QVERIFY(max_rel(decode_parallel(*four, {plain}, z4), plain->decode(z4)) < 1e-5);
+  }
+
+  // Per decode: one halo exchange per 3x3 convolution (a send to each neighbour), one small
+  // all_gather per GroupNorm, one K/V all_gather for the attention, the image bands to rank 0;
+  // the bytes each rank sent are exactly those.
+  void messagesMatchTheDesign() {
+    auto vae = tiny_vae();
+    const auto& c = vae->config;
+    const int64_t b = 2, h = 13, w = 6, f = c.downscale_factor();
+    const auto z = latents(b, h, w);
+    const auto convs = decoder_convs(c);
+    const auto norms = count_norms(*vae->decoder);
+    const int64_t groups = c.norm_num_groups, ch0 = c.block_out_channels.back();
+    for (int n : {2, 3, 4}) {
+      auto group = DeviceGroup::virtual_cpu(n);
+      ParallelDecodeStats s;
+      decode_parallel(*group, {vae}, z, &s);
+      QCOMPARE(s.convs, static_cast<int64_t>(convs.size()));
+      QCOMPARE(s.halo_messages, 2 * (n - 1) * s.convs);
+      QCOMPARE(s.norms, norms);
+      QCOMPARE(s.attentions, int64_t(1));
+      QCOMPARE(s.image_messages, int64_t(n - 1));
+      const auto rows = vae_band_rows(h, n);
+      const auto tallest = *std::max_element(rows.begin(), rows.end());
+      for (int r = 0; r < n; ++r) {
+        const int64_t neighbours = (r > 0) + (r + 1 < n);
+        int64_t expected = 0;
+        for (const auto& [cin, scale] : convs) expected += neighbours * b * cin * w * scale * 4;  // one fp32 row each
+        expected += norms * 3 * b * groups * 8;                                                  // count, sum, M2 (fp64)
+        expected += b * tallest * w * 2 * ch0 * 4;                                               // K and V, padded
+        if (r > 0) expected += b * c.out_channels * rows[r] * f * w * f * 4;                     // the image band
+        QCOMPARE(s.bytes_sent[static_cast<std::size_t>(r)], expected);
+      }
+    }
+  }
+
+  // Fewer latent rows than ranks: the one-device decode, said so in the stats; bad replica counts
+  // are errors.
+  void fallsBack() {
+    auto vae = tiny_vae();
+    const auto z = latents(1, 3, 4);
+    auto group = DeviceGroup::virtual_cpu(4);
+    ParallelDecodeStats s;
+    const auto out = decode_parallel(*group, {vae}, z, &s);
+    QVERIFY(!s.parallel);
+    QCOMPARE(s.ranks, 1);
+    QVERIFY(at::equal(out, vae->decode(z)));
+    DIFFRACT_EXPECT_ERROR(decode_parallel(*group, {vae, vae}, z), "replicas", "one per rank");
+  }
+
+  // A cfg-parallel job on 2 virtual devices decodes on both (metadata says so) and gives the
+  // image of the one-device decode (DIFFRACT_PARALLEL_VAE=0).
+  void pipelineJob() {
+    auto sd = pipeline::StableDiffusion::random(pipeline::Family::SDXL, /*tiny=*/true, "cpu");
+    engine::GenerationRequest req;
+    req.prompt = "a red apple";
+    req.negative_prompt = "blurry";
+    req.width = 64;
+    req.height = 72;  // 9 latent rows: bands of 5 and 4
+    req.steps = 2;
+    req.cfg = 5.0;
+    req.seed = 3;
+    req.sampler = "euler";
+    req.preview_every = 0;
+    engine::CancelToken never;
+    const auto strategy = make_strategy("cfg-parallel", 2);
+    setenv("DIFFRACT_PARALLEL_VAE", "0", 1);
+    const auto one = sd->generate(req, {}, never, strategy.get());
+    setenv("DIFFRACT_PARALLEL_VAE", "1", 1);
+    const auto two = sd->generate(req, {}, never, strategy.get());
+    unsetenv("DIFFRACT_PARALLEL_VAE");
+    QCOMPARE(nlohmann::json::parse(one.metadata_json)["vae_decode_devices"].get<int>(), 1);
+    QCOMPARE(nlohmann::json::parse(two.metadata_json)["vae_decode_devices"].get<int>(), 2);
+    QVERIFY(one.latents == two.latents);
+    const auto& a = one.images.front().rgb;
+    const auto& b = two.images.front().rgb;
+    QCOMPARE(a.size(), b.size());
+    int worst = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(int(a[i]) - int(b[i])));
+    QVERIFY2(worst <= 1, qPrintable(QString("parallel decode differs by %1 levels").arg(worst)));
+    QVERIFY(two.timings.vae_decode_ms > 0);
+  }
+};
+
+QTEST_APPLESS_MAIN(TestParallelVae)
+#include "test_parallel_vae.moc"
