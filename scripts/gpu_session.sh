@@ -262,6 +262,33 @@ for r in json.load(open('$logs/bench_single.json'))['results']:
   exit 0
 fi
 
+#   PLAN=seven (two GPUs): the diffusers anchor on the second GPU while our single-GPU bench runs
+#     on the first (side by side in one run); then the parallel-VAE and strategy checks; then the
+#     SDXL strategy bench (SDXL_STRATEGIES) with the parallel VAE decode, and without it if time allows.
+if [ "$plan" = seven ]; then
+  CUDA_VISIBLE_DEVICES=1 timeout 200 python3 .carry/diffusers_sdxl_sd3.py > "$logs/anchor.log" 2>&1 &
+  anchor=$!
+  CUDA_VISIBLE_DEVICES=0 timeout 200 "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 3 \
+    > "$logs/bench_single.json" 2> "$logs/bench_single.log"
+  echo "single-GPU bench rc $? at $(elapsed) s"
+  ctest --test-dir build/gpu -R gpu_geglu -V --timeout 60 > "$logs/checks_geglu.log" 2>&1
+  grep -E "fused|tests passed" "$logs/checks_geglu.log"
+  wait "$anchor"
+  echo "anchor (GPU 1) rc $? at $(elapsed) s"
+  anchor_json
+  ratios
+  ctest --test-dir build/gpu -R "gpu_parallel_vae|gpu_strategies" -V --timeout 120 > "$logs/checks_strategies.log" 2>&1
+  grep -E "  (ok|FAIL)  |tests passed|rel-L2|messages per step|GPU|Timeout|relative" "$logs/checks_strategies.log" | cut -c1-300
+  echo "checks at $(elapsed) s"
+  BENCH_RUNS=2 BENCH_STRATEGIES="${SDXL_STRATEGIES:-driffusion-aggressive:2,cfg-parallel,distrifusion:2}" strategy_bench "$(left 5)"
+  strategy_split "$logs/bench_strategies.json"
+  if [ "$(left)" -gt 70 ]; then
+    DIFFRACT_PARALLEL_VAE=0 BENCH_TAG=one_gpu_vae BENCH_RUNS=2 BENCH_STRATEGIES=driffusion-aggressive:2 strategy_bench "$(left 5)"
+    strategy_split "$logs/bench_one_gpu_vae.json"
+  fi
+  exit 0
+fi
+
 #   PLAN=six (two GPUs): the stage-graph, strategy and cfg-pipefusion checks; the SDXL strategy
 #     bench (AsyncDiff and hybrid with stage graphs, then without if time allows); the UNet load
 #     bench (pinned upload against bind-then-move).
