@@ -159,7 +159,7 @@ std::vector<std::int64_t> vae_band_rows(std::int64_t rows, int ranks) {
 
 bool parallel_vae_enabled() {
   const char* v = std::getenv("DIFFRACT_PARALLEL_VAE");
-  return !(v && std::string(v) == "0");
+  return v && std::string(v) == "1";
 }
 
 at::Tensor decode_parallel(DeviceGroup& group, const std::vector<models::AutoencoderKL>& replicas, const at::Tensor& z,

@@ -50,8 +50,10 @@ std::vector<std::int64_t> vae_band_rows(std::int64_t rows, int ranks);
 at::Tensor decode_parallel(DeviceGroup& group, const std::vector<models::AutoencoderKL>& replicas, const at::Tensor& z,
                            ParallelDecodeStats* stats = nullptr);
 
-// Whether the pipelines split the final decode over a multi-device job's group: on unless the
-// environment sets DIFFRACT_PARALLEL_VAE=0.
+// Whether the pipelines split the final decode over a multi-device job's group: only when the
+// environment sets DIFFRACT_PARALLEL_VAE=1. Off by default because on 2 H200s it was slower than
+// one GPU (SDXL 1024²: 41.2 against 37.6 ms; its 33 halo exchanges and 30 GroupNorm gathers
+// each stop both devices, docs/benchmarks.md).
 bool parallel_vae_enabled();
 
 }  // namespace diffract::parallel

@@ -130,7 +130,7 @@ struct StableDiffusion::Impl {
 
   // Diffusion latents to images in [-1, 1], with the VAE's scaling (and shift) undone. A
   // multi-device job's `group` (2 or more devices) splits the decoder over its devices in row
-  // bands (parallel::decode_parallel, exact) unless DIFFRACT_PARALLEL_VAE=0; tiled decodes and
+  // bands (parallel::decode_parallel, exact) when DIFFRACT_PARALLEL_VAE=1; tiled decodes and
   // the tiny VAE stay on this device.
   at::Tensor decode_latents(const at::Tensor& latents, parallel::DeviceGroup* group = nullptr) {
     if (!tiny_vae) {
