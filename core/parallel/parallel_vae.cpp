@@ -79,13 +79,7 @@ class VaeBand final : public models::PatchContext {
 
   at::Tensor group_norm(models::GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& add, bool silu) override {
     ++norms;
-    auto in = x;
-    if (add.defined()) {
-      std::vector<std::int64_t> shape(static_cast<std::size_t>(x.dim()), 1);
-      shape[0] = add.size(0);
-      shape[1] = add.size(1);
-      in = x + add.view(shape);
-    }
+    const auto in = models::add_per_channel(x, add);
     const auto groups = norm.options.groups;
     const auto b = in.size(0);
     const auto grouped = in.reshape({b, groups, -1});

@@ -7,18 +7,12 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "core/models/common/kernel_types.cuh"
+
 namespace diffract::models::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ float load(float v) { return v; }
-__device__ __forceinline__ float load(__half v) { return __half2float(v); }
-__device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T store(float v);
-template <> __device__ __forceinline__ float store<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half store<__half>(float v) { return __float2half(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 store<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
 
 __device__ __forceinline__ float gated(float a, float b) { return a * (0.5f * b * (1.f + erff(b * 0.70710678118654752f))); }
 
@@ -36,13 +30,13 @@ __global__ void geglu(const T* __restrict__ a, const T* __restrict__ b, T* __res
       const V va = reinterpret_cast<const V*>(a)[i], vb = reinterpret_cast<const V*>(b)[i];
       V vo;
 #pragma unroll
-      for (int k = 0; k < per; ++k) vo.v[k] = store<T>(gated(load(va.v[k]), load(vb.v[k])));
+      for (int k = 0; k < per; ++k) vo.v[k] = from_float<T>(gated(to_float(va.v[k]), to_float(vb.v[k])));
       reinterpret_cast<V*>(out)[i] = vo;
     }
     first = vectors * per;
   }
   for (int64_t i = first + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride)
-    out[i] = store<T>(gated(load(a[i]), load(b[i])));
+    out[i] = from_float<T>(gated(to_float(a[i]), to_float(b[i])));
 }
 
 template <typename T>

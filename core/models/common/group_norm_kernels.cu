@@ -6,19 +6,14 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "core/models/common/kernel_types.cuh"
+
 namespace diffract::models::kernels {
 namespace {
 
 constexpr int kVecBytes = 16;
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
 
 template <typename T>
 struct alignas(kVecBytes) Vec {

@@ -54,6 +54,14 @@ at::Tensor band_conv2d(const Conv2dImpl& conv, const at::Tensor& x, const std::v
   return at::conv2d(padded, conv.weight, conv.bias, stride, padding);
 }
 
+at::Tensor add_per_channel(const at::Tensor& x, const at::Tensor& add) {
+  if (!add.defined()) return x;
+  std::vector<std::int64_t> shape(static_cast<std::size_t>(x.dim()), 1);
+  shape[0] = add.size(0);
+  shape[1] = add.size(1);
+  return x + add.view(shape);
+}
+
 at::Tensor group_stats(const at::Tensor& x, std::int64_t groups) {
   const auto grouped = x.to(at::kFloat).reshape({x.size(0), groups, -1});
   const auto [var, mean] = at::var_mean(grouped, /*dim=*/{2}, /*correction=*/0, /*keepdim=*/false);
@@ -106,13 +114,7 @@ at::Tensor BandContext::conv2d(Conv2dImpl& conv, const at::Tensor& x) {
 }
 
 at::Tensor BandContext::group_norm(GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& add, bool silu) {
-  auto in = x;
-  if (add.defined()) {
-    std::vector<std::int64_t> shape(static_cast<std::size_t>(x.dim()), 1);
-    shape[0] = add.size(0);
-    shape[1] = add.size(1);
-    in = x + add.view(shape);
-  }
+  const auto in = add_per_channel(x, add);
   return band_group_norm(norm, in, exchange(group_stats(in, norm.options.groups)), silu);
 }
 

@@ -51,6 +51,8 @@ at::Tensor conv_halo(const at::Tensor& x, std::int64_t p);
 //  along H. Stride 2: an even band start and height keep the output rows aligned (out row o
 //  reads in rows 2o-1 .. 2o+1, so the bottom halo goes unused).
 at::Tensor band_conv2d(const Conv2dImpl& conv, const at::Tensor& x, const std::vector<at::Tensor>& halos, int rank);
+//  GroupNorm's optional per-channel add: x [B, C, ...] + add [B, C] broadcast (x when undefined).
+at::Tensor add_per_channel(const at::Tensor& x, const at::Tensor& add);
 //  GroupNorm: x [B, C, ...] -> [2, B, G] fp32: the band's per-group mean and (biased) variance.
 at::Tensor group_stats(const at::Tensor& x, std::int64_t groups);
 //  x [B, C, ...] (the add already added), every band's group_stats -> normalised with the whole
