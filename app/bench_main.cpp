@@ -27,6 +27,7 @@
 #include "core/pipeline/stable_diffusion.h"
 #include "core/pipeline/stable_diffusion_3.h"
 #include "core/util/build_info.h"
+#include "core/util/device_work.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -93,7 +94,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   const auto index = static_cast<c10::DeviceIndex>(cuda ? at::Device(device == "cuda" ? "cuda:0" : device).index() : 0);
   if (cuda) {
     at::empty({1}, at::TensorOptions().device(at::kCUDA, index));  // initialises the caching allocator
-    c10::cuda::CUDACachingAllocator::resetPeakStats(index);
+    reset_peak_memory(at::Device(at::kCUDA, index));
   }
 #endif
   std::unique_ptr<pipeline::TextToImage> sd;
@@ -203,6 +204,13 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
     if (!strategies.empty())
       j["unet_step_variants_one_branch"] = json::parse(unet_pipeline->profile_unet_step(c.size, batch, 10));
   }
+#ifdef DIFFRACT_HAS_CUDA
+  if (cuda) {
+    // Before the strategies, whose loops reset the peak to report their own per GPU.
+    j["peak_vram_gib"] = static_cast<double>(peak_memory(at::Device(at::kCUDA, index))) / (1ull << 30);
+    j["gpu"] = at::cuda::getDeviceProperties(index)->name;
+  }
+#endif
   // Strategies: the same job run by each, against the single-device result of this run.
   const double base_e2e = percentile(e2e, 0.5), base_denoise = denoise;
   for (const auto& spec : strategies) {
@@ -235,14 +243,6 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
     j["strategies"].push_back(sj);
     log::get("bench").info(sj.dump());
   }
-#ifdef DIFFRACT_HAS_CUDA
-  if (cuda) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
-    j["peak_vram_gib"] = static_cast<double>(
-        stats.allocated_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak) / (1ull << 30);
-    j["gpu"] = at::cuda::getDeviceProperties(index)->name;
-  }
-#endif
   return j;
 }
 

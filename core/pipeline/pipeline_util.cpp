@@ -267,12 +267,19 @@ at::Tensor run_strategy_loop(const parallel::Strategy& strategy, parallel::Devic
   in.on_step = [&](int i, const at::Tensor& out, const at::Tensor& before, const at::Tensor&) {
     reporter.stepped(i, out, before);  // on rank 0's thread
   };
+  for (int r = 0; r < group.size(); ++r) reset_peak_memory(group.device(r));
   const auto t1 = Clock::now();
   auto out = strategy.run(group, in);
   reporter.finish();
   auto j = nlohmann::json::parse(out.stats.to_json());
   j["warm_ms"] = warm_ms;
   j["loop_ms"] = ms_since(t1);
+  if (group.device(0).is_cuda()) {
+    // Memory per GPU: the peak allocated during the loop (weights, replicas and caches included).
+    std::vector<std::int64_t> peak;
+    for (int r = 0; r < group.size(); ++r) peak.push_back(peak_memory(group.device(r)));
+    j["peak_memory_per_rank"] = peak;
+  }
   stats = j.dump();
   return out.latents;
 }

@@ -8,6 +8,7 @@
 #ifdef DIFFRACT_HAS_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -189,6 +190,22 @@ std::optional<SideStreamTask::Done> SideStreamTask::wait() {
   if (p.jobs.front().end) p.jobs.front().end->synchronize();
 #endif
   return poll();
+}
+
+void reset_peak_memory(const c10::Device& device) {
+#ifdef DIFFRACT_HAS_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#endif
+}
+
+std::int64_t peak_memory(const c10::Device& device) {
+#ifdef DIFFRACT_HAS_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return stats.allocated_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+  }
+#endif
+  return 0;
 }
 
 }  // namespace diffract

@@ -2,6 +2,7 @@
 // Keeping a device busy while the host follows along: step timing from marks in the device's
 // stream (no host synchronisation per step), and work on a side stream whose results the host
 // picks up when they are ready. On the CPU both degrade to plain synchronous timing.
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -61,5 +62,10 @@ class SideStreamTask {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// The caching allocator's peak of memory allocated on a CUDA device since the last reset (0 on
+// the CPU): what a job's ranks report as their memory per GPU.
+void reset_peak_memory(const c10::Device& device);
+std::int64_t peak_memory(const c10::Device& device);
 
 }  // namespace diffract
