@@ -60,7 +60,7 @@ namespace diffract::parallel {
 //   rest of the UNet), not across steps. In-process (virtual devices) a gather completes at its
 //   call: the values, and so the latents, are the same for every bucket count.
 //  Communication: synchronous steps gather at each hooked layer (blocking: the layer needs the
-//   fresh values).
+//   fresh values); stale steps' layers never wait for a collective (above).
 //  Messages per step (LoopStats::messages_per_step counts one per rank per collective, bytes
 //   what each rank contributes, bucket padding included): n (L + 1) in a synchronous step, with
 //   L hooked layer calls per evaluation; n (min(buckets, L) + 1) in a stale step (one per bucket,
