@@ -1,6 +1,8 @@
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <thread>
 
 #include <ATen/CPUGeneratorImpl.h>
 
@@ -9,6 +11,7 @@
 #include "core/models/common/patch_parallel.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_2d_condition.h"
+#include "core/parallel/communicator.h"
 #include "core/parallel/distrifusion.h"
 #include "core/parallel/device_group.h"
 #include "core/parallel/strategies.h"
@@ -125,6 +128,60 @@ class Failing final : public Denoiser {
   std::unique_ptr<Denoiser> inner_;
   bool fail_;
   int after_, calls_ = 0;
+};
+
+// A UNet denoiser that, on one rank, throws at hooked layer call `call` of its `evaluation`-th
+// evaluation: between two buckets' gathers of a stale step, while the other ranks have theirs
+// in flight.
+class FailingInLayer final : public Denoiser {
+ public:
+  FailingInLayer(std::unique_ptr<Denoiser> inner, bool fail, int evaluation, int call)
+      : inner_(std::move(inner)), fail_(fail), evaluation_(evaluation), call_(call) {}
+  at::Tensor eval(const at::Tensor& x, double t, Branch b) override { return inner_->eval(x, t, b); }
+  bool cfg() const override { return inner_->cfg(); }
+  double guidance_scale() const override { return inner_->guidance_scale(); }
+  std::int64_t batch() const override { return inner_->batch(); }
+  at::ScalarType output_dtype() const override { return inner_->output_dtype(); }
+  std::unique_ptr<Denoiser> rows(std::int64_t, std::int64_t) const override { return nullptr; }
+  std::vector<models::UNetLayerInfo> stage_layers(std::int64_t h, std::int64_t w) const override {
+    return inner_->stage_layers(h, w);
+  }
+  models::UNetStageState stage_input(const at::Tensor& x, double t, Branch b) override { return inner_->stage_input(x, t, b); }
+  void run_stage(models::UNetStageState& s, int begin, int end, double t, Branch b) override {
+    if (!fail_ || evaluations_++ != evaluation_) return inner_->run_stage(s, begin, end, t, b);
+    Thrower thrower(models::patch_context(), call_);
+    const models::PatchScope scope(&thrower);
+    inner_->run_stage(s, begin, end, t, b);
+  }
+  at::Tensor stage_output(const models::UNetStageState& s, Branch b) override { return inner_->stage_output(s, b); }
+
+ private:
+  class Thrower final : public models::PatchContext {
+   public:
+    Thrower(models::PatchContext* inner, int at) : inner_(inner), at_(at) {}
+    at::Tensor conv2d(models::Conv2dImpl& conv, const at::Tensor& x) override {
+      tick();
+      return inner_->conv2d(conv, x);
+    }
+    at::Tensor group_norm(models::GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& add, bool silu) override {
+      tick();
+      return inner_->group_norm(norm, x, add, silu);
+    }
+    std::pair<at::Tensor, at::Tensor> self_attention_kv(const at::Tensor& k, const at::Tensor& v) override {
+      tick();
+      return inner_->self_attention_kv(k, v);
+    }
+
+   private:
+    void tick() {
+      if (calls_++ == at_) throw Error("simulated device failure in a layer");
+    }
+    models::PatchContext* inner_;
+    int at_, calls_ = 0;
+  };
+  std::unique_ptr<Denoiser> inner_;
+  bool fail_;
+  int evaluation_, call_, evaluations_ = 0;
 };
 
 }  // namespace
@@ -404,51 +461,167 @@ class TestDistriFusion : public QObject {
 
   // (4) Messages and bytes per step as the header counts them: in a synchronous step every rank
   // contributes once to each hooked layer call's all_gather and to eps's; in a stale step once
-  // to the step's one all_gather (every hooked layer call's contribution and eps packed; eps
-  // alone in a stale last step). The pack's bytes are the per-layer gathers' (fp32: no padding).
+  // to each bucket's asynchronous all_gather (min(buckets, L) of them, every hooked layer call's
+  // contribution in one) and to eps's; eps alone in a stale last step. The buckets' bytes are
+  // the per-layer gathers' (fp32: no padding).
   void messagesPerStep() {
-    for (bool xl : {false, true})
-      for (int n : {2, 4}) {
-        const int steps = 5, warmup = 2;
-        const double scale = 5.0;
-        auto in = inputs(schedulers::SamplerKind::Euler, steps, 1, scale, xl ? sdxl() : unet_);
-        DistriFusion d;
-        d.n = n;
-        d.warmup = warmup;
-        const auto out = run(d, in);
-        const auto table = record_layers(xl ? sdxl() : unet_, in.latents, scale, n);
-        const int layers = static_cast<int>(table.size());
-        std::int64_t layer_bytes = 0;
-        int convs = 0, norms = 0, kvs = 0;
-        for (const auto& row : table) {
-          for (const auto& t : row) layer_bytes += static_cast<std::int64_t>(t.nbytes());
-          const auto& t = row.front();
-          if (t.dim() == 4) ++convs;  // halo rows [2B, C, 2, W]
-          else if (t.size(2) == (xl ? sdxl() : unet_)->config.norm_num_groups) ++norms;  // [2, 2B, G]; K / V: [2B, t, 2C]
-        }
-        kvs = layers - convs - norms;
-        QVERIFY(convs > 0 && norms > 0);
-        // Transformer blocks: SD 2 down + 1 mid + 3 up; SDXL's two per transformer there: 4 + 2 + 6.
-        QVERIFY2(kvs == (xl ? 12 : 6), qPrintable(QString("%1 self-attention calls").arg(kvs)));
-        const std::int64_t eps_bytes = in.latents.numel() * 4;  // n bands of 1/n each
-        std::vector<std::int64_t> messages, bytes;
-        for (int i = 0; i < steps; ++i) {
-          const bool only_eps = i >= warmup && i + 1 == steps;
-          messages.push_back(std::int64_t{n} * (i >= warmup ? 1 : layers + 1));
-          bytes.push_back(eps_bytes + (only_eps ? 0 : layer_bytes));
-          QCOMPARE(DistriFusion::messages_per_step(i, steps, warmup, n, layers), static_cast<int>(messages.back()));
-        }
-        QVERIFY2(out.stats.messages_per_step == messages,
-                 qPrintable(QString("xl %1 n %2: %3 hooked layer calls; first step %4 messages")
-                                .arg(xl).arg(n).arg(layers).arg(out.stats.messages_per_step.front())));
-        QVERIFY(out.stats.bytes_per_step == bytes);
-        std::int64_t total = 0;
-        for (auto b : bytes) total += b;
-        QCOMPARE(out.stats.bytes_sent, total);
-        QVERIFY(out.stats.note.find(std::to_string(layers) + " hooked layer calls") != std::string::npos);
-        QVERIFY(out.stats.to_json().find("messages_per_step") != std::string::npos);
+    struct Case {
+      bool xl;
+      int n, buckets;
+    };
+    for (const auto& k : {Case{false, 2, 1}, Case{false, 2, 3}, Case{false, 2, 8}, Case{false, 2, 1000}, Case{false, 4, 3},
+                          Case{true, 2, 8}, Case{true, 4, 8}}) {
+      const bool xl = k.xl;
+      const int n = k.n, buckets = k.buckets;
+      const int steps = 5, warmup = 2;
+      const double scale = 5.0;
+      auto in = inputs(schedulers::SamplerKind::Euler, steps, 1, scale, xl ? sdxl() : unet_);
+      DistriFusion d;
+      d.n = n;
+      d.warmup = warmup;
+      d.buckets = buckets;
+      const auto out = run(d, in);
+      const auto table = record_layers(xl ? sdxl() : unet_, in.latents, scale, n);
+      const int layers = static_cast<int>(table.size());
+      std::int64_t layer_bytes = 0;
+      int convs = 0, norms = 0, kvs = 0;
+      for (const auto& row : table) {
+        for (const auto& t : row) layer_bytes += static_cast<std::int64_t>(t.nbytes());
+        const auto& t = row.front();
+        if (t.dim() == 4) ++convs;  // halo rows [2B, C, 2, W]
+        else if (t.size(2) == (xl ? sdxl() : unet_)->config.norm_num_groups) ++norms;  // [2, 2B, G]; K / V: [2B, t, 2C]
       }
-    QCOMPARE(DistriFusion::messages_per_step(4, 5, 5, 3, 10), 33);  // a synchronous last step exchanges
+      kvs = layers - convs - norms;
+      QVERIFY(convs > 0 && norms > 0);
+      // Transformer blocks: SD 2 down + 1 mid + 3 up; SDXL's two per transformer there: 4 + 2 + 6.
+      QVERIFY2(kvs == (xl ? 12 : 6), qPrintable(QString("%1 self-attention calls").arg(kvs)));
+      const std::int64_t eps_bytes = in.latents.numel() * 4;  // n bands of 1/n each
+      std::vector<std::int64_t> messages, bytes;
+      for (int i = 0; i < steps; ++i) {
+        const bool only_eps = i >= warmup && i + 1 == steps;
+        const int exchanged = std::min(buckets, layers);  // K > L: one call per bucket
+        messages.push_back(std::int64_t{n} * (i < warmup ? layers + 1 : only_eps ? 1 : exchanged + 1));
+        bytes.push_back(eps_bytes + (only_eps ? 0 : layer_bytes));
+        QCOMPARE(DistriFusion::messages_per_step(i, steps, warmup, n, layers, buckets), static_cast<int>(messages.back()));
+      }
+      QVERIFY2(out.stats.messages_per_step == messages,
+               qPrintable(QString("xl %1 n %2 buckets %3: %4 hooked layer calls; steps' messages %5 %6 %7")
+                              .arg(xl).arg(n).arg(buckets).arg(layers).arg(out.stats.messages_per_step[0])
+                              .arg(out.stats.messages_per_step[2]).arg(out.stats.messages_per_step[4])));
+      QVERIFY(out.stats.note.find(std::to_string(std::min(buckets, layers)) + " asynchronous all_gather(s)") != std::string::npos);
+      QVERIFY(out.stats.bytes_per_step == bytes);
+      std::int64_t total = 0;
+      for (auto b : bytes) total += b;
+      QCOMPARE(out.stats.bytes_sent, total);
+      QVERIFY(out.stats.note.find(std::to_string(layers) + " hooked layer calls") != std::string::npos);
+      QVERIFY(out.stats.to_json().find("messages_per_step") != std::string::npos);
+    }
+    QCOMPARE(DistriFusion::messages_per_step(4, 5, 5, 3, 10, 8), 33);  // a synchronous last step exchanges
+    QCOMPARE(DistriFusion::messages_per_step(3, 5, 2, 3, 10, 4), 15);    // 4 buckets and eps
+    QCOMPARE(DistriFusion::messages_per_step(3, 5, 2, 3, 10, 40), 33);   // clamped to one per call
+    QCOMPARE(DistriFusion::messages_per_step(4, 5, 2, 3, 10, 4), 3);     // a stale last step: eps alone
+    QCOMPARE(DistriFusion::bucket_count(8, 5), 5);
+    QCOMPARE(DistriFusion::bucket_count(1, 5), 1);
+  }
+
+  // (6) The stale steps' buckets change when values travel, not which: every bucket count (1 is
+  // the former single packed gather; more than the hooked layer calls is one call per bucket)
+  // gives bit-identical latents, and they are the simulation's.
+  void bucketsGiveIdenticalLatents() {
+    struct Case {
+      int n, warmup;
+      double cfg;
+      bool xl;
+    };
+    for (const auto& k : {Case{2, 1, 5.0, false}, Case{4, 2, 1.0, true}}) {
+      const int steps = 5;
+      auto in = inputs(schedulers::SamplerKind::Euler, steps, 1, k.cfg, k.xl ? sdxl() : unet_);
+      const auto sim = simulate(in, k.xl ? sdxl() : unet_, k.n, k.warmup, k.cfg);
+      at::Tensor first;
+      for (int buckets : {1, 3, 8, 100000}) {
+        DistriFusion d;
+        d.n = k.n;
+        d.warmup = k.warmup;
+        d.buckets = buckets;
+        const auto out = run(d, in);
+        const double to_sim = rel_l2(out.latents, sim);
+        const auto what = QString("n %1 xl %2 buckets %3: rel L2 to the simulation %4").arg(k.n).arg(k.xl).arg(buckets).arg(to_sim);
+        qInfo("%s", qPrintable(what));
+        QVERIFY2(to_sim < 1e-5, qPrintable(what));
+        if (!first.defined()) first = out.latents;
+        QVERIFY2(at::equal(out.latents, first), qPrintable(what + ": differs from 1 bucket"));
+      }
+    }
+    DistriFusion d;
+    d.buckets = 0;
+    auto in = inputs(schedulers::SamplerKind::Euler, 2, 1, 5.0, unet_);
+    DIFFRACT_EXPECT_ERROR(run(d, in), "1 or more buckets", "not 0");
+  }
+
+  // all_gather_async in-process: the gathered values, counted in bytes_sent, in order with the
+  // blocking collectives; once the group is aborted, a pending gather's wait() throws Aborted
+  // on every rank (as later collectives do).
+  void asyncGatherAndAbort() {
+    const int n = 3;
+    auto comms = make_in_process_group(n);
+    std::atomic<int> started{0}, aborted{0}, threw{0}, good{0};
+    std::vector<std::thread> ts;
+    for (int r = 0; r < n; ++r)
+      ts.emplace_back([&, r] {
+        auto& c = *comms[static_cast<std::size_t>(r)];
+        bool ok = true;
+        auto a = c.all_gather_async(at::full({4}, r, at::kFloat));
+        auto b = c.all_gather_async(at::full({2}, 10 + r, at::kDouble));
+        auto blocking = c.all_gather(at::full({1}, 20 + r, at::kFloat));
+        const auto pa = a->wait(), pb = b->wait();
+        for (int q = 0; q < n; ++q) {
+          ok &= pa[static_cast<std::size_t>(q)][3].item<float>() == q;
+          ok &= pb[static_cast<std::size_t>(q)][1].item<double>() == 10 + q;
+          ok &= blocking[static_cast<std::size_t>(q)][0].item<float>() == 20 + q;
+        }
+        ok &= c.bytes_sent() == 16 + 16 + 4;
+        auto pending = c.all_gather_async(at::full({1}, r, at::kFloat));
+        ++started;
+        if (r == 1) {
+          while (started.load() < n) std::this_thread::yield();
+          c.abort("device 1 failed: simulated");
+          aborted = 1;
+        }
+        while (!aborted.load()) std::this_thread::yield();
+        try {
+          pending->wait();
+        } catch (const Aborted& e) {
+          if (std::string(e.what()).find("device 1 failed: simulated") != std::string::npos) ++threw;
+        }
+        try {
+          c.all_gather_async(at::ones({1}));
+        } catch (const Aborted&) {
+          ++threw;
+        }
+        if (ok) ++good;
+      });
+    for (auto& t : ts) t.join();
+    QCOMPARE(good.load(), n);
+    QCOMPARE(threw.load(), 2 * n);
+  }
+
+  // A rank failing in a stale step's layer, between buckets (the others' gathers of the step in
+  // flight or waited for at the next step's start): one error naming it, nobody hangs; the same
+  // in the synchronous step.
+  void failureBetweenBuckets() {
+    for (int evaluation : {0, 2, 3})
+      for (int call : {0, 5, 17}) {
+        auto in = inputs(schedulers::SamplerKind::Euler, 5, 1, 5.0, unet_);
+        const auto make = in.make_denoiser;
+        in.make_denoiser = [make, evaluation, call](int rank, const c10::Device& dev) -> std::unique_ptr<Denoiser> {
+          return std::make_unique<FailingInLayer>(make(rank, dev), rank == 2, evaluation, call);
+        };
+        DistriFusion d;
+        d.n = 4;
+        d.warmup = 1;
+        d.buckets = 3;
+        DIFFRACT_EXPECT_ERROR(run(d, in), "device 2", "simulated device failure in a layer");
+      }
   }
 
   // warm(): one band, no collective (a context without a communicator would crash on one).

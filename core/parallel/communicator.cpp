@@ -2,6 +2,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 
@@ -10,6 +11,31 @@
 namespace diffract::parallel {
 
 Communicator::~Communicator() = default;
+PendingGather::~PendingGather() = default;
+
+namespace {
+
+// A gather completed at the call; wait() hands its result over after `check` (when given),
+// which throws Aborted if the group was aborted since.
+class CompletedGather final : public PendingGather {
+ public:
+  CompletedGather(std::vector<at::Tensor> parts, std::function<void()> check)
+      : parts_(std::move(parts)), check_(std::move(check)) {}
+  std::vector<at::Tensor> wait() override {
+    if (check_) check_();
+    return std::move(parts_);
+  }
+
+ private:
+  std::vector<at::Tensor> parts_;
+  std::function<void()> check_;
+};
+
+}  // namespace
+
+std::unique_ptr<PendingGather> Communicator::all_gather_async(const at::Tensor& t) {
+  return std::make_unique<CompletedGather>(all_gather(t), nullptr);
+}
 
 namespace {
 
@@ -70,6 +96,16 @@ class InProcessCommunicator final : public Communicator {
                     " vs " + c10::toString(t.scalar_type()) + ")");
     }
     return r_->published;
+  }
+
+  // Completes at the call (the rendezvous is synchronous); wait() still throws Aborted once the
+  // group was aborted, as NCCL's does.
+  std::unique_ptr<PendingGather> all_gather_async(const at::Tensor& t) override {
+    auto r = r_;
+    return std::make_unique<CompletedGather>(all_gather(t), [r] {
+      std::lock_guard<std::mutex> lock(r->mutex);
+      r->check();
+    });
   }
 
   at::Tensor broadcast(const at::Tensor& t, int root) override {

@@ -30,6 +30,19 @@ class Aborted : public Error {
   using Error::Error;
 };
 
+// A non-blocking all_gather in flight (Communicator::all_gather_async). It keeps the input and
+// the output buffers alive until it is destroyed; destroying it unwaited is allowed (the
+// collective still completes on every rank, its result is dropped).
+class PendingGather {
+ public:
+  virtual ~PendingGather();
+  // Every rank's tensor, indexed by rank, as all_gather returns them; call once. On a GPU the
+  // caller's current stream is made to wait for the gather (the host does not block). Throws
+  // Aborted once the group was aborted (see Communicator::abort()), whether or not the gather
+  // had completed.
+  virtual std::vector<at::Tensor> wait() = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator();
@@ -39,6 +52,13 @@ class Communicator {
   // Every rank's tensor, indexed by rank. An undefined tensor is allowed (a rank with nothing
   // to contribute this round) in-process; NCCL will need equal shapes and dtypes on all ranks.
   virtual std::vector<at::Tensor> all_gather(const at::Tensor& t) = 0;
+  // all_gather without waiting for it: a collective like the others (every rank calls it in the
+  // same order among all the collectives), started now, its result taken by wait(). NCCL
+  // enqueues it on the communication stream after the current stream's work so far and returns
+  // at once; the compute stream only waits in wait(). In-process it completes at the call. The
+  // default runs all_gather at the call. Counted in bytes_sent() at the call. The caller must
+  // not write `t` before wait() (NCCL may read it in place).
+  virtual std::unique_ptr<PendingGather> all_gather_async(const at::Tensor& t);
   // Root's tensor on every rank (others pass anything, e.g. an undefined tensor).
   virtual at::Tensor broadcast(const at::Tensor& t, int root) = 0;
   // Point to point. recv fills `out`, which must have the sent tensor's shape and dtype (as

@@ -64,6 +64,33 @@ struct NcclShared {
   }
 };
 
+// An all_gather enqueued on the communication stream: `done` is recorded there after it. The
+// buffers were record_stream'ed on that stream, so even a handle destroyed unwaited cannot let
+// the caching allocator hand their memory to the compute stream before the gather is through.
+class NcclPendingGather final : public PendingGather {
+ public:
+  NcclPendingGather(std::shared_ptr<NcclShared> s, at::Device device, at::Tensor send, at::Tensor recv,
+                    at::cuda::CUDAEvent done)
+      : s_(std::move(s)), device_(device), send_(std::move(send)), recv_(std::move(recv)), done_(std::move(done)) {}
+
+  std::vector<at::Tensor> wait() override {
+    if (s_->aborted) throw Aborted("aborted: " + s_->reason);
+    if (!recv_.defined()) throw Error("NCCL all_gather_async: wait() called twice");
+    c10::cuda::CUDAGuard guard(device_);
+    done_.block(c10::cuda::getCurrentCUDAStream(device_.index()));
+    send_ = at::Tensor();
+    auto parts = recv_.unbind(0);
+    recv_ = at::Tensor();
+    return {parts.begin(), parts.end()};
+  }
+
+ private:
+  std::shared_ptr<NcclShared> s_;
+  at::Device device_;
+  at::Tensor send_, recv_;
+  at::cuda::CUDAEvent done_;
+};
+
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(std::shared_ptr<NcclShared> s, int rank)
@@ -87,6 +114,28 @@ class NcclCommunicator final : public Communicator {
     bytes_ += static_cast<std::int64_t>(send.nbytes());
     auto parts = recv.unbind(0);
     return {parts.begin(), parts.end()};
+  }
+
+  // As all_gather, but the compute stream does not wait for it here: the handle's wait() does.
+  std::unique_ptr<PendingGather> all_gather_async(const at::Tensor& t) override {
+    auto send = prepare(t, "all_gather_async");
+    send.record_stream(stream_);
+    std::vector<int64_t> shape{size()};
+    for (auto d : send.sizes()) shape.push_back(d);
+    at::Tensor recv;
+    {
+      c10::cuda::CUDAGuard guard(device_);
+      recv = at::empty(shape, send.options());  // on the compute stream: written on the communication one
+    }
+    recv.record_stream(stream_);
+    at::cuda::CUDAEvent done;
+    enqueue([&] {
+      check(ncclAllGather(send.data_ptr(), recv.data_ptr(), static_cast<size_t>(send.numel()), nccl_type(send.scalar_type()),
+                          comm(), stream_.stream()),
+            "all_gather_async");
+    }, "all_gather_async", -1, static_cast<std::int64_t>(send.nbytes()), &done);
+    bytes_ += static_cast<std::int64_t>(send.nbytes());
+    return std::make_unique<NcclPendingGather>(s_, device_, std::move(send), std::move(recv), std::move(done));
   }
 
   at::Tensor broadcast(const at::Tensor& t, int root) override {
@@ -165,10 +214,12 @@ class NcclCommunicator final : public Communicator {
   }
 
   // The collective runs on the communication stream after the compute stream's work so far;
-  // the compute stream's later work waits for it. Launches hold the group's lock so that
-  // abort() never frees a communicator under one.
+  // the compute stream's later work waits for it, or, given `done`, the event recorded after it
+  // goes there instead (all_gather_async: the compute stream waits in its wait()). Launches hold
+  // the group's lock so that abort() never frees a communicator under one.
   template <class F>
-  void enqueue(F&& launch, const char* op = "", int peer = -1, std::int64_t bytes = 0) {
+  void enqueue(F&& launch, const char* op = "", int peer = -1, std::int64_t bytes = 0,
+               at::cuda::CUDAEvent* done = nullptr) {
     std::shared_lock<std::shared_timed_mutex> lock(s_->mutex);
     if (s_->aborted) throw Aborted("aborted: " + s_->reason);
     c10::cuda::CUDAGuard guard(device_);
@@ -180,7 +231,8 @@ class NcclCommunicator final : public Communicator {
     if (trace) log::get("nccl").info(log::str("rank ", rank_, " enqueues ", op, " peer ", peer, ", ", bytes, " bytes"));
     launch();
     after.record(stream_);
-    after.block(compute);
+    if (done) *done = std::move(after);
+    else after.block(compute);
     if (trace == 2) {
       stream_.synchronize();
       log::get("nccl").info(log::str("rank ", rank_, " finished ", op));

@@ -17,6 +17,8 @@ using namespace detail;
 
 void DistriFusion::validate(std::int64_t, bool) const {
   if (n < 2) throw Error("distrifusion needs 2 or more devices (one per band of rows), not " + std::to_string(n));
+  if (buckets < 1)
+    throw Error("distrifusion needs 1 or more buckets for its stale steps' exchange, not " + std::to_string(buckets));
   if (warmup < 1)
     throw Error("distrifusion needs 1 or more synchronous warm-up steps (its stale steps use every layer's activations "
                 "of the step before), not " + std::to_string(warmup));
@@ -35,8 +37,11 @@ std::int64_t DistriFusion::band_height(std::int64_t height, int n, int downsampl
   return height / n;
 }
 
-int DistriFusion::messages_per_step(int step, int, int warmup, int n, int layers) {
-  return n * (step >= warmup ? 1 : layers + 1);
+int DistriFusion::bucket_count(int buckets, int layers) { return std::max(1, std::min(buckets, layers)); }
+
+int DistriFusion::messages_per_step(int step, int steps, int warmup, int n, int layers, int buckets) {
+  if (step < warmup) return n * (layers + 1);
+  return n * (step + 1 < steps && layers > 0 ? bucket_count(buckets, layers) + 1 : 1);
 }
 
 namespace {
@@ -57,22 +62,48 @@ enum class Mode { Isolated, Sync, Stale };
 // One rank's band context: hooked layer call k of an evaluation is layer k. Sync: gathers every
 // band's fresh contribution now (and keeps it); Stale: the other bands' from the evaluation
 // before, and (unless `publish` is off) its own fresh one copied into its slot of this step's
-// pack, which finish() gathers with eps in one all_gather; Isolated: zeros for the other bands,
-// no collective.
+// bucket, whose all_gather starts as soon as the bucket's last call has written (the next
+// step's begin() waits for them); Isolated: zeros for the other bands, no collective. finish()
+// gathers eps (blocking) in every mode but Isolated.
 class Exchange final : public models::BandContext {
  public:
-  Exchange(int rank, int size, Communicator* comm, StepTraffic* traffic)
-      : BandContext(rank, size), comm_(comm), traffic_(traffic) {}
+  Exchange(int rank, int size, Communicator* comm, StepTraffic* traffic, int buckets = 1)
+      : BandContext(rank, size), comm_(comm), traffic_(traffic), max_buckets_(std::max(buckets, 1)) {}
 
   void begin(Mode mode, bool publish, int step) {
+    // The step before's buckets: every band's contributions to this step's layers (views of
+    // the gathered buffers, no copy). Waited here, before the first layer reads them.
+    if (!pending_.empty()) {
+      const auto own = static_cast<std::size_t>(rank_);
+      previous_.assign(slots_.size(), std::vector<at::Tensor>(static_cast<std::size_t>(size_)));
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        auto parts = pending_[b]->wait();
+        pending_[b].reset();
+        for (std::size_t r = 0; r < parts.size(); ++r) {
+          if (r == own) continue;
+          for (auto l = buckets_[b].begin; l < buckets_[b].end; ++l) previous_[l][r] = slot(parts[r], l);
+        }
+      }
+      pending_.clear();
+    }
     mode_ = mode;
     publish_ = publish;
     step_ = step;
     calls_ = 0;
+    if (mode == Mode::Stale) {
+      layers_ = previous_.size();
+      if (publish && slots_.empty()) layout();
+    }
   }
   int calls() const { return calls_; }
+  int buckets() const { return static_cast<int>(buckets_.size()); }
+  // The other bands' contributions to one evaluation that a rank keeps from a step to the next.
   std::int64_t buffer_bytes() const {
     std::int64_t b = 0;
+    if (!slots_.empty()) {
+      for (const auto& s : slots_) b += s.bytes;
+      return b * (size_ - 1);
+    }
     for (const auto& layer : previous_)
       for (const auto& t : layer)
         if (t.defined()) b += static_cast<std::int64_t>(t.nbytes());
@@ -94,60 +125,49 @@ class Exchange final : public models::BandContext {
       previous_[layer][own] = at::Tensor();  // never read: a band's own part is always fresh
       return all;
     }
-    if (layer >= previous_.size())
+    if (layer >= layers_)
       throw Error("distrifusion: hooked layer call " + std::to_string(layer) + " has no contributions from the step " +
-                  "before (" + std::to_string(previous_.size()) + " calls then): the UNet's call order changed");
-    auto all = previous_[layer];
+                  "before (" + std::to_string(layers_) + " calls then): the UNet's call order changed");
+    auto all = std::move(previous_[layer]);  // read once: released as the step goes (a bucket's
+    previous_[layer].clear();                // gathered buffer is freed once its layers are past)
     const auto& other = all[(own + 1) % all.size()];
     if (other.sizes() != mine.sizes() || other.scalar_type() != mine.scalar_type())
       throw Error("distrifusion: hooked layer call " + std::to_string(layer) + " contributes " +
                   std::to_string(mine.numel()) + " values of " + c10::toString(mine.scalar_type()) + ", " +
                   std::to_string(other.numel()) + " of " + c10::toString(other.scalar_type()) + " the step before");
     all[own] = mine;
-    if (publish_) slot(pack(mine.device()), layer).copy_(mine);  // sent at the end of the step
+    if (publish_) {
+      const auto b = bucket_of_[layer];
+      slot(pack(b, mine.device()), layer).copy_(mine);
+      if (layer + 1 == buckets_[b].end) {  // the bucket is complete: on its way while the step goes on
+        auto packed = std::move(packs_[b]);
+        packs_[b] = at::Tensor();
+        if (pending_.empty()) pending_.resize(buckets_.size());
+        pending_[b] = comm_->all_gather_async(packed);
+        if (traffic_) traffic_->sent(step_, packed);
+      }
+    }
     return all;
   }
 
-  // The end of an evaluation: every band's eps [B, C, h, W], in band order. In a publishing
-  // stale step, eps goes into the pack and the pack is the step's one collective: every band's
-  // contributions of this step become the other bands' values of the next (views of the
-  // gathered buffer). Otherwise eps alone.
+  // The end of an evaluation: every band's eps [B, C, h, W], in band order (one blocking
+  // all_gather: the sampler needs it now).
   std::vector<at::Tensor> finish(const at::Tensor& eps) {
-    const auto own = static_cast<std::size_t>(rank_);
-    if (mode_ != Mode::Stale || !publish_) {
-      eps_shape_ = eps.sizes().vec();
-      eps_dtype_ = eps.scalar_type();
-      return gather(eps);
-    }
-    const auto layers = slots_.empty() ? previous_.size() : slots_.size() - 1;
-    if (static_cast<std::size_t>(calls_) != layers)
+    if (mode_ == Mode::Stale && static_cast<std::size_t>(calls_) != layers_)
       throw Error("distrifusion: " + std::to_string(calls_) + " hooked layer calls in a stale step, " +
-                  std::to_string(layers) + " in the step before: the UNet's call order changed");
-    if (eps.sizes() != at::IntArrayRef(eps_shape_) || eps.scalar_type() != eps_dtype_)
-      throw Error("distrifusion: the band's eps changed shape or type since the synchronous steps");
-    auto packed = pack(eps.device());
-    slot(packed, layers).copy_(eps);
-    pack_ = at::Tensor();
-    previous_.clear();  // read by this step's layers only: freed before the gathered buffer arrives
-    auto parts = comm_->all_gather(packed);
-    if (traffic_) traffic_->sent(step_, packed);
-    packed = at::Tensor();
-    previous_.assign(layers, std::vector<at::Tensor>(static_cast<std::size_t>(size_)));
-    std::vector<at::Tensor> all(static_cast<std::size_t>(size_));
-    for (std::size_t r = 0; r < all.size(); ++r) {
-      if (r == own) continue;
-      for (std::size_t l = 0; l < layers; ++l) previous_[l][r] = slot(parts[r], l);
-      all[r] = slot(parts[r], layers);
-    }
-    all[own] = eps;
-    return all;
+                  std::to_string(layers_) + " in the step before: the UNet's call order changed");
+    return gather(eps);
   }
 
  private:
   struct Slot {
     std::vector<std::int64_t> shape;
     at::ScalarType dtype;
-    std::int64_t offset, bytes;
+    std::int64_t offset, bytes;  // within its bucket
+  };
+  struct Bucket {
+    std::size_t begin, end;  // hooked layer calls [begin, end)
+    std::int64_t used, bytes;  // slots' bytes; padded to the largest element size
   };
 
   std::vector<at::Tensor> gather(const at::Tensor& mine) {
@@ -157,55 +177,79 @@ class Exchange final : public models::BandContext {
     return all;
   }
 
-  // Slot i of a pack (layer i's contribution; the last: eps), as a tensor of its shape and type.
-  at::Tensor slot(const at::Tensor& bytes, std::size_t i) const {
-    const auto& s = slots_[i];
+  // Layer call l's slot in a bucket's bytes, as a tensor of its shape and type.
+  at::Tensor slot(const at::Tensor& bytes, std::size_t l) const {
+    const auto& s = slots_[l];
     return bytes.narrow(0, s.offset, s.bytes).view(s.dtype).view(s.shape);
   }
 
-  // This step's pack, a flat byte buffer: every hooked layer call's contribution then eps, laid
-  // out on first use from the synchronous steps' shapes (every rank's alike: equal bands).
-  // Slots in order of element size, largest first, and the total rounded up to the largest, so
-  // that every slot is aligned for its type in each rank's part of the gathered buffer.
-  const at::Tensor& pack(const at::Device& device) {
-    if (slots_.empty()) {
-      const auto other = (static_cast<std::size_t>(rank_) + 1) % static_cast<std::size_t>(size_);
-      for (const auto& layer : previous_)
-        slots_.push_back({layer[other].sizes().vec(), layer[other].scalar_type(), 0, static_cast<std::int64_t>(layer[other].nbytes())});
-      std::int64_t numel = 1;
-      for (auto d : eps_shape_) numel *= d;
-      slots_.push_back({eps_shape_, eps_dtype_, 0, numel * static_cast<std::int64_t>(c10::elementSize(eps_dtype_))});
-      std::vector<std::size_t> order(slots_.size());
-      for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-      const auto size_of = [&](std::size_t i) { return c10::elementSize(slots_[i].dtype); };
-      std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return size_of(a) > size_of(b); });
+  // The buckets, laid out once from the synchronous steps' shapes (every rank's alike: equal
+  // bands): min(K, L) runs of consecutive hooked layer calls of about equal bytes (bucket b
+  // ends at the first call where the running total reaches (b + 1) / K of the whole, leaving at
+  // least one call to every later bucket). In a bucket, slots in order of element size, largest
+  // first, and its total rounded up to the largest, so that every slot is aligned for its type
+  // in each rank's part of the gathered buffer.
+  void layout() {
+    const auto other = (static_cast<std::size_t>(rank_) + 1) % static_cast<std::size_t>(size_);
+    std::int64_t total = 0;
+    for (const auto& layer : previous_) {
+      slots_.push_back({layer[other].sizes().vec(), layer[other].scalar_type(), 0, static_cast<std::int64_t>(layer[other].nbytes())});
+      total += slots_.back().bytes;
+    }
+    const auto count = slots_.size();
+    if (count == 0) return;
+    const auto k = std::min(static_cast<std::size_t>(max_buckets_), count);
+    bucket_of_.assign(count, 0);
+    std::size_t begin = 0;
+    std::int64_t running = 0;
+    for (std::size_t b = 0; b < k; ++b) {
+      const std::size_t last_end = count - (k - 1 - b);
+      std::size_t end = begin;
+      do {
+        running += slots_[end++].bytes;
+      } while (end < last_end && (b + 1 == k || running * static_cast<std::int64_t>(k) < total * static_cast<std::int64_t>(b + 1)));
+      std::vector<std::size_t> order;
+      for (auto l = begin; l < end; ++l) order.push_back(l);
+      const auto size_of = [&](std::size_t l) { return c10::elementSize(slots_[l].dtype); };
+      std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t c) { return size_of(a) > size_of(c); });
       std::int64_t offset = 0;
-      for (auto i : order) {
-        slots_[i].offset = offset;
-        offset += slots_[i].bytes;
+      for (auto l : order) {
+        slots_[l].offset = offset;
+        offset += slots_[l].bytes;
       }
       const auto align = static_cast<std::int64_t>(size_of(order.front()));
-      used_bytes_ = offset;
-      pack_bytes_ = (offset + align - 1) / align * align;
+      buckets_.push_back({begin, end, offset, (offset + align - 1) / align * align});
+      begin = end;
     }
-    if (!pack_.defined()) {
-      pack_ = at::empty({pack_bytes_}, at::TensorOptions().dtype(at::kByte).device(device));
-      if (pack_bytes_ > used_bytes_) pack_.narrow(0, used_bytes_, pack_bytes_ - used_bytes_).zero_();  // the padding
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      for (auto l = buckets_[b].begin; l < buckets_[b].end; ++l) bucket_of_[l] = b;
+    packs_.assign(buckets_.size(), at::Tensor());
+  }
+
+  // Bucket b's buffer of this step, while it fills.
+  const at::Tensor& pack(std::size_t b, const at::Device& device) {
+    auto& p = packs_[b];
+    if (!p.defined()) {
+      const auto& k = buckets_[b];
+      p = at::empty({k.bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+      if (k.bytes > k.used) p.narrow(0, k.used, k.bytes - k.used).zero_();  // the padding
     }
-    return pack_;
+    return p;
   }
 
   Communicator* comm_;
   StepTraffic* traffic_;
+  int max_buckets_;
   Mode mode_ = Mode::Isolated;
   bool publish_ = false;
   int step_ = 0, calls_ = 0;
+  std::size_t layers_ = 0;  // hooked layer calls of the step before (a stale step's)
   std::vector<std::vector<at::Tensor>> previous_;  // per layer call: every band's (own undefined)
-  std::vector<std::int64_t> eps_shape_;
-  at::ScalarType eps_dtype_ = at::kFloat;
-  std::vector<Slot> slots_;  // per layer call, then eps
-  std::int64_t used_bytes_ = 0, pack_bytes_ = 0;
-  at::Tensor pack_;  // this stale step's, while it fills
+  std::vector<Slot> slots_;  // per layer call
+  std::vector<Bucket> buckets_;
+  std::vector<std::size_t> bucket_of_;  // per layer call
+  std::vector<at::Tensor> packs_;  // per bucket: this stale step's, while it fills
+  std::vector<std::unique_ptr<PendingGather>> pending_;  // per bucket: this step's gathers in flight
 };
 
 // The guided output of `band` [B, C, h, W] under `ex`.
@@ -237,13 +281,13 @@ LoopOutput DistriFusion::run(DeviceGroup& g, const LoopInputs& in) const {
 
   StepTraffic traffic(steps);
   std::atomic<std::int64_t> bytes{0}, buffer_bytes{0};
-  std::atomic<int> hooked{0};
+  std::atomic<int> hooked{0}, bucket_count{0};
   at::Tensor result;
   CancelGate gate(in.cancel);
   g.run([&](int rank, Communicator& comm) {
     auto& me = ranks[static_cast<std::size_t>(rank)];
     const auto bytes0 = comm.bytes_sent();
-    Exchange ex(rank, n, &comm, &traffic);
+    Exchange ex(rank, n, &comm, &traffic, buckets);
     for (int i = 0; i < steps; ++i) {
       gate.check(i);
       const double t = me.sampler->timesteps().at(static_cast<std::size_t>(i));
@@ -257,6 +301,7 @@ LoopOutput DistriFusion::run(DeviceGroup& g, const LoopInputs& in) const {
     bytes += comm.bytes_sent() - bytes0;
     if (rank == 0) {
       hooked = ex.calls();
+      bucket_count = ex.buckets();
       buffer_bytes = ex.buffer_bytes();
       result = me.x;
     }
@@ -271,9 +316,11 @@ LoopOutput DistriFusion::run(DeviceGroup& g, const LoopInputs& in) const {
                  " latent rows; " + std::to_string(sync_steps) + " synchronous step(s), then " +
                  std::to_string(steps - sync_steps) + " one-step-stale step(s); " + std::to_string(hooked.load()) +
                  " hooked layer calls per evaluation (conv halos, GroupNorm statistics, self-attention K / V): an "
-                 "all_gather at each in a synchronous step, one packed all_gather of them all with eps at the end of a "
-                 "stale step; the previous step's contributions kept: " +
-                 mib + " MiB per rank";
+                 "all_gather at each in a synchronous step; in a stale step (but the last) " +
+                 (bucket_count.load() > 0 ? std::to_string(bucket_count.load()) : std::string("no")) +
+                 " asynchronous all_gather(s) of buckets of them (of " + std::to_string(buckets) +
+                 " asked), each started as its bucket fills and waited at the next step's start, then eps's; the "
+                 "previous step's contributions kept: " + mib + " MiB per rank";
   return o;
 }
 

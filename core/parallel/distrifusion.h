@@ -37,34 +37,47 @@ namespace diffract::parallel {
 //   run on band shapes).
 //  Stale steps t >= warmup: each hooked layer uses its own band fresh and the other bands'
 //   contributions from step t-1 (halo rows, GroupNorm statistics, K / V). Its fresh
-//   contribution is consumed only at step t+1, so nothing is exchanged at the layer: the rank
-//   copies it into its slot of one flat byte buffer (the pack: every hooked layer call's
-//   contribution in call order, grouped by element size, largest first, so that every slot
-//   stays aligned; laid out once from the synchronous steps' shapes, alike on every rank since
-//   the bands are equal) and at the end of the step puts its eps in too and does ONE all_gather
-//   of the pack. Every band's contributions for step t+1 are views of the gathered buffer (no
-//   copy). A stale last step gathers nothing but eps. Everything else (the band's own
-//   activations, the timestep, the text conditioning) is fresh.
+//   contribution is consumed only at step t+1, so the layer never waits for a collective: the
+//   rank copies it into its slot of one of K buckets (flat byte buffers: `buckets` runs of
+//   consecutive hooked layer calls of about equal bytes, min(buckets, L) of them; in a bucket,
+//   slots grouped by element size, largest first, so that every slot stays aligned; laid out
+//   once from the synchronous steps' shapes, alike on every rank since the bands are equal). As
+//   soon as a bucket's last call has written, the bucket's all_gather starts asynchronously
+//   (Communicator::all_gather_async: on NCCL it runs on the communication stream while the
+//   compute stream goes on with the rest of the UNet) and the next step waits for all of them
+//   at its start, before its first hooked layer reads them. Every band's contributions for
+//   step t+1 are views of the gathered buffers (no copy). eps is gathered at the end of the
+//   step (blocking: the sampler needs it). A stale last step publishes nothing (no later step
+//   would read it): eps alone. Everything else (the band's own activations, the timestep, the
+//   text conditioning) is fresh.
+//  Buckets: equal bytes rather than equal call counts, since K / V dominate (SDXL 1024^2 with
+//   CFG: ~870 MB per rank per step) and what stays exposed is the last bucket, whose gather
+//   starts only after the UNet's last hooked call (conv_out), plus eps. The default 8 leaves
+//   ~1/8 of the transfer exposed with ~110 MB messages, large enough for NCCL's bandwidth;
+//   buckets = 1 is the former single packed gather (without eps, which has its own). On NCCL
+//   one communicator runs its collectives in order, so eps's gather waits for the buckets
+//   still in flight: the overlap is within the step (the buckets but the last hide behind the
+//   rest of the UNet), not across steps. In-process (virtual devices) a gather completes at its
+//   call: the values, and so the latents, are the same for every bucket count.
 //  Communication: synchronous steps gather at each hooked layer (blocking: the layer needs the
-//   fresh values). A stale step's layers never wait for a collective: the compute stream runs
-//   the whole UNet without stopping, and the step's one packed all_gather (SDXL 1024^2 with
-//   CFG: ~870 MB per rank, mostly K / V) replaces 156 small ones, each of which made
-//   the compute stream wait for NCCL between layers. The transfer itself still sits between
-//   the steps (not overlapped with the next step's computation, as the paper's asynchronous
-//   all_gather would be).
+//   fresh values); stale steps' layers never wait for a collective (above).
 //  Messages per step (LoopStats::messages_per_step counts one per rank per collective, bytes
-//   what each rank contributes): n (L + 1) in a synchronous step, with L hooked layer calls per
-//   evaluation; n in a stale step (the pack with eps, or eps alone in a stale last step).
+//   what each rank contributes, bucket padding included): n (L + 1) in a synchronous step, with
+//   L hooked layer calls per evaluation; n (min(buckets, L) + 1) in a stale step (one per bucket,
+//   plus eps); n in a stale last step (eps alone).
 //  Memory: every rank keeps the previous step's contributions of every band for every hooked
-//   layer: the whole image's K / V of every self-attention layer dominate. In a stale step: the
-//   step before's gathered buffer (n packs, the own one unread; freed just before the
-//   gather), this step's pack, then the new gathered buffer.
+//   layer: the whole image's K / V of every self-attention layer dominate. A stale step reads
+//   them layer by layer and drops each once read, so a bucket's gathered buffer of the step
+//   before is freed once the step is past its layers, while this step's buckets fill and their
+//   gathered buffers arrive: about one step's worth of gathered buffers at any time, plus the
+//   bucket filling.
 //  CFG: both branches as one batch of 2B on every rank, combined on the band before the gather.
 //  Speed: each rank runs 1/n of the pixels of every layer; self-attention's T^2 term falls by n
 //   too. Runs eager (no CUDA graphs), through the denoiser's stage API.
 struct DistriFusion final : Strategy {
   int n = 2;       // bands (devices)
   int warmup = 4;  // synchronous steps first (>= 1)
+  int buckets = 8; // asynchronous all_gathers per stale step (>= 1; clamped to the hooked layer calls)
 
   std::string name() const override { return "distrifusion"; }
   int devices() const override { return n; }
@@ -79,9 +92,11 @@ struct DistriFusion final : Strategy {
   // The band height in latent rows for a latent of `height` rows over n bands of a UNet with
   // `downsamplings` stride-2 stages; throws diffract::Error naming the sizes when it cannot split.
   static std::int64_t band_height(std::int64_t height, int n, int downsamplings);
+  // The buckets a stale step exchanges for `buckets` asked and `layers` hooked layer calls.
+  static int bucket_count(int buckets, int layers);
   // The all_gather contributions step `step` of `steps` makes (the design above) with `layers`
-  // hooked layer calls per evaluation.
-  static int messages_per_step(int step, int steps, int warmup, int n, int layers);
+  // hooked layer calls per evaluation and `buckets` asked.
+  static int messages_per_step(int step, int steps, int warmup, int n, int layers, int buckets);
 };
 
 }  // namespace diffract::parallel

@@ -2,6 +2,7 @@
 //   diffract-gpu-checks groupnorm|geglu|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae
 // Exit 0: passed; 1: failed (the reasons printed); 77: skipped (too few GPUs).
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/cuda.h>
 
 #include "core/metrics/metrics.h"
@@ -26,6 +28,7 @@
 #include "core/parallel/asyncdiff.h"
 #include "core/parallel/communicator.h"
 #include "core/parallel/device_group.h"
+#include "core/parallel/distrifusion.h"
 #include "core/parallel/parallel_vae.h"
 #include "core/parallel/pipefusion.h"
 #include "core/parallel/strategies.h"
@@ -428,6 +431,63 @@ void check_nccl() {
          "broadcast from rank 1 reaches rank 0");
   expect(received[1].cpu().equal(at::arange(4, at::kFloat)), "send/recv rank 0 -> rank 1");
   expect(comms[0]->bytes_sent() > 0, "bytes counted");
+
+  // all_gather_async: two gathers in flight (one of 64 MB) while the compute stream multiplies,
+  // in order with a blocking one; counted in bytes_sent; the values arrive after wait().
+  std::vector<int> async_ok(2, 0);
+  std::vector<std::int64_t> async_bytes(2, 0);
+  threads.clear();
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      const at::Device d(at::kCUDA, static_cast<c10::DeviceIndex>(r));
+      c10::cuda::CUDAGuard guard(d);
+      auto& c = *comms[static_cast<std::size_t>(r)];
+      const auto before = c.bytes_sent();
+      const auto f = at::TensorOptions().device(d).dtype(at::kFloat);
+      auto big = c.all_gather_async(at::full({std::int64_t{1} << 24}, static_cast<double>(r + 1), f));
+      auto small = c.all_gather_async(at::full({5}, static_cast<double>(10 * (r + 1)), f));
+      auto m = at::randn({2048, 2048}, f);
+      for (int i = 0; i < 8; ++i) m = at::tanh(at::matmul(m, m));
+      const auto blocking = c.all_gather(at::full({3}, static_cast<double>(100 * (r + 1)), f));
+      const auto gb = big->wait(), gs = small->wait();
+      bool ok = gb.size() == 2 && gs.size() == 2 && m.isfinite().all().item<bool>();
+      for (int k = 0; ok && k < 2; ++k)
+        ok = gb[static_cast<std::size_t>(k)].eq(k + 1).all().item<bool>() && gs[static_cast<std::size_t>(k)].eq(10 * (k + 1)).all().item<bool>() &&
+             blocking[static_cast<std::size_t>(k)].eq(100 * (k + 1)).all().item<bool>();
+      async_ok[static_cast<std::size_t>(r)] = ok;
+      async_bytes[static_cast<std::size_t>(r)] = c.bytes_sent() - before;
+    });
+  }
+  for (auto& t : threads) t.join();
+  expect(async_ok[0] && async_ok[1], "all_gather_async: both ranks' tensors after wait(), in order with a blocking all_gather");
+  expect(async_bytes[0] == (std::int64_t{4} << 24) + 20 + 12, "all_gather_async counted in bytes_sent");
+
+  // Aborted while a gather is pending: wait() throws Aborted on both ranks (a fresh group).
+  auto doomed = parallel::make_nccl_group({0, 1});
+  std::atomic<int> enqueued{0}, aborted{0}, threw{0};
+  threads.clear();
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      const at::Device d(at::kCUDA, static_cast<c10::DeviceIndex>(r));
+      c10::cuda::CUDAGuard guard(d);
+      auto& c = *doomed[static_cast<std::size_t>(r)];
+      auto pending = c.all_gather_async(at::ones({1024}, at::TensorOptions().device(d)));
+      ++enqueued;
+      if (r == 0) {
+        while (enqueued.load() < 2) std::this_thread::yield();
+        c.abort("device 0 failed: simulated");
+        aborted = 1;
+      }
+      while (!aborted.load()) std::this_thread::yield();
+      try {
+        pending->wait();
+      } catch (const parallel::Aborted&) {
+        ++threw;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  expect(threw.load() == 2, "a pending all_gather_async's wait() throws Aborted on every rank after abort()");
 }
 
 void check_strategies() {
@@ -471,6 +531,19 @@ void check_strategies() {
   // ran without their exchanges (a CUDA graph replaying a captured band).
   expect(distri_stats["messages_per_step"][0].get<int>() > 2,
          "distrifusion's synchronous steps gather at every hooked layer (the bands are never graph-replayed)");
+  // Stale steps: one asynchronous all_gather per bucket (min(8, L) by default) and eps's, eps
+  // alone in the last step (DistriFusion::messages_per_step).
+  {
+    const auto per_step = distri_stats["messages_per_step"].get<std::vector<int>>();
+    const int layers = per_step.at(0) / 2 - 1;
+    bool counts = static_cast<int>(per_step.size()) == req.steps;
+    for (int i = 0; counts && i < req.steps; ++i)
+      counts = per_step[static_cast<std::size_t>(i)] == parallel::DistriFusion::messages_per_step(i, req.steps, 4, 2, layers, 8);
+    std::cout << "  distrifusion: " << layers << " hooked layer calls; stale step messages " << per_step.at(4)
+              << " (buckets " << parallel::DistriFusion::bucket_count(8, layers) << " + eps, per rank), bytes per step "
+              << distri_stats["bytes_per_step"].dump() << "\n";
+    expect(counts, "distrifusion's messages per step follow DistriFusion::messages_per_step (buckets, then eps)");
+  }
   const auto hybrid = run("hybrid-cfg", 2);
   expect(nlohmann::json::parse(hybrid.metadata_json)["strategy"]["rel_mae"].size() == 9u, "hybrid-cfg reports rel-MAE per step");
   // AsyncDiff over NCCL: one synchronous step, then the stale components, n messages a step.
