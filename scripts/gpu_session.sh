@@ -262,6 +262,17 @@ for r in json.load(open('$logs/bench_single.json'))['results']:
   exit 0
 fi
 
+#   PLAN=eight (two GPUs, a short call): the NCCL and strategy checks, then DistriFusion in the
+#     strategy bench (its asynchronous bucketed exchange).
+if [ "$plan" = eight ]; then
+  ctest --test-dir build/gpu -R "gpu_nccl|gpu_strategies" -V --timeout 90 > "$logs/checks_strategies.log" 2>&1
+  grep -E "  (ok|FAIL)  |tests passed|distrifusion|Timeout" "$logs/checks_strategies.log" | cut -c1-300
+  echo "checks at $(elapsed) s"
+  BENCH_RUNS=1 BENCH_STRATEGIES="${SDXL_STRATEGIES:-distrifusion:2}" strategy_bench "$(left 3)"
+  strategy_split "$logs/bench_strategies.json"
+  exit 0
+fi
+
 #   PLAN=seven (two GPUs): the diffusers anchor on the second GPU while our single-GPU bench runs
 #     on the first (side by side in one run); then the parallel-VAE and strategy checks; then the
 #     SDXL strategy bench (SDXL_STRATEGIES) with the parallel VAE decode, and without it if time allows.
