@@ -104,10 +104,10 @@ class StaleBand final : public models::BandContext {
   std::vector<std::vector<at::Tensor>>& now_;
 };
 
-// A UNet denoiser whose stage run throws on one rank from its `after`-th call on.
-class Failing final : public Denoiser {
+// A denoiser that passes every call to `inner` (the failing ones below change run_stage).
+class Forwarding : public Denoiser {
  public:
-  Failing(std::unique_ptr<Denoiser> inner, bool fail, int after) : inner_(std::move(inner)), fail_(fail), after_(after) {}
+  explicit Forwarding(std::unique_ptr<Denoiser> inner) : inner_(std::move(inner)) {}
   at::Tensor eval(const at::Tensor& x, double t, Branch b) override { return inner_->eval(x, t, b); }
   bool cfg() const override { return inner_->cfg(); }
   double guidance_scale() const override { return inner_->guidance_scale(); }
@@ -119,13 +119,24 @@ class Failing final : public Denoiser {
   }
   models::UNetStageState stage_input(const at::Tensor& x, double t, Branch b) override { return inner_->stage_input(x, t, b); }
   void run_stage(models::UNetStageState& s, int begin, int end, double t, Branch b) override {
-    if (fail_ && calls_++ >= after_) throw Error("simulated device failure");
     inner_->run_stage(s, begin, end, t, b);
   }
   at::Tensor stage_output(const models::UNetStageState& s, Branch b) override { return inner_->stage_output(s, b); }
 
- private:
+ protected:
   std::unique_ptr<Denoiser> inner_;
+};
+
+// A UNet denoiser whose stage run throws on one rank from its `after`-th call on.
+class Failing final : public Forwarding {
+ public:
+  Failing(std::unique_ptr<Denoiser> inner, bool fail, int after) : Forwarding(std::move(inner)), fail_(fail), after_(after) {}
+  void run_stage(models::UNetStageState& s, int begin, int end, double t, Branch b) override {
+    if (fail_ && calls_++ >= after_) throw Error("simulated device failure");
+    inner_->run_stage(s, begin, end, t, b);
+  }
+
+ private:
   bool fail_;
   int after_, calls_ = 0;
 };
@@ -133,27 +144,16 @@ class Failing final : public Denoiser {
 // A UNet denoiser that, on one rank, throws at hooked layer call `call` of its `evaluation`-th
 // evaluation: between two buckets' gathers of a stale step, while the other ranks have theirs
 // in flight.
-class FailingInLayer final : public Denoiser {
+class FailingInLayer final : public Forwarding {
  public:
   FailingInLayer(std::unique_ptr<Denoiser> inner, bool fail, int evaluation, int call)
-      : inner_(std::move(inner)), fail_(fail), evaluation_(evaluation), call_(call) {}
-  at::Tensor eval(const at::Tensor& x, double t, Branch b) override { return inner_->eval(x, t, b); }
-  bool cfg() const override { return inner_->cfg(); }
-  double guidance_scale() const override { return inner_->guidance_scale(); }
-  std::int64_t batch() const override { return inner_->batch(); }
-  at::ScalarType output_dtype() const override { return inner_->output_dtype(); }
-  std::unique_ptr<Denoiser> rows(std::int64_t, std::int64_t) const override { return nullptr; }
-  std::vector<models::UNetLayerInfo> stage_layers(std::int64_t h, std::int64_t w) const override {
-    return inner_->stage_layers(h, w);
-  }
-  models::UNetStageState stage_input(const at::Tensor& x, double t, Branch b) override { return inner_->stage_input(x, t, b); }
+      : Forwarding(std::move(inner)), fail_(fail), evaluation_(evaluation), call_(call) {}
   void run_stage(models::UNetStageState& s, int begin, int end, double t, Branch b) override {
     if (!fail_ || evaluations_++ != evaluation_) return inner_->run_stage(s, begin, end, t, b);
     Thrower thrower(models::patch_context(), call_);
     const models::PatchScope scope(&thrower);
     inner_->run_stage(s, begin, end, t, b);
   }
-  at::Tensor stage_output(const models::UNetStageState& s, Branch b) override { return inner_->stage_output(s, b); }
 
  private:
   class Thrower final : public models::PatchContext {
@@ -179,7 +179,6 @@ class FailingInLayer final : public Denoiser {
     models::PatchContext* inner_;
     int at_, calls_ = 0;
   };
-  std::unique_ptr<Denoiser> inner_;
   bool fail_;
   int evaluation_, call_, evaluations_ = 0;
 };
