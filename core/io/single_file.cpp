@@ -81,6 +81,20 @@ at::Tensor as_linear(const at::Tensor& t) {
   return t.reshape({t.size(0), t.size(1)});
 }
 
+// Tensor shapes by name and the lookups detection makes on them (no tensor data is read).
+struct ShapeIndex {
+  explicit ShapeIndex(const std::vector<TensorShape>& tensors) {
+    for (const auto& t : tensors) shapes.emplace(t.name, t.shape);
+  }
+  bool has(const std::string& key) const { return shapes.count(key) > 0; }
+  std::string first_with_prefix(const std::string& prefix) const {
+    auto it = shapes.lower_bound(prefix);
+    return it != shapes.end() && starts_with(it->first, prefix) ? it->first : std::string();
+  }
+  bool any_prefix(const std::string& prefix) const { return !first_with_prefix(prefix).empty(); }
+  std::map<std::string, std::vector<int64_t>> shapes;
+};
+
 std::string family_guess(int64_t context_dim, bool label_emb) {
   if (label_emb || context_dim == 2048) return "SDXL-like";
   if (context_dim == 768) return "SD 1.x-like";
@@ -120,17 +134,8 @@ SingleFileLayout detect_single_file(const SafetensorsArchive& archive) {
 }
 
 SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, const std::string& what) {
-  std::map<std::string, std::vector<int64_t>> shapes;
-  for (const auto& t : tensors) shapes.emplace(t.name, t.shape);
-  const auto has = [&](const std::string& key) { return shapes.count(key) > 0; };
-  const auto any_prefix = [&](const std::string& prefix) {
-    auto it = shapes.lower_bound(prefix);
-    return it != shapes.end() && starts_with(it->first, prefix);
-  };
-  const auto first_with_prefix = [&](const std::string& prefix) {
-    auto it = shapes.lower_bound(prefix);
-    return it != shapes.end() && starts_with(it->first, prefix) ? it->first : std::string();
-  };
+  const ShapeIndex index(tensors);
+  const auto& shapes = index.shapes;
   const auto any_contains = [&](const std::string& part) {
     for (const auto& kv : shapes)
       if (kv.first.find(part) != std::string::npos) return kv.first;
@@ -148,33 +153,33 @@ SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, con
   if (auto k = any_contains("joint_blocks."); !k.empty())
     throw Error(what + ": an SD3 / SD3.5 (MMDiT) checkpoint (found '" + k + "'), not an SD 1.x / 2.x / SDXL one" +
                 sd3_hint);
-  if (auto k = first_with_prefix("text_encoders."); !k.empty())
+  if (auto k = index.first_with_prefix("text_encoders."); !k.empty())
     throw Error(what + ": an SD3-style checkpoint with text_encoders.* (found '" + k + "') but no MMDiT " +
                 "(joint_blocks.*); only Stable Diffusion 1.x, 2.x, SDXL base and SD3 / SD3.5 single files are supported");
   if (auto k = any_contains("double_blocks."); !k.empty())
     unsupported("a FLUX-style checkpoint (found '" + k + "')");
-  if (auto k = first_with_prefix("control_model."); !k.empty()) unsupported("a ControlNet (found '" + k + "')");
-  if (has("edm_mean") || has("edm_std")) unsupported("a Playground v2.5 (EDM) checkpoint (found 'edm_mean')");
-  if (has("conditioner.embedders.0.model.token_embedding.weight") && !has("conditioner.embedders.1.model.token_embedding.weight"))
+  if (auto k = index.first_with_prefix("control_model."); !k.empty()) unsupported("a ControlNet (found '" + k + "')");
+  if (index.has("edm_mean") || index.has("edm_std")) unsupported("a Playground v2.5 (EDM) checkpoint (found 'edm_mean')");
+  if (index.has("conditioner.embedders.0.model.token_embedding.weight") && !index.has("conditioner.embedders.1.model.token_embedding.weight"))
     unsupported("an SDXL refiner (only OpenCLIP-bigG, at conditioner.embedders.0.model.)");
 
   SingleFileLayout layout;
   const std::string& unet = layout.unet_prefix;
   const std::string& vae = layout.vae_prefix;
-  const bool has_unet = has(unet + "input_blocks.0.0.weight");
-  if (!has_unet && any_prefix(unet))
-    unsupported("its UNet keys are not the LDM / SGM layout (found '" + first_with_prefix(unet) +
+  const bool has_unet = index.has(unet + "input_blocks.0.0.weight");
+  if (!has_unet && index.any_prefix(unet))
+    unsupported("its UNet keys are not the LDM / SGM layout (found '" + index.first_with_prefix(unet) +
                 "', but no '" + unet + "input_blocks.0.0.weight')");
-  const bool has_vae = has(vae + "encoder.conv_in.weight") && has(vae + "decoder.conv_in.weight");
-  const bool sd1_clip = has("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight") ||
-                        has("cond_stage_model.transformer.embeddings.token_embedding.weight");
-  const bool sd2_clip = has("cond_stage_model.model.token_embedding.weight");
-  const bool xl_l = has("conditioner.embedders.0.transformer.text_model.embeddings.token_embedding.weight");
-  const bool xl_g = has("conditioner.embedders.1.model.token_embedding.weight");
+  const bool has_vae = index.has(vae + "encoder.conv_in.weight") && index.has(vae + "decoder.conv_in.weight");
+  const bool sd1_clip = index.has("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight") ||
+                        index.has("cond_stage_model.transformer.embeddings.token_embedding.weight");
+  const bool sd2_clip = index.has("cond_stage_model.model.token_embedding.weight");
+  const bool xl_l = index.has("conditioner.embedders.0.transformer.text_model.embeddings.token_embedding.weight");
+  const bool xl_g = index.has("conditioner.embedders.1.model.token_embedding.weight");
 
-  if (!has_unet && !any_prefix(vae) && !any_prefix("cond_stage_model.") && !any_prefix("conditioner.")) {
+  if (!has_unet && !index.any_prefix(vae) && !index.any_prefix("cond_stage_model.") && !index.any_prefix("conditioner.")) {
     std::string found;
-    if (has("conv_in.weight") && any_prefix("down_blocks."))
+    if (index.has("conv_in.weight") && index.any_prefix("down_blocks."))
       found = "a diffusers-layout state dict (conv_in, down_blocks.*): load its diffusers folder instead";
     else
       found = "none of model.diffusion_model.*, first_stage_model.*, cond_stage_model.* or conditioner.* (first key '" +
@@ -183,7 +188,7 @@ SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, con
   }
 
   // The UNet's shape facts.
-  const bool label_emb = has(unet + "label_emb.0.0.weight");
+  const bool label_emb = index.has(unet + "label_emb.0.0.weight");
   int64_t context_dim = 0;
   for (auto it = shapes.lower_bound(unet); it != shapes.end() && starts_with(it->first, unet); ++it)
     if (ends_with(it->first, ".attn2.to_k.weight") && it->second.size() == 2) {
@@ -221,7 +226,7 @@ SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, con
   // UNet variants of the same families that this engine does not run.
   const auto& conv_in = shapes.at(unet + "input_blocks.0.0.weight");
   const int64_t in_channels = conv_in.size() == 4 ? conv_in[1] : -1;
-  if (has(unet + "label_emb.weight")) unsupported("an x4 upscaler UNet (label_emb.weight: noise-level classes)");
+  if (index.has(unet + "label_emb.weight")) unsupported("an x4 upscaler UNet (label_emb.weight: noise-level classes)");
   if (in_channels == 9) unsupported("an inpainting " + family_text + " UNet (9 input channels)");
   if (in_channels == 8) unsupported("an instruct-pix2pix " + family_text + " UNet (8 input channels)");
   if (in_channels != 4)
@@ -239,7 +244,7 @@ SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, con
   switch (layout.family) {
     case SingleFileFamily::SD1:
       layout.text_encoder_prefix = "cond_stage_model.transformer.";
-      text_width = has("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight")
+      text_width = index.has("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight")
                        ? width("cond_stage_model.transformer.text_model.embeddings.token_embedding.weight")
                        : width("cond_stage_model.transformer.embeddings.token_embedding.weight");
       break;
@@ -267,7 +272,7 @@ SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, con
       throw Error(what + ": the OpenCLIP text encoder at " + open_clip + " has no transformer.resblocks.*");
   }
   layout.context_dim = context_dim;
-  layout.v_prediction_hint = has("v_pred");
+  layout.v_prediction_hint = index.has("v_pred");
   log::get("io").debug(log::str(what, ": ", family_text, " single-file checkpoint, context ", context_dim));
   return layout;
 }
@@ -497,13 +502,8 @@ bool is_sd3_single_file(const std::vector<TensorShape>& tensors) {
 }
 
 SD3SingleFileLayout detect_sd3_single_file(const std::vector<TensorShape>& tensors, const std::string& what) {
-  std::map<std::string, std::vector<int64_t>> shapes;
-  for (const auto& t : tensors) shapes.emplace(t.name, t.shape);
-  const auto has = [&](const std::string& key) { return shapes.count(key) > 0; };
-  const auto any_prefix = [&](const std::string& prefix) {
-    auto it = shapes.lower_bound(prefix);
-    return it != shapes.end() && starts_with(it->first, prefix);
-  };
+  const ShapeIndex index(tensors);
+  const auto& shapes = index.shapes;
   SD3SingleFileLayout l;
   l.transformer_prefix = sd3_transformer_prefix(shapes);
   if (l.transformer_prefix == "-")
@@ -549,7 +549,7 @@ SD3SingleFileLayout detect_sd3_single_file(const std::vector<TensorShape>& tenso
   if (l.depth == 0 || *blocks.rbegin() != l.depth - 1)
     throw Error(what + ": " + mmdit + ": joint_blocks are not numbered 0.." + std::to_string(l.depth - 1) +
                 " (a truncated or partial SD3 checkpoint?)");
-  l.qk_norm = has(tp + "joint_blocks.0.x_block.attn.ln_q.weight");
+  l.qk_norm = index.has(tp + "joint_blocks.0.x_block.attn.ln_q.weight");
   const std::string qkv_shape = "[" + std::to_string(3 * l.hidden_size) + ", " + std::to_string(l.hidden_size) + "]";
   for (int64_t b = 0; b < l.depth; ++b) {
     const std::string block = "joint_blocks." + std::to_string(b) + ".";
@@ -561,7 +561,7 @@ SD3SingleFileLayout detect_sd3_single_file(const std::vector<TensorShape>& tenso
     need(block + "context_block.adaLN_modulation.1.weight", 2);
     need(block + "x_block.mlp.fc1.weight", 2);
     if (l.qk_norm) need(block + "x_block.attn.ln_q.weight", 1);
-    if (has(tp + block + "x_block.attn2.qkv.weight")) {
+    if (index.has(tp + block + "x_block.attn2.qkv.weight")) {
       const auto& qkv = need(block + "x_block.attn2.qkv.weight", 2);
       if (qkv[0] != 3 * l.hidden_size || qkv[1] != l.hidden_size) bad_shape(block + "x_block.attn2.qkv.weight", qkv_shape);
       l.dual_attention_layers.push_back(b);
@@ -575,15 +575,15 @@ SD3SingleFileLayout detect_sd3_single_file(const std::vector<TensorShape>& tenso
 
   // VAE: both halves or none.
   const std::string vae = "first_stage_model.";
-  if (has(vae + "encoder.conv_in.weight") && has(vae + "decoder.conv_in.weight")) {
+  if (index.has(vae + "encoder.conv_in.weight") && index.has(vae + "decoder.conv_in.weight")) {
     l.vae_prefix = vae;
     const auto& dec = shapes.at(vae + "decoder.conv_in.weight");  // [C, latent, 3, 3]
     if (dec.size() != 4 || dec[1] != l.in_channels)
       throw Error(what + ": the VAE (" + vae + "*) decodes " + (dec.size() == 4 ? std::to_string(dec[1]) : "?") +
                   " latent channels, the MMDiT makes " + std::to_string(l.in_channels) + " (mixed-up components?)");
-  } else if (any_prefix(vae)) {
+  } else if (index.any_prefix(vae)) {
     throw Error(what + ": the VAE (" + vae + "*) is incomplete: it lacks " +
-                (has(vae + "encoder.conv_in.weight") ? vae + "decoder.conv_in.weight" : vae + "encoder.conv_in.weight") +
+                (index.has(vae + "encoder.conv_in.weight") ? vae + "decoder.conv_in.weight" : vae + "encoder.conv_in.weight") +
                 " (a truncated file?)");
   }
   // Text encoders: transformers' layouts; a present one must at least have its embeddings.
@@ -591,10 +591,10 @@ SD3SingleFileLayout detect_sd3_single_file(const std::vector<TensorShape>& tenso
   for (auto [prefix, slot, name] : {std::make_tuple(std::string(kClipL), &l.clip_l_prefix, "CLIP-L"),
                                     std::make_tuple(std::string(kClipG), &l.clip_g_prefix, "CLIP-G")}) {
     const std::string token = prefix + "text_model.embeddings.token_embedding.weight";
-    if (has(token)) {
+    if (index.has(token)) {
       *slot = prefix;
       if (shapes.at(token).size() == 2) clip_width += shapes.at(token)[1];
-    } else if (any_prefix(prefix)) {
+    } else if (index.any_prefix(prefix)) {
       throw Error(what + ": the " + std::string(name) + " text encoder (" + prefix + "*) lacks '" + token +
                   "' (a truncated file?)");
     }
@@ -603,15 +603,15 @@ SD3SingleFileLayout detect_sd3_single_file(const std::vector<TensorShape>& tenso
     throw Error(what + ": CLIP-L and CLIP-G give " + std::to_string(clip_width) +
                 " features, more than the MMDiT's context width " + std::to_string(l.joint_attention_dim) +
                 " (mixed-up components?)");
-  if (has(std::string(kT5) + "shared.weight") || has(std::string(kT5) + "encoder.embed_tokens.weight")) {
+  if (index.has(std::string(kT5) + "shared.weight") || index.has(std::string(kT5) + "encoder.embed_tokens.weight")) {
     l.t5_prefix = kT5;
-    const auto& emb = has(std::string(kT5) + "shared.weight") ? shapes.at(std::string(kT5) + "shared.weight")
+    const auto& emb = index.has(std::string(kT5) + "shared.weight") ? shapes.at(std::string(kT5) + "shared.weight")
                                                                 : shapes.at(std::string(kT5) + "encoder.embed_tokens.weight");
     if (emb.size() == 2 && emb[1] != l.joint_attention_dim)
       throw Error(what + ": the T5 text encoder (" + std::string(kT5) + "*) gives " + std::to_string(emb[1]) +
                   " features; the MMDiT's context width is " + std::to_string(l.joint_attention_dim) +
                   " (mixed-up components?)");
-  } else if (any_prefix(kT5)) {
+  } else if (index.any_prefix(kT5)) {
     throw Error(what + ": the T5 text encoder (" + std::string(kT5) + "*) lacks its embedding (" + kT5 +
                 "shared.weight; a truncated file?)");
   }
