@@ -135,6 +135,8 @@ class TestWeights : public QObject {
   void uploaderRefusesChunksTooSmallAndDeviceSources() {
     DIFFRACT_EXPECT_ERROR(io::Uploader(at::kCPU, at::kFloat, 8), "chunks of 8 bytes");
     io::Uploader up(at::kCPU, at::kFloat, 64);
+    DIFFRACT_EXPECT_ERROR(up.upload(at::empty({4}, at::TensorOptions().device(at::kMeta))), "weight upload",
+                          "the source is on meta");
     QVERIFY(at::equal(up.upload(at::arange(100, at::kInt)), at::arange(100, at::kInt)));  // integers keep their type
   }
 };
