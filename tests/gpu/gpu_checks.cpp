@@ -1,5 +1,5 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks groupnorm|geglu|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae
+//   diffract-gpu-checks groupnorm|geglu|upload|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae
 // Exit 0: passed; 1: failed (the reasons printed); 77: skipped (too few GPUs).
 #include <algorithm>
 #include <atomic>
@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/cuda.h>
 
+#include "core/io/upload.h"
 #include "core/metrics/metrics.h"
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
@@ -202,6 +203,31 @@ void check_geglu() {
   const double aten = time(false), fused = time(true);
   std::cout << "  [2, 4096, 5120] bf16: fused " << fused << " ms, ATen gelu + product " << aten << " ms\n";
   expect(fused < aten, "the fused gate is faster than ATen's two kernels");
+}
+
+// io::Uploader's GPU path (pinned chunks, a copy stream, the dtype conversion on the device)
+// against a plain to(device, dtype): tensors smaller and larger than a chunk, fp32 / fp16 / bf16
+// sources into bf16, an integer tensor that keeps its type, a non-contiguous source.
+void check_upload() {
+  need_gpus(1);
+  const at::Device dev("cuda:0");
+  io::Uploader up(dev, at::kBFloat16, 1 << 16);  // 64 KiB chunks: most tensors here span several
+  std::vector<std::pair<at::Tensor, at::Tensor>> pairs;
+  for (const auto dtype : {at::kFloat, at::kHalf, at::kBFloat16})
+    for (const std::int64_t n : {std::int64_t(7), std::int64_t(40000), std::int64_t(1000003)}) {
+      const auto src = at::randn({n}).to(dtype);
+      pairs.emplace_back(up.upload(src), src.to(dev, at::kBFloat16));
+    }
+  const auto ints = at::arange(100000, at::kLong);
+  pairs.emplace_back(up.upload(ints), ints.to(dev));
+  const auto strided = at::randn({300, 500}).t();
+  pairs.emplace_back(up.upload(strided), strided.to(dev, at::kBFloat16));
+  up.finish();
+  bool same = true;
+  for (const auto& [got, want] : pairs)
+    same = same && got.device() == dev && got.scalar_type() == want.scalar_type() && at::equal(got, want.contiguous());
+  expect(same, "pinned upload equals to(cuda, bf16), every dtype and size, integers kept");
+  std::cout << "  " << up.stats().tensors << " tensors, " << up.stats().bytes << " bytes in " << up.stats().ms << " ms\n";
 }
 
 void check_stage_graphs() {
@@ -828,12 +854,12 @@ void check_parallel_vae() {
 
 int main(int argc, char** argv) {
   const std::map<std::string, std::function<void()>> checks = {
-      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
+      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"upload", check_upload}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"parallel_vae", check_parallel_vae}};
   if (argc != 2 || !checks.count(argv[1])) {
-    std::cerr << "usage: diffract-gpu-checks groupnorm|geglu|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae\n";
+    std::cerr << "usage: diffract-gpu-checks groupnorm|geglu|upload|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae\n";
     return 2;
   }
   std::cout << std::unitbuf;
