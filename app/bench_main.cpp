@@ -246,12 +246,17 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   return j;
 }
 
+// The full-size UNet of an sdxl or sd15 config, for the modes that time the UNet alone.
+models::UNet2DConditionConfig full_size_unet(const BenchConfig& c, const std::string& mode) {
+  if (c.tiny || c.sd3) throw Error(mode + " times the full-size UNets: pick an sdxl or sd15 config");
+  return c.family == pipeline::Family::SDXL ? models::UNet2DConditionConfig::sdxl_base()
+                                            : models::UNet2DConditionConfig::sd15();
+}
+
 // Only the UNet's construction on the CPU (what every model load and replica pays before the
 // weights are bound), then the explicit random init that random-weight models add on top.
 json build_only(const BenchConfig& c) {
-  if (c.tiny || c.sd3) throw Error("--build-only times the full-size UNets: pick an sdxl or sd15 config");
-  const auto config = c.family == pipeline::Family::SDXL ? models::UNet2DConditionConfig::sdxl_base()
-                                                         : models::UNet2DConditionConfig::sd15();
+  const auto config = full_size_unet(c, "--build-only");
   const auto clock = [] { return std::chrono::steady_clock::now(); };
   const auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
   const auto t0 = clock();
@@ -280,9 +285,7 @@ bool drop_from_page_cache(const std::filesystem::path& file) {
 // device (io::ScopedPlacement, what the pipelines do on GPUs); each from the page cache and with
 // the file's pages dropped from it first.
 json load_only(const BenchConfig& c, const std::string& device, const std::filesystem::path& scratch, int runs) {
-  if (c.tiny || c.sd3) throw Error("--load-only times the full-size UNets: pick an sdxl or sd15 config");
-  const auto config = c.family == pipeline::Family::SDXL ? models::UNet2DConditionConfig::sdxl_base()
-                                                         : models::UNet2DConditionConfig::sd15();
+  const auto config = full_size_unet(c, "--load-only");
   const at::Device dev(device);
   const auto dtype = dev.is_cuda() ? at::kBFloat16 : at::kFloat;
   const auto file = scratch / (c.name + "-unet.fp16.safetensors");
