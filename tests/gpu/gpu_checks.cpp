@@ -1,5 +1,5 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks groupnorm|geglu|upload|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae
+//   diffract-gpu-checks groupnorm|geglu|upload|clip_graph|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae
 // Exit 0: passed; 1: failed (the reasons printed); 77: skipped (too few GPUs).
 #include <algorithm>
 #include <atomic>
@@ -24,6 +24,7 @@
 #include "core/models/autoencoders/taesd.h"
 #include "core/models/common/geglu.h"
 #include "core/models/common/layers.h"
+#include "core/models/text_encoders/clip_text.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_graphs.h"
 #include "core/parallel/asyncdiff.h"
@@ -33,6 +34,7 @@
 #include "core/parallel/parallel_vae.h"
 #include "core/parallel/pipefusion.h"
 #include "core/parallel/strategies.h"
+#include "core/pipeline/clip_graph.h"
 #include "core/pipeline/stable_diffusion.h"
 #include "core/schedulers/sampler.h"
 #include "core/util/error.h"
@@ -228,6 +230,44 @@ void check_upload() {
     same = same && got.device() == dev && got.scalar_type() == want.scalar_type() && at::equal(got, want.contiguous());
   expect(same, "pinned upload equals to(cuda, bf16), every dtype and size, integers kept");
   std::cout << "  " << up.stats().tensors << " tensors, " << up.stats().bytes << " bytes in " << up.stats().ms << " ms\n";
+}
+
+// The text encoders' CUDA graphs (pipeline::detail::CLIPGraph) against the encoder run eagerly:
+// a small projecting CLIP in bf16, two prompts through one graph, each twice.
+void check_clip_graph() {
+  need_gpus(1);
+  at::NoGradGuard no_grad;
+  const at::Device dev("cuda:0");
+  auto c = models::CLIPTextConfig::clip_l();
+  c.num_hidden_layers = 3;
+  models::CLIPTextModelWithProjection clip(c);
+  models::init_random(*clip, 5);
+  clip->eval();
+  clip->to(dev, at::kBFloat16);
+  pipeline::detail::CLIPGraph graph([&](const at::Tensor& ids) { return clip->forward(ids, true); },
+                                    [&]() -> const models::CLIPTextConfig& { return clip->text_model->config; }, true);
+  // bf16: the graph may pick other kernels than the eager launch did, so a tolerance; the worst
+  // difference is printed (0: bit for bit).
+  const auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+    return (a.to(at::kFloat) - b.to(at::kFloat)).abs().max().item<double>() / b.to(at::kFloat).abs().max().item<double>();
+  };
+  double worst = 0;
+  bool differ = false;
+  at::Tensor first;
+  for (int round = 0; round < 2; ++round)
+    for (const std::int64_t seed : {1, 2}) {
+      const auto ids = at::randint(0, c.vocab_size, {1, c.max_position_embeddings},
+                                   at::make_generator<at::CPUGeneratorImpl>(seed)).to(dev);
+      const auto eager = clip->forward(ids, true);
+      const auto g = graph(ids);
+      worst = std::max({worst, rel(g.penultimate, eager.hidden_states[eager.hidden_states.size() - 2]),
+                        rel(g.last_hidden_state, eager.last_hidden_state), rel(g.pooled, eager.text_embeds)});
+      if (!first.defined()) first = g.pooled.clone();
+      else differ = differ || !at::equal(first, g.pooled);
+    }
+  std::cout << "  CLIPGraph vs eager: worst " << worst << " of max |out|\n";
+  expect(worst < 1e-2, "CLIPGraph replays give the eager encoder's outputs (bf16), two prompts, twice");
+  expect(differ, "different prompts give different outputs through the graph (a graph stuck on one input would fail)");
 }
 
 void check_stage_graphs() {
@@ -854,12 +894,12 @@ void check_parallel_vae() {
 
 int main(int argc, char** argv) {
   const std::map<std::string, std::function<void()>> checks = {
-      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"upload", check_upload}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
+      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"parallel_vae", check_parallel_vae}};
   if (argc != 2 || !checks.count(argv[1])) {
-    std::cerr << "usage: diffract-gpu-checks groupnorm|geglu|upload|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae\n";
+    std::cerr << "usage: diffract-gpu-checks groupnorm|geglu|upload|clip_graph|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae\n";
     return 2;
   }
   std::cout << std::unitbuf;
