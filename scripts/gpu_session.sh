@@ -134,7 +134,7 @@ multigpu_checks() {
 }
 strategy_bench() {
   local tag="${BENCH_TAG:-strategies}"
-  timeout "${1:-180}" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs "${BENCH_RUNS:-3}" \
+  timeout "${1:-180}" "$bench" --device cuda:0 --config "${BENCH_CONFIG:-sdxl-1024}" --batch 1 --runs "${BENCH_RUNS:-3}" \
     --strategies "${BENCH_STRATEGIES:-cfg-parallel,driffusion-aggressive:2,driffusion:2,step-skip:2,hybrid-cfg}" \
     > "$logs/bench_$tag.json" 2> "$logs/bench_$tag.log"
   echo "strategy bench ($tag) rc $? at $(elapsed) s"
@@ -259,6 +259,29 @@ for r in json.load(open('$logs/bench_single.json'))['results']:
     print(json.dumps({k: v for k, v in r.items() if not k.startswith('unet_step_variants')}))
     v = r.get('unet_step_variants', {}).get('kernels_channels_last', {})
     print('  kernels:', v.get('device_ms_per_call'), v.get('families_ms'))" 2>&1 | cut -c1-1500
+  exit 0
+fi
+
+#   PLAN=nine (two GPUs): the single-GPU checks not run yet (upload, CLIP graphs), the NCCL and
+#     strategy checks (DistriFusion's graphed stale steps), DistriFusion graphed against its eager
+#     buckets at 1024² (same run), then DRiffusion, hybrid CFG and DistriFusion at 2048².
+if [ "$plan" = nine ]; then
+  if [ -z "${SKIP_SINGLE:-}" ]; then
+    CUDA_VISIBLE_DEVICES=0 ctest --test-dir build/gpu -R "gpu_upload|gpu_clip_graph" -V --timeout 90 > "$logs/checks_single.log" 2>&1
+    grep -E "  (ok|FAIL)  |tests passed|Timeout" "$logs/checks_single.log" | cut -c1-300 | head -30
+  fi
+  ctest --test-dir build/gpu -R "gpu_nccl|gpu_strategies" -V --timeout 150 > "$logs/checks_strategies.log" 2>&1
+  grep -E "  (ok|FAIL)  |tests passed|distrifusion|Timeout" "$logs/checks_strategies.log" | cut -c1-300
+  echo "checks at $(elapsed) s"
+  BENCH_RUNS=2 BENCH_STRATEGIES="${SDXL_STRATEGIES:-distrifusion:2,cfg-parallel}" strategy_bench 150
+  strategy_split "$logs/bench_strategies.json"
+  DIFFRACT_STAGE_GRAPHS=0 BENCH_TAG=distri_eager BENCH_RUNS=1 BENCH_STRATEGIES=distrifusion:2 strategy_bench 120
+  strategy_split "$logs/bench_distri_eager.json"
+  if [ "$(left)" -gt 150 ]; then
+    BENCH_CONFIG=sdxl-2048 BENCH_TAG=big BENCH_RUNS=1 \
+      BENCH_STRATEGIES="${BIG_STRATEGIES:-distrifusion:2,driffusion-aggressive:2,hybrid-cfg}" strategy_bench "$(left 5)"
+    strategy_split "$logs/bench_big.json"
+  fi
   exit 0
 fi
 

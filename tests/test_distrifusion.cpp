@@ -557,6 +557,79 @@ class TestDistriFusion : public QObject {
     DIFFRACT_EXPECT_ERROR(run(d, in), "1 or more buckets", "not 0");
   }
 
+  // (7) Graphed stale steps (warm_rank() left every rank its fixed buffers; on the CPU they run
+  // eagerly through the same buffers): bit for bit the buckets' latents, one all_gather of the
+  // whole step's contributions (as one bucket) plus eps's per stale step, the bytes of one
+  // bucket. Without the buffers (released) the same strategy takes the buckets.
+  void graphedStaleStepsEqualBuckets() {
+    struct Case {
+      int n, warmup;
+      double cfg;
+      bool xl;
+    };
+    for (const auto& k : {Case{2, 1, 5.0, false}, Case{4, 2, 1.0, true}, Case{3, 1, 5.0, false}}) {
+      const int steps = 5;
+      auto in = inputs(schedulers::SamplerKind::Euler, steps, 1, k.cfg, k.xl ? sdxl() : unet_);
+      if (k.n == 3) in.latents = at::randn({1, 4, 24, 16}, in.generator);  // 3 bands of 8 rows
+      DistriFusion buckets;
+      buckets.n = k.n;
+      buckets.warmup = k.warmup;
+      buckets.buckets = 1;
+      buckets.graphs = false;
+      const auto want = run(buckets, in);
+      DistriFusion d = buckets;
+      d.graphs = true;
+      d.buckets = 8;
+      for (int r = 0; r < k.n; ++r) d.warm_rank(*in.make_denoiser(r, c10::Device(c10::kCPU)), in.latents, 999, r);
+      QVERIFY(models::patch_context() == nullptr);
+      const auto out = run(d, in);
+      const auto what = QString("n %1 xl %2 cfg %3: %4").arg(k.n).arg(k.xl).arg(k.cfg).arg(QString::fromStdString(out.stats.note));
+      QVERIFY2(at::equal(out.latents, want.latents), qPrintable(what + ": differs from one bucket"));
+      QVERIFY2(out.stats.note.find("into fixed buffers") != std::string::npos, qPrintable(what));
+      QCOMPARE(out.stats.messages_per_step, want.stats.messages_per_step);
+      QCOMPARE(out.stats.bytes_per_step, want.stats.bytes_per_step);
+      for (int i = k.warmup; i + 1 < steps; ++i) QCOMPARE(static_cast<int>(out.stats.messages_per_step[static_cast<std::size_t>(i)]), 2 * k.n);
+      DistriFusion::release_static_buffers();
+      const auto again = run(d, in);
+      QVERIFY2(again.stats.note.find("8 asynchronous all_gather(s)") != std::string::npos ||
+                   again.stats.note.find("asynchronous all_gather(s) of buckets") != std::string::npos,
+               qPrintable(QString::fromStdString(again.stats.note)));
+      QVERIFY(at::equal(again.latents, want.latents));
+    }
+  }
+
+  // all_gather_into: every rank's tensor in place in the caller's buffer, in order with the
+  // other collectives; a buffer that cannot hold them is refused, naming both shapes.
+  void allGatherInto() {
+    const int n = 3;
+    auto comms = make_in_process_group(n);
+    std::atomic<int> good{0};
+    std::vector<std::thread> ts;
+    for (int r = 0; r < n; ++r)
+      ts.emplace_back([&, r] {
+        auto& c = *comms[static_cast<std::size_t>(r)];
+        auto out = at::zeros({n, 2, 3}, at::kFloat);
+        c.all_gather_into(at::full({2, 3}, r, at::kFloat), out);
+        const auto after = c.all_gather(at::full({1}, 10 + r, at::kFloat));
+        bool ok = after[2][0].item<float>() == 12;
+        for (int q = 0; q < n; ++q) ok &= at::equal(out[q], at::full({2, 3}, q, at::kFloat));
+        try {
+          c.all_gather_into(at::ones({2, 3}), at::zeros({n - 1, 6}));
+          ok = false;
+        } catch (const Error& e) {
+          ok &= std::string(e.what()).find("cannot hold 3 ranks' Float [2, 3]") != std::string::npos;
+        }
+        try {
+          c.all_gather_into(at::ones({2, 3}), at::zeros({n, 6}, at::kDouble));
+          ok = false;
+        } catch (const Error&) {
+        }
+        if (ok) ++good;
+      });
+    for (auto& t : ts) t.join();
+    QCOMPARE(good.load(), n);
+  }
+
   // all_gather_async in-process: the gathered values, counted in bytes_sent, in order with the
   // blocking collectives; once the group is aborted, a pending gather's wait() throws Aborted
   // on every rank (as later collectives do).

@@ -37,6 +37,21 @@ std::unique_ptr<PendingGather> Communicator::all_gather_async(const at::Tensor& 
   return std::make_unique<CompletedGather>(all_gather(t), nullptr);
 }
 
+void detail::check_gather_buffer(const at::Tensor& t, const at::Tensor& out, int size) {
+  if (!t.defined() || !out.defined()) throw Error("all_gather_into needs a tensor and an output buffer");
+  if (!out.is_contiguous() || out.dim() < 1 || out.size(0) != size || out.scalar_type() != t.scalar_type() ||
+      out.numel() != t.numel() * size)
+    throw Error("all_gather_into: the output buffer " + std::string(c10::toString(out.scalar_type())) + " " +
+                c10::str(out.sizes()) + (out.is_contiguous() ? "" : " (not contiguous)") + " cannot hold " +
+                std::to_string(size) + " ranks' " + c10::toString(t.scalar_type()) + " " + c10::str(t.sizes()));
+}
+
+void Communicator::all_gather_into(const at::Tensor& t, const at::Tensor& out) {
+  detail::check_gather_buffer(t, out, size());
+  auto parts = all_gather(t);
+  for (std::size_t r = 0; r < parts.size(); ++r) out[static_cast<std::int64_t>(r)].view_as(parts[r]).copy_(parts[r]);
+}
+
 namespace {
 
 struct Rendezvous {

@@ -59,6 +59,12 @@ class Communicator {
   // default runs all_gather at the call. Counted in bytes_sent() at the call. The caller must
   // not write `t` before wait() (NCCL may read it in place).
   virtual std::unique_ptr<PendingGather> all_gather_async(const at::Tensor& t);
+  // all_gather into `out`, a buffer the caller keeps (fixed addresses, e.g. read by a CUDA graph):
+  // out [size(), ...] contiguous, t's dtype, size() times t's elements; out[r] becomes rank r's t
+  // (its own included). NCCL writes it in place on the communication stream, which the current
+  // stream then waits for; the default runs all_gather and copies. Throws diffract::Error
+  // naming the mismatch for any other `out`.
+  virtual void all_gather_into(const at::Tensor& t, const at::Tensor& out);
   // Root's tensor on every rank (others pass anything, e.g. an undefined tensor).
   virtual at::Tensor broadcast(const at::Tensor& t, int root) = 0;
   // Point to point. recv fills `out`, which must have the sent tensor's shape and dtype (as
@@ -77,6 +83,11 @@ class Communicator {
 // copied on the way in (a rank may overwrite its tensor after the call) and returned on the
 // CPU device they came from.
 std::vector<std::unique_ptr<Communicator>> make_in_process_group(int size);
+
+namespace detail {
+// Throws diffract::Error naming the shapes unless `out` can take `size` ranks' `t` (all_gather_into).
+void check_gather_buffer(const at::Tensor& t, const at::Tensor& out, int size);
+}  // namespace detail
 
 // One rank per listed CUDA device, created together by ncclCommInitAll. Collectives need a
 // defined tensor of the same shape and dtype on every rank (broadcast too); each runs on the

@@ -138,6 +138,19 @@ class NcclCommunicator final : public Communicator {
     return std::make_unique<NcclPendingGather>(s_, device_, std::move(send), std::move(recv), std::move(done));
   }
 
+  void all_gather_into(const at::Tensor& t, const at::Tensor& out) override {
+    detail::check_gather_buffer(t, out, size());
+    if (!out.is_cuda() || out.device() != device_) throw Error("NCCL all_gather_into needs an output buffer on " + device_.str());
+    auto send = prepare(t, "all_gather_into");
+    send.record_stream(stream_);
+    enqueue([&] {
+      check(ncclAllGather(send.data_ptr(), out.data_ptr(), static_cast<size_t>(send.numel()), nccl_type(send.scalar_type()),
+                          comm(), stream_.stream()),
+            "all_gather_into");
+    }, "all_gather_into", -1, static_cast<std::int64_t>(send.nbytes()));
+    bytes_ += static_cast<std::int64_t>(send.nbytes());
+  }
+
   at::Tensor broadcast(const at::Tensor& t, int root) override {
     check_rank(root, "broadcast root");
     auto buf = prepare(t, "broadcast").clone();

@@ -3,11 +3,15 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <list>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include <ATen/ATen.h>
 
 #include "core/models/common/patch_parallel.h"
+#include "core/models/unets/unet_graphs.h"
 #include "core/parallel/loop_util.h"
 #include "core/util/error.h"
 
@@ -57,18 +61,120 @@ int downsamplings(const std::vector<models::UNetLayerInfo>& layers) {
               "GroupNorms and self-attention; for SD3 use pipefusion)");
 }
 
-enum class Mode { Isolated, Sync, Stale };
+enum class Mode { Isolated, Measure, Sync, Stale, Static };
+
+// A rank's stale-step buffers of fixed addresses (Mode::Static): what its graphed band
+// evaluation reads (every band's contributions of the step before) and writes (its own of this
+// step), between which one all_gather_into runs after the evaluation. Made by warm_rank() before
+// the loop, when the graph is captured, and found again by run() under the same key (device,
+// rank, bands, every hooked layer call's contribution shape and type).
+struct StaticBands {
+  std::int64_t tag = 0;  // the contexts' graph_tag(): never reused, so a graph of freed buffers never replays
+  at::Tensor send;       // [bytes] uint8
+  at::Tensor gathered;   // [n, bytes] uint8
+};
+
+// The buffers of the two most recently used keys per (device, rank): a resolution the user left
+// gives its memory back once two others were used.
+class StaticBandsRegistry {
+ public:
+  static StaticBandsRegistry& get() {
+    static StaticBandsRegistry r;
+    return r;
+  }
+  std::shared_ptr<StaticBands> find(const std::string& owner, const std::string& key) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = entries_.begin(); it != entries_.end(); ++it)
+      if (it->owner == owner && it->key == key) {
+        entries_.splice(entries_.begin(), entries_, it);
+        return entries_.front().bands;
+      }
+    return nullptr;
+  }
+  std::shared_ptr<StaticBands> make(const std::string& owner, const std::string& key, std::int64_t bytes, int n,
+                                    const at::Device& device) {
+    auto b = std::make_shared<StaticBands>();
+    const auto options = at::TensorOptions().dtype(at::kByte).device(device);
+    b->send = at::zeros({bytes}, options);
+    b->gathered = at::zeros({n, bytes}, options);
+    const std::lock_guard<std::mutex> lock(mutex_);
+    b->tag = ++last_tag_;
+    entries_.remove_if([&](const Entry& e) { return e.owner == owner && e.key == key; });
+    entries_.push_front({owner, key, b});
+    int kept = 0;
+    entries_.remove_if([&](const Entry& e) { return e.owner == owner && ++kept > 2; });
+    return b;
+  }
+  void clear() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    entries_.clear();
+  }
+
+ private:
+  struct Entry {
+    std::string owner, key;
+    std::shared_ptr<StaticBands> bands;
+  };
+  std::mutex mutex_;
+  std::list<Entry> entries_;
+  std::int64_t last_tag_ = 0;
+};
 
 // One rank's band context: hooked layer call k of an evaluation is layer k. Sync: gathers every
 // band's fresh contribution now (and keeps it); Stale: the other bands' from the evaluation
 // before, and (unless `publish` is off) its own fresh one copied into its slot of this step's
 // bucket, whose all_gather starts as soon as the bucket's last call has written (the next
-// step's begin() waits for them); Isolated: zeros for the other bands, no collective. finish()
-// gathers eps (blocking) in every mode but Isolated.
+// step's begin() waits for them); Static: as Stale, but every band's contributions of the step
+// before are read from, and its own written to, the fixed buffers of bind_static() (one bucket),
+// so that the evaluation is a CUDA graph (graph_tag()); publish_static() gathers them after the
+// evaluation; Isolated: zeros for the other bands, no collective; Measure: as Isolated, keeping
+// the contributions' shapes as Sync does (for bind_static()). finish() gathers eps (blocking)
+// in Sync, Stale and Static.
 class Exchange final : public models::BandContext {
  public:
   Exchange(int rank, int size, Communicator* comm, StepTraffic* traffic, int buckets = 1)
       : BandContext(rank, size), comm_(comm), traffic_(traffic), max_buckets_(std::max(buckets, 1)) {}
+
+  std::int64_t graph_tag() const override { return mode_ == Mode::Static ? static_->tag : 0; }
+
+  // The key of this rank's static buffers on `device`, for the contributions the last Sync or
+  // Measure evaluation made (every rank's are alike: equal bands).
+  std::string static_key() const {
+    std::string k = std::to_string(size_);
+    for (const auto& layer : previous_) {
+      const auto& t = layer[(static_cast<std::size_t>(rank_) + 1) % layer.size()];
+      k += ";" + std::string(c10::toString(t.scalar_type())) + c10::str(t.sizes());
+    }
+    return k;
+  }
+  static std::string owner(const at::Device& device, int rank) { return device.str() + "#" + std::to_string(rank); }
+
+  // Static mode's buffers for the contributions of the Sync / Measure evaluation before: made
+  // (`make`) or found (else false when there are none), then filled with the other bands'
+  // contributions of that evaluation, which the first Static step reads.
+  bool bind_static(const at::Device& device, bool make) {
+    if (previous_.empty()) return false;
+    const auto key = static_key();
+    static_ = StaticBandsRegistry::get().find(owner(device, rank_), key);
+    if (!static_ && !make) return false;
+    slots_.clear();
+    buckets_.clear();
+    layout(1);
+    const auto bytes = buckets_.front().bytes;
+    if (!static_ || static_->send.numel() != bytes) static_ = StaticBandsRegistry::get().make(owner(device, rank_), key, bytes, size_, device);
+    const auto own = static_cast<std::size_t>(rank_);
+    for (std::size_t l = 0; l < previous_.size(); ++l)
+      for (std::size_t r = 0; r < previous_[l].size(); ++r)
+        if (r != own) slot(static_->gathered[static_cast<std::int64_t>(r)], l).copy_(previous_[l][r]);
+    previous_.clear();
+    return true;
+  }
+  // Static mode: this step's contributions (written by the evaluation) to every rank's buffer
+  // of the step before, in place (the next evaluation reads them).
+  void publish_static() {
+    comm_->all_gather_into(static_->send, static_->gathered);
+    if (traffic_) traffic_->sent(step_, static_->send);
+  }
 
   void begin(Mode mode, bool publish, int step) {
     // The step before's buckets: every band's contributions to this step's layers (views of
@@ -92,10 +198,15 @@ class Exchange final : public models::BandContext {
     calls_ = 0;
     if (mode == Mode::Stale) {
       layers_ = previous_.size();
-      if (publish && slots_.empty()) layout();
+      if (publish && slots_.empty()) layout(max_buckets_);
+    }
+    if (mode == Mode::Static) {
+      if (!static_) throw Error("distrifusion: a static stale step without its buffers (bind_static)");
+      layers_ = slots_.size();
     }
   }
-  int calls() const { return calls_; }
+  // Hooked layer calls of the last evaluation (a replayed graph makes none: its layout's).
+  int calls() const { return mode_ == Mode::Static ? static_cast<int>(layers_) : calls_; }
   int buckets() const { return static_cast<int>(buckets_.size()); }
   // The other bands' contributions to one evaluation that a rank keeps from a step to the next.
   std::int64_t buffer_bytes() const {
@@ -111,11 +222,31 @@ class Exchange final : public models::BandContext {
   }
 
   std::vector<at::Tensor> exchange(const at::Tensor& mine) override {
-    const auto layer = static_cast<std::size_t>(calls_++);
+    // A graph's capture runs the evaluation three times within one call (two eager warm-ups,
+    // then the capture), each making the same calls: Static counts modulo the layout's calls.
+    const auto layer = mode_ == Mode::Static && layers_ > 0 ? static_cast<std::size_t>(calls_++) % layers_
+                                                            : static_cast<std::size_t>(calls_++);
     const auto own = static_cast<std::size_t>(rank_);
-    if (mode_ == Mode::Isolated) {
+    if (mode_ == Mode::Isolated || mode_ == Mode::Measure) {
       std::vector<at::Tensor> all(static_cast<std::size_t>(size_), at::zeros_like(mine));
       all[own] = mine;
+      if (mode_ == Mode::Measure) {
+        if (previous_.size() <= layer) previous_.resize(layer + 1);
+        previous_[layer] = all;
+        previous_[layer][own] = at::Tensor();
+      }
+      return all;
+    }
+    if (mode_ == Mode::Static) {
+      const auto& s = slots_[layer];
+      if (mine.sizes() != at::IntArrayRef(s.shape) || mine.scalar_type() != s.dtype)
+        throw Error("distrifusion: hooked layer call " + std::to_string(layer) + " contributes " +
+                    c10::toString(mine.scalar_type()) + c10::str(mine.sizes()) + ", its static slot holds " +
+                    c10::toString(s.dtype) + c10::str(at::IntArrayRef(s.shape)));
+      std::vector<at::Tensor> all(static_cast<std::size_t>(size_));
+      for (std::size_t r = 0; r < all.size(); ++r)
+        all[r] = r == own ? mine : slot(static_->gathered[static_cast<std::int64_t>(r)], layer);
+      slot(static_->send, layer).copy_(mine);
       return all;
     }
     if (mode_ == Mode::Sync) {
@@ -156,6 +287,9 @@ class Exchange final : public models::BandContext {
     if (mode_ == Mode::Stale && static_cast<std::size_t>(calls_) != layers_)
       throw Error("distrifusion: " + std::to_string(calls_) + " hooked layer calls in a stale step, " +
                   std::to_string(layers_) + " in the step before: the UNet's call order changed");
+    if (mode_ == Mode::Static && calls_ % static_cast<int>(layers_) != 0)  // a replay makes none
+      throw Error("distrifusion: " + std::to_string(calls_) + " hooked layer calls in a static stale step, " +
+                  std::to_string(layers_) + " laid out: the UNet's call order changed");
     return gather(eps);
   }
 
@@ -189,7 +323,7 @@ class Exchange final : public models::BandContext {
   // least one call to every later bucket). In a bucket, slots in order of element size, largest
   // first, and its total rounded up to the largest, so that every slot is aligned for its type
   // in each rank's part of the gathered buffer.
-  void layout() {
+  void layout(int max_buckets) {
     const auto other = (static_cast<std::size_t>(rank_) + 1) % static_cast<std::size_t>(size_);
     std::int64_t total = 0;
     for (const auto& layer : previous_) {
@@ -198,7 +332,7 @@ class Exchange final : public models::BandContext {
     }
     const auto count = slots_.size();
     if (count == 0) return;
-    const auto k = std::min(static_cast<std::size_t>(max_buckets_), count);
+    const auto k = std::min(static_cast<std::size_t>(max_buckets), count);
     bucket_of_.assign(count, 0);
     std::size_t begin = 0;
     std::int64_t running = 0;
@@ -250,6 +384,7 @@ class Exchange final : public models::BandContext {
   std::vector<std::size_t> bucket_of_;  // per layer call
   std::vector<at::Tensor> packs_;  // per bucket: this stale step's, while it fills
   std::vector<std::unique_ptr<PendingGather>> pending_;  // per bucket: this step's gathers in flight
+  std::shared_ptr<StaticBands> static_;  // Static mode's buffers
 };
 
 // The guided output of `band` [B, C, h, W] under `ex`.
@@ -271,6 +406,28 @@ void DistriFusion::warm(Denoiser& d, const at::Tensor& x, double t) const {
   eval_band(d, ex, x.narrow(2, 0, rows).contiguous(), t, static_cast<int>(layers.size()));
 }
 
+void DistriFusion::release_static_buffers() { StaticBandsRegistry::get().clear(); }
+
+bool DistriFusion::static_stale_steps(const at::Device& device) const {
+  return graphs && (!device.is_cuda() || models::stage_graphs_from_env());
+}
+
+void DistriFusion::warm_rank(Denoiser& d, const at::Tensor& x, double t, int rank) const {
+  const auto layers = d.stage_layers(x.size(2), x.size(3));
+  if (layers.empty() || n < 2 || rank < 0 || rank >= n || x.size(2) % (std::int64_t{n} << downsamplings(layers)) != 0)
+    return;
+  const auto rows = band_height(x.size(2), n, downsamplings(layers));
+  const auto band = x.narrow(2, rank * rows, rows).contiguous();
+  const int count = static_cast<int>(layers.size());
+  Exchange ex(rank, n, nullptr, nullptr);
+  ex.begin(Mode::Measure, false, 0);
+  eval_band(d, ex, band, t, count);
+  if (!static_stale_steps(x.device())) return;
+  ex.bind_static(x.device(), /*make=*/true);
+  ex.begin(Mode::Static, false, 0);
+  eval_band(d, ex, band, t, count);  // on a GPU, the capture of the stale step's graph
+}
+
 LoopOutput DistriFusion::run(DeviceGroup& g, const LoopInputs& in) const {
   auto ranks = prepare(*this, g, in);
   const std::int64_t height = in.latents.size(2), width = in.latents.size(3);
@@ -282,24 +439,38 @@ LoopOutput DistriFusion::run(DeviceGroup& g, const LoopInputs& in) const {
   StepTraffic traffic(steps);
   std::atomic<std::int64_t> bytes{0}, buffer_bytes{0};
   std::atomic<int> hooked{0}, bucket_count{0};
+  std::atomic<bool> graphed{false};
   at::Tensor result;
   CancelGate gate(in.cancel);
   g.run([&](int rank, Communicator& comm) {
     auto& me = ranks[static_cast<std::size_t>(rank)];
     const auto bytes0 = comm.bytes_sent();
     Exchange ex(rank, n, &comm, &traffic, buckets);
+    bool fixed = false;  // the stale steps in Mode::Static
     for (int i = 0; i < steps; ++i) {
       gate.check(i);
       const double t = me.sampler->timesteps().at(static_cast<std::size_t>(i));
-      ex.begin(i < sync_steps ? Mode::Sync : Mode::Stale, i + 1 < steps, i);
+      if (i == sync_steps && static_stale_steps(g.device(rank))) {
+        // Every rank decides alike, from what warm_rank() left for every rank, so that all make
+        // the same collectives.
+        const auto key = ex.static_key();
+        bool all = true;
+        for (int r = 0; r < n; ++r)
+          all = all && StaticBandsRegistry::get().find(Exchange::owner(g.device(r), r), key) != nullptr;
+        fixed = all && ex.bind_static(g.device(rank), /*make=*/false);
+      }
+      const bool publish = i + 1 < steps;
+      ex.begin(i < sync_steps ? Mode::Sync : fixed ? Mode::Static : Mode::Stale, publish, i);
       const auto band = me.sampler->scale_model_input(me.x, i).narrow(2, rank * rows, rows).contiguous();
       const auto eps = eval_band(*me.den, ex, band, t, layer_count);
+      if (fixed && i >= sync_steps && publish) ex.publish_static();
       auto all = ex.finish(eps);
       for (auto& e : all) e = e.to(eps.device());
       me.x = refine(me, rank, in, at::cat(all, 2), i, me.x);
     }
     bytes += comm.bytes_sent() - bytes0;
     if (rank == 0) {
+      graphed = fixed;
       hooked = ex.calls();
       bucket_count = ex.buckets();
       buffer_bytes = ex.buffer_bytes();
@@ -317,10 +488,13 @@ LoopOutput DistriFusion::run(DeviceGroup& g, const LoopInputs& in) const {
                  std::to_string(steps - sync_steps) + " one-step-stale step(s); " + std::to_string(hooked.load()) +
                  " hooked layer calls per evaluation (conv halos, GroupNorm statistics, self-attention K / V): an "
                  "all_gather at each in a synchronous step; in a stale step (but the last) " +
-                 (bucket_count.load() > 0 ? std::to_string(bucket_count.load()) : std::string("no")) +
-                 " asynchronous all_gather(s) of buckets of them (of " + std::to_string(buckets) +
-                 " asked), each started as its bucket fills and waited at the next step's start, then eps's; the "
-                 "previous step's contributions kept: " + mib + " MiB per rank";
+                 (graphed.load() ? std::string("one all_gather of all of them into fixed buffers after the evaluation "
+                                               "(a CUDA graph on GPUs), then eps's")
+                                 : (bucket_count.load() > 0 ? std::to_string(bucket_count.load()) : std::string("no")) +
+                                       " asynchronous all_gather(s) of buckets of them (of " + std::to_string(buckets) +
+                                       " asked), each started as its bucket fills and waited at the next step's start, "
+                                       "then eps's") +
+                 "; the previous step's contributions kept: " + mib + " MiB per rank";
   return o;
 }
 

@@ -64,7 +64,7 @@ namespace diffract::parallel {
 //  Messages per step (LoopStats::messages_per_step counts one per rank per collective, bytes
 //   what each rank contributes, bucket padding included): n (L + 1) in a synchronous step, with
 //   L hooked layer calls per evaluation; n (min(buckets, L) + 1) in a stale step (one per bucket,
-//   plus eps); n in a stale last step (eps alone).
+//   plus eps; graphed, as one bucket: 2n); n in a stale last step (eps alone).
 //  Memory: every rank keeps the previous step's contributions of every band for every hooked
 //   layer: the whole image's K / V of every self-attention layer dominate. A stale step reads
 //   them layer by layer and drops each once read, so a bucket's gathered buffer of the step
@@ -73,11 +73,23 @@ namespace diffract::parallel {
 //   bucket filling.
 //  CFG: both branches as one batch of 2B on every rank, combined on the band before the gather.
 //  Speed: each rank runs 1/n of the pixels of every layer; self-attention's T^2 term falls by n
-//   too. Runs eager (no CUDA graphs), through the denoiser's stage API.
+//   too. Synchronous steps run eagerly, through the denoiser's stage API; stale steps too
+//   unless graphed (below).
+//  Graphed stale steps (`graphs`, the default): warm_rank() lays out, per rank, one buffer of
+//   fixed addresses for its contributions and one for every band's of the step before, and
+//   evaluates its band once through them, which on a GPU captures the band's stale step as a
+//   CUDA graph (UNetGraphRunner's stage graph under a context with a graph_tag(); eager, a
+//   stale step is bound by launching the ~2,000 kernels of the UNet and its hooks). A stale step
+//   then replays the graph and gathers the whole step's contributions at once after it, in
+//   place (Communicator::all_gather_into: one message per rank instead of the buckets; the
+//   exchange no longer overlaps the compute), then eps. Every rank takes this path only when
+//   warm_rank() left the buffers for every rank (else the buckets above); on the CPU it runs
+//   eagerly, same values. The buffers of a rank's two most recent shapes are kept between jobs.
 struct DistriFusion final : Strategy {
   int n = 2;       // bands (devices)
   int warmup = 4;  // synchronous steps first (>= 1)
   int buckets = 8; // asynchronous all_gathers per stale step (>= 1; clamped to the hooked layer calls)
+  bool graphs = true;  // graphed stale steps when warm_rank() prepared them (DIFFRACT_STAGE_GRAPHS=0: off on GPUs)
 
   std::string name() const override { return "distrifusion"; }
   int devices() const override { return n; }
@@ -88,6 +100,8 @@ struct DistriFusion final : Strategy {
   // allocator growth) never happen while a peer waits in NCCL. Nothing for a denoiser that is
   // not a UNet or a height run() refuses.
   void warm(Denoiser& d, const at::Tensor& x, double timestep) const override;
+  // warm() on rank `rank`'s band, then, with `graphs`, the graphed stale step's buffers and capture.
+  void warm_rank(Denoiser& d, const at::Tensor& x, double timestep, int rank) const override;
 
   // The band height in latent rows for a latent of `height` rows over n bands of a UNet with
   // `downsamplings` stride-2 stages; throws diffract::Error naming the sizes when it cannot split.
@@ -97,6 +111,13 @@ struct DistriFusion final : Strategy {
   // The all_gather contributions step `step` of `steps` makes (the design above) with `layers`
   // hooked layer calls per evaluation and `buckets` asked.
   static int messages_per_step(int step, int steps, int warmup, int n, int layers, int buckets);
+  // Frees every rank's graphed stale-step buffers (later jobs take the buckets until warm_rank()
+  // runs again); a graph captured with them is never replayed after.
+  static void release_static_buffers();
+
+ private:
+  // Whether stale steps on `device` may take the graphed path (`graphs`, and stage graphs on for a GPU).
+  bool static_stale_steps(const at::Device& device) const;
 };
 
 }  // namespace diffract::parallel

@@ -597,19 +597,30 @@ void check_strategies() {
   // ran without their exchanges (a CUDA graph replaying a captured band).
   expect(distri_stats["messages_per_step"][0].get<int>() > 2,
          "distrifusion's synchronous steps gather at every hooked layer (the bands are never graph-replayed)");
-  // Stale steps: one asynchronous all_gather per bucket (min(8, L) by default) and eps's, eps
-  // alone in the last step (DistriFusion::messages_per_step).
-  {
-    const auto per_step = distri_stats["messages_per_step"].get<std::vector<int>>();
+  // Stale steps, graphed (the default on GPUs: warm_rank() captured them): the whole step's
+  // contributions in one all_gather after the replay, then eps's, eps alone in the last step;
+  // eager (DIFFRACT_STAGE_GRAPHS=0): one asynchronous all_gather per bucket (min(8, L)) and
+  // eps's (DistriFusion::messages_per_step). Both give the same image but for bf16 rounding.
+  const auto follows = [&](const nlohmann::json& stats, int buckets) {
+    const auto per_step = stats["messages_per_step"].get<std::vector<int>>();
     const int layers = per_step.at(0) / 2 - 1;
     bool counts = static_cast<int>(per_step.size()) == req.steps;
     for (int i = 0; counts && i < req.steps; ++i)
-      counts = per_step[static_cast<std::size_t>(i)] == parallel::DistriFusion::messages_per_step(i, req.steps, 4, 2, layers, 8);
-    std::cout << "  distrifusion: " << layers << " hooked layer calls; stale step messages " << per_step.at(4)
-              << " (buckets " << parallel::DistriFusion::bucket_count(8, layers) << " + eps, per rank), bytes per step "
-              << distri_stats["bytes_per_step"].dump() << "\n";
-    expect(counts, "distrifusion's messages per step follow DistriFusion::messages_per_step (buckets, then eps)");
-  }
+      counts = per_step[static_cast<std::size_t>(i)] == parallel::DistriFusion::messages_per_step(i, req.steps, 4, 2, layers, buckets);
+    std::cout << "  distrifusion (" << buckets << " bucket(s)): " << layers << " hooked layer calls; stale step messages "
+              << per_step.at(4) << ", bytes per step " << stats["bytes_per_step"].dump() << "\n";
+    return counts;
+  };
+  const auto note = distri_stats["note"].get<std::string>();
+  expect(note.find("into fixed buffers") != std::string::npos, "distrifusion's stale steps are graphed on GPUs: " + note);
+  expect(follows(distri_stats, 1), "graphed distrifusion's messages per step: one gather of the step's contributions, then eps");
+  setenv("DIFFRACT_STAGE_GRAPHS", "0", 1);
+  const auto distri_eager = run("distrifusion", 2);
+  unsetenv("DIFFRACT_STAGE_GRAPHS");
+  const auto eager_stats = nlohmann::json::parse(distri_eager.metadata_json)["strategy"];
+  expect(follows(eager_stats, 8), "eager distrifusion's messages per step follow DistriFusion::messages_per_step (buckets, then eps)");
+  std::cout << "  distrifusion graphed vs eager stale steps: rel-L2 " << rel_l2(distri, distri_eager) << "\n";
+  expect(rel_l2(distri, distri_eager) < 2e-2, "distrifusion's graphed stale steps give the eager ones' image (bf16)");
   const auto hybrid = run("hybrid-cfg", 2);
   expect(nlohmann::json::parse(hybrid.metadata_json)["strategy"]["rel_mae"].size() == 9u, "hybrid-cfg reports rel-MAE per step");
   // AsyncDiff over NCCL: one synchronous step, then the stale components, n messages a step.

@@ -25,6 +25,13 @@ class PatchContext {
   virtual at::Tensor group_norm(GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& add, bool silu) = 0;
   // k, v [B, t, C] of this band's tokens -> k, v [B, T, C] of the whole image (bands in order).
   virtual std::pair<at::Tensor, at::Tensor> self_attention_kv(const at::Tensor& k, const at::Tensor& v) = 0;
+  // 0 (the default): the hooked layers may exchange with peers inside the call, so a CUDA graph
+  // must not be captured under this context (a replay would skip the exchanges). Otherwise the
+  // context only reads and writes device buffers of fixed addresses (no collective, no host
+  // synchronisation) and the value names that set of buffers: UNetGraphRunner's stage calls
+  // are then graphed under it, keyed by the value, so that a graph replays only with the
+  // buffers it was captured with.
+  virtual std::int64_t graph_tag() const { return 0; }
 };
 
 // This thread's context, or null.

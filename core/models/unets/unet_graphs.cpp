@@ -178,8 +178,9 @@ UNetConditioning pop_cond(const std::vector<at::Tensor>& in, std::size_t at, con
 
 std::vector<std::int64_t> tag_of(StageCall call, std::int64_t a, std::int64_t b, std::size_t skips,
                                  const UNetConditioning& c, bool channels_last) {
+  const auto* patch = patch_context();
   return {call, a, b, static_cast<std::int64_t>(skips), c.text_embeds.defined() ? 1 : 0, c.time_ids.defined() ? 1 : 0,
-          channels_last ? 1 : 0};
+          channels_last ? 1 : 0, patch ? patch->graph_tag() : 0};
 }
 
 at::Tensor expand_rows(const at::Tensor& timesteps, std::int64_t rows) {
@@ -189,8 +190,9 @@ at::Tensor expand_rows(const at::Tensor& timesteps, std::int64_t rows) {
 }  // namespace
 
 bool UNetGraphRunner::stage_graphed(const at::Tensor& x) const {
+  const auto* patch = patch_context();
   return options_.enabled && options_.stage_graphs && options_.max_stage_graphs > 0 && x.defined() && x.is_cuda() &&
-         !patch_context();
+         (!patch || patch->graph_tag() != 0);
 }
 
 at::MemoryFormat UNetGraphRunner::layout() const {

@@ -14,6 +14,8 @@
 // graph serves every step. Each stage call returns tensors of its own (copies of the graph's
 // outputs: AsyncDiff sends its state to a peer while the next replay may already run), except
 // skips a layer range passes through untouched, which come back as the caller's tensors.
+// Under a patch context (DistriFusion's bands) the stage calls are graphed only when the context
+// says its hooks touch nothing but its fixed buffers (PatchContext::graph_tag(), part of the key).
 // Captures belong outside the strategies' loops (Strategy::warm / warm_rank): a capture's eager
 // warm-up (cuDNN autotuning, cudaFree) while a peer waits in NCCL hung the ranks before.
 #include <cstdint>
