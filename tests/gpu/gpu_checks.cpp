@@ -1,11 +1,12 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks groupnorm|geglu|upload|clip_graph|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae
+//   diffract-gpu-checks groupnorm|geglu|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae
 // Exit 0: passed; 1: failed (the reasons printed); 77: skipped (too few GPUs).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -14,6 +15,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <nlohmann/json.hpp>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/cuda.h>
@@ -467,6 +469,115 @@ void check_previews() {
   expect(decode.graphs() == 2, "the preview graph cache keeps 2 shapes (has " + std::to_string(decode.graphs()) + ")");
 }
 
+// The TAESD decoder's fused path (cuDNN's conv + bias + ReLU and conv + bias + residual + ReLU,
+// models::set_fused_taesd) against its eager path, on a side stream: SD 1.5's TAESD on random
+// weights and the real TAEF2 decoder (<shared>/data/taesd/taef2_decoder.pth, <shared> from
+// DIFFRACT_SHARED, else .carry/shared or ../shared), a 64² latent (512²) in bf16 and fp16, each
+// decode also against the fp32 decode on the CPU. The caching allocator's free memory is
+// filled with NaN before each fused decode (a kernel reading memory it did not write shows).
+// Then the time of both paths, 64² and 128² latents (SD 1.5's 512² and SDXL's 1024² previews).
+void check_taesd() {
+  need_gpus(1);
+  at::NoGradGuard no_grad;
+  const at::Device dev("cuda:0");
+  const bool was_on = models::fused_taesd_enabled(), was_benchmark = at::globalContext().benchmarkCuDNN();
+  at::globalContext().setBenchmarkCuDNN(true);  // as the pipelines set it
+  models::set_fused_taesd(true);
+  auto stream = c10::cuda::getStreamFromPool(false, 0);
+  c10::cuda::CUDAStreamGuard on_stream(stream);
+
+  const auto sd15 = [] {
+    models::TAESD t(models::TAESDConfig::taesd(), /*with_encoder=*/false);
+    models::init_random(*t, 3);
+    return t;
+  };
+  std::optional<std::filesystem::path> taef2;
+  {
+    std::vector<std::filesystem::path> roots;
+    if (const char* env = std::getenv("DIFFRACT_SHARED")) roots.emplace_back(env);
+    roots.emplace_back(".carry/shared");
+    roots.emplace_back("../shared");
+    for (const auto& r : roots)
+      if (!taef2 && std::filesystem::exists(r / "data" / "taesd" / "taef2_decoder.pth")) taef2 = r / "data" / "taesd" / "taef2_decoder.pth";
+  }
+  std::vector<std::pair<std::string, std::function<models::TAESD()>>> models_to_check{{"sd15 (random weights)", sd15}};
+  if (taef2) models_to_check.emplace_back("taef2", [&] { return models::load_taesd(*taef2); });
+  else std::cout << "  note  no taef2_decoder.pth under $DIFFRACT_SHARED, .carry/shared or ../shared: SD 1.5's random TAESD only\n";
+
+  const auto on_gpu = [&](models::TAESD t, at::ScalarType dtype) {
+    t->eval();
+    t->to(dev, dtype);
+    models::set_memory_format(*t, at::MemoryFormat::ChannelsLast);  // as the pipelines do
+    return t;
+  };
+  const auto poison_free_memory = [&] {
+    std::vector<at::Tensor> held;  // all-ones bits: NaN in fp32, fp16 and bf16
+    for (int i = 0; i < 64; ++i) held.push_back(at::full({256 * 1024}, -1, at::TensorOptions().device(dev).dtype(at::kShort)));
+    held.push_back(at::full({std::int64_t{1} << 29}, -1, at::TensorOptions().device(dev).dtype(at::kShort)));
+  };
+  const auto range = [](const at::Tensor& t) { return (t.max() - t.min()).item<double>(); };
+
+  for (const auto& [name, make] : models_to_check) {
+    auto ref_model = make();
+    ref_model->eval();
+    const auto channels = ref_model->config.latent_channels;
+    const auto z32 = at::randn({1, channels, 64, 64}, at::make_generator<at::CPUGeneratorImpl>(5));
+    for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+      const double tol = dtype == at::kBFloat16 ? 3e-2 : 1e-2;
+      const auto dname = std::string(c10::toString(dtype));
+      auto t = on_gpu(make(), dtype);
+      const auto z = z32.to(dev, dtype);
+      const auto ref = ref_model->decode(z.to(at::kCPU, at::kFloat));  // the same rounded latents
+      expect(t->decoder->fused_applies(z), name + " " + dname + ": the fused path applies");
+      models::set_fused_taesd(false);
+      const auto eager = t->decode(z).to(at::kCPU, at::kFloat);
+      models::set_fused_taesd(true);
+      poison_free_memory();
+      const auto t0 = std::chrono::steady_clock::now();
+      const auto fused = t->decode(z).to(at::kCPU, at::kFloat);
+      const double first_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      expect(models::fused_taesd_enabled(), name + " " + dname + ": cuDNN ran the fused graphs (no fallback to eager)");
+      const double r = range(eager);
+      const double d = (fused - eager).abs().max().item<double>() / r;
+      const double e_fused = (fused - ref).abs().max().item<double>() / range(ref);
+      const double e_eager = (eager - ref).abs().max().item<double>() / range(ref);
+      std::ostringstream what;
+      what << name << " " << dname << " 64² -> 512²: fused vs eager max |diff| " << d << " of eager's range (" << r
+           << "), tolerance " << tol << "; against fp32 on the CPU fused " << e_fused << ", eager " << e_eager
+           << "; first fused decode (plan search) " << first_ms << " ms wall";
+      expect(fused.sizes() == eager.sizes() && at::isfinite(fused).all().item<bool>() && d < tol, what.str());
+      expect(e_fused <= 1.5 * e_eager + 1e-3, name + " " + dname + ": the fused decode is as close to fp32 as the eager one");
+    }
+  }
+
+  const auto time_ms = [&](models::TAESD& t, const at::Tensor& z, bool fused) {
+    models::set_fused_taesd(fused);
+    for (int i = 0; i < 3; ++i) t->decode(z);
+    double best = 1e30;
+    for (int rep = 0; rep < 2; ++rep) {
+      at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+      start.record(stream);
+      for (int i = 0; i < 50; ++i) t->decode(z);
+      stop.record(stream);
+      stop.synchronize();
+      best = std::min(best, static_cast<double>(start.elapsed_time(stop)) / 50);
+    }
+    return best;
+  };
+  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    auto t = on_gpu(sd15(), dtype);
+    for (const std::int64_t side : {64, 128}) {
+      const auto z = at::randn({1, 4, side, side}, at::TensorOptions().device(dev).dtype(dtype));
+      const double eager = time_ms(t, z, false), fused = time_ms(t, z, true);
+      std::cout << "  taesd decode " << side * 8 << "²: fused " << fused << " ms, eager " << eager << " ms ("
+                << c10::toString(dtype) << ", SD 1.5's TAESD, device time per decode: 50 on one stream, best of 2)\n";
+      expect(models::fused_taesd_enabled(), std::string("the fused path still on after timing ") + c10::toString(dtype));
+    }
+  }
+  models::set_fused_taesd(was_on);
+  at::globalContext().setBenchmarkCuDNN(was_benchmark);
+}
+
 void check_nccl() {
   need_gpus(2);
   auto comms = parallel::make_nccl_group({0, 1});
@@ -906,11 +1017,11 @@ void check_parallel_vae() {
 int main(int argc, char** argv) {
   const std::map<std::string, std::function<void()>> checks = {
       {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
-      {"previews", check_previews}, {"nccl", check_nccl},
+      {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"parallel_vae", check_parallel_vae}};
   if (argc != 2 || !checks.count(argv[1])) {
-    std::cerr << "usage: diffract-gpu-checks groupnorm|geglu|upload|clip_graph|graphs|stage_graphs|previews|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae\n";
+    std::cerr << "usage: diffract-gpu-checks groupnorm|geglu|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae\n";
     return 2;
   }
   std::cout << std::unitbuf;

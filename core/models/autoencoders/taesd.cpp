@@ -1,7 +1,9 @@
 #include "core/models/autoencoders/taesd.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
+#include <cstdlib>
 #include <map>
 #include <optional>
 
@@ -14,6 +16,7 @@
 #include "core/io/json_file.h"
 #include "core/io/key_maps.h"
 #include "core/io/weights.h"
+#include "core/models/common/patch_parallel.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -43,7 +46,25 @@ Conv2d conv3x3(int64_t in, int64_t out, int64_t stride = 1, bool bias = true) {
 
 Conv2d conv1x1(int64_t in, int64_t out) { return Conv2d(Conv2dOptions(in, out, 1).bias(false)); }
 
+std::atomic<bool> g_fused_taesd{[] {
+  const char* env = std::getenv("DIFFRACT_FUSED_TAESD");
+  return !(env && std::string(env) == "0");
+}()};
+
+// relu(conv(x) + bias + alpha * z) in one cuDNN kernel. Without a residual, callers pass z = x
+// (same shape in TAESD's blocks) at alpha 0 rather than ATen's cudnn_convolution_relu, which
+// passes its own uninitialised output as z: cuDNN may read it, and 0 * NaN is NaN.
+at::Tensor fused_conv_relu(Conv2dImpl& c, const at::Tensor& x, const at::Tensor& z, double alpha) {
+  const int64_t s = c.options.stride_, p = c.options.padding_;
+  // An undefined bias would make ATen allocate zeros on every call.
+  const std::optional<at::Tensor> bias = c.bias.defined() ? std::optional<at::Tensor>(c.bias) : std::nullopt;
+  return at::cudnn_convolution_add_relu(x, c.weight, z, at::Scalar(alpha), bias, {s, s}, {p, p}, {1, 1}, 1);
+}
+
 }  // namespace
+
+void set_fused_taesd(bool on) { g_fused_taesd = on; }
+bool fused_taesd_enabled() { return g_fused_taesd; }
 
 // --- config ------------------------------------------------------------------------------------
 
@@ -139,6 +160,14 @@ at::Tensor TAESDBlockImpl::forward(const at::Tensor& x) {
   return at::relu(conv->forward(h) + (skip ? skip->forward(h) : h));
 }
 
+at::Tensor TAESDBlockImpl::forward_fused(const at::Tensor& x) {
+  if (skip) return forward(x);  // no published TAESD has one: every block keeps its channels
+  const at::Tensor h = pool ? x + pool->forward(x) : x;
+  auto a = fused_conv_relu(conv->at<Conv2dImpl>(0), h, h, 0.0);
+  a = fused_conv_relu(conv->at<Conv2dImpl>(2), a, a, 0.0);
+  return fused_conv_relu(conv->at<Conv2dImpl>(4), a, h, 1.0);
+}
+
 TAESDEncoderImpl::TAESDEncoderImpl(const TAESDConfig& c) {
   layers = register_module("layers", nn::Sequential());
   const auto stages = c.num_encoder_blocks.size();
@@ -177,7 +206,40 @@ TAESDDecoderImpl::TAESDDecoderImpl(const TAESDConfig& c) {
 
 at::Tensor TAESDDecoderImpl::forward(const at::Tensor& z) {
   // z: latents [B, C, h, w] (already soft-clamped) -> images, roughly in [0, 1], [B, 3, 8h, 8w].
-  return layers->forward(z);
+  if (!fused_applies(z)) return layers->forward(z);
+  try {
+    return forward_fused(z);
+  } catch (const c10::OutOfMemoryError&) {
+    throw;
+  } catch (const c10::Error& e) {
+    // What cuDNN cannot fuse (no engine for a graph) fails on the host while its plan is
+    // built. The eager path redoes the whole decode from z; if it fails too, the fault is not
+    // the fusion's and the switch stays as it was.
+    auto out = layers->forward(z);
+    g_fused_taesd = false;
+    std::string what = e.what_without_backtrace();
+    if (what.size() > 300) what = what.substr(0, 300) + "...";
+    log::get("models").warn("TAESD: cuDNN's fused convolutions failed (" + what + "); decoding eagerly from now on");
+    return out;
+  }
+}
+
+bool TAESDDecoderImpl::fused_applies(const at::Tensor& z) {
+  if (!g_fused_taesd || !z.is_cuda() || (z.scalar_type() != at::kHalf && z.scalar_type() != at::kBFloat16)) return false;
+  const auto& w = layers->at<Conv2dImpl>(0).weight;
+  return w.device() == z.device() && w.scalar_type() == z.scalar_type() && at::globalContext().userEnabledCuDNN() &&
+         at::globalContext().hasCuDNN() && !at::GradMode::is_enabled() && !patch_context();
+}
+
+at::Tensor TAESDDecoderImpl::forward_fused(const at::Tensor& z) {
+  // cuDNN fuses in NHWC: with channels-last input every layer stays channels-last, whatever the
+  // weights' format.
+  at::Tensor h = z.contiguous(at::MemoryFormat::ChannelsLast);
+  for (auto& layer : *layers) {
+    if (auto* block = layer.ptr()->as<TAESDBlockImpl>()) h = block->forward_fused(h);
+    else h = layer.forward(h);
+  }
+  return h;
 }
 
 TAESDImpl::TAESDImpl(const TAESDConfig& c, bool with_encoder, bool with_decoder) : config(c) {

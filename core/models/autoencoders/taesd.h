@@ -59,6 +59,10 @@ class TAESDBlockImpl : public torch::nn::Module {
  public:
   TAESDBlockImpl(int64_t in_channels, int64_t out_channels, bool group_norm);
   at::Tensor forward(const at::Tensor& x);  // [B, Cin, H, W] -> [B, Cout, H, W]
+  // The same through cuDNN's fused convolutions (CUDA only; see set_fused_taesd): conv.0 and
+  // conv.2 as relu(conv + bias), conv.4 as relu(conv + bias + h); pool as in forward. A block
+  // with a skip conv runs forward.
+  at::Tensor forward_fused(const at::Tensor& x);
   torch::nn::Sequential conv{nullptr}, pool{nullptr};
   Conv2d skip{nullptr};
 };
@@ -79,8 +83,16 @@ TORCH_MODULE(TAESDEncoder);
 class TAESDDecoderImpl : public torch::nn::Module {
  public:
   explicit TAESDDecoderImpl(const TAESDConfig& c);
-  at::Tensor forward(const at::Tensor& z);  // latents [B, C, h, w] -> images in [0, 1] (roughly) [B, 3, 8h, 8w]
+  // latents [B, C, h, w] -> images in [0, 1] (roughly) [B, 3, 8h, 8w]; the blocks fused when
+  // fused_applies(z).
+  at::Tensor forward(const at::Tensor& z);
+  // Whether forward(z) takes the fused path: set_fused_taesd on, z on CUDA in fp16 or bf16 as
+  // the weights are, cuDNN present and enabled, grad mode off, no patch context.
+  bool fused_applies(const at::Tensor& z);
   torch::nn::Sequential layers{nullptr};
+
+ private:
+  at::Tensor forward_fused(const at::Tensor& z);
 };
 TORCH_MODULE(TAESDDecoder);
 
@@ -105,6 +117,16 @@ class TAESDImpl : public torch::nn::Module {
   TAESDDecoder decoder{nullptr};
 };
 TORCH_MODULE(TAESD);
+
+// The decoder's blocks as cuDNN's fused convolutions (at::cudnn_convolution_relu and
+// at::cudnn_convolution_add_relu), one kernel per convolution where eager conv2d runs the
+// convolution, then the bias, the ReLU and the residual add as separate passes over 64-channel
+// images. cuDNN's graph keeps the sum in fp32 and rounds once, where eager rounds after each
+// op. On unless DIFFRACT_FUSED_TAESD=0 at start; set_fused_taesd switches at any time. If
+// cuDNN has no engine for the fused graphs, the first such decode logs a warning, turns the
+// switch off for the process and runs eagerly.
+void set_fused_taesd(bool on);
+bool fused_taesd_enabled();
 
 // Loads a TAESD, strictly bound into an fp32 module on the CPU, from
 //  - a diffusers AutoencoderTiny folder (config.json + diffusion_pytorch_model.safetensors);
