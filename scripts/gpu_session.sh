@@ -275,8 +275,23 @@ if [ "$plan" = nine ]; then
   echo "checks at $(elapsed) s"
   BENCH_RUNS=2 BENCH_STRATEGIES="${SDXL_STRATEGIES:-distrifusion:2,cfg-parallel}" strategy_bench 150
   strategy_split "$logs/bench_strategies.json"
-  DIFFRACT_STAGE_GRAPHS=0 BENCH_TAG=distri_eager BENCH_RUNS=1 BENCH_STRATEGIES=distrifusion:2 strategy_bench 120
-  strategy_split "$logs/bench_distri_eager.json"
+  if [ -n "${DISTRI_EAGER:-}" ]; then
+    DIFFRACT_STAGE_GRAPHS=0 BENCH_TAG=distri_eager BENCH_RUNS=1 BENCH_STRATEGIES=distrifusion:2 strategy_bench 120
+    strategy_split "$logs/bench_distri_eager.json"
+  fi
+  if [ -n "${TAESD:-}" ]; then
+    CUDA_VISIBLE_DEVICES=1 ctest --test-dir build/gpu -R gpu_taesd -V --timeout 200 > "$logs/checks_taesd.log" 2>&1
+    grep -E "  (ok|FAIL)  |tests passed|taesd|Timeout|first" "$logs/checks_taesd.log" | cut -c1-300
+    for fused in 1 0; do
+      DIFFRACT_FUSED_TAESD=$fused CUDA_VISIBLE_DEVICES=1 timeout 100 "$bench" --device cuda:0 --config sd15-512 --batch 1 --runs 2 \
+        > "$logs/bench_sd15_taesd$fused.json" 2> "$logs/bench_sd15_taesd$fused.log"
+      python3 -c "
+import json
+for r in json.load(open('$logs/bench_sd15_taesd$fused.json'))['results']:
+    print('fused taesd $fused:', {k: r[k] for k in ('end_to_end_ms', 'preview_added_to_denoising_pct', 'preview_decode_ms', 'denoiser_step_ms')})" 2>&1 | cut -c1-400
+    done
+    echo "taesd at $(elapsed) s"
+  fi
   if [ "$(left)" -gt 150 ]; then
     BENCH_CONFIG=sdxl-2048 BENCH_TAG=big BENCH_RUNS=1 \
       BENCH_STRATEGIES="${BIG_STRATEGIES:-distrifusion:2,driffusion-aggressive:2,hybrid-cfg}" strategy_bench "$(left 5)"
