@@ -1,6 +1,6 @@
 // Linear / Conv2d / Embedding allocate without random init; init_random() draws what
-// LibTorch's torch::nn layers drew; loaded models still bind every weight. linear_residual
-// computes what the separate ops did.
+// LibTorch's torch::nn layers drew; loaded models still bind every weight. linear_residual and
+// the transformer block built on it compute what the separate ops did.
 #include <torch/nn.h>
 
 #include "core/io/key_maps.h"
@@ -13,6 +13,7 @@
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_2d_condition.h"
 #include "core/training/trainer.h"
+#include "core/util/error.h"
 #include "test_util.h"
 
 using namespace diffract;
@@ -288,6 +289,26 @@ class TestLayers : public QObject {
     models::set_fused_linear_residual(false);
     QVERIFY(!models::fused_linear_residual_available());
     models::set_fused_linear_residual(was);
+  }
+
+  // BasicTransformerBlock adds its skip connections in the output projections' GEMMs: the same
+  // result as the three separate adds, and the same parameter names.
+  void transformerBlockAddsResidualsInItsProjections() {
+    at::NoGradGuard no_grad;
+    models::BasicTransformerBlock block(32, 2, 16, 24);
+    models::init_random(*block, 9);
+    at::manual_seed(4);
+    for (auto& p : block->named_parameters())
+      if (p.key().find("norm") != std::string::npos) p.value().normal_();
+    QVERIFY(block->named_parameters().contains("attn1.to_out.0.bias"));
+    QVERIFY(block->named_parameters().contains("ff.net.2.weight"));
+    const auto x = at::randn({2, 10, 32}), ctx = at::randn({2, 7, 24});
+    auto h = x + block->attn1->forward(block->norm1->forward(x));
+    h = h + block->attn2->forward(block->norm2->forward(h), ctx);
+    const auto want = h + block->ff->forward(block->norm3->forward(h));
+    QVERIFY(at::equal(block->forward(x, ctx), want));
+    const auto spatial = at::randn({2, 32, 2, 5});
+    DIFFRACT_EXPECT_ERROR(block->attn1->forward(spatial, at::Tensor(), spatial), "Attention", "token input");
   }
 };
 
