@@ -32,17 +32,22 @@ bool fused_linear_residual_available() {
 
 void set_fused_linear_residual(bool on) { g_fused = on; }
 
-at::Tensor linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                           const at::Tensor& residual) {
+bool try_fused_linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                               const at::Tensor& residual, at::Tensor& out) {
 #ifdef DIFFRACT_HAS_CUBLASLT
   // The GEMM records nothing for autograd: training runs ATen's ops.
   const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() ||
                                                    (bias.defined() && bias.requires_grad()) || residual.requires_grad());
-  if (g_fused && x.is_cuda() && !grad) {
-    at::Tensor out;
-    if (fused_linear_residual_cuda(x, weight, bias, residual, out)) return out;
-  }
+  return g_fused && x.is_cuda() && !grad && fused_linear_residual_cuda(x, weight, bias, residual, out);
+#else
+  return false;
 #endif
+}
+
+at::Tensor linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                           const at::Tensor& residual) {
+  at::Tensor out;
+  if (try_fused_linear_residual(x, weight, bias, residual, out)) return out;
   auto y = at::linear(x, weight, bias);
   if (y.sizes() == residual.sizes() && y.scalar_type() == residual.scalar_type()) return y.add_(residual);
   return residual + y;

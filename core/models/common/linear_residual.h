@@ -11,6 +11,11 @@ namespace diffract::models {
 // [..., N] (x's leading dims). Returns a new tensor; residual is left as it is.
 at::Tensor linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                            const at::Tensor& residual);
+// The fused GEMM alone: false where it does not apply (not a contiguous fp16 / bf16 CUDA case,
+// autograd recording, switched off, no cuBLASLt kernel for it), out then untouched.
+// linear_residual falls back to ATen's ops there; the GPU check asks it directly.
+bool try_fused_linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                               const at::Tensor& residual, at::Tensor& out);
 // Whether CUDA tensors take the fused GEMM (built with CUDA and cuBLASLt, and not switched
 // off). On by default; DIFFRACT_FUSED_RESIDUAL=0 in the environment starts it off.
 bool fused_linear_residual_available();
