@@ -1,5 +1,5 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks groupnorm|geglu|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae
+//   diffract-gpu-checks groupnorm|geglu|residual|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae
 // Exit 0: passed; 1: failed (the reasons printed); 77: skipped (too few GPUs).
 #include <algorithm>
 #include <atomic>
@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <nlohmann/json.hpp>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/cuda.h>
@@ -26,6 +27,7 @@
 #include "core/models/autoencoders/taesd.h"
 #include "core/models/common/geglu.h"
 #include "core/models/common/layers.h"
+#include "core/models/common/linear_residual.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_graphs.h"
@@ -207,6 +209,141 @@ void check_geglu() {
   const double aten = time(false), fused = time(true);
   std::cout << "  [2, 4096, 5120] bf16: fused " << fused << " ms, ATen gelu + product " << aten << " ms\n";
   expect(fused < aten, "the fused gate is faster than ATen's two kernels");
+}
+
+// linear_residual's cuBLASLt GEMM against residual + x W^T + b computed in fp32 from the same
+// inputs: fp16 and bf16, SDXL's to_out.0 and ff net.2 shapes with bias, an odd shape with and
+// without bias, each taken by the GEMM (not ATen's fallback). Then one call captured in a CUDA
+// graph and replayed, before and after its inputs change in place; then the time of both paths.
+void check_residual() {
+  need_gpus(1);
+  expect(models::fused_linear_residual_available(), "built with the cuBLASLt GEMM (and DIFFRACT_FUSED_RESIDUAL not 0)");
+  at::NoGradGuard no_grad;
+  const at::Device dev("cuda:0");
+  struct Case {
+    std::vector<std::int64_t> x;  // [..., K]
+    std::int64_t n;
+    bool bias;
+  };
+  const std::vector<Case> sdxl = {{{2, 4096, 640}, 640, true}, {{2, 1024, 1280}, 1280, true}, {{2, 1024, 5120}, 1280, true}};
+  auto cases = sdxl;
+  cases.push_back({{77, 40}, 24, false});
+  cases.push_back({{77, 40}, 24, true});
+  struct Inputs {
+    at::Tensor x, w, b, r;
+  };
+  const auto inputs = [&](const Case& c, at::ScalarType dtype) {
+    const auto o = at::TensorOptions().device(dev).dtype(dtype);
+    const std::int64_t k = c.x.back();
+    auto out = c.x;
+    out.back() = c.n;
+    return Inputs{at::randn(c.x, o), at::randn({c.n, k}, o) / std::sqrt(static_cast<double>(k)),
+                  c.bias ? at::randn({c.n}, o) : at::Tensor(), at::randn(out, o)};
+  };
+  const auto f32 = [](const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t; };
+  double worst = 0;
+  for (const auto dtype : {at::kHalf, at::kBFloat16}) {
+    const double tol = dtype == at::kHalf ? 2e-3 : 1e-2;
+    for (const auto& c : cases) {
+      const auto in = inputs(c, dtype);
+      const auto r_before = in.r.clone();
+      const auto want = f32(in.r) + at::linear(f32(in.x), f32(in.w), f32(in.b));
+      at::Tensor got;
+      const bool fused = models::try_fused_linear_residual(in.x, in.w, in.b, in.r, got);
+      if (!fused) got = models::linear_residual(in.x, in.w, in.b, in.r);
+      const auto rel = [&](const at::Tensor& t) {
+        return (t.to(at::kFloat) - want).abs().max().item<double>() / want.abs().max().item<double>();
+      };
+      const double err = rel(got), aten = rel(in.r + at::linear(in.x, in.w, in.b));
+      worst = std::max(worst, err);
+      std::ostringstream what;
+      what << "linear_residual " << c10::toString(dtype) << " " << at::IntArrayRef(c.x) << " x [" << c.n << ", "
+           << c.x.back() << "]" << (c.bias ? " + bias" : "") << ": max error " << err << " of max |out| (ATen's "
+           << aten << ")";
+      expect(fused, what.str() + ": taken by the cuBLASLt GEMM");
+      expect(err < tol && got.sizes() == want.sizes() && got.scalar_type() == dtype, what.str());
+      expect(at::equal(in.r, r_before), what.str() + ": residual left as it was");
+    }
+  }
+  std::cout << "  worst relative error " << worst << "\n";
+
+  {
+    // Capture on a side stream after warm-up calls there (the legacy default stream cannot capture).
+    auto in = inputs(sdxl[1], at::kBFloat16);
+    const auto eager = models::linear_residual(in.x, in.w, in.b, in.r);
+    auto stream = c10::cuda::getStreamFromPool(false, dev.index());
+    at::cuda::CUDAEvent ready;
+    ready.record(c10::cuda::getCurrentCUDAStream(dev.index()));
+    ready.block(stream);
+    at::cuda::CUDAGraph graph;
+    at::Tensor captured;
+    {
+      c10::cuda::CUDAStreamGuard guard(stream);
+      for (int i = 0; i < 2; ++i) models::linear_residual(in.x, in.w, in.b, in.r);
+      graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+      captured = models::linear_residual(in.x, in.w, in.b, in.r);
+      graph.capture_end();
+    }
+    torch::cuda::synchronize();
+    const auto diff = [](const at::Tensor& a, const at::Tensor& b) {
+      return (a.to(at::kFloat) - b.to(at::kFloat)).abs().max().item<double>() / b.to(at::kFloat).abs().max().item<double>();
+    };
+    graph.replay();
+    torch::cuda::synchronize();
+    const double d1 = diff(captured, eager);
+    in.x.copy_(at::randn_like(in.x));
+    in.r.copy_(at::randn_like(in.r));
+    graph.replay();
+    torch::cuda::synchronize();
+    const auto eager2 = models::linear_residual(in.x, in.w, in.b, in.r);
+    const double d2 = diff(captured, eager2), spread = diff(eager2, eager);
+    std::cout << "  graph replay vs eager: max rel diff " << d1 << ", after new inputs " << d2 << " (inputs change it by "
+              << spread << ")\n";
+    expect(d1 < 1e-3 && d2 < 1e-3, "a captured linear_residual replays the eager result, also after its inputs change in place");
+    expect(spread > 0.1, "the new inputs change the output (a replay stuck on the old ones would fail)");
+  }
+
+  // Device time from replays of 50 captured calls (the UNet runs in CUDA graphs; eagerly, both
+  // paths' host work per call, cuBLASLt's heuristic query included, can exceed the GEMM's time),
+  // and eager for reference.
+  const auto time = [&](const std::function<void()>& f) {
+    auto stream = c10::cuda::getStreamFromPool(false, dev.index());
+    at::cuda::CUDAEvent ready;
+    ready.record(c10::cuda::getCurrentCUDAStream(dev.index()));
+    ready.block(stream);
+    c10::cuda::CUDAStreamGuard guard(stream);
+    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault), graph_start(cudaEventDefault),
+        graph_stop(cudaEventDefault);
+    for (int i = 0; i < 3; ++i) f();
+    start.record(stream);
+    for (int i = 0; i < 50; ++i) f();
+    stop.record(stream);
+    at::cuda::CUDAGraph graph;
+    graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+    for (int i = 0; i < 50; ++i) f();
+    graph.capture_end();
+    graph.replay();
+    graph_start.record(stream);
+    graph.replay();
+    graph_stop.record(stream);
+    graph_stop.synchronize();
+    return std::pair{static_cast<double>(graph_start.elapsed_time(graph_stop)) / 50,
+                     static_cast<double>(start.elapsed_time(stop)) / 50};
+  };
+  double fused_total = 0, aten_total = 0;
+  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (const auto& c : sdxl) {
+      const auto in = inputs(c, dtype);
+      const auto [fused, fused_eager] = time([&] { models::linear_residual(in.x, in.w, in.b, in.r); });
+      const auto [aten, aten_eager] = time([&] { (void)(in.r + at::linear(in.x, in.w, in.b)); });
+      if (dtype == at::kBFloat16) fused_total += fused, aten_total += aten;
+      std::cout << "  linear_residual " << c10::toString(dtype) << " " << at::IntArrayRef(c.x) << " x [" << c.n << ", "
+                << c.x.back() << "]: fused " << fused << " ms, aten " << aten << " ms (CUDA graph; eager: fused "
+                << fused_eager << " ms, aten " << aten_eager << " ms)\n";
+    }
+  }
+  expect(fused_total < aten_total,
+         "bf16, SDXL's three shapes together, in a CUDA graph: the fused GEMM is faster than ATen's GEMM + add");
 }
 
 // io::Uploader's GPU path (pinned chunks, a copy stream, the dtype conversion on the device)
@@ -1016,12 +1153,12 @@ void check_parallel_vae() {
 
 int main(int argc, char** argv) {
   const std::map<std::string, std::function<void()>> checks = {
-      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
+      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"residual", check_residual}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"parallel_vae", check_parallel_vae}};
   if (argc != 2 || !checks.count(argv[1])) {
-    std::cerr << "usage: diffract-gpu-checks groupnorm|geglu|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae\n";
+    std::cerr << "usage: diffract-gpu-checks groupnorm|geglu|residual|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae\n";
     return 2;
   }
   std::cout << std::unitbuf;

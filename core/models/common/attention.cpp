@@ -6,6 +6,7 @@
 #include <torch/nn/modules/dropout.h>
 
 #include "core/models/common/geglu.h"
+#include "core/models/common/linear_residual.h"
 #include "core/models/common/patch_parallel.h"
 #include "core/util/error.h"
 
@@ -53,8 +54,10 @@ AttentionImpl::AttentionImpl(const AttentionOptions& o) : options(o) {
   to_out = register_module("to_out", nn::ModuleList(Linear(inner, o.query_dim), nn::Dropout(0.0)));
 }
 
-at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context) {
+at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context, const at::Tensor& residual) {
   const bool spatial = x.dim() == 4;
+  if (residual.defined() && (spatial || options.residual_connection || options.rescale_output_factor != 1.0))
+    throw Error("Attention: a residual for to_out.0 needs token input without residual_connection or rescaling");
   at::Tensor h = x;
   int64_t b = x.size(0), c = 0, height = 0, width = 0;
   if (spatial) {
@@ -68,7 +71,8 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context
   if (!context.defined())
     if (auto* patch = patch_context()) std::tie(k, v) = patch->self_attention_kv(k, v);
   auto out = multi_head_attention(to_q->forward(h), k, v, options.heads);
-  out = to_out[0]->as<Linear>()->forward(out);
+  auto* proj = to_out[0]->as<Linear>();
+  out = residual.defined() ? linear_residual(out, proj->weight, proj->bias, residual) : proj->forward(out);
   if (spatial) out = out.transpose(1, 2).reshape({b, c, height, width});
   if (options.residual_connection) out = out + x;
   if (options.rescale_output_factor != 1.0) out = out / options.rescale_output_factor;
@@ -114,10 +118,11 @@ FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t inner_dim, FeedForwardActi
     net = register_module("net", nn::ModuleList(GELUProj(dim, inner_dim), nn::Dropout(0.0), out));
 }
 
-at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
+at::Tensor FeedForwardImpl::forward(const at::Tensor& x, const at::Tensor& residual) {
   const auto h = activation == FeedForwardActivation::GEGLU ? net[0]->as<GEGLU>()->forward(x)
                                                             : net[0]->as<GELUProj>()->forward(x);
-  return net[2]->as<Linear>()->forward(h);
+  auto* out = net[2]->as<Linear>();
+  return residual.defined() ? linear_residual(h, out->weight, out->bias, residual) : out->forward(h);
 }
 
 }  // namespace diffract::models

@@ -43,8 +43,9 @@ class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const AttentionOptions& o);
   // x: [B, T, C] or [B, C, H, W]; context: [B, S, Cc] or undefined (self-attention).
-  // Returns the same shape as x.
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& context = {});
+  // Returns the same shape as x. residual (token input only): [B, T, C], added to to_out.0's
+  // output inside its GEMM (linear_residual.h), as the transformer blocks' skip connection.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& context = {}, const at::Tensor& residual = {});
   AttentionOptions options;
   GroupNorm group_norm{nullptr};
   Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
@@ -60,7 +61,8 @@ enum class FeedForwardActivation { GEGLU, GELUTanh };
 class FeedForwardImpl : public torch::nn::Module {
  public:
   FeedForwardImpl(int64_t dim, int64_t inner_dim, FeedForwardActivation activation = FeedForwardActivation::GEGLU);
-  at::Tensor forward(const at::Tensor& x);  // [B, T, dim] -> [B, T, dim]
+  // [B, T, dim] -> [B, T, dim]; residual [B, T, dim] or undefined: added in net.2's GEMM.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& residual = {});
   FeedForwardActivation activation;
   torch::nn::ModuleList net{nullptr};
 };

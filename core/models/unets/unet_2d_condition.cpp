@@ -194,9 +194,10 @@ BasicTransformerBlockImpl::BasicTransformerBlockImpl(int64_t dim, int64_t heads,
 }
 
 at::Tensor BasicTransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& context) {
-  auto h = x + attn1->forward(norm1->forward(x));
-  h = h + attn2->forward(norm2->forward(h), context);
-  return h + ff->forward(norm3->forward(h));
+  // Each skip connection is added inside the output projection's GEMM (linear_residual.h).
+  auto h = attn1->forward(norm1->forward(x), {}, x);
+  h = attn2->forward(norm2->forward(h), context, h);
+  return ff->forward(norm3->forward(h), h);
 }
 
 Transformer2DModelImpl::Transformer2DModelImpl(int64_t channels, int64_t heads, int64_t layers,

@@ -1,0 +1,56 @@
+#include "core/models/common/linear_residual.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+#include <ATen/ATen.h>
+
+namespace diffract::models {
+
+namespace {
+bool fused_from_env() {
+  const char* env = std::getenv("DIFFRACT_FUSED_RESIDUAL");
+  return !(env && std::string(env) == "0");
+}
+std::atomic<bool> g_fused{fused_from_env()};
+}  // namespace
+
+#ifdef DIFFRACT_HAS_CUBLASLT
+// linear_residual_cuda.cpp: false when cuBLASLt does not take this case.
+bool fused_linear_residual_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                const at::Tensor& residual, at::Tensor& out);
+#endif
+
+bool fused_linear_residual_available() {
+#ifdef DIFFRACT_HAS_CUBLASLT
+  return g_fused;
+#else
+  return false;
+#endif
+}
+
+void set_fused_linear_residual(bool on) { g_fused = on; }
+
+bool try_fused_linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                               const at::Tensor& residual, at::Tensor& out) {
+#ifdef DIFFRACT_HAS_CUBLASLT
+  // The GEMM records nothing for autograd: training runs ATen's ops.
+  const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() ||
+                                                   (bias.defined() && bias.requires_grad()) || residual.requires_grad());
+  return g_fused && x.is_cuda() && !grad && fused_linear_residual_cuda(x, weight, bias, residual, out);
+#else
+  return false;
+#endif
+}
+
+at::Tensor linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                           const at::Tensor& residual) {
+  at::Tensor out;
+  if (try_fused_linear_residual(x, weight, bias, residual, out)) return out;
+  auto y = at::linear(x, weight, bias);
+  if (y.sizes() == residual.sizes() && y.scalar_type() == residual.scalar_type()) return y.add_(residual);
+  return residual + y;
+}
+
+}  // namespace diffract::models
