@@ -1,12 +1,15 @@
 // Linear / Conv2d / Embedding allocate without random init; init_random() draws what
 // LibTorch's torch::nn layers drew; loaded models still bind every weight. linear_residual and
 // the transformer block built on it compute what the separate ops did.
+#include <algorithm>
+
 #include <torch/nn.h>
 
 #include "core/io/key_maps.h"
 #include "core/io/weights.h"
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
+#include "core/models/common/layer_norm.h"
 #include "core/models/common/layers.h"
 #include "core/models/common/linear_residual.h"
 #include "core/models/text_encoders/clip_text.h"
@@ -309,6 +312,50 @@ class TestLayers : public QObject {
     QVERIFY(at::equal(block->forward(x, ctx), want));
     const auto spatial = at::randn({2, 32, 2, 5});
     DIFFRACT_EXPECT_ERROR(block->attn1->forward(spatial, at::Tensor(), spatial), "Attention", "token input");
+  }
+
+  // LayerNorm as torch::nn::LayerNorm({dim}): the same parameter names and initial values, a
+  // torch::nn::LayerNorm's state dict binds to it, and the same output (both run at::layer_norm
+  // on the CPU, so bit for bit). The transformer blocks' norms keep their checkpoint keys. (Its
+  // CUDA kernel is checked against at::layer_norm by diffract-gpu-checks layernorm.)
+  void layerNormIsTorchsLayerNorm() {
+    models::LayerNorm ours(models::LayerNormOptions(12).eps(1e-5));
+    nn::LayerNorm theirs(nn::LayerNormOptions({12}).eps(1e-5));
+    QCOMPARE(ours->named_parameters().keys(), theirs->named_parameters().keys());
+    QVERIFY(at::equal(ours->weight, theirs->weight) && at::equal(ours->bias, theirs->bias));
+    QVERIFY(draws_nothing([] { return models::LayerNorm(models::LayerNormOptions(8)); }));
+    at::manual_seed(5);
+    {
+      at::NoGradGuard no_grad;
+      theirs->weight.copy_(at::randn({12}));
+      theirs->bias.copy_(at::randn({12}));
+    }
+    io::StateDict sd;
+    for (const auto& kv : theirs->named_parameters()) sd[kv.key()] = kv.value().detach().clone();
+    const auto report = io::bind(*ours, sd, "layer norm");
+    QCOMPARE(report.bound, size_t(2));
+    QVERIFY(at::equal(ours->weight, theirs->weight) && at::equal(ours->bias, theirs->bias));
+    const auto x = at::randn({2, 5, 12}) * 3 + 1;
+    QVERIFY(at::equal(ours->forward(x), theirs->forward(x)));
+    const auto strided = at::randn({12, 7}).t();  // [7, 12], not contiguous
+    QVERIFY(at::equal(ours->forward(strided), theirs->forward(strided)));
+    // Gradients flow as through torch's (the CPU path is at::layer_norm).
+    const auto xg = x.clone().requires_grad_(true);
+    ours->forward(xg).sum().backward();
+    QVERIFY(ours->weight.grad().defined() && xg.grad().defined());
+    QVERIFY(!models::layer_norm_uses_kernel(x, ours->weight, ours->bias));  // CPU tensors
+
+    models::BasicTransformerBlock block(16, 2, 8, 24);
+    const auto keys = block->named_parameters().keys();
+    for (const char* norm : {"norm1", "norm2", "norm3"})
+      for (const char* p : {".weight", ".bias"})
+        QVERIFY2(std::count(keys.begin(), keys.end(), std::string(norm) + p) == 1, (std::string(norm) + p).c_str());
+    QVERIFY(at::equal(block->norm2->weight, at::ones({16})) && at::equal(block->norm2->bias, at::zeros({16})));
+
+    const bool was = models::fused_layer_norm_available();
+    models::set_fused_layer_norm(false);
+    QVERIFY(!models::fused_layer_norm_available());
+    models::set_fused_layer_norm(was);
   }
 };
 

@@ -1,6 +1,6 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks groupnorm|geglu|residual|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae
-// Exit 0: passed; 1: failed (the reasons printed); 77: skipped (too few GPUs).
+//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|residual|layernorm|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae
+// Exit 0: passed; 1: one failed (the reasons printed); 77: all skipped (too few GPUs).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -19,6 +19,7 @@
 #include <ATen/cuda/CUDAGraph.h>
 #include <nlohmann/json.hpp>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/cuda.h>
 
 #include "core/io/upload.h"
@@ -26,6 +27,7 @@
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
 #include "core/models/common/geglu.h"
+#include "core/models/common/layer_norm.h"
 #include "core/models/common/layers.h"
 #include "core/models/common/linear_residual.h"
 #include "core/models/text_encoders/clip_text.h"
@@ -86,6 +88,30 @@ std::unique_ptr<pipeline::StableDiffusion> tiny_sdxl(bool graphs) {
   return pipeline::StableDiffusion::random(pipeline::Family::SDXL, /*tiny=*/true, "cuda:0");
 }
 
+// Device time per call of `f` on cuda:0: `calls` calls captured in one CUDA graph, as the UNet
+// runs them (no host launch time between kernels), one replay timed with CUDA events.
+double graph_ms_per_call(const std::function<void()>& f, int calls = 100) {
+  const auto current = c10::cuda::getCurrentCUDAStream(0);
+  auto side = c10::cuda::getStreamFromPool(false, 0);
+  at::cuda::CUDAGraph graph;
+  torch::cuda::synchronize(0);
+  {
+    c10::cuda::CUDAStreamGuard on_side(side);
+    f();  // workspaces and plans outside the capture
+    side.synchronize();
+    graph.capture_begin();
+    for (int i = 0; i < calls; ++i) f();
+    graph.capture_end();
+  }
+  graph.replay();
+  at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+  start.record(current);
+  graph.replay();
+  stop.record(current);
+  stop.synchronize();
+  return start.elapsed_time(stop) / calls;
+}
+
 // models::GroupNorm's CUDA kernels against ATen's group_norm (+ add, + silu) computed in fp32
 // from the same inputs: NCHW and channels-last, three dtypes, the UNet's and the VAE's shapes,
 // shapes the kernels leave to ATen, and a large mean against a small spread.
@@ -133,6 +159,26 @@ void check_groupnorm() {
   models::GroupNorm gn(models::GroupNormOptions(32, 320));
   gn->to(at::kCUDA, at::kBFloat16);
   expect(at::equal(gn->forward(x, {}, true), gn->forward(x, {}, true)), "deterministic");
+
+  // The time of the kernels and of ATen's path (x + add, group_norm, silu) at the SDXL UNet's
+  // ResNet shapes, both layouts.
+  at::NoGradGuard no_grad;
+  for (const std::vector<std::int64_t>& shape : {std::vector<std::int64_t>{2, 320, 128, 128}, {2, 640, 64, 64}, {2, 1280, 32, 32}})
+    for (bool cl : {true, false}) {
+      const auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+      auto xt = at::randn(shape, o);
+      if (cl) xt = xt.contiguous(at::MemoryFormat::ChannelsLast);
+      const auto add = at::randn({shape[0], shape[1]}, o);
+      models::GroupNorm g(models::GroupNormOptions(32, shape[1]));
+      g->to(at::kCUDA, at::kBFloat16);
+      models::set_fused_group_norm(true);
+      const double fused = graph_ms_per_call([&] { g->forward(xt, add, true); });
+      models::set_fused_group_norm(false);
+      const double aten = graph_ms_per_call([&] { g->forward(xt, add, true); });
+      models::set_fused_group_norm(true);
+      std::cout << "  group_norm " << at::IntArrayRef(shape) << " BFloat16" << (cl ? " channels-last" : " NCHW")
+                << " +add +silu: fused " << fused << " ms, aten " << aten << " ms\n";
+    }
 }
 
 void check_graphs() {
@@ -344,6 +390,120 @@ void check_residual() {
   }
   expect(fused_total < aten_total,
          "bf16, SDXL's three shapes together, in a CUDA graph: the fused GEMM is faster than ATen's GEMM + add");
+}
+
+// models::LayerNorm's CUDA kernel against at::layer_norm computed in fp32 from the same inputs:
+// fp16 and bf16 at the transformer blocks' widths (SDXL 640 / 1280, SD 1.5 320), odd row counts,
+// each of the kernel's row layouts (one warp per row up to 1280, 2 and 4 warps beyond), a large
+// mean against a small spread, and widths the kernel leaves to ATen. Then a CUDA graph's replay
+// against the eager call, and the time of both.
+void check_layernorm() {
+  need_gpus(1);
+  expect(models::fused_layer_norm_available(), "built with the LayerNorm kernel");
+  at::NoGradGuard no_grad;
+  const at::Device dev("cuda:0");
+  struct Case {
+    std::vector<std::int64_t> shape;
+    double offset;
+    bool kernel;  // whether the kernel takes it
+  };
+  const std::vector<Case> cases = {{{2, 4096, 640}, 0, true},  {{2, 1024, 1280}, 0, true}, {{2, 4096, 320}, 0, true},
+                                   {{3, 77, 640}, 0, true},    {{1, 231, 1280}, 0, true},  {{3, 5, 2048}, 0, true},
+                                   {{1, 7, 4096}, 0, true},    {{3, 8192}, 0, true},       {{5, 8}, 0, true},
+                                   {{2, 64, 640}, 40.0, true}, {{2, 100, 644}, 0, false},  {{3, 9000}, 0, false},
+                                   {{2, 4}, 0, false}};
+  at::manual_seed(4);
+  double worst = 0;
+  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    const double tol = dtype == at::kHalf ? 2e-3 : 1e-2;
+    const auto o = at::TensorOptions().device(dev).dtype(dtype);
+    for (const auto& k : cases) {
+      const std::int64_t c = k.shape.back();
+      models::LayerNorm ln(models::LayerNormOptions(c).eps(1e-5));
+      ln->to(dev, dtype);
+      ln->weight.copy_(at::randn({c}, o) * 0.5 + 1);
+      ln->bias.copy_(at::randn({c}, o));
+      const auto x = (at::randn(k.shape, o.dtype(at::kFloat)) * 1.7 + k.offset).to(dtype);
+      const bool kernel = models::layer_norm_uses_kernel(x, ln->weight, ln->bias);
+      const auto y = ln->forward(x);
+      const auto want = at::layer_norm(x.to(at::kFloat), {c}, ln->weight.to(at::kFloat), ln->bias.to(at::kFloat), 1e-5);
+      const double err = (y.to(at::kFloat) - want).abs().max().item<double>() / want.abs().max().item<double>();
+      worst = std::max(worst, err);
+      std::ostringstream what;
+      what << "layer_norm " << at::IntArrayRef(k.shape) << " " << c10::toString(dtype) << (k.offset ? " offset" : "")
+           << (kernel ? " (kernel)" : " (ATen)") << ": max error " << err << " of max |out| (tol " << tol << ")";
+      expect(err < tol && kernel == k.kernel && y.scalar_type() == dtype && y.sizes() == x.sizes(), what.str());
+    }
+    // A strided input (copied first) and one off the 16-byte alignment (left to ATen).
+    models::LayerNorm ln(models::LayerNormOptions(640));
+    ln->to(dev, dtype);
+    const auto t = at::randn({640, 300}, o).t();
+    const auto t_want = at::layer_norm(t.to(at::kFloat), {640}, ln->weight.to(at::kFloat), ln->bias.to(at::kFloat), 1e-5);
+    const double t_err = (ln->forward(t).to(at::kFloat) - t_want).abs().max().item<double>() / t_want.abs().max().item<double>();
+    expect(models::layer_norm_uses_kernel(t, ln->weight, ln->bias) && t_err < tol,
+           std::string("layer_norm ") + c10::toString(dtype) + " on a transposed input (kernel)");
+    const auto off = at::randn({1 + 30 * 640}, o).narrow(0, 1, 30 * 640).view({30, 640});
+    expect(!models::layer_norm_uses_kernel(off, ln->weight, ln->bias),
+           std::string("layer_norm ") + c10::toString(dtype) + " off the 16-byte alignment goes to ATen");
+  }
+  std::cout << "  worst relative error " << worst << "\n";
+  {
+    // No kernel where autograd needs a backward, or when switched off.
+    models::LayerNorm ln(models::LayerNormOptions(640));
+    ln->to(dev, at::kBFloat16);
+    const auto x = at::randn({2, 16, 640}, at::TensorOptions().device(dev).dtype(at::kBFloat16));
+    at::AutoGradMode grad(true);
+    expect(!models::layer_norm_uses_kernel(x, ln->weight, ln->bias), "layer_norm leaves autograd to ATen");
+  }
+  models::set_fused_layer_norm(false);
+  {
+    const auto x = at::randn({2, 16, 640}, at::TensorOptions().device(dev).dtype(at::kBFloat16));
+    const auto w = at::ones({640}, x.options()), b = at::zeros({640}, x.options());
+    expect(!models::layer_norm_uses_kernel(x, w, b), "set_fused_layer_norm(false) turns the kernel off");
+  }
+  models::set_fused_layer_norm(true);
+
+  // Captured in a CUDA graph: the replay gives the eager call's bits, and follows new input values.
+  {
+    const auto o = at::TensorOptions().device(dev).dtype(at::kBFloat16);
+    models::LayerNorm ln(models::LayerNormOptions(640));
+    ln->to(dev, at::kBFloat16);
+    ln->weight.copy_(at::randn({640}, o));
+    ln->bias.copy_(at::randn({640}, o));
+    const auto x = at::randn({2, 4096, 640}, o);
+    const auto eager = ln->forward(x);
+    at::cuda::CUDAGraph graph;
+    at::Tensor out;
+    auto side = c10::cuda::getStreamFromPool(false, 0);
+    torch::cuda::synchronize(0);
+    {
+      c10::cuda::CUDAStreamGuard on_side(side);
+      ln->forward(x);
+      side.synchronize();
+      graph.capture_begin();
+      out = ln->forward(x);
+      graph.capture_end();
+    }
+    graph.replay();
+    torch::cuda::synchronize(0);
+    expect(at::equal(out, eager), "layer_norm replayed from a CUDA graph equals the eager call (bf16 [2, 4096, 640])");
+    x.copy_(at::randn({2, 4096, 640}, o));
+    graph.replay();
+    torch::cuda::synchronize(0);
+    expect(at::equal(out, ln->forward(x)) && !at::equal(out, eager), "the replay reads the captured input's new values");
+  }
+
+  for (const auto dtype : {at::kBFloat16, at::kHalf})
+    for (const std::vector<std::int64_t>& shape : {std::vector<std::int64_t>{2, 4096, 640}, {2, 1024, 1280}, {2, 4096, 320}}) {
+      const auto o = at::TensorOptions().device(dev).dtype(dtype);
+      const std::int64_t c = shape.back();
+      const auto x = at::randn(shape, o), w = at::randn({c}, o), b = at::randn({c}, o);
+      const double fused = graph_ms_per_call([&] { models::layer_norm(x, w, b, 1e-5); });
+      const double aten = graph_ms_per_call([&] { at::layer_norm(x, {c}, w, b, 1e-5); });
+      std::cout << "  layer_norm " << at::IntArrayRef(shape) << " " << c10::toString(dtype) << ": fused " << fused
+                << " ms, aten " << aten << " ms\n";
+      if (c != 320) expect(fused < aten, "the kernel is faster than ATen's at SDXL's width " + std::to_string(c));
+    }
 }
 
 // io::Uploader's GPU path (pinned chunks, a copy stream, the dtype conversion on the device)
@@ -1153,24 +1313,30 @@ void check_parallel_vae() {
 
 int main(int argc, char** argv) {
   const std::map<std::string, std::function<void()>> checks = {
-      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"residual", check_residual}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
+      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"residual", check_residual}, {"layernorm", check_layernorm}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"parallel_vae", check_parallel_vae}};
-  if (argc != 2 || !checks.count(argv[1])) {
-    std::cerr << "usage: diffract-gpu-checks groupnorm|geglu|residual|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae\n";
+  bool usage = argc < 2;
+  for (int i = 1; i < argc; ++i) usage = usage || !checks.count(argv[i]);
+  if (usage) {
+    std::cerr << "usage: diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|residual|layernorm|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae\n";
     return 2;
   }
   std::cout << std::unitbuf;
-  try {
-    std::cout << argv[1] << "\n";
-    checks.at(argv[1])();
-  } catch (const Skip& s) {
-    std::cout << "  skipped: " << s.why << "\n";
-    return 77;
-  } catch (const std::exception& e) {
-    std::cout << "  FAIL  " << e.what() << "\n";
-    return 1;
+  int skipped = 0;
+  for (int i = 1; i < argc; ++i) {
+    try {
+      std::cout << argv[i] << "\n";
+      checks.at(argv[i])();
+    } catch (const Skip& s) {
+      std::cout << "  skipped: " << s.why << "\n";
+      ++skipped;
+    } catch (const std::exception& e) {
+      std::cout << "  FAIL  " << e.what() << "\n";
+      ++failures;
+    }
   }
-  return failures == 0 ? 0 : 1;
+  if (failures != 0) return 1;
+  return skipped == argc - 1 ? 77 : 0;
 }

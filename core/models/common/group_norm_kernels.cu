@@ -145,17 +145,29 @@ __global__ void stats_nhwc(GroupNormArgs a) {
     a.partial[(n * a.splits + s) * a.groups * 2 + i] = acc[i];
 }
 
-// grid N, block groups: the splits summed in order -> mean and 1 / std.
+// One warp per (sample, group): the lanes sum every 32nd split, then a butterfly adds the lanes
+// -> mean and 1 / std. The order is fixed (deterministic) and the splits' loads are in flight
+// together; one thread per group adding them one after another (264 splits for SDXL's NHWC
+// tensors at batch 2) took 0.66 ms of a 32 ms SDXL step over ~60 calls.
 template <typename T>
 __global__ void finalize(GroupNormArgs a) {
-  const int64_t n = blockIdx.x;
-  for (int g = threadIdx.x; g < a.groups; g += blockDim.x) {
-    float sum = 0.f, sq = 0.f;
-    for (int s = 0; s < a.splits; ++s) {
-      const float* p = a.partial + ((n * a.splits + s) * a.groups + g) * 2;
-      sum += p[0];
-      sq += p[1];
-    }
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (w >= a.n * a.groups) return;  // whole warps: blockDim is a multiple of 32
+  const int64_t n = w / a.groups;
+  const int g = static_cast<int>(w % a.groups);
+  const float2* p = reinterpret_cast<const float2*>(a.partial) + n * a.splits * a.groups + g;
+  float sum = 0.f, sq = 0.f;
+  for (int s = lane; s < a.splits; s += 32) {
+    const float2 v = p[static_cast<int64_t>(s) * a.groups];
+    sum += v.x;
+    sq += v.y;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    sq += __shfl_xor_sync(0xffffffffu, sq, o);
+  }
+  if (lane == 0) {
     const float count = static_cast<float>(a.c / a.groups * a.hw);
     const float m = sum / count;
     const float var = fmaxf(sq / count - m * m, 0.f);
@@ -215,7 +227,8 @@ int launch(const GroupNormArgs& a, cudaStream_t stream) {
   } else {
     stats_nchw<T><<<dim3(a.splits, a.groups, a.n), kThreads, 0, stream>>>(a);
   }
-  finalize<T><<<a.n, std::min(a.groups, 1024), 0, stream>>>(a);
+  const int64_t finalize_blocks = (a.n * a.groups * 32 + kThreads - 1) / kThreads;
+  finalize<T><<<static_cast<unsigned>(finalize_blocks), kThreads, 0, stream>>>(a);
   const int64_t vectors = a.n * a.c * a.hw / Vec<T>::size;
   const int64_t blocks = std::min<int64_t>((vectors + kThreads - 1) / kThreads, 16LL * std::max(a.sm_count, 1));
   apply<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);

@@ -178,7 +178,7 @@ UNet2DConditionConfig UNet2DConditionConfig::from_json(const std::filesystem::pa
 
 BasicTransformerBlockImpl::BasicTransformerBlockImpl(int64_t dim, int64_t heads, int64_t dim_head,
                                                      int64_t cross_attention_dim) {
-  auto ln = [&] { return nn::LayerNorm(nn::LayerNormOptions({dim}).eps(1e-5)); };
+  auto ln = [&] { return LayerNorm(LayerNormOptions(dim).eps(1e-5)); };
   AttentionOptions self;
   self.query_dim = dim;
   self.heads = heads;

@@ -6,11 +6,11 @@
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
-#include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
 #include "core/models/common/attention.h"
 #include "core/models/common/embeddings.h"
+#include "core/models/common/layer_norm.h"
 #include "core/models/common/layers.h"
 #include "core/models/common/resnet.h"
 
@@ -62,7 +62,7 @@ class BasicTransformerBlockImpl : public torch::nn::Module {
  public:
   BasicTransformerBlockImpl(int64_t dim, int64_t heads, int64_t dim_head, int64_t cross_attention_dim);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& context);  // [B, T, C] -> [B, T, C]
-  torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr}, norm3{nullptr};
+  LayerNorm norm1{nullptr}, norm2{nullptr}, norm3{nullptr};
   Attention attn1{nullptr}, attn2{nullptr};
   FeedForward ff{nullptr};
 };

@@ -1,0 +1,111 @@
+#include "core/models/common/layer_norm.h"
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+#include <ATen/autocast_mode.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/core/GradMode.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "core/models/common/layer_norm_kernels.h"
+#include "core/util/error.h"
+#endif
+
+namespace diffract::models {
+
+namespace {
+
+std::atomic<bool>& fused_switch() {
+  static std::atomic<bool> on{[] {
+    const char* v = std::getenv("DIFFRACT_FUSED_LAYER_NORM");
+    return !(v && std::strcmp(v, "0") == 0);
+  }()};
+  return on;
+}
+
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+// Whether the kernel takes these tensors, filling `a` but for x and y (a non-contiguous x is
+// copied to a fresh, aligned tensor first). The kernel has no backward, and autocast runs
+// layer_norm in fp32: both go to ATen.
+bool kernel_case(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, kernels::LayerNormArgs& a) {
+  if (!fused_switch() || !x.defined() || !x.is_cuda() || x.dim() < 1 || x.numel() == 0) return false;
+  switch (x.scalar_type()) {
+    case at::kHalf: a.dtype = kernels::DType::Half; break;
+    case at::kBFloat16: a.dtype = kernels::DType::BFloat16; break;
+    default: return false;
+  }
+  a.c = x.size(-1);
+  a.rows = x.numel() / a.c;
+  if (!kernels::layer_norm_supported(a.dtype, a.c)) return false;
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  for (const auto* t : {&weight, &bias})
+    if (!t->defined() || t->scalar_type() != x.scalar_type() || t->device() != x.device() || t->dim() != 1 ||
+        t->size(0) != a.c || !t->is_contiguous() || !aligned(t->const_data_ptr()))
+      return false;
+  if (x.is_contiguous() && !aligned(x.const_data_ptr())) return false;
+  if (at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() || bias.requires_grad())) return false;
+  if (at::autocast::is_autocast_enabled(at::kCUDA)) return false;
+  a.weight = weight.const_data_ptr();
+  a.bias = bias.const_data_ptr();
+  return true;
+}
+#endif
+
+}  // namespace
+
+void set_fused_layer_norm(bool on) { fused_switch() = on; }
+
+bool fused_layer_norm_available() {
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  return fused_switch();
+#else
+  return false;
+#endif
+}
+
+bool layer_norm_uses_kernel(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  kernels::LayerNormArgs a;
+  return kernel_case(x, weight, bias, a);
+#else
+  (void)x, (void)weight, (void)bias;
+  return false;
+#endif
+}
+
+at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  TORCH_CHECK(x.dim() >= 1, "layer_norm: a 0-d input");
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  kernels::LayerNormArgs a;
+  if (kernel_case(x, weight, bias, a)) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const auto in = x.contiguous();
+    auto y = at::empty(in.sizes(), in.options());
+    a.x = in.const_data_ptr();
+    a.y = y.mutable_data_ptr();
+    a.eps = static_cast<float>(eps);
+    const int rc = kernels::layer_norm_forward(a, at::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    if (rc != 0)
+      throw Error("LayerNorm CUDA kernel failed to launch: " +
+                  std::string(cudaGetErrorString(static_cast<cudaError_t>(rc))));
+    return y;
+  }
+#endif
+  return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
+}
+
+LayerNormImpl::LayerNormImpl(const LayerNormOptions& o) : options(o) {
+  weight = register_parameter("weight", at::ones({o.dim}));
+  bias = register_parameter("bias", at::zeros({o.dim}));
+}
+
+at::Tensor LayerNormImpl::forward(const at::Tensor& x) { return layer_norm(x, weight, bias, options.eps_); }
+
+}  // namespace diffract::models

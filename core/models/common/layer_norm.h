@@ -1,0 +1,40 @@
+#pragma once
+// LayerNorm over the last dimension with an affine weight and bias ("weight", "bias": ones and
+// zeros until bound), as torch::nn::LayerNorm({dim}): the same parameter names, so checkpoint
+// keys bind as they did. On CUDA, for fp16 / bf16 rows the kernel takes (layer_norm_kernels.h),
+// one kernel of our own; elsewhere, and wherever autograd or autocast is in play, at::layer_norm.
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+namespace diffract::models {
+
+struct LayerNormOptions {
+  explicit LayerNormOptions(int64_t dim) : dim(dim) {}
+  LayerNormOptions& eps(double e) { eps_ = e; return *this; }
+  int64_t dim;
+  double eps_ = 1e-5;
+};
+
+class LayerNormImpl : public torch::nn::Module {
+ public:
+  explicit LayerNormImpl(const LayerNormOptions& o);
+  at::Tensor forward(const at::Tensor& x);  // [..., dim] -> the same shape, contiguous
+  LayerNormOptions options;
+  at::Tensor weight;  // [dim]
+  at::Tensor bias;    // [dim]
+};
+TORCH_MODULE(LayerNorm);
+
+// at::layer_norm(x, {x.size(-1)}, weight, bias, eps), through the kernel where it applies.
+at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps);
+// Whether layer_norm would run the kernel for these tensors (the GPU check asks).
+bool layer_norm_uses_kernel(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+// Whether CUDA tensors take the kernel: built with it and not switched off (set_fused_layer_norm,
+// or DIFFRACT_FUSED_LAYER_NORM=0 in the environment at start-up).
+bool fused_layer_norm_available();
+void set_fused_layer_norm(bool on);
+
+}  // namespace diffract::models

@@ -1,0 +1,147 @@
+#include "core/models/common/layer_norm_kernels.h"
+
+#include <algorithm>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "core/models/common/kernel_types.cuh"
+
+namespace diffract::models::kernels {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kPer = 8;  // 16-byte vectors of fp16 / bf16
+constexpr int64_t kMaxBlocks = int64_t(1) << 30;
+
+template <typename T>
+struct alignas(16) Vec {
+  T v[kPer];
+};
+
+// The sum over one row's threads, the same value in each of them. The row's warps meet in `red`
+// (one slot per warp), read back in one order by every thread.
+template <int kWarpsPerRow>
+__device__ __forceinline__ float row_sum(float s, float* red) {
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if constexpr (kWarpsPerRow == 1) {
+    return s;
+  } else {
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) red[warp] = s;
+    __syncthreads();
+    const int first = warp / kWarpsPerRow * kWarpsPerRow;
+    float total = 0.f;
+#pragma unroll
+    for (int k = 0; k < kWarpsPerRow; ++k) total += red[first + k];
+    __syncthreads();  // `red` is written again by the next reduction
+    return total;
+  }
+}
+
+// Block = kThreads / (32 * kWarpsPerRow) rows; thread t of a row holds vectors t, t + row
+// threads, ... (kVpt of them at most). Rows past the end still take part in the block's
+// barriers, so the loop stays uniform over the block.
+template <typename T, int kVpt, int kWarpsPerRow>
+__global__ void layer_norm(LayerNormArgs a) {
+  using V = Vec<T>;
+  constexpr int kRowThreads = 32 * kWarpsPerRow;
+  constexpr int kRowsPerBlock = kThreads / kRowThreads;
+  __shared__ float red[kThreads / 32];
+  const int slot = threadIdx.x / kRowThreads, t = threadIdx.x % kRowThreads;
+  const int vectors = static_cast<int>(a.c / kPer);
+  const float inv_c = 1.f / static_cast<float>(a.c);
+  const V* __restrict__ w = static_cast<const V*>(a.weight);
+  const V* __restrict__ b = static_cast<const V*>(a.bias);
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock; base < a.rows;
+       base += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
+    const int64_t row = base + slot;
+    const bool live = row < a.rows;
+    const V* __restrict__ x = static_cast<const V*>(a.x) + row * vectors;
+    V in[kVpt];
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVpt; ++i) {
+      const int v = t + i * kRowThreads;
+      if (live && v < vectors) {
+        in[i] = x[v];
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) sum += to_float(in[i].v[j]);
+      }
+    }
+    const float mean = row_sum<kWarpsPerRow>(sum, red) * inv_c;
+    float sq = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVpt; ++i) {
+      const int v = t + i * kRowThreads;
+      if (live && v < vectors) {
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) {
+          const float d = to_float(in[i].v[j]) - mean;
+          sq += d * d;
+        }
+      }
+    }
+    const float rstd = rsqrtf(row_sum<kWarpsPerRow>(sq, red) * inv_c + a.eps);
+    V* __restrict__ y = static_cast<V*>(a.y) + row * vectors;
+#pragma unroll
+    for (int i = 0; i < kVpt; ++i) {
+      const int v = t + i * kRowThreads;
+      if (live && v < vectors) {
+        const V wv = w[v], bv = b[v];
+        V out;
+#pragma unroll
+        for (int j = 0; j < kPer; ++j)
+          out.v[j] = from_float<T>((to_float(in[i].v[j]) - mean) * rstd * to_float(wv.v[j]) + to_float(bv.v[j]));
+        y[v] = out;
+      }
+    }
+  }
+}
+
+template <typename T, int kVpt, int kWarpsPerRow>
+int launch(const LayerNormArgs& a, cudaStream_t stream) {
+  constexpr int64_t rows_per_block = kThreads / (32 * kWarpsPerRow);
+  const int64_t blocks = std::min((a.rows + rows_per_block - 1) / rows_per_block, kMaxBlocks);
+  layer_norm<T, kVpt, kWarpsPerRow><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+  return static_cast<int>(cudaGetLastError());
+}
+
+// One warp per row up to 1280 values (SDXL's widest), so that no lane waits on a barrier;
+// longer rows spread over 2 or 4 warps to keep the registers per thread down.
+template <typename T>
+int dispatch(const LayerNormArgs& a, cudaStream_t stream) {
+  const int64_t v = a.c / kPer;
+  if (v <= 32) return launch<T, 1, 1>(a, stream);
+  if (v <= 64) return launch<T, 2, 1>(a, stream);
+  if (v <= 96) return launch<T, 3, 1>(a, stream);
+  if (v <= 128) return launch<T, 4, 1>(a, stream);
+  if (v <= 160) return launch<T, 5, 1>(a, stream);
+  if (v <= 256) return launch<T, 4, 2>(a, stream);
+  if (v <= 512) return launch<T, 4, 4>(a, stream);
+  return launch<T, 8, 4>(a, stream);
+}
+
+bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+bool layer_norm_supported(DType dtype, int64_t c) {
+  return (dtype == DType::Half || dtype == DType::BFloat16) && c >= kPer && c % kPer == 0 && c <= kLayerNormMaxC;
+}
+
+int layer_norm_forward(const LayerNormArgs& a, CUstream_st* stream) {
+  if (!layer_norm_supported(a.dtype, a.c) || a.rows < 1 || !aligned(a.x) || !aligned(a.weight) || !aligned(a.bias) ||
+      !aligned(a.y))
+    return static_cast<int>(cudaErrorInvalidValue);
+  switch (a.dtype) {
+    case DType::Half: return dispatch<__half>(a, stream);
+    case DType::BFloat16: return dispatch<__nv_bfloat16>(a, stream);
+    case DType::Float: break;
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+}  // namespace diffract::models::kernels
