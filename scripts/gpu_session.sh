@@ -262,6 +262,43 @@ for r in json.load(open('$logs/bench_single.json'))['results']:
   exit 0
 fi
 
+#   PLAN=ten (two GPUs; one is enough but for the last step): the new kernels' checks (fused
+#     residual GEMM, LayerNorm, GroupNorm, TAESD), the diffusers anchor, then diffract-bench on the
+#     same GPU (one after the other: side by side in one run); then the same bench with the
+#     residual GEMM and the LayerNorm kernel off (their A/B in one run); then DRiffusion and
+#     CFG-parallel on both GPUs.
+if [ "$plan" = ten ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  ctest --test-dir build/gpu -R "gpu_residual|gpu_layernorm|gpu_groupnorm|gpu_geglu|gpu_graphs|gpu_taesd" -V --timeout 200 \
+    > "$logs/checks_kernels.log" 2>&1
+  grep -E "  (ok|FAIL)  |tests passed|Timeout|worst|fused .* ms|: fused|taesd decode" "$logs/checks_kernels.log" \
+    | grep -v "  ok    linear_residual\|  ok    layer_norm\|  ok  .*diff" | cut -c1-260 | head -60
+  echo "checks at $(elapsed) s"
+  timeout 220 python3 .carry/diffusers_sdxl_sd3.py > "$logs/anchor.log" 2>&1
+  echo "anchor rc $? at $(elapsed) s"
+  anchor_json
+  timeout 150 "$bench" --device cuda:0 --config sdxl-1024,sd15-512 --batch 1 --runs 3 \
+    > "$logs/bench_single.json" 2> "$logs/bench_single.log"
+  echo "single-GPU bench rc $? at $(elapsed) s"
+  ratios
+  if [ "$(left)" -gt 150 ]; then
+    DIFFRACT_FUSED_RESIDUAL=0 DIFFRACT_FUSED_LAYER_NORM=0 timeout 100 "$bench" --device cuda:0 --config sdxl-1024 \
+      --batch 1 --runs 2 > "$logs/bench_kernels_off.json" 2> "$logs/bench_kernels_off.log"
+    echo "kernels-off bench rc $? at $(elapsed) s"
+    python3 -c "
+import json
+for r in json.load(open('$logs/bench_kernels_off.json'))['results']:
+    v = r.get('unet_step_variants', {}).get('kernels_channels_last', {})
+    print('residual GEMM and LayerNorm kernel off:', r['end_to_end_ms'], r['denoiser_step_ms'], v.get('device_ms_per_call'), v.get('families_ms'))" 2>&1 | cut -c1-700
+  fi
+  unset CUDA_VISIBLE_DEVICES
+  if [ "$(left)" -gt 90 ]; then
+    BENCH_RUNS=2 BENCH_STRATEGIES="${SDXL_STRATEGIES:-driffusion-aggressive:2,cfg-parallel}" strategy_bench "$(left 5)"
+    strategy_split "$logs/bench_strategies.json"
+  fi
+  exit 0
+fi
+
 #   PLAN=nine (two GPUs): the single-GPU checks not run yet (upload, CLIP graphs), the NCCL and
 #     strategy checks (DistriFusion's graphed stale steps), DistriFusion graphed against its eager
 #     buckets at 1024² (same run), then DRiffusion, hybrid CFG and DistriFusion at 2048².

@@ -118,6 +118,15 @@ double graph_ms_per_call(const std::function<void()>& f, int calls = 100) {
 void check_groupnorm() {
   need_gpus(1);
   expect(models::fused_group_norm_available(), "built with the GroupNorm kernels");
+  {
+    // The kernels have no backward: where autograd records, ATen's ops run (gradients flow).
+    at::AutoGradMode grad(true);
+    models::GroupNorm norm(models::GroupNormOptions(4, 8));
+    norm->to(at::Device("cuda:0"));
+    const auto x = at::randn({2, 8, 4, 4}, at::TensorOptions().device("cuda:0")).requires_grad_();
+    norm->forward(x, at::Tensor(), true).sum().backward();
+    expect(x.grad().defined() && norm->weight.grad().defined(), "GroupNorm on CUDA under autograd: gradients flow");
+  }
   struct Case {
     int64_t n, c, h, w, groups;
     double offset;
@@ -217,6 +226,13 @@ void check_graphs() {
 void check_geglu() {
   need_gpus(1);
   expect(models::fused_geglu_available(), "built with the GEGLU kernel");
+  {
+    at::AutoGradMode grad(true);
+    const auto o = at::TensorOptions().device("cuda:0");
+    const auto a = at::randn({4, 16}, o).requires_grad_(), b = at::randn({4, 16}, o).requires_grad_();
+    models::geglu(a, b).sum().backward();
+    expect(a.grad().defined() && b.grad().defined(), "GEGLU on CUDA under autograd: gradients flow (ATen's ops)");
+  }
   at::NoGradGuard no_grad;
   const at::Device dev("cuda:0");
   double worst = 0;

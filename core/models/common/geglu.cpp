@@ -30,7 +30,9 @@ bool fused_geglu_available() {
 
 at::Tensor geglu(const at::Tensor& a, const at::Tensor& b) {
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
-  if (a.is_cuda() && g_fused && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && a.is_contiguous() &&
+  // The kernel records nothing for autograd: training takes ATen's ops.
+  const bool grad = at::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad());
+  if (a.is_cuda() && g_fused && !grad && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && a.is_contiguous() &&
       b.is_contiguous()) {
     kernels::DType dtype;
     bool known = true;

@@ -80,7 +80,10 @@ at::Tensor GroupNormImpl::forward(const at::Tensor& x, const at::Tensor& add, bo
   if (auto* patch = patch_context()) return patch->group_norm(*this, x, add, silu);
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
   at::Tensor out;
-  if (x.is_cuda() && g_fused_group_norm &&
+  // The kernels record nothing for autograd: training takes ATen's ops.
+  const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() || bias.requires_grad() ||
+                                                   (add.defined() && add.requires_grad()));
+  if (x.is_cuda() && g_fused_group_norm && !grad &&
       fused_group_norm_cuda(x, add, weight, bias, options.groups, options.eps_, silu, out))
     return out;
 #endif
