@@ -299,6 +299,32 @@ for r in json.load(open('$logs/bench_kernels_off.json'))['results']:
   exit 0
 fi
 
+#   PLAN=eleven (one GPU): the GroupNorm check, the diffusers anchor, then diffract-bench on the
+#     same GPU (side by side in one run), then SDXL again with the fused residual GEMM on (its A/B).
+if [ "$plan" = eleven ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  ctest --test-dir build/gpu -R "gpu_groupnorm|gpu_residual" -V --timeout 60 > "$logs/checks_kernels.log" 2>&1
+  grep -E "FAIL|tests passed|Timeout|SDXL's three" "$logs/checks_kernels.log" | cut -c1-260 | head -20
+  timeout 220 python3 .carry/diffusers_sdxl_sd3.py > "$logs/anchor.log" 2>&1
+  echo "anchor rc $? at $(elapsed) s"
+  anchor_json
+  timeout 150 "$bench" --device cuda:0 --config sdxl-1024,sd15-512 --batch 1 --runs 3 \
+    > "$logs/bench_single.json" 2> "$logs/bench_single.log"
+  echo "single-GPU bench rc $? at $(elapsed) s"
+  ratios 2>&1 | grep -v "^    top" | cut -c1-900
+  if [ "$(left)" -gt 70 ]; then
+    DIFFRACT_FUSED_RESIDUAL=1 timeout "$(left 5)" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 2 \
+      > "$logs/bench_residual_on.json" 2> "$logs/bench_residual_on.log"
+    echo "residual-on bench rc $? at $(elapsed) s"
+    python3 -c "
+import json
+for r in json.load(open('$logs/bench_residual_on.json'))['results']:
+    v = r.get('unet_step_variants', {}).get('kernels_channels_last', {})
+    print('fused residual GEMM on:', r['end_to_end_ms'], r['denoiser_step_ms'], v.get('device_ms_per_call'), v.get('kernels_per_call'), v.get('families_ms'))" 2>&1 | cut -c1-700
+  fi
+  exit 0
+fi
+
 #   PLAN=nine (two GPUs): the single-GPU checks not run yet (upload, CLIP graphs), the NCCL and
 #     strategy checks (DistriFusion's graphed stale steps), DistriFusion graphed against its eager
 #     buckets at 1024² (same run), then DRiffusion, hybrid CFG and DistriFusion at 2048².

@@ -143,13 +143,12 @@ void check_groupnorm() {
           auto x = (at::randn({k.n, k.c, k.h, k.w}, o.dtype(at::kFloat)) * 1.7 + k.offset).to(dtype);
           if (cl) x = x.contiguous(at::MemoryFormat::ChannelsLast);
           const auto add = with_add ? at::randn({k.n, k.c}, o) : at::Tensor();
+          // Inference, as the pipelines run it (parameters requiring grad under autograd take ATen's ops).
+          at::NoGradGuard no_grad;
           models::GroupNorm gn(models::GroupNormOptions(k.groups, k.c).eps(1e-6));
           gn->to(at::kCUDA, dtype);
-          {
-            at::NoGradGuard no_grad;
-            gn->weight.copy_(at::randn({k.c}, o));
-            gn->bias.copy_(at::randn({k.c}, o));
-          }
+          gn->weight.copy_(at::randn({k.c}, o));
+          gn->bias.copy_(at::randn({k.c}, o));
           const auto y = gn->forward(x, add, /*silu=*/true);
           auto in = x.to(at::kFloat);
           if (with_add) in = in + add.to(at::kFloat).view({k.n, k.c, 1, 1});
@@ -164,6 +163,7 @@ void check_groupnorm() {
           expect(err < tol && same_format, what.str());
         }
   // The same call twice gives the same bits (the splits are summed in a fixed order).
+  at::NoGradGuard no_grad;
   const auto x = at::randn({2, 320, 128, 128}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
   models::GroupNorm gn(models::GroupNormOptions(32, 320));
   gn->to(at::kCUDA, at::kBFloat16);
@@ -171,7 +171,6 @@ void check_groupnorm() {
 
   // The time of the kernels and of ATen's path (x + add, group_norm, silu) at the SDXL UNet's
   // ResNet shapes, both layouts.
-  at::NoGradGuard no_grad;
   for (const std::vector<std::int64_t>& shape : {std::vector<std::int64_t>{2, 320, 128, 128}, {2, 640, 64, 64}, {2, 1280, 32, 32}})
     for (bool cl : {true, false}) {
       const auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
@@ -279,7 +278,9 @@ void check_geglu() {
 // graph and replayed, before and after its inputs change in place; then the time of both paths.
 void check_residual() {
   need_gpus(1);
-  expect(models::fused_linear_residual_available(), "built with the cuBLASLt GEMM (and DIFFRACT_FUSED_RESIDUAL not 0)");
+  const bool residual_was_on = models::fused_linear_residual_available();
+  models::set_fused_linear_residual(true);  // off by default (slower in the whole UNet); checked all the same
+  expect(models::fused_linear_residual_available(), "built with the cuBLASLt GEMM");
   at::NoGradGuard no_grad;
   const at::Device dev("cuda:0");
   struct Case {
@@ -404,8 +405,9 @@ void check_residual() {
                 << fused_eager << " ms, aten " << aten_eager << " ms)\n";
     }
   }
-  expect(fused_total < aten_total,
-         "bf16, SDXL's three shapes together, in a CUDA graph: the fused GEMM is faster than ATen's GEMM + add");
+  std::cout << "  bf16, SDXL's three shapes: fused " << fused_total << " ms, ATen GEMM + add " << aten_total
+            << " ms (print only: in the whole UNet the fused GEMMs lost, so the path is off by default)\n";
+  models::set_fused_linear_residual(residual_was_on);
 }
 
 // models::LayerNorm's CUDA kernel against at::layer_norm computed in fp32 from the same inputs:
