@@ -50,9 +50,9 @@ at::Tensor linear_residual(const at::Tensor& x, const at::Tensor& weight, const 
                            const at::Tensor& residual) {
   at::Tensor out;
   if (try_fused_linear_residual(x, weight, bias, residual, out)) return out;
-  auto y = at::linear(x, weight, bias);
-  if (y.sizes() == residual.sizes() && y.scalar_type() == residual.scalar_type()) return y.add_(residual);
-  return residual + y;
+  // The ops the blocks ran before, out of place (an in-place add changed AsyncDiff's CPU results
+  // beyond their tests' tolerance, through the allocation pattern).
+  return residual + at::linear(x, weight, bias);
 }
 
 }  // namespace diffract::models
