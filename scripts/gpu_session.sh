@@ -262,6 +262,17 @@ for r in json.load(open('$logs/bench_single.json'))['results']:
   exit 0
 fi
 
+# side_by_side: the diffusers anchor, then diffract-bench (SDXL, SD 1.5) on the same GPU, one
+# after the other: the ratios of one run.
+side_by_side() {
+  timeout 220 python3 .carry/diffusers_sdxl_sd3.py > "$logs/anchor.log" 2>&1
+  echo "anchor rc $? at $(elapsed) s"
+  anchor_json
+  timeout 150 "$bench" --device cuda:0 --config sdxl-1024,sd15-512 --batch 1 --runs 3 \
+    > "$logs/bench_single.json" 2> "$logs/bench_single.log"
+  echo "single-GPU bench rc $? at $(elapsed) s"
+}
+
 #   PLAN=ten (two GPUs; one is enough but for the last step): the new kernels' checks (fused
 #     residual GEMM, LayerNorm, GroupNorm, TAESD), the diffusers anchor, then diffract-bench on the
 #     same GPU (one after the other: side by side in one run); then the same bench with the
@@ -274,12 +285,7 @@ if [ "$plan" = ten ]; then
   grep -E "  (ok|FAIL)  |tests passed|Timeout|worst|fused .* ms|: fused|taesd decode" "$logs/checks_kernels.log" \
     | grep -v "  ok    linear_residual\|  ok    layer_norm\|  ok  .*diff" | cut -c1-260 | head -60
   echo "checks at $(elapsed) s"
-  timeout 220 python3 .carry/diffusers_sdxl_sd3.py > "$logs/anchor.log" 2>&1
-  echo "anchor rc $? at $(elapsed) s"
-  anchor_json
-  timeout 150 "$bench" --device cuda:0 --config sdxl-1024,sd15-512 --batch 1 --runs 3 \
-    > "$logs/bench_single.json" 2> "$logs/bench_single.log"
-  echo "single-GPU bench rc $? at $(elapsed) s"
+  side_by_side
   ratios
   if [ "$(left)" -gt 150 ]; then
     DIFFRACT_FUSED_RESIDUAL=0 DIFFRACT_FUSED_LAYER_NORM=0 timeout 100 "$bench" --device cuda:0 --config sdxl-1024 \
@@ -305,12 +311,7 @@ if [ "$plan" = eleven ]; then
   export CUDA_VISIBLE_DEVICES=0
   ctest --test-dir build/gpu -R "gpu_groupnorm|gpu_residual" -V --timeout 60 > "$logs/checks_kernels.log" 2>&1
   grep -E "FAIL|tests passed|Timeout|SDXL's three" "$logs/checks_kernels.log" | cut -c1-260 | head -20
-  timeout 220 python3 .carry/diffusers_sdxl_sd3.py > "$logs/anchor.log" 2>&1
-  echo "anchor rc $? at $(elapsed) s"
-  anchor_json
-  timeout 150 "$bench" --device cuda:0 --config sdxl-1024,sd15-512 --batch 1 --runs 3 \
-    > "$logs/bench_single.json" 2> "$logs/bench_single.log"
-  echo "single-GPU bench rc $? at $(elapsed) s"
+  side_by_side
   ratios 2>&1 | grep -v "^    top" | cut -c1-900
   if [ "$(left)" -gt 70 ]; then
     DIFFRACT_FUSED_RESIDUAL=1 timeout "$(left 5)" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 2 \
