@@ -478,6 +478,10 @@ class TestMainWindow : public QObject {
       child<QPlainTextEdit>(w, "promptEdit")->setPlainText("a lighthouse");
       child<QComboBox>(w, "samplerCombo")->setCurrentText("dpmpp-2m-karras");
       child<QLineEdit>(w, "seedEdit")->setText("18446744073709551615");
+      QCOMPARE(w.requestFromFields().preview_max_side, 512);  // the default
+      auto* preview = child<QComboBox>(w, "previewSizeCombo");
+      preview->setCurrentIndex(preview->findData(256));
+      QCOMPARE(w.requestFromFields().preview_max_side, 256);
       w.close();
     }
     MainWindow w;
@@ -489,6 +493,7 @@ class TestMainWindow : public QObject {
     QCOMPARE(child<QComboBox>(w, "sizePresetCombo")->currentText(), QStringLiteral("Custom"));
     QVERIFY(!child<QCheckBox>(w, "randomSeedCheck")->isChecked());
     QCOMPARE(w.requestFromFields().seed, std::uint64_t(18446744073709551615ull));
+    QCOMPARE(w.requestFromFields().preview_max_side, 256);
   }
 
   void seedPast64BitsIsRefused() {

@@ -141,6 +141,7 @@ class MainWindow : public QMainWindow {
   QCheckBox* m_randomSeed = nullptr;
   QComboBox* m_sampler = nullptr;
   QSpinBox* m_batch = nullptr;
+  QComboBox* m_previewSize = nullptr;  // the previews' largest side (GenerationRequest::preview_max_side; 0: full size)
   QGroupBox* m_devicesBox = nullptr;
   QVBoxLayout* m_deviceRows = nullptr;
   QList<QCheckBox*> m_gpuChecks;  // property "gpuIndex": the N of cuda:N
