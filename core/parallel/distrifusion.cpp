@@ -99,7 +99,6 @@ class StaticBandsRegistry {
     b->gathered = at::zeros({n, bytes}, options);
     const std::lock_guard<std::mutex> lock(mutex_);
     b->tag = ++last_tag_;
-    entries_.remove_if([&](const Entry& e) { return e.owner == owner && e.key == key; });
     entries_.push_front({owner, key, b});
     int kept = 0;
     entries_.remove_if([&](const Entry& e) { return e.owner == owner && ++kept > 2; });
@@ -160,8 +159,7 @@ class Exchange final : public models::BandContext {
     slots_.clear();
     buckets_.clear();
     layout(1);
-    const auto bytes = buckets_.front().bytes;
-    if (!static_ || static_->send.numel() != bytes) static_ = StaticBandsRegistry::get().make(owner(device, rank_), key, bytes, size_, device);
+    if (!static_) static_ = StaticBandsRegistry::get().make(owner(device, rank_), key, buckets_.front().bytes, size_, device);
     const auto own = static_cast<std::size_t>(rank_);
     for (std::size_t l = 0; l < previous_.size(); ++l)
       for (std::size_t r = 0; r < previous_[l].size(); ++r)
@@ -397,22 +395,13 @@ at::Tensor eval_band(Denoiser& d, Exchange& ex, const at::Tensor& band, double t
 
 }  // namespace
 
-void DistriFusion::warm(Denoiser& d, const at::Tensor& x, double t) const {
-  const auto layers = d.stage_layers(x.size(2), x.size(3));
-  if (layers.empty() || n < 2 || x.size(2) % (std::int64_t{n} << downsamplings(layers)) != 0) return;
-  const auto rows = band_height(x.size(2), n, downsamplings(layers));
-  Exchange ex(0, n, nullptr, nullptr);
-  ex.begin(Mode::Isolated, false, 0);
-  eval_band(d, ex, x.narrow(2, 0, rows).contiguous(), t, static_cast<int>(layers.size()));
-}
-
-void DistriFusion::release_static_buffers() { StaticBandsRegistry::get().clear(); }
-
-bool DistriFusion::static_stale_steps(const at::Device& device) const {
-  return graphs && (!device.is_cuda() || models::stage_graphs_from_env());
-}
+void DistriFusion::warm(Denoiser& d, const at::Tensor& x, double t) const { warm_band(d, x, t, 0, false); }
 
 void DistriFusion::warm_rank(Denoiser& d, const at::Tensor& x, double t, int rank) const {
+  warm_band(d, x, t, rank, static_stale_steps(x.device()));
+}
+
+void DistriFusion::warm_band(Denoiser& d, const at::Tensor& x, double t, int rank, bool capture) const {
   const auto layers = d.stage_layers(x.size(2), x.size(3));
   if (layers.empty() || n < 2 || rank < 0 || rank >= n || x.size(2) % (std::int64_t{n} << downsamplings(layers)) != 0)
     return;
@@ -422,11 +411,18 @@ void DistriFusion::warm_rank(Denoiser& d, const at::Tensor& x, double t, int ran
   Exchange ex(rank, n, nullptr, nullptr);
   ex.begin(Mode::Measure, false, 0);
   eval_band(d, ex, band, t, count);
-  if (!static_stale_steps(x.device())) return;
+  if (!capture) return;
   ex.bind_static(x.device(), /*make=*/true);
   ex.begin(Mode::Static, false, 0);
   eval_band(d, ex, band, t, count);  // on a GPU, the capture of the stale step's graph
 }
+
+void DistriFusion::release_static_buffers() { StaticBandsRegistry::get().clear(); }
+
+bool DistriFusion::static_stale_steps(const at::Device& device) const {
+  return graphs && (!device.is_cuda() || models::stage_graphs_from_env());
+}
+
 
 LoopOutput DistriFusion::run(DeviceGroup& g, const LoopInputs& in) const {
   auto ranks = prepare(*this, g, in);

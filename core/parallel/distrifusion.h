@@ -118,6 +118,9 @@ struct DistriFusion final : Strategy {
  private:
   // Whether stale steps on `device` may take the graphed path (`graphs`, and stage graphs on for a GPU).
   bool static_stale_steps(const at::Device& device) const;
+  // One isolated evaluation of rank `rank`'s band (no exchange), then with `capture` the graphed
+  // stale step's buffers and capture (warm() is rank 0 without, warm_rank() the rank's own with).
+  void warm_band(Denoiser& d, const at::Tensor& x, double timestep, int rank, bool capture) const;
 };
 
 }  // namespace diffract::parallel
