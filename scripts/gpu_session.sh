@@ -262,6 +262,13 @@ for r in json.load(open('$logs/bench_single.json'))['results']:
   exit 0
 fi
 
+# checks LOG REGEX [TIMEOUT] [MORE]: the GPU checks matching REGEX into $logs/LOG.log, their
+# verdict lines printed (and the lines matching MORE).
+checks() {
+  ctest --test-dir build/gpu -R "$2" -V --timeout "${3:-90}" > "$logs/$1.log" 2>&1
+  grep -E "  (ok|FAIL)  |tests passed|Timeout${4:+|$4}" "$logs/$1.log" | cut -c1-300 | head -60
+}
+
 # side_by_side: the diffusers anchor, then diffract-bench (SDXL, SD 1.5) on the same GPU, one
 # after the other: the ratios of one run.
 side_by_side() {
@@ -331,11 +338,9 @@ fi
 #     buckets at 1024² (same run), then DRiffusion, hybrid CFG and DistriFusion at 2048².
 if [ "$plan" = nine ]; then
   if [ -z "${SKIP_SINGLE:-}" ]; then
-    CUDA_VISIBLE_DEVICES=0 ctest --test-dir build/gpu -R "gpu_upload|gpu_clip_graph" -V --timeout 90 > "$logs/checks_single.log" 2>&1
-    grep -E "  (ok|FAIL)  |tests passed|Timeout" "$logs/checks_single.log" | cut -c1-300 | head -30
+    CUDA_VISIBLE_DEVICES=0 checks checks_single "gpu_upload|gpu_clip_graph"
   fi
-  ctest --test-dir build/gpu -R "gpu_nccl|gpu_strategies" -V --timeout 150 > "$logs/checks_strategies.log" 2>&1
-  grep -E "  (ok|FAIL)  |tests passed|distrifusion|Timeout" "$logs/checks_strategies.log" | cut -c1-300
+  checks checks_strategies "gpu_nccl|gpu_strategies" 150 distrifusion
   echo "checks at $(elapsed) s"
   BENCH_RUNS=2 BENCH_STRATEGIES="${SDXL_STRATEGIES:-distrifusion:2,cfg-parallel}" strategy_bench 150
   strategy_split "$logs/bench_strategies.json"
@@ -344,8 +349,7 @@ if [ "$plan" = nine ]; then
     strategy_split "$logs/bench_distri_eager.json"
   fi
   if [ -n "${TAESD:-}" ]; then
-    CUDA_VISIBLE_DEVICES=1 ctest --test-dir build/gpu -R gpu_taesd -V --timeout 200 > "$logs/checks_taesd.log" 2>&1
-    grep -E "  (ok|FAIL)  |tests passed|taesd|Timeout|first" "$logs/checks_taesd.log" | cut -c1-300
+    CUDA_VISIBLE_DEVICES=1 checks checks_taesd gpu_taesd 200 "taesd|first"
     for fused in 1 0; do
       DIFFRACT_FUSED_TAESD=$fused CUDA_VISIBLE_DEVICES=1 timeout 100 "$bench" --device cuda:0 --config sd15-512 --batch 1 --runs 2 \
         > "$logs/bench_sd15_taesd$fused.json" 2> "$logs/bench_sd15_taesd$fused.log"
@@ -367,8 +371,7 @@ fi
 #   PLAN=eight (two GPUs, a short call): the NCCL and strategy checks, then DistriFusion in the
 #     strategy bench (its asynchronous bucketed exchange).
 if [ "$plan" = eight ]; then
-  ctest --test-dir build/gpu -R "gpu_nccl|gpu_strategies" -V --timeout 90 > "$logs/checks_strategies.log" 2>&1
-  grep -E "  (ok|FAIL)  |tests passed|distrifusion|Timeout" "$logs/checks_strategies.log" | cut -c1-300
+  checks checks_strategies "gpu_nccl|gpu_strategies" 90 distrifusion
   echo "checks at $(elapsed) s"
   BENCH_RUNS=1 BENCH_STRATEGIES="${SDXL_STRATEGIES:-distrifusion:2}" strategy_bench "$(left 3)"
   strategy_split "$logs/bench_strategies.json"
@@ -390,8 +393,7 @@ if [ "$plan" = seven ]; then
   echo "anchor (GPU 1) rc $? at $(elapsed) s"
   anchor_json
   ratios
-  ctest --test-dir build/gpu -R "gpu_parallel_vae|gpu_strategies" -V --timeout 120 > "$logs/checks_strategies.log" 2>&1
-  grep -E "  (ok|FAIL)  |tests passed|rel-L2|messages per step|GPU|Timeout|relative" "$logs/checks_strategies.log" | cut -c1-300
+  checks checks_strategies "gpu_parallel_vae|gpu_strategies" 120 "rel-L2|messages per step|GPU|relative"
   echo "checks at $(elapsed) s"
   BENCH_RUNS=2 BENCH_STRATEGIES="${SDXL_STRATEGIES:-driffusion-aggressive:2,cfg-parallel,distrifusion:2}" strategy_bench "$(left 5)"
   strategy_split "$logs/bench_strategies.json"
@@ -406,8 +408,7 @@ fi
 #     bench (AsyncDiff and hybrid with stage graphs, then without if time allows); the UNet load
 #     bench (pinned upload against bind-then-move).
 if [ "$plan" = six ]; then
-  ctest --test-dir build/gpu -R "gpu_stage_graphs|gpu_strategies|gpu_cfg_pipefusion" -V --timeout 90 > "$logs/checks_strategies.log" 2>&1
-  grep -E "  (ok|FAIL)  |tests passed|rel-L2|graphed vs eager|bit for bit|Timeout" "$logs/checks_strategies.log" | cut -c1-300
+  checks checks_strategies "gpu_stage_graphs|gpu_strategies|gpu_cfg_pipefusion" 90 "rel-L2|graphed vs eager|bit for bit"
   echo "strategy checks at $(elapsed) s"
   BENCH_STRATEGIES="${SDXL_STRATEGIES:-cfg-parallel,driffusion-aggressive:2,asyncdiff:2,hybrid-cfg,distrifusion:2}" strategy_bench 220
   strategy_split "$logs/bench_strategies.json"
