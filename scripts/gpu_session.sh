@@ -132,9 +132,12 @@ multigpu_checks() {
   grep -E "  (ok|FAIL)  |skipped|tests passed|Timeout|rel-L2|rounds|error:|steps reported|stale" "$logs/checks_multigpu.log"
   echo "multi-GPU checks done at $(elapsed) s"
 }
-strategy_bench() {
-  local tag="${BENCH_TAG:-strategies}"
-  timeout "${1:-180}" "$bench" --device cuda:0 --config "${BENCH_CONFIG:-sdxl-1024}" --batch 1 --runs "${BENCH_RUNS:-3}" \
+strategy_bench() { strategy_bench_batch 1 "$@"; }
+# strategy_bench_batch BATCH [TIMEOUT]: strategy_bench for BATCH images per prompt.
+strategy_bench_batch() {
+  local tag="${BENCH_TAG:-strategies}" batch="$1"
+  shift
+  timeout "${1:-180}" "$bench" --device cuda:0 --config "${BENCH_CONFIG:-sdxl-1024}" --batch "$batch" --runs "${BENCH_RUNS:-3}" \
     --strategies "${BENCH_STRATEGIES:-cfg-parallel,driffusion-aggressive:2,driffusion:2,step-skip:2,hybrid-cfg}" \
     > "$logs/bench_$tag.json" 2> "$logs/bench_$tag.log"
   echo "strategy bench ($tag) rc $? at $(elapsed) s"
@@ -145,9 +148,10 @@ try:
 except Exception as e:
     print("no strategy JSON:", e); sys.exit(0)
 for x in r["results"]:
+    print(f"  {x['config']} batch {x['batch']}, one GPU: e2e {x['end_to_end_ms']['median']:.1f} ms, {x.get('images_per_s', 0):.3f} images/s")
     for s in x.get("strategies", []):
-        print(f"  {s['strategy']}:{s['n']:<2} e2e {s['end_to_end_ms']:7.1f} ms  speed-up e2e {s['speedup_end_to_end']:.2f}x "
-              f"denoise {s['speedup_denoising']:.2f}x  PSNR {s['psnr_db']:.1f} dB  SSIM {s['ssim']:.4f}  rel-L2 {s['latents_rel_l2']:.4f}"
+        print(f"  {s['strategy']}:{s['n']:<2} {s.get('images_per_s', 0):.3f} img/s e2e {s['end_to_end_ms']:7.1f} ms  speed-up e2e {s['speedup_end_to_end']:.2f}x "
+              f"denoise {s['speedup_denoising']:.2f}x  PSNR {s['psnr_db'] or float('inf'):.1f} dB  SSIM {s['ssim']:.4f}  rel-L2 {s['latents_rel_l2']:.4f}"
               f"  {s.get('stats', {}).get('note', '')[:150]}")
 PY
 }
@@ -279,6 +283,31 @@ side_by_side() {
     > "$logs/bench_single.json" 2> "$logs/bench_single.log"
   echo "single-GPU bench rc $? at $(elapsed) s"
 }
+
+#   PLAN=wide (four GPUs or more, issue 9): the GPU link map, the NCCL / strategy checks over all
+#     GPUs (gpu_wide: 4 and, on 8, 8 ranks), then against our one GPU in the same run: the SDXL
+#     1024² strategies with 4 drafts / bands / components (WIDE_STRATEGIES), a batch of 8 over 4
+#     and 2 GPUs (images per second), SD3's PipeFusion over 4, and SDXL 2048² if time is left.
+if [ "$plan" = wide ]; then
+  nvidia-smi topo -m > "$logs/topo.txt" 2>&1
+  head -8 "$logs/topo.txt"
+  checks checks_wide "gpu_wide|gpu_cfg_pipefusion|gpu_nccl" 150 "rel-L2|rounds"
+  echo "checks at $(elapsed) s"
+  BENCH_RUNS=2 BENCH_STRATEGIES="${WIDE_STRATEGIES:-cfg-parallel,driffusion-aggressive:2,driffusion-aggressive:4,driffusion:4,cfg-driffusion-aggressive:4,cfg-driffusion:4,distrifusion:4,asyncdiff:4}" \
+    strategy_bench 170
+  strategy_split "$logs/bench_strategies.json"
+  BENCH_TAG=batch8 BENCH_RUNS=2 BENCH_STRATEGIES="data-parallel:4,data-parallel:2" strategy_bench_batch 8 150
+  if [ "$(left)" -gt 100 ]; then
+    BENCH_CONFIG=sd3-1024 BENCH_TAG=sd3 BENCH_RUNS=2 \
+      BENCH_STRATEGIES="${SD3_STRATEGIES:-cfg-parallel,pipefusion:4,cfg-pipefusion:4,driffusion-aggressive:4,cfg-driffusion-aggressive:4}" \
+      strategy_bench "$(left 5)"
+  fi
+  if [ "$(left)" -gt 120 ]; then
+    BENCH_CONFIG=sdxl-2048 BENCH_TAG=big BENCH_RUNS=1 \
+      BENCH_STRATEGIES="${BIG_STRATEGIES:-distrifusion:4,cfg-driffusion-aggressive:4,driffusion-aggressive:4,hybrid-cfg}" strategy_bench "$(left 5)"
+  fi
+  exit 0
+fi
 
 #   PLAN=ten (two GPUs; one is enough but for the last step): the new kernels' checks (fused
 #     residual GEMM, LayerNorm, GroupNorm, TAESD), the diffusers anchor, then diffract-bench on the

@@ -1,5 +1,5 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|residual|layernorm|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae
+//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|residual|layernorm|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|cancel|failure|sd3|cfg_pipefusion|parallel_vae
 // Exit 0: passed; 1: one failed (the reasons printed); 77: all skipped (too few GPUs).
 #include <algorithm>
 #include <atomic>
@@ -1058,6 +1058,107 @@ void check_strategies() {
   expect(std::isfinite(rel_l2(ad, base)) && rel_l2(ad, base) < 0.5, "asyncdiff on 2 GPUs stays near the one-GPU result");
 }
 
+// The strategies that spread over more than 2 GPUs (issue 9), on 4 (and 8 where the machine has
+// them): NCCL's collectives among all ranks, DRiffusion's rounds with 4 drafts, CFG-parallel x
+// DRiffusion (2 x 2) against DRiffusion's 2 drafts batched, a batch of 8 over 4 GPUs against one,
+// DistriFusion's 4 bands and AsyncDiff's 4 components (plain and stride 2) near one GPU.
+void check_wide() {
+  need_gpus(4);
+  const int gpus = static_cast<int>(torch::cuda::device_count()) >= 8 ? 8 : 4;
+  std::vector<int> ids;
+  for (int d = 0; d < gpus; ++d) ids.push_back(d);
+  {
+    auto comms = parallel::make_nccl_group(ids);
+    std::vector<int> ok(static_cast<std::size_t>(gpus), 0);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < gpus; ++r) {
+      threads.emplace_back([&, r] {
+        const at::Device d(at::kCUDA, static_cast<c10::DeviceIndex>(r));
+        c10::cuda::CUDAGuard guard(d);
+        auto& c = *comms[static_cast<std::size_t>(r)];
+        const auto f = at::TensorOptions().device(d).dtype(at::kFloat);
+        const auto gathered = c.all_gather(at::full({3}, static_cast<double>(r + 1), f));
+        auto into = at::empty({gpus, 5}, f);
+        c.all_gather_into(at::full({5}, static_cast<double>(10 * (r + 1)), f), into);
+        const auto from_last = c.broadcast(at::full({2}, static_cast<double>(r), f), gpus - 1);
+        at::Tensor box = at::empty({4}, f);
+        // A ring of sends: even ranks send first, odd ranks receive first.
+        const int next = (r + 1) % gpus, prev = (r + gpus - 1) % gpus;
+        if (r % 2 == 0) {
+          c.send(at::full({4}, static_cast<double>(r), f), next);
+          c.recv(box, prev);
+        } else {
+          c.recv(box, prev);
+          c.send(at::full({4}, static_cast<double>(r), f), next);
+        }
+        c.barrier();
+        bool good = static_cast<int>(gathered.size()) == gpus && box.eq(prev).all().item<bool>() &&
+                    from_last.eq(gpus - 1).all().item<bool>();
+        for (int k = 0; good && k < gpus; ++k)
+          good = gathered[static_cast<std::size_t>(k)].eq(k + 1).all().item<bool>() && into[k].eq(10 * (k + 1)).all().item<bool>();
+        ok[static_cast<std::size_t>(r)] = good;
+      });
+    }
+    for (auto& t : threads) t.join();
+    expect(std::all_of(ok.begin(), ok.end(), [](int v) { return v != 0; }),
+           "NCCL on " + std::to_string(gpus) + " GPUs: all_gather, all_gather_into, broadcast and a ring of sends on every rank");
+  }
+
+  auto sd = tiny_sdxl(true);
+  engine::CancelToken never;
+  const auto req = request(9);
+  const auto base = sd->generate(req, {}, never);
+  auto run = [&](const std::string& name, int n, const engine::GenerationRequest& from) {
+    auto r = from;
+    r.strategy = name;
+    r.devices = n;
+    return sd->generate(r, {}, never);
+  };
+  const auto stats = [](const engine::GenerationResult& r) { return nlohmann::json::parse(r.metadata_json)["strategy"]; };
+  for (int n = 4; n <= gpus; n *= 2) {
+    for (const char* mode : {"driffusion", "driffusion-aggressive"}) {
+      const auto m = std::string(mode) == "driffusion" ? parallel::DRiffusion::Mode::Conservative
+                                                       : parallel::DRiffusion::Mode::Aggressive;
+      const auto dr = run(mode, n, req);
+      const auto s = stats(dr);
+      std::cout << "  " << mode << " n=" << n << ": rounds " << s["rounds"] << ", rel-L2 vs one GPU " << rel_l2(dr, base) << "\n";
+      expect(s["rounds"] == parallel::DRiffusion::expected_rounds(m, req.steps, n) && s["devices"] == n,
+             std::string(mode) + " with " + std::to_string(n) + " drafts: its round count on " + std::to_string(n) + " GPUs");
+      expect(rel_l2(dr, base) > 0 && rel_l2(dr, base) < 0.5, std::string(mode) + " n=" + std::to_string(n) + " stays near one GPU");
+      const auto paired = run(std::string("cfg-") + mode, n, req);
+      const auto drafts = run(mode, n / 2, req);
+      std::cout << "  cfg-" << mode << " on " << n << " GPUs vs " << mode << " n=" << n / 2 << ": rel-L2 " << rel_l2(paired, drafts) << "\n";
+      expect(stats(paired)["rounds"] == parallel::DRiffusion::expected_rounds(m, req.steps, n / 2) &&
+                 rel_l2(paired, drafts) < 2e-2,
+             std::string("cfg-") + mode + " on " + std::to_string(n) + " GPUs follows " + mode + " with " +
+                 std::to_string(n / 2) + " drafts (bf16 batch 1 vs 2, rel-L2 < 2e-2)");
+    }
+    auto batch = req;
+    batch.batch = 2 * n;
+    const auto single = sd->generate(batch, {}, never);
+    const auto dp = run("data-parallel", n, batch);
+    std::cout << "  data-parallel batch " << batch.batch << " over " << n << " GPUs vs one GPU: rel-L2 " << rel_l2(dp, single) << "\n";
+    expect(dp.images.size() == static_cast<std::size_t>(batch.batch) && rel_l2(dp, single) < 2e-2,
+           "data-parallel: a batch of " + std::to_string(batch.batch) + " over " + std::to_string(n) + " GPUs gives the one-GPU images");
+  }
+  // DistriFusion's 4 bands need 4 rows each at the UNet's coarsest level: 256² here.
+  auto large = req;
+  large.width = large.height = 256;
+  const auto large_base = sd->generate(large, {}, never);
+  const auto distri = run("distrifusion", 4, large);
+  std::cout << "  distrifusion n=4 vs one GPU: rel-L2 " << rel_l2(distri, large_base) << "; messages per step "
+            << stats(distri)["messages_per_step"].dump() << "\n";
+  expect(rel_l2(distri, large_base) < 0.3, "distrifusion on 4 GPUs (4 bands, stale after 4 steps) stays near one GPU");
+  for (const char* name : {"asyncdiff", "asyncdiff-stride2"}) {
+    const auto ad = run(name, 4, req);
+    const auto s = stats(ad);
+    std::cout << "  " << name << " on 4 GPUs vs one GPU: rel-L2 " << rel_l2(ad, base) << "; messages per step "
+              << s["messages_per_step"].dump() << "\n";
+    expect(s["devices"] == 4 && std::isfinite(rel_l2(ad, base)) && rel_l2(ad, base) < 0.5,
+           std::string(name) + " on 4 GPUs stays near the one-GPU result");
+  }
+}
+
 void check_cancel() {
   need_gpus(2);
   auto sd = tiny_sdxl(true);
@@ -1333,7 +1434,7 @@ int main(int argc, char** argv) {
   const std::map<std::string, std::function<void()>> checks = {
       {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"residual", check_residual}, {"layernorm", check_layernorm}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
-      {"strategies", check_strategies}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
+      {"strategies", check_strategies}, {"wide", check_wide}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"parallel_vae", check_parallel_vae}};
   bool usage = argc < 2;
   for (int i = 1; i < argc; ++i) usage = usage || !checks.count(argv[i]);
