@@ -309,6 +309,22 @@ if [ "$plan" = wide ]; then
   exit 0
 fi
 
+#   PLAN=wide2 (four GPUs, a second call): the diffusers anchor then our single-GPU bench on GPU 0
+#     (side by side in one run); a batch of 8 over 4 and 2 GPUs, each rank decoding its images;
+#     SDXL 2048² over 4 GPUs with the row-band parallel VAE decode against one GPU's decode.
+if [ "$plan" = wide2 ]; then
+  CUDA_VISIBLE_DEVICES=0 side_by_side
+  ratios 2>&1 | grep -v "^    top" | cut -c1-900
+  BENCH_TAG=batch8 BENCH_RUNS=2 BENCH_STRATEGIES="data-parallel:4,data-parallel:2" strategy_bench_batch 8 150
+  strategy_split "$logs/bench_batch8.json"
+  if [ "$(left)" -gt 70 ]; then
+    DIFFRACT_PARALLEL_VAE=1 BENCH_CONFIG=sdxl-2048 BENCH_TAG=big_pvae BENCH_RUNS=1 \
+      BENCH_STRATEGIES="${BIG_STRATEGIES:-cfg-driffusion-aggressive:4,driffusion-aggressive:4}" strategy_bench "$(left 5)"
+    strategy_split "$logs/bench_big_pvae.json"
+  fi
+  exit 0
+fi
+
 #   PLAN=ten (two GPUs; one is enough but for the last step): the new kernels' checks (fused
 #     residual GEMM, LayerNorm, GroupNorm, TAESD), the diffusers anchor, then diffract-bench on the
 #     same GPU (one after the other: side by side in one run); then the same bench with the

@@ -1,6 +1,7 @@
 // The AutoencoderKL decoder split over a device group in row bands (core/parallel/parallel_vae.h),
 // on CPU virtual devices: exact against the one-device decode, the messages its design says, the
-// fallback, and through the SD pipeline's multi-device jobs.
+// fallback, and through the SD pipeline's multi-device jobs; and a batch split over the devices
+// image by image.
 #include <algorithm>
 #include <cstdlib>
 
@@ -181,6 +182,60 @@ class TestParallelVae : public QObject {
     QCOMPARE(s.ranks, 1);
     QVERIFY(at::equal(out, vae->decode(z)));
     DIFFRACT_EXPECT_ERROR(decode_parallel(*group, {vae, vae}, z), "replicas", "one per rank");
+  }
+
+  // A batch split over the ranks image by image: the one-device decode of each image, in order,
+  // however the batch divides (5 over 3: 2, 2, 1; 2 over 4: two ranks idle; 1: one rank).
+  void batchSplitMatchesOneDevice() {
+    auto vae = tiny_vae();
+    const auto z = latents(5, 6, 5);
+    const auto ref = vae->decode(z);
+    auto three = DeviceGroup::virtual_cpu(3);
+    int ranks = 0;
+    const auto out = decode_batch_parallel(*three, {vae, tiny_vae(), tiny_vae()}, z, &ranks);
+    QCOMPARE(ranks, 3);
+    QVERIFY(out.sizes() == ref.sizes());
+    QVERIFY2(max_rel(out, ref) < 1e-5, qPrintable(QString("differs by %1").arg(max_rel(out, ref))));
+    // Each image against its own single decode: the order survives.
+    for (int64_t i = 0; i < 5; ++i) QVERIFY(max_rel(out[i], vae->decode(z.narrow(0, i, 1))[0]) < 1e-5);
+    auto four = DeviceGroup::virtual_cpu(4);
+    QVERIFY(max_rel(decode_batch_parallel(*four, {vae}, z.narrow(0, 0, 2), &ranks), ref.narrow(0, 0, 2)) < 1e-5);
+    QCOMPARE(ranks, 2);
+    QVERIFY(at::equal(decode_batch_parallel(*four, {vae}, z.narrow(0, 3, 1), &ranks), vae->decode(z.narrow(0, 3, 1))));
+    QCOMPARE(ranks, 1);
+    DIFFRACT_EXPECT_ERROR(decode_batch_parallel(*four, {vae, vae}, z), "replicas", "one per rank");
+  }
+
+  // A data-parallel job of 3 images on 2 virtual devices decodes them on both ranks (metadata
+  // says so) and gives the images of the one-device decode (DIFFRACT_BATCH_VAE=0).
+  void pipelineBatchJob() {
+    auto sd = pipeline::StableDiffusion::random(pipeline::Family::SDXL, /*tiny=*/true, "cpu");
+    engine::GenerationRequest req;
+    req.prompt = "a red apple";
+    req.width = req.height = 64;
+    req.steps = 2;
+    req.cfg = 5.0;
+    req.seed = 4;
+    req.batch = 3;
+    req.sampler = "euler";
+    req.preview_every = 0;
+    engine::CancelToken never;
+    const auto strategy = make_strategy("data-parallel", 2);
+    setenv("DIFFRACT_BATCH_VAE", "0", 1);
+    const auto one = sd->generate(req, {}, never, strategy.get());
+    unsetenv("DIFFRACT_BATCH_VAE");
+    const auto two = sd->generate(req, {}, never, strategy.get());
+    QCOMPARE(nlohmann::json::parse(one.metadata_json)["vae_decode_devices"].get<int>(), 1);
+    QCOMPARE(nlohmann::json::parse(two.metadata_json)["vae_decode_devices"].get<int>(), 2);
+    QCOMPARE(two.images.size(), std::size_t{3});
+    int worst = 0;
+    for (std::size_t k = 0; k < 3; ++k) {
+      const auto& a = one.images[k].rgb;
+      const auto& b = two.images[k].rgb;
+      QCOMPARE(a.size(), b.size());
+      for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(int(a[i]) - int(b[i])));
+    }
+    QVERIFY2(worst <= 1, qPrintable(QString("batch-split decode differs by %1 levels").arg(worst)));
   }
 
   // A cfg-parallel job on 2 virtual devices decodes on both (metadata says so) and gives the

@@ -156,6 +156,47 @@ bool parallel_vae_enabled() {
   return v && std::string(v) == "1";
 }
 
+bool batch_vae_enabled() {
+  const char* v = std::getenv("DIFFRACT_BATCH_VAE");
+  return !(v && std::string(v) == "0");
+}
+
+at::Tensor decode_batch_parallel(DeviceGroup& group, const std::vector<models::AutoencoderKL>& replicas,
+                                 const at::Tensor& z, int* ranks) {
+  const int n = group.size();
+  if (replicas.size() != 1 && replicas.size() != static_cast<std::size_t>(n))
+    throw Error("batch-split VAE decode: " + std::to_string(replicas.size()) + " VAE replicas for a group of " +
+                std::to_string(n) + " (one per rank, or one shared)");
+  if (z.dim() != 4) throw Error("batch-split VAE decode: expects latents [B, C, h, w]");
+  models::AutoencoderKL shared = replicas.front();
+  const auto replica = [&](int r) -> models::AutoencoderKL { return replicas.size() == 1 ? shared : replicas[static_cast<std::size_t>(r)]; };
+  const int used = static_cast<int>(std::min<std::int64_t>(n, z.size(0)));
+  if (ranks) *ranks = used;
+  if (used < 2) return replica(0)->decode(z);
+  const auto counts = vae_band_rows(z.size(0), used);
+  std::vector<std::int64_t> starts(static_cast<std::size_t>(used), 0);
+  for (int r = 1; r < used; ++r) starts[r] = starts[r - 1] + counts[r - 1];
+  // A shared replica that upcasts makes its fp32 copy on first use: once, here, not on n threads.
+  if (replicas.size() == 1 && shared->upcasts()) shared->decode(z.narrow(0, 0, 1).narrow(2, 0, 1).narrow(3, 0, 1));
+  at::Tensor image;
+  group.run([&](int rank, Communicator& comm) {
+    if (rank >= used) return;
+    auto out = replica(rank)->decode(z.narrow(0, starts[rank], counts[rank]).to(group.device(rank)));
+    if (rank != 0) {
+      comm.send(out.contiguous(), 0);
+      return;
+    }
+    std::vector<at::Tensor> parts{out};
+    for (int r = 1; r < used; ++r) {
+      auto part = at::empty({counts[r], out.size(1), out.size(2), out.size(3)}, out.options());
+      comm.recv(part, r);
+      parts.push_back(part);
+    }
+    image = at::cat(parts);
+  });
+  return image;
+}
+
 at::Tensor decode_parallel(DeviceGroup& group, const std::vector<models::AutoencoderKL>& replicas, const at::Tensor& z,
                            ParallelDecodeStats* stats) {
   const int n = group.size();

@@ -50,6 +50,19 @@ std::vector<std::int64_t> vae_band_rows(std::int64_t rows, int ranks);
 at::Tensor decode_parallel(DeviceGroup& group, const std::vector<models::AutoencoderKL>& replicas, const at::Tensor& z,
                            ParallelDecodeStats* stats = nullptr);
 
+// Decodes unscaled latents z [B, C, h, w] with the batch split over `group`: rank r decodes its
+// share of the images (vae_band_rows(B, n) of them, in order; ranks beyond B idle) on its replica
+// and sends them to rank 0, which concatenates them. No layer talks to another rank, so each
+// image is what that replica decodes alone at that batch size. `replicas` as for
+// decode_parallel(). Returns the images on group.device(0) in replicas[0]'s dtype; the number of
+// ranks that decoded goes to `ranks`.
+at::Tensor decode_batch_parallel(DeviceGroup& group, const std::vector<models::AutoencoderKL>& replicas,
+                                 const at::Tensor& z, int* ranks = nullptr);
+
+// Whether a multi-device job of 2 or more images decodes them split over its devices
+// (decode_batch_parallel): yes unless the environment sets DIFFRACT_BATCH_VAE=0.
+bool batch_vae_enabled();
+
 // Whether the pipelines split the final decode over a multi-device job's group: only when the
 // environment sets DIFFRACT_PARALLEL_VAE=1. Off by default because on 2 H200s it was slower than
 // one GPU (SDXL 1024²: 41.2 against 37.6 ms; its 33 halo exchanges and 30 GroupNorm gathers

@@ -131,17 +131,24 @@ struct StableDiffusion::Impl {
 
   // Diffusion latents to images in [-1, 1], with the VAE's scaling (and shift) undone. A
   // multi-device job's `group` (2 or more devices) splits the decoder over its devices in row
-  // bands (parallel::decode_parallel, exact) when DIFFRACT_PARALLEL_VAE=1; tiled decodes and
-  // the tiny VAE stay on this device.
+  // bands (parallel::decode_parallel, exact) when DIFFRACT_PARALLEL_VAE=1, and a batch of 2 or
+  // more over its devices image by image (parallel::decode_batch_parallel) unless
+  // DIFFRACT_BATCH_VAE=0; tiled decodes and the tiny VAE stay on this device.
   at::Tensor decode_latents(const at::Tensor& latents, parallel::DeviceGroup* group = nullptr) {
     if (!tiny_vae) {
       // Above 2048² pixels the decoder's activations alone run to tens of GiB: decode in tiles.
       const auto z = vae->unscale_latents(latents.to(dtype));
       const int64_t f = vae->config.downscale_factor();
       if (z.size(2) * z.size(3) * f * f > int64_t(2048) * 2048) return vae->decode_tiled(z);
-      if (group && group->size() >= 2 && parallel::parallel_vae_enabled()) {
-        std::vector<models::AutoencoderKL> on;  // replicas made here, before the ranks start
+      const auto replicas_on = [&] {  // made here, before the ranks start
+        std::vector<models::AutoencoderKL> on;
         for (int r = 0; r < group->size(); ++r) on.push_back(vae_on(group->device(r)));
+        return on;
+      };
+      if (group && group->size() >= 2 && z.size(0) >= 2 && parallel::batch_vae_enabled())
+        return parallel::decode_batch_parallel(*group, replicas_on(), z, &last_decode_ranks);
+      if (group && group->size() >= 2 && parallel::parallel_vae_enabled()) {
+        const auto on = replicas_on();
         parallel::ParallelDecodeStats s;
         auto images = parallel::decode_parallel(*group, on, z, &s);
         last_decode_ranks = s.ranks;
