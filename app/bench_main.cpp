@@ -155,10 +155,10 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   }
   // Previews decode on their own stream: what they cost is what the denoising loop lost.
   const double denoise = mean(steps) * c.steps;
-  // Previews at half the image's side (a quarter of the decode), where the default cap leaves
-  // them full size: what a smaller preview would cost instead.
+  // Previews at half the image's side (a quarter of the decode), where the default leaves them
+  // larger: what a smaller preview would cost instead.
   json half_side;
-  if (c.size / 2 < with_previews.preview_max_side) {
+  if (c.size / 2 < with_previews.preview_side()) {
     auto half = with_previews;
     half.preview_max_side = c.size / 2;
     sd->prepare(half);
@@ -186,6 +186,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
       {"denoiser_step_ms", {{"mean", mean(steps)}, {"p50", percentile(steps, 0.5)}, {"p95", percentile(steps, 0.95)}}},
       {"vae_decode_ms", percentile(vae, 0.5)},
       {"preview_decode_ms", mean(previews)},
+      {"preview_side", with_previews.preview_side()},
       {"previews_shown", previews.size() / static_cast<std::size_t>(runs)},
       {"previews_dropped_per_run", static_cast<double>(dropped) / runs},
       {"end_to_end_with_previews_ms", percentile(e2e_p, 0.5)},

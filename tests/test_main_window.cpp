@@ -478,7 +478,7 @@ class TestMainWindow : public QObject {
       child<QPlainTextEdit>(w, "promptEdit")->setPlainText("a lighthouse");
       child<QComboBox>(w, "samplerCombo")->setCurrentText("dpmpp-2m-karras");
       child<QLineEdit>(w, "seedEdit")->setText("18446744073709551615");
-      QCOMPARE(w.requestFromFields().preview_max_side, 512);  // the default
+      QCOMPARE(w.requestFromFields().preview_max_side, -1);  // the default: auto
       auto* preview = child<QComboBox>(w, "previewSizeCombo");
       preview->setCurrentIndex(preview->findData(256));
       QCOMPARE(w.requestFromFields().preview_max_side, 256);

@@ -95,6 +95,18 @@ class TestParallelVae : public QObject {
     QVERIFY(vae_band_rows(6, 3) == (std::vector<int64_t>{2, 2, 2}));
   }
 
+  // When the pipelines split a decode in bands: large images unless told otherwise.
+  void bandsForLargeImages() {
+    unsetenv("DIFFRACT_PARALLEL_VAE");
+    QVERIFY(!parallel_vae_wanted(1024 * 1024));
+    QVERIFY(parallel_vae_wanted(2048 * 2048));
+    setenv("DIFFRACT_PARALLEL_VAE", "1", 1);
+    QVERIFY(parallel_vae_wanted(64 * 64));
+    setenv("DIFFRACT_PARALLEL_VAE", "0", 1);
+    QVERIFY(!parallel_vae_wanted(2048 * 2048));
+    unsetenv("DIFFRACT_PARALLEL_VAE");
+  }
+
   // 2, 3 and 4 bands of 13 latent rows (uneven) give the one-device decode; each band decoded on
   // its own (no exchange) does not, so the comparison can fail.
   void matchesOneDevice() {

@@ -133,6 +133,7 @@ class TestPipeline : public QObject {
     r.steps = 2;
     r.width = 64;
     r.height = 48;
+    r.preview_max_side = 0;  // full size
     std::vector<std::pair<int, int>> sizes;
     engine::JobObserver o;
     o.on_preview = [&](const engine::PreviewEvent& e) { sizes.emplace_back(e.image.width, e.image.height); };
@@ -147,8 +148,17 @@ class TestPipeline : public QObject {
     r.preview_max_side = 32;
     engine_.run(r, o, never);
     QCOMPARE(sizes.front(), std::make_pair(128, 96));
+    r.preview_max_side = -2;
+    DIFFRACT_EXPECT_ERROR(engine_.run(r, o, never), "preview size -2 must be -1 (auto");
+    // Auto (the default): half the image's longer side, at most 512.
+    sizes.clear();
     r.preview_max_side = -1;
-    DIFFRACT_EXPECT_ERROR(engine_.run(r, o, never), "preview size");
+    QCOMPARE(r.preview_side(), 32);
+    engine_.run(r, o, never);
+    QCOMPARE(sizes.front(), std::make_pair(128, 96));
+    r.width = 1536;
+    QCOMPARE(r.preview_side(), 512);
+    r.width = 64;
     r.preview_max_side = 512;
     r.taesd = (test::fixtures() / "nowhere").string();
     DIFFRACT_EXPECT_ERROR(engine_.run(r, o, never), "nowhere");

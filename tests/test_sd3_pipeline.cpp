@@ -185,6 +185,7 @@ class TestSD3Pipeline : public QObject {
     r.steps = 2;
     r.preview_every = 1;
     r.taesd = (test::fixtures() / "vae" / "tiny16").string();  // a tiny random AutoencoderTiny of 16 channels
+    r.preview_max_side = 0;  // full size (auto would average the 16 latent rows down to 8)
     std::vector<int> widths;
     engine::JobObserver o;
     o.on_preview = [&](const engine::PreviewEvent& e) { widths.push_back(e.image.width); };

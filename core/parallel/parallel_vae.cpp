@@ -151,9 +151,11 @@ std::vector<std::int64_t> vae_band_rows(std::int64_t rows, int ranks) {
   return out;
 }
 
-bool parallel_vae_enabled() {
+bool parallel_vae_wanted(std::int64_t pixels) {
   const char* v = std::getenv("DIFFRACT_PARALLEL_VAE");
-  return v && std::string(v) == "1";
+  if (v && std::string(v) == "1") return true;
+  if (v && std::string(v) == "0") return false;
+  return pixels >= 3'000'000;
 }
 
 bool batch_vae_enabled() {

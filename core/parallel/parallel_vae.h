@@ -63,10 +63,11 @@ at::Tensor decode_batch_parallel(DeviceGroup& group, const std::vector<models::A
 // (decode_batch_parallel): yes unless the environment sets DIFFRACT_BATCH_VAE=0.
 bool batch_vae_enabled();
 
-// Whether the pipelines split the final decode over a multi-device job's group: only when the
-// environment sets DIFFRACT_PARALLEL_VAE=1. Off by default because on 2 H200s it was slower than
-// one GPU (SDXL 1024²: 41.2 against 37.6 ms; its 33 halo exchanges and 30 GroupNorm gathers
-// each stop both devices, docs/benchmarks.md).
-bool parallel_vae_enabled();
+// Whether the pipelines split the final decode of a `pixels`-pixel image over a multi-device
+// job's group: DIFFRACT_PARALLEL_VAE=1 always, =0 never; unset, for images of 3 megapixels or more.
+// Its exchanges stop every device (33 halo exchanges, 30 GroupNorm gathers): at 1024² on 2 H200s
+// it was slower than one GPU (41.2 against 37.6 ms), at 2048² on 4 it was 3 times faster (74.8
+// against 223.7 ms; docs/benchmarks.md).
+bool parallel_vae_wanted(std::int64_t pixels);
 
 }  // namespace diffract::parallel

@@ -131,7 +131,7 @@ struct StableDiffusion::Impl {
 
   // Diffusion latents to images in [-1, 1], with the VAE's scaling (and shift) undone. A
   // multi-device job's `group` (2 or more devices) splits the decoder over its devices in row
-  // bands (parallel::decode_parallel, exact) when DIFFRACT_PARALLEL_VAE=1, and a batch of 2 or
+  // bands (parallel::decode_parallel, exact) for large images (parallel::parallel_vae_wanted), and a batch of 2 or
   // more over its devices image by image (parallel::decode_batch_parallel) unless
   // DIFFRACT_BATCH_VAE=0; tiled decodes and the tiny VAE stay on this device.
   at::Tensor decode_latents(const at::Tensor& latents, parallel::DeviceGroup* group = nullptr) {
@@ -147,7 +147,7 @@ struct StableDiffusion::Impl {
       };
       if (group && group->size() >= 2 && z.size(0) >= 2 && parallel::batch_vae_enabled())
         return parallel::decode_batch_parallel(*group, replicas_on(), z, &last_decode_ranks);
-      if (group && group->size() >= 2 && parallel::parallel_vae_enabled()) {
+      if (group && group->size() >= 2 && parallel::parallel_vae_wanted(z.size(2) * z.size(3) * f * f)) {
         const auto on = replicas_on();
         parallel::ParallelDecodeStats s;
         auto images = parallel::decode_parallel(*group, on, z, &s);
@@ -483,7 +483,7 @@ namespace {
 
 // The pipeline's preview decode for the step reporter.
 StepReporter::Preview preview_fn(StableDiffusion::Impl& p, const engine::GenerationRequest& req, bool use_taesd) {
-  const int max_side = req.preview_max_side;
+  const int max_side = req.preview_side();
   return [&p, use_taesd, max_side](const at::Tensor& x0) { return p.preview(x0, use_taesd, max_side); };
 }
 

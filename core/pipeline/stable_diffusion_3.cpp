@@ -567,7 +567,7 @@ engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequ
                                                  : at::randn(shape, gen, p.dtype).to(p.device);
   latents = latents * sampler->init_noise_sigma();
 
-  const StepReporter::Preview preview = [&p, use_taesd, max_side = req.preview_max_side](const at::Tensor& x0) {
+  const StepReporter::Preview preview = [&p, use_taesd, max_side = req.preview_side()](const at::Tensor& x0) {
     return p.preview(x0, use_taesd, max_side);
   };
   std::string strategy_stats;
