@@ -309,9 +309,10 @@ if [ "$plan" = wide ]; then
   exit 0
 fi
 
-#   PLAN=wide3 (four GPUs, a last call): SD 1.5 with the default previews (auto: half size) on
-#     GPU 0; the parallel-VAE check; SDXL 1024² over 4 GPUs with the row-band VAE decode forced on
-#     (its A/B at 1024²); SDXL 2048² over 4 GPUs with the default decode (row bands from 3 MP).
+#   PLAN=wide3 (four GPUs, a last call; two with PVAE1024_STRATEGIES= and BIG_STRATEGIES for 2):
+#     SD 1.5 with the default previews (auto: half size) on GPU 0; the parallel-VAE check; SDXL
+#     1024² over 4 GPUs with the row-band VAE decode forced on (its A/B at 1024²); SDXL 2048² with
+#     the default decode (row bands from 3 MP).
 if [ "$plan" = wide3 ]; then
   CUDA_VISIBLE_DEVICES=0 timeout 100 "$bench" --device cuda:0 --config sd15-512 --batch 1 --runs 3 \
     > "$logs/bench_sd15.json" 2> "$logs/bench_sd15.log"
@@ -320,9 +321,11 @@ import json
 for r in json.load(open('$logs/bench_sd15.json'))['results']:
     print('sd15 default previews:', {k: r.get(k) for k in ('end_to_end_ms', 'denoiser_step_ms', 'preview_side', 'preview_decode_ms', 'preview_added_to_denoising_pct', 'previews_shown')})" 2>&1 | cut -c1-600
   checks checks_pvae gpu_parallel_vae 90 "rel|ms"
-  DIFFRACT_PARALLEL_VAE=1 BENCH_TAG=pvae1024 BENCH_RUNS=2 \
-    BENCH_STRATEGIES="cfg-driffusion-aggressive:4,driffusion-aggressive:4" strategy_bench 150
-  strategy_split "$logs/bench_pvae1024.json"
+  if [ -n "${PVAE1024_STRATEGIES-cfg-driffusion-aggressive:4,driffusion-aggressive:4}" ]; then
+    DIFFRACT_PARALLEL_VAE=1 BENCH_TAG=pvae1024 BENCH_RUNS=2 \
+      BENCH_STRATEGIES="${PVAE1024_STRATEGIES-cfg-driffusion-aggressive:4,driffusion-aggressive:4}" strategy_bench 150
+    strategy_split "$logs/bench_pvae1024.json"
+  fi
   if [ "$(left)" -gt 100 ]; then
     BENCH_CONFIG=sdxl-2048 BENCH_TAG=big BENCH_RUNS=1 \
       BENCH_STRATEGIES="${BIG_STRATEGIES:-distrifusion:4,hybrid-cfg,cfg-parallel}" strategy_bench "$(left 5)"
