@@ -309,6 +309,37 @@ if [ "$plan" = wide ]; then
   exit 0
 fi
 
+#   PLAN=attn (two GPUs): SDXL 1024² with PyTorch's attention pick (cuDNN) on GPU 0 and ATen's
+#     FlashAttention-2 (DIFFRACT_SDPA=flash) on GPU 1 at the same time, then the memory-efficient
+#     kernels on GPU 0: each UNet step's kernel profile at batch 2 and at batch 1 (one CFG branch).
+if [ "$plan" = attn ]; then
+  sdpa_bench() {  # GPU CHOICE
+    CUDA_VISIBLE_DEVICES=$1 DIFFRACT_SDPA=$2 timeout 150 "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 2 \
+      --strategies step-skip:1 > "$logs/bench_sdpa_$2.json" 2> "$logs/bench_sdpa_$2.log"
+    echo "sdpa $2 rc $? at $(elapsed) s"
+  }
+  sdpa_bench 0 cudnn &
+  sdpa_bench 1 flash
+  wait
+  [ "$(left)" -gt 90 ] && sdpa_bench 0 efficient
+  for c in cudnn flash efficient; do
+    python3 - "$logs/bench_sdpa_$c.json" "$c" <<'PY'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))["results"][0]
+except Exception as e:
+    print(sys.argv[2], "no JSON:", e); sys.exit(0)
+def fam(v):
+    k = v.get("kernels_channels_last", {})
+    return k.get("device_ms_per_call"), k.get("families_ms", {}).get("attention"), [t for t in k.get("top_ms", []) if "sdpa" in t[0] or "flash" in t[0] or "fmha" in t[0] or "attention" in t[0]][:3]
+print(sys.argv[2], "e2e", r["end_to_end_ms"]["median"], "step", round(r["denoiser_step_ms"]["mean"], 3))
+print("   batch 2:", fam(r.get("unet_step_variants", {})))
+print("   batch 1:", fam(r.get("unet_step_variants_one_branch", {})))
+PY
+  done
+  exit 0
+fi
+
 #   PLAN=wide3 (four GPUs, a last call; two with PVAE1024_STRATEGIES= and BIG_STRATEGIES for 2):
 #     SD 1.5 with the default previews (auto: half size) on GPU 0; the parallel-VAE check; SDXL
 #     1024² over 4 GPUs with the row-band VAE decode forced on (its A/B at 1024²); SDXL 2048² with

@@ -1,5 +1,7 @@
 #include "core/models/common/attention.h"
 
+#include <cstdlib>
+#include <string>
 #include <tuple>
 
 #include <ATen/ATen.h>
@@ -12,8 +14,27 @@
 
 namespace diffract::models {
 
+namespace {
+
+// DIFFRACT_SDPA=flash takes cuDNN's attention (PyTorch's pick on Hopper) out of the running, so
+// ATen's FlashAttention-2 runs; =efficient also FlashAttention, leaving the memory-efficient
+// kernels. For A/B runs of the attention kernels (docs/benchmarks.md); read once per process.
+void choose_attention_backend() {
+  static const bool chosen = [] {
+    const char* v = std::getenv("DIFFRACT_SDPA");
+    const std::string choice = v ? v : "";
+    if (choice == "flash" || choice == "efficient") at::globalContext().setSDPUseCuDNN(false);
+    if (choice == "efficient") at::globalContext().setSDPUseFlash(false);
+    return true;
+  }();
+  (void)chosen;
+}
+
+}  // namespace
+
 at::Tensor multi_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t heads,
                                 bool causal) {
+  choose_attention_backend();
   const auto b = q.size(0), tq = q.size(1), tk = k.size(1), c = q.size(2);
   const auto d = c / heads;
   auto split = [&](const at::Tensor& x, int64_t t) { return x.view({b, t, heads, d}).transpose(1, 2); };
