@@ -249,6 +249,14 @@ for x in r["results"]:
 PY
 }
 
+# big_bench MIN_LEFT STRATEGIES: SDXL 2048², one run each, BIG_STRATEGIES (default STRATEGIES)
+# against our one GPU, with their time split; only if more than MIN_LEFT seconds are left.
+big_bench() {
+  [ "$(left)" -gt "$1" ] || return 0
+  BENCH_CONFIG=sdxl-2048 BENCH_TAG=big BENCH_RUNS=1 BENCH_STRATEGIES="${BIG_STRATEGIES:-$2}" strategy_bench "$(left 5)"
+  strategy_split "$logs/bench_big.json"
+}
+
 #   PLAN=kernels (one GPU, no anchor): the GEGLU and graph checks, then the single-GPU bench.
 if [ "$plan" = kernels ]; then
   export CUDA_VISIBLE_DEVICES=0
@@ -302,10 +310,7 @@ if [ "$plan" = wide ]; then
       BENCH_STRATEGIES="${SD3_STRATEGIES:-cfg-parallel,pipefusion:4,cfg-pipefusion:4,driffusion-aggressive:4,cfg-driffusion-aggressive:4}" \
       strategy_bench "$(left 5)"
   fi
-  if [ "$(left)" -gt 120 ]; then
-    BENCH_CONFIG=sdxl-2048 BENCH_TAG=big BENCH_RUNS=1 \
-      BENCH_STRATEGIES="${BIG_STRATEGIES:-distrifusion:4,cfg-driffusion-aggressive:4,driffusion-aggressive:4,hybrid-cfg}" strategy_bench "$(left 5)"
-  fi
+  big_bench 120 distrifusion:4,cfg-driffusion-aggressive:4,driffusion-aggressive:4,hybrid-cfg
   exit 0
 fi
 
@@ -357,11 +362,7 @@ for r in json.load(open('$logs/bench_sd15.json'))['results']:
       BENCH_STRATEGIES="${PVAE1024_STRATEGIES-cfg-driffusion-aggressive:4,driffusion-aggressive:4}" strategy_bench 150
     strategy_split "$logs/bench_pvae1024.json"
   fi
-  if [ "$(left)" -gt 100 ]; then
-    BENCH_CONFIG=sdxl-2048 BENCH_TAG=big BENCH_RUNS=1 \
-      BENCH_STRATEGIES="${BIG_STRATEGIES:-distrifusion:4,hybrid-cfg,cfg-parallel}" strategy_bench "$(left 5)"
-    strategy_split "$logs/bench_big.json"
-  fi
+  big_bench 100 distrifusion:4,hybrid-cfg,cfg-parallel
   exit 0
 fi
 
@@ -461,11 +462,7 @@ for r in json.load(open('$logs/bench_sd15_taesd$fused.json'))['results']:
     done
     echo "taesd at $(elapsed) s"
   fi
-  if [ "$(left)" -gt 150 ]; then
-    BENCH_CONFIG=sdxl-2048 BENCH_TAG=big BENCH_RUNS=1 \
-      BENCH_STRATEGIES="${BIG_STRATEGIES:-distrifusion:2,driffusion-aggressive:2,hybrid-cfg}" strategy_bench "$(left 5)"
-    strategy_split "$logs/bench_big.json"
-  fi
+  big_bench 150 distrifusion:2,driffusion-aggressive:2,hybrid-cfg
   exit 0
 fi
 

@@ -142,6 +142,13 @@ class VaeBand final : public models::PatchContext {
   std::vector<std::int64_t> rows_;
 };
 
+void check_inputs(const std::string& what, const std::vector<models::AutoencoderKL>& replicas, int n, const at::Tensor& z) {
+  if (replicas.size() != 1 && replicas.size() != static_cast<std::size_t>(n))
+    throw Error(what + ": " + std::to_string(replicas.size()) + " VAE replicas for a group of " + std::to_string(n) +
+                " (one per rank, or one shared)");
+  if (z.dim() != 4) throw Error(what + ": expects latents [B, C, h, w]");
+}
+
 }  // namespace
 
 std::vector<std::int64_t> vae_band_rows(std::int64_t rows, int ranks) {
@@ -166,10 +173,7 @@ bool batch_vae_enabled() {
 at::Tensor decode_batch_parallel(DeviceGroup& group, const std::vector<models::AutoencoderKL>& replicas,
                                  const at::Tensor& z, int* ranks) {
   const int n = group.size();
-  if (replicas.size() != 1 && replicas.size() != static_cast<std::size_t>(n))
-    throw Error("batch-split VAE decode: " + std::to_string(replicas.size()) + " VAE replicas for a group of " +
-                std::to_string(n) + " (one per rank, or one shared)");
-  if (z.dim() != 4) throw Error("batch-split VAE decode: expects latents [B, C, h, w]");
+  check_inputs("batch-split VAE decode", replicas, n, z);
   models::AutoencoderKL shared = replicas.front();
   const auto replica = [&](int r) -> models::AutoencoderKL { return replicas.size() == 1 ? shared : replicas[static_cast<std::size_t>(r)]; };
   const int used = static_cast<int>(std::min<std::int64_t>(n, z.size(0)));
@@ -202,10 +206,7 @@ at::Tensor decode_batch_parallel(DeviceGroup& group, const std::vector<models::A
 at::Tensor decode_parallel(DeviceGroup& group, const std::vector<models::AutoencoderKL>& replicas, const at::Tensor& z,
                            ParallelDecodeStats* stats) {
   const int n = group.size();
-  if (replicas.size() != 1 && replicas.size() != static_cast<std::size_t>(n))
-    throw Error("parallel VAE decode: " + std::to_string(replicas.size()) + " VAE replicas for a group of " +
-                std::to_string(n) + " (one per rank, or one shared)");
-  if (z.dim() != 4) throw Error("parallel VAE decode: expects latents [B, C, h, w]");
+  check_inputs("parallel VAE decode", replicas, n, z);
   models::AutoencoderKL vae = replicas.front();
   const auto replica = [&](int r) -> models::AutoencoderKL { return replicas.size() == 1 ? vae : replicas[static_cast<std::size_t>(r)]; };
   ParallelDecodeStats local;
