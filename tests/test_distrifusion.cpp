@@ -411,7 +411,8 @@ class TestDistriFusion : public QObject {
     for (const auto& k : {Case{2, 5.0, false, schedulers::SamplerKind::Euler}, Case{4, 5.0, false, schedulers::SamplerKind::DPMPP2M},
                           Case{2, 1.0, false, schedulers::SamplerKind::DDIM}, Case{4, 1.0, false, schedulers::SamplerKind::Euler},
                           Case{2, 5.0, true, schedulers::SamplerKind::Euler}, Case{4, 1.0, true, schedulers::SamplerKind::Euler},
-                          Case{4, 5.0, true, schedulers::SamplerKind::EulerAncestral}}) {
+                          Case{4, 5.0, true, schedulers::SamplerKind::EulerAncestral},
+                          Case{8, 5.0, false, schedulers::SamplerKind::Euler}}) {  // 8: issue 9's largest group
       auto in = inputs(k.kind, 4, 1, k.cfg, k.xl ? sdxl() : unet_);
       const auto base = run(SingleDevice{}, in);
       DistriFusion d;
@@ -439,7 +440,8 @@ class TestDistriFusion : public QObject {
     };
     for (const auto& k : {Case{2, 1, 5.0, false, schedulers::SamplerKind::Euler}, Case{4, 2, 5.0, false, schedulers::SamplerKind::DPMPP2M},
                           Case{2, 2, 1.0, false, schedulers::SamplerKind::DDIM}, Case{4, 1, 1.0, false, schedulers::SamplerKind::Euler},
-                          Case{2, 1, 5.0, true, schedulers::SamplerKind::Euler}, Case{4, 2, 1.0, true, schedulers::SamplerKind::Euler}}) {
+                          Case{2, 1, 5.0, true, schedulers::SamplerKind::Euler}, Case{4, 2, 1.0, true, schedulers::SamplerKind::Euler},
+                          Case{8, 1, 5.0, false, schedulers::SamplerKind::Euler}}) {
       const int steps = 6;
       auto in = inputs(k.kind, steps, 1, k.cfg, k.xl ? sdxl() : unet_);
       DistriFusion d;

@@ -909,7 +909,8 @@ class TestParallel : public QObject {
                           Case{schedulers::SamplerKind::DDIM, 4, 1, 5.0, false}, Case{schedulers::SamplerKind::Euler, 2, 1, 5.0, true},
                           Case{schedulers::SamplerKind::Euler, 3, 1, 1.0, true},
                           Case{schedulers::SamplerKind::Euler, 3, 1, 5.0, false, true},
-                          Case{schedulers::SamplerKind::DPMPP2M, 4, 2, 1.0, false, true}}) {
+                          Case{schedulers::SamplerKind::DPMPP2M, 4, 2, 1.0, false, true},
+                          Case{schedulers::SamplerKind::Euler, 8, 1, 5.0, false}}) {  // 8: issue 9's largest group
       const int steps = 6;
       auto in = inputs(k.kind, steps, 1, k.cfg, 7, k.xl ? sdxl() : unet_);
       AsyncDiff a;
