@@ -314,6 +314,39 @@ if [ "$plan" = wide ]; then
   exit 0
 fi
 
+#   PLAN=qkv (two GPUs, not run yet): the fused-QKV check, then SDXL 1024² with the three
+#     projection GEMMs on GPU 0 and the fused one (DIFFRACT_FUSED_QKV=1) on GPU 1 at the same time:
+#     the step's kernel profile at batch 2 and batch 1, and CFG-parallel with each.
+if [ "$plan" = qkv ]; then
+  checks checks_qkv gpu_qkv 90 "rel-L2"
+  qkv_bench() {  # GPU FUSED
+    CUDA_VISIBLE_DEVICES=$1 DIFFRACT_FUSED_QKV=$2 timeout 170 "$bench" --device cuda:0 --config sdxl-1024 --batch 1 \
+      --runs 2 --strategies step-skip:1 > "$logs/bench_qkv$2.json" 2> "$logs/bench_qkv$2.log"
+    echo "fused QKV $2 rc $? at $(elapsed) s"
+  }
+  qkv_bench 0 0 &
+  qkv_bench 1 1
+  wait
+  for f in 0 1; do
+    python3 - "$logs/bench_qkv$f.json" "$f" <<'PY'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))["results"][0]
+except Exception as e:
+    print(sys.argv[2], "no JSON:", e); sys.exit(0)
+def fam(v):
+    k = v.get("kernels_channels_last", {})
+    return k.get("device_ms_per_call"), k.get("kernels_per_call"), k.get("families_ms", {}).get("matmul"), k.get("families_ms", {}).get("attention")
+print("fused QKV", sys.argv[2], "e2e", r["end_to_end_ms"]["median"], "step", round(r["denoiser_step_ms"]["mean"], 3))
+print("   batch 2 (device, kernels, matmul, attention):", fam(r.get("unet_step_variants", {})))
+print("   batch 1:", fam(r.get("unet_step_variants_one_branch", {})))
+PY
+  done
+  BENCH_RUNS=2 BENCH_STRATEGIES=cfg-parallel strategy_bench 120
+  DIFFRACT_FUSED_QKV=1 BENCH_TAG=cfgp_qkv BENCH_RUNS=2 BENCH_STRATEGIES=cfg-parallel strategy_bench "$(left 5)"
+  exit 0
+fi
+
 #   PLAN=attn (two GPUs): SDXL 1024² with PyTorch's attention pick (cuDNN) on GPU 0 and ATen's
 #     FlashAttention-2 (DIFFRACT_SDPA=flash) on GPU 1 at the same time, then the memory-efficient
 #     kernels on GPU 0: each UNet step's kernel profile at batch 2 and at batch 1 (one CFG branch).

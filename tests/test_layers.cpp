@@ -2,6 +2,7 @@
 // LibTorch's torch::nn layers drew; loaded models still bind every weight. linear_residual and
 // the transformer block built on it compute what the separate ops did.
 #include <algorithm>
+#include <map>
 
 #include <torch/nn.h>
 
@@ -238,6 +239,54 @@ class TestLayers : public QObject {
     cond.encoder_hidden_states = e.at("sd.16x16.context");
     const auto out = unet->forward(e.at("sd.16x16.x"), e.at("sd.16x16.t"), cond);
     DIFFRACT_COMPARE_TENSORS(out, e.at("sd.16x16.out"), 1e-4);
+  }
+
+  // Fused QKV projections (DIFFRACT_FUSED_QKV=1): every self-attention fuses, no cross-attention
+  // does; the parameters keep their names and values (now views of the fused rows); the UNet's
+  // output still matches diffusers'; autograd still reaches each projection's weight; a move to
+  // another dtype stands the fused path down and the output stays diffusers'.
+  void fusedQkvIsTheSameAttention() {
+    const auto dir = test::fixtures() / "tiny-sd";
+    auto unet = models::load_unet_2d_condition(dir / "unet");
+    std::map<std::string, at::Tensor> before;
+    for (const auto& kv : unet->named_parameters()) before[kv.key()] = kv.value().clone();
+    int self = 0, cross = 0;
+    for (const auto& m : unet->modules())
+      if (auto* a = dynamic_cast<models::AttentionImpl*>(m.get())) ++(a->options.cross_attention_dim > 0 ? cross : self);
+    QVERIFY(self > 0 && cross > 0);
+    QCOMPARE(models::fuse_attention_qkv(*unet), self);
+    QCOMPARE(unet->named_parameters().size(), before.size());
+    for (const auto& kv : unet->named_parameters()) QVERIFY2(at::equal(kv.value(), before.at(kv.key())), kv.key().c_str());
+    int fused = 0;
+    for (const auto& m : unet->modules())
+      if (auto* a = dynamic_cast<models::AttentionImpl*>(m.get())) fused += a->qkv_fused() ? 1 : 0;
+    QCOMPARE(fused, self);
+
+    const auto e = io::load_state_dict(test::fixtures() / "unet_cases.safetensors");
+    models::UNetConditioning cond;
+    cond.encoder_hidden_states = e.at("sd.16x16.context");
+    {
+      at::NoGradGuard no_grad;
+      DIFFRACT_COMPARE_TENSORS(unet->forward(e.at("sd.16x16.x"), e.at("sd.16x16.t"), cond), e.at("sd.16x16.out"), 1e-4);
+    }
+    // Training records the three projections as before: each weight gets its gradient.
+    models::AttentionImpl* block = nullptr;
+    for (const auto& kv : unet->named_modules())
+      if (!block && kv.key().size() > 5 && kv.key().substr(kv.key().size() - 5) == "attn1")
+        block = dynamic_cast<models::AttentionImpl*>(kv.value().get());
+    QVERIFY(block && block->qkv_fused());
+    const auto x = at::randn({1, 5, block->options.query_dim});
+    block->forward(x).sum().backward();
+    QVERIFY(block->to_q->weight.grad().defined() && block->to_k->weight.grad().defined() &&
+            block->to_v->weight.grad().defined());
+    QVERIFY(block->to_k->weight.grad().abs().sum().item<double>() > 0);
+
+    unet->to(at::kDouble);
+    QVERIFY(!block->qkv_fused());
+    at::NoGradGuard no_grad;
+    cond.encoder_hidden_states = cond.encoder_hidden_states.to(at::kDouble);
+    const auto out = unet->forward(e.at("sd.16x16.x").to(at::kDouble), e.at("sd.16x16.t"), cond);
+    DIFFRACT_COMPARE_TENSORS(out.to(at::kFloat), e.at("sd.16x16.out"), 1e-4);
   }
 
   // GroupNorm as torch::nn::GroupNorm (ones / zeros, same parameter names, same output), and

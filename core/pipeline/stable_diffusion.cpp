@@ -177,6 +177,7 @@ struct StableDiffusion::Impl {
       text_encoder_2->to(device, dtype);
     }
     if (device.is_cuda()) at::globalContext().setBenchmarkCuDNN(true);
+    if (models::fused_qkv_wanted()) models::fuse_attention_qkv(*unet);
     runner = std::make_shared<models::UNetGraphRunner>(unet, graph_options());
   }
 
@@ -192,6 +193,7 @@ struct StableDiffusion::Impl {
       models::UNet2DConditionModel copy(unet->config);
       copy->eval();
       copy_weights(*unet, *copy, d);
+      if (models::fused_qkv_wanted()) models::fuse_attention_qkv(*copy);
       auto o = graph_options();
       o.channels_last = runner->options().channels_last;
       r = std::make_shared<models::UNetGraphRunner>(copy, o);

@@ -1,5 +1,5 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|residual|layernorm|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|cancel|failure|sd3|cfg_pipefusion|parallel_vae
+//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|residual|layernorm|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae
 // Exit 0: passed; 1: one failed (the reasons printed); 77: all skipped (too few GPUs).
 #include <algorithm>
 #include <atomic>
@@ -187,6 +187,32 @@ void check_groupnorm() {
       std::cout << "  group_norm " << at::IntArrayRef(shape) << " BFloat16" << (cl ? " channels-last" : " NCHW")
                 << " +add +silu: fused " << fused << " ms, aten " << aten << " ms\n";
     }
+}
+
+// Fused QKV projections (DIFFRACT_FUSED_QKV=1) against the three GEMMs, graphed, on the tiny
+// SDXL; and a CFG-parallel job with them (the replica fuses too).
+void check_qkv() {
+  need_gpus(1);
+  unsetenv("DIFFRACT_FUSED_QKV");
+  auto plain = tiny_sdxl(true);
+  setenv("DIFFRACT_FUSED_QKV", "1", 1);  // until the end: the cfg-parallel replica fuses when it is made
+  auto fused = tiny_sdxl(true);
+  engine::CancelToken never;
+  const auto req = request();
+  const auto a = plain->generate(req, {}, never);
+  const auto b = fused->generate(req, {}, never);
+  std::cout << "  fused QKV vs three GEMMs: latents rel-L2 " << rel_l2(b, a) << "\n";
+  expect(rel_l2(b, a) < 1e-2, "fused QKV gives the three GEMMs' result (bf16, rel-L2 < 1e-2)");
+  expect(rel_l2(fused->generate(req, {}, never), b) == 0.0, "fused QKV replays bit for bit");
+  if (torch::cuda::device_count() >= 2) {
+    auto r = req;
+    r.strategy = "cfg-parallel";
+    r.devices = 2;
+    const auto c = fused->generate(r, {}, never);
+    std::cout << "  fused QKV cfg-parallel vs one GPU: rel-L2 " << rel_l2(c, b) << "\n";
+    expect(rel_l2(c, b) < 2e-2, "fused QKV under cfg-parallel gives the one-GPU result");
+  }
+  unsetenv("DIFFRACT_FUSED_QKV");
 }
 
 void check_graphs() {
@@ -1434,7 +1460,7 @@ int main(int argc, char** argv) {
   const std::map<std::string, std::function<void()>> checks = {
       {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"residual", check_residual}, {"layernorm", check_layernorm}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
-      {"strategies", check_strategies}, {"wide", check_wide}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
+      {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"parallel_vae", check_parallel_vae}};
   bool usage = argc < 2;
   for (int i = 1; i < argc; ++i) usage = usage || !checks.count(argv[i]);

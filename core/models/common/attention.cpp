@@ -86,18 +86,75 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context
     h = x.view({b, c, height * width}).transpose(1, 2);
   }
   if (group_norm) h = group_norm->forward(h.transpose(1, 2)).transpose(1, 2);
-  const at::Tensor& kv = context.defined() ? context : h;
-  auto k = to_k->forward(kv), v = to_v->forward(kv);
+  at::Tensor q, k, v;
+  if (!context.defined() && !at::GradMode::is_enabled() && qkv_fused()) {
+    const auto inner = options.heads * options.dim_head;
+    const auto qkv = at::linear(h, qkv_weight_, qkv_bias_);
+    q = qkv.narrow(-1, 0, inner), k = qkv.narrow(-1, inner, inner), v = qkv.narrow(-1, 2 * inner, inner);
+  } else {
+    const at::Tensor& kv = context.defined() ? context : h;
+    q = to_q->forward(h), k = to_k->forward(kv), v = to_v->forward(kv);
+  }
   // Patch parallelism: this band's queries against the whole image's keys and values.
   if (!context.defined())
     if (auto* patch = patch_context()) std::tie(k, v) = patch->self_attention_kv(k, v);
-  auto out = multi_head_attention(to_q->forward(h), k, v, options.heads);
+  auto out = multi_head_attention(q, k, v, options.heads);
   auto* proj = to_out[0]->as<Linear>();
   out = residual.defined() ? linear_residual(out, proj->weight, proj->bias, residual) : proj->forward(out);
   if (spatial) out = out.transpose(1, 2).reshape({b, c, height, width});
   if (options.residual_connection) out = out + x;
   if (options.rescale_output_factor != 1.0) out = out / options.rescale_output_factor;
   return out;
+}
+
+bool AttentionImpl::fuse_qkv() {
+  if (options.cross_attention_dim > 0) return false;
+  const bool biased = to_q->bias.defined();
+  if (biased != to_k->bias.defined() || biased != to_v->bias.defined()) return false;
+  at::NoGradGuard no_grad;
+  const auto inner = to_q->weight.size(0);
+  qkv_weight_ = at::cat({to_q->weight, to_k->weight, to_v->weight}, 0);
+  to_q->weight.set_data(qkv_weight_.narrow(0, 0, inner));
+  to_k->weight.set_data(qkv_weight_.narrow(0, inner, inner));
+  to_v->weight.set_data(qkv_weight_.narrow(0, 2 * inner, inner));
+  qkv_bias_ = at::Tensor();
+  if (biased) {
+    qkv_bias_ = at::cat({to_q->bias, to_k->bias, to_v->bias}, 0);
+    to_q->bias.set_data(qkv_bias_.narrow(0, 0, inner));
+    to_k->bias.set_data(qkv_bias_.narrow(0, inner, inner));
+    to_v->bias.set_data(qkv_bias_.narrow(0, 2 * inner, inner));
+  }
+  return true;
+}
+
+bool AttentionImpl::qkv_fused() const {
+  if (!qkv_weight_.defined()) return false;
+  // Still views of the fused tensors (a move to another device or dtype replaces them).
+  const auto views = [](const at::Tensor& fused, std::initializer_list<const at::Tensor*> parts) {
+    auto* base = static_cast<const char*>(fused.data_ptr());
+    std::int64_t offset = 0;
+    for (const auto* t : parts) {
+      if (!t->defined() || t->data_ptr() != base + offset || t->scalar_type() != fused.scalar_type() ||
+          t->device() != fused.device())
+        return false;
+      offset += t->numel() * static_cast<std::int64_t>(t->element_size());
+    }
+    return true;
+  };
+  return views(qkv_weight_, {&to_q->weight, &to_k->weight, &to_v->weight}) &&
+         (!qkv_bias_.defined() || views(qkv_bias_, {&to_q->bias, &to_k->bias, &to_v->bias}));
+}
+
+int fuse_attention_qkv(torch::nn::Module& root) {
+  int fused = 0;
+  for (const auto& m : root.modules(/*include_self=*/true))
+    if (auto* a = dynamic_cast<AttentionImpl*>(m.get())) fused += a->fuse_qkv() ? 1 : 0;
+  return fused;
+}
+
+bool fused_qkv_wanted() {
+  const char* v = std::getenv("DIFFRACT_FUSED_QKV");
+  return v && std::string(v) == "1";
 }
 
 namespace {

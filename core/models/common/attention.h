@@ -46,12 +46,30 @@ class AttentionImpl : public torch::nn::Module {
   // Returns the same shape as x. residual (token input only): [B, T, C], added to to_out.0's
   // output inside its GEMM (linear_residual.h), as the transformer blocks' skip connection.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& context = {}, const at::Tensor& residual = {});
+
+  // Self-attention only: lays to_q, to_k and to_v's weights (and biases) end to end in one
+  // tensor, each parameter becoming a view of its rows, so inference projects q, k and v in one
+  // GEMM of 3x the width. Keys, values and gradients of the parameters are unchanged; training
+  // (autograd recording) still runs the three GEMMs. Moving the module (`to()`) gives the
+  // parameters their own storage again: the fused path then stands down (qkv_fused() false)
+  // until fuse_qkv() runs again. Returns whether it fused (not for cross-attention).
+  bool fuse_qkv();
+  bool qkv_fused() const;
+
   AttentionOptions options;
   GroupNorm group_norm{nullptr};
   Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
   torch::nn::ModuleList to_out{nullptr};
+
+ private:
+  at::Tensor qkv_weight_, qkv_bias_;  // [3 inner, C] and [3 inner] when fused
 };
 TORCH_MODULE(Attention);
+
+// fuse_qkv() on every self-attention below `root`; returns how many fused. What the pipelines
+// do when DIFFRACT_FUSED_QKV=1 (fused_qkv_wanted()), off by default until measured.
+int fuse_attention_qkv(torch::nn::Module& root);
+bool fused_qkv_wanted();
 
 // diffusers' FeedForward: net.0.proj, then net.2 (inner -> dim). With GEGLU (the UNets'
 // "geglu") net.0.proj maps dim -> 2*inner and gates; with GELUTanh (SD3's "gelu-approximate")
