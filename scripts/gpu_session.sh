@@ -314,21 +314,24 @@ if [ "$plan" = wide ]; then
   exit 0
 fi
 
-#   PLAN=qkv (two GPUs, not run yet): the fused-QKV check, then SDXL 1024² with the three
-#     projection GEMMs on GPU 0 and the fused one (DIFFRACT_FUSED_QKV=1) on GPU 1 at the same time:
-#     the step's kernel profile at batch 2 and batch 1, and CFG-parallel with each.
-if [ "$plan" = qkv ]; then
-  checks checks_qkv gpu_qkv 90 "rel-L2"
-  qkv_bench() {  # GPU FUSED
-    CUDA_VISIBLE_DEVICES=$1 DIFFRACT_FUSED_QKV=$2 timeout 170 "$bench" --device cuda:0 --config sdxl-1024 --batch 1 \
-      --runs 2 --strategies step-skip:1 > "$logs/bench_qkv$2.json" 2> "$logs/bench_qkv$2.log"
-    echo "fused QKV $2 rc $? at $(elapsed) s"
+# env_ab VAR A B [C]: SDXL 1024² with VAR=A on GPU 0 and VAR=B on GPU 1 at the same time (then
+# VAR=C on GPU 0 if time is left): end to end, and the UNet step's device time, kernel count,
+# matmul and attention per step at batch 2 and at batch 1 (one CFG branch), with the top
+# attention kernels.
+env_ab() {
+  local var="$1"
+  shift
+  one() {  # GPU VALUE
+    env CUDA_VISIBLE_DEVICES="$1" "$var=$2" timeout 170 "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 2 \
+      --strategies step-skip:1 > "$logs/bench_${var}_$2.json" 2> "$logs/bench_${var}_$2.log"
+    echo "$var=$2 rc $? at $(elapsed) s"
   }
-  qkv_bench 0 0 &
-  qkv_bench 1 1
+  one 0 "$1" &
+  one 1 "$2"
   wait
-  for f in 0 1; do
-    python3 - "$logs/bench_qkv$f.json" "$f" <<'PY'
+  [ -n "${3:-}" ] && [ "$(left)" -gt 90 ] && one 0 "$3"
+  for value in "$@"; do
+    python3 - "$logs/bench_${var}_$value.json" "$var=$value" <<'PY'
 import json, sys
 try:
     r = json.load(open(sys.argv[1]))["results"][0]
@@ -336,12 +339,22 @@ except Exception as e:
     print(sys.argv[2], "no JSON:", e); sys.exit(0)
 def fam(v):
     k = v.get("kernels_channels_last", {})
-    return k.get("device_ms_per_call"), k.get("kernels_per_call"), k.get("families_ms", {}).get("matmul"), k.get("families_ms", {}).get("attention")
-print("fused QKV", sys.argv[2], "e2e", r["end_to_end_ms"]["median"], "step", round(r["denoiser_step_ms"]["mean"], 3))
-print("   batch 2 (device, kernels, matmul, attention):", fam(r.get("unet_step_variants", {})))
+    f = k.get("families_ms", {})
+    top = [t for t in k.get("top_ms", []) if any(w in t[0] for w in ("sdpa", "flash", "fmha", "attention"))][:3]
+    return k.get("device_ms_per_call"), k.get("kernels_per_call"), f.get("matmul"), f.get("attention"), top
+print(sys.argv[2], "e2e", r["end_to_end_ms"]["median"], "step", round(r["denoiser_step_ms"]["mean"], 3))
+print("   batch 2 (device, kernels, matmul, attention, top attention):", fam(r.get("unet_step_variants", {})))
 print("   batch 1:", fam(r.get("unet_step_variants_one_branch", {})))
 PY
   done
+}
+
+#   PLAN=qkv (two GPUs, not run yet): the fused-QKV check, then SDXL 1024² with the three
+#     projection GEMMs on GPU 0 and the fused one (DIFFRACT_FUSED_QKV=1) on GPU 1 at the same time:
+#     the step's kernel profile at batch 2 and batch 1, and CFG-parallel with each.
+if [ "$plan" = qkv ]; then
+  checks checks_qkv gpu_qkv 90 "rel-L2"
+  env_ab DIFFRACT_FUSED_QKV 0 1
   BENCH_RUNS=2 BENCH_STRATEGIES=cfg-parallel strategy_bench 120
   DIFFRACT_FUSED_QKV=1 BENCH_TAG=cfgp_qkv BENCH_RUNS=2 BENCH_STRATEGIES=cfg-parallel strategy_bench "$(left 5)"
   exit 0
@@ -351,30 +364,7 @@ fi
 #     FlashAttention-2 (DIFFRACT_SDPA=flash) on GPU 1 at the same time, then the memory-efficient
 #     kernels on GPU 0: each UNet step's kernel profile at batch 2 and at batch 1 (one CFG branch).
 if [ "$plan" = attn ]; then
-  sdpa_bench() {  # GPU CHOICE
-    CUDA_VISIBLE_DEVICES=$1 DIFFRACT_SDPA=$2 timeout 150 "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 2 \
-      --strategies step-skip:1 > "$logs/bench_sdpa_$2.json" 2> "$logs/bench_sdpa_$2.log"
-    echo "sdpa $2 rc $? at $(elapsed) s"
-  }
-  sdpa_bench 0 cudnn &
-  sdpa_bench 1 flash
-  wait
-  [ "$(left)" -gt 90 ] && sdpa_bench 0 efficient
-  for c in cudnn flash efficient; do
-    python3 - "$logs/bench_sdpa_$c.json" "$c" <<'PY'
-import json, sys
-try:
-    r = json.load(open(sys.argv[1]))["results"][0]
-except Exception as e:
-    print(sys.argv[2], "no JSON:", e); sys.exit(0)
-def fam(v):
-    k = v.get("kernels_channels_last", {})
-    return k.get("device_ms_per_call"), k.get("families_ms", {}).get("attention"), [t for t in k.get("top_ms", []) if "sdpa" in t[0] or "flash" in t[0] or "fmha" in t[0] or "attention" in t[0]][:3]
-print(sys.argv[2], "e2e", r["end_to_end_ms"]["median"], "step", round(r["denoiser_step_ms"]["mean"], 3))
-print("   batch 2:", fam(r.get("unet_step_variants", {})))
-print("   batch 1:", fam(r.get("unet_step_variants_one_branch", {})))
-PY
-  done
+  env_ab DIFFRACT_SDPA cudnn flash efficient
   exit 0
 fi
 
