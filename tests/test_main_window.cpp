@@ -471,6 +471,17 @@ class TestMainWindow : public QObject {
     QVERIFY2(maxGap < 50, qPrintable(QString("the GUI thread stalled for %1 ms").arg(maxGap)));
   }
 
+  // Every strategy in the list says in its tooltip what it does (and, where measured, how fast).
+  void strategiesExplainThemselves() {
+    MainWindow w;
+    auto* combo = child<QComboBox>(w, "strategyCombo");
+    QVERIFY(combo->count() >= 14);
+    for (int i = 0; i < combo->count(); ++i)
+      QVERIFY2(!combo->itemData(i, Qt::ToolTipRole).toString().isEmpty(), qPrintable(combo->itemText(i)));
+    const int i = combo->findData(QStringLiteral("driffusion-aggressive"));
+    QVERIFY(combo->itemData(i, Qt::ToolTipRole).toString().contains(QStringLiteral("H200")));
+  }
+
   void settingsPersist() {
     {
       MainWindow w;
