@@ -11,7 +11,6 @@
 #include <QDragEnterEvent>
 #include <QDropEvent>
 #include <QFile>
-#include <QHash>
 #include <QJsonDocument>
 #include <QJsonObject>
 #include <QFutureWatcher>
@@ -88,47 +87,52 @@ constexpr SizePreset kSizePresets[] = {
 constexpr int kCustomPreset = static_cast<int>(std::size(kSizePresets));
 
 const char* const kSamplers[] = {"euler", "euler-ancestral", "ddim", "ddpm", "dpmpp-2m", "dpmpp-2m-karras"};
-const char* const kStrategies[] = {"single",         "cfg-parallel",          "hybrid-cfg",
-                                   "driffusion",     "driffusion-aggressive", "cfg-driffusion",
-                                   "cfg-driffusion-aggressive", "data-parallel", "step-skip",
-                                   "pipefusion",     "cfg-pipefusion",        "asyncdiff",
-                                   "asyncdiff-stride2", "distrifusion"};
-
-// What each strategy does and what it measured on H200s (docs/benchmarks.md), for its tooltip.
-QString strategyHint(const QString& name) {
-  static const QHash<QString, const char*> hints = {
-      {"single", QT_TRANSLATE_NOOP("MainWindow", "The plain loop on one device.")},
-      {"cfg-parallel", QT_TRANSLATE_NOOP("MainWindow", "Prompt and negative prompt on two GPUs; the same image. "
-                                                       "SDXL 1024²: 1.53–1.56× on 2 H200s.")},
-      {"hybrid-cfg", QT_TRANSLATE_NOOP("MainWindow", "CFG-parallel with a few layer-split steps where the branches "
-                                                     "agree. SDXL 2048²: 2.03× on 2 H200s.")},
-      {"driffusion", QT_TRANSLATE_NOOP("MainWindow", "Draft-and-refine, exact anchor first (ideal 2/(n+1)). "
-                                                     "SDXL 1024²: 2.31× on 4 H200s.")},
-      {"driffusion-aggressive",
-       QT_TRANSLATE_NOOP("MainWindow", "Draft-and-refine, anchor and drafts together (ideal 1/n); changes the image a "
-                                       "little. SDXL 1024²: 1.78× on 2 H200s, 2.95× on 4.")},
-      {"cfg-driffusion", QT_TRANSLATE_NOOP("MainWindow", "Conservative draft-and-refine with each draft's two branches "
-                                                         "on a pair of GPUs. SDXL 1024²: 2.21× on 4 H200s.")},
-      {"cfg-driffusion-aggressive",
-       QT_TRANSLATE_NOOP("MainWindow", "Aggressive draft-and-refine with each draft's two branches on a pair of GPUs. "
-                                       "SDXL 1024²: 2.68× on 4 H200s; 2048²: 3.56×.")},
-      {"data-parallel", QT_TRANSLATE_NOOP("MainWindow", "A batch's images split over the GPUs; the same images. "
-                                                        "8 SDXL images: 3.84× on 4 H200s.")},
-      {"step-skip", QT_TRANSLATE_NOOP("MainWindow", "Skips steps on one device: the naive baseline to compare with.")},
-      {"pipefusion", QT_TRANSLATE_NOOP("MainWindow", "SD3: the transformer's layers over the GPUs, the image in "
-                                                     "patches. SD3 1024²: 1.90× on 4 H200s.")},
-      {"cfg-pipefusion", QT_TRANSLATE_NOOP("MainWindow", "SD3: one PipeFusion pipeline per branch. SD3 1024²: 2.10× on "
-                                                         "4 H200s.")},
-      {"asyncdiff", QT_TRANSLATE_NOOP("MainWindow", "The UNet's layers over the GPUs, each fed the step before. SDXL "
-                                                    "1024²: 2.29× on 4 H200s.")},
-      {"asyncdiff-stride2", QT_TRANSLATE_NOOP("MainWindow", "AsyncDiff that also runs two steps at a time (3 or more "
-                                                            "GPUs).")},
-      {"distrifusion", QT_TRANSLATE_NOOP("MainWindow", "The image in bands over the GPUs, exchanging activations a "
-                                                       "step late. Pays at 2048² (2.20× on 4 H200s), not at 1024².")},
-  };
-  const auto it = hints.find(name);
-  return it == hints.end() ? QString() : QCoreApplication::translate("MainWindow", it.value());
-}
+// The strategies the GUI offers, in its order, each with what it does and what it measured on
+// H200s (docs/benchmarks.md), for its tooltip.
+struct StrategyEntry {
+  const char* name;
+  const char* hint;
+};
+const StrategyEntry kStrategies[] = {
+    {"single",
+     QT_TRANSLATE_NOOP("MainWindow", "The plain loop on one device.")},
+    {"cfg-parallel",
+     QT_TRANSLATE_NOOP("MainWindow", "Prompt and negative prompt on two GPUs; the same image. SDXL 1024²: "
+                                     "1.53–1.56× on 2 H200s.")},
+    {"hybrid-cfg",
+     QT_TRANSLATE_NOOP("MainWindow", "CFG-parallel with a few layer-split steps where the branches agree. SDXL "
+                                     "2048²: 2.03× on 2 H200s.")},
+    {"driffusion",
+     QT_TRANSLATE_NOOP("MainWindow", "Draft-and-refine, exact anchor first (ideal 2/(n+1)). SDXL 1024²: 2.31× on 4"
+                                     " H200s.")},
+    {"driffusion-aggressive",
+     QT_TRANSLATE_NOOP("MainWindow", "Draft-and-refine, anchor and drafts together (ideal 1/n); changes the image "
+                                     "a little. SDXL 1024²: 1.78× on 2 H200s, 2.95× on 4.")},
+    {"cfg-driffusion",
+     QT_TRANSLATE_NOOP("MainWindow", "Conservative draft-and-refine with each draft's two branches on a pair of "
+                                     "GPUs. SDXL 1024²: 2.21× on 4 H200s.")},
+    {"cfg-driffusion-aggressive",
+     QT_TRANSLATE_NOOP("MainWindow", "Aggressive draft-and-refine with each draft's two branches on a pair of "
+                                     "GPUs. SDXL 1024²: 2.68× on 4 H200s; 2048²: 3.56×.")},
+    {"data-parallel",
+     QT_TRANSLATE_NOOP("MainWindow", "A batch's images split over the GPUs; the same images. 8 SDXL images: 3.84× "
+                                     "on 4 H200s.")},
+    {"step-skip",
+     QT_TRANSLATE_NOOP("MainWindow", "Skips steps on one device: the naive baseline to compare with.")},
+    {"pipefusion",
+     QT_TRANSLATE_NOOP("MainWindow", "SD3: the transformer's layers over the GPUs, the image in patches. SD3 "
+                                     "1024²: 1.90× on 4 H200s.")},
+    {"cfg-pipefusion",
+     QT_TRANSLATE_NOOP("MainWindow", "SD3: one PipeFusion pipeline per branch. SD3 1024²: 2.10× on 4 H200s.")},
+    {"asyncdiff",
+     QT_TRANSLATE_NOOP("MainWindow", "The UNet's layers over the GPUs, each fed the step before. SDXL 1024²: 2.29×"
+                                     " on 4 H200s.")},
+    {"asyncdiff-stride2",
+     QT_TRANSLATE_NOOP("MainWindow", "AsyncDiff that also runs two steps at a time (3 or more GPUs).")},
+    {"distrifusion",
+     QT_TRANSLATE_NOOP("MainWindow", "The image in bands over the GPUs, exchanging activations a step late. Pays "
+                                     "at 2048² (2.20× on 4 H200s), not at 1024².")},
+};
 
 // The first local file among dragged URLs (or a file URL dragged as text), else "".
 QString droppedFile(const QMimeData* mime) {
@@ -408,9 +412,9 @@ void MainWindow::buildUi() {
   auto* strategyRow = new QHBoxLayout;
   m_strategy = new QComboBox;
   m_strategy->setObjectName(QStringLiteral("strategyCombo"));
-  for (const char* st : kStrategies) {
-    m_strategy->addItem(QString::fromLatin1(st), QString::fromLatin1(st));
-    m_strategy->setItemData(m_strategy->count() - 1, strategyHint(QString::fromLatin1(st)), Qt::ToolTipRole);
+  for (const auto& st : kStrategies) {
+    m_strategy->addItem(QString::fromLatin1(st.name), QString::fromLatin1(st.name));
+    m_strategy->setItemData(m_strategy->count() - 1, tr(st.hint), Qt::ToolTipRole);
   }
   m_strategy->setToolTip(tr("Multi-device strategy; single runs the plain loop"));
   m_devices = new QSpinBox;
