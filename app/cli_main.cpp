@@ -112,9 +112,9 @@ fs::path numbered(const fs::path& out, int index, int count) {
   return out.parent_path() / (out.stem().string() + "_" + std::to_string(index) + out.extension().string());
 }
 
-// --preview-size: "auto" (-1), "full" (0) or a number of pixels, 1 or more.
+// --preview-size: "auto", "full" (0) or a number of pixels, 1 or more.
 int parse_preview_size(const std::string& v) {
-  if (v == "auto") return -1;
+  if (v == "auto") return engine::GenerationRequest::kPreviewAuto;
   if (v == "full") return 0;
   if (!v.empty() && v.size() < 6 && v.find_first_not_of("0123456789") == std::string::npos) return std::stoi(v);
   throw Error("--preview-size '" + v + "': expected auto, full or a number of pixels");

@@ -398,7 +398,7 @@ void MainWindow::buildUi() {
 
   m_previewSize = new QComboBox;
   m_previewSize->setObjectName(QStringLiteral("previewSizeCombo"));
-  m_previewSize->addItem(tr("auto (half size, at most 512 px)"), -1);
+  m_previewSize->addItem(tr("auto (half size, at most 512 px)"), engine::GenerationRequest::kPreviewAuto);
   m_previewSize->addItem(tr("512 px"), 512);
   m_previewSize->addItem(tr("256 px (cheapest)"), 256);
   m_previewSize->addItem(tr("full size"), 0);
@@ -796,7 +796,8 @@ void MainWindow::loadSettings() {
   const int sampler = m_sampler->findData(s.value(QStringLiteral("sampler")).toString());
   m_sampler->setCurrentIndex(std::max(0, sampler));
   m_batch->setValue(s.value(QStringLiteral("batch"), 1).toInt());
-  m_previewSize->setCurrentIndex(std::max(0, m_previewSize->findData(s.value(QStringLiteral("previewSize"), -1).toInt())));
+  const int previewSize = s.value(QStringLiteral("previewSize"), engine::GenerationRequest::kPreviewAuto).toInt();
+  m_previewSize->setCurrentIndex(std::max(0, m_previewSize->findData(previewSize)));
   // Every GPU is enabled until the user unticks it.
   m_disabledGpus.clear();
   for (const QString& i : s.value(QStringLiteral("disabledGpus")).toStringList()) m_disabledGpus.insert(i.toInt());

@@ -11,6 +11,7 @@
 namespace diffract::engine {
 
 struct GenerationRequest {
+  static constexpr int kPreviewAuto = -1;  // preview_max_side: half the image's side, at most 512
   std::string model;             // diffusers folder or single-file checkpoint
   std::string model_config;      // single files: optional diffusers folder describing the components
   std::string prompt;
@@ -24,8 +25,8 @@ struct GenerationRequest {
   std::string device = "cpu";    // "cpu" or "cuda:N"
   std::string taesd;             // preview decoder (TAESD folder or .pth files); empty: latent approximation
   int preview_every = 1;         // 0: no previews
-  int preview_max_side = -1;     // TAESD previews of larger images decode from latents area-averaged
-                                 // down to this many pixels a side (0: full size; -1: preview_side())
+  int preview_max_side = kPreviewAuto;  // TAESD previews of larger images decode from latents area-averaged
+                                 // down to this many pixels a side (0: full size; auto: preview_side())
   int batch = 1;
   std::string strategy;          // multi-device strategy (core/parallel): "" or "single" runs the plain loop;
                                  // cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip,
@@ -34,11 +35,11 @@ struct GenerationRequest {
   int patches = 0;               // pipefusion (SD3): latent row patches, at least `devices`; 0: one per device
   bool drop_t5 = false;          // SD3: run without the T5 encoder (its part of the prompt embedding zeros)
 
-  // The previews' largest side in pixels (0: full size). preview_max_side -1, the default, takes
+  // The previews' largest side in pixels (0: full size). kPreviewAuto, the default, takes
   // half the image's longer side, at most 512: SDXL 1024² previews at 512, SD 1.5 512² at 256,
   // where a full-size TAESD decode every step cost its 7 ms H200 step 7.4 % (docs/benchmarks.md).
   int preview_side() const {
-    if (preview_max_side != -1) return preview_max_side;
+    if (preview_max_side != kPreviewAuto) return preview_max_side;
     const int half = (width > height ? width : height) / 2;
     return half < 512 ? half : 512;
   }

@@ -70,7 +70,7 @@ void check_request(engine::GenerationRequest& req, int native, int multiple, con
   if (!(req.cfg >= 0)) throw Error("CFG scale " + format_number(req.cfg) + " must be 0 or more");
   if (req.batch < 1 || req.batch > 64) throw Error("batch " + std::to_string(req.batch) + " must be between 1 and 64");
   if (req.preview_every < 0) throw Error("preview interval must be 0 (none) or more");
-  if (req.preview_max_side < -1)
+  if (req.preview_max_side < 0 && req.preview_max_side != engine::GenerationRequest::kPreviewAuto)
     throw Error("preview size " + std::to_string(req.preview_max_side) + " must be -1 (auto: half the image, at most 512), "
                 "0 (full size) or more pixels");
 }
