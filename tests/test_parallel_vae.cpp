@@ -245,6 +245,7 @@ class TestParallelVae : public QObject {
     QVERIFY(at::equal(decode_batch_parallel(*four, {vae}, z.narrow(0, 3, 1), &ranks), vae->decode(z.narrow(0, 3, 1))));
     QCOMPARE(ranks, 1);
     DIFFRACT_EXPECT_ERROR(decode_batch_parallel(*four, {vae, vae}, z), "replicas", "one per rank");
+    DIFFRACT_EXPECT_ERROR(decode_batch_parallel(*four, {vae}, z[0]), "batch-split VAE decode", "expects latents [B, C, h, w]");
   }
 
   // A data-parallel job of 3 images on 2 virtual devices decodes them on both ranks (metadata
