@@ -314,7 +314,8 @@ if [ "$plan" = wide ]; then
   exit 0
 fi
 
-# env_ab VAR A B [C]: SDXL 1024² with VAR=A on GPU 0 and VAR=B on GPU 1 at the same time (then
+# env_ab VAR A [B [C]]: SDXL 1024² with VAR=A on GPU 0 and VAR=B on GPU 1 at the same time (one
+# after the other on a 1-GPU machine, while time is left; then
 # VAR=C on GPU 0 if time is left): end to end, and the UNet step's device time, kernel count,
 # matmul and attention per step at batch 2 and at batch 1 (one CFG branch), with the top
 # attention kernels.
@@ -326,10 +327,16 @@ env_ab() {
       --strategies step-skip:1 > "$logs/bench_${var}_$2.json" 2> "$logs/bench_${var}_$2.log"
     echo "$var=$2 rc $? at $(elapsed) s"
   }
-  one 0 "$1" &
-  one 1 "$2"
-  wait
-  [ -n "${3:-}" ] && [ "$(left)" -gt 90 ] && one 0 "$3"
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && [ -n "${2:-}" ]; then
+    one 0 "$1" &
+    one 1 "$2"
+    wait
+    [ -n "${3:-}" ] && [ "$(left)" -gt 90 ] && one 0 "$3"
+  else
+    for value in "$@"; do
+      [ "$(left)" -gt 70 ] && one 0 "$value"
+    done
+  fi
   for value in "$@"; do
     python3 - "$logs/bench_${var}_$value.json" "$var=$value" <<'PY'
 import json, sys
@@ -348,6 +355,26 @@ print("   batch 1:", fam(r.get("unet_step_variants_one_branch", {})))
 PY
   done
 }
+
+#   PLAN=gemm (one GPU): the fused-QKV check and the GEMM-algorithm timings (gpu_gemm_tune), then
+#     SDXL 1024² with three projection GEMMs and with the fused one, one after the other.
+if [ "$plan" = gemm ]; then
+  checks checks_gemm "gpu_qkv|gpu_gemm_tune" 150 "rel-L2|rows|workspace|candidate"
+  echo "checks at $(elapsed) s"
+  env_ab DIFFRACT_FUSED_QKV 0 1
+  exit 0
+fi
+
+#   PLAN=crosskv (one GPU): the fused-projection and graph checks, then SDXL 1024² with every
+#     cross-attention's keys and values from one GEMM (the default) and from one GEMM each,
+#     then with a 32 MiB cuBLASLt workspace (ATen's default is 1 MiB).
+if [ "$plan" = crosskv ]; then
+  checks checks_crosskv "gpu_qkv|gpu_graphs|gpu_stage_graphs" 150 "rel-L2"
+  echo "checks at $(elapsed) s"
+  env_ab DIFFRACT_FUSED_CROSS_KV 1 0
+  env_ab CUBLASLT_WORKSPACE_SIZE 32768
+  exit 0
+fi
 
 #   PLAN=qkv (two GPUs, not run yet): the fused-QKV check, then SDXL 1024² with the three
 #     projection GEMMs on GPU 0 and the fused one (DIFFRACT_FUSED_QKV=1) on GPU 1 at the same time:

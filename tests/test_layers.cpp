@@ -10,6 +10,7 @@
 #include "core/io/weights.h"
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
+#include "core/models/common/attention.h"
 #include "core/models/common/layer_norm.h"
 #include "core/models/common/layers.h"
 #include "core/models/common/linear_residual.h"
@@ -287,6 +288,82 @@ class TestLayers : public QObject {
     cond.encoder_hidden_states = cond.encoder_hidden_states.to(at::kDouble);
     const auto out = unet->forward(e.at("sd.16x16.x").to(at::kDouble), e.at("sd.16x16.t"), cond);
     DIFFRACT_COMPARE_TENSORS(out.to(at::kFloat), e.at("sd.16x16.out"), 1e-4);
+  }
+
+  // Every cross-attention's keys and values from one GEMM (CrossKV): the attentions handed the
+  // scope's context get its slices, equal to their own projections; another context tensor, no
+  // scope, autograd recording or a move to another dtype leave them to their own GEMMs. Then
+  // the tiny SD UNet with it still gives diffusers' output, its parameters unchanged.
+  void fusedCrossKvIsTheSameProjection() {
+    at::manual_seed(3);
+    torch::nn::Module root;
+    const auto cross = [](int64_t dim, int64_t heads) {
+      models::AttentionOptions o;
+      o.query_dim = dim, o.cross_attention_dim = 12, o.heads = heads, o.dim_head = 4;
+      return models::Attention(o);
+    };
+    auto a = root.register_module("a", cross(8, 2)), b = root.register_module("b", cross(16, 3));
+    models::AttentionOptions self;
+    self.query_dim = 8, self.heads = 2, self.dim_head = 4;
+    auto c = root.register_module("c", models::Attention(self));
+    {
+      at::NoGradGuard no_grad;  // the constructors leave the weights uninitialised
+      for (auto& p : root.parameters()) p.copy_(at::randn_like(p));
+    }
+    const auto k_before = b->to_k->weight.clone(), v_before = b->to_v->weight.clone();
+    const auto group = models::CrossKV::fuse(root);
+    QVERIFY(group && group->size() == 2 && group->intact());
+    QVERIFY(at::equal(b->to_k->weight, k_before) && at::equal(b->to_v->weight, v_before));
+    QVERIFY(!models::CrossKV::fuse(*c));  // no cross-attention: nothing to fuse
+
+    const auto context = at::randn({2, 5, 12});
+    at::NoGradGuard no_grad;
+    QVERIFY(!models::CrossKVScope::lookup(a.get(), context).first.defined());
+    {
+      const models::CrossKVScope scope(group.get(), context);
+      for (auto* m : {a.get(), b.get()}) {
+        const auto [k, v] = models::CrossKVScope::lookup(m, context);
+        QVERIFY(k.defined() && v.defined());
+        DIFFRACT_COMPARE_TENSORS(k, m->to_k->forward(context), 1e-6);
+        DIFFRACT_COMPARE_TENSORS(v, m->to_v->forward(context), 1e-6);
+      }
+      QVERIFY(!models::CrossKVScope::lookup(c.get(), context).first.defined());
+      QVERIFY(!models::CrossKVScope::lookup(a.get(), context.clone()).first.defined());
+      {
+        const models::CrossKVScope inner(nullptr, context);  // a forward without a group hides the outer one
+        QVERIFY(!models::CrossKVScope::lookup(a.get(), context).first.defined());
+      }
+      QVERIFY(models::CrossKVScope::lookup(a.get(), context).first.defined());
+      const auto x = at::randn({2, 7, 16});
+      DIFFRACT_COMPARE_TENSORS(b->forward(x, context), b->forward(x, context.clone()), 1e-4);
+    }
+    QVERIFY(!models::CrossKVScope::lookup(a.get(), context).first.defined());
+    {
+      at::AutoGradMode grad(true);
+      const models::CrossKVScope scope(group.get(), context);
+      QVERIFY(!models::CrossKVScope::lookup(a.get(), context).first.defined());
+    }
+    root.to(at::kDouble);
+    QVERIFY(!group->intact());
+    {
+      const models::CrossKVScope scope(group.get(), context.to(at::kDouble));
+      QVERIFY(!models::CrossKVScope::lookup(a.get(), context).first.defined());
+    }
+
+    const auto dir = test::fixtures() / "tiny-sd";
+    auto unet = models::load_unet_2d_condition(dir / "unet");
+    std::map<std::string, at::Tensor> before;
+    for (const auto& kv : unet->named_parameters()) before[kv.key()] = kv.value().clone();
+    int crosses = 0;
+    for (const auto& m : unet->modules())
+      if (auto* att = dynamic_cast<models::AttentionImpl*>(m.get())) crosses += att->options.cross_attention_dim > 0;
+    QVERIFY(crosses > 0);
+    QCOMPARE(unet->fuse_cross_attention_kv(), crosses);
+    for (const auto& kv : unet->named_parameters()) QVERIFY2(at::equal(kv.value(), before.at(kv.key())), kv.key().c_str());
+    const auto e = io::load_state_dict(test::fixtures() / "unet_cases.safetensors");
+    models::UNetConditioning cond;
+    cond.encoder_hidden_states = e.at("sd.16x16.context");
+    DIFFRACT_COMPARE_TENSORS(unet->forward(e.at("sd.16x16.x"), e.at("sd.16x16.t"), cond), e.at("sd.16x16.out"), 1e-4);
   }
 
   // GroupNorm as torch::nn::GroupNorm (ones / zeros, same parameter names, same output), and

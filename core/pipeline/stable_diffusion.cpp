@@ -66,6 +66,14 @@ models::UNetGraphOptions graph_options() {
   return o;
 }
 
+// The UNet's attention projections as fewer, wider GEMMs (attention.h), after its weights are
+// placed: self-attention's q, k, v in one GEMM each, every cross-attention's keys and values in
+// one per step. DIFFRACT_FUSED_QKV=0 / DIFFRACT_FUSED_CROSS_KV=0 leave them separate.
+void fuse_projections(models::UNet2DConditionModel& unet) {
+  if (models::fused_qkv_wanted()) models::fuse_attention_qkv(*unet);
+  if (models::fused_cross_kv_wanted()) unet->fuse_cross_attention_kv();
+}
+
 std::string a1111_sampler(schedulers::SamplerKind k) {
   using K = schedulers::SamplerKind;
   switch (k) {
@@ -177,7 +185,7 @@ struct StableDiffusion::Impl {
       text_encoder_2->to(device, dtype);
     }
     if (device.is_cuda()) at::globalContext().setBenchmarkCuDNN(true);
-    if (models::fused_qkv_wanted()) models::fuse_attention_qkv(*unet);
+    fuse_projections(unet);
     runner = std::make_shared<models::UNetGraphRunner>(unet, graph_options());
   }
 
@@ -193,7 +201,7 @@ struct StableDiffusion::Impl {
       models::UNet2DConditionModel copy(unet->config);
       copy->eval();
       copy_weights(*unet, *copy, d);
-      if (models::fused_qkv_wanted()) models::fuse_attention_qkv(*copy);
+      fuse_projections(copy);
       auto o = graph_options();
       o.channels_last = runner->options().channels_last;
       r = std::make_shared<models::UNetGraphRunner>(copy, o);

@@ -1,5 +1,5 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|residual|layernorm|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae
+//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|residual|layernorm|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|gemm_tune|cancel|failure|sd3|cfg_pipefusion|parallel_vae
 // Exit 0: passed; 1: one failed (the reasons printed); 77: all skipped (too few GPUs).
 #include <algorithm>
 #include <atomic>
@@ -12,9 +12,12 @@
 #include <map>
 #include <sstream>
 #include <thread>
+#include <tuple>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <nlohmann/json.hpp>
@@ -189,30 +192,33 @@ void check_groupnorm() {
     }
 }
 
-// Fused QKV projections (DIFFRACT_FUSED_QKV=1) against the three GEMMs, graphed, on the tiny
-// SDXL; and a CFG-parallel job with them (the replica fuses too).
+// The fused attention projections (self-attention's q, k, v in one GEMM; every cross-
+// attention's keys and values in one GEMM per step: the defaults) against separate GEMMs
+// (DIFFRACT_FUSED_QKV=0, DIFFRACT_FUSED_CROSS_KV=0), graphed, on the tiny SDXL; and a
+// CFG-parallel job with them (the replica fuses too).
 void check_qkv() {
   need_gpus(1);
-  unsetenv("DIFFRACT_FUSED_QKV");
+  setenv("DIFFRACT_FUSED_QKV", "0", 1);
+  setenv("DIFFRACT_FUSED_CROSS_KV", "0", 1);
   auto plain = tiny_sdxl(true);
-  setenv("DIFFRACT_FUSED_QKV", "1", 1);  // until the end: the cfg-parallel replica fuses when it is made
+  unsetenv("DIFFRACT_FUSED_QKV");
+  unsetenv("DIFFRACT_FUSED_CROSS_KV");
   auto fused = tiny_sdxl(true);
   engine::CancelToken never;
   const auto req = request();
   const auto a = plain->generate(req, {}, never);
   const auto b = fused->generate(req, {}, never);
-  std::cout << "  fused QKV vs three GEMMs: latents rel-L2 " << rel_l2(b, a) << "\n";
-  expect(rel_l2(b, a) < 1e-2, "fused QKV gives the three GEMMs' result (bf16, rel-L2 < 1e-2)");
-  expect(rel_l2(fused->generate(req, {}, never), b) == 0.0, "fused QKV replays bit for bit");
+  std::cout << "  fused projections vs separate GEMMs: latents rel-L2 " << rel_l2(b, a) << "\n";
+  expect(rel_l2(b, a) < 1e-2, "fused projections give the separate GEMMs' result (bf16, rel-L2 < 1e-2)");
+  expect(rel_l2(fused->generate(req, {}, never), b) == 0.0, "fused projections replay bit for bit");
   if (torch::cuda::device_count() >= 2) {
     auto r = req;
     r.strategy = "cfg-parallel";
     r.devices = 2;
     const auto c = fused->generate(r, {}, never);
-    std::cout << "  fused QKV cfg-parallel vs one GPU: rel-L2 " << rel_l2(c, b) << "\n";
-    expect(rel_l2(c, b) < 2e-2, "fused QKV under cfg-parallel gives the one-GPU result");
+    std::cout << "  fused projections cfg-parallel vs one GPU: rel-L2 " << rel_l2(c, b) << "\n";
+    expect(rel_l2(c, b) < 2e-2, "fused projections under cfg-parallel give the one-GPU result");
   }
-  unsetenv("DIFFRACT_FUSED_QKV");
 }
 
 void check_graphs() {
@@ -434,6 +440,72 @@ void check_residual() {
   std::cout << "  bf16, SDXL's three shapes: fused " << fused_total << " ms, ATen GEMM + add " << aten_total
             << " ms (print only: in the whole UNet the fused GEMMs lost, so the path is off by default)\n";
   models::set_fused_linear_residual(residual_was_on);
+}
+
+// What choosing the GEMM algorithm per shape could gain: for every linear shape of SDXL's UNet
+// step (the transformer layers at 640 and 1280 channels; counts per step), at batch rows 1 and
+// 2, ATen's at::linear against each algorithm cuBLASLt's heuristic offers (up to 16), graphed.
+// Print only, besides checking that the best candidate computes the same product.
+void check_gemm_tune() {
+  need_gpus(1);
+  at::NoGradGuard no_grad;
+  const auto o = at::TensorOptions().device("cuda:0").dtype(at::kBFloat16);
+  struct Shape {
+    const char* what;
+    std::int64_t tokens, k, n;
+    bool bias, residual;
+    int count;  // per step, per batch row set
+  };
+  std::cout << "  cuBLASLt workspace " << at::cuda::getCUDABlasLtWorkspaceSize() / 1024 << " KiB\n";
+  std::vector<Shape> shapes;
+  for (const auto [c, tokens, layers, models] : {std::tuple{640L, 4096L, 10, 5}, std::tuple{1280L, 1024L, 60, 6}}) {
+    shapes.push_back({"q k v, attn2 q", tokens, c, c, false, false, 4 * layers});
+    shapes.push_back({"fused qkv", tokens, c, 3 * c, false, false, 0});
+    shapes.push_back({"to_out, proj_in/out", tokens, c, c, true, false, 2 * layers + 2 * models});
+    shapes.push_back({"to_out + residual", tokens, c, c, true, true, 0});
+    shapes.push_back({"geglu half", tokens, c, 4 * c, true, false, 2 * layers});
+    shapes.push_back({"ff out", tokens, 4 * c, c, true, false, layers});
+    shapes.push_back({"ff out + residual", tokens, 4 * c, c, true, true, 0});
+    shapes.push_back({"attn2 k v", 77, 2048, c, false, false, 2 * layers});
+  }
+  for (const int rows : {1, 2}) {
+    double aten_total = 0, first_total = 0, best_total = 0;
+    for (const auto& s : shapes) {
+      const auto x = at::randn({rows * s.tokens, s.k}, o);
+      const auto w = at::randn({s.n, s.k}, o) / std::sqrt(static_cast<double>(s.k));
+      const auto b = s.bias ? at::randn({s.n}, o) : at::Tensor();
+      const auto r = s.residual ? at::randn({rows * s.tokens, s.n}, o) : at::Tensor();
+      const auto reference = [&] { return r.defined() ? r + at::linear(x, w, b) : at::linear(x, w, b); };
+      const double aten = graph_ms_per_call([&] { (void)reference(); }, 50);
+      const int n = models::lt_gemm_candidates(x, w, b, r, 16);
+      std::vector<double> ms;
+      for (int i = 0; i < n; ++i) {
+        try {
+          at::Tensor out;
+          ms.push_back(graph_ms_per_call([&] { models::lt_gemm(x, w, b, r, i, out); }, 50));
+        } catch (const std::exception& e) {
+          ms.push_back(1e9);
+          std::cout << "    candidate " << i << " failed: " << e.what() << "\n";
+        }
+      }
+      const auto best = ms.empty() ? -1 : static_cast<int>(std::min_element(ms.begin(), ms.end()) - ms.begin());
+      std::cout << "  rows " << rows << " " << s.what << " [" << rows * s.tokens << ", " << s.k << "] x [" << s.n << ", "
+                << s.k << "] x" << s.count << ": aten " << aten << " ms, lt first " << (ms.empty() ? 0 : ms[0])
+                << ", best #" << best << " " << (best < 0 ? 0 : ms[static_cast<size_t>(best)]) << " of " << n << "\n";
+      if (best >= 0) {
+        at::Tensor out;
+        models::lt_gemm(x, w, b, r, best, out);
+        const auto want = reference().to(at::kFloat);
+        const double err = (out.to(at::kFloat) - want).abs().max().item<double>() / want.abs().max().item<double>();
+        expect(err < 1e-2, std::string("the fastest candidate computes the product: ") + s.what);
+        aten_total += s.count * aten;
+        first_total += s.count * ms[0];
+        best_total += s.count * ms[static_cast<size_t>(best)];
+      }
+    }
+    std::cout << "  rows " << rows << " per step (counted shapes): aten " << aten_total << " ms, lt first pick "
+              << first_total << " ms, best candidates " << best_total << " ms\n";
+  }
 }
 
 // models::LayerNorm's CUDA kernel against at::layer_norm computed in fp32 from the same inputs:
@@ -1460,7 +1532,7 @@ int main(int argc, char** argv) {
   const std::map<std::string, std::function<void()>> checks = {
       {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"residual", check_residual}, {"layernorm", check_layernorm}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
-      {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
+      {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"gemm_tune", check_gemm_tune}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"parallel_vae", check_parallel_vae}};
   bool usage = argc < 2;
   for (int i = 1; i < argc; ++i) usage = usage || !checks.count(argv[i]);

@@ -30,6 +30,35 @@ void choose_attention_backend() {
   (void)chosen;
 }
 
+// Whether `parts` are views laid end to end from the start of `fused` (same dtype and device).
+bool laid_end_to_end(const at::Tensor& fused, const std::vector<const at::Tensor*>& parts) {
+  auto* base = static_cast<const char*>(fused.data_ptr());
+  std::int64_t offset = 0;
+  for (const auto* t : parts) {
+    if (!t->defined() || t->data_ptr() != base + offset || t->scalar_type() != fused.scalar_type() ||
+        t->device() != fused.device())
+      return false;
+    offset += t->numel() * static_cast<std::int64_t>(t->element_size());
+  }
+  return true;
+}
+
+// The parameters `parts` end to end in one new tensor (along dim 0), each becoming a view of it.
+at::Tensor lay_end_to_end(const std::vector<at::Tensor*>& parts) {
+  std::vector<at::Tensor> values;
+  for (const auto* p : parts) values.push_back(*p);
+  auto fused = at::cat(values, 0);
+  std::int64_t row = 0;
+  for (auto* p : parts) {
+    const auto rows = p->size(0);
+    p->set_data(fused.narrow(0, row, rows));
+    row += rows;
+  }
+  return fused;
+}
+
+thread_local const CrossKVScope* t_cross_kv = nullptr;
+
 }  // namespace
 
 at::Tensor multi_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t heads,
@@ -87,7 +116,10 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context
   }
   if (group_norm) h = group_norm->forward(h.transpose(1, 2)).transpose(1, 2);
   at::Tensor q, k, v;
-  if (!context.defined() && !at::GradMode::is_enabled() && qkv_fused()) {
+  if (context.defined()) std::tie(k, v) = CrossKVScope::lookup(this, context);
+  if (k.defined()) {
+    q = to_q->forward(h);
+  } else if (!context.defined() && !at::GradMode::is_enabled() && qkv_fused()) {
     const auto inner = options.heads * options.dim_head;
     const auto qkv = at::linear(h, qkv_weight_, qkv_bias_);
     q = qkv.narrow(-1, 0, inner), k = qkv.narrow(-1, inner, inner), v = qkv.narrow(-1, 2 * inner, inner);
@@ -112,37 +144,15 @@ bool AttentionImpl::fuse_qkv() {
   const bool biased = to_q->bias.defined();
   if (biased != to_k->bias.defined() || biased != to_v->bias.defined()) return false;
   at::NoGradGuard no_grad;
-  const auto inner = to_q->weight.size(0);
-  qkv_weight_ = at::cat({to_q->weight, to_k->weight, to_v->weight}, 0);
-  to_q->weight.set_data(qkv_weight_.narrow(0, 0, inner));
-  to_k->weight.set_data(qkv_weight_.narrow(0, inner, inner));
-  to_v->weight.set_data(qkv_weight_.narrow(0, 2 * inner, inner));
-  qkv_bias_ = at::Tensor();
-  if (biased) {
-    qkv_bias_ = at::cat({to_q->bias, to_k->bias, to_v->bias}, 0);
-    to_q->bias.set_data(qkv_bias_.narrow(0, 0, inner));
-    to_k->bias.set_data(qkv_bias_.narrow(0, inner, inner));
-    to_v->bias.set_data(qkv_bias_.narrow(0, 2 * inner, inner));
-  }
+  qkv_weight_ = lay_end_to_end({&to_q->weight, &to_k->weight, &to_v->weight});
+  qkv_bias_ = biased ? lay_end_to_end({&to_q->bias, &to_k->bias, &to_v->bias}) : at::Tensor();
   return true;
 }
 
 bool AttentionImpl::qkv_fused() const {
-  if (!qkv_weight_.defined()) return false;
   // Still views of the fused tensors (a move to another device or dtype replaces them).
-  const auto views = [](const at::Tensor& fused, std::initializer_list<const at::Tensor*> parts) {
-    auto* base = static_cast<const char*>(fused.data_ptr());
-    std::int64_t offset = 0;
-    for (const auto* t : parts) {
-      if (!t->defined() || t->data_ptr() != base + offset || t->scalar_type() != fused.scalar_type() ||
-          t->device() != fused.device())
-        return false;
-      offset += t->numel() * static_cast<std::int64_t>(t->element_size());
-    }
-    return true;
-  };
-  return views(qkv_weight_, {&to_q->weight, &to_k->weight, &to_v->weight}) &&
-         (!qkv_bias_.defined() || views(qkv_bias_, {&to_q->bias, &to_k->bias, &to_v->bias}));
+  return qkv_weight_.defined() && laid_end_to_end(qkv_weight_, {&to_q->weight, &to_k->weight, &to_v->weight}) &&
+         (!qkv_bias_.defined() || laid_end_to_end(qkv_bias_, {&to_q->bias, &to_k->bias, &to_v->bias}));
 }
 
 int fuse_attention_qkv(torch::nn::Module& root) {
@@ -154,7 +164,72 @@ int fuse_attention_qkv(torch::nn::Module& root) {
 
 bool fused_qkv_wanted() {
   const char* v = std::getenv("DIFFRACT_FUSED_QKV");
-  return v && std::string(v) == "1";
+  return !(v && std::string(v) == "0");
+}
+
+std::shared_ptr<CrossKV> CrossKV::fuse(torch::nn::Module& root) {
+  auto group = std::make_shared<CrossKV>();
+  std::vector<at::Tensor*> weights, biases;
+  int64_t offset = 0, width = -1;
+  bool biased = false;
+  // The root by reference (it need not be held by a shared_ptr), then what is below it.
+  std::vector<torch::nn::Module*> all = {&root};
+  for (const auto& m : root.modules(/*include_self=*/false)) all.push_back(m.get());
+  for (auto* m : all) {
+    auto* a = dynamic_cast<AttentionImpl*>(m);
+    if (!a || a->options.cross_attention_dim <= 0) continue;
+    const bool b = a->to_k->bias.defined();
+    if (b != a->to_v->bias.defined()) continue;
+    if (width < 0) width = a->options.cross_attention_dim, biased = b;
+    if (a->options.cross_attention_dim != width || b != biased) continue;
+    const auto inner = a->to_k->weight.size(0);
+    if (a->to_v->weight.size(0) != inner) continue;
+    group->index_[a] = group->members_.size();
+    group->members_.push_back({a, offset, inner});
+    offset += 2 * inner;
+    weights.insert(weights.end(), {&a->to_k->weight, &a->to_v->weight});
+    if (b) biases.insert(biases.end(), {&a->to_k->bias, &a->to_v->bias});
+  }
+  if (group->members_.empty()) return nullptr;
+  at::NoGradGuard no_grad;
+  group->weight_ = lay_end_to_end(weights);
+  if (biased) group->bias_ = lay_end_to_end(biases);
+  return group;
+}
+
+bool CrossKV::intact() const {
+  std::vector<const at::Tensor*> weights, biases;
+  for (const auto& m : members_) {
+    weights.insert(weights.end(), {&m.attention->to_k->weight, &m.attention->to_v->weight});
+    if (bias_.defined()) biases.insert(biases.end(), {&m.attention->to_k->bias, &m.attention->to_v->bias});
+  }
+  return laid_end_to_end(weight_, weights) && (!bias_.defined() || laid_end_to_end(bias_, biases));
+}
+
+CrossKVScope::CrossKVScope(const CrossKV* group, const at::Tensor& context) : previous_(t_cross_kv) {
+  t_cross_kv = this;
+  if (!group || !context.defined() || at::GradMode::is_enabled() || !group->intact()) return;
+  group_ = group;
+  context_ = context;
+  projected_ = at::linear(context, group->weight_, group->bias_);
+}
+
+CrossKVScope::~CrossKVScope() { t_cross_kv = previous_; }
+
+std::pair<at::Tensor, at::Tensor> CrossKVScope::lookup(const AttentionImpl* attention, const at::Tensor& context) {
+  const auto* scope = t_cross_kv;
+  // The same tensor the scope projected (not merely equal values): a caller passing another
+  // context (a slice, a copy) gets its own projections.
+  if (!scope || !scope->group_ || !context.is_same(scope->context_)) return {};
+  const auto it = scope->group_->index_.find(attention);
+  if (it == scope->group_->index_.end()) return {};
+  const auto& m = scope->group_->members_[it->second];
+  return {scope->projected_.narrow(-1, m.offset, m.inner), scope->projected_.narrow(-1, m.offset + m.inner, m.inner)};
+}
+
+bool fused_cross_kv_wanted() {
+  const char* v = std::getenv("DIFFRACT_FUSED_CROSS_KV");
+  return !(v && std::string(v) == "0");
 }
 
 namespace {

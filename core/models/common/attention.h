@@ -1,6 +1,10 @@
 #pragma once
+#include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
@@ -66,10 +70,57 @@ class AttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Attention);
 
-// fuse_qkv() on every self-attention below `root`; returns how many fused. What the pipelines
-// do when DIFFRACT_FUSED_QKV=1 (fused_qkv_wanted()), off by default until measured.
+// fuse_qkv() on every self-attention below `root`; returns how many fused. The pipelines do it
+// unless DIFFRACT_FUSED_QKV=0 (fused_qkv_wanted()): on an H200, SDXL 1024²'s step 1.5 % faster
+// at batch 1, 1 % at batch 2 (docs/benchmarks.md, ninth session).
 int fuse_attention_qkv(torch::nn::Module& root);
 bool fused_qkv_wanted();
+
+// The keys and values of every cross-attention below a model (the UNets' attn2: 140 projections
+// of the same text context in SDXL's step) from one GEMM instead of one small GEMM each.
+// fuse() lays their to_k and to_v weights (and biases) end to end in one tensor, each parameter
+// becoming a view of its rows, as fuse_qkv() does; state dicts, keys and gradients are unchanged.
+// A forward that owns a CrossKV opens a CrossKVScope with its context; the attentions under it
+// that are handed that same context tensor take their keys and values from the scope's product.
+// Inference only (autograd recording runs the per-layer GEMMs), and only while every parameter
+// is still a view (a move to another device or dtype gives them their own storage).
+class CrossKV {
+ public:
+  // Null where `root` has no cross-attention. Members: the cross-attentions with the first one's
+  // context width and bias setting (any other keeps its own GEMMs).
+  static std::shared_ptr<CrossKV> fuse(torch::nn::Module& root);
+  bool intact() const;
+  int size() const { return static_cast<int>(members_.size()); }
+
+ private:
+  friend class CrossKVScope;
+  struct Member {
+    AttentionImpl* attention;
+    std::int64_t offset, inner;  // keys at [offset, offset + inner), values right after
+  };
+  std::vector<Member> members_;
+  std::unordered_map<const AttentionImpl*, std::size_t> index_;
+  at::Tensor weight_, bias_;  // [sum 2 inner, Cc], [sum 2 inner] or undefined
+};
+
+class CrossKVScope {
+ public:
+  // context [B, S, Cc]. Projects every member's keys and values when `group` is non-null and
+  // intact, context is defined and autograd is not recording; otherwise a scope that gives none.
+  CrossKVScope(const CrossKV* group, const at::Tensor& context);
+  ~CrossKVScope();
+  CrossKVScope(const CrossKVScope&) = delete;
+  CrossKVScope& operator=(const CrossKVScope&) = delete;
+  // The innermost scope's keys and values [B, S, inner] for `attention` given `context`, or
+  // undefined tensors when there is none (no scope, not a member, another context tensor).
+  static std::pair<at::Tensor, at::Tensor> lookup(const AttentionImpl* attention, const at::Tensor& context);
+
+ private:
+  const CrossKVScope* previous_;
+  const CrossKV* group_ = nullptr;
+  at::Tensor context_, projected_;  // projected_: [B, S, sum 2 inner]
+};
+bool fused_cross_kv_wanted();  // unless DIFFRACT_FUSED_CROSS_KV=0
 
 // diffusers' FeedForward: net.0.proj, then net.2 (inner -> dim). With GEGLU (the UNets'
 // "geglu") net.0.proj maps dim -> 2*inner and gates; with GELUTanh (SD3's "gelu-approximate")

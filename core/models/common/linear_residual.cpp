@@ -34,6 +34,13 @@ bool fused_linear_residual_available() {
 
 void set_fused_linear_residual(bool on) { g_fused = on; }
 
+#ifndef DIFFRACT_HAS_CUBLASLT
+int lt_gemm_candidates(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int) { return 0; }
+bool lt_gemm(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int, at::Tensor&) {
+  return false;
+}
+#endif
+
 bool try_fused_linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                const at::Tensor& residual, at::Tensor& out) {
 #ifdef DIFFRACT_HAS_CUBLASLT

@@ -22,4 +22,14 @@ bool try_fused_linear_residual(const at::Tensor& x, const at::Tensor& weight, co
 bool fused_linear_residual_available();
 void set_fused_linear_residual(bool on);
 
+// cuBLASLt's GEMM with a chosen algorithm, for the GPU check that times them: x @ weight^T +
+// bias (+ residual when defined), the same operands as above. lt_gemm_candidates: how many
+// algorithms cuBLASLt's heuristic offers for the case, up to max (0 where it does not take it,
+// and without cuBLASLt). lt_gemm: the GEMM with candidate `index` (0: the heuristic's first
+// pick, the one linear_residual uses); false, out untouched, where there is no such candidate.
+int lt_gemm_candidates(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                       const at::Tensor& residual, int max);
+bool lt_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& residual,
+             int index, at::Tensor& out);
+
 }  // namespace diffract::models

@@ -1,14 +1,18 @@
 // The cuBLASLt side of linear_residual. Row-major out [M, N] = x [M, K] @ W^T + residual + bias
 // is, read column-major, out^T [N, M] = W [N, K] (stored K x N, transposed) · x^T [K, M] +
 // residual^T: one GEMM with beta = 1 on C and the bias in the epilogue, bias indexed by D's rows.
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 
+#include "core/models/common/linear_residual.h"
 #include "core/util/error.h"
 
 namespace diffract::models {
@@ -25,7 +29,10 @@ template <typename Handle, cublasStatus_t (*Destroy)(Handle)>
 struct Owned {
   Owned() = default;
   Owned(Owned&& o) noexcept : h(o.h) { o.h = nullptr; }
-  Owned& operator=(Owned&&) = delete;
+  Owned& operator=(Owned&& o) noexcept {
+    std::swap(h, o.h);
+    return *this;
+  }
   ~Owned() {
     if (h) Destroy(h);
   }
@@ -74,77 +81,121 @@ uint32_t reduction_mask(at::ScalarType dtype) {
   }
 }
 
+// One GEMM problem, residual optional (beta 0 then, C = D): its descriptors and the heuristic's
+// candidates; nullopt-like (ok false) where cuBLASLt does not take the case.
+struct Problem {
+  bool ok = false;
+  cudaDataType_t type{};
+  int64_t m = 0, n = 0, k = 0;
+  at::Tensor bias, out;
+  MatmulDesc desc;
+  Layout a, b, cd;
+  Preference pref;
+};
+
+bool set_up(Problem& p, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+            const at::Tensor& residual) {
+  const auto dtype = x.scalar_type();
+  if (dtype == at::kBFloat16) p.type = CUDA_R_16BF;
+  else if (dtype == at::kHalf) p.type = CUDA_R_16F;
+  else return false;
+  const bool with_c = residual.defined();
+  if (x.dim() < 1 || weight.dim() != 2 || weight.scalar_type() != dtype) return false;
+  if (with_c && residual.scalar_type() != dtype) return false;
+  p.k = x.size(-1), p.n = weight.size(0);
+  if (weight.size(1) != p.k || p.k == 0 || p.n == 0) return false;
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = p.n;
+  if (with_c && residual.sizes() != at::IntArrayRef(out_sizes)) return false;
+  p.m = x.numel() / p.k;
+  if (p.m == 0) return false;
+  const auto device = x.device();
+  if (!x.is_cuda() || !weight.is_cuda() || weight.device() != device || (with_c && residual.device() != device)) return false;
+  if (bias.defined() && (bias.dim() != 1 || bias.size(0) != p.n || bias.device() != device)) return false;
+  if (!x.is_contiguous() || !weight.is_contiguous() || (with_c && !residual.is_contiguous())) return false;
+
+  // The epilogue reads the bias in D's type (a parameter already is: no copy).
+  p.bias = bias.defined() ? bias.to(dtype).contiguous() : at::Tensor();
+  p.out = at::empty(out_sizes, x.options());
+  check(cublasLtMatmulDescCreate(&p.desc.h, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  set(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(CUBLAS_OP_T), "TRANSA");
+  set(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(CUBLAS_OP_N), "TRANSB");
+  set(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
+      static_cast<uint32_t>(p.bias.defined() ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT), "EPILOGUE");
+  if (p.bias.defined()) {
+    // Set before the heuristic: it picks kernels for this pointer's alignment.
+    set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(p.bias.data_ptr()), "BIAS_POINTER");
+    set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(p.type), "BIAS_DATA_TYPE");
+  }
+  p.a = layout(p.type, p.k, p.n, p.k);   // W^T, column-major
+  p.b = layout(p.type, p.k, p.m, p.k);   // x^T
+  p.cd = layout(p.type, p.n, p.m, p.n);  // residual^T and out^T
+
+  check(cublasLtMatmulPreferenceCreate(&p.pref.h), "cublasLtMatmulPreferenceCreate");
+  set(p.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<uint64_t>(at::cuda::getCUDABlasLtWorkspaceSize()),
+      "MAX_WORKSPACE_BYTES");
+  set(p.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction_mask(dtype), "REDUCTION_SCHEME_MASK");
+  set(p.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(weight.data_ptr()), "MIN_ALIGNMENT_A_BYTES");
+  set(p.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(x.data_ptr()), "MIN_ALIGNMENT_B_BYTES");
+  set(p.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment((with_c ? residual : p.out).data_ptr()),
+      "MIN_ALIGNMENT_C_BYTES");
+  set(p.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(p.out.data_ptr()), "MIN_ALIGNMENT_D_BYTES");
+  p.ok = true;
+  return true;
+}
+
+std::vector<cublasLtMatmulHeuristicResult_t> candidates(const Problem& p, int max) {
+  std::vector<cublasLtMatmulHeuristicResult_t> found(static_cast<size_t>(std::max(max, 1)));
+  int count = 0;
+  const auto status = cublasLtMatmulAlgoGetHeuristic(at::cuda::getCurrentCUDABlasLtHandle(), p.desc.h, p.a.h, p.b.h,
+                                                     p.cd.h, p.cd.h, p.pref.h, static_cast<int>(found.size()),
+                                                     found.data(), &count);
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED) count = 0;
+  else check(status, "cublasLtMatmulAlgoGetHeuristic");
+  found.resize(static_cast<size_t>(count));
+  return found;
+}
+
+void run(Problem& p, const cublasLtMatmulHeuristicResult_t& algo, const at::Tensor& x, const at::Tensor& weight,
+         const at::Tensor& residual) {
+  // From the caching allocator, on this stream: stream-ordered reuse, and capturable.
+  at::Tensor workspace;
+  if (algo.workspaceSize > 0)
+    workspace = at::empty({static_cast<int64_t>(algo.workspaceSize)}, x.options().dtype(at::kByte));
+  const float alpha = 1.0f, beta = residual.defined() ? 1.0f : 0.0f;
+  const void* c = residual.defined() ? residual.data_ptr() : p.out.data_ptr();
+  check(cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), p.desc.h, &alpha, weight.data_ptr(), p.a.h,
+                       x.data_ptr(), p.b.h, &beta, c, p.cd.h, p.out.data_ptr(), p.cd.h, &algo.algo,
+                       workspace.defined() ? workspace.data_ptr() : nullptr, algo.workspaceSize,
+                       at::cuda::getCurrentCUDAStream(x.device().index()).stream()),
+        "cublasLtMatmul");
+}
+
 }  // namespace
 
 bool fused_linear_residual_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                 const at::Tensor& residual, at::Tensor& out) {
-  const auto dtype = x.scalar_type();
-  cudaDataType_t type;
-  if (dtype == at::kBFloat16) type = CUDA_R_16BF;
-  else if (dtype == at::kHalf) type = CUDA_R_16F;
-  else return false;
-  if (x.dim() < 1 || weight.dim() != 2 || weight.scalar_type() != dtype || residual.scalar_type() != dtype) return false;
-  const int64_t k = x.size(-1), n = weight.size(0);
-  if (weight.size(1) != k || k == 0 || n == 0) return false;
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = n;
-  if (residual.sizes() != at::IntArrayRef(out_sizes)) return false;
-  const int64_t m = x.numel() / k;
-  if (m == 0) return false;
-  const auto device = x.device();
-  if (!weight.is_cuda() || weight.device() != device || residual.device() != device) return false;
-  if (bias.defined() && (bias.dim() != 1 || bias.size(0) != n || bias.device() != device)) return false;
-  if (!x.is_contiguous() || !weight.is_contiguous() || !residual.is_contiguous()) return false;
+  return lt_gemm(x, weight, bias, residual, 0, out);
+}
 
-  const c10::cuda::CUDAGuard guard(device);
-  // The epilogue reads the bias in D's type (a parameter already is: no copy).
-  const auto b = bias.defined() ? bias.to(dtype).contiguous() : at::Tensor();
-  auto d = at::empty(out_sizes, x.options());
+int lt_gemm_candidates(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                       const at::Tensor& residual, int max) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  Problem p;
+  if (!set_up(p, x, weight, bias, residual)) return 0;
+  return static_cast<int>(candidates(p, max).size());
+}
 
-  MatmulDesc desc;
-  check(cublasLtMatmulDescCreate(&desc.h, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
-  set(desc, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(CUBLAS_OP_T), "TRANSA");
-  set(desc, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(CUBLAS_OP_N), "TRANSB");
-  set(desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
-      static_cast<uint32_t>(b.defined() ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT), "EPILOGUE");
-  if (b.defined()) {
-    // Set before the heuristic: it picks kernels for this pointer's alignment.
-    set(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(b.data_ptr()), "BIAS_POINTER");
-    set(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(type), "BIAS_DATA_TYPE");
-  }
-  const auto a_layout = layout(type, k, n, k);   // W^T, column-major
-  const auto b_layout = layout(type, k, m, k);   // x^T
-  const auto cd_layout = layout(type, n, m, n);  // residual^T and out^T
-
-  Preference pref;
-  check(cublasLtMatmulPreferenceCreate(&pref.h), "cublasLtMatmulPreferenceCreate");
-  set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<uint64_t>(at::cuda::getCUDABlasLtWorkspaceSize()),
-      "MAX_WORKSPACE_BYTES");
-  set(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction_mask(dtype), "REDUCTION_SCHEME_MASK");
-  set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(weight.data_ptr()), "MIN_ALIGNMENT_A_BYTES");
-  set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(x.data_ptr()), "MIN_ALIGNMENT_B_BYTES");
-  set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(residual.data_ptr()), "MIN_ALIGNMENT_C_BYTES");
-  set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(d.data_ptr()), "MIN_ALIGNMENT_D_BYTES");
-
-  const auto handle = at::cuda::getCurrentCUDABlasLtHandle();
-  cublasLtMatmulHeuristicResult_t heuristic = {};
-  int found = 0;
-  const auto status = cublasLtMatmulAlgoGetHeuristic(handle, desc.h, a_layout.h, b_layout.h, cd_layout.h, cd_layout.h,
-                                                     pref.h, 1, &heuristic, &found);
-  if (status == CUBLAS_STATUS_NOT_SUPPORTED || (status == CUBLAS_STATUS_SUCCESS && found == 0)) return false;
-  check(status, "cublasLtMatmulAlgoGetHeuristic");
-
-  // From the caching allocator, on this stream: stream-ordered reuse, and capturable.
-  at::Tensor workspace;
-  if (heuristic.workspaceSize > 0)
-    workspace = at::empty({static_cast<int64_t>(heuristic.workspaceSize)}, x.options().dtype(at::kByte));
-  const float alpha = 1.0f, beta = 1.0f;
-  check(cublasLtMatmul(handle, desc.h, &alpha, weight.data_ptr(), a_layout.h, x.data_ptr(), b_layout.h, &beta,
-                       residual.data_ptr(), cd_layout.h, d.data_ptr(), cd_layout.h, &heuristic.algo,
-                       workspace.defined() ? workspace.data_ptr() : nullptr, heuristic.workspaceSize,
-                       at::cuda::getCurrentCUDAStream(device.index()).stream()),
-        "cublasLtMatmul");
-  out = std::move(d);
+bool lt_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& residual,
+             int index, at::Tensor& out) {
+  if (index < 0) return false;
+  const c10::cuda::CUDAGuard guard(x.device());
+  Problem p;
+  if (!set_up(p, x, weight, bias, residual)) return false;
+  const auto found = candidates(p, index + 1);
+  if (static_cast<int>(found.size()) <= index) return false;
+  run(p, found[static_cast<size_t>(index)], x, weight, residual);
+  out = std::move(p.out);
   return true;
 }
 

@@ -597,6 +597,7 @@ at::Tensor UNet2DConditionModelImpl::forward(const at::Tensor& sample, const at:
                                              const UNetConditioning& cond) {
   // sample [B, Cin, H, W], timesteps [B] -> [B, Cout, H, W]
   const auto& context = cond.encoder_hidden_states;
+  const CrossKVScope cross_kv(cross_kv_.get(), context);
   const auto t = timesteps.dim() == 0 ? timesteps.expand({sample.size(0)}) : timesteps;
   const auto temb = embed_time(t, cond, sample.scalar_type());
   auto x = conv_in->forward(sample);
@@ -605,6 +606,11 @@ at::Tensor UNet2DConditionModelImpl::forward(const at::Tensor& sample, const at:
   x = mid_block->forward(x, temb, context);
   x = run_up(x, temb, context, skips, {0, 0}, {up_blocks->size(), 0});
   return conv_out->forward(conv_norm_out->forward(x, {}, /*silu=*/true));
+}
+
+int UNet2DConditionModelImpl::fuse_cross_attention_kv() {
+  cross_kv_ = CrossKV::fuse(*this);
+  return cross_kv_ ? cross_kv_->size() : 0;
 }
 
 UNet2DConditionModelImpl::SplitPoint UNet2DConditionModelImpl::split_point(int split) const {

@@ -1,6 +1,7 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -184,6 +185,12 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   std::vector<std::vector<std::int64_t>> stage_shapes(int layer, std::int64_t rows, std::int64_t height,
                                                       std::int64_t width) const;
 
+  // The cross-attentions' keys and values from one GEMM per forward() (CrossKV, attention.h);
+  // returns how many cross-attentions take part. The pipelines do it unless
+  // DIFFRACT_FUSED_CROSS_KV=0. The stage calls keep the per-layer GEMMs (they run a part of the
+  // layers).
+  int fuse_cross_attention_kv();
+
   UNet2DConditionConfig config;
   Conv2d conv_in{nullptr}, conv_out{nullptr};
   TimestepEmbedding time_embedding{nullptr}, add_embedding{nullptr};
@@ -197,6 +204,7 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
     int block = 0, index = 0;  // down / up block and resnet (mid: 0 or 1)
   };
   std::vector<Layer> layers_;
+  std::shared_ptr<CrossKV> cross_kv_;
   std::string layer_name(const Layer& l) const;
 
   struct SplitPoint {
