@@ -356,6 +356,23 @@ PY
   done
 }
 
+#   PLAN=resid (one GPU): the linear_residual check, then SDXL 1024² with ATen's GEMM + add and
+#     with the residual added in the GEMM where the per-shape timing prefers it, one after the other.
+if [ "$plan" = resid ]; then
+  checks checks_resid gpu_residual 120 "linear_residual|worst|graph"
+  echo "checks at $(elapsed) s"
+  env_ab DIFFRACT_FUSED_RESIDUAL 0 1
+  exit 0
+fi
+
+#   PLAN=anchor (one GPU): the diffusers anchor, then diffract-bench (SDXL, SD 1.5) on the same
+#     GPU in the same run, and their ratios.
+if [ "$plan" = anchor ]; then
+  side_by_side
+  ratios
+  exit 0
+fi
+
 #   PLAN=gemm (one GPU): the fused-QKV check and the GEMM-algorithm timings (gpu_gemm_tune), then
 #     SDXL 1024² with three projection GEMMs and with the fused one, one after the other.
 if [ "$plan" = gemm ]; then

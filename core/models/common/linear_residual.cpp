@@ -9,11 +9,13 @@
 namespace diffract::models {
 
 namespace {
-// Off unless DIFFRACT_FUSED_RESIDUAL=1: in SDXL's step on an H200 the GEMMs with C cost 1.55 ms
-// more than without, against 1.0 ms of adds saved (docs/benchmarks.md, seventh session).
+// On unless DIFFRACT_FUSED_RESIDUAL=0. With cuBLASLt's first pick it lost (SDXL's step 1.55 ms
+// slower in GEMMs against 1.0 ms of adds saved, seventh session); each case now takes the
+// fastest of ATen's ops and cuBLASLt's candidates, timed when first seen: SDXL 1024²'s graphed
+// step 1.0 % faster at batch 2, 2.0 % at batch 1 on an H200 (docs/benchmarks.md, ninth session).
 bool fused_from_env() {
   const char* env = std::getenv("DIFFRACT_FUSED_RESIDUAL");
-  return env && std::string(env) == "1";
+  return !(env && std::string(env) == "0");
 }
 std::atomic<bool> g_fused{fused_from_env()};
 }  // namespace
