@@ -366,10 +366,16 @@ if [ "$plan" = resid ]; then
 fi
 
 #   PLAN=anchor (one GPU): the diffusers anchor, then diffract-bench (SDXL, SD 1.5) on the same
-#     GPU in the same run, and their ratios.
+#     GPU in the same run, and their ratios; then SDXL with AB_VAR=AB_VALUE if set.
 if [ "$plan" = anchor ]; then
   side_by_side
   ratios
+  [ -n "${AB_VAR:-}" ] && env_ab "$AB_VAR" "$AB_VALUE"
+  python3 -c "
+import json, glob
+for f in sorted(glob.glob('$logs/bench_*.json')):
+    for r in json.load(open(f))['results']:
+        print(f.split('/')[-1], r['config'], 'e2e', round(r['end_to_end_ms']['median'], 1), 'peak GiB', round(r['peak_vram_gib'], 3))"
   exit 0
 fi
 

@@ -9,13 +9,15 @@
 namespace diffract::models {
 
 namespace {
-// On unless DIFFRACT_FUSED_RESIDUAL=0. With cuBLASLt's first pick it lost (SDXL's step 1.55 ms
-// slower in GEMMs against 1.0 ms of adds saved, seventh session); each case now takes the
+// Off unless DIFFRACT_FUSED_RESIDUAL=1. With cuBLASLt's first pick it lost (SDXL's step 1.55 ms
+// slower in GEMMs against 1.0 ms of adds saved, seventh session). Each case now takes the
 // fastest of ATen's ops and cuBLASLt's candidates, timed when first seen: SDXL 1024²'s graphed
-// step 1.0 % faster at batch 2, 2.0 % at batch 1 on an H200 (docs/benchmarks.md, ninth session).
+// step 1.0 % faster at batch 2, 2.0 % at batch 1 on an H200, but the image no faster end to end
+// (within the runs' noise) and the loop's peak memory 0.68 GB higher, not yet explained
+// (docs/benchmarks.md, ninth session).
 bool fused_from_env() {
   const char* env = std::getenv("DIFFRACT_FUSED_RESIDUAL");
-  return !(env && std::string(env) == "0");
+  return env && std::string(env) == "1";
 }
 std::atomic<bool> g_fused{fused_from_env()};
 }  // namespace

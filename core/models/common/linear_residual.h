@@ -17,8 +17,8 @@ at::Tensor linear_residual(const at::Tensor& x, const at::Tensor& weight, const 
 // case, or an unseen case under graph capture), out then untouched.
 bool try_fused_linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                const at::Tensor& residual, at::Tensor& out);
-// Whether CUDA tensors may take the fused GEMM (built with CUDA and cuBLASLt, and switched on:
-// the default; DIFFRACT_FUSED_RESIDUAL=0 in the environment starts it off).
+// Whether CUDA tensors may take the fused GEMM (built with CUDA and cuBLASLt, and switched on).
+// Off by default (see linear_residual.cpp); DIFFRACT_FUSED_RESIDUAL=1 in the environment starts it on.
 bool fused_linear_residual_available();
 void set_fused_linear_residual(bool on);
 
