@@ -46,6 +46,7 @@
 #include "core/pipeline/clip_graph.h"
 #include "core/pipeline/stable_diffusion.h"
 #include "core/schedulers/sampler.h"
+#include "core/util/device_work.h"
 #include "core/util/error.h"
 #include "core/util/graphed_function.h"
 
@@ -91,28 +92,9 @@ std::unique_ptr<pipeline::StableDiffusion> tiny_sdxl(bool graphs) {
   return pipeline::StableDiffusion::random(pipeline::Family::SDXL, /*tiny=*/true, "cuda:0");
 }
 
-// Device time per call of `f` on cuda:0: `calls` calls captured in one CUDA graph, as the UNet
-// runs them (no host launch time between kernels), one replay timed with CUDA events.
+// Device time per call of `f` on cuda:0, graphed (device_work.h).
 double graph_ms_per_call(const std::function<void()>& f, int calls = 100) {
-  const auto current = c10::cuda::getCurrentCUDAStream(0);
-  auto side = c10::cuda::getStreamFromPool(false, 0);
-  at::cuda::CUDAGraph graph;
-  torch::cuda::synchronize(0);
-  {
-    c10::cuda::CUDAStreamGuard on_side(side);
-    f();  // workspaces and plans outside the capture
-    side.synchronize();
-    graph.capture_begin();
-    for (int i = 0; i < calls; ++i) f();
-    graph.capture_end();
-  }
-  graph.replay();
-  at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
-  start.record(current);
-  graph.replay();
-  stop.record(current);
-  stop.synchronize();
-  return start.elapsed_time(stop) / calls;
+  return diffract::graph_ms_per_call(at::Device("cuda:0"), f, calls);
 }
 
 // models::GroupNorm's CUDA kernels against ATen's group_norm (+ add, + silu) computed in fp32

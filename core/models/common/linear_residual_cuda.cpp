@@ -13,13 +13,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/cuda/CUDAEvent.h>
-#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 
 #include "core/models/common/linear_residual.h"
+#include "core/util/device_work.h"
 #include "core/util/error.h"
 
 namespace diffract::models {
@@ -176,29 +175,6 @@ void run(Problem& p, const cublasLtMatmulHeuristicResult_t& algo, const at::Tens
                        workspace.defined() ? workspace.data_ptr() : nullptr, algo.workspaceSize,
                        at::cuda::getCurrentCUDAStream(x.device().index()).stream()),
         "cublasLtMatmul");
-}
-
-// Device time per call of f on x's device: `calls` calls captured in one CUDA graph on a side
-// stream and replayed (eagerly, the host's descriptor and launch work would be timed too).
-double graph_ms_per_call(const at::Device& device, const std::function<void()>& f, int calls) {
-  const auto current = at::cuda::getCurrentCUDAStream(device.index());
-  auto side = at::cuda::getStreamFromPool(false, device.index());
-  at::cuda::CUDAEvent ready;
-  ready.record(current);
-  ready.block(side);
-  const c10::cuda::CUDAStreamGuard on_side(side);
-  f();  // workspaces outside the capture
-  at::cuda::CUDAGraph graph;
-  graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
-  for (int i = 0; i < calls; ++i) f();
-  graph.capture_end();
-  graph.replay();
-  at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
-  start.record(side);
-  graph.replay();
-  stop.record(side);
-  stop.synchronize();
-  return start.elapsed_time(stop) / calls;
 }
 
 // Per GEMM case (shape, dtype, bias, device, operand alignments): ATen's GEMM + add, or the
