@@ -87,13 +87,13 @@ uint32_t reduction_mask(at::ScalarType dtype) {
   }
 }
 
-// One GEMM problem, residual optional (beta 0 then, C = D): its descriptors and the heuristic's
-// candidates; nullopt-like (ok false) where cuBLASLt does not take the case.
+// One GEMM problem, residual optional (beta 0 then, C = D): its descriptors, from which the
+// heuristic offers candidates; the output is allocated only when the GEMM runs (run()).
 struct Problem {
-  bool ok = false;
   cudaDataType_t type{};
   int64_t m = 0, n = 0, k = 0;
-  at::Tensor bias, out;
+  std::vector<int64_t> out_sizes;
+  at::Tensor bias;
   MatmulDesc desc;
   Layout a, b, cd;
   Preference pref;
@@ -110,9 +110,9 @@ bool set_up(Problem& p, const at::Tensor& x, const at::Tensor& weight, const at:
   if (with_c && residual.scalar_type() != dtype) return false;
   p.k = x.size(-1), p.n = weight.size(0);
   if (weight.size(1) != p.k || p.k == 0 || p.n == 0) return false;
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = p.n;
-  if (with_c && residual.sizes() != at::IntArrayRef(out_sizes)) return false;
+  p.out_sizes = x.sizes().vec();
+  p.out_sizes.back() = p.n;
+  if (with_c && residual.sizes() != at::IntArrayRef(p.out_sizes)) return false;
   p.m = x.numel() / p.k;
   if (p.m == 0) return false;
   const auto device = x.device();
@@ -122,7 +122,6 @@ bool set_up(Problem& p, const at::Tensor& x, const at::Tensor& weight, const at:
 
   // The epilogue reads the bias in D's type (a parameter already is: no copy).
   p.bias = bias.defined() ? bias.to(dtype).contiguous() : at::Tensor();
-  p.out = at::empty(out_sizes, x.options());
   check(cublasLtMatmulDescCreate(&p.desc.h, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
   set(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(CUBLAS_OP_T), "TRANSA");
   set(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(CUBLAS_OP_N), "TRANSB");
@@ -143,10 +142,10 @@ bool set_up(Problem& p, const at::Tensor& x, const at::Tensor& weight, const at:
   set(p.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction_mask(dtype), "REDUCTION_SCHEME_MASK");
   set(p.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(weight.data_ptr()), "MIN_ALIGNMENT_A_BYTES");
   set(p.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(x.data_ptr()), "MIN_ALIGNMENT_B_BYTES");
-  set(p.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment((with_c ? residual : p.out).data_ptr()),
+  // D is a new tensor from the caching allocator, whose blocks are 512-byte aligned.
+  set(p.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, with_c ? alignment(residual.data_ptr()) : 256u,
       "MIN_ALIGNMENT_C_BYTES");
-  set(p.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(p.out.data_ptr()), "MIN_ALIGNMENT_D_BYTES");
-  p.ok = true;
+  set(p.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, 256u, "MIN_ALIGNMENT_D_BYTES");
   return true;
 }
 
@@ -162,19 +161,21 @@ std::vector<cublasLtMatmulHeuristicResult_t> candidates(const Problem& p, int ma
   return found;
 }
 
-void run(Problem& p, const cublasLtMatmulHeuristicResult_t& algo, const at::Tensor& x, const at::Tensor& weight,
-         const at::Tensor& residual) {
+at::Tensor run(const Problem& p, const cublasLtMatmulHeuristicResult_t& algo, const at::Tensor& x,
+               const at::Tensor& weight, const at::Tensor& residual) {
   // From the caching allocator, on this stream: stream-ordered reuse, and capturable.
+  auto out = at::empty(p.out_sizes, x.options());
   at::Tensor workspace;
   if (algo.workspaceSize > 0)
     workspace = at::empty({static_cast<int64_t>(algo.workspaceSize)}, x.options().dtype(at::kByte));
   const float alpha = 1.0f, beta = residual.defined() ? 1.0f : 0.0f;
-  const void* c = residual.defined() ? residual.data_ptr() : p.out.data_ptr();
+  const void* c = residual.defined() ? residual.data_ptr() : out.data_ptr();
   check(cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), p.desc.h, &alpha, weight.data_ptr(), p.a.h,
-                       x.data_ptr(), p.b.h, &beta, c, p.cd.h, p.out.data_ptr(), p.cd.h, &algo.algo,
+                       x.data_ptr(), p.b.h, &beta, c, p.cd.h, out.data_ptr(), p.cd.h, &algo.algo,
                        workspace.defined() ? workspace.data_ptr() : nullptr, algo.workspaceSize,
                        at::cuda::getCurrentCUDAStream(x.device().index()).stream()),
         "cublasLtMatmul");
+  return out;
 }
 
 // Per GEMM case (shape, dtype, bias, device, operand alignments): ATen's GEMM + add, or the
@@ -188,8 +189,7 @@ struct Choice {
 std::string case_key(const Problem& p, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& residual) {
   std::ostringstream key;
   key << x.device().index() << ' ' << p.type << ' ' << p.m << ' ' << p.n << ' ' << p.k << ' ' << p.bias.defined() << ' '
-      << alignment(weight.data_ptr()) << ' ' << alignment(x.data_ptr()) << ' ' << alignment(residual.data_ptr())
-      << ' ' << alignment(p.out.data_ptr());
+      << alignment(weight.data_ptr()) << ' ' << alignment(x.data_ptr()) << ' ' << alignment(residual.data_ptr());
   return key.str();
 }
 
@@ -203,7 +203,7 @@ Choice tune(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bia
       ms = graph_ms_per_call(x.device(), [&] {
         Problem p;
         set_up(p, x, weight, bias, residual);
-        run(p, candidate, x, weight, residual);
+        (void)run(p, candidate, x, weight, residual);
       }, 20);
     } catch (const std::exception&) {
       continue;  // a candidate cuBLASLt offers but cannot run here: the others remain
@@ -236,8 +236,7 @@ bool fused_linear_residual_cuda(const at::Tensor& x, const at::Tensor& weight, c
     }
   }
   if (choice.aten) return false;
-  run(p, choice.algo, x, weight, residual);
-  out = std::move(p.out);
+  out = run(p, choice.algo, x, weight, residual);
   return true;
 }
 
@@ -257,8 +256,7 @@ bool lt_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bi
   if (!set_up(p, x, weight, bias, residual)) return false;
   const auto found = candidates(p, index + 1);
   if (static_cast<int>(found.size()) <= index) return false;
-  run(p, found[static_cast<size_t>(index)], x, weight, residual);
-  out = std::move(p.out);
+  out = run(p, found[static_cast<size_t>(index)], x, weight, residual);
   return true;
 }
 
