@@ -297,12 +297,14 @@ class TestLayers : public QObject {
   void fusedCrossKvIsTheSameProjection() {
     at::manual_seed(3);
     torch::nn::Module root;
-    const auto cross = [](int64_t dim, int64_t heads) {
+    const auto cross = [](int64_t dim, int64_t heads, int64_t context_width = 12) {
       models::AttentionOptions o;
-      o.query_dim = dim, o.cross_attention_dim = 12, o.heads = heads, o.dim_head = 4;
+      o.query_dim = dim, o.cross_attention_dim = context_width, o.heads = heads, o.dim_head = 4;
       return models::Attention(o);
     };
     auto a = root.register_module("a", cross(8, 2)), b = root.register_module("b", cross(16, 3));
+    // Another context width than the first member's: left out of the group, its own GEMMs.
+    auto other = root.register_module("other", cross(8, 2, 6));
     models::AttentionOptions self;
     self.query_dim = 8, self.heads = 2, self.dim_head = 4;
     auto c = root.register_module("c", models::Attention(self));
@@ -312,7 +314,7 @@ class TestLayers : public QObject {
     }
     const auto k_before = b->to_k->weight.clone(), v_before = b->to_v->weight.clone();
     const auto group = models::CrossKV::fuse(root);
-    QVERIFY(group && group->size() == 2 && group->intact());
+    QVERIFY(group && group->size() == 2 && group->intact());  // a and b, not other
     QVERIFY(at::equal(b->to_k->weight, k_before) && at::equal(b->to_v->weight, v_before));
     QVERIFY(!models::CrossKV::fuse(*c));  // no cross-attention: nothing to fuse
 
@@ -328,6 +330,7 @@ class TestLayers : public QObject {
         DIFFRACT_COMPARE_TENSORS(v, m->to_v->forward(context), 1e-6);
       }
       QVERIFY(!models::CrossKVScope::lookup(c.get(), context).first.defined());
+      QVERIFY(!models::CrossKVScope::lookup(other.get(), context).first.defined());
       QVERIFY(!models::CrossKVScope::lookup(a.get(), context.clone()).first.defined());
       {
         const models::CrossKVScope inner(nullptr, context);  // a forward without a group hides the outer one
