@@ -352,16 +352,46 @@ def fam(v):
 print(sys.argv[2], "e2e", r["end_to_end_ms"]["median"], "step", round(r["denoiser_step_ms"]["mean"], 3))
 print("   batch 2 (device, kernels, matmul, attention, top attention):", fam(r.get("unet_step_variants", {})))
 print("   batch 1:", fam(r.get("unet_step_variants_one_branch", {})))
+for name in ("unet_step_variants", "unet_step_variants_one_branch"):
+    v = r.get(name, {})
+    print("   ", name, {k: round(v[k], 3) for k in v if k.endswith("_ms")})
+    k = v.get("kernels_channels_last", {})
+    print("     families:", {a: round(b, 3) for a, b in k.get("families_ms", {}).items()})
+    if "AB_TOP" in __import__("os").environ:
+        for n, ms in k.get("top_ms", [])[:20]: print(f"      {ms:7.3f} {n[:110]}")
 PY
   done
 }
 
-#   PLAN=resid (one GPU): the linear_residual check, then SDXL 1024² with ATen's GEMM + add and
-#     with the residual added in the GEMM where the per-shape timing prefers it, one after the other.
-if [ "$plan" = resid ]; then
-  checks checks_resid gpu_residual 120 "linear_residual|worst|graph"
+#   PLAN=sidebyside (one GPU): the kernel and graph checks, the diffusers anchor then
+#     diffract-bench (SDXL, SD 1.5) on the same GPU, their ratios, then SDXL once more for the
+#     batch-1 step's profile (what each CFG-parallel rank runs).
+if [ "$plan" = sidebyside ]; then
+  checks checks_final "gpu_conv_bias|gpu_layernorm|gpu_geglu|gpu_groupnorm|gpu_graphs|gpu_qkv|gpu_previews" 150 "rel-L2|ResNet"
   echo "checks at $(elapsed) s"
-  env_ab DIFFRACT_FUSED_RESIDUAL 0 1
+  side_by_side
+  ratios
+  env_ab DIFFRACT_CONV_BIAS_KERNEL 1
+  exit 0
+fi
+
+#   PLAN=convbias (one GPU): the convolution-bias, GroupNorm and graph checks, then SDXL 1024²
+#     with the bias kernel (the default) and with ATen's broadcast add, one after the other.
+if [ "$plan" = convbias ]; then
+  checks checks_convbias "gpu_conv_bias|gpu_groupnorm|gpu_graphs|gpu_stage_graphs" 150 "rel-L2|worst|ResNet|conv "
+  echo "checks at $(elapsed) s"
+  env_ab DIFFRACT_CONV_BIAS_KERNEL 1 0
+  exit 0
+fi
+
+#   PLAN=addnorm (one GPU): the LayerNorm, GEGLU and graph checks, then SDXL 1024² with the
+#     defaults (the residual adds inside the LayerNorm kernels, GEGLU's projection as one GEMM),
+#     without the add + LayerNorm kernel, and with GEGLU's two half-width GEMMs, one after the other.
+if [ "$plan" = addnorm ]; then
+  checks checks_addnorm "gpu_layernorm|gpu_geglu|gpu_graphs|gpu_qkv" 150 "rel-L2|worst|GEGLU projection|fused"
+  echo "checks at $(elapsed) s"
+  env_ab DIFFRACT_FUSED_ADD_LAYER_NORM 1 0
+  env_ab DIFFRACT_GEGLU_ONE_GEMM 0
   exit 0
 fi
 
@@ -376,15 +406,6 @@ import json, glob
 for f in sorted(glob.glob('$logs/bench_*.json')):
     for r in json.load(open(f))['results']:
         print(f.split('/')[-1], r['config'], 'e2e', round(r['end_to_end_ms']['median'], 1), 'peak GiB', round(r['peak_vram_gib'], 3))"
-  exit 0
-fi
-
-#   PLAN=gemm (one GPU): the fused-QKV check and the GEMM-algorithm timings (gpu_gemm_tune), then
-#     SDXL 1024² with three projection GEMMs and with the fused one, one after the other.
-if [ "$plan" = gemm ]; then
-  checks checks_gemm "gpu_qkv|gpu_gemm_tune" 150 "rel-L2|rows|workspace|candidate"
-  echo "checks at $(elapsed) s"
-  env_ab DIFFRACT_FUSED_QKV 0 1
   exit 0
 fi
 
@@ -451,59 +472,6 @@ if [ "$plan" = wide2 ]; then
     DIFFRACT_PARALLEL_VAE=1 BENCH_CONFIG=sdxl-2048 BENCH_TAG=big_pvae BENCH_RUNS=1 \
       BENCH_STRATEGIES="${BIG_STRATEGIES:-cfg-driffusion-aggressive:4,driffusion-aggressive:4}" strategy_bench "$(left 5)"
     strategy_split "$logs/bench_big_pvae.json"
-  fi
-  exit 0
-fi
-
-#   PLAN=ten (two GPUs; one is enough but for the last step): the new kernels' checks (fused
-#     residual GEMM, LayerNorm, GroupNorm, TAESD), the diffusers anchor, then diffract-bench on the
-#     same GPU (one after the other: side by side in one run); then the same bench with the
-#     residual GEMM and the LayerNorm kernel off (their A/B in one run); then DRiffusion and
-#     CFG-parallel on both GPUs.
-if [ "$plan" = ten ]; then
-  export CUDA_VISIBLE_DEVICES=0
-  ctest --test-dir build/gpu -R "gpu_residual|gpu_layernorm|gpu_groupnorm|gpu_geglu|gpu_graphs|gpu_taesd" -V --timeout 200 \
-    > "$logs/checks_kernels.log" 2>&1
-  grep -E "  (ok|FAIL)  |tests passed|Timeout|worst|fused .* ms|: fused|taesd decode" "$logs/checks_kernels.log" \
-    | grep -v "  ok    linear_residual\|  ok    layer_norm\|  ok  .*diff" | cut -c1-260 | head -60
-  echo "checks at $(elapsed) s"
-  side_by_side
-  ratios
-  if [ "$(left)" -gt 150 ]; then
-    DIFFRACT_FUSED_RESIDUAL=0 DIFFRACT_FUSED_LAYER_NORM=0 timeout 100 "$bench" --device cuda:0 --config sdxl-1024 \
-      --batch 1 --runs 2 > "$logs/bench_kernels_off.json" 2> "$logs/bench_kernels_off.log"
-    echo "kernels-off bench rc $? at $(elapsed) s"
-    python3 -c "
-import json
-for r in json.load(open('$logs/bench_kernels_off.json'))['results']:
-    v = r.get('unet_step_variants', {}).get('kernels_channels_last', {})
-    print('residual GEMM and LayerNorm kernel off:', r['end_to_end_ms'], r['denoiser_step_ms'], v.get('device_ms_per_call'), v.get('families_ms'))" 2>&1 | cut -c1-700
-  fi
-  unset CUDA_VISIBLE_DEVICES
-  if [ "$(left)" -gt 90 ]; then
-    BENCH_RUNS=2 BENCH_STRATEGIES="${SDXL_STRATEGIES:-driffusion-aggressive:2,cfg-parallel}" strategy_bench "$(left 5)"
-    strategy_split "$logs/bench_strategies.json"
-  fi
-  exit 0
-fi
-
-#   PLAN=eleven (one GPU): the GroupNorm check, the diffusers anchor, then diffract-bench on the
-#     same GPU (side by side in one run), then SDXL again with the fused residual GEMM on (its A/B).
-if [ "$plan" = eleven ]; then
-  export CUDA_VISIBLE_DEVICES=0
-  ctest --test-dir build/gpu -R "gpu_groupnorm|gpu_residual" -V --timeout 60 > "$logs/checks_kernels.log" 2>&1
-  grep -E "FAIL|tests passed|Timeout|SDXL's three" "$logs/checks_kernels.log" | cut -c1-260 | head -20
-  side_by_side
-  ratios 2>&1 | grep -v "^    top" | cut -c1-900
-  if [ "$(left)" -gt 70 ]; then
-    DIFFRACT_FUSED_RESIDUAL=1 timeout "$(left 5)" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 2 \
-      > "$logs/bench_residual_on.json" 2> "$logs/bench_residual_on.log"
-    echo "residual-on bench rc $? at $(elapsed) s"
-    python3 -c "
-import json
-for r in json.load(open('$logs/bench_residual_on.json'))['results']:
-    v = r.get('unet_step_variants', {}).get('kernels_channels_last', {})
-    print('fused residual GEMM on:', r['end_to_end_ms'], r['denoiser_step_ms'], v.get('device_ms_per_call'), v.get('kernels_per_call'), v.get('families_ms'))" 2>&1 | cut -c1-700
   fi
   exit 0
 fi

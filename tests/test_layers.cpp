@@ -1,6 +1,6 @@
 // Linear / Conv2d / Embedding allocate without random init; init_random() draws what
-// LibTorch's torch::nn layers drew; loaded models still bind every weight. linear_residual and
-// the transformer block built on it compute what the separate ops did.
+// LibTorch's torch::nn layers drew; loaded models still bind every weight. The transformer
+// block's fused adds and the fused projections compute what the separate ops did.
 #include <algorithm>
 #include <map>
 
@@ -11,9 +11,9 @@
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
 #include "core/models/common/attention.h"
+#include "core/models/common/geglu.h"
 #include "core/models/common/layer_norm.h"
 #include "core/models/common/layers.h"
-#include "core/models/common/linear_residual.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_2d_condition.h"
@@ -393,54 +393,46 @@ class TestLayers : public QObject {
     QVERIFY_THROWS_EXCEPTION(std::exception, models::GroupNorm(models::GroupNormOptions(5, 12)));
   }
 
-  // residual + linear(x), with and without bias, 3-D and 2-D, residual untouched, gradients as
-  // ATen's (training takes this path). Bit for bit on the CPU: the same ops. (The cuBLASLt GEMM
-  // is checked against an fp32 reference by diffract-gpu-checks residual.)
-  void linearResidualIsLinearPlusResidual() {
-    at::manual_seed(3);
-    const auto w = at::randn({24, 40}), b = at::randn({24});
-    for (const auto& shape : {std::vector<int64_t>{2, 77, 40}, std::vector<int64_t>{5, 40}}) {
-      const auto x = at::randn(shape);
-      auto out_shape = shape;
-      out_shape.back() = 24;
-      const auto r = at::randn(out_shape), r_before = r.clone();
-      QVERIFY(at::equal(models::linear_residual(x, w, b, r), r + at::linear(x, w, b)));
-      QVERIFY(at::equal(models::linear_residual(x, w, {}, r), r + at::linear(x, w)));
-      QVERIFY(at::equal(r, r_before));
-    }
-    const auto x = at::randn({3, 40}).requires_grad_(), r = at::randn({3, 24}).requires_grad_();
-    const auto wg = w.clone().requires_grad_(), bg = b.clone().requires_grad_();
-    models::linear_residual(x, wg, bg, r).pow(2).sum().backward();
-    const auto x2 = x.detach().clone().requires_grad_(), r2 = r.detach().clone().requires_grad_();
-    const auto wg2 = w.clone().requires_grad_(), bg2 = b.clone().requires_grad_();
-    (r2 + at::linear(x2, wg2, bg2)).pow(2).sum().backward();
-    const std::vector<std::pair<at::Tensor, at::Tensor>> grads = {
-        {x.grad(), x2.grad()}, {r.grad(), r2.grad()}, {wg.grad(), wg2.grad()}, {bg.grad(), bg2.grad()}};
-    for (const auto& [got, want] : grads) DIFFRACT_COMPARE_TENSORS(got, want, 1e-5);
-    const bool was = models::fused_linear_residual_available();
-    models::set_fused_linear_residual(false);
-    QVERIFY(!models::fused_linear_residual_available());
-    models::set_fused_linear_residual(was);
-  }
-
-  // BasicTransformerBlock adds its skip connections in the output projections' GEMMs: the same
-  // result as the three separate adds, and the same parameter names.
-  void transformerBlockAddsResidualsInItsProjections() {
+  // BasicTransformerBlock adds its skip connections inside the next LayerNorm (add_layer_norm)
+  // and leaves its feed-forward branch to the next block: the same result as the three separate
+  // adds, one block or two chained, and the same parameter names.
+  void transformerBlockAddsResidualsInItsNorms() {
     at::NoGradGuard no_grad;
-    models::BasicTransformerBlock block(32, 2, 16, 24);
+    models::BasicTransformerBlock block(32, 2, 16, 24), next(32, 2, 16, 24);
     models::init_random(*block, 9);
+    models::init_random(*next, 10);
     at::manual_seed(4);
-    for (auto& p : block->named_parameters())
-      if (p.key().find("norm") != std::string::npos) p.value().normal_();
+    for (auto* b : {&block, &next})
+      for (auto& p : (*b)->named_parameters())
+        if (p.key().find("norm") != std::string::npos) p.value().normal_();
     QVERIFY(block->named_parameters().contains("attn1.to_out.0.bias"));
     QVERIFY(block->named_parameters().contains("ff.net.2.weight"));
     const auto x = at::randn({2, 10, 32}), ctx = at::randn({2, 7, 24});
-    auto h = x + block->attn1->forward(block->norm1->forward(x));
-    h = h + block->attn2->forward(block->norm2->forward(h), ctx);
-    const auto want = h + block->ff->forward(block->norm3->forward(h));
+    const auto separate = [&](models::BasicTransformerBlock& b, const at::Tensor& in) {
+      auto h = in + b->attn1->forward(b->norm1->forward(in));
+      h = h + b->attn2->forward(b->norm2->forward(h), ctx);
+      return h + b->ff->forward(b->norm3->forward(h));
+    };
+    const auto want = separate(block, x);
     QVERIFY(at::equal(block->forward(x, ctx), want));
-    const auto spatial = at::randn({2, 32, 2, 5});
-    DIFFRACT_EXPECT_ERROR(block->attn1->forward(spatial, at::Tensor(), spatial), "Attention", "token input");
+    const auto [h, pending] = block->forward_deferred(x, {}, ctx);
+    QVERIFY(at::equal(h + pending, want));
+    const auto [h2, pending2] = next->forward_deferred(h, pending, ctx);
+    QVERIFY(at::equal(h2 + pending2, separate(next, want)));
+  }
+
+  // add_layer_norm and geglu_halves on the CPU: the separate ops, bit for bit (their CUDA
+  // kernels are checked by diffract-gpu-checks layernorm and geglu).
+  void addLayerNormAndGegluHalvesAreTheirOps() {
+    at::manual_seed(6);
+    const auto x = at::randn({2, 5, 12}), r = at::randn({2, 5, 12}), w = at::randn({12}), b = at::randn({12});
+    const auto [sum, y] = models::add_layer_norm(x, r, w, b, 1e-5);
+    QVERIFY(at::equal(sum, x + r));
+    QVERIFY(at::equal(y, at::layer_norm(x + r, {12}, w, b, 1e-5)));
+    const auto g = at::randn({3, 4, 16});
+    QVERIFY(!models::geglu_halves_uses_kernel(g));
+    QVERIFY(at::equal(models::geglu_halves(g), g.narrow(-1, 0, 8) * at::gelu(g.narrow(-1, 8, 8))));
+    DIFFRACT_EXPECT_ERROR(models::geglu_halves(at::randn({3, 5})), "geglu_halves", "even");
   }
 
   // LayerNorm as torch::nn::LayerNorm({dim}): the same parameter names and initial values, a

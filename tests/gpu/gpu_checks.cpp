@@ -1,5 +1,5 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|residual|layernorm|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|gemm_tune|cancel|failure|sd3|cfg_pipefusion|parallel_vae
+//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae
 // Exit 0: passed; 1: one failed (the reasons printed); 77: all skipped (too few GPUs).
 #include <algorithm>
 #include <atomic>
@@ -32,7 +32,7 @@
 #include "core/models/common/geglu.h"
 #include "core/models/common/layer_norm.h"
 #include "core/models/common/layers.h"
-#include "core/models/common/linear_residual.h"
+#include "core/models/common/resnet.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_graphs.h"
@@ -270,6 +270,39 @@ void check_geglu() {
     expect(err < tol, std::string("geglu ") + c10::toString(dtype) + " on an unaligned input");
   }
   std::cout << "  worst relative error " << worst << "\n";
+  // geglu_halves on one projection's output: the bits of geglu over its two halves copied out.
+  for (const auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    const auto o = at::TensorOptions().device(dev).dtype(dtype);
+    for (const std::vector<std::int64_t>& shape : {std::vector<std::int64_t>{1, 1024, 10240}, {2, 4096, 5120}, {3, 77, 66}}) {
+      const auto y = at::randn(shape, o) * 2;
+      const int64_t inner = shape.back() / 2;
+      const auto want = models::geglu(y.narrow(-1, 0, inner).contiguous(), y.narrow(-1, inner, inner).contiguous());
+      expect(models::geglu_halves_uses_kernel(y) && at::equal(models::geglu_halves(y), want),
+             std::string("geglu_halves ") + c10::toString(dtype) + " " + c10::str(at::IntArrayRef(shape)) +
+                 " (kernel) equals geglu over the halves");
+    }
+    const auto flat = at::randn({1 + 6 * 64}, o);
+    const auto y = flat.narrow(0, 1, 6 * 64).view({6, 64});  // contiguous, off the 16-byte alignment
+    const auto want = models::geglu(y.narrow(-1, 0, 32).contiguous(), y.narrow(-1, 32, 32).contiguous());
+    const double err = (models::geglu_halves(y).to(at::kFloat) - want.to(at::kFloat)).abs().max().item<double>();
+    expect(err == 0, std::string("geglu_halves ") + c10::toString(dtype) + " off the vector alignment");
+  }
+  {
+    // The feed-forward's first GEMM and gate at SDXL's 1280 channels: one GEMM of 10240 columns
+    // and the kernel over its halves, against two GEMMs of 5120 and the kernel (graphed).
+    const auto o = at::TensorOptions().device(dev).dtype(at::kBFloat16);
+    const auto w = at::randn({10240, 1280}, o) * 0.03, bias = at::randn({10240}, o);
+    for (const std::int64_t rows : {1024, 2048, 4096}) {
+      const auto x = at::randn({rows, 1280}, o);
+      const double one = graph_ms_per_call([&] { (void)models::geglu_halves(at::linear(x, w, bias)); }, 50);
+      const double two = graph_ms_per_call([&] {
+        (void)models::geglu(at::linear(x, w.narrow(0, 0, 5120), bias.narrow(0, 0, 5120)),
+                            at::linear(x, w.narrow(0, 5120, 5120), bias.narrow(0, 5120, 5120)));
+      }, 50);
+      std::cout << "  GEGLU projection [" << rows << ", 1280] x [1280, 10240] + gate: one GEMM " << one
+                << " ms, two GEMMs " << two << " ms\n";
+    }
+  }
   const auto opts = at::TensorOptions().device(dev).dtype(at::kBFloat16);
   const auto a = at::randn({2, 4096, 5120}, opts), b = at::randn({2, 4096, 5120}, opts);
   const auto time = [&](bool fused) {
@@ -286,210 +319,70 @@ void check_geglu() {
   expect(fused < aten, "the fused gate is faster than ATen's two kernels");
 }
 
-// linear_residual's cuBLASLt GEMM against residual + x W^T + b computed in fp32 from the same
-// inputs: fp16 and bf16, SDXL's to_out.0 and ff net.2 shapes with bias, an odd shape with and
-// without bias, each taken by the GEMM (the heuristic's pick, lt_gemm) and linear_residual's own
-// choice (the fastest of ATen's ops and cuBLASLt's candidates, timed on first sight). Then one
-// call captured in a CUDA graph and replayed, before and after its inputs change in place; then
-// the time of both paths.
-void check_residual() {
+// Conv2d's bias (and residual) kernel against an fp32 reference, NCHW and channels-last, each
+// dtype, and shapes it leaves to ATen's add; then ResNet blocks (conv1's bias folded into norm2,
+// conv2's bias and the skip in one kernel) against the same blocks through ATen's ops and fp32.
+void check_conv_bias() {
   need_gpus(1);
-  const bool residual_was_on = models::fused_linear_residual_available();
-  models::set_fused_linear_residual(true);  // off by default; checked all the same
-  expect(models::fused_linear_residual_available(), "built with the cuBLASLt GEMM");
+  expect(models::conv_bias_kernel_available(), "built with the convolution bias kernel");
   at::NoGradGuard no_grad;
   const at::Device dev("cuda:0");
+  at::manual_seed(8);
+  const auto rel = [](const at::Tensor& got, const at::Tensor& want) {
+    const auto w = want.to(got.device());
+    return (got.to(at::kFloat) - w).abs().max().item<double>() / w.abs().max().item<double>();
+  };
   struct Case {
-    std::vector<std::int64_t> x;  // [..., K]
-    std::int64_t n;
-    bool bias;
+    std::int64_t in, out, hw;
+    bool channels_last, residual;
   };
-  const std::vector<Case> sdxl = {{{2, 4096, 640}, 640, true}, {{2, 1024, 1280}, 1280, true}, {{2, 1024, 5120}, 1280, true}};
-  auto cases = sdxl;
-  cases.push_back({{77, 40}, 24, false});
-  cases.push_back({{77, 40}, 24, true});
-  struct Inputs {
-    at::Tensor x, w, b, r;
-  };
-  const auto inputs = [&](const Case& c, at::ScalarType dtype) {
+  for (const auto dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
+    const double tol = dtype == at::kFloat ? 1e-5 : dtype == at::kHalf ? 3e-3 : 2e-2;
     const auto o = at::TensorOptions().device(dev).dtype(dtype);
-    const std::int64_t k = c.x.back();
-    auto out = c.x;
-    out.back() = c.n;
-    return Inputs{at::randn(c.x, o), at::randn({c.n, k}, o) / std::sqrt(static_cast<double>(k)),
-                  c.bias ? at::randn({c.n}, o) : at::Tensor(), at::randn(out, o)};
-  };
-  const auto f32 = [](const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t; };
-  double worst = 0;
-  for (const auto dtype : {at::kHalf, at::kBFloat16}) {
-    const double tol = dtype == at::kHalf ? 2e-3 : 1e-2;
-    for (const auto& c : cases) {
-      const auto in = inputs(c, dtype);
-      const auto r_before = in.r.clone();
-      const auto want = f32(in.r) + at::linear(f32(in.x), f32(in.w), f32(in.b));
-      at::Tensor got;
-      // The GEMM with the heuristic's pick, and linear_residual with the choice its tuning made.
-      const bool fused = models::lt_gemm(in.x, in.w, in.b, in.r, 0, got);
-      const auto chosen = models::linear_residual(in.x, in.w, in.b, in.r);
-      const auto rel = [&](const at::Tensor& t) {
-        return (t.to(at::kFloat) - want).abs().max().item<double>() / want.abs().max().item<double>();
-      };
-      const double err = std::max(rel(got), rel(chosen)), aten = rel(in.r + at::linear(in.x, in.w, in.b));
-      worst = std::max(worst, err);
+    for (const auto& k : {Case{64, 320, 32, true, false}, Case{64, 320, 32, true, true}, Case{32, 64, 16, false, true},
+                          Case{16, 12, 8, true, true}, Case{16, 12, 6, false, false}}) {
+      models::Conv2d conv(models::Conv2dOptions(k.in, k.out, 3).padding(1));
+      models::init_random(*conv, 3);
+      conv->to(dev, dtype);
+      auto x = at::randn({2, k.in, k.hw, k.hw}, o);
+      if (k.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+      auto r = at::randn({2, k.out, k.hw, k.hw}, o);
+      if (k.channels_last) r = r.contiguous(at::MemoryFormat::ChannelsLast);
+      const auto got = k.residual ? conv->forward_add(x, r) : conv->forward(x);
+      auto want = at::conv2d(x.to(at::kFloat), conv->weight.to(at::kFloat), conv->bias.to(at::kFloat), {1, 1}, {1, 1});
+      if (k.residual) want = want + r.to(at::kFloat);
+      const double err = rel(got, want);
       std::ostringstream what;
-      what << "linear_residual " << c10::toString(dtype) << " " << at::IntArrayRef(c.x) << " x [" << c.n << ", "
-           << c.x.back() << "]" << (c.bias ? " + bias" : "") << ": max error " << err << " of max |out| (ATen's "
-           << aten << ")";
-      expect(fused, what.str() + ": taken by the cuBLASLt GEMM");
-      expect(err < tol && got.sizes() == want.sizes() && got.scalar_type() == dtype, what.str());
-      expect(at::equal(in.r, r_before), what.str() + ": residual left as it was");
+      what << "conv " << k.in << "->" << k.out << " " << k.hw << "x" << k.hw << " " << c10::toString(dtype)
+           << (k.channels_last ? " channels-last" : " NCHW") << (k.residual ? " + residual" : "") << ": max error " << err
+           << " (tol " << tol << ")";
+      expect(err < tol && got.sizes() == want.sizes(), what.str());
     }
   }
-  std::cout << "  worst relative error " << worst << "\n";
-
-  {
-    // Capture on a side stream after warm-up calls there (the legacy default stream cannot capture).
-    auto in = inputs(sdxl[1], at::kBFloat16);
-    const auto eager = models::linear_residual(in.x, in.w, in.b, in.r);
-    auto stream = c10::cuda::getStreamFromPool(false, dev.index());
-    at::cuda::CUDAEvent ready;
-    ready.record(c10::cuda::getCurrentCUDAStream(dev.index()));
-    ready.block(stream);
-    at::cuda::CUDAGraph graph;
-    at::Tensor captured;
-    {
-      c10::cuda::CUDAStreamGuard guard(stream);
-      for (int i = 0; i < 2; ++i) models::linear_residual(in.x, in.w, in.b, in.r);
-      graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
-      captured = models::linear_residual(in.x, in.w, in.b, in.r);
-      graph.capture_end();
-    }
-    torch::cuda::synchronize();
-    const auto diff = [](const at::Tensor& a, const at::Tensor& b) {
-      return (a.to(at::kFloat) - b.to(at::kFloat)).abs().max().item<double>() / b.to(at::kFloat).abs().max().item<double>();
-    };
-    graph.replay();
-    torch::cuda::synchronize();
-    const double d1 = diff(captured, eager);
-    in.x.copy_(at::randn_like(in.x));
-    in.r.copy_(at::randn_like(in.r));
-    graph.replay();
-    torch::cuda::synchronize();
-    const auto eager2 = models::linear_residual(in.x, in.w, in.b, in.r);
-    const double d2 = diff(captured, eager2), spread = diff(eager2, eager);
-    std::cout << "  graph replay vs eager: max rel diff " << d1 << ", after new inputs " << d2 << " (inputs change it by "
-              << spread << ")\n";
-    expect(d1 < 1e-3 && d2 < 1e-3, "a captured linear_residual replays the eager result, also after its inputs change in place");
-    expect(spread > 0.1, "the new inputs change the output (a replay stuck on the old ones would fail)");
-  }
-
-  // Device time from replays of 50 captured calls (the UNet runs in CUDA graphs; eagerly, both
-  // paths' host work per call, cuBLASLt's heuristic query included, can exceed the GEMM's time),
-  // and eager for reference.
-  const auto time = [&](const std::function<void()>& f) {
-    auto stream = c10::cuda::getStreamFromPool(false, dev.index());
-    at::cuda::CUDAEvent ready;
-    ready.record(c10::cuda::getCurrentCUDAStream(dev.index()));
-    ready.block(stream);
-    c10::cuda::CUDAStreamGuard guard(stream);
-    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault), graph_start(cudaEventDefault),
-        graph_stop(cudaEventDefault);
-    for (int i = 0; i < 3; ++i) f();
-    start.record(stream);
-    for (int i = 0; i < 50; ++i) f();
-    stop.record(stream);
-    at::cuda::CUDAGraph graph;
-    graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
-    for (int i = 0; i < 50; ++i) f();
-    graph.capture_end();
-    graph.replay();
-    graph_start.record(stream);
-    graph.replay();
-    graph_stop.record(stream);
-    graph_stop.synchronize();
-    return std::pair{static_cast<double>(graph_start.elapsed_time(graph_stop)) / 50,
-                     static_cast<double>(start.elapsed_time(stop)) / 50};
-  };
-  double fused_total = 0, aten_total = 0;
-  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
-    for (const auto& c : sdxl) {
-      const auto in = inputs(c, dtype);
-      const auto [fused, fused_eager] = time([&] { models::linear_residual(in.x, in.w, in.b, in.r); });
-      const auto [aten, aten_eager] = time([&] { (void)(in.r + at::linear(in.x, in.w, in.b)); });
-      if (dtype == at::kBFloat16) fused_total += fused, aten_total += aten;
-      std::cout << "  linear_residual " << c10::toString(dtype) << " " << at::IntArrayRef(c.x) << " x [" << c.n << ", "
-                << c.x.back() << "]: fused " << fused << " ms, aten " << aten << " ms (CUDA graph; eager: fused "
-                << fused_eager << " ms, aten " << aten_eager << " ms)\n";
-    }
-  }
-  std::cout << "  bf16, SDXL's three shapes: fused " << fused_total << " ms, ATen GEMM + add " << aten_total
-            << " ms (print only: each case takes the faster of the two, timed when first seen)\n";
-  models::set_fused_linear_residual(residual_was_on);
-}
-
-// What choosing the GEMM algorithm per shape could gain: for every linear shape of SDXL's UNet
-// step (the transformer layers at 640 and 1280 channels; counts per step), at batch rows 1 and
-// 2, ATen's at::linear against each algorithm cuBLASLt's heuristic offers (up to 16), graphed.
-// Print only, besides checking that the best candidate computes the same product.
-void check_gemm_tune() {
-  need_gpus(1);
-  at::NoGradGuard no_grad;
-  const auto o = at::TensorOptions().device("cuda:0").dtype(at::kBFloat16);
-  struct Shape {
-    const char* what;
-    std::int64_t tokens, k, n;
-    bool bias, residual;
-    int count;  // per step, per batch row set
-  };
-  std::cout << "  cuBLASLt workspace " << at::cuda::getCUDABlasLtWorkspaceSize() / 1024 << " KiB\n";
-  std::vector<Shape> shapes;
-  for (const auto [c, tokens, layers, models] : {std::tuple{640L, 4096L, 10, 5}, std::tuple{1280L, 1024L, 60, 6}}) {
-    shapes.push_back({"q k v, attn2 q", tokens, c, c, false, false, 4 * layers});
-    shapes.push_back({"fused qkv", tokens, c, 3 * c, false, false, 0});
-    shapes.push_back({"to_out, proj_in/out", tokens, c, c, true, false, 2 * layers + 2 * models});
-    shapes.push_back({"to_out + residual", tokens, c, c, true, true, 0});
-    shapes.push_back({"geglu half", tokens, c, 4 * c, true, false, 2 * layers});
-    shapes.push_back({"ff out", tokens, 4 * c, c, true, false, layers});
-    shapes.push_back({"ff out + residual", tokens, 4 * c, c, true, true, 0});
-    shapes.push_back({"attn2 k v", 77, 2048, c, false, false, 2 * layers});
-  }
-  for (const int rows : {1, 2}) {
-    double aten_total = 0, first_total = 0, best_total = 0;
-    for (const auto& s : shapes) {
-      const auto x = at::randn({rows * s.tokens, s.k}, o);
-      const auto w = at::randn({s.n, s.k}, o) / std::sqrt(static_cast<double>(s.k));
-      const auto b = s.bias ? at::randn({s.n}, o) : at::Tensor();
-      const auto r = s.residual ? at::randn({rows * s.tokens, s.n}, o) : at::Tensor();
-      const auto reference = [&] { return r.defined() ? r + at::linear(x, w, b) : at::linear(x, w, b); };
-      const double aten = graph_ms_per_call([&] { (void)reference(); }, 50);
-      const int n = models::lt_gemm_candidates(x, w, b, r, 16);
-      std::vector<double> ms;
-      for (int i = 0; i < n; ++i) {
-        try {
-          at::Tensor out;
-          ms.push_back(graph_ms_per_call([&] { models::lt_gemm(x, w, b, r, i, out); }, 50));
-        } catch (const std::exception& e) {
-          ms.push_back(1e9);
-          std::cout << "    candidate " << i << " failed: " << e.what() << "\n";
-        }
-      }
-      const auto best = ms.empty() ? -1 : static_cast<int>(std::min_element(ms.begin(), ms.end()) - ms.begin());
-      std::cout << "  rows " << rows << " " << s.what << " [" << rows * s.tokens << ", " << s.k << "] x [" << s.n << ", "
-                << s.k << "] x" << s.count << ": aten " << aten << " ms, lt first " << (ms.empty() ? 0 : ms[0])
-                << ", best #" << best << " " << (best < 0 ? 0 : ms[static_cast<size_t>(best)]) << " of " << n << "\n";
-      if (best >= 0) {
-        at::Tensor out;
-        models::lt_gemm(x, w, b, r, best, out);
-        const auto want = reference().to(at::kFloat);
-        const double err = (out.to(at::kFloat) - want).abs().max().item<double>() / want.abs().max().item<double>();
-        expect(err < 1e-2, std::string("the fastest candidate computes the product: ") + s.what);
-        aten_total += s.count * aten;
-        first_total += s.count * ms[0];
-        best_total += s.count * ms[static_cast<size_t>(best)];
-      }
-    }
-    std::cout << "  rows " << rows << " per step (counted shapes): aten " << aten_total << " ms, lt first pick "
-              << first_total << " ms, best candidates " << best_total << " ms\n";
+  for (const auto& [temb, shortcut] : {std::pair{true, true}, std::pair{true, false}, std::pair{false, true}}) {
+    models::ResnetBlock2DOptions ro;
+    ro.in_channels = 64;
+    ro.out_channels = shortcut ? 128 : 64;
+    ro.temb_channels = temb ? 96 : 0;
+    ro.groups = 32;
+    models::ResnetBlock2D block(ro);
+    models::init_random(*block, 5);
+    const auto x32 = at::randn({2, 64, 16, 16}), t32 = at::randn({2, 96});
+    const auto want = block->forward(x32, temb ? t32 : at::Tensor());  // fp32 on the CPU
+    block->to(dev, at::kBFloat16);
+    const auto x = x32.to(dev, at::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast);
+    const auto t = temb ? t32.to(dev, at::kBFloat16) : at::Tensor();
+    const auto folded = block->forward(x, t);
+    models::set_conv_bias_kernel(false);
+    const auto aten = block->forward(x, t);
+    models::set_conv_bias_kernel(true);
+    const double e_folded = rel(folded, want), e_aten = rel(aten, want);
+    std::ostringstream what;
+    what << "ResNet block bf16" << (temb ? " with" : " without") << " time embedding" << (shortcut ? ", 1x1 shortcut" : "")
+         << ": max error folded " << e_folded << ", ATen's ops " << e_aten << " (of fp32)";
+    expect(e_folded < 2e-2 && e_folded < 2 * e_aten + 1e-3, what.str());
+    // Rounded once where ATen's ops round after each add: some bits differ, so the path ran.
+    expect(!at::equal(folded, aten), "  ... and the folded path ran (its bits differ from ATen's ops)");
   }
 }
 
@@ -548,6 +441,37 @@ void check_layernorm() {
            std::string("layer_norm ") + c10::toString(dtype) + " off the 16-byte alignment goes to ATen");
   }
   std::cout << "  worst relative error " << worst << "\n";
+  // add_layer_norm: the kernel's sum is `x + r`'s bits and its output layer_norm(x + r)'s, for
+  // each of the kernel's row layouts, a strided residual (copied first) and one off the 16-byte
+  // alignment (the separate add and layer_norm).
+  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    const auto o = at::TensorOptions().device(dev).dtype(dtype);
+    for (const std::vector<std::int64_t>& shape :
+         {std::vector<std::int64_t>{2, 4096, 640}, {1, 1024, 1280}, {3, 77, 2048}, {3, 5, 4096}, {2, 8192}}) {
+      const std::int64_t c = shape.back();
+      models::LayerNorm ln{models::LayerNormOptions(c)};
+      ln->to(dev, dtype);
+      ln->weight.copy_(at::randn({c}, o) * 0.5 + 1);
+      ln->bias.copy_(at::randn({c}, o));
+      const auto x = at::randn(shape, o), r = at::randn(shape, o) * 3;
+      const auto [sum, y] = ln->forward_add(x, r);
+      const auto want_sum = x + r;
+      std::ostringstream what;
+      what << "add_layer_norm " << at::IntArrayRef(shape) << " " << c10::toString(dtype)
+           << ": the sum and the output equal x + r and layer_norm(x + r) bit for bit";
+      expect(at::equal(sum, want_sum) && at::equal(y, ln->forward(want_sum)), what.str());
+    }
+    models::LayerNorm ln(models::LayerNormOptions(640));
+    ln->to(dev, dtype);
+    const auto x = at::randn({30, 640}, o);
+    for (const auto& [r, name] : {std::pair{at::randn({640, 30}, o).t(), "a transposed residual"},
+                                  std::pair{at::randn({1 + 30 * 640}, o).narrow(0, 1, 30 * 640).view({30, 640}),
+                                            "a residual off the 16-byte alignment"}}) {
+      const auto [sum, y] = ln->forward_add(x, r);
+      expect(at::equal(sum, x + r) && at::equal(y, ln->forward(x + r)),
+             std::string("add_layer_norm ") + c10::toString(dtype) + " with " + name);
+    }
+  }
   {
     // No kernel where autograd needs a backward, or when switched off.
     models::LayerNorm ln(models::LayerNormOptions(640));
@@ -833,11 +757,13 @@ void check_previews() {
   req.preview_every = 1;
   req.taesd = "<random>";
   std::vector<int> steps, previews;
+  int wrong_size = 0, last_width = 0, last_height = 0;
   engine::JobObserver o;
   o.on_step = [&](const engine::StepEvent& e) { steps.push_back(e.index); };
   o.on_preview = [&](const engine::PreviewEvent& e) {
     previews.push_back(e.index);
-    if (e.image.width != 128 || e.image.height != 128) ++failures;
+    last_width = e.image.width, last_height = e.image.height;
+    if (e.image.width != req.preview_side() || e.image.height != req.preview_side()) ++wrong_size;
   };
   engine::CancelToken never;
   const auto r = sd->generate(req, o, never);
@@ -847,6 +773,9 @@ void check_previews() {
   std::cout << "  previews shown " << previews.size() << ", dropped " << r.timings.previews_dropped << "\n";
   expect(static_cast<int>(previews.size()) + r.timings.previews_dropped == req.steps, "each step's preview shown or dropped");
   expect(std::is_sorted(previews.begin(), previews.end()) && !previews.empty(), "previews arrive in step order");
+  expect(wrong_size == 0, "previews of a 128² image are " + std::to_string(req.preview_side()) + "² (the last " +
+                              std::to_string(last_width) + "x" + std::to_string(last_height) + ", " +
+                              std::to_string(wrong_size) + " of another size)");
 
   // The preview decode's CUDA graphs (GraphedFunction) against the same TAESD run eagerly.
   at::NoGradGuard no_grad;
@@ -1515,14 +1444,14 @@ void check_parallel_vae() {
 
 int main(int argc, char** argv) {
   const std::map<std::string, std::function<void()>> checks = {
-      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"residual", check_residual}, {"layernorm", check_layernorm}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
+      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"layernorm", check_layernorm}, {"conv_bias", check_conv_bias}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
-      {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"gemm_tune", check_gemm_tune}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
+      {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"parallel_vae", check_parallel_vae}};
   bool usage = argc < 2;
   for (int i = 1; i < argc; ++i) usage = usage || !checks.count(argv[i]);
   if (usage) {
-    std::cerr << "usage: diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|residual|layernorm|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae\n";
+    std::cerr << "usage: diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae\n";
     return 2;
   }
   std::cout << std::unitbuf;

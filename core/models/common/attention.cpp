@@ -8,7 +8,6 @@
 #include <torch/nn/modules/dropout.h>
 
 #include "core/models/common/geglu.h"
-#include "core/models/common/linear_residual.h"
 #include "core/models/common/patch_parallel.h"
 #include "core/util/error.h"
 
@@ -104,10 +103,8 @@ AttentionImpl::AttentionImpl(const AttentionOptions& o) : options(o) {
   to_out = register_module("to_out", nn::ModuleList(Linear(inner, o.query_dim), nn::Dropout(0.0)));
 }
 
-at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context, const at::Tensor& residual) {
+at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context) {
   const bool spatial = x.dim() == 4;
-  if (residual.defined() && (spatial || options.residual_connection || options.rescale_output_factor != 1.0))
-    throw Error("Attention: a residual for to_out.0 needs token input without residual_connection or rescaling");
   at::Tensor h = x;
   int64_t b = x.size(0), c = 0, height = 0, width = 0;
   if (spatial) {
@@ -131,8 +128,7 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context
   if (!context.defined())
     if (auto* patch = patch_context()) std::tie(k, v) = patch->self_attention_kv(k, v);
   auto out = multi_head_attention(q, k, v, options.heads);
-  auto* proj = to_out[0]->as<Linear>();
-  out = residual.defined() ? linear_residual(out, proj->weight, proj->bias, residual) : proj->forward(out);
+  out = to_out[0]->as<Linear>()->forward(out);
   if (spatial) out = out.transpose(1, 2).reshape({b, c, height, width});
   if (options.residual_connection) out = out + x;
   if (options.rescale_output_factor != 1.0) out = out / options.rescale_output_factor;
@@ -233,15 +229,28 @@ bool fused_cross_kv_wanted() {
 }
 
 namespace {
+// DIFFRACT_GEGLU_ONE_GEMM=0: the two half-width GEMMs on CUDA too.
+bool geglu_one_gemm() {
+  static const bool on = [] {
+    const char* v = std::getenv("DIFFRACT_GEGLU_ONE_GEMM");
+    return !(v && std::string(v) == "0");
+  }();
+  return on;
+}
+
 // GEGLU's projection; a module of its own so the key reads net.0.proj.
 class GEGLUImpl : public nn::Module {
  public:
   GEGLUImpl(int64_t dim, int64_t inner) { proj = register_module("proj", Linear(dim, inner * 2)); }
-  // Two GEMMs over the halves of the weight rather than one whose output is chunked: each
-  // half comes out contiguous, so the gate runs vectorised (on strided halves gelu and the
-  // product ran as non-vectorised kernels, 5.1 ms of the SDXL step on an H200), on CUDA as one
-  // kernel (geglu.h).
+  // Where geglu's kernel takes the projection's output, one GEMM and the kernel reading both
+  // halves in place: one wide GEMM fills the GPU better than two half as wide (a batch-1 SDXL
+  // step at 1024 tokens has too few tiles for 132 SMs). Elsewhere two GEMMs over the halves of
+  // the weight, so that each half comes out contiguous for ATen's vectorised ops (on strided
+  // halves gelu and the product ran non-vectorised, 5.1 ms of the SDXL step on an H200).
   at::Tensor forward(const at::Tensor& x) {
+    const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || proj->weight.requires_grad());
+    if (x.is_cuda() && geglu_one_gemm() && fused_geglu_available() && !grad)
+      return geglu_halves(at::linear(x, proj->weight, proj->bias));
     const int64_t inner = proj->weight.size(0) / 2;
     const auto half = [&](int64_t i) {
       return at::linear(x, proj->weight.narrow(0, i * inner, inner),
@@ -271,11 +280,10 @@ FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t inner_dim, FeedForwardActi
     net = register_module("net", nn::ModuleList(GELUProj(dim, inner_dim), nn::Dropout(0.0), out));
 }
 
-at::Tensor FeedForwardImpl::forward(const at::Tensor& x, const at::Tensor& residual) {
+at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
   const auto h = activation == FeedForwardActivation::GEGLU ? net[0]->as<GEGLU>()->forward(x)
                                                             : net[0]->as<GELUProj>()->forward(x);
-  auto* out = net[2]->as<Linear>();
-  return residual.defined() ? linear_residual(h, out->weight, out->bias, residual) : out->forward(h);
+  return net[2]->as<Linear>()->forward(h);
 }
 
 }  // namespace diffract::models

@@ -47,9 +47,8 @@ class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const AttentionOptions& o);
   // x: [B, T, C] or [B, C, H, W]; context: [B, S, Cc] or undefined (self-attention).
-  // Returns the same shape as x. residual (token input only): [B, T, C], added to to_out.0's
-  // output inside its GEMM (linear_residual.h), as the transformer blocks' skip connection.
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& context = {}, const at::Tensor& residual = {});
+  // Returns the same shape as x.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& context = {});
 
   // Self-attention only: lays to_q, to_k and to_v's weights (and biases) end to end in one
   // tensor, each parameter becoming a view of its rows, so inference projects q, k and v in one
@@ -130,8 +129,8 @@ enum class FeedForwardActivation { GEGLU, GELUTanh };
 class FeedForwardImpl : public torch::nn::Module {
  public:
   FeedForwardImpl(int64_t dim, int64_t inner_dim, FeedForwardActivation activation = FeedForwardActivation::GEGLU);
-  // [B, T, dim] -> [B, T, dim]; residual [B, T, dim] or undefined: added in net.2's GEMM.
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& residual = {});
+  // [B, T, dim] -> [B, T, dim]
+  at::Tensor forward(const at::Tensor& x);
   FeedForwardActivation activation;
   torch::nn::ModuleList net{nullptr};
 };

@@ -9,8 +9,8 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "core/models/common/geglu_kernels.h"
-#include "core/util/error.h"
 #endif
+#include "core/util/error.h"
 
 namespace diffract::models {
 
@@ -26,6 +26,42 @@ bool fused_geglu_available() {
 #else
   return false;
 #endif
+}
+
+bool geglu_halves_uses_kernel(const at::Tensor& y) {
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  const bool grad = at::GradMode::is_enabled() && y.requires_grad();
+  const auto t = y.scalar_type();
+  return y.is_cuda() && g_fused && !grad && y.dim() >= 1 && y.size(-1) % 2 == 0 && y.is_contiguous() &&
+         (t == at::kFloat || t == at::kHalf || t == at::kBFloat16);
+#else
+  (void)y;
+  return false;
+#endif
+}
+
+at::Tensor geglu_halves(const at::Tensor& y) {
+  if (y.dim() < 1 || y.size(-1) % 2 != 0)
+    throw Error("geglu_halves: the last dimension must be even (a then b), got " + c10::str(y.sizes()));
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  if (geglu_halves_uses_kernel(y)) {
+    const c10::cuda::CUDAGuard guard(y.device());
+    auto sizes = y.sizes().vec();
+    const int64_t inner = sizes.back() / 2;
+    sizes.back() = inner;
+    auto out = at::empty(sizes, y.options());
+    const auto dtype = y.scalar_type() == at::kFloat  ? kernels::DType::Float
+                       : y.scalar_type() == at::kHalf ? kernels::DType::Half
+                                                      : kernels::DType::BFloat16;
+    const int rc = kernels::geglu_halves_forward(y.data_ptr(), out.data_ptr(), y.numel() / (2 * inner), inner, dtype,
+                                                 at::cuda::getCurrentCUDAStream(y.device().index()).stream());
+    if (rc != 0)
+      throw Error("GEGLU CUDA kernel failed to launch: " + std::string(cudaGetErrorString(static_cast<cudaError_t>(rc))));
+    return out;
+  }
+#endif
+  const auto h = y.chunk(2, -1);
+  return h[0] * at::gelu(h[1]);
 }
 
 at::Tensor geglu(const at::Tensor& a, const at::Tensor& b) {

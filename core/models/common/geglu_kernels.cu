@@ -39,6 +39,46 @@ __global__ void geglu(const T* __restrict__ a, const T* __restrict__ b, T* __res
     out[i] = from_float<T>(gated(to_float(a[i]), to_float(b[i])));
 }
 
+// Row r of y holds a in columns [0, inner) and b in [inner, 2 inner): element i of the output
+// (row i / inner, column i % inner) reads both with the row's offset; 16-byte vectors when inner
+// and the pointers allow, else one element at a time.
+template <typename T>
+__global__ void geglu_halves(const T* __restrict__ y, T* __restrict__ out, int64_t rows, int64_t inner, bool vec) {
+  constexpr int per = 16 / sizeof(T);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (vec) {
+    struct alignas(16) V { T v[per]; };
+    const int64_t row_vectors = inner / per, vectors = rows * row_vectors;
+    const V* yv = reinterpret_cast<const V*>(y);
+    for (int64_t i = first; i < vectors; i += stride) {
+      const int64_t r = i / row_vectors, c = i - r * row_vectors;
+      const V va = yv[2 * r * row_vectors + c], vb = yv[(2 * r + 1) * row_vectors + c];
+      V vo;
+#pragma unroll
+      for (int k = 0; k < per; ++k) vo.v[k] = from_float<T>(gated(to_float(va.v[k]), to_float(vb.v[k])));
+      reinterpret_cast<V*>(out)[i] = vo;
+    }
+    return;
+  }
+  for (int64_t i = first; i < rows * inner; i += stride) {
+    const int64_t r = i / inner, c = i - r * inner;
+    out[i] = from_float<T>(gated(to_float(y[2 * r * inner + c]), to_float(y[(2 * r + 1) * inner + c])));
+  }
+}
+
+template <typename T>
+int launch_halves(const void* y, void* out, int64_t rows, int64_t inner, cudaStream_t stream) {
+  if (rows <= 0 || inner <= 0) return 0;
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const int64_t per = 16 / sizeof(T);
+  const bool vec = aligned(y) && aligned(out) && inner % per == 0;
+  const int64_t work = vec ? rows * inner / per : rows * inner;
+  const int blocks = static_cast<int>(std::min<int64_t>((work + kThreads - 1) / kThreads, 65535));
+  geglu_halves<T><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(y), static_cast<T*>(out), rows, inner, vec);
+  return static_cast<int>(cudaGetLastError());
+}
+
 template <typename T>
 int launch(const void* a, const void* b, void* out, int64_t n, cudaStream_t stream) {
   if (n <= 0) return 0;
@@ -59,6 +99,15 @@ int geglu_forward(const void* a, const void* b, void* out, int64_t n, DType dtyp
     case DType::Float: return launch<float>(a, b, out, n, stream);
     case DType::Half: return launch<__half>(a, b, out, n, stream);
     case DType::BFloat16: return launch<__nv_bfloat16>(a, b, out, n, stream);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+int geglu_halves_forward(const void* y, void* out, int64_t rows, int64_t inner, DType dtype, CUstream_st* stream) {
+  switch (dtype) {
+    case DType::Float: return launch_halves<float>(y, out, rows, inner, stream);
+    case DType::Half: return launch_halves<__half>(y, out, rows, inner, stream);
+    case DType::BFloat16: return launch_halves<__nv_bfloat16>(y, out, rows, inner, stream);
   }
   return static_cast<int>(cudaErrorInvalidValue);
 }

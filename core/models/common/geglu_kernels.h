@@ -15,4 +15,8 @@ namespace diffract::models::kernels {
 // `dtype` (a, b, out contiguous). Returns the CUDA error code of the launch (0: ok).
 int geglu_forward(const void* a, const void* b, void* out, int64_t n, DType dtype, CUstream_st* stream);
 
+// The same gate over the two halves of each row of one projection's output: y [rows, 2 inner]
+// (contiguous) holds a in its first `inner` columns and b in the rest; out [rows, inner].
+int geglu_halves_forward(const void* y, void* out, int64_t rows, int64_t inner, DType dtype, CUstream_st* stream);
+
 }  // namespace diffract::models::kernels

@@ -30,6 +30,14 @@ std::atomic<bool>& fused_switch() {
   return on;
 }
 
+bool add_switch() {
+  static const bool on = [] {
+    const char* v = std::getenv("DIFFRACT_FUSED_ADD_LAYER_NORM");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
 // Whether the kernel takes these tensors, filling `a` but for x and y (a non-contiguous x is
 // copied to a fresh, aligned tensor first). The kernel has no backward, and autocast runs
@@ -55,6 +63,13 @@ bool kernel_case(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   a.weight = weight.const_data_ptr();
   a.bias = bias.const_data_ptr();
   return true;
+}
+
+void launch(const kernels::LayerNormArgs& a, const c10::Device& device, const char* what) {
+  const int rc = kernels::layer_norm_forward(a, at::cuda::getCurrentCUDAStream(device.index()).stream());
+  if (rc != 0)
+    throw Error(std::string(what) + " CUDA kernel failed to launch: " +
+                std::string(cudaGetErrorString(static_cast<cudaError_t>(rc))));
 }
 #endif
 
@@ -91,14 +106,42 @@ at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::T
     a.x = in.const_data_ptr();
     a.y = y.mutable_data_ptr();
     a.eps = static_cast<float>(eps);
-    const int rc = kernels::layer_norm_forward(a, at::cuda::getCurrentCUDAStream(x.device().index()).stream());
-    if (rc != 0)
-      throw Error("LayerNorm CUDA kernel failed to launch: " +
-                  std::string(cudaGetErrorString(static_cast<cudaError_t>(rc))));
+    launch(a, x.device(), "LayerNorm");
     return y;
   }
 #endif
   return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
+}
+
+std::pair<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                 const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  TORCH_CHECK(x.dim() >= 1, "add_layer_norm: a 0-d input");
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  kernels::LayerNormArgs a;
+  if (add_switch() && residual.defined() && residual.sizes() == x.sizes() &&
+      residual.scalar_type() == x.scalar_type() && residual.device() == x.device() &&
+      !(at::GradMode::is_enabled() && residual.requires_grad()) && kernel_case(x, weight, bias, a)) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const auto in = x.contiguous(), r = residual.contiguous();
+    const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; };
+    if (aligned(in) && aligned(r)) {
+      auto sum = at::empty(in.sizes(), in.options());
+      auto y = at::empty(in.sizes(), in.options());
+      a.x = in.const_data_ptr();
+      a.residual = r.const_data_ptr();
+      a.sum = sum.mutable_data_ptr();
+      a.y = y.mutable_data_ptr();
+      a.eps = static_cast<float>(eps);
+      launch(a, x.device(), "add + LayerNorm");
+      return {sum, y};
+    }
+  }
+#endif
+  // The residual stream first, as the blocks added it before: an add's output takes its first
+  // operand's strides, and with x first AsyncDiff's CPU results no longer equaled one device's.
+  auto sum = residual + x;
+  auto y = layer_norm(sum, weight, bias, eps);
+  return {sum, y};
 }
 
 LayerNormImpl::LayerNormImpl(const LayerNormOptions& o) : options(o) {
@@ -107,5 +150,9 @@ LayerNormImpl::LayerNormImpl(const LayerNormOptions& o) : options(o) {
 }
 
 at::Tensor LayerNormImpl::forward(const at::Tensor& x) { return layer_norm(x, weight, bias, options.eps_); }
+
+std::pair<at::Tensor, at::Tensor> LayerNormImpl::forward_add(const at::Tensor& x, const at::Tensor& residual) {
+  return add_layer_norm(x, residual, weight, bias, options.eps_);
+}
 
 }  // namespace diffract::models

@@ -4,6 +4,7 @@
 // keys bind as they did. On CUDA, for fp16 / bf16 rows the kernel takes (layer_norm_kernels.h),
 // one kernel of our own; elsewhere, and wherever autograd or autocast is in play, at::layer_norm.
 #include <cstdint>
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
@@ -22,6 +23,8 @@ class LayerNormImpl : public torch::nn::Module {
  public:
   explicit LayerNormImpl(const LayerNormOptions& o);
   at::Tensor forward(const at::Tensor& x);  // [..., dim] -> the same shape, contiguous
+  // x, residual [..., dim] -> {x + residual, forward(x + residual)} (add_layer_norm)
+  std::pair<at::Tensor, at::Tensor> forward_add(const at::Tensor& x, const at::Tensor& residual);
   LayerNormOptions options;
   at::Tensor weight;  // [dim]
   at::Tensor bias;    // [dim]
@@ -30,6 +33,12 @@ TORCH_MODULE(LayerNorm);
 
 // at::layer_norm(x, {x.size(-1)}, weight, bias, eps), through the kernel where it applies.
 at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps);
+// {x + residual, layer_norm(x + residual, ...)}: a residual stream's next value and its normalised
+// form. Where the kernel applies (and DIFFRACT_FUSED_ADD_LAYER_NORM is not 0) one kernel writes
+// both, from the sum rounded to x's dtype, so the results equal the separate add and layer_norm
+// bit for bit; otherwise it is that add and layer_norm.
+std::pair<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                 const at::Tensor& weight, const at::Tensor& bias, double eps);
 // Whether layer_norm would run the kernel for these tensors (the GPU check asks).
 bool layer_norm_uses_kernel(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 // Whether CUDA tensors take the kernel: built with it and not switched off (set_fused_layer_norm,

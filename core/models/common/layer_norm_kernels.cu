@@ -44,7 +44,7 @@ __device__ __forceinline__ float row_sum(float s, float* red) {
 // Block = kThreads / (32 * kWarpsPerRow) rows; thread t of a row holds vectors t, t + row
 // threads, ... (kVpt of them at most). Rows past the end still take part in the block's
 // barriers, so the loop stays uniform over the block.
-template <typename T, int kVpt, int kWarpsPerRow>
+template <typename T, int kVpt, int kWarpsPerRow, bool kAdd>
 __global__ void layer_norm(LayerNormArgs a) {
   using V = Vec<T>;
   constexpr int kRowThreads = 32 * kWarpsPerRow;
@@ -67,6 +67,12 @@ __global__ void layer_norm(LayerNormArgs a) {
       const int v = t + i * kRowThreads;
       if (live && v < vectors) {
         in[i] = x[v];
+        if constexpr (kAdd) {
+          const V r = static_cast<const V*>(a.residual)[row * vectors + v];
+#pragma unroll
+          for (int j = 0; j < kPer; ++j) in[i].v[j] = from_float<T>(to_float(in[i].v[j]) + to_float(r.v[j]));
+          static_cast<V*>(a.sum)[row * vectors + v] = in[i];
+        }
 #pragma unroll
         for (int j = 0; j < kPer; ++j) sum += to_float(in[i].v[j]);
       }
@@ -105,7 +111,10 @@ template <typename T, int kVpt, int kWarpsPerRow>
 int launch(const LayerNormArgs& a, cudaStream_t stream) {
   constexpr int64_t rows_per_block = kThreads / (32 * kWarpsPerRow);
   const int64_t blocks = std::min((a.rows + rows_per_block - 1) / rows_per_block, kMaxBlocks);
-  layer_norm<T, kVpt, kWarpsPerRow><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+  if (a.residual)
+    layer_norm<T, kVpt, kWarpsPerRow, true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+  else
+    layer_norm<T, kVpt, kWarpsPerRow, false><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -134,7 +143,7 @@ bool layer_norm_supported(DType dtype, int64_t c) {
 
 int layer_norm_forward(const LayerNormArgs& a, CUstream_st* stream) {
   if (!layer_norm_supported(a.dtype, a.c) || a.rows < 1 || !aligned(a.x) || !aligned(a.weight) || !aligned(a.bias) ||
-      !aligned(a.y))
+      !aligned(a.y) || (a.residual == nullptr) != (a.sum == nullptr) || (a.residual && (!aligned(a.residual) || !aligned(a.sum))))
     return static_cast<int>(cudaErrorInvalidValue);
   switch (a.dtype) {
     case DType::Half: return dispatch<__half>(a, stream);

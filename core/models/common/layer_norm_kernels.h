@@ -21,6 +21,10 @@ struct LayerNormArgs {
   const void* weight = nullptr;  // [c], dtype
   const void* bias = nullptr;    // [c], dtype
   void* y = nullptr;             // [rows, c], dtype
+  // Both set or neither: the kernel normalises x + residual (rounded to dtype, as an add in
+  // dtype would be) and writes that sum to `sum` as well.
+  const void* residual = nullptr;  // [rows, c], dtype
+  void* sum = nullptr;             // [rows, c], dtype
   int64_t rows = 0, c = 0;
   float eps = 1e-5f;
   DType dtype = DType::BFloat16;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -11,6 +13,14 @@
 #include <c10/core/GradMode.h>
 
 #include "core/models/common/patch_parallel.h"
+#include "core/util/error.h"
+
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "core/models/common/bias_add_kernels.h"
+#endif
 
 namespace diffract::models {
 
@@ -21,7 +31,69 @@ uint64_t next_construction_index() {
   return count++;
 }
 
+std::atomic<bool>& conv_bias_switch() {
+  static std::atomic<bool> on{[] {
+    const char* v = std::getenv("DIFFRACT_CONV_BIAS_KERNEL");
+    return !(v && std::string(v) == "0");
+  }()};
+  return on;
+}
+
+// y += bias[channel] (+ residual) in place through the kernel, where it takes these tensors.
+bool bias_add_cuda(at::Tensor& y, const at::Tensor& bias, const at::Tensor& residual) {
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  if (!conv_bias_switch() || !y.is_cuda() || y.dim() != 4 || y.numel() == 0) return false;
+  kernels::BiasAddArgs a;
+  switch (y.scalar_type()) {
+    case at::kHalf: a.dtype = kernels::DType::Half; break;
+    case at::kBFloat16: a.dtype = kernels::DType::BFloat16; break;
+    case at::kFloat: a.dtype = kernels::DType::Float; break;
+    default: return false;
+  }
+  if (at::GradMode::is_enabled() && (y.requires_grad() || bias.requires_grad() || (residual.defined() && residual.requires_grad())))
+    return false;
+  if (bias.dim() != 1 || bias.size(0) != y.size(1) || bias.scalar_type() != y.scalar_type() ||
+      bias.device() != y.device() || !bias.is_contiguous())
+    return false;
+  const int per = static_cast<int>(16 / y.element_size());
+  a.c = y.size(1);
+  if (y.is_contiguous(at::MemoryFormat::ChannelsLast) && y.size(1) % per == 0) a.plane = 1;
+  else if (y.is_contiguous() && (y.size(2) * y.size(3)) % per == 0) a.plane = y.size(2) * y.size(3);
+  else return false;
+  if (residual.defined() && (residual.sizes() != y.sizes() || residual.strides() != y.strides() ||
+                             residual.scalar_type() != y.scalar_type() || residual.device() != y.device()))
+    return false;
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (!aligned(y.const_data_ptr()) || !aligned(bias.const_data_ptr()) ||
+      (residual.defined() && !aligned(residual.const_data_ptr())))
+    return false;
+  a.y = y.mutable_data_ptr();
+  a.bias = bias.const_data_ptr();
+  a.residual = residual.defined() ? residual.const_data_ptr() : nullptr;
+  a.numel = y.numel();
+  const c10::cuda::CUDAGuard guard(y.device());
+  const int rc = kernels::bias_add(a, at::cuda::getCurrentCUDAStream(y.device().index()).stream());
+  if (rc != 0)
+    throw Error("convolution bias CUDA kernel failed to launch: " +
+                std::string(cudaGetErrorString(static_cast<cudaError_t>(rc))));
+  return true;
+#else
+  (void)y, (void)bias, (void)residual;
+  return false;
+#endif
+}
+
 }  // namespace
+
+bool conv_bias_kernel_available() {
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  return conv_bias_switch();
+#else
+  return false;
+#endif
+}
+
+void set_conv_bias_kernel(bool on) { conv_bias_switch() = on; }
 
 LinearImpl::LinearImpl(const LinearOptions& o) : options(o), construction_index(next_construction_index()) {
   weight = register_parameter("weight", at::empty({o.out_features, o.in_features}));
@@ -35,10 +107,26 @@ Conv2dImpl::Conv2dImpl(const Conv2dOptions& o) : options(o), construction_index(
   if (o.with_bias) bias = register_parameter("bias", at::empty({o.out_channels}));
 }
 
-at::Tensor Conv2dImpl::forward(const at::Tensor& x) {
+at::Tensor Conv2dImpl::forward(const at::Tensor& x) { return forward_add(x, {}); }
+
+at::Tensor Conv2dImpl::forward_add(const at::Tensor& x, const at::Tensor& residual) {
+  // The residual first, as a ResNet block's skip + h was: an add's output takes its first
+  // operand's strides.
+  const auto with_residual = [&](const at::Tensor& y) { return residual.defined() ? residual + y : y; };
   if (options.kernel > 1)
-    if (auto* patch = patch_context()) return patch->conv2d(*this, x);
-  return at::conv2d(x, weight, bias, {options.stride_, options.stride_}, {options.padding_, options.padding_});
+    if (auto* patch = patch_context()) return with_residual(patch->conv2d(*this, x));
+  if (bias.defined() && x.is_cuda() && conv_bias_switch()) {
+    auto y = forward_without_bias(x);
+    if (bias_add_cuda(y, bias, residual)) return y;
+    return with_residual(y + bias.view({1, -1, 1, 1}));
+  }
+  return with_residual(at::conv2d(x, weight, bias, {options.stride_, options.stride_}, {options.padding_, options.padding_}));
+}
+
+at::Tensor Conv2dImpl::forward_without_bias(const at::Tensor& x) {
+  if (options.kernel > 1 && patch_context())
+    throw Error("Conv2d::forward_without_bias: a patch-parallel context is active (its convolutions add the bias)");
+  return at::conv2d(x, weight, {}, {options.stride_, options.stride_}, {options.padding_, options.padding_});
 }
 
 EmbeddingImpl::EmbeddingImpl(int64_t num, int64_t dim)

@@ -51,13 +51,28 @@ struct Conv2dOptions {
 class Conv2dImpl : public torch::nn::Module {
  public:
   explicit Conv2dImpl(const Conv2dOptions& o);
-  at::Tensor forward(const at::Tensor& x);  // at::conv2d
+  // x [N, in, H, W] -> conv2d(x) + bias. On CUDA the bias goes in through one vectorised kernel
+  // (bias_add_kernels.h) rather than ATen's broadcast add_ after cuDNN. One argument: TAESD
+  // holds these in torch::nn::Sequential.
+  at::Tensor forward(const at::Tensor& x);
+  // conv2d(x) + bias + residual ([N, out, H', W'], the output's memory format), on CUDA in the
+  // same kernel.
+  at::Tensor forward_add(const at::Tensor& x, const at::Tensor& residual);
+  // The convolution alone, for a caller that adds the bias itself (a ResNet block hands it to
+  // the GroupNorm that reads the output). No patch-parallel context may be active.
+  at::Tensor forward_without_bias(const at::Tensor& x);
   Conv2dOptions options;
   at::Tensor weight;  // [out, in, k, k]
   at::Tensor bias;    // [out] or undefined
   uint64_t construction_index;  // see init_random
 };
 TORCH_MODULE(Conv2d);
+
+// Whether Conv2d adds its bias (and residual) through the CUDA kernel and ResNet blocks fold the
+// first convolution's bias into their GroupNorm: built with the kernels and not switched off
+// (set_conv_bias_kernel, or DIFFRACT_CONV_BIAS_KERNEL=0 in the environment at start-up).
+bool conv_bias_kernel_available();
+void set_conv_bias_kernel(bool on);
 
 class EmbeddingImpl : public torch::nn::Module {
  public:

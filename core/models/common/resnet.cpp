@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include "core/models/common/patch_parallel.h"
+
 namespace diffract::models {
 
 namespace nn = torch::nn;
@@ -19,12 +21,19 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options(o)
 
 at::Tensor ResnetBlock2DImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
   // x [B, in, h, w], temb [B, temb_channels] or undefined -> [B, out, h, w]
-  auto h = conv1->forward(norm1->forward(x, {}, /*silu=*/true));
-  // The time embedding is added per channel inside norm2's kernels, not as a broadcast add.
+  // The time embedding is added per channel inside norm2's kernels, not as a broadcast add; on
+  // CUDA so is conv1's bias, and conv2 adds its bias and the skip connection in one kernel.
   const auto t = time_emb_proj && temb.defined() ? time_emb_proj->forward(at::silu(temb)) : at::Tensor();
-  h = conv2->forward(norm2->forward(h, t, /*silu=*/true));
-  auto skip = conv_shortcut ? conv_shortcut->forward(x) : x;
-  auto out = skip + h;
+  const auto skip = conv_shortcut ? conv_shortcut->forward(x) : x;
+  at::Tensor h;
+  if (x.is_cuda() && conv_bias_kernel_available() && conv1->bias.defined() && !patch_context()) {
+    h = conv1->forward_without_bias(norm1->forward(x, {}, /*silu=*/true));
+    const auto add = t.defined() ? t + conv1->bias : conv1->bias.unsqueeze(0).expand({x.size(0), -1});
+    h = norm2->forward(h, add, /*silu=*/true);
+  } else {
+    h = norm2->forward(conv1->forward(norm1->forward(x, {}, /*silu=*/true)), t, /*silu=*/true);
+  }
+  const auto out = conv2->forward_add(h, skip);
   return options.output_scale_factor == 1.0 ? out : out / options.output_scale_factor;
 }
 

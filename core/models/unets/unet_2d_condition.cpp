@@ -1,5 +1,8 @@
 #include "core/models/unets/unet_2d_condition.h"
 
+#include <tuple>
+#include <utility>
+
 #include <ATen/ATen.h>
 
 #include "core/io/diffusers_folder.h"
@@ -194,10 +197,21 @@ BasicTransformerBlockImpl::BasicTransformerBlockImpl(int64_t dim, int64_t heads,
 }
 
 at::Tensor BasicTransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& context) {
-  // Each skip connection is added inside the output projection's GEMM (linear_residual.h).
-  auto h = attn1->forward(norm1->forward(x), {}, x);
-  h = attn2->forward(norm2->forward(h), context, h);
-  return ff->forward(norm3->forward(h), h);
+  const auto [h, y] = forward_deferred(x, {}, context);
+  return h + y;
+}
+
+std::pair<at::Tensor, at::Tensor> BasicTransformerBlockImpl::forward_deferred(const at::Tensor& x,
+                                                                               const at::Tensor& pending,
+                                                                               const at::Tensor& context) {
+  // The adds are the skip connections: each runs inside the kernel of the LayerNorm that reads
+  // the sum, which saves a kernel and a pass over the activations per add.
+  at::Tensor h = x, y;
+  if (pending.defined()) std::tie(h, y) = norm1->forward_add(pending, x);
+  else y = norm1->forward(x);
+  std::tie(h, y) = norm2->forward_add(attn1->forward(y), h);
+  std::tie(h, y) = norm3->forward_add(attn2->forward(y, context), h);
+  return {h, ff->forward(y)};
 }
 
 Transformer2DModelImpl::Transformer2DModelImpl(int64_t channels, int64_t heads, int64_t layers,
@@ -218,7 +232,10 @@ at::Tensor Transformer2DModelImpl::forward(const at::Tensor& x, const at::Tensor
   auto to_tokens = [&](const at::Tensor& t) { return t.permute({0, 2, 3, 1}).reshape({b, h * w, c}); };
   auto hs = norm->forward(x);
   hs = linear_projection ? proj_in_linear->forward(to_tokens(hs)) : to_tokens(proj_in_conv->forward(hs));
-  for (const auto& block : *transformer_blocks) hs = block->as<BasicTransformerBlock>()->forward(hs, context);
+  at::Tensor pending;
+  for (const auto& block : *transformer_blocks)
+    std::tie(hs, pending) = block->as<BasicTransformerBlock>()->forward_deferred(hs, pending, context);
+  if (pending.defined()) hs = hs + pending;
   at::Tensor out;
   if (linear_projection) {
     out = proj_out_linear->forward(hs).reshape({b, h, w, c}).permute({0, 3, 1, 2}).contiguous(x.suggest_memory_format());

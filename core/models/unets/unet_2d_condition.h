@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/nn/module.h>
@@ -63,6 +64,12 @@ class BasicTransformerBlockImpl : public torch::nn::Module {
  public:
   BasicTransformerBlockImpl(int64_t dim, int64_t heads, int64_t dim_head, int64_t cross_attention_dim);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& context);  // [B, T, C] -> [B, T, C]
+  // x [B, T, C] and `pending` (undefined, or [B, T, C] still to be added to x) -> {h, f}, the
+  // block's output being h + f: its feed-forward branch f is left for the caller to add (in the
+  // next block's norm1 kernel). Each residual add runs inside the LayerNorm that reads the sum
+  // (add_layer_norm), equal bit for bit to forward().
+  std::pair<at::Tensor, at::Tensor> forward_deferred(const at::Tensor& x, const at::Tensor& pending,
+                                                     const at::Tensor& context);
   LayerNorm norm1{nullptr}, norm2{nullptr}, norm3{nullptr};
   Attention attn1{nullptr}, attn2{nullptr};
   FeedForward ff{nullptr};
