@@ -5,11 +5,8 @@
 
 #include <ATen/ATen.h>
 
-#include "core/util/error.h"
-
 #ifdef DIFFRACT_HAS_CUDA
 #include <ATen/cuda/CUDAEvent.h>
-#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
@@ -209,35 +206,6 @@ std::int64_t peak_memory(const c10::Device& device) {
   }
 #endif
   return 0;
-}
-
-double graph_ms_per_call(const c10::Device& device, const std::function<void()>& f, int calls) {
-#ifdef DIFFRACT_HAS_CUDA
-  if (device.is_cuda()) {
-    const c10::cuda::CUDAGuard guard(device);
-    const auto current = c10::cuda::getCurrentCUDAStream(device.index());
-    auto side = c10::cuda::getStreamFromPool(false, device.index());
-    at::cuda::CUDAEvent ready;
-    ready.record(current);
-    ready.block(side);
-    const c10::cuda::CUDAStreamGuard on_side(side);
-    f();
-    at::cuda::CUDAGraph graph;
-    graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
-    for (int i = 0; i < calls; ++i) f();
-    graph.capture_end();
-    graph.replay();
-    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
-    start.record(side);
-    graph.replay();
-    stop.record(side);
-    stop.synchronize();
-    return start.elapsed_time(stop) / calls;
-  }
-#endif
-  (void)f;
-  (void)calls;
-  throw Error("graph_ms_per_call: " + device.str() + " is not a CUDA device");
 }
 
 }  // namespace diffract

@@ -68,10 +68,4 @@ class SideStreamTask {
 void reset_peak_memory(const c10::Device& device);
 std::int64_t peak_memory(const c10::Device& device);
 
-// Device time (ms) per call of `f` on a CUDA device: f once outside the capture (workspaces,
-// plans), then `calls` calls captured in one CUDA graph on a side stream (capture mode local to
-// this thread) and replayed, one replay timed with events: no host launch time between kernels,
-// as the UNet's graphs run them. Throws on the CPU.
-double graph_ms_per_call(const c10::Device& device, const std::function<void()>& f, int calls = 100);
-
 }  // namespace diffract

@@ -92,9 +92,30 @@ std::unique_ptr<pipeline::StableDiffusion> tiny_sdxl(bool graphs) {
   return pipeline::StableDiffusion::random(pipeline::Family::SDXL, /*tiny=*/true, "cuda:0");
 }
 
-// Device time per call of `f` on cuda:0, graphed (device_work.h).
+// Device time (ms) per call of `f` on cuda:0: f once outside the capture (workspaces, plans),
+// then `calls` calls captured in one CUDA graph on a side stream (capture mode local to this
+// thread) and replayed, one replay timed with events: no host launch time between kernels, as
+// the UNet's graphs run them.
 double graph_ms_per_call(const std::function<void()>& f, int calls = 100) {
-  return diffract::graph_ms_per_call(at::Device("cuda:0"), f, calls);
+  const c10::cuda::CUDAGuard guard(0);
+  const auto current = c10::cuda::getCurrentCUDAStream(0);
+  auto side = c10::cuda::getStreamFromPool(false, 0);
+  at::cuda::CUDAEvent ready;
+  ready.record(current);
+  ready.block(side);
+  const c10::cuda::CUDAStreamGuard on_side(side);
+  f();
+  at::cuda::CUDAGraph graph;
+  graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+  for (int i = 0; i < calls; ++i) f();
+  graph.capture_end();
+  graph.replay();
+  at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+  start.record(side);
+  graph.replay();
+  stop.record(side);
+  stop.synchronize();
+  return start.elapsed_time(stop) / calls;
 }
 
 // models::GroupNorm's CUDA kernels against ATen's group_norm (+ add, + silu) computed in fp32
