@@ -14,6 +14,7 @@
 #include "core/models/common/geglu.h"
 #include "core/models/common/layer_norm.h"
 #include "core/models/common/layers.h"
+#include "core/models/common/patch_parallel.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_2d_condition.h"
@@ -419,6 +420,30 @@ class TestLayers : public QObject {
     QVERIFY(at::equal(h + pending, want));
     const auto [h2, pending2] = next->forward_deferred(h, pending, ctx);
     QVERIFY(at::equal(h2 + pending2, separate(next, want)));
+  }
+
+  // Conv2d's forward_add is the convolution plus the residual, forward_without_bias the
+  // convolution alone (bit for bit on the CPU: ATen's ops; the CUDA bias kernel is checked by
+  // diffract-gpu-checks conv_bias); under a patch-parallel context, whose convolutions add the
+  // bias themselves, forward_without_bias refuses.
+  void conv2dAddsResidualAndBias() {
+    at::manual_seed(7);
+    models::Conv2d conv(models::Conv2dOptions(4, 6, 3).padding(1));
+    models::init_random(*conv, 2);
+    const auto x = at::randn({2, 4, 5, 5}), r = at::randn({2, 6, 5, 5});
+    const auto plain = at::conv2d(x, conv->weight, conv->bias, {1, 1}, {1, 1});
+    QVERIFY(at::equal(conv->forward(x), plain));
+    QVERIFY(at::equal(conv->forward_add(x, r), r + plain));
+    QVERIFY(at::equal(conv->forward_without_bias(x), at::conv2d(x, conv->weight, {}, {1, 1}, {1, 1})));
+    struct Bands : models::PatchContext {
+      at::Tensor conv2d(models::Conv2dImpl&, const at::Tensor& in) override { return in; }
+      at::Tensor group_norm(models::GroupNormImpl&, const at::Tensor& in, const at::Tensor&, bool) override { return in; }
+      std::pair<at::Tensor, at::Tensor> self_attention_kv(const at::Tensor& k, const at::Tensor& v) override {
+        return {k, v};
+      }
+    } bands;
+    const models::PatchScope scope(&bands);
+    DIFFRACT_EXPECT_ERROR(conv->forward_without_bias(x), "forward_without_bias", "patch-parallel context");
   }
 
   // add_layer_norm and geglu_halves on the CPU: the separate ops, bit for bit (their CUDA
