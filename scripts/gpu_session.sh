@@ -278,7 +278,9 @@ fi
 # verdict lines printed (and the lines matching MORE).
 checks() {
   ctest --test-dir build/gpu -R "$2" -V --timeout "${3:-90}" > "$logs/$1.log" 2>&1
-  grep -E "  (ok|FAIL)  |tests passed|Timeout${4:+|$4}" "$logs/$1.log" | cut -c1-300 | head -60
+  grep -E "  FAIL  |tests passed|Timeout|Failed|Passed" "$logs/$1.log" | cut -c1-300 | head -40
+  echo "  ($(grep -c '  ok  ' "$logs/$1.log") ok lines)"
+  [ -n "${4:-}" ] && grep -E "$4" "$logs/$1.log" | grep -v "  FAIL  " | cut -c1-300 | head -60
 }
 
 # side_by_side: the diffusers anchor, then diffract-bench (SDXL, SD 1.5) on the same GPU, one
@@ -358,10 +360,41 @@ for name in ("unet_step_variants", "unet_step_variants_one_branch"):
     k = v.get("kernels_channels_last", {})
     print("     families:", {a: round(b, 3) for a, b in k.get("families_ms", {}).items()})
     if "AB_TOP" in __import__("os").environ:
-        for n, ms in k.get("top_ms", [])[:20]: print(f"      {ms:7.3f} {n[:110]}")
+        for t in k.get("top_ms", [])[:int(__import__("os").environ["AB_TOP"] or 20)]:
+            print(f"      {t[1]:7.3f} {t[2] if len(t) > 2 else '':>5} {t[0][:110]}")
+    if "AB_OPS" in __import__("os").environ:
+        print("     by launching op (kernel <- op [input shapes]):")
+        for t in k.get("top_by_op", [])[:int(__import__("os").environ["AB_OPS"] or 40)]:
+            print(f"      {t[1]:7.3f} {t[2]:>5} {t[0][:230]}")
 PY
   done
 }
+
+#   PLAN=final (one GPU): the kernel, projection and graph checks, the diffusers anchor then
+#     diffract-bench (SDXL, SD 1.5) on the same GPU and their ratios, then SDXL once more with
+#     each UNet step's kernels listed by name and by the ATen op (and shapes) that launched them.
+if [ "$plan" = final ]; then
+  checks checks_final "gpu_conv_bias|gpu_layernorm|gpu_groupnorm|gpu_geglu|gpu_qkv|gpu_graphs|gpu_stage_graphs|gpu_previews" 150 "rel-L2|worst|ResNet|its bias|slice"
+  echo "checks at $(elapsed) s"
+  side_by_side
+  ratios 2>&1 | grep -v "^    top" | cut -c1-1500
+  AB_TOP=30 AB_OPS=60 env_ab DIFFRACT_FUSED_TIME_PROJ 1
+  exit 0
+fi
+
+#   PLAN=timeproj (one GPU): the GroupNorm, fused-projection, bias, LayerNorm and graph checks,
+#     then SDXL 1024² with the defaults (the ResNet blocks' time projections as one GEMM, the
+#     LayerNorm kernel loading its affine with x), without the fused time projections, and with
+#     the affine loaded after the reductions, one after the other (the first with its kernels
+#     listed, call counts included).
+if [ "$plan" = timeproj ]; then
+  checks checks_timeproj "gpu_groupnorm|gpu_qkv|gpu_conv_bias|gpu_layernorm|gpu_graphs" 150 "rel-L2|worst|ResNet|slice|one row|bias "
+  echo "checks at $(elapsed) s"
+  AB_TOP=40 env_ab DIFFRACT_FUSED_TIME_PROJ 1
+  env_ab DIFFRACT_FUSED_TIME_PROJ 0
+  env_ab DIFFRACT_LAYER_NORM_PREFETCH 0
+  exit 0
+fi
 
 #   PLAN=sidebyside (one GPU): the kernel and graph checks, the diffusers anchor then
 #     diffract-bench (SDXL, SD 1.5) on the same GPU, their ratios, then SDXL once more for the

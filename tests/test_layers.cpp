@@ -15,6 +15,7 @@
 #include "core/models/common/layer_norm.h"
 #include "core/models/common/layers.h"
 #include "core/models/common/patch_parallel.h"
+#include "core/models/common/resnet.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_2d_condition.h"
@@ -391,7 +392,90 @@ class TestLayers : public QObject {
     DIFFRACT_COMPARE_TENSORS(y, want, 1e-6);
     const auto x3 = at::randn({2, 12, 7});  // [N, C, L]
     DIFFRACT_COMPARE_TENSORS(ours->forward(x3, add, false), theirs->forward(x3 + add.view({2, 12, 1})), 1e-6);
+    // channel_add [C] (a convolution's bias) on top of add; add as rows of a wider tensor, or one
+    // row for every sample.
+    const auto bias = at::randn({12}), wide = at::randn({2, 20});
+    const auto with_bias = at::silu(theirs->forward(x + add.view({2, 12, 1, 1}) + bias.view({1, 12, 1, 1})));
+    DIFFRACT_COMPARE_TENSORS(ours->forward(x, add, true, bias), with_bias, 1e-6);
+    DIFFRACT_COMPARE_TENSORS(ours->forward(x, {}, false, bias), theirs->forward(x + bias.view({1, 12, 1, 1})), 1e-6);
+    const auto slice = wide.narrow(1, 5, 12);
+    QVERIFY(!slice.is_contiguous());
+    DIFFRACT_COMPARE_TENSORS(ours->forward(x, slice, false), theirs->forward(x + slice.reshape({2, 12, 1, 1})), 1e-6);
+    const auto row = add.narrow(0, 1, 1);
+    DIFFRACT_COMPARE_TENSORS(ours->forward(x, row, false), theirs->forward(x + row.view({1, 12, 1, 1})), 1e-6);
+    DIFFRACT_EXPECT_ERROR(ours->forward(x, at::randn({3, 12})), "GroupNorm: add of shape [3, 12]");
+    DIFFRACT_EXPECT_ERROR(ours->forward(x, at::randn({2, 11})), "GroupNorm: add of shape [2, 11]");
+    DIFFRACT_EXPECT_ERROR(ours->forward(x, {}, false, at::randn({11})), "GroupNorm: channel_add of shape [11]");
     QVERIFY_THROWS_EXCEPTION(std::exception, models::GroupNorm(models::GroupNormOptions(5, 12)));
+  }
+
+  // Every ResNet block's time-embedding projection from one GEMM (TimeProjections): the blocks
+  // handed the scope's time embedding get its slices, equal to their own silu + projection;
+  // another tensor, no scope, autograd recording or a move to another dtype leave them to their
+  // own GEMMs. Then the tiny SD UNet with it still gives diffusers' output, parameters unchanged.
+  void fusedTimeProjectionsAreTheSameProjection() {
+    torch::nn::Module root;
+    const auto block = [](int64_t in, int64_t out, int64_t temb) {
+      models::ResnetBlock2DOptions o;
+      o.in_channels = in, o.out_channels = out, o.temb_channels = temb, o.groups = 4;
+      return models::ResnetBlock2D(o);
+    };
+    auto a = root.register_module("a", block(8, 8, 12)), b = root.register_module("b", block(8, 16, 12));
+    auto other = root.register_module("other", block(8, 8, 6));  // another width: its own GEMM
+    auto vae = root.register_module("vae", block(8, 8, 0));      // no time embedding
+    for (auto* m : {a.get(), b.get(), other.get(), vae.get()}) models::init_random(*m, 21);
+    const auto w_before = b->time_emb_proj->weight.clone();
+    const auto group = models::TimeProjections::fuse(root);
+    QVERIFY(group && group->size() == 2 && group->intact());
+    QVERIFY(at::equal(b->time_emb_proj->weight, w_before));
+    QVERIFY(!models::TimeProjections::fuse(*vae));
+
+    at::manual_seed(6);
+    const auto temb = at::randn({2, 12});
+    at::NoGradGuard no_grad;
+    QVERIFY(!models::TimeProjectionScope::lookup(a.get(), temb).defined());
+    const auto x = at::randn({2, 8, 4, 4});
+    const auto b_alone = b->forward(x, temb);
+    {
+      const models::TimeProjectionScope scope(group.get(), temb);
+      for (auto* m : {a.get(), b.get()}) {
+        const auto t = models::TimeProjectionScope::lookup(m, temb);
+        QVERIFY(t.defined());
+        DIFFRACT_COMPARE_TENSORS(t, m->time_emb_proj->forward(at::silu(temb)), 1e-6);
+      }
+      QVERIFY(!models::TimeProjectionScope::lookup(other.get(), temb).defined());
+      QVERIFY(!models::TimeProjectionScope::lookup(a.get(), temb.clone()).defined());
+      {
+        const models::TimeProjectionScope inner(nullptr, temb);
+        QVERIFY(!models::TimeProjectionScope::lookup(a.get(), temb).defined());
+      }
+      DIFFRACT_COMPARE_TENSORS(b->forward(x, temb), b_alone, 1e-5);
+    }
+    {
+      at::AutoGradMode grad(true);
+      const models::TimeProjectionScope scope(group.get(), temb);
+      QVERIFY(!models::TimeProjectionScope::lookup(a.get(), temb).defined());
+    }
+    root.to(at::kDouble);
+    QVERIFY(!group->intact());
+    {
+      const models::TimeProjectionScope scope(group.get(), temb.to(at::kDouble));
+      QVERIFY(!models::TimeProjectionScope::lookup(a.get(), temb).defined());
+    }
+
+    auto unet = models::load_unet_2d_condition(test::fixtures() / "tiny-sd" / "unet");
+    std::map<std::string, at::Tensor> before;
+    for (const auto& kv : unet->named_parameters()) before[kv.key()] = kv.value().clone();
+    int resnets = 0;
+    for (const auto& m : unet->modules())
+      if (auto* r = dynamic_cast<models::ResnetBlock2DImpl*>(m.get())) resnets += r->time_emb_proj ? 1 : 0;
+    QVERIFY(resnets > 0);
+    QCOMPARE(unet->fuse_time_projections(), resnets);
+    for (const auto& kv : unet->named_parameters()) QVERIFY2(at::equal(kv.value(), before.at(kv.key())), kv.key().c_str());
+    const auto e = io::load_state_dict(test::fixtures() / "unet_cases.safetensors");
+    models::UNetConditioning cond;
+    cond.encoder_hidden_states = e.at("sd.16x16.context");
+    DIFFRACT_COMPARE_TENSORS(unet->forward(e.at("sd.16x16.x"), e.at("sd.16x16.t"), cond), e.at("sd.16x16.out"), 1e-4);
   }
 
   // BasicTransformerBlock adds its skip connections inside the next LayerNorm (add_layer_norm)
@@ -434,6 +518,10 @@ class TestLayers : public QObject {
     const auto plain = at::conv2d(x, conv->weight, conv->bias, {1, 1}, {1, 1});
     QVERIFY(at::equal(conv->forward(x), plain));
     QVERIFY(at::equal(conv->forward_add(x, r), r + plain));
+    const auto rb = at::randn({6});  // a 1x1 shortcut's bias, left to this add
+    QVERIFY(at::equal(conv->forward_add(x, r, rb), r + rb.view({1, 6, 1, 1}) + plain));
+    DIFFRACT_EXPECT_ERROR(conv->forward_add(x, {}, rb), "forward_add", "residual_bias");
+    DIFFRACT_EXPECT_ERROR(conv->forward_add(x, r, at::randn({5})), "forward_add", "residual_bias");
     QVERIFY(at::equal(conv->forward_without_bias(x), at::conv2d(x, conv->weight, {}, {1, 1}, {1, 1})));
     struct Bands : models::PatchContext {
       at::Tensor conv2d(models::Conv2dImpl&, const at::Tensor& in) override { return in; }

@@ -66,12 +66,14 @@ models::UNetGraphOptions graph_options() {
   return o;
 }
 
-// The UNet's attention projections as fewer, wider GEMMs (attention.h), after its weights are
-// placed: self-attention's q, k, v in one GEMM each, every cross-attention's keys and values in
-// one per step. DIFFRACT_FUSED_QKV=0 / DIFFRACT_FUSED_CROSS_KV=0 leave them separate.
+// The UNet's projections as fewer, wider GEMMs, after its weights are placed: self-attention's
+// q, k, v in one GEMM each, every cross-attention's keys and values in one per step
+// (attention.h), every ResNet block's time-embedding projection in one per step (resnet.h).
+// DIFFRACT_FUSED_QKV=0 / DIFFRACT_FUSED_CROSS_KV=0 / DIFFRACT_FUSED_TIME_PROJ=0 leave them apart.
 void fuse_projections(models::UNet2DConditionModel& unet) {
   if (models::fused_qkv_wanted()) models::fuse_attention_qkv(*unet);
   if (models::fused_cross_kv_wanted()) unet->fuse_cross_attention_kv();
+  if (models::fused_time_projections_wanted()) unet->fuse_time_projections();
 }
 
 std::string a1111_sampler(schedulers::SamplerKind k) {
@@ -553,7 +555,7 @@ namespace {
 nlohmann::json kernel_profile(int reps, const std::function<void()>& f, int device) {
   namespace prof = torch::autograd::profiler;
   using torch::profiler::impl::ActivityType;
-  const prof::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+  const prof::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO, /*report_input_shapes=*/true);
   const std::set<ActivityType> activities{ActivityType::CPU, ActivityType::CUDA};
   f();
   torch::cuda::synchronize(device);
@@ -563,8 +565,23 @@ nlohmann::json kernel_profile(int reps, const std::function<void()>& f, int devi
   torch::cuda::synchronize(device);
   const auto result = prof::disableProfiler();
   std::map<std::string, double> by_name, by_family;
+  std::map<std::string, int> calls;
   double total = 0;
   int kernels = 0;
+  // The ATen op (and its input shapes) that launched each kernel or memset: which GEMM shape a
+  // kernel serves, who sets memory to zero.
+  std::map<std::uint64_t, std::string> ops;
+  for (const auto& e : result->events()) {
+    if (e.deviceType() != c10::DeviceType::CPU || e.name().rfind("aten::", 0) != 0) continue;
+    std::string what = e.name();
+    if (e.hasShapes()) {
+      what += " ";
+      for (const auto& shape : e.shapes())
+        if (!shape.empty()) what += c10::str(c10::IntArrayRef(shape));
+    }
+    ops[e.correlationId()] = what;
+  }
+  std::map<std::string, std::pair<double, int>> by_op;
   auto family = [](std::string n) {
     std::transform(n.begin(), n.end(), n.begin(), [](unsigned char ch) { return std::tolower(ch); });
     auto has = [&](const char* k) { return n.find(k) != std::string::npos; };
@@ -579,6 +596,11 @@ nlohmann::json kernel_profile(int reps, const std::function<void()>& f, int devi
     if (e.deviceType() != c10::DeviceType::CUDA) continue;
     const double ms = static_cast<double>(e.durationNs()) / 1e6 / reps;
     by_name[e.name()] += ms;
+    ++calls[e.name()];
+    const auto op = ops.find(e.linkedCorrelationId());
+    auto& o = by_op[e.name().substr(0, 60) + " <- " + (op == ops.end() ? "?" : op->second)];
+    o.first += ms;
+    ++o.second;
     by_family[family(e.name())] += ms;
     total += ms;
     ++kernels;
@@ -590,8 +612,13 @@ nlohmann::json kernel_profile(int reps, const std::function<void()>& f, int devi
   j["device_ms_per_call"] = total;
   j["kernels_per_call"] = kernels / reps;
   j["families_ms"] = by_family;
-  for (std::size_t i = 0; i < std::min<std::size_t>(25, top.size()); ++i)
-    j["top_ms"].push_back({top[i].second.substr(0, 120), top[i].first});
+  for (std::size_t i = 0; i < std::min<std::size_t>(40, top.size()); ++i)
+    j["top_ms"].push_back({top[i].second.substr(0, 120), top[i].first, calls[top[i].second] / reps});
+  std::vector<std::pair<double, std::string>> top_ops;
+  for (const auto& [n, v] : by_op) top_ops.emplace_back(v.first, n);
+  std::sort(top_ops.rbegin(), top_ops.rend());
+  for (std::size_t i = 0; i < std::min<std::size_t>(60, top_ops.size()); ++i)
+    j["top_by_op"].push_back({top_ops[i].second.substr(0, 240), top_ops[i].first, by_op[top_ops[i].second].second / reps});
   return j;
 }
 

@@ -141,30 +141,41 @@ void check_groupnorm() {
                                    {1, 128, 256, 256, 32, 0},  {2, 1920, 64, 64, 32, 0}, {3, 96, 20, 12, 8, 0},
                                    {2, 320, 16, 16, 32, 50.0}, {1, 40, 7, 5, 4, 0},       {2, 24, 9, 9, 3, 0}};
   at::manual_seed(3);
+  // What is added before normalising: nothing, [N, C], a slice of a wider tensor's rows (the
+  // fused time projections) with a convolution's bias [C], one row [1, C] for every sample, or
+  // the bias alone (the VAE's ResNet blocks).
+  enum class Add { None, Rows, SliceAndBias, OneRow, BiasOnly };
   for (const auto& k : cases)
     for (auto dtype : {at::kBFloat16, at::kHalf, at::kFloat})
       for (bool cl : {false, true})
-        for (bool with_add : {false, true}) {
+        for (const Add kind : {Add::None, Add::Rows, Add::SliceAndBias, Add::OneRow, Add::BiasOnly}) {
           const auto o = at::TensorOptions().device(at::kCUDA).dtype(dtype);
           auto x = (at::randn({k.n, k.c, k.h, k.w}, o.dtype(at::kFloat)) * 1.7 + k.offset).to(dtype);
           if (cl) x = x.contiguous(at::MemoryFormat::ChannelsLast);
-          const auto add = with_add ? at::randn({k.n, k.c}, o) : at::Tensor();
+          at::Tensor add, channel_add;
+          if (kind == Add::Rows) add = at::randn({k.n, k.c}, o);
+          if (kind == Add::SliceAndBias) add = at::randn({k.n, k.c + 24}, o).narrow(1, 8, k.c);
+          if (kind == Add::OneRow) add = at::randn({1, k.c}, o);
+          if (kind == Add::SliceAndBias || kind == Add::BiasOnly) channel_add = at::randn({k.c}, o);
           // Inference, as the pipelines run it (parameters requiring grad under autograd take ATen's ops).
           at::NoGradGuard no_grad;
           models::GroupNorm gn(models::GroupNormOptions(k.groups, k.c).eps(1e-6));
           gn->to(at::kCUDA, dtype);
           gn->weight.copy_(at::randn({k.c}, o));
           gn->bias.copy_(at::randn({k.c}, o));
-          const auto y = gn->forward(x, add, /*silu=*/true);
+          const auto y = gn->forward(x, add, /*silu=*/true, channel_add);
           auto in = x.to(at::kFloat);
-          if (with_add) in = in + add.to(at::kFloat).view({k.n, k.c, 1, 1});
+          if (add.defined()) in = in + add.to(at::kFloat).reshape({add.size(0), k.c, 1, 1});
+          if (channel_add.defined()) in = in + channel_add.to(at::kFloat).view({1, k.c, 1, 1});
           const auto ref = at::silu(at::group_norm(in, k.groups, gn->weight.to(at::kFloat), gn->bias.to(at::kFloat), 1e-6));
           const double err = ((y.to(at::kFloat) - ref).abs() / (ref.abs() + 1)).max().item<double>();
           const double tol = dtype == at::kFloat ? 1e-4 : (dtype == at::kHalf ? 2e-3 : 1e-2);
           const bool same_format = y.is_contiguous(cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
           std::ostringstream what;
           what << "[" << k.n << "," << k.c << "," << k.h << "," << k.w << "]/" << k.groups << " " << dtype
-               << (cl ? " channels-last" : " NCHW") << (with_add ? " +add" : "") << (k.offset ? " offset" : "")
+               << (cl ? " channels-last" : " NCHW")
+               << (kind == Add::Rows ? " +add" : kind == Add::SliceAndBias ? " +add (slice) +bias" : kind == Add::OneRow ? " +add (one row)" : kind == Add::BiasOnly ? " +bias" : "")
+               << (k.offset ? " offset" : "")
                << ": max |diff| / (1 + |ref|) " << err << " (tol " << tol << ")";
           expect(err < tol && same_format, what.str());
         }
@@ -195,17 +206,17 @@ void check_groupnorm() {
     }
 }
 
-// The fused attention projections (self-attention's q, k, v in one GEMM; every cross-
-// attention's keys and values in one GEMM per step: the defaults) against separate GEMMs
-// (DIFFRACT_FUSED_QKV=0, DIFFRACT_FUSED_CROSS_KV=0), graphed, on the tiny SDXL; and a
-// CFG-parallel job with them (the replica fuses too).
+// The fused projections (self-attention's q, k, v in one GEMM; every cross-attention's keys
+// and values, and every ResNet block's time-embedding projection, in one GEMM per step: the
+// defaults) against separate GEMMs (DIFFRACT_FUSED_QKV=0, DIFFRACT_FUSED_CROSS_KV=0,
+// DIFFRACT_FUSED_TIME_PROJ=0), graphed, on the tiny SDXL; and a CFG-parallel job with them
+// (the replica fuses too).
 void check_qkv() {
   need_gpus(1);
-  setenv("DIFFRACT_FUSED_QKV", "0", 1);
-  setenv("DIFFRACT_FUSED_CROSS_KV", "0", 1);
+  const char* switches[] = {"DIFFRACT_FUSED_QKV", "DIFFRACT_FUSED_CROSS_KV", "DIFFRACT_FUSED_TIME_PROJ"};
+  for (const char* v : switches) setenv(v, "0", 1);
   auto plain = tiny_sdxl(true);
-  unsetenv("DIFFRACT_FUSED_QKV");
-  unsetenv("DIFFRACT_FUSED_CROSS_KV");
+  for (const char* v : switches) unsetenv(v);
   auto fused = tiny_sdxl(true);
   engine::CancelToken never;
   const auto req = request();
@@ -356,12 +367,14 @@ void check_conv_bias() {
   struct Case {
     std::int64_t in, out, hw;
     bool channels_last, residual;
+    bool residual_bias = false;
   };
   for (const auto dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
     const double tol = dtype == at::kFloat ? 1e-5 : dtype == at::kHalf ? 3e-3 : 2e-2;
     const auto o = at::TensorOptions().device(dev).dtype(dtype);
     for (const auto& k : {Case{64, 320, 32, true, false}, Case{64, 320, 32, true, true}, Case{32, 64, 16, false, true},
-                          Case{16, 12, 8, true, true}, Case{16, 12, 6, false, false}}) {
+                          Case{16, 12, 8, true, true}, Case{16, 12, 6, false, false}, Case{64, 320, 32, true, true, true},
+                          Case{32, 64, 16, false, true, true}}) {
       models::Conv2d conv(models::Conv2dOptions(k.in, k.out, 3).padding(1));
       models::init_random(*conv, 3);
       conv->to(dev, dtype);
@@ -369,13 +382,16 @@ void check_conv_bias() {
       if (k.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
       auto r = at::randn({2, k.out, k.hw, k.hw}, o);
       if (k.channels_last) r = r.contiguous(at::MemoryFormat::ChannelsLast);
-      const auto got = k.residual ? conv->forward_add(x, r) : conv->forward(x);
+      const auto rb = k.residual_bias ? at::randn({k.out}, o) : at::Tensor();
+      const auto got = k.residual ? conv->forward_add(x, r, rb) : conv->forward(x);
       auto want = at::conv2d(x.to(at::kFloat), conv->weight.to(at::kFloat), conv->bias.to(at::kFloat), {1, 1}, {1, 1});
       if (k.residual) want = want + r.to(at::kFloat);
+      if (k.residual_bias) want = want + rb.to(at::kFloat).view({1, -1, 1, 1});
       const double err = rel(got, want);
       std::ostringstream what;
       what << "conv " << k.in << "->" << k.out << " " << k.hw << "x" << k.hw << " " << c10::toString(dtype)
-           << (k.channels_last ? " channels-last" : " NCHW") << (k.residual ? " + residual" : "") << ": max error " << err
+           << (k.channels_last ? " channels-last" : " NCHW") << (k.residual ? " + residual" : "")
+           << (k.residual_bias ? " + its bias" : "") << ": max error " << err
            << " (tol " << tol << ")";
       expect(err < tol && got.sizes() == want.sizes(), what.str());
     }

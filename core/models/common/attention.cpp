@@ -29,33 +29,6 @@ void choose_attention_backend() {
   (void)chosen;
 }
 
-// Whether `parts` are views laid end to end from the start of `fused` (same dtype and device).
-bool laid_end_to_end(const at::Tensor& fused, const std::vector<const at::Tensor*>& parts) {
-  auto* base = static_cast<const char*>(fused.data_ptr());
-  std::int64_t offset = 0;
-  for (const auto* t : parts) {
-    if (!t->defined() || t->data_ptr() != base + offset || t->scalar_type() != fused.scalar_type() ||
-        t->device() != fused.device())
-      return false;
-    offset += t->numel() * static_cast<std::int64_t>(t->element_size());
-  }
-  return true;
-}
-
-// The parameters `parts` end to end in one new tensor (along dim 0), each becoming a view of it.
-at::Tensor lay_end_to_end(const std::vector<at::Tensor*>& parts) {
-  std::vector<at::Tensor> values;
-  for (const auto* p : parts) values.push_back(*p);
-  auto fused = at::cat(values, 0);
-  std::int64_t row = 0;
-  for (auto* p : parts) {
-    const auto rows = p->size(0);
-    p->set_data(fused.narrow(0, row, rows));
-    row += rows;
-  }
-  return fused;
-}
-
 thread_local const CrossKVScope* t_cross_kv = nullptr;
 
 }  // namespace
@@ -117,9 +90,8 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context
   if (k.defined()) {
     q = to_q->forward(h);
   } else if (!context.defined() && !at::GradMode::is_enabled() && qkv_fused()) {
-    const auto inner = options.heads * options.dim_head;
-    const auto qkv = at::linear(h, qkv_weight_, qkv_bias_);
-    q = qkv.narrow(-1, 0, inner), k = qkv.narrow(-1, inner, inner), v = qkv.narrow(-1, 2 * inner, inner);
+    const auto qkv = qkv_->project(h);
+    q = qkv_->part(qkv, this, 0), k = qkv_->part(qkv, this, 1), v = qkv_->part(qkv, this, 2);
   } else {
     const at::Tensor& kv = context.defined() ? context : h;
     q = to_q->forward(h), k = to_k->forward(kv), v = to_v->forward(kv);
@@ -137,19 +109,11 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context
 
 bool AttentionImpl::fuse_qkv() {
   if (options.cross_attention_dim > 0) return false;
-  const bool biased = to_q->bias.defined();
-  if (biased != to_k->bias.defined() || biased != to_v->bias.defined()) return false;
-  at::NoGradGuard no_grad;
-  qkv_weight_ = lay_end_to_end({&to_q->weight, &to_k->weight, &to_v->weight});
-  qkv_bias_ = biased ? lay_end_to_end({&to_q->bias, &to_k->bias, &to_v->bias}) : at::Tensor();
-  return true;
+  qkv_ = FusedLinears::fuse({{this, {to_q.get(), to_k.get(), to_v.get()}}});
+  return qkv_ != nullptr;
 }
 
-bool AttentionImpl::qkv_fused() const {
-  // Still views of the fused tensors (a move to another device or dtype replaces them).
-  return qkv_weight_.defined() && laid_end_to_end(qkv_weight_, {&to_q->weight, &to_k->weight, &to_v->weight}) &&
-         (!qkv_bias_.defined() || laid_end_to_end(qkv_bias_, {&to_q->bias, &to_k->bias, &to_v->bias}));
-}
+bool AttentionImpl::qkv_fused() const { return qkv_ && qkv_->intact(); }
 
 int fuse_attention_qkv(torch::nn::Module& root) {
   int fused = 0;
@@ -164,42 +128,18 @@ bool fused_qkv_wanted() {
 }
 
 std::shared_ptr<CrossKV> CrossKV::fuse(torch::nn::Module& root) {
-  auto group = std::make_shared<CrossKV>();
-  std::vector<at::Tensor*> weights, biases;
-  int64_t offset = 0, width = -1;
-  bool biased = false;
   // The root by reference (it need not be held by a shared_ptr), then what is below it.
   std::vector<torch::nn::Module*> all = {&root};
   for (const auto& m : root.modules(/*include_self=*/false)) all.push_back(m.get());
-  for (auto* m : all) {
-    auto* a = dynamic_cast<AttentionImpl*>(m);
-    if (!a || a->options.cross_attention_dim <= 0) continue;
-    const bool b = a->to_k->bias.defined();
-    if (b != a->to_v->bias.defined()) continue;
-    if (width < 0) width = a->options.cross_attention_dim, biased = b;
-    if (a->options.cross_attention_dim != width || b != biased) continue;
-    const auto inner = a->to_k->weight.size(0);
-    if (a->to_v->weight.size(0) != inner) continue;
-    group->index_[a] = group->members_.size();
-    group->members_.push_back({a, offset, inner});
-    offset += 2 * inner;
-    weights.insert(weights.end(), {&a->to_k->weight, &a->to_v->weight});
-    if (b) biases.insert(biases.end(), {&a->to_k->bias, &a->to_v->bias});
-  }
-  if (group->members_.empty()) return nullptr;
-  at::NoGradGuard no_grad;
-  group->weight_ = lay_end_to_end(weights);
-  if (biased) group->bias_ = lay_end_to_end(biases);
+  std::vector<FusedLinears::Member> members;
+  for (auto* m : all)
+    if (auto* a = dynamic_cast<AttentionImpl*>(m); a && a->options.cross_attention_dim > 0)
+      members.push_back({a, {a->to_k.get(), a->to_v.get()}});
+  auto linears = FusedLinears::fuse(members);
+  if (!linears) return nullptr;
+  auto group = std::make_shared<CrossKV>();
+  group->linears_ = std::move(linears);
   return group;
-}
-
-bool CrossKV::intact() const {
-  std::vector<const at::Tensor*> weights, biases;
-  for (const auto& m : members_) {
-    weights.insert(weights.end(), {&m.attention->to_k->weight, &m.attention->to_v->weight});
-    if (bias_.defined()) biases.insert(biases.end(), {&m.attention->to_k->bias, &m.attention->to_v->bias});
-  }
-  return laid_end_to_end(weight_, weights) && (!bias_.defined() || laid_end_to_end(bias_, biases));
 }
 
 CrossKVScope::CrossKVScope(const CrossKV* group, const at::Tensor& context) : previous_(t_cross_kv) {
@@ -207,7 +147,7 @@ CrossKVScope::CrossKVScope(const CrossKV* group, const at::Tensor& context) : pr
   if (!group || !context.defined() || at::GradMode::is_enabled() || !group->intact()) return;
   group_ = group;
   context_ = context;
-  projected_ = at::linear(context, group->weight_, group->bias_);
+  projected_ = group->linears_->project(context);
 }
 
 CrossKVScope::~CrossKVScope() { t_cross_kv = previous_; }
@@ -217,10 +157,8 @@ std::pair<at::Tensor, at::Tensor> CrossKVScope::lookup(const AttentionImpl* atte
   // The same tensor the scope projected (not merely equal values): a caller passing another
   // context (a slice, a copy) gets its own projections.
   if (!scope || !scope->group_ || !context.is_same(scope->context_)) return {};
-  const auto it = scope->group_->index_.find(attention);
-  if (it == scope->group_->index_.end()) return {};
-  const auto& m = scope->group_->members_[it->second];
-  return {scope->projected_.narrow(-1, m.offset, m.inner), scope->projected_.narrow(-1, m.offset + m.inner, m.inner)};
+  const auto& linears = *scope->group_->linears_;
+  return {linears.part(scope->projected_, attention, 0), linears.part(scope->projected_, attention, 1)};
 }
 
 bool fused_cross_kv_wanted() {

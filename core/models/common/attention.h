@@ -12,6 +12,7 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include "core/models/common/fused_linears.h"
 #include "core/models/common/layers.h"
 
 namespace diffract::models {
@@ -65,7 +66,7 @@ class AttentionImpl : public torch::nn::Module {
   torch::nn::ModuleList to_out{nullptr};
 
  private:
-  at::Tensor qkv_weight_, qkv_bias_;  // [3 inner, C] and [3 inner] when fused
+  std::shared_ptr<FusedLinears> qkv_;  // to_q, to_k, to_v when fused
 };
 TORCH_MODULE(Attention);
 
@@ -88,18 +89,12 @@ class CrossKV {
   // Null where `root` has no cross-attention. Members: the cross-attentions with the first one's
   // context width and bias setting (any other keeps its own GEMMs).
   static std::shared_ptr<CrossKV> fuse(torch::nn::Module& root);
-  bool intact() const;
-  int size() const { return static_cast<int>(members_.size()); }
+  bool intact() const { return linears_->intact(); }
+  int size() const { return linears_->size(); }
 
  private:
   friend class CrossKVScope;
-  struct Member {
-    AttentionImpl* attention;
-    std::int64_t offset, inner;  // keys at [offset, offset + inner), values right after
-  };
-  std::vector<Member> members_;
-  std::unordered_map<const AttentionImpl*, std::size_t> index_;
-  at::Tensor weight_, bias_;  // [sum 2 inner, Cc], [sum 2 inner] or undefined
+  std::shared_ptr<FusedLinears> linears_;  // per attention: to_k, to_v
 };
 
 class CrossKVScope {

@@ -34,15 +34,20 @@ __global__ void bias_add_vec(BiasAddArgs a) {
     V r;
     if constexpr (kResidual) r = static_cast<const V*>(a.residual)[i];
     if constexpr (kChannelsLast) {
-      const V b = reinterpret_cast<const V*>(bias)[(i * per % a.c) / per];
+      const int64_t bv = (i * per % a.c) / per;
+      const V b = reinterpret_cast<const V*>(bias)[bv];
+      V rb;
+      if (kResidual && a.residual_bias) rb = reinterpret_cast<const V*>(a.residual_bias)[bv];
 #pragma unroll
       for (int k = 0; k < per; ++k) {
         float s = to_float(v.v[k]) + to_float(b.v[k]);
-        if constexpr (kResidual) s += to_float(r.v[k]);
+        if constexpr (kResidual) s += to_float(r.v[k]) + (a.residual_bias ? to_float(rb.v[k]) : 0.f);
         v.v[k] = from_float<T>(s);
       }
     } else {
-      const float b = to_float(bias[(i * per / a.plane) % a.c]);
+      const int64_t c = (i * per / a.plane) % a.c;
+      float b = to_float(bias[c]);
+      if (kResidual && a.residual_bias) b += to_float(static_cast<const T*>(a.residual_bias)[c]);
 #pragma unroll
       for (int k = 0; k < per; ++k) {
         float s = to_float(v.v[k]) + b;
@@ -78,7 +83,8 @@ bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 int bias_add(const BiasAddArgs& a, CUstream_st* stream) {
   if (!a.y || !a.bias || a.c < 1 || a.plane < 1 || a.numel < 1 || a.numel % (a.c * a.plane) != 0 || !aligned(a.y) ||
-      !aligned(a.bias) || (a.residual && !aligned(a.residual)))
+      !aligned(a.bias) || (a.residual && !aligned(a.residual)) ||
+      (a.residual_bias && (!a.residual || !aligned(a.residual_bias))))
     return static_cast<int>(cudaErrorInvalidValue);
   switch (a.dtype) {
     case DType::Half: return dispatch<__half>(a, stream);

@@ -16,12 +16,13 @@ struct BiasAddArgs {
   void* y = nullptr;               // [n, c, h, w] in place: NCHW- or channels-last-contiguous
   const void* bias = nullptr;      // [c], dtype
   const void* residual = nullptr;  // optional, y's shape and memory format
+  const void* residual_bias = nullptr;  // optional with a residual: [c], added with it
   int64_t numel = 0, c = 0;
   int64_t plane = 1;               // h * w for NCHW; 1 for channels-last (the channel innermost)
   DType dtype = DType::BFloat16;
 };
 
-// y = y + bias[channel] (+ residual), each sum in fp32 and rounded once. Returns the CUDA error
+// y = y + bias[channel] (+ residual (+ residual_bias[channel])), each sum in fp32 and rounded once. Returns the CUDA error
 // code of the launch (0: ok), or cudaErrorInvalidValue for arguments it does not take.
 int bias_add(const BiasAddArgs& a, CUstream_st* stream);
 

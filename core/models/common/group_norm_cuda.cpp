@@ -8,8 +8,9 @@
 
 namespace diffract::models {
 
-bool fused_group_norm_cuda(const at::Tensor& x, const at::Tensor& add, const at::Tensor& weight, const at::Tensor& bias,
-                           int64_t groups, double eps, bool silu, at::Tensor& out) {
+bool fused_group_norm_cuda(const at::Tensor& x, const at::Tensor& add, const at::Tensor& channel_add,
+                           const at::Tensor& weight, const at::Tensor& bias, int64_t groups, double eps, bool silu,
+                           at::Tensor& out) {
   if (x.dim() != 4) return false;
   kernels::GroupNormArgs a;
   switch (x.scalar_type()) {
@@ -25,7 +26,8 @@ bool fused_group_norm_cuda(const at::Tensor& x, const at::Tensor& add, const at:
   a.c = x.size(1);
   a.hw = x.size(2) * x.size(3);
   a.groups = static_cast<int>(groups);
-  if (add.defined() && (add.dim() != 2 || add.size(0) != a.n || add.size(1) != a.c)) return false;
+  if (add.defined() && (add.dim() != 2 || (add.size(0) != a.n && add.size(0) != 1) || add.size(1) != a.c)) return false;
+  if (channel_add.defined() && (channel_add.dim() != 1 || channel_add.size(0) != a.c)) return false;
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty_like(x);  // keeps the memory format
   if (!kernels::group_norm_supported(a, reinterpret_cast<uintptr_t>(x.data_ptr()),
@@ -33,7 +35,12 @@ bool fused_group_norm_cuda(const at::Tensor& x, const at::Tensor& add, const at:
     return false;
   const auto like_x = [&](const at::Tensor& t) { return t.to(x.device(), x.scalar_type()).contiguous(); };
   const auto w = like_x(weight), b = like_x(bias);
-  const auto ad = add.defined() ? like_x(add) : at::Tensor();
+  // `add`'s rows may lie apart (a slice of a wider product) or be one row for all samples.
+  const auto ad = !add.defined() ? at::Tensor()
+                  : add.device() == x.device() && add.scalar_type() == x.scalar_type() && add.stride(1) == 1
+                      ? add
+                      : like_x(add);
+  const auto ca = channel_add.defined() ? like_x(channel_add) : at::Tensor();
   a.sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   a.splits = kernels::group_norm_splits(a);
   const auto f32 = x.options().dtype(at::kFloat);
@@ -41,6 +48,8 @@ bool fused_group_norm_cuda(const at::Tensor& x, const at::Tensor& add, const at:
   auto stats = at::empty({a.n, a.groups, 2}, f32);
   a.x = x.data_ptr();
   a.add = ad.defined() ? ad.data_ptr() : nullptr;
+  a.add_stride = ad.defined() && ad.size(0) > 1 ? ad.stride(0) : 0;
+  a.channel_add = ca.defined() ? ca.data_ptr() : nullptr;
   a.weight = w.data_ptr();
   a.bias = b.data_ptr();
   a.y = y.data_ptr();

@@ -21,6 +21,15 @@ struct alignas(kVecBytes) Vec {
   T v[size];
 };
 
+// What is added to channel c of sample n before normalising.
+template <typename T>
+__device__ __forceinline__ float added(const GroupNormArgs& a, int64_t n, int64_t c) {
+  float s = 0.f;
+  if (a.add) s = to_float(static_cast<const T*>(a.add)[n * a.add_stride + c]);
+  if (a.channel_add) s += to_float(static_cast<const T*>(a.channel_add)[c]);
+  return s;
+}
+
 // The statistics are sums of (x - shift), shift = the group's first value, so that a group whose
 // mean is large against its spread keeps its variance in fp32.
 template <typename T>
@@ -29,9 +38,7 @@ __device__ __forceinline__ float group_shift(const GroupNormArgs& a, int64_t n, 
   const int64_t c0 = g * cg;
   const T* x = static_cast<const T*>(a.x);
   const int64_t at = a.channels_last ? (n * a.hw * a.c + c0) : ((n * a.c + c0) * a.hw);
-  float s = to_float(x[at]);
-  if (a.add) s += to_float(static_cast<const T*>(a.add)[n * a.c + c0]);
-  return s;
+  return to_float(x[at]) + added<T>(a, n, c0);
 }
 
 __device__ __forceinline__ void block_sum2(float& s, float& q) {
@@ -66,12 +73,12 @@ __global__ void stats_nchw(GroupNormArgs a) {
   const int64_t chunk = (vectors + a.splits - 1) / a.splits;
   const int64_t v0 = s * chunk, v1 = min(vectors, v0 + chunk);
   const V* x = reinterpret_cast<const V*>(static_cast<const T*>(a.x) + (n * a.c + g * cg) * a.hw);
-  const T* add = a.add ? static_cast<const T*>(a.add) + n * a.c + g * cg : nullptr;
+  const bool adds = a.add || a.channel_add;
   const float shift = group_shift<T>(a, n, g);
   float sum = 0.f, sq = 0.f;
   for (int64_t v = v0 + threadIdx.x; v < v1; v += blockDim.x) {
     const V in = x[v];
-    const float b = (add ? to_float(add[v * V::size / a.hw]) : 0.f) - shift;
+    const float b = (adds ? added<T>(a, n, g * cg + v * V::size / a.hw) : 0.f) - shift;
 #pragma unroll
     for (int j = 0; j < V::size; ++j) {
       const float d = to_float(in.v[j]) + b;
@@ -108,8 +115,7 @@ __global__ void stats_nhwc(GroupNormArgs a) {
     float b[V::size], sum[V::size], sq[V::size];
 #pragma unroll
     for (int j = 0; j < V::size; ++j) {
-      b[j] = (a.add ? to_float(static_cast<const T*>(a.add)[n * a.c + c0 + j]) : 0.f) -
-             group_shift<T>(a, n, (c0 + j) / cg);
+      b[j] = added<T>(a, n, c0 + j) - group_shift<T>(a, n, (c0 + j) / cg);
       sum[j] = sq[j] = 0.f;
     }
     const V* x = reinterpret_cast<const V*>(static_cast<const T*>(a.x) + n * a.hw * a.c) + col;
@@ -181,7 +187,7 @@ __global__ void apply(GroupNormArgs a) {
   using V = Vec<T>;
   const int64_t vectors = a.n * a.c * a.hw / V::size;
   const int64_t cg = a.c / a.groups;
-  const T* add = static_cast<const T*>(a.add);
+  const bool adds = a.add || a.channel_add;
   const T* w = static_cast<const T*>(a.weight);
   const T* bias = static_cast<const T*>(a.bias);
   const V* x = static_cast<const V*>(a.x);
@@ -197,7 +203,7 @@ __global__ void apply(GroupNormArgs a) {
       for (int j = 0; j < V::size; ++j) {
         const int64_t c = c0 + j;
         const float* st = a.stats + (n * a.groups + c / cg) * 2;
-        float h = to_float(in.v[j]) + (add ? to_float(add[n * a.c + c]) : 0.f);
+        float h = to_float(in.v[j]) + (adds ? added<T>(a, n, c) : 0.f);
         h = (h - st[0]) * st[1] * to_float(w[c]) + to_float(bias[c]);
         if (a.silu) h = h / (1.f + __expf(-h));
         out.v[j] = from_float<T>(h);
@@ -206,7 +212,7 @@ __global__ void apply(GroupNormArgs a) {
       const int64_t nc = i / a.hw, c = nc % a.c, n = nc / a.c;
       const float* st = a.stats + (n * a.groups + c / cg) * 2;
       const float scale = st[1] * to_float(w[c]);
-      const float shift = to_float(bias[c]) - (st[0] - (add ? to_float(add[nc]) : 0.f)) * scale;
+      const float shift = to_float(bias[c]) - (st[0] - (adds ? added<T>(a, n, c) : 0.f)) * scale;
 #pragma unroll
       for (int j = 0; j < V::size; ++j) {
         float h = to_float(in.v[j]) * scale + shift;

@@ -1,5 +1,5 @@
 #pragma once
-// GroupNorm (+ a per-channel add before it, + SiLU after it) as three CUDA kernels, for NCHW
+// GroupNorm (+ per-channel adds before it, + SiLU after it) as three CUDA kernels, for NCHW
 // and NHWC (channels-last) tensors. Plain C++ over raw pointers, so the .cu needs no torch
 // headers; models::GroupNorm (layers.h) is the only caller.
 //
@@ -19,13 +19,15 @@ enum class DType { Float, Half, BFloat16 };
 
 struct GroupNormArgs {
   const void* x = nullptr;       // [N, C, HW] or [N, HW, C] (channels_last), dtype
-  const void* add = nullptr;     // optional [N, C], dtype: x + add[n, c] is what is normalised
+  // Optional, dtype: x + add[n, c] + channel_add[c] is what is normalised.
+  const void* add = nullptr;          // [N, C], rows add_stride elements apart (0: one row for all)
+  const void* channel_add = nullptr;  // [C]
   const void* weight = nullptr;  // [C], dtype
   const void* bias = nullptr;    // [C], dtype
   void* y = nullptr;             // like x
   float* partial = nullptr;      // [N, splits, groups, 2] scratch
   float* stats = nullptr;        // [N, groups, 2] scratch: mean, 1 / std
-  int64_t n = 0, c = 0, hw = 0;
+  int64_t n = 0, c = 0, hw = 0, add_stride = 0;
   int groups = 0, splits = 1;
   int sm_count = 1;  // the GPU's, for the grid sizes
   float eps = 1e-5f;

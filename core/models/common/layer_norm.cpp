@@ -62,6 +62,7 @@ bool kernel_case(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   if (at::autocast::is_autocast_enabled(at::kCUDA)) return false;
   a.weight = weight.const_data_ptr();
   a.bias = bias.const_data_ptr();
+  a.sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   return true;
 }
 

@@ -44,7 +44,7 @@ __device__ __forceinline__ float row_sum(float s, float* red) {
 // Block = kThreads / (32 * kWarpsPerRow) rows; thread t of a row holds vectors t, t + row
 // threads, ... (kVpt of them at most). Rows past the end still take part in the block's
 // barriers, so the loop stays uniform over the block.
-template <typename T, int kVpt, int kWarpsPerRow, bool kAdd>
+template <typename T, int kVpt, int kWarpsPerRow, bool kAdd, bool kPrefetch>
 __global__ void layer_norm(LayerNormArgs a) {
   using V = Vec<T>;
   constexpr int kRowThreads = 32 * kWarpsPerRow;
@@ -60,13 +60,15 @@ __global__ void layer_norm(LayerNormArgs a) {
     const int64_t row = base + slot;
     const bool live = row < a.rows;
     const V* __restrict__ x = static_cast<const V*>(a.x) + row * vectors;
-    V in[kVpt];
+    V in[kVpt], wv[kVpt], bv[kVpt];
     float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < kVpt; ++i) {
       const int v = t + i * kRowThreads;
       if (live && v < vectors) {
         in[i] = x[v];
+        // The affine's loads go out with x's, not after the two reductions.
+        if constexpr (kPrefetch) wv[i] = w[v], bv[i] = b[v];
         if constexpr (kAdd) {
           const V r = static_cast<const V*>(a.residual)[row * vectors + v];
 #pragma unroll
@@ -96,11 +98,11 @@ __global__ void layer_norm(LayerNormArgs a) {
     for (int i = 0; i < kVpt; ++i) {
       const int v = t + i * kRowThreads;
       if (live && v < vectors) {
-        const V wv = w[v], bv = b[v];
+        if constexpr (!kPrefetch) wv[i] = w[v], bv[i] = b[v];
         V out;
 #pragma unroll
         for (int j = 0; j < kPer; ++j)
-          out.v[j] = from_float<T>((to_float(in[i].v[j]) - mean) * rstd * to_float(wv.v[j]) + to_float(bv.v[j]));
+          out.v[j] = from_float<T>((to_float(in[i].v[j]) - mean) * rstd * to_float(wv[i].v[j]) + to_float(bv[i].v[j]));
         y[v] = out;
       }
     }
@@ -111,10 +113,19 @@ template <typename T, int kVpt, int kWarpsPerRow>
 int launch(const LayerNormArgs& a, cudaStream_t stream) {
   constexpr int64_t rows_per_block = kThreads / (32 * kWarpsPerRow);
   const int64_t blocks = std::min((a.rows + rows_per_block - 1) / rows_per_block, kMaxBlocks);
-  if (a.residual)
-    layer_norm<T, kVpt, kWarpsPerRow, true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
-  else
-    layer_norm<T, kVpt, kWarpsPerRow, false><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+  const auto grid = static_cast<unsigned>(blocks);
+  // With at most ~2 blocks per SM the kernel is latency-bound (SDXL's 1024-row LayerNorms at
+  // batch 1): weight and bias are loaded with x, off the critical path after the reductions.
+  // With more rows, doing so cost time (registers, the loads competing with x's): 1.65 against
+  // 1.15 ms per step at SDXL's batch 2, 0.87 against 0.97 ms at batch 1 (docs/benchmarks.md).
+  const bool prefetch = blocks <= 2LL * a.sm_count;
+  if (a.residual) {
+    if (prefetch) layer_norm<T, kVpt, kWarpsPerRow, true, true><<<grid, kThreads, 0, stream>>>(a);
+    else layer_norm<T, kVpt, kWarpsPerRow, true, false><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    if (prefetch) layer_norm<T, kVpt, kWarpsPerRow, false, true><<<grid, kThreads, 0, stream>>>(a);
+    else layer_norm<T, kVpt, kWarpsPerRow, false, false><<<grid, kThreads, 0, stream>>>(a);
+  }
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -28,6 +28,7 @@ struct LayerNormArgs {
   int64_t rows = 0, c = 0;
   float eps = 1e-5f;
   DType dtype = DType::BFloat16;
+  int sm_count = 0;  // the GPU's; picks when the kernel loads weight and bias (0: after the reductions)
 };
 
 // Whether the kernel takes rows of `c` values of `dtype`: Half or BFloat16, C a multiple of 8

@@ -40,7 +40,7 @@ std::atomic<bool>& conv_bias_switch() {
 }
 
 // y += bias[channel] (+ residual) in place through the kernel, where it takes these tensors.
-bool bias_add_cuda(at::Tensor& y, const at::Tensor& bias, const at::Tensor& residual) {
+bool bias_add_cuda(at::Tensor& y, const at::Tensor& bias, const at::Tensor& residual, const at::Tensor& residual_bias) {
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
   if (!conv_bias_switch() || !y.is_cuda() || y.dim() != 4 || y.numel() == 0) return false;
   kernels::BiasAddArgs a;
@@ -63,13 +63,20 @@ bool bias_add_cuda(at::Tensor& y, const at::Tensor& bias, const at::Tensor& resi
   if (residual.defined() && (residual.sizes() != y.sizes() || residual.strides() != y.strides() ||
                              residual.scalar_type() != y.scalar_type() || residual.device() != y.device()))
     return false;
+  if (residual_bias.defined() && (!residual.defined() || residual_bias.sizes() != bias.sizes() ||
+                                  residual_bias.scalar_type() != y.scalar_type() ||
+                                  residual_bias.device() != y.device() || !residual_bias.is_contiguous() ||
+                                  (at::GradMode::is_enabled() && residual_bias.requires_grad())))
+    return false;
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (!aligned(y.const_data_ptr()) || !aligned(bias.const_data_ptr()) ||
-      (residual.defined() && !aligned(residual.const_data_ptr())))
+      (residual.defined() && !aligned(residual.const_data_ptr())) ||
+      (residual_bias.defined() && !aligned(residual_bias.const_data_ptr())))
     return false;
   a.y = y.mutable_data_ptr();
   a.bias = bias.const_data_ptr();
   a.residual = residual.defined() ? residual.const_data_ptr() : nullptr;
+  a.residual_bias = residual_bias.defined() ? residual_bias.const_data_ptr() : nullptr;
   a.numel = y.numel();
   const c10::cuda::CUDAGuard guard(y.device());
   const int rc = kernels::bias_add(a, at::cuda::getCurrentCUDAStream(y.device().index()).stream());
@@ -78,7 +85,7 @@ bool bias_add_cuda(at::Tensor& y, const at::Tensor& bias, const at::Tensor& resi
                 std::string(cudaGetErrorString(static_cast<cudaError_t>(rc))));
   return true;
 #else
-  (void)y, (void)bias, (void)residual;
+  (void)y, (void)bias, (void)residual, (void)residual_bias;
   return false;
 #endif
 }
@@ -109,15 +116,23 @@ Conv2dImpl::Conv2dImpl(const Conv2dOptions& o) : options(o), construction_index(
 
 at::Tensor Conv2dImpl::forward(const at::Tensor& x) { return forward_add(x, {}); }
 
-at::Tensor Conv2dImpl::forward_add(const at::Tensor& x, const at::Tensor& residual) {
+at::Tensor Conv2dImpl::forward_add(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& residual_bias) {
+  if (residual_bias.defined() &&
+      (!residual.defined() || residual_bias.dim() != 1 || residual_bias.size(0) != options.out_channels))
+    throw Error("Conv2d::forward_add: residual_bias of shape " + c10::str(residual_bias.sizes()) +
+                (residual.defined() ? "" : " without a residual") + " (wants a residual and [" +
+                std::to_string(options.out_channels) + "])");
   // The residual first, as a ResNet block's skip + h was: an add's output takes its first
   // operand's strides.
-  const auto with_residual = [&](const at::Tensor& y) { return residual.defined() ? residual + y : y; };
+  const auto with_residual = [&](const at::Tensor& y) {
+    if (!residual.defined()) return y;
+    return residual_bias.defined() ? residual + residual_bias.view({1, -1, 1, 1}) + y : residual + y;
+  };
   if (options.kernel > 1)
     if (auto* patch = patch_context()) return with_residual(patch->conv2d(*this, x));
   if (bias.defined() && x.is_cuda() && conv_bias_switch()) {
     auto y = forward_without_bias(x);
-    if (bias_add_cuda(y, bias, residual)) return y;
+    if (bias_add_cuda(y, bias, residual, residual_bias)) return y;
     return with_residual(y + bias.view({1, -1, 1, 1}));
   }
   return with_residual(at::conv2d(x, weight, bias, {options.stride_, options.stride_}, {options.padding_, options.padding_}));
@@ -142,8 +157,9 @@ std::atomic<bool> g_fused_group_norm{true};
 
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
 // group_norm_cuda.cpp: false when the kernels do not take this case.
-bool fused_group_norm_cuda(const at::Tensor& x, const at::Tensor& add, const at::Tensor& weight, const at::Tensor& bias,
-                           int64_t groups, double eps, bool silu, at::Tensor& out);
+bool fused_group_norm_cuda(const at::Tensor& x, const at::Tensor& add, const at::Tensor& channel_add,
+                           const at::Tensor& weight, const at::Tensor& bias, int64_t groups, double eps, bool silu,
+                           at::Tensor& out);
 bool fused_group_norm_available() { return true; }
 #else
 bool fused_group_norm_available() { return false; }
@@ -164,23 +180,39 @@ GroupNormImpl::GroupNormImpl(const GroupNormOptions& o) : options(o) {
   bias = register_parameter("bias", at::zeros({o.channels}));
 }
 
-at::Tensor GroupNormImpl::forward(const at::Tensor& x, const at::Tensor& add, bool silu) {
-  if (auto* patch = patch_context()) return patch->group_norm(*this, x, add, silu);
+at::Tensor GroupNormImpl::forward(const at::Tensor& x, const at::Tensor& add, bool silu, const at::Tensor& channel_add) {
+  if (add.defined() && (add.dim() != 2 || add.size(1) != x.size(1) || (add.size(0) != x.size(0) && add.size(0) != 1)))
+    throw Error("GroupNorm: add of shape " + c10::str(add.sizes()) + " for input " + c10::str(x.sizes()) +
+                " (wants [N, C] or [1, C])");
+  if (channel_add.defined() && (channel_add.dim() != 1 || channel_add.size(0) != x.size(1)))
+    throw Error("GroupNorm: channel_add of shape " + c10::str(channel_add.sizes()) + " for input " +
+                c10::str(x.sizes()) + " (wants [C])");
+  if (auto* patch = patch_context()) {
+    const auto both = !channel_add.defined() ? add
+                      : add.defined()        ? add + channel_add
+                                             : channel_add.unsqueeze(0);
+    return patch->group_norm(*this, x, both, silu);
+  }
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
   at::Tensor out;
   // The kernels record nothing for autograd: training takes ATen's ops.
   const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() || bias.requires_grad() ||
-                                                   (add.defined() && add.requires_grad()));
+                                                   (add.defined() && add.requires_grad()) ||
+                                                   (channel_add.defined() && channel_add.requires_grad()));
   if (x.is_cuda() && g_fused_group_norm && !grad &&
-      fused_group_norm_cuda(x, add, weight, bias, options.groups, options.eps_, silu, out))
+      fused_group_norm_cuda(x, add, channel_add, weight, bias, options.groups, options.eps_, silu, out))
     return out;
 #endif
   auto in = x;
+  std::vector<int64_t> shape(x.dim(), 1);
+  shape[1] = x.size(1);
   if (add.defined()) {
-    std::vector<int64_t> shape(x.dim(), 1);
     shape[0] = add.size(0);
-    shape[1] = add.size(1);
-    in = x + add.view(shape);
+    in = in + add.reshape(shape);
+  }
+  if (channel_add.defined()) {
+    shape[0] = 1;
+    in = in + channel_add.view(shape);
   }
   auto y = at::group_norm(in, options.groups, weight, bias, options.eps_);
   return silu ? at::silu(y) : y;

@@ -55,9 +55,10 @@ class Conv2dImpl : public torch::nn::Module {
   // (bias_add_kernels.h) rather than ATen's broadcast add_ after cuDNN. One argument: TAESD
   // holds these in torch::nn::Sequential.
   at::Tensor forward(const at::Tensor& x);
-  // conv2d(x) + bias + residual ([N, out, H', W'], the output's memory format), on CUDA in the
-  // same kernel.
-  at::Tensor forward_add(const at::Tensor& x, const at::Tensor& residual);
+  // conv2d(x) + bias + residual ([N, out, H', W'], the output's memory format) + residual_bias
+  // ([out], optional: the bias of the 1x1 convolution that made the residual, left to this add),
+  // on CUDA in the same kernel.
+  at::Tensor forward_add(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& residual_bias = {});
   // The convolution alone, for a caller that adds the bias itself (a ResNet block hands it to
   // the GroupNorm that reads the output). No patch-parallel context may be active.
   at::Tensor forward_without_bias(const at::Tensor& x);
@@ -85,8 +86,10 @@ class EmbeddingImpl : public torch::nn::Module {
 TORCH_MODULE(Embedding);
 
 // GroupNorm with its affine weight and bias ("weight", "bias": ones and zeros until bound),
-// as torch::nn::GroupNorm, plus what the UNet runs around it: forward(x, add, silu) is
-// silu(group_norm(x + add[:, :, None, None])) with add [N, C] (a ResNet block's time embedding).
+// as torch::nn::GroupNorm, plus what the UNet runs around it: forward(x, add, silu, channel_add)
+// is silu(group_norm(x + add[:, :, None, None] + channel_add[None, :, None, None])) with add
+// [N, C] or [1, C] (a ResNet block's time embedding) and channel_add [C] (the bias of the
+// convolution before it).
 // On CUDA, for 4-D NCHW or channels-last input, it runs our kernels (group_norm_kernels.h):
 // channels-last in, channels-last out. Elsewhere ATen's group_norm.
 struct GroupNormOptions {
@@ -99,8 +102,10 @@ struct GroupNormOptions {
 class GroupNormImpl : public torch::nn::Module {
  public:
   explicit GroupNormImpl(const GroupNormOptions& o);
-  // x [N, C, *] -> the same shape and memory format; add: undefined or [N, C].
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& add = {}, bool silu = false);
+  // x [N, C, *] -> the same shape and memory format; add: undefined, [N, C] or [1, C] (its rows
+  // may lie apart, as slices of a wider tensor do); channel_add: undefined or [C].
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& add = {}, bool silu = false,
+                     const at::Tensor& channel_add = {});
   GroupNormOptions options;
   at::Tensor weight;  // [C]
   at::Tensor bias;    // [C]

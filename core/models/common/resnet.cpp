@@ -1,5 +1,8 @@
 #include "core/models/common/resnet.h"
 
+#include <cstdlib>
+#include <string>
+
 #include <ATen/ATen.h>
 
 #include "core/models/common/patch_parallel.h"
@@ -22,19 +25,67 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options(o)
 at::Tensor ResnetBlock2DImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
   // x [B, in, h, w], temb [B, temb_channels] or undefined -> [B, out, h, w]
   // The time embedding is added per channel inside norm2's kernels, not as a broadcast add; on
-  // CUDA so is conv1's bias, and conv2 adds its bias and the skip connection in one kernel.
-  const auto t = time_emb_proj && temb.defined() ? time_emb_proj->forward(at::silu(temb)) : at::Tensor();
-  const auto skip = conv_shortcut ? conv_shortcut->forward(x) : x;
-  at::Tensor h;
-  if (x.is_cuda() && conv_bias_kernel_available() && conv1->bias.defined() && !patch_context()) {
-    h = conv1->forward_without_bias(norm1->forward(x, {}, /*silu=*/true));
-    const auto add = t.defined() ? t + conv1->bias : conv1->bias.unsqueeze(0).expand({x.size(0), -1});
-    h = norm2->forward(h, add, /*silu=*/true);
-  } else {
-    h = norm2->forward(conv1->forward(norm1->forward(x, {}, /*silu=*/true)), t, /*silu=*/true);
+  // CUDA so is conv1's bias, and conv2 adds its bias, the skip connection and the shortcut's
+  // bias in one kernel.
+  at::Tensor t;
+  if (time_emb_proj && temb.defined()) {
+    t = TimeProjectionScope::lookup(this, temb);
+    if (!t.defined()) t = time_emb_proj->forward(at::silu(temb));
   }
-  const auto out = conv2->forward_add(h, skip);
+  at::Tensor out;
+  if (x.is_cuda() && conv_bias_kernel_available() && conv1->bias.defined() && !patch_context()) {
+    // The shortcut's bias goes in with conv2's bias and the skip, in conv2's kernel.
+    const bool fold_shortcut = conv_shortcut && conv_shortcut->bias.defined();
+    const auto skip = !conv_shortcut ? x : fold_shortcut ? conv_shortcut->forward_without_bias(x) : conv_shortcut->forward(x);
+    auto h = conv1->forward_without_bias(norm1->forward(x, {}, /*silu=*/true));
+    h = norm2->forward(h, t, /*silu=*/true, /*channel_add=*/conv1->bias);
+    out = conv2->forward_add(h, skip, fold_shortcut ? conv_shortcut->bias : at::Tensor());
+  } else {
+    const auto skip = conv_shortcut ? conv_shortcut->forward(x) : x;
+    const auto h = norm2->forward(conv1->forward(norm1->forward(x, {}, /*silu=*/true)), t, /*silu=*/true);
+    out = conv2->forward_add(h, skip);
+  }
   return options.output_scale_factor == 1.0 ? out : out / options.output_scale_factor;
+}
+
+namespace {
+thread_local const TimeProjectionScope* t_time_projections = nullptr;
+}
+
+std::shared_ptr<TimeProjections> TimeProjections::fuse(torch::nn::Module& root) {
+  std::vector<torch::nn::Module*> all = {&root};
+  for (const auto& m : root.modules(/*include_self=*/false)) all.push_back(m.get());
+  std::vector<FusedLinears::Member> members;
+  for (auto* m : all)
+    if (auto* r = dynamic_cast<ResnetBlock2DImpl*>(m); r && r->time_emb_proj)
+      members.push_back({r, {r->time_emb_proj.get()}});
+  auto linears = FusedLinears::fuse(members);
+  if (!linears) return nullptr;
+  auto group = std::make_shared<TimeProjections>();
+  group->linears_ = std::move(linears);
+  return group;
+}
+
+TimeProjectionScope::TimeProjectionScope(const TimeProjections* group, const at::Tensor& temb)
+    : previous_(t_time_projections) {
+  t_time_projections = this;
+  if (!group || !temb.defined() || at::GradMode::is_enabled() || !group->intact()) return;
+  group_ = group;
+  temb_ = temb;
+  projected_ = group->linears_->project(at::silu(temb));
+}
+
+TimeProjectionScope::~TimeProjectionScope() { t_time_projections = previous_; }
+
+at::Tensor TimeProjectionScope::lookup(const ResnetBlock2DImpl* block, const at::Tensor& temb) {
+  const auto* scope = t_time_projections;
+  if (!scope || !scope->group_ || !temb.is_same(scope->temb_)) return {};
+  return scope->group_->linears_->part(scope->projected_, block, 0);
+}
+
+bool fused_time_projections_wanted() {
+  const char* v = std::getenv("DIFFRACT_FUSED_TIME_PROJ");
+  return !(v && std::string(v) == "0");
 }
 
 Downsample2DImpl::Downsample2DImpl(int64_t channels, int64_t out_channels, int64_t pad) : padding(pad) {

@@ -3,6 +3,9 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include <memory>
+
+#include "core/models/common/fused_linears.h"
 #include "core/models/common/layers.h"
 
 namespace diffract::models {
@@ -29,6 +32,43 @@ class ResnetBlock2DImpl : public torch::nn::Module {
   Linear time_emb_proj{nullptr};
 };
 TORCH_MODULE(ResnetBlock2D);
+
+// Every ResNet block's time-embedding projection below a model (SDXL's UNet: 17 GEMMs of the
+// same silu(temb) per step, each of 1 or 2 rows) as one GEMM. fuse() lays the time_emb_proj
+// weights end to end (FusedLinears); a forward that owns a TimeProjections opens a
+// TimeProjectionScope with its time embedding, and the blocks under it that are handed that same
+// tensor take their slice of the scope's product. Inference only, while the layout is intact.
+class ResnetBlock2DImpl;
+class TimeProjections {
+ public:
+  // Null where `root` has no ResNet block with a time embedding.
+  static std::shared_ptr<TimeProjections> fuse(torch::nn::Module& root);
+  bool intact() const { return linears_->intact(); }
+  int size() const { return linears_->size(); }
+
+ private:
+  friend class TimeProjectionScope;
+  std::shared_ptr<FusedLinears> linears_;
+};
+
+class TimeProjectionScope {
+ public:
+  // temb [B, Ct]. Projects silu(temb) for every member when `group` is non-null and intact, temb
+  // is defined and autograd is not recording; otherwise a scope that gives none.
+  TimeProjectionScope(const TimeProjections* group, const at::Tensor& temb);
+  ~TimeProjectionScope();
+  TimeProjectionScope(const TimeProjectionScope&) = delete;
+  TimeProjectionScope& operator=(const TimeProjectionScope&) = delete;
+  // The innermost scope's projection [B, Cout] (a view of a wider tensor) for `block` given
+  // `temb`, or undefined when there is none (no scope, not a member, another temb tensor).
+  static at::Tensor lookup(const ResnetBlock2DImpl* block, const at::Tensor& temb);
+
+ private:
+  const TimeProjectionScope* previous_;
+  const TimeProjections* group_ = nullptr;
+  at::Tensor temb_, projected_;  // projected_: [B, sum Cout]
+};
+bool fused_time_projections_wanted();  // unless DIFFRACT_FUSED_TIME_PROJ=0
 
 // Stride-2 3x3 conv ("conv"). With padding 0 the input is padded (0, 1, 0, 1) first, as
 // the VAE encoder does.

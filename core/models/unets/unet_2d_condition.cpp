@@ -617,6 +617,7 @@ at::Tensor UNet2DConditionModelImpl::forward(const at::Tensor& sample, const at:
   const CrossKVScope cross_kv(cross_kv_.get(), context);
   const auto t = timesteps.dim() == 0 ? timesteps.expand({sample.size(0)}) : timesteps;
   const auto temb = embed_time(t, cond, sample.scalar_type());
+  const TimeProjectionScope time_projections(time_projections_.get(), temb);
   auto x = conv_in->forward(sample);
   std::vector<at::Tensor> skips = {x};
   for (const auto& block : *down_blocks) x = block->as<DownBlock>()->forward(x, temb, context, skips);
@@ -628,6 +629,11 @@ at::Tensor UNet2DConditionModelImpl::forward(const at::Tensor& sample, const at:
 int UNet2DConditionModelImpl::fuse_cross_attention_kv() {
   cross_kv_ = CrossKV::fuse(*this);
   return cross_kv_ ? cross_kv_->size() : 0;
+}
+
+int UNet2DConditionModelImpl::fuse_time_projections() {
+  time_projections_ = TimeProjections::fuse(*this);
+  return time_projections_ ? time_projections_->size() : 0;
 }
 
 UNet2DConditionModelImpl::SplitPoint UNet2DConditionModelImpl::split_point(int split) const {

@@ -197,6 +197,10 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   // DIFFRACT_FUSED_CROSS_KV=0. The stage calls keep the per-layer GEMMs (they run a part of the
   // layers).
   int fuse_cross_attention_kv();
+  // The ResNet blocks' time-embedding projections as one GEMM per forward() (TimeProjections,
+  // resnet.h); returns how many blocks take part. The pipelines do it unless
+  // DIFFRACT_FUSED_TIME_PROJ=0; the stage calls keep the per-block GEMMs.
+  int fuse_time_projections();
 
   UNet2DConditionConfig config;
   Conv2d conv_in{nullptr}, conv_out{nullptr};
@@ -212,6 +216,7 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   };
   std::vector<Layer> layers_;
   std::shared_ptr<CrossKV> cross_kv_;
+  std::shared_ptr<TimeProjections> time_projections_;
   std::string layer_name(const Layer& l) const;
 
   struct SplitPoint {
