@@ -370,6 +370,13 @@ PY
   done
 }
 
+#   PLAN=tune (one GPU): the LayerNorm and GroupNorm checks, with the timing of the LayerNorm
+#     kernel's row layouts and of GroupNorm's statistics grids at the SDXL step's shapes.
+if [ "$plan" = tune ]; then
+  checks checks_tune "gpu_layernorm|gpu_groupnorm" 150 "ms per call|blocks per SM|worst|group_norm \\["
+  exit 0
+fi
+
 #   PLAN=final (one GPU): the kernel, projection and graph checks, the diffusers anchor then
 #     diffract-bench (SDXL, SD 1.5) on the same GPU and their ratios, then SDXL once more with
 #     each UNet step's kernels listed by name and by the ATen op (and shapes) that launched them.

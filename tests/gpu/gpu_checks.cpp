@@ -204,6 +204,29 @@ void check_groupnorm() {
       std::cout << "  group_norm " << at::IntArrayRef(shape) << " BFloat16" << (cl ? " channels-last" : " NCHW")
                 << " +add +silu: fused " << fused << " ms, aten " << aten << " ms\n";
     }
+  // The statistics pass's grid (blocks per SM; the finalize kernel sums what it leaves), at the
+  // SDXL step's channels-last shapes for batch 1 and 2, with the per-channel adds the ResNet
+  // blocks pass.
+  for (const std::vector<std::int64_t>& shape : {std::vector<std::int64_t>{1, 320, 128, 128}, {1, 640, 64, 64}, {1, 1280, 32, 32},
+                                                 {2, 320, 128, 128}, {2, 640, 64, 64}, {2, 1280, 32, 32}}) {
+    const auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+    const auto xt = at::randn(shape, o).contiguous(at::MemoryFormat::ChannelsLast);
+    const auto add = at::randn({shape[0], shape[1]}, o), bias = at::randn({shape[1]}, o);
+    models::GroupNorm g(models::GroupNormOptions(32, shape[1]));
+    g->to(at::kCUDA, at::kBFloat16);
+    const auto want = g->forward(xt, add, true, bias);
+    std::ostringstream line;
+    line << "  group_norm " << at::IntArrayRef(shape) << " channels-last, statistics blocks per SM:";
+    for (const int per_sm : {1, 2, 4, 8}) {
+      models::set_group_norm_stats_blocks_per_sm(per_sm);
+      const double ms = graph_ms_per_call([&] { g->forward(xt, add, true, bias); });
+      const double diff = (g->forward(xt, add, true, bias).to(at::kFloat) - want.to(at::kFloat)).abs().max().item<double>();
+      line << " " << per_sm << ": " << ms << " ms";
+      expect(diff < 0.05, "group_norm with " + std::to_string(per_sm) + " statistics blocks per SM gives the default's result");
+    }
+    models::set_group_norm_stats_blocks_per_sm(4);
+    std::cout << line.str() << "\n";
+  }
 }
 
 // The fused projections (self-attention's q, k, v in one GEMM; every cross-attention's keys
@@ -553,6 +576,33 @@ void check_layernorm() {
     graph.replay();
     torch::cuda::synchronize(0);
     expect(at::equal(out, ln->forward(x)) && !at::equal(out, eager), "the replay reads the captured input's new values");
+  }
+
+  // add_layer_norm (as the transformer blocks run it) in each row layout the width allows, at
+  // the SDXL step's row counts: batch 1 and 2, 1280 and 640 channels. Each layout's result
+  // against the default's (the reduction order differs: fp32 rounding only).
+  {
+    const auto o = at::TensorOptions().device(dev).dtype(at::kBFloat16);
+    for (const auto& [rows, c] : {std::pair<std::int64_t, std::int64_t>{1024, 1280}, {2048, 1280}, {4096, 640}, {8192, 640}}) {
+      models::LayerNorm ln{models::LayerNormOptions(c)};
+      ln->to(dev, at::kBFloat16);
+      ln->weight.copy_(at::randn({c}, o) * 0.5 + 1);
+      ln->bias.copy_(at::randn({c}, o));
+      const auto x = at::randn({rows, c}, o), r = at::randn({rows, c}, o);
+      const auto want = ln->forward_add(x, r).second;
+      std::ostringstream line;
+      line << "  add_layer_norm [" << rows << ", " << c << "] bf16, ms per call:";
+      for (const int warps : {0, 1, 2, 4}) {
+        models::set_layer_norm_warps_per_row(warps);
+        const double ms = graph_ms_per_call([&] { ln->forward_add(x, r); });
+        const double diff = (ln->forward_add(x, r).second.to(at::kFloat) - want.to(at::kFloat)).abs().max().item<double>();
+        line << " " << (warps ? std::to_string(warps) + " warps/row " : "default ") << ms << " (max diff " << diff << ")";
+        expect(diff < 0.05, "add_layer_norm [" + std::to_string(rows) + ", " + std::to_string(c) + "] with " +
+                                std::to_string(warps) + " warps per row gives the default's result");
+      }
+      models::set_layer_norm_warps_per_row(0);
+      std::cout << line.str() << "\n";
+    }
   }
 
   for (const auto dtype : {at::kBFloat16, at::kHalf})

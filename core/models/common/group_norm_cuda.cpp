@@ -8,6 +8,8 @@
 
 namespace diffract::models {
 
+int group_norm_stats_blocks_per_sm();  // layers.h
+
 bool fused_group_norm_cuda(const at::Tensor& x, const at::Tensor& add, const at::Tensor& channel_add,
                            const at::Tensor& weight, const at::Tensor& bias, int64_t groups, double eps, bool silu,
                            at::Tensor& out) {
@@ -42,6 +44,7 @@ bool fused_group_norm_cuda(const at::Tensor& x, const at::Tensor& add, const at:
                       : like_x(add);
   const auto ca = channel_add.defined() ? like_x(channel_add) : at::Tensor();
   a.sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  a.stats_blocks_per_sm = group_norm_stats_blocks_per_sm();
   a.splits = kernels::group_norm_splits(a);
   const auto f32 = x.options().dtype(at::kFloat);
   auto partial = at::empty({a.n, a.splits, a.groups, 2}, f32);

@@ -254,7 +254,7 @@ bool group_norm_supported(const GroupNormArgs& a, uintptr_t x_address, uintptr_t
 }
 
 int group_norm_splits(const GroupNormArgs& a) {
-  const int64_t target = 4LL * std::max(a.sm_count, 1);
+  const int64_t target = static_cast<int64_t>(std::max(a.stats_blocks_per_sm, 1)) * std::max(a.sm_count, 1);
   const int vec = vec_size(a.dtype);
   int64_t s;
   if (a.channels_last) {

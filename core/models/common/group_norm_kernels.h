@@ -30,6 +30,7 @@ struct GroupNormArgs {
   int64_t n = 0, c = 0, hw = 0, add_stride = 0;
   int groups = 0, splits = 1;
   int sm_count = 1;  // the GPU's, for the grid sizes
+  int stats_blocks_per_sm = 4;  // how many statistics blocks (splits x N) to aim for per SM
   float eps = 1e-5f;
   bool silu = false;
   bool channels_last = false;

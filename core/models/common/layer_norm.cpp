@@ -30,6 +30,11 @@ std::atomic<bool>& fused_switch() {
   return on;
 }
 
+std::atomic<int>& warps_per_row() {
+  static std::atomic<int> w{0};
+  return w;
+}
+
 bool add_switch() {
   static const bool on = [] {
     const char* v = std::getenv("DIFFRACT_FUSED_ADD_LAYER_NORM");
@@ -63,6 +68,7 @@ bool kernel_case(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   a.weight = weight.const_data_ptr();
   a.bias = bias.const_data_ptr();
   a.sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  a.warps_per_row = warps_per_row();
   return true;
 }
 
@@ -77,6 +83,8 @@ void launch(const kernels::LayerNormArgs& a, const c10::Device& device, const ch
 }  // namespace
 
 void set_fused_layer_norm(bool on) { fused_switch() = on; }
+
+void set_layer_norm_warps_per_row(int warps) { warps_per_row() = warps; }
 
 bool fused_layer_norm_available() {
 #ifdef DIFFRACT_HAS_CUDA_KERNELS

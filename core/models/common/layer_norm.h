@@ -45,5 +45,8 @@ bool layer_norm_uses_kernel(const at::Tensor& x, const at::Tensor& weight, const
 // or DIFFRACT_FUSED_LAYER_NORM=0 in the environment at start-up).
 bool fused_layer_norm_available();
 void set_fused_layer_norm(bool on);
+// Forces the kernel's row layout (1, 2 or 4 warps per row) where the row fits it; 0 (the
+// default) leaves the pick to the kernel. For the GPU check's timing of the layouts.
+void set_layer_norm_warps_per_row(int warps);
 
 }  // namespace diffract::models

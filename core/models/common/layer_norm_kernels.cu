@@ -134,6 +134,14 @@ int launch(const LayerNormArgs& a, cudaStream_t stream) {
 template <typename T>
 int dispatch(const LayerNormArgs& a, cudaStream_t stream) {
   const int64_t v = a.c / kPer;
+  if (a.warps_per_row == 2) {
+    if (v <= 64) return launch<T, 1, 2>(a, stream);
+    if (v <= 128) return launch<T, 2, 2>(a, stream);
+    if (v <= 192) return launch<T, 3, 2>(a, stream);
+  } else if (a.warps_per_row == 4) {
+    if (v <= 128) return launch<T, 1, 4>(a, stream);
+    if (v <= 256) return launch<T, 2, 4>(a, stream);
+  }
   if (v <= 32) return launch<T, 1, 1>(a, stream);
   if (v <= 64) return launch<T, 2, 1>(a, stream);
   if (v <= 96) return launch<T, 3, 1>(a, stream);

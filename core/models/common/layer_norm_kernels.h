@@ -29,6 +29,7 @@ struct LayerNormArgs {
   float eps = 1e-5f;
   DType dtype = DType::BFloat16;
   int sm_count = 0;  // the GPU's; picks when the kernel loads weight and bias (0: after the reductions)
+  int warps_per_row = 0;  // 1, 2 or 4 to force a row layout where it fits (timing runs); 0: the kernel's pick
 };
 
 // Whether the kernel takes rows of `c` values of `dtype`: Half or BFloat16, C a multiple of 8

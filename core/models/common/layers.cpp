@@ -165,6 +165,12 @@ bool fused_group_norm_available() { return true; }
 bool fused_group_norm_available() { return false; }
 #endif
 void set_fused_group_norm(bool on) { g_fused_group_norm = on; }
+
+namespace {
+std::atomic<int> g_stats_blocks_per_sm{4};
+}
+void set_group_norm_stats_blocks_per_sm(int blocks) { g_stats_blocks_per_sm = blocks > 0 ? blocks : 4; }
+int group_norm_stats_blocks_per_sm() { return g_stats_blocks_per_sm; }
 bool fused_group_norm_enabled() { return fused_group_norm_available() && g_fused_group_norm; }
 
 void set_memory_format(torch::nn::Module& module, at::MemoryFormat format) {

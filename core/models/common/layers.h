@@ -117,6 +117,11 @@ TORCH_MODULE(GroupNorm);
 bool fused_group_norm_available();
 void set_fused_group_norm(bool on);
 bool fused_group_norm_enabled();
+// The kernels' statistics pass aims at this many blocks per SM (default 4; <= 0 resets it): more
+// blocks read in parallel, fewer leave less for the finalize kernel to sum. For the GPU check's
+// timing runs.
+void set_group_norm_stats_blocks_per_sm(int blocks);
+int group_norm_stats_blocks_per_sm();
 
 // Every 4-D parameter of `module` (convolution weights) in memory format `format`, in place.
 // cuDNN runs its NHWC kernels on channels-last weights and inputs without converting them first.
