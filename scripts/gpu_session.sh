@@ -370,6 +370,16 @@ PY
   done
 }
 
+#   PLAN=gnsplit (one GPU): the single-GPU checks the GroupNorm and ResNet changes touch, then
+#     SDXL 1024² with GroupNorm's statistics over 2 blocks per SM (the default) and over 4 (as
+#     before), one after the other.
+if [ "$plan" = gnsplit ]; then
+  checks checks_gnsplit "gpu_conv_bias|gpu_groupnorm|gpu_graphs|gpu_stage_graphs|gpu_qkv|gpu_previews|gpu_sd3|gpu_taesd" 150 "rel-L2|blocks per SM|ResNet"
+  echo "checks at $(elapsed) s"
+  env_ab DIFFRACT_GROUP_NORM_STATS_BLOCKS 2 4
+  exit 0
+fi
+
 #   PLAN=tune (one GPU): the LayerNorm and GroupNorm checks, with the timing of the LayerNorm
 #     kernel's row layouts and of GroupNorm's statistics grids at the SDXL step's shapes.
 if [ "$plan" = tune ]; then

@@ -224,7 +224,7 @@ void check_groupnorm() {
       line << " " << per_sm << ": " << ms << " ms";
       expect(diff < 0.05, "group_norm with " + std::to_string(per_sm) + " statistics blocks per SM gives the default's result");
     }
-    models::set_group_norm_stats_blocks_per_sm(4);
+    models::set_group_norm_stats_blocks_per_sm(0);  // back to the default
     std::cout << line.str() << "\n";
   }
 }

@@ -167,9 +167,18 @@ bool fused_group_norm_available() { return false; }
 void set_fused_group_norm(bool on) { g_fused_group_norm = on; }
 
 namespace {
-std::atomic<int> g_stats_blocks_per_sm{4};
+// 2 by measurement (H200, graphed, the SDXL step's channels-last shapes): 6-17 % faster than 4
+// at batch 1, 3-12 % at batch 2; 1 and 8 were no better (docs/benchmarks.md, eleventh session).
+// DIFFRACT_GROUP_NORM_STATS_BLOCKS sets another at start-up (A/B runs).
+constexpr int kStatsBlocksPerSm = 2;
+int stats_blocks_from_env() {
+  const char* v = std::getenv("DIFFRACT_GROUP_NORM_STATS_BLOCKS");
+  const int n = v ? std::atoi(v) : 0;
+  return n > 0 ? n : kStatsBlocksPerSm;
 }
-void set_group_norm_stats_blocks_per_sm(int blocks) { g_stats_blocks_per_sm = blocks > 0 ? blocks : 4; }
+std::atomic<int> g_stats_blocks_per_sm{stats_blocks_from_env()};
+}  // namespace
+void set_group_norm_stats_blocks_per_sm(int blocks) { g_stats_blocks_per_sm = blocks > 0 ? blocks : kStatsBlocksPerSm; }
 int group_norm_stats_blocks_per_sm() { return g_stats_blocks_per_sm; }
 bool fused_group_norm_enabled() { return fused_group_norm_available() && g_fused_group_norm; }
 

@@ -117,9 +117,9 @@ TORCH_MODULE(GroupNorm);
 bool fused_group_norm_available();
 void set_fused_group_norm(bool on);
 bool fused_group_norm_enabled();
-// The kernels' statistics pass aims at this many blocks per SM (default 4; <= 0 resets it): more
-// blocks read in parallel, fewer leave less for the finalize kernel to sum. For the GPU check's
-// timing runs.
+// The kernels' statistics pass aims at this many blocks per SM (default 2, or
+// DIFFRACT_GROUP_NORM_STATS_BLOCKS at start-up; <= 0 resets it): more blocks read in parallel,
+// fewer leave less for the finalize kernel to sum. For the GPU check's timing runs.
 void set_group_norm_stats_blocks_per_sm(int blocks);
 int group_norm_stats_blocks_per_sm();
 
