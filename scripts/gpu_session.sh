@@ -246,6 +246,9 @@ for x in r["results"]:
         steps = s.get("step_ms", [])
         print(f"  {s['strategy']}: warm {st.get('warm_ms', 0):.0f} ms, loop {st.get('loop_ms', 0):.0f} ms, text {s.get('text_encode_ms', 0):.1f}, "
               f"vae {s.get('vae_decode_ms', 0):.1f}, steps {len(steps)}: {[round(v, 1) for v in steps]}")
+        print(f"    outside the loop: before the call {st.get('before_call_ms', 0):.2f} ms, set-up {st.get('setup_ms', 0):.2f}, "
+              f"finish {st.get('finish_ms', 0):.2f}, call - loop {st.get('call_ms', 0) - st.get('loop_ms', 0):.2f}, "
+              f"after the call {st.get('after_call_ms', 0):.2f}")
 PY
 }
 

@@ -820,9 +820,11 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
 
   std::string strategy_stats;  // a multi-device strategy (core/parallel) runs the loop instead
   parallel::DeviceGroup* strategy_group = nullptr;  // and its group decodes the latents
+  const auto before_strategy = Clock::now();
   if (strategy)
     latents = run_strategy(p, *strategy, req, kind, config, positive, negative, latents, gen, observer, cancel, use_taesd,
                            timings, strategy_stats, strategy_group);
+  const double strategy_call_ms = ms_since(before_strategy);
   if (!strategy) {
     StepReporter reporter(p.device, req, observer, *sampler, preview_fn(p, req, use_taesd), timings);
     latents = denoise(
@@ -865,7 +867,14 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
                       {"vae_decode", timings.vae_decode_ms},
                       {"total", timings.total_ms}}},
   };
-  if (!strategy_stats.empty()) meta["strategy"] = nlohmann::json::parse(strategy_stats);
+  if (!strategy_stats.empty()) {
+    meta["strategy"] = nlohmann::json::parse(strategy_stats);
+    // From the job's start to the strategy's call (text encoding, latents), the whole call, and
+    // from its return to the VAE decode (the finite check): against loop_ms, setup_ms, finish_ms.
+    meta["strategy"]["before_call_ms"] = std::chrono::duration<double, std::milli>(before_strategy - start).count();
+    meta["strategy"]["call_ms"] = strategy_call_ms;
+    meta["strategy"]["after_call_ms"] = std::chrono::duration<double, std::milli>(td - before_strategy).count() - strategy_call_ms;
+  }
   if (strategy && !p.tiny_vae) meta["vae_decode_devices"] = p.last_decode_ranks;
   if (p.device.is_cuda())
     meta["unet_graphs"] = {{"graphs", p.runner->graphs()},
