@@ -29,8 +29,6 @@ void choose_attention_backend() {
   (void)chosen;
 }
 
-thread_local const CrossKVScope* t_cross_kv = nullptr;
-
 }  // namespace
 
 at::Tensor multi_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t heads,
@@ -140,25 +138,6 @@ std::shared_ptr<CrossKV> CrossKV::fuse(torch::nn::Module& root) {
   auto group = std::make_shared<CrossKV>();
   group->linears_ = std::move(linears);
   return group;
-}
-
-CrossKVScope::CrossKVScope(const CrossKV* group, const at::Tensor& context) : previous_(t_cross_kv) {
-  t_cross_kv = this;
-  if (!group || !context.defined() || at::GradMode::is_enabled() || !group->intact()) return;
-  group_ = group;
-  context_ = context;
-  projected_ = group->linears_->project(context);
-}
-
-CrossKVScope::~CrossKVScope() { t_cross_kv = previous_; }
-
-std::pair<at::Tensor, at::Tensor> CrossKVScope::lookup(const AttentionImpl* attention, const at::Tensor& context) {
-  const auto* scope = t_cross_kv;
-  // The same tensor the scope projected (not merely equal values): a caller passing another
-  // context (a slice, a copy) gets its own projections.
-  if (!scope || !scope->group_ || !context.is_same(scope->context_)) return {};
-  const auto& linears = *scope->group_->linears_;
-  return {linears.part(scope->projected_, attention, 0), linears.part(scope->projected_, attention, 1)};
 }
 
 bool fused_cross_kv_wanted() {

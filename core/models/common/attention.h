@@ -97,22 +97,17 @@ class CrossKV {
   std::shared_ptr<FusedLinears> linears_;  // per attention: to_k, to_v
 };
 
-class CrossKVScope {
+class CrossKVScope : FusedLinearsScope<CrossKV> {
  public:
   // context [B, S, Cc]. Projects every member's keys and values when `group` is non-null and
   // intact, context is defined and autograd is not recording; otherwise a scope that gives none.
-  CrossKVScope(const CrossKV* group, const at::Tensor& context);
-  ~CrossKVScope();
-  CrossKVScope(const CrossKVScope&) = delete;
-  CrossKVScope& operator=(const CrossKVScope&) = delete;
+  CrossKVScope(const CrossKV* group, const at::Tensor& context)
+      : FusedLinearsScope(group ? group->linears_.get() : nullptr, context) {}
   // The innermost scope's keys and values [B, S, inner] for `attention` given `context`, or
   // undefined tensors when there is none (no scope, not a member, another context tensor).
-  static std::pair<at::Tensor, at::Tensor> lookup(const AttentionImpl* attention, const at::Tensor& context);
-
- private:
-  const CrossKVScope* previous_;
-  const CrossKV* group_ = nullptr;
-  at::Tensor context_, projected_;  // projected_: [B, S, sum 2 inner]
+  static std::pair<at::Tensor, at::Tensor> lookup(const AttentionImpl* attention, const at::Tensor& context) {
+    return {FusedLinearsScope::lookup(attention, context, 0), FusedLinearsScope::lookup(attention, context, 1)};
+  }
 };
 bool fused_cross_kv_wanted();  // unless DIFFRACT_FUSED_CROSS_KV=0
 

@@ -3,7 +3,7 @@
 // end to end in one tensor, each parameter becoming a view of its rows, so state dicts, keys and
 // gradients are unchanged. Inference only, and only while every parameter is still such a view:
 // a move to another device or dtype gives them their own storage again, and intact() turns false.
-// CrossKV (attention.h) and TimeProjections (resnet.h) are built on it.
+// CrossKV (attention.h) and TimeProjections (resnet.h) are built on it, with FusedLinearsScope.
 #include <cstdint>
 #include <memory>
 #include <unordered_map>
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/GradMode.h>
 
 #include "core/models/common/layers.h"
 
@@ -38,6 +39,43 @@ class FusedLinears {
   std::vector<const void*> owners_;
   std::unordered_map<const void*, Entry> index_;
   at::Tensor weight_, bias_;  // [sum out, in], [sum out] or undefined
+};
+
+// One forward's product of a FusedLinears, made from one input by the forward that owns the
+// group, for the layers below it to look up by owner and by the identity of the tensor they are
+// handed (not merely equal values: a caller passing a slice or a copy gets its own
+// projections). Scopes nest per Tag on each thread and the innermost decides, so a forward
+// without a group hides the outer ones. None while autograd records, or once the group's layout
+// is no longer intact.
+template <class Tag>
+class FusedLinearsScope {
+ public:
+  // `prepare`, if given, maps the input before the GEMM (the time projections' SiLU).
+  FusedLinearsScope(const FusedLinears* linears, const at::Tensor& input,
+                    at::Tensor (*prepare)(const at::Tensor&) = nullptr)
+      : previous_(innermost_) {
+    innermost_ = this;
+    if (!linears || !input.defined() || c10::GradMode::is_enabled() || !linears->intact()) return;
+    linears_ = linears;
+    input_ = input;
+    projected_ = linears->project(prepare ? prepare(input) : input);
+  }
+  ~FusedLinearsScope() { innermost_ = previous_; }
+  FusedLinearsScope(const FusedLinearsScope&) = delete;
+  FusedLinearsScope& operator=(const FusedLinearsScope&) = delete;
+  // The innermost scope's output of `owner`'s layer `i` for `input`, or undefined (no scope, not
+  // a member, another input tensor).
+  static at::Tensor lookup(const void* owner, const at::Tensor& input, int i) {
+    const auto* scope = innermost_;
+    if (!scope || !scope->linears_ || !input.is_same(scope->input_)) return {};
+    return scope->linears_->part(scope->projected_, owner, i);
+  }
+
+ private:
+  static inline thread_local const FusedLinearsScope* innermost_ = nullptr;
+  const FusedLinearsScope* previous_;
+  const FusedLinears* linears_ = nullptr;
+  at::Tensor input_, projected_;
 };
 
 }  // namespace diffract::models

@@ -48,10 +48,6 @@ at::Tensor ResnetBlock2DImpl::forward(const at::Tensor& x, const at::Tensor& tem
   return options.output_scale_factor == 1.0 ? out : out / options.output_scale_factor;
 }
 
-namespace {
-thread_local const TimeProjectionScope* t_time_projections = nullptr;
-}
-
 std::shared_ptr<TimeProjections> TimeProjections::fuse(torch::nn::Module& root) {
   std::vector<torch::nn::Module*> all = {&root};
   for (const auto& m : root.modules(/*include_self=*/false)) all.push_back(m.get());
@@ -67,21 +63,8 @@ std::shared_ptr<TimeProjections> TimeProjections::fuse(torch::nn::Module& root) 
 }
 
 TimeProjectionScope::TimeProjectionScope(const TimeProjections* group, const at::Tensor& temb)
-    : previous_(t_time_projections) {
-  t_time_projections = this;
-  if (!group || !temb.defined() || at::GradMode::is_enabled() || !group->intact()) return;
-  group_ = group;
-  temb_ = temb;
-  projected_ = group->linears_->project(at::silu(temb));
-}
-
-TimeProjectionScope::~TimeProjectionScope() { t_time_projections = previous_; }
-
-at::Tensor TimeProjectionScope::lookup(const ResnetBlock2DImpl* block, const at::Tensor& temb) {
-  const auto* scope = t_time_projections;
-  if (!scope || !scope->group_ || !temb.is_same(scope->temb_)) return {};
-  return scope->group_->linears_->part(scope->projected_, block, 0);
-}
+    : FusedLinearsScope(group ? group->linears_.get() : nullptr, temb,
+                        [](const at::Tensor& t) { return at::silu(t); }) {}
 
 bool fused_time_projections_wanted() {
   const char* v = std::getenv("DIFFRACT_FUSED_TIME_PROJ");

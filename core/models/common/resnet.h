@@ -51,22 +51,16 @@ class TimeProjections {
   std::shared_ptr<FusedLinears> linears_;
 };
 
-class TimeProjectionScope {
+class TimeProjectionScope : FusedLinearsScope<TimeProjections> {
  public:
   // temb [B, Ct]. Projects silu(temb) for every member when `group` is non-null and intact, temb
   // is defined and autograd is not recording; otherwise a scope that gives none.
   TimeProjectionScope(const TimeProjections* group, const at::Tensor& temb);
-  ~TimeProjectionScope();
-  TimeProjectionScope(const TimeProjectionScope&) = delete;
-  TimeProjectionScope& operator=(const TimeProjectionScope&) = delete;
   // The innermost scope's projection [B, Cout] (a view of a wider tensor) for `block` given
   // `temb`, or undefined when there is none (no scope, not a member, another temb tensor).
-  static at::Tensor lookup(const ResnetBlock2DImpl* block, const at::Tensor& temb);
-
- private:
-  const TimeProjectionScope* previous_;
-  const TimeProjections* group_ = nullptr;
-  at::Tensor temb_, projected_;  // projected_: [B, sum Cout]
+  static at::Tensor lookup(const ResnetBlock2DImpl* block, const at::Tensor& temb) {
+    return FusedLinearsScope::lookup(block, temb, 0);
+  }
 };
 bool fused_time_projections_wanted();  // unless DIFFRACT_FUSED_TIME_PROJ=0
 
