@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "core/models/common/geglu_kernels.h"
+#include "core/models/common/kernel_dtype.h"
 #endif
 #include "core/util/error.h"
 
@@ -31,9 +32,8 @@ bool fused_geglu_available() {
 bool geglu_halves_uses_kernel(const at::Tensor& y) {
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
   const bool grad = at::GradMode::is_enabled() && y.requires_grad();
-  const auto t = y.scalar_type();
   return y.is_cuda() && g_fused && !grad && y.dim() >= 1 && y.size(-1) % 2 == 0 && y.is_contiguous() &&
-         (t == at::kFloat || t == at::kHalf || t == at::kBFloat16);
+         kernel_dtype(y.scalar_type());
 #else
   (void)y;
   return false;
@@ -50,10 +50,8 @@ at::Tensor geglu_halves(const at::Tensor& y) {
     const int64_t inner = sizes.back() / 2;
     sizes.back() = inner;
     auto out = at::empty(sizes, y.options());
-    const auto dtype = y.scalar_type() == at::kFloat  ? kernels::DType::Float
-                       : y.scalar_type() == at::kHalf ? kernels::DType::Half
-                                                      : kernels::DType::BFloat16;
-    const int rc = kernels::geglu_halves_forward(y.data_ptr(), out.data_ptr(), y.numel() / (2 * inner), inner, dtype,
+    const int rc = kernels::geglu_halves_forward(y.data_ptr(), out.data_ptr(), y.numel() / (2 * inner), inner,
+                                                 *kernel_dtype(y.scalar_type()),
                                                  at::cuda::getCurrentCUDAStream(y.device().index()).stream());
     if (rc != 0)
       throw Error("GEGLU CUDA kernel failed to launch: " + std::string(cudaGetErrorString(static_cast<cudaError_t>(rc))));
@@ -70,18 +68,10 @@ at::Tensor geglu(const at::Tensor& a, const at::Tensor& b) {
   const bool grad = at::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad());
   if (a.is_cuda() && g_fused && !grad && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && a.is_contiguous() &&
       b.is_contiguous()) {
-    kernels::DType dtype;
-    bool known = true;
-    switch (a.scalar_type()) {
-      case at::kFloat: dtype = kernels::DType::Float; break;
-      case at::kHalf: dtype = kernels::DType::Half; break;
-      case at::kBFloat16: dtype = kernels::DType::BFloat16; break;
-      default: known = false;
-    }
-    if (known) {
+    if (const auto dtype = kernel_dtype(a.scalar_type())) {
       const c10::cuda::CUDAGuard guard(a.device());
       auto out = at::empty_like(a);
-      const int rc = kernels::geglu_forward(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel(), dtype,
+      const int rc = kernels::geglu_forward(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel(), *dtype,
                                             at::cuda::getCurrentCUDAStream(a.device().index()).stream());
       if (rc != 0)
         throw Error("GEGLU CUDA kernel failed to launch: " + std::string(cudaGetErrorString(static_cast<cudaError_t>(rc))));

@@ -4,23 +4,20 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "core/models/common/group_norm_kernels.h"
+#include "core/models/common/kernel_dtype.h"
+#include "core/models/common/layers.h"  // group_norm_stats_blocks_per_sm
 #include "core/util/error.h"
 
 namespace diffract::models {
-
-int group_norm_stats_blocks_per_sm();  // layers.h
 
 bool fused_group_norm_cuda(const at::Tensor& x, const at::Tensor& add, const at::Tensor& channel_add,
                            const at::Tensor& weight, const at::Tensor& bias, int64_t groups, double eps, bool silu,
                            at::Tensor& out) {
   if (x.dim() != 4) return false;
   kernels::GroupNormArgs a;
-  switch (x.scalar_type()) {
-    case at::kFloat: a.dtype = kernels::DType::Float; break;
-    case at::kHalf: a.dtype = kernels::DType::Half; break;
-    case at::kBFloat16: a.dtype = kernels::DType::BFloat16; break;
-    default: return false;
-  }
+  const auto dtype = kernel_dtype(x.scalar_type());
+  if (!dtype) return false;
+  a.dtype = *dtype;
   if (x.is_contiguous()) a.channels_last = false;
   else if (x.is_contiguous(at::MemoryFormat::ChannelsLast)) a.channels_last = true;
   else return false;

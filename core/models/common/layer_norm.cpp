@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "core/models/common/layer_norm_kernels.h"
+#include "core/models/common/kernel_dtype.h"
 #include "core/util/error.h"
 #endif
 
@@ -49,11 +50,9 @@ bool add_switch() {
 // layer_norm in fp32: both go to ATen.
 bool kernel_case(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, kernels::LayerNormArgs& a) {
   if (!fused_switch() || !x.defined() || !x.is_cuda() || x.dim() < 1 || x.numel() == 0) return false;
-  switch (x.scalar_type()) {
-    case at::kHalf: a.dtype = kernels::DType::Half; break;
-    case at::kBFloat16: a.dtype = kernels::DType::BFloat16; break;
-    default: return false;
-  }
+  const auto dtype = kernel_dtype(x.scalar_type());
+  if (!dtype) return false;
+  a.dtype = *dtype;  // Float too: layer_norm_supported leaves it to ATen
   a.c = x.size(-1);
   a.rows = x.numel() / a.c;
   if (!kernels::layer_norm_supported(a.dtype, a.c)) return false;

@@ -20,6 +20,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "core/models/common/bias_add_kernels.h"
+#include "core/models/common/kernel_dtype.h"
 #endif
 
 namespace diffract::models {
@@ -44,12 +45,9 @@ bool bias_add_cuda(at::Tensor& y, const at::Tensor& bias, const at::Tensor& resi
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
   if (!conv_bias_switch() || !y.is_cuda() || y.dim() != 4 || y.numel() == 0) return false;
   kernels::BiasAddArgs a;
-  switch (y.scalar_type()) {
-    case at::kHalf: a.dtype = kernels::DType::Half; break;
-    case at::kBFloat16: a.dtype = kernels::DType::BFloat16; break;
-    case at::kFloat: a.dtype = kernels::DType::Float; break;
-    default: return false;
-  }
+  const auto dtype = kernel_dtype(y.scalar_type());
+  if (!dtype) return false;
+  a.dtype = *dtype;
   if (at::GradMode::is_enabled() && (y.requires_grad() || bias.requires_grad() || (residual.defined() && residual.requires_grad())))
     return false;
   if (bias.dim() != 1 || bias.size(0) != y.size(1) || bias.scalar_type() != y.scalar_type() ||
