@@ -2,6 +2,7 @@
 // LibTorch's torch::nn layers drew; loaded models still bind every weight. The transformer
 // block's fused adds and the fused projections compute what the separate ops did.
 #include <algorithm>
+#include <functional>
 #include <map>
 
 #include <torch/nn.h>
@@ -106,6 +107,24 @@ uint64_t fingerprint(nn::Module& m) {
 
 models::UNet2DConditionConfig tiny_unet() {
   return models::UNet2DConditionConfig::from_json(test::fixtures() / "tiny-sdxl" / "unet" / "config.json");
+}
+
+// `fuse` on the tiny SD UNet: it reports `members` (the modules `is_member` counts below the
+// UNet), every parameter keeps its value, and the UNet still gives diffusers' output.
+void checkFusedTinyUNet(const std::function<int(models::UNet2DConditionModel&)>& fuse,
+                        const std::function<bool(torch::nn::Module&)>& is_member) {
+  auto unet = models::load_unet_2d_condition(test::fixtures() / "tiny-sd" / "unet");
+  std::map<std::string, at::Tensor> before;
+  for (const auto& kv : unet->named_parameters()) before[kv.key()] = kv.value().clone();
+  int members = 0;
+  for (const auto& m : unet->modules()) members += is_member(*m) ? 1 : 0;
+  QVERIFY(members > 0);
+  QCOMPARE(fuse(unet), members);
+  for (const auto& kv : unet->named_parameters()) QVERIFY2(at::equal(kv.value(), before.at(kv.key())), kv.key().c_str());
+  const auto e = io::load_state_dict(test::fixtures() / "unet_cases.safetensors");
+  models::UNetConditioning cond;
+  cond.encoder_hidden_states = e.at("sd.16x16.context");
+  DIFFRACT_COMPARE_TENSORS(unet->forward(e.at("sd.16x16.x"), e.at("sd.16x16.t"), cond), e.at("sd.16x16.out"), 1e-4);
 }
 
 }  // namespace
@@ -355,20 +374,11 @@ class TestLayers : public QObject {
       QVERIFY(!models::CrossKVScope::lookup(a.get(), context).first.defined());
     }
 
-    const auto dir = test::fixtures() / "tiny-sd";
-    auto unet = models::load_unet_2d_condition(dir / "unet");
-    std::map<std::string, at::Tensor> before;
-    for (const auto& kv : unet->named_parameters()) before[kv.key()] = kv.value().clone();
-    int crosses = 0;
-    for (const auto& m : unet->modules())
-      if (auto* att = dynamic_cast<models::AttentionImpl*>(m.get())) crosses += att->options.cross_attention_dim > 0;
-    QVERIFY(crosses > 0);
-    QCOMPARE(unet->fuse_cross_attention_kv(), crosses);
-    for (const auto& kv : unet->named_parameters()) QVERIFY2(at::equal(kv.value(), before.at(kv.key())), kv.key().c_str());
-    const auto e = io::load_state_dict(test::fixtures() / "unet_cases.safetensors");
-    models::UNetConditioning cond;
-    cond.encoder_hidden_states = e.at("sd.16x16.context");
-    DIFFRACT_COMPARE_TENSORS(unet->forward(e.at("sd.16x16.x"), e.at("sd.16x16.t"), cond), e.at("sd.16x16.out"), 1e-4);
+    checkFusedTinyUNet([](models::UNet2DConditionModel& u) { return u->fuse_cross_attention_kv(); },
+                       [](torch::nn::Module& m) {
+                         const auto* att = dynamic_cast<models::AttentionImpl*>(&m);
+                         return att && att->options.cross_attention_dim > 0;
+                       });
   }
 
   // GroupNorm as torch::nn::GroupNorm (ones / zeros, same parameter names, same output), and
@@ -463,19 +473,11 @@ class TestLayers : public QObject {
       QVERIFY(!models::TimeProjectionScope::lookup(a.get(), temb).defined());
     }
 
-    auto unet = models::load_unet_2d_condition(test::fixtures() / "tiny-sd" / "unet");
-    std::map<std::string, at::Tensor> before;
-    for (const auto& kv : unet->named_parameters()) before[kv.key()] = kv.value().clone();
-    int resnets = 0;
-    for (const auto& m : unet->modules())
-      if (auto* r = dynamic_cast<models::ResnetBlock2DImpl*>(m.get())) resnets += r->time_emb_proj ? 1 : 0;
-    QVERIFY(resnets > 0);
-    QCOMPARE(unet->fuse_time_projections(), resnets);
-    for (const auto& kv : unet->named_parameters()) QVERIFY2(at::equal(kv.value(), before.at(kv.key())), kv.key().c_str());
-    const auto e = io::load_state_dict(test::fixtures() / "unet_cases.safetensors");
-    models::UNetConditioning cond;
-    cond.encoder_hidden_states = e.at("sd.16x16.context");
-    DIFFRACT_COMPARE_TENSORS(unet->forward(e.at("sd.16x16.x"), e.at("sd.16x16.t"), cond), e.at("sd.16x16.out"), 1e-4);
+    checkFusedTinyUNet([](models::UNet2DConditionModel& u) { return u->fuse_time_projections(); },
+                       [](torch::nn::Module& m) {
+                         const auto* r = dynamic_cast<models::ResnetBlock2DImpl*>(&m);
+                         return r && r->time_emb_proj;
+                       });
   }
 
   // BasicTransformerBlock adds its skip connections inside the next LayerNorm (add_layer_norm)
