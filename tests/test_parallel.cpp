@@ -4,10 +4,12 @@
 #include <cstdlib>
 #include <functional>
 #include <mutex>
+#include <numeric>
 #include <thread>
 #include <tuple>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
 
 #include "core/models/common/layers.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
@@ -447,8 +449,13 @@ class TestParallel : public QObject {
                                                                   : 2 * (steps / (n + 1)) + (steps % (n + 1) == 0 ? 0 : steps % (n + 1) == 1 ? 1 : 2);
         QCOMPARE(DRiffusion::expected_rounds(mode, steps, n), expected);
         QCOMPARE(out.stats.rounds, expected);
+        const auto points = DRiffusion::round_points(mode, steps, n);
+        QCOMPARE(static_cast<int>(points.size()), expected);
+        QCOMPARE(std::accumulate(points.begin(), points.end(), 0), steps);
+        QCOMPARE(out.stats.paired_rounds,
+                 static_cast<int>(std::count_if(points.begin(), points.end(), [&](int p) { return 2 * p <= n; })));
         QCOMPARE(out.stats.evaluations, steps);  // every step's output is evaluated exactly once
-        QCOMPARE(evals_.load(), steps);
+        QCOMPARE(evals_.load(), steps + out.stats.paired_rounds);  // a paired point: two calls, a branch each
         QCOMPARE(static_cast<int>(reported.size()), steps);
         for (int i = 0; i < steps; ++i) QCOMPARE(reported[static_cast<std::size_t>(i)], i);
         QVERIFY(at::isfinite(out.latents).all().item<bool>());
@@ -462,6 +469,45 @@ class TestParallel : public QObject {
     // Asymptotic latencies: 1/n and 2/(n+1).
     QCOMPARE(DRiffusion::expected_rounds(DRiffusion::Mode::Aggressive, 401, 4), 101);
     QCOMPARE(DRiffusion::expected_rounds(DRiffusion::Mode::Conservative, 500, 4), 200);
+  }
+
+  // A round with devices to spare runs each point's prompt and negative prompt on two of them:
+  // aggressive mode's first and last rounds, conservative mode's anchor rounds, on 2 devices.
+  void driffusionPairsIdleDevices() {
+    using V = std::vector<int>;
+    V aggressive(16, 2);
+    aggressive.front() = aggressive.back() = 1;
+    QVERIFY(DRiffusion::round_points(DRiffusion::Mode::Aggressive, 30, 2) == aggressive);
+    QVERIFY(DRiffusion::round_points(DRiffusion::Mode::Aggressive, 9, 4) == (V{1, 4, 4}));
+    QVERIFY(DRiffusion::round_points(DRiffusion::Mode::Aggressive, 7, 2) == (V{1, 2, 2, 2}));
+    QVERIFY(DRiffusion::round_points(DRiffusion::Mode::Conservative, 7, 2) == (V{1, 2, 1, 2, 1}));
+    QVERIFY(DRiffusion::round_points(DRiffusion::Mode::Conservative, 0, 2).empty());
+    const int steps = 7;
+    for (auto mode : {DRiffusion::Mode::Aggressive, DRiffusion::Mode::Conservative}) {
+      DRiffusion paired;
+      paired.n = 2;
+      paired.mode = mode;
+      DRiffusion idle = paired;
+      idle.pair_branches = false;
+      auto in = inputs(schedulers::SamplerKind::Euler, steps, 1, 4.0);
+      const auto a = run(idle, in);
+      QCOMPARE(a.stats.paired_rounds, 0);
+      QCOMPARE(evals_.load(), steps);
+      const auto b = run(paired, in);
+      const int expect = mode == DRiffusion::Mode::Aggressive ? 1 : 3;  // the rounds of one point below
+      QCOMPARE(b.stats.paired_rounds, expect);
+      QCOMPARE(b.stats.rounds, a.stats.rounds);
+      QCOMPARE(b.stats.evaluations, steps);
+      QCOMPARE(evals_.load(), steps + expect);
+      QVERIFY(nlohmann::json::parse(b.stats.to_json())["paired_rounds"] == expect);
+      // The same trajectory: batch-1 against batch-2 rounding, as for CFG-parallel.
+      DIFFRACT_COMPARE_TENSORS(b.latents, a.latents, 1e-4);
+      // Without CFG there is one branch: nothing to pair.
+      auto plain = inputs(schedulers::SamplerKind::Euler, steps, 1, 1.0);
+      const auto c = run(paired, plain);
+      QCOMPARE(c.stats.paired_rounds, 0);
+      QVERIFY(at::equal(c.latents, run(idle, plain).latents));
+    }
   }
 
   // CFG-parallel x DRiffusion: n drafts on 2n devices, each pair splitting the prompt and the
@@ -1218,7 +1264,9 @@ class TestParallel : public QObject {
     using L = std::vector<std::pair<std::int64_t, Branch>>;
     QVERIFY(warm("cfg-parallel", 2) == (L{{5, Branch::Cond}}));
     QVERIFY(warm("hybrid-cfg", 2) == (L{{5, Branch::Cond}}));
-    QVERIFY(warm("driffusion-aggressive", 2) == (L{{5, Branch::Guided}}));
+    QVERIFY(warm("driffusion-aggressive", 2) == (L{{5, Branch::Guided}, {5, Branch::Cond}}));  // paired rounds
+    QVERIFY(warm("driffusion", 1) == (L{{5, Branch::Guided}}));
+    QVERIFY(warm("cfg-driffusion", 4) == (L{{5, Branch::Cond}}));
     QVERIFY(warm("single", 1) == (L{{5, Branch::Guided}}));
     QVERIFY(warm("data-parallel", 2) == (L{{2, Branch::Guided}, {3, Branch::Guided}}));  // 5 rows: 3 + 2
     QVERIFY(warm("data-parallel", 5) == (L{{1, Branch::Guided}}));

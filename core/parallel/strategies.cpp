@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -26,6 +27,7 @@ void Strategy::warm_rank(Denoiser& d, const at::Tensor& x, double t, int) const 
 std::string LoopStats::to_json() const {
   nlohmann::json j = {{"strategy", strategy}, {"devices", devices},     {"steps", steps},
                       {"rounds", rounds},     {"evaluations", evaluations}, {"bytes_sent", bytes_sent}};
+  if (paired_rounds > 0) j["paired_rounds"] = paired_rounds;
   if (!rel_mae.empty()) j["rel_mae"] = rel_mae;
   if (tau1 >= 0) {
     j["tau1"] = tau1;
@@ -341,8 +343,29 @@ void DRiffusion::validate(std::int64_t, bool cfg) const {
 }
 
 void DRiffusion::warm(Denoiser& d, const at::Tensor& x, double t) const {
-  if (cfg_split) d.eval(x, t, Branch::Cond);  // one branch: the shape every rank evaluates
-  else Strategy::warm(d, x, t);
+  if (cfg_split) {
+    d.eval(x, t, Branch::Cond);  // one branch: the shape every rank evaluates
+    return;
+  }
+  Strategy::warm(d, x, t);
+  if (pair_branches && n >= 2 && d.cfg()) d.eval(x, t, Branch::Cond);  // the paired rounds' shape
+}
+
+std::vector<int> DRiffusion::round_points(Mode mode, int steps, int n) {
+  std::vector<int> points;
+  for (int i = 0; i < steps;) {
+    if (mode == Mode::Conservative) {
+      points.push_back(1);
+      const int drafts = std::min(n, steps - 1 - i);
+      if (drafts > 0) points.push_back(drafts);
+      i += drafts + 1;
+    } else {
+      const int drafts = i > 0 ? std::min(n - 1, steps - 1 - i) : 0;
+      points.push_back(drafts + 1);
+      i += drafts + 1;
+    }
+  }
+  return points;
 }
 
 int DRiffusion::expected_rounds(Mode mode, int steps, int n) {
@@ -356,11 +379,12 @@ LoopOutput DRiffusion::run(DeviceGroup& g, const LoopInputs& in) const {
   auto ranks = prepare(*this, g, in);
   std::atomic<int> evals{0};
   std::atomic<std::int64_t> bytes{0};
-  int rounds = 0;
+  int rounds = 0, paired = 0;
   at::Tensor result;
   const Mode m = mode;
   const int devices = n;  // drafts per round
   const bool split = cfg_split;
+  const bool pair_idle = !cfg_split && pair_branches && ranks.front().den->cfg();
   CancelGate gate(in.cancel);
   g.run([&](int rank, Communicator& comm) {
     auto& k = ranks[static_cast<std::size_t>(rank)];
@@ -371,24 +395,29 @@ LoopOutput DRiffusion::run(DeviceGroup& g, const LoopInputs& in) const {
     int my_rounds = 0;
     // Evaluates points[r] (state at step first + r) on rank r; every rank gets all outputs.
     // Idle ranks contribute zeros: NCCL needs a tensor of the same shape from every rank.
-    // With cfg_split the point is rank / 2, its branch the rank's parity, and the pairs are
-    // combined after the exchange.
+    // Paired (cfg_split, or a round with half as many points as ranks or fewer) the point is
+    // rank / 2, its branch the rank's parity, and the pairs are combined after the exchange.
     auto round = [&](const std::vector<at::Tensor>& points, int first) {
       gate.check(my_rounds++);
+      const int p = static_cast<int>(points.size());
+      const bool pairs = split || (pair_idle && 2 * p <= devices);
       at::Tensor mine;
-      const int point = split ? rank / 2 : rank;
-      if (point < static_cast<int>(points.size())) {
-        const auto branch = !split ? Branch::Guided : rank % 2 == 0 ? Branch::Cond : Branch::Uncond;
+      const int point = pairs ? rank / 2 : rank;
+      if (point < p) {
+        const auto branch = !pairs ? Branch::Guided : rank % 2 == 0 ? Branch::Cond : Branch::Uncond;
         mine = eval_at(*k.den, s, points[static_cast<std::size_t>(point)], first + point, branch);
-        if (!split || rank % 2 == 0) ++evals;
+        if (!pairs || rank % 2 == 0) ++evals;
       } else {
         mine = at::zeros(k.x.sizes(), k.x.options().dtype(k.den->output_dtype()));
       }
       auto all = comm.all_gather(mine);
-      if (rank == 0) ++rounds;
+      if (rank == 0) {
+        ++rounds;
+        if (pairs && !split) ++paired;
+      }
       std::vector<at::Tensor> outs;
       for (std::size_t r = 0; r < points.size(); ++r)
-        outs.push_back(split ? combine_cfg(all[2 * r + 1].to(dev), all[2 * r].to(dev), k.den->guidance_scale())
+        outs.push_back(pairs ? combine_cfg(all[2 * r + 1].to(dev), all[2 * r].to(dev), k.den->guidance_scale())
                              : all[r].to(dev));
       return outs;
     };
@@ -420,7 +449,9 @@ LoopOutput DRiffusion::run(DeviceGroup& g, const LoopInputs& in) const {
     bytes += comm.bytes_sent() - bytes0;
     if (rank == 0) result = k.x;
   });
-  return finish(*this, in, g, result, rounds, evals.load(), bytes.load());
+  auto o = finish(*this, in, g, result, rounds, evals.load(), bytes.load());
+  o.stats.paired_rounds = paired;
+  return o;
 }
 
 void DataParallel::validate(std::int64_t batch, bool) const {
@@ -553,6 +584,8 @@ std::unique_ptr<Strategy> make_strategy(const std::string& name, int n, int patc
     s->n = s->cfg_split ? n / 2 : n;
     s->mode = name.find("aggressive") == std::string::npos ? DRiffusion::Mode::Conservative
                                                            : DRiffusion::Mode::Aggressive;
+    const char* pairs = std::getenv("DIFFRACT_DRIFFUSION_PAIRS");  // =0: idle devices stay idle (A/B)
+    s->pair_branches = !(pairs && std::string(pairs) == "0");
     return s;
   }
   if (name == "data-parallel") {
