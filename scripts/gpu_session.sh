@@ -383,6 +383,23 @@ if [ "$plan" = gnsplit ]; then
   exit 0
 fi
 
+#   PLAN=probe (one GPU): the kernel, projection and graph checks, the SDXL VAE's band timings,
+#     then SDXL 1024² against the one-device strategies (the ordinary loop through the strategy
+#     machinery: what a strategy job spends outside its loop, measured without a second GPU).
+if [ "$plan" = probe ]; then
+  checks checks_probe "gpu_conv_bias|gpu_layernorm|gpu_groupnorm|gpu_geglu|gpu_qkv|gpu_graphs|gpu_stage_graphs|gpu_previews|gpu_vae_bands" 150 "rel-L2|ResNet|latent rows|VAE decode"
+  echo "checks at $(elapsed) s"
+  BENCH_RUNS=3 BENCH_STRATEGIES="${PROBE_STRATEGIES:-driffusion-aggressive:1,data-parallel:1}" strategy_bench "$(left 5)"
+  strategy_split "$logs/bench_strategies.json"
+  exit 0
+fi
+
+#   PLAN=checks (any GPUs): the checks matching CHECKS (a ctest -R pattern), their lines matching GREP.
+if [ "$plan" = checks ]; then
+  checks checks_some "${CHECKS:-gpu_groupnorm}" 150 "${GREP:-rel-L2}"
+  exit 0
+fi
+
 #   PLAN=tune (one GPU): the LayerNorm and GroupNorm checks, with the timing of the LayerNorm
 #     kernel's row layouts and of GroupNorm's statistics grids at the SDXL step's shapes.
 if [ "$plan" = tune ]; then

@@ -419,6 +419,44 @@ class TestLayers : public QObject {
     QVERIFY_THROWS_EXCEPTION(std::exception, models::GroupNorm(models::GroupNormOptions(5, 12)));
   }
 
+  // GroupNorm from moments (a band decode's pieces): the moments of some rows are var_mean of
+  // those rows (add included); bands' moments combined with their element counts are the whole
+  // image's statistics however the rows split; normalising with them is forward(x, add, silu).
+  void groupNormFromMoments() {
+    models::GroupNorm norm(models::GroupNormOptions(3, 12).eps(1e-6));
+    at::manual_seed(8);
+    at::NoGradGuard no_grad;
+    norm->weight.copy_(at::randn({12}));
+    norm->bias.copy_(at::randn({12}));
+    const auto x = at::randn({2, 12, 9, 4}) * 2 + 3, add = at::randn({1, 12});
+    const auto in = x + add.view({1, 12, 1, 1});
+    const auto m = models::group_moments(x, add, 3, 2, 7);
+    QVERIFY(m.sizes() == (std::vector<int64_t>{2, 3, 2}));
+    const auto [var, mean] = at::var_mean(in.narrow(2, 2, 5).reshape({2, 3, -1}), {2}, 0, false);
+    DIFFRACT_COMPARE_TENSORS(m.select(-1, 0), mean, 1e-6);
+    DIFFRACT_COMPARE_TENSORS(m.select(-1, 1), var, 1e-5);
+    // Three bands of 2, 4 and 3 rows.
+    std::vector<at::Tensor> parts;
+    std::vector<double> counts;
+    int64_t row = 0;
+    for (int64_t rows : {2, 4, 3}) {
+      parts.push_back(models::group_moments(x, add, 3, row, row + rows));
+      counts.push_back(static_cast<double>(rows * 4 * 4));  // rows x width x channels per group
+      row += rows;
+    }
+    const auto stats = models::combine_group_moments(at::stack(parts), counts, 1e-6);
+    const auto [all_var, all_mean] = at::var_mean(in.reshape({2, 3, -1}), {2}, 0, false);
+    DIFFRACT_COMPARE_TENSORS(stats.select(-1, 0), all_mean, 1e-6);
+    DIFFRACT_COMPARE_TENSORS(stats.select(-1, 1), at::rsqrt(all_var + 1e-6), 1e-5);
+    DIFFRACT_COMPARE_TENSORS(models::group_norm_with_stats(*norm, x, add, stats, true), norm->forward(x, add, true), 1e-5);
+    // Equal counts would weigh the 2-row band like the 4-row one: not the whole's mean.
+    const auto equal = models::combine_group_moments(at::stack(parts), {1, 1, 1}, 1e-6);
+    QVERIFY((equal.select(-1, 0) - all_mean).abs().max().item<double>() > 1e-3);
+    DIFFRACT_EXPECT_ERROR(models::group_moments(x, add, 3, 5, 5), "GroupNorm moments: rows [5, 5)");
+    DIFFRACT_EXPECT_ERROR(models::group_moments(x, add, 3, 0, 10), "rows [0, 10) of input [2, 12, 9, 4]");
+    DIFFRACT_EXPECT_ERROR(models::combine_group_moments(at::stack(parts), {1, 1}, 1e-6), "for 2 parts");
+  }
+
   // Every ResNet block's time-embedding projection from one GEMM (TimeProjections): the blocks
   // handed the scope's time embedding get its slices, equal to their own silu + projection;
   // another tensor, no scope, autograd recording or a move to another dtype leave them to their

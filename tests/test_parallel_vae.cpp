@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/models/autoencoders/autoencoder_kl.h"
+#include "core/models/common/attention.h"
 #include "core/models/common/layers.h"
 #include "core/parallel/device_group.h"
 #include "core/parallel/parallel_vae.h"
@@ -124,16 +125,132 @@ class TestParallelVae : public QObject {
     QVERIFY(vae_band_rows(6, 3) == (std::vector<int64_t>{2, 2, 2}));
   }
 
-  // When the pipelines split a decode in bands: large images unless told otherwise.
+  // When and how the pipelines split a decode in bands: large images with exchanges unless told otherwise.
   void bandsForLargeImages() {
     unsetenv("DIFFRACT_PARALLEL_VAE");
-    QVERIFY(!parallel_vae_wanted(1024 * 1024));
-    QVERIFY(parallel_vae_wanted(2048 * 2048));
+    QCOMPARE(parallel_vae_mode(1024 * 1024), std::string());
+    QCOMPARE(parallel_vae_mode(2048 * 2048), std::string("exchange"));
     setenv("DIFFRACT_PARALLEL_VAE", "1", 1);
-    QVERIFY(parallel_vae_wanted(64 * 64));
+    QCOMPARE(parallel_vae_mode(64 * 64), std::string("overlap"));
+    setenv("DIFFRACT_PARALLEL_VAE", "overlap", 1);
+    QCOMPARE(parallel_vae_mode(2048 * 2048), std::string("overlap"));
+    setenv("DIFFRACT_PARALLEL_VAE", "exchange", 1);
+    QCOMPARE(parallel_vae_mode(64 * 64), std::string("exchange"));
     setenv("DIFFRACT_PARALLEL_VAE", "0", 1);
-    QVERIFY(!parallel_vae_wanted(2048 * 2048));
+    QCOMPARE(parallel_vae_mode(2048 * 2048), std::string());
+    setenv("DIFFRACT_PARALLEL_VAE", "bands", 1);  // unknown: the default, with a warning
+    QCOMPARE(parallel_vae_mode(2048 * 2048), std::string("exchange"));
     unsetenv("DIFFRACT_PARALLEL_VAE");
+  }
+
+  // The rows a band carries beyond its own, from the decoder's convolutions: SDXL's VAE and the
+  // tiny one (3 blocks of 2 ResNets, two upsamples).
+  void overlapPlan() {
+    models::AutoencoderKL sdxl(models::AutoencoderKLConfig::sdxl());
+    const auto p = overlap_plan(*sdxl->decoder);
+    QCOMPARE(p.mid, int64_t(15));
+    QVERIFY(p.up_in == (std::vector<int64_t>{13, 12, 10, 7}));
+    QCOMPARE(p.out, int64_t(1));
+    auto vae = tiny_vae();
+    const auto t = overlap_plan(*vae->decoder);
+    QCOMPARE(t.mid, int64_t(10));
+    QVERIFY(t.up_in == (std::vector<int64_t>{8, 7, 5}));
+    QCOMPARE(t.out, int64_t(1));
+  }
+
+  // Spatial self-attention for some rows: forward()'s rows, whatever the range.
+  void attentionRows() {
+    auto vae = tiny_vae();
+    auto attn = vae->decoder->mid_block->attentions[0]->as<models::Attention>();
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
+    const auto x = at::randn({2, 16, 7, 5}, gen);
+    at::NoGradGuard no_grad;
+    const auto full = attn->forward(x);
+    for (auto [b, e] : std::vector<std::pair<int64_t, int64_t>>{{0, 7}, {0, 3}, {2, 6}, {6, 7}}) {
+      const auto rows = attn->forward_rows(x, b, e);
+      QVERIFY(rows.sizes() == full.narrow(2, b, e - b).sizes());
+      QVERIFY2(max_rel(rows, full.narrow(2, b, e - b)) < 1e-5, qPrintable(QString("rows %1..%2").arg(b).arg(e)));
+    }
+    DIFFRACT_EXPECT_ERROR(attn->forward_rows(x, 3, 3), "Attention.forward_rows", "rows [3, 3)");
+    DIFFRACT_EXPECT_ERROR(attn->forward_rows(x, 0, 8), "rows [0, 8) of an input 7 rows high");
+    DIFFRACT_EXPECT_ERROR(attn->forward_rows(x.flatten(2).transpose(1, 2), 0, 1), "spatial self-attention only");
+  }
+
+  // Overlapped bands (no halo exchange) give the one-device decode for 2, 3 and 4 ranks, bands
+  // wider or narrower than their halo, uneven rows, one replica per rank, and without the
+  // mid-block attention; a plan one row short anywhere does not, so the comparison can fail.
+  void overlapMatchesOneDevice() {
+    auto vae = tiny_vae();
+    for (int64_t h : {40, 13}) {
+      const auto z = latents(2, h, 6);
+      const auto ref = vae->decode(z);
+      for (int n : {2, 3, 4}) {
+        auto group = DeviceGroup::virtual_cpu(n);
+        ParallelDecodeStats s;
+        const auto out = decode_overlapped(*group, {vae}, z, &s);
+        QVERIFY(s.parallel && s.overlapped);
+        QCOMPARE(s.ranks, n);
+        QCOMPARE(s.overlap_rows, int64_t(10));
+        QCOMPARE(s.convs, int64_t(0));
+        QCOMPARE(s.halo_messages, int64_t(0));
+        QVERIFY(out.sizes() == ref.sizes());
+        const double d = max_rel(out, ref);
+        qInfo("%lld rows, %d overlapped bands: max relative difference %.3g", static_cast<long long>(h), n, d);
+        QVERIFY2(d < 1e-5, qPrintable(QString("%1 bands differ by %2").arg(n).arg(d)));
+      }
+    }
+    const auto z = latents(1, 40, 6);
+    const auto ref = vae->decode(z);
+    auto three = DeviceGroup::virtual_cpu(3);
+    std::vector<models::AutoencoderKL> replicas{vae, tiny_vae(), tiny_vae()};
+    QVERIFY(max_rel(decode_overlapped(*three, replicas, z), ref) < 1e-5);
+    const auto plan = overlap_plan(*vae->decoder);
+    const auto short_by_one = [&](int where) {
+      auto p = plan;
+      if (where == 0) --p.mid;
+      else if (where <= 3) --p.up_in[static_cast<std::size_t>(where - 1)];
+      else --p.out;
+      return max_rel(decode_overlapped(*three, {vae}, z, nullptr, &p), ref);
+    };
+    for (int where = 0; where <= 4; ++where)
+      QVERIFY2(short_by_one(where) > 1e-5, qPrintable(QString("a plan short at stage %1 still matched").arg(where)));
+    auto c = vae->config;
+    c.mid_block_add_attention = false;
+    models::AutoencoderKL plain(c);
+    plain->eval();
+    models::init_random(*plain, 6);
+    const auto z4 = latents(1, 4, 5);
+    auto four = DeviceGroup::virtual_cpu(4);
+    QVERIFY(max_rel(decode_overlapped(*four, {plain}, z4), plain->decode(z4)) < 1e-5);
+    // Fewer rows than ranks: one device.
+    ParallelDecodeStats s;
+    QVERIFY(at::equal(decode_overlapped(*four, {vae}, z.narrow(2, 0, 3), &s), vae->decode(z.narrow(2, 0, 3))));
+    QVERIFY(!s.parallel);
+    DIFFRACT_EXPECT_ERROR(decode_overlapped(*four, {vae, vae}, z), "overlapped VAE decode", "replicas");
+  }
+
+  // Per overlapped decode: one small all_gather per GroupNorm from the mid block's second ResNet
+  // on (each rank's [B, G, 2] fp32 moments), the image bands to rank 0, nothing else.
+  void overlapMessagesMatchTheDesign() {
+    auto vae = tiny_vae();
+    const auto& c = vae->config;
+    const int64_t b = 2, h = 40, w = 6, f = c.downscale_factor();
+    const auto z = latents(b, h, w);
+    auto& dec = *vae->decoder;
+    int64_t norms = count_norms(*dec.mid_block->resnets[1]) + count_norms(*dec.up_blocks) + 1;  // + conv_norm_out
+    for (int n : {2, 4}) {
+      auto group = DeviceGroup::virtual_cpu(n);
+      ParallelDecodeStats s;
+      decode_overlapped(*group, {vae}, z, &s);
+      QCOMPARE(s.norms, norms);
+      QCOMPARE(s.image_messages, int64_t(n - 1));
+      const auto rows = vae_band_rows(h, n);
+      for (int r = 0; r < n; ++r) {
+        int64_t expected = norms * b * c.norm_num_groups * 2 * 4;
+        if (r > 0) expected += b * c.out_channels * rows[r] * f * w * f * 4;
+        QCOMPARE(s.bytes_sent[static_cast<std::size_t>(r)], expected);
+      }
+    }
   }
 
   // 2, 3 and 4 bands of 13 latent rows (uneven) give the one-device decode; each band decoded on
@@ -267,7 +384,7 @@ class TestParallelVae : public QObject {
   }
 
   // A cfg-parallel job on 2 virtual devices decodes on both (metadata says so) and gives the
-  // image of the one-device decode (DIFFRACT_PARALLEL_VAE=0).
+  // image of the one-device decode (DIFFRACT_PARALLEL_VAE=0), with either split.
   void pipelineJob() {
     auto sd = pipeline::StableDiffusion::random(pipeline::Family::SDXL, /*tiny=*/true, "cpu");
     const auto req = tiny_request(64, 72, 1, 3);  // 9 latent rows: bands of 5 and 4
@@ -275,15 +392,17 @@ class TestParallelVae : public QObject {
     const auto strategy = make_strategy("cfg-parallel", 2);
     setenv("DIFFRACT_PARALLEL_VAE", "0", 1);
     const auto one = sd->generate(req, {}, never, strategy.get());
-    setenv("DIFFRACT_PARALLEL_VAE", "1", 1);
-    const auto two = sd->generate(req, {}, never, strategy.get());
-    unsetenv("DIFFRACT_PARALLEL_VAE");
     QCOMPARE(nlohmann::json::parse(one.metadata_json)["vae_decode_devices"].get<int>(), 1);
-    QCOMPARE(nlohmann::json::parse(two.metadata_json)["vae_decode_devices"].get<int>(), 2);
-    QVERIFY(one.latents == two.latents);
-    const int worst = worst_levels(one, two);
-    QVERIFY2(worst <= 1, qPrintable(QString("parallel decode differs by %1 levels").arg(worst)));
-    QVERIFY(two.timings.vae_decode_ms > 0);
+    for (const char* mode : {"exchange", "overlap"}) {
+      setenv("DIFFRACT_PARALLEL_VAE", mode, 1);
+      const auto two = sd->generate(req, {}, never, strategy.get());
+      QCOMPARE(nlohmann::json::parse(two.metadata_json)["vae_decode_devices"].get<int>(), 2);
+      QVERIFY(one.latents == two.latents);
+      const int worst = worst_levels(one, two);
+      QVERIFY2(worst <= 1, qPrintable(QString("%1 decode differs by %2 levels").arg(mode).arg(worst)));
+      QVERIFY(two.timings.vae_decode_ms > 0);
+    }
+    unsetenv("DIFFRACT_PARALLEL_VAE");
   }
 };
 

@@ -6,8 +6,10 @@
 
 #include <ATen/ATen.h>
 
+#include "core/models/common/attention.h"
 #include "core/models/common/layers.h"
 #include "core/models/common/patch_parallel.h"
+#include "core/models/common/resnet.h"
 #include "core/parallel/communicator.h"
 #include "core/parallel/device_group.h"
 #include "core/util/error.h"
@@ -142,6 +144,66 @@ class VaeBand final : public models::PatchContext {
   std::vector<std::int64_t> rows_;
 };
 
+// One rank's band of an overlapped decode: the band carries the rows its convolutions need
+// beyond its own, so only GroupNorm asks the other ranks (their moments over their own rows).
+class OverlapBand final : public models::PatchContext {
+ public:
+  OverlapBand(Communicator& comm, std::vector<std::int64_t> starts) : comm_(comm), starts_(std::move(starts)) {}
+
+  // The band now holds image rows [first, ...) at `scale` times the latent resolution.
+  void at(std::int64_t scale, std::int64_t first) {
+    scale_ = scale;
+    first_ = first;
+  }
+  std::int64_t own_begin() const { return starts_[static_cast<std::size_t>(comm_.rank())] * scale_; }
+  std::int64_t own_end() const { return starts_[static_cast<std::size_t>(comm_.rank()) + 1] * scale_; }
+
+  bool convolves_locally() const override { return true; }
+  at::Tensor conv2d(models::Conv2dImpl&, const at::Tensor&) override {
+    throw Error("overlapped VAE decode: a band's convolution asked for its neighbours' rows");
+  }
+  std::pair<at::Tensor, at::Tensor> self_attention_kv(const at::Tensor&, const at::Tensor&) override {
+    throw Error("overlapped VAE decode: an attention inside a band (only the mid block's, before the bands, is split)");
+  }
+
+  at::Tensor group_norm(models::GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& add, bool silu) override {
+    ++norms;
+    const auto groups = norm.options.groups;
+    const auto mine = models::group_moments(x, add, groups, own_begin() - first_, own_end() - first_);
+    auto sizes = mine.sizes().vec();
+    sizes.insert(sizes.begin(), comm_.size());
+    const auto all = at::empty(sizes, mine.options());
+    comm_.all_gather_into(mine, all);
+    std::vector<double> counts;
+    const double per_row = static_cast<double>(x.size(1) / groups * x.size(3));
+    for (int r = 0; r < comm_.size(); ++r)
+      counts.push_back(per_row * static_cast<double>((starts_[static_cast<std::size_t>(r) + 1] - starts_[static_cast<std::size_t>(r)]) * scale_));
+    return models::group_norm_with_stats(norm, x, add, models::combine_group_moments(all, counts, norm.options.eps_),
+                                         silu);
+  }
+
+  std::int64_t norms = 0;
+
+ private:
+  Communicator& comm_;
+  std::vector<std::int64_t> starts_;  // latent row where each rank's band starts; the last entry: the row count
+  std::int64_t scale_ = 1, first_ = 0;
+};
+
+// The halo (kernel 2p + 1, stride 1) a convolution adds to what its input must hold.
+std::int64_t conv_halo_rows(const models::Conv2d& conv) {
+  const auto& o = conv->options;
+  if (o.kernel != 2 * o.padding_ + 1 || o.stride_ != 1)
+    throw Error("overlapped VAE decode: a convolution with kernel " + std::to_string(o.kernel) + ", padding " +
+                std::to_string(o.padding_) + ", stride " + std::to_string(o.stride_) + " (only kernel 2p + 1 at stride 1)");
+  return o.padding_;
+}
+
+std::int64_t resnet_halo_rows(const torch::nn::Module& m) {
+  const auto& r = *m.as<models::ResnetBlock2D>();
+  return conv_halo_rows(r.conv1) + conv_halo_rows(r.conv2);
+}
+
 void check_inputs(const std::string& what, const std::vector<models::AutoencoderKL>& replicas, int n, const at::Tensor& z) {
   if (replicas.size() != 1 && replicas.size() != static_cast<std::size_t>(n))
     throw Error(what + ": " + std::to_string(replicas.size()) + " VAE replicas for a group of " + std::to_string(n) +
@@ -158,11 +220,127 @@ std::vector<std::int64_t> vae_band_rows(std::int64_t rows, int ranks) {
   return out;
 }
 
-bool parallel_vae_wanted(std::int64_t pixels) {
+OverlapPlan overlap_plan(models::VAEDecoderImpl& decoder) {
+  // Backwards from the image, whose rows need nothing beyond themselves: each convolution
+  // widens what its input must hold by its padding, a nearest 2x upsample halves it (rounded up).
+  OverlapPlan plan;
+  std::int64_t need = conv_halo_rows(decoder.conv_out);
+  plan.out = need;
+  const auto blocks = static_cast<std::int64_t>(decoder.up_blocks->size());
+  plan.up_in.assign(static_cast<std::size_t>(blocks), 0);
+  for (std::int64_t b = blocks - 1; b >= 0; --b) {
+    auto block = decoder.up_blocks[static_cast<std::size_t>(b)]->as<models::UpDecoderBlock2D>();
+    if (block->upsamplers) {
+      need += conv_halo_rows(block->upsamplers[0]->as<models::Upsample2D>()->conv);
+      need = (need + 1) / 2;
+    }
+    for (const auto& r : *block->resnets) need += resnet_halo_rows(*r);
+    plan.up_in[static_cast<std::size_t>(b)] = need;
+  }
+  need += resnet_halo_rows(*decoder.mid_block->resnets[1]);
+  plan.mid = need;
+  return plan;
+}
+
+at::Tensor decode_overlapped(DeviceGroup& group, const std::vector<models::AutoencoderKL>& replicas, const at::Tensor& z,
+                             ParallelDecodeStats* stats, const OverlapPlan* plan_override) {
+  const int n = group.size();
+  check_inputs("overlapped VAE decode", replicas, n, z);
+  models::AutoencoderKL vae = replicas.front();
+  const auto replica = [&](int r) -> models::AutoencoderKL { return replicas.size() == 1 ? vae : replicas[static_cast<std::size_t>(r)]; };
+  ParallelDecodeStats local;
+  ParallelDecodeStats& s = stats ? *stats : local;
+  s = ParallelDecodeStats{};
+  s.ranks = n;
+  s.overlapped = true;
+  const auto rows = z.size(2);
+  if (n < 2 || rows < n) {
+    if (n >= 2)
+      log::get("parallel").info(log::str("overlapped VAE decode: ", rows, " latent row(s) for ", n,
+                                         " devices (a band needs one); decoding on one device"));
+    s.ranks = 1;
+    s.band_rows = {rows};
+    return vae->decode(z);
+  }
+  s.parallel = true;
+  s.band_rows = vae_band_rows(rows, n);
+  std::vector<std::int64_t> starts(static_cast<std::size_t>(n) + 1, 0);
+  for (int r = 0; r < n; ++r) starts[r + 1] = starts[r] + s.band_rows[r];
+  // The fp32 copies of an upcasting replica shared by the ranks: made once, here, not on n threads.
+  if (replicas.size() == 1) vae->decode_modules();
+  const auto plan = plan_override ? *plan_override : overlap_plan(*vae->decoder);
+  s.overlap_rows = plan.mid;
+
+  const auto f = vae->config.downscale_factor();
+  at::Tensor image;
+  std::vector<std::int64_t> bytes(static_cast<std::size_t>(n));
+  group.run([&](int rank, Communicator& comm) {
+    const auto bytes_before = comm.bytes_sent();
+    auto m = replica(rank)->decode_modules();
+    auto& dec = *m.decoder;
+    const auto device = m.decoder->conv_in->weight.device();
+    const auto own_begin = starts[rank], own_end = starts[rank + 1];
+    // Every rank runs the decoder up to the mid block's attention on the whole latent image
+    // (a few ms at latent resolution), so that the attention's keys and values are at hand.
+    auto h = z.to(device, m.dtype);
+    if (m.post_quant_conv) h = m.post_quant_conv->forward(h);
+    h = dec.mid_block->resnets[0]->as<models::ResnetBlock2D>()->forward(dec.conv_in->forward(h));
+    std::int64_t first = std::max<std::int64_t>(0, own_begin - plan.mid);
+    const std::int64_t last = std::min(rows, own_end + plan.mid);
+    h = dec.mid_block->attentions ? dec.mid_block->attentions[0]->as<models::Attention>()->forward_rows(h, first, last)
+                                  : h.narrow(2, first, last - first);
+    OverlapBand band(comm, starts);
+    {
+      const models::PatchScope scope(&band);
+      std::int64_t scale = 1;
+      // Keeps the band's own rows and `halo` more on each side that has a neighbour.
+      const auto crop = [&](std::int64_t halo) {
+        const auto b = std::max<std::int64_t>(0, own_begin * scale - halo);
+        const auto e = std::min(rows * scale, own_end * scale + halo);
+        if (b != first || e != first + h.size(2)) h = h.narrow(2, b - first, e - b).contiguous();
+        first = b;
+        band.at(scale, first);
+      };
+      band.at(scale, first);
+      h = dec.mid_block->resnets[1]->as<models::ResnetBlock2D>()->forward(h);
+      for (std::size_t b = 0; b < dec.up_blocks->size(); ++b) {
+        crop(plan.up_in[b]);
+        auto block = dec.up_blocks[b]->as<models::UpDecoderBlock2D>();
+        h = block->forward(h);
+        if (block->upsamplers) scale *= 2, first *= 2;
+      }
+      crop(plan.out);
+      h = dec.conv_out->forward(dec.conv_norm_out->forward(h, {}, /*silu=*/true));
+      crop(0);
+    }
+    if (rank == 0) {
+      std::vector<at::Tensor> parts{h};
+      for (int r = 1; r < n; ++r) {
+        auto part = at::empty({h.size(0), h.size(1), s.band_rows[r] * f, h.size(3)}, h.options());
+        comm.recv(part, r);
+        parts.push_back(part);
+      }
+      image = at::cat(parts, 2);
+      s.norms = band.norms;
+    } else {
+      comm.send(h.contiguous(), 0);
+    }
+    bytes[rank] = comm.bytes_sent() - bytes_before;
+  });
+  s.image_messages = n - 1;
+  s.bytes_sent = bytes;
+  return image;
+}
+
+std::string parallel_vae_mode(std::int64_t pixels) {
   const char* v = std::getenv("DIFFRACT_PARALLEL_VAE");
-  if (v && std::string(v) == "1") return true;
-  if (v && std::string(v) == "0") return false;
-  return pixels >= 3'000'000;
+  const std::string set = v ? v : "";
+  if (set == "0") return "";
+  if (set == "1" || set == "overlap") return "overlap";
+  if (set == "exchange") return "exchange";
+  if (!set.empty())
+    log::get("parallel").warn("DIFFRACT_PARALLEL_VAE=" + set + " is none of 0, 1, overlap, exchange: using the default");
+  return pixels >= 3'000'000 ? "exchange" : "";
 }
 
 bool batch_vae_enabled() {

@@ -25,9 +25,11 @@ namespace diffract::parallel {
 
 class DeviceGroup;
 
-// What one decode_parallel() did, for tests and logs.
+// What one decode_parallel() or decode_overlapped() did, for tests and logs.
 struct ParallelDecodeStats {
   bool parallel = false;               // false: too few rows, decoded on one device
+  bool overlapped = false;             // decode_overlapped (no halo exchanges)
+  std::int64_t overlap_rows = 0;       // decode_overlapped: latent rows each band adds per neighbour
   int ranks = 0;
   std::vector<std::int64_t> band_rows;  // latent rows per rank
   // Hooked layer calls per rank (the same on every rank) and the messages they sent in all.
@@ -50,6 +52,36 @@ std::vector<std::int64_t> vae_band_rows(std::int64_t rows, int ranks);
 at::Tensor decode_parallel(DeviceGroup& group, const std::vector<models::AutoencoderKL>& replicas, const at::Tensor& z,
                            ParallelDecodeStats* stats = nullptr);
 
+// The row-band decode without halo exchanges: each rank decodes its band of latent rows plus
+// the rows beside it that its convolutions reach (overlap_plan), so no convolution waits for a
+// neighbour. Every rank first runs post_quant_conv, conv_in and the mid block's first ResNet on
+// the whole latent image (cheap at latent resolution), then the mid block's attention for its
+// band's queries only (Attention::forward_rows, against every latent's keys and values); from
+// there on it holds a band, cut back before each up block to the rows still needed. GroupNorm
+// is the one layer that asks the other ranks: each rank's moments over its own rows, gathered
+// ([ranks, B, G, 2] fp32, one all_gather_into per GroupNorm: 25 for the SDXL VAE) and combined in
+// double in rank order (models::combine_group_moments), so every rank normalises with the whole
+// image's statistics. Then the image bands go to rank 0. Exact up to rounding: equals
+// AutoencoderKL::decode on one device. Arguments, result and the one-device fallback as for
+// decode_parallel(); the band's device is its replica's. `plan` replaces overlap_plan()'s (tests
+// show that a band one row short of it is wrong).
+struct OverlapPlan;
+at::Tensor decode_overlapped(DeviceGroup& group, const std::vector<models::AutoencoderKL>& replicas, const at::Tensor& z,
+                             ParallelDecodeStats* stats = nullptr, const OverlapPlan* plan = nullptr);
+
+// The rows a band of decode_overlapped() holds beyond its own on each side with a neighbour,
+// from the decoder's convolutions (each adds its padding; a nearest 2x upsample halves what its
+// input needs, rounded up): `mid` latent rows after the mid block's attention, `up_in[b]` rows
+// (at that block's resolution) before up block b, `out` image rows before conv_norm_out. The SDXL
+// VAE: 15; 13, 12, 10, 7; 1. Throws diffract::Error for a convolution that is not kernel 2p + 1 at
+// stride 1.
+struct OverlapPlan {
+  std::int64_t mid = 0;
+  std::vector<std::int64_t> up_in;
+  std::int64_t out = 0;
+};
+OverlapPlan overlap_plan(models::VAEDecoderImpl& decoder);
+
 // Decodes unscaled latents z [B, C, h, w] with the batch split over `group`: rank r decodes its
 // share of the images (vae_band_rows(B, n) of them, in order; ranks beyond B idle) on its replica
 // and sends them to rank 0, which concatenates them. No layer talks to another rank, so each
@@ -63,11 +95,13 @@ at::Tensor decode_batch_parallel(DeviceGroup& group, const std::vector<models::A
 // (decode_batch_parallel): yes unless the environment sets DIFFRACT_BATCH_VAE=0.
 bool batch_vae_enabled();
 
-// Whether the pipelines split the final decode of a `pixels`-pixel image over a multi-device
-// job's group: DIFFRACT_PARALLEL_VAE=1 always, =0 never; unset, for images of 3 megapixels or more.
-// Its exchanges stop every device (33 halo exchanges, 30 GroupNorm gathers): at 1024² on 2 H200s
-// it was slower than one GPU (41.2 against 37.6 ms), at 2048² on 4 it was 3 times faster (74.8
-// against 223.7 ms; docs/benchmarks.md).
-bool parallel_vae_wanted(std::int64_t pixels);
+// How the pipelines split the final decode of a `pixels`-pixel image over a multi-device job's
+// group: "overlap" (decode_overlapped), "exchange" (decode_parallel) or "" (on the first device
+// alone). DIFFRACT_PARALLEL_VAE=0 never splits, =1 or =overlap overlaps, =exchange exchanges;
+// unset: "exchange" for images of 3 megapixels or more, else "". decode_parallel's halo
+// exchanges stop every device (33 halo exchanges, 30 GroupNorm gathers): at 1024² on 2 H200s it
+// was slower than one GPU (41.2 against 37.6 ms), at 2048² on 4 it was 3 times faster (74.8
+// against 223.7 ms; docs/benchmarks.md). decode_overlapped has not run on two GPUs yet.
+std::string parallel_vae_mode(std::int64_t pixels);
 
 }  // namespace diffract::parallel

@@ -141,9 +141,9 @@ struct StableDiffusion::Impl {
 
   // Diffusion latents to images in [-1, 1], with the VAE's scaling (and shift) undone. A
   // multi-device job's `group` (2 or more devices) splits the decoder over its devices in row
-  // bands (parallel::decode_parallel, exact) for large images (parallel::parallel_vae_wanted), and a batch of 2 or
-  // more over its devices image by image (parallel::decode_batch_parallel) unless
-  // DIFFRACT_BATCH_VAE=0; tiled decodes and the tiny VAE stay on this device.
+  // bands as parallel::parallel_vae_mode says (decode_overlapped or decode_parallel, both exact),
+  // and a batch of 2 or more over its devices image by image (parallel::decode_batch_parallel)
+  // unless DIFFRACT_BATCH_VAE=0; tiled decodes and the tiny VAE stay on this device.
   at::Tensor decode_latents(const at::Tensor& latents, parallel::DeviceGroup* group = nullptr) {
     if (!tiny_vae) {
       // Above 2048² pixels the decoder's activations alone run to tens of GiB: decode in tiles.
@@ -157,10 +157,12 @@ struct StableDiffusion::Impl {
       };
       if (group && group->size() >= 2 && z.size(0) >= 2 && parallel::batch_vae_enabled())
         return parallel::decode_batch_parallel(*group, replicas_on(), z, &last_decode_ranks);
-      if (group && group->size() >= 2 && parallel::parallel_vae_wanted(z.size(2) * z.size(3) * f * f)) {
+      const auto mode = group && group->size() >= 2 ? parallel::parallel_vae_mode(z.size(2) * z.size(3) * f * f) : "";
+      if (!mode.empty()) {
         const auto on = replicas_on();
         parallel::ParallelDecodeStats s;
-        auto images = parallel::decode_parallel(*group, on, z, &s);
+        auto images = mode == "overlap" ? parallel::decode_overlapped(*group, on, z, &s)
+                                        : parallel::decode_parallel(*group, on, z, &s);
         last_decode_ranks = s.ranks;
         return images;
       }

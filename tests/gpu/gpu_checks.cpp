@@ -1,5 +1,5 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae
+//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands
 // Exit 0: passed; 1: one failed (the reasons printed); 77: all skipped (too few GPUs).
 #include <algorithm>
 #include <atomic>
@@ -32,6 +32,7 @@
 #include "core/models/common/geglu.h"
 #include "core/models/common/layer_norm.h"
 #include "core/models/common/layers.h"
+#include "core/models/common/patch_parallel.h"
 #include "core/models/common/resnet.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
@@ -121,8 +122,61 @@ double graph_ms_per_call(const std::function<void()>& f, int calls = 100) {
 // models::GroupNorm's CUDA kernels against ATen's group_norm (+ add, + silu) computed in fp32
 // from the same inputs: NCHW and channels-last, three dtypes, the UNet's and the VAE's shapes,
 // shapes the kernels leave to ATen, and a large mean against a small spread.
+// The GroupNorm kernels in two halves (an overlapped band decode): moments over some rows equal
+// ATen's var_mean of those rows (add included), in both memory formats and every dtype; combined
+// over bands with their counts they are the whole image's statistics (the kernel against the
+// CPU's double arithmetic); normalising with them gives forward(x, add, silu).
+void check_group_moments() {
+  at::NoGradGuard no_grad;
+  at::manual_seed(11);
+  struct Case {
+    int64_t n, c, h, w, groups;
+  };
+  for (const auto& k : std::vector<Case>{{1, 512, 77, 128, 32}, {1, 128, 519, 1024, 32}, {2, 24, 9, 16, 3}})
+    for (auto dtype : {at::kBFloat16, at::kHalf, at::kFloat})
+      for (bool cl : {false, true}) {
+        const auto o = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+        auto x = (at::randn({k.n, k.c, k.h, k.w}, o.dtype(at::kFloat)) * 1.3 + 0.4).to(dtype);
+        if (cl) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+        const auto add = at::randn({1, k.c}, o);
+        models::GroupNorm gn(models::GroupNormOptions(k.groups, k.c).eps(1e-6));
+        gn->to(at::kCUDA, dtype);
+        gn->weight.copy_(at::randn({k.c}, o));
+        gn->bias.copy_(at::randn({k.c}, o));
+        const std::vector<int64_t> cuts = {0, k.h / 3, k.h / 3 + 1, k.h};
+        std::vector<at::Tensor> parts;
+        std::vector<double> counts;
+        double worst_mean = 0, worst_var = 0;
+        const auto in = (x.to(at::kDouble) + add.to(at::kDouble).view({1, k.c, 1, 1}));
+        for (std::size_t b = 0; b + 1 < cuts.size(); ++b) {
+          const auto m = models::group_moments(x, add, k.groups, cuts[b], cuts[b + 1]);
+          const auto [var, mean] = at::var_mean(in.narrow(2, cuts[b], cuts[b + 1] - cuts[b]).reshape({k.n, k.groups, -1}), {2}, 0, false);
+          worst_mean = std::max(worst_mean, (m.select(-1, 0).to(at::kDouble) - mean).abs().max().item<double>());
+          worst_var = std::max(worst_var, ((m.select(-1, 1).to(at::kDouble) - var).abs() / var).max().item<double>());
+          parts.push_back(m);
+          counts.push_back(static_cast<double>((cuts[b + 1] - cuts[b]) * k.w * (k.c / k.groups)));
+        }
+        const auto all = at::stack(parts);
+        const auto stats = models::combine_group_moments(all, counts, 1e-6);
+        const auto cpu = models::combine_group_moments(all.cpu(), counts, 1e-6);
+        const double combine = (stats.cpu() - cpu).abs().max().item<double>() / cpu.abs().max().item<double>();
+        const auto y = models::group_norm_with_stats(*gn, x, add, stats, true), ref = gn->forward(x, add, true);
+        const double apply = (y.to(at::kDouble) - ref.to(at::kDouble)).abs().max().item<double>() /
+                             ref.to(at::kDouble).abs().max().item<double>();
+        const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
+        std::ostringstream what;
+        what << "group moments " << c10::toString(dtype) << (cl ? " NHWC " : " NCHW ") << "[" << k.n << ", " << k.c << ", "
+             << k.h << ", " << k.w << "]: mean error " << worst_mean << ", variance relative error " << worst_var
+             << ", combined vs CPU " << combine << ", normalised vs forward " << apply;
+        expect(worst_mean < 1e-3 && worst_var < 1e-3 && combine < 1e-6 && apply < tol &&
+                   y.is_contiguous(cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous),
+               what.str());
+      }
+}
+
 void check_groupnorm() {
   need_gpus(1);
+  check_group_moments();
   expect(models::fused_group_norm_available(), "built with the GroupNorm kernels");
   {
     // The kernels have no backward: where autograd records, ATen's ops run (gradients flow).
@@ -1106,6 +1160,9 @@ void check_strategies() {
                                                      : parallel::DRiffusion::Mode::Aggressive;
     std::cout << "  " << mode << " n=2: rounds " << stats["rounds"] << ", rel-L2 vs one GPU " << rel_l2(dr, base) << "\n";
     expect(stats["rounds"] == parallel::DRiffusion::expected_rounds(m, req.steps, 2), std::string(mode) + " round count");
+    const auto points = parallel::DRiffusion::round_points(m, req.steps, 2);
+    expect(stats.value("paired_rounds", 0) == std::count(points.begin(), points.end(), 1),
+           std::string(mode) + ": its one-point rounds split the prompt and negative prompt over both GPUs");
   }
   auto b2 = req;
   b2.batch = 3;
@@ -1502,6 +1559,18 @@ void check_parallel_vae() {
   parallel::ParallelDecodeStats stats;
   const double one_ms = time([&] { return vae0->decode(z); }, one);
   const double two_ms = time([&] { return parallel::decode_parallel(*group, {vae0, vae1}, z, &stats); }, two);
+  {
+    at::Tensor overlapped;
+    parallel::ParallelDecodeStats os;
+    const double ms = time([&] { return parallel::decode_overlapped(*group, {vae0, vae1}, z, &os); }, overlapped);
+    const auto d = (overlapped.to(at::kDouble) - one.to(at::kDouble)).abs();
+    const double rel = d.max().item<double>() / one.to(at::kDouble).abs().max().item<double>();
+    std::cout << "  overlapped decode on 2 GPUs: " << ms << " ms (1 GPU " << one_ms << " ms, exchanges " << two_ms
+              << " ms); max relative difference to 1 GPU " << rel << "; bytes sent per rank " << os.bytes_sent[0] << ", "
+              << os.bytes_sent[1] << "; " << os.norms << " GroupNorm gathers\n";
+    expect(overlapped.sizes() == one.sizes() && os.parallel && os.ranks == 2 && rel < 5e-2,
+           "the overlapped 2-GPU decode matches the 1-GPU one up to bf16 rounding (max rel < 5e-2)");
+  }
   at::Tensor truth;
   {
     auto fp32 = make(0, at::kFloat);
@@ -1527,6 +1596,76 @@ void check_parallel_vae() {
   expect(std::isfinite(d_max) && d_max < 5e-2, "the 2-GPU decode matches the 1-GPU one up to bf16 rounding (max rel < 5e-2)");
   expect(e_two <= 1.5 * e_one + 1e-3, "the 2-GPU decode is as close to fp32 as the 1-GPU one");
 }
+
+// What a row band of the SDXL VAE decoder costs on one GPU (bf16, 1024² image): the whole
+// decode, the part before the up blocks (post_quant_conv, conv_in, mid block with its
+// attention over all 16384 latents), and decodes of 77 and 64 latent rows (half the image with
+// and without a 13-row overlap) — the figures a split decode's design rests on.
+void check_vae_bands() {
+  need_gpus(1);
+  models::AutoencoderKL vae(models::AutoencoderKLConfig::sdxl());
+  vae->eval();
+  models::init_random(*vae, 17);
+  vae->to(at::Device(at::kCUDA, 0), at::kBFloat16);
+  at::globalContext().setBenchmarkCuDNN(true);
+  at::NoGradGuard no_grad;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  const auto z = at::randn({1, 4, 128, 128}, gen).to(at::Device(at::kCUDA, 0), at::kBFloat16);
+  const auto time = [&](const std::function<at::Tensor()>& f) {
+    at::Tensor out;
+    for (int i = 0; i < 2; ++i) out = f();
+    torch::cuda::synchronize(0);
+    const int reps = 5;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < reps; ++i) out = f();
+    torch::cuda::synchronize(0);
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / reps;
+  };
+  const double full = time([&] { return vae->decode(z); });
+  const double before_up = time([&] {
+    auto h = vae->post_quant_conv ? vae->post_quant_conv->forward(z) : z;
+    return vae->decoder->mid_block->forward(vae->decoder->conv_in->forward(h));
+  });
+  auto mid_in = vae->decoder->conv_in->forward(vae->post_quant_conv ? vae->post_quant_conv->forward(z) : z);
+  const double attention = time([&] { return vae->decoder->mid_block->attentions[0]->as<models::Attention>()->forward(mid_in); });
+  std::cout << "  SDXL VAE decode 1024x1024 bf16: " << full << " ms; before the up blocks " << before_up
+            << " ms (the mid block's attention " << attention << " ms)\n";
+  for (int rows : {77, 72, 64}) {
+    const auto band = z.narrow(2, 0, rows).contiguous();
+    std::cout << "  decode of " << rows << " latent rows: " << time([&] { return vae->decode(band); }) << " ms\n";
+  }
+  expect(full > 0 && before_up < full, "the decode's parts take less than the whole");
+  // The overlapped band decode with the GPU's kernels, its two ranks threads of this process
+  // sharing the GPU (an in-process group): the one-GPU image up to bf16 rounding. (Its time here
+  // says nothing: both bands share one GPU.)
+  const auto one = vae->decode(z);
+  at::Tensor truth;  // the same weights in fp32: what bf16 rounding is measured against
+  {
+    models::AutoencoderKL fp32(models::AutoencoderKLConfig::sdxl());
+    fp32->eval();
+    models::init_random(*fp32, 17);
+    fp32->to(at::Device(at::kCUDA, 0), at::kFloat);
+    truth = fp32->decode(z.to(at::kFloat)).to(at::kDouble);
+  }
+  const auto rel_l2 = [](const at::Tensor& a, const at::Tensor& b) {
+    return (a.to(at::kDouble) - b.to(at::kDouble)).norm().item<double>() / b.to(at::kDouble).norm().item<double>();
+  };
+  const double e_one = rel_l2(one, truth);
+  for (int n : {2, 3}) {
+    auto group = parallel::DeviceGroup::virtual_cpu(n);
+    parallel::ParallelDecodeStats stats;
+    const auto two = parallel::decode_overlapped(*group, {vae}, z, &stats);
+    const double rel = (two.to(at::kDouble) - one.to(at::kDouble)).abs().max().item<double>() /
+                       one.to(at::kDouble).abs().max().item<double>();
+    const double e_two = rel_l2(two, truth);
+    std::cout << "  overlapped decode, " << n << " bands on one GPU: max relative difference to one band " << rel
+              << ", rel-L2 " << rel_l2(two, one) << "; against fp32: one band " << e_one << ", " << n << " bands " << e_two
+              << "; " << stats.norms << " GroupNorm gathers, overlap " << stats.overlap_rows << " latent rows\n";
+    expect(two.sizes() == one.sizes() && two.device() == one.device() && stats.parallel && rel < 5e-2 &&
+               e_two <= 1.5 * e_one + 1e-3,
+           "the overlapped decode (" + std::to_string(n) + " bands, one GPU) is as close to fp32 as the one-band decode");
+  }
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1534,11 +1673,11 @@ int main(int argc, char** argv) {
       {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"layernorm", check_layernorm}, {"conv_bias", check_conv_bias}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
-      {"cfg_pipefusion", check_cfg_pipefusion}, {"parallel_vae", check_parallel_vae}};
+      {"cfg_pipefusion", check_cfg_pipefusion}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}};
   bool usage = argc < 2;
   for (int i = 1; i < argc; ++i) usage = usage || !checks.count(argv[i]);
   if (usage) {
-    std::cerr << "usage: diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae\n";
+    std::cerr << "usage: diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands\n";
     return 2;
   }
   std::cout << std::unitbuf;

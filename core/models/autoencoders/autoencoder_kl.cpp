@@ -296,22 +296,21 @@ at::Tensor AutoencoderKLImpl::decode(const at::Tensor& z) {
   if (z.dim() != 4 || z.size(1) != config.latent_channels)
     throw Error("AutoencoderKL.decode: expects latents [B, " + std::to_string(config.latent_channels) +
                 ", h, w], got " + shape_str(z.sizes()));
-  const auto device = param_device(*this);
-  VAEDecoder dec = decoder;
-  Conv2d post = post_quant_conv;
-  at::ScalarType dtype = param_dtype(*this);
-  if (upcasts()) {
-    if (!decoder_fp32_) {
-      decoder_fp32_ = fp32_copy(decoder, VAEDecoder(config), device);
-      const auto c = config.latent_channels;
-      if (post_quant_conv)
-        post_quant_conv_fp32_ = fp32_copy(post_quant_conv, Conv2d(Conv2dOptions(c, c, 1)), device);
-    }
-    dec = decoder_fp32_, post = post_quant_conv_fp32_, dtype = at::kFloat;
+  auto m = decode_modules();
+  auto h = z.to(param_device(*this), m.dtype);
+  if (m.post_quant_conv) h = m.post_quant_conv->forward(h);
+  return m.decoder->forward(h);
+}
+
+AutoencoderKLImpl::DecodeModules AutoencoderKLImpl::decode_modules() {
+  if (!upcasts()) return {decoder, post_quant_conv, param_dtype(*this)};
+  if (!decoder_fp32_) {
+    const auto device = param_device(*this);
+    decoder_fp32_ = fp32_copy(decoder, VAEDecoder(config), device);
+    const auto c = config.latent_channels;
+    if (post_quant_conv) post_quant_conv_fp32_ = fp32_copy(post_quant_conv, Conv2d(Conv2dOptions(c, c, 1)), device);
   }
-  auto h = z.to(device, dtype);
-  if (post) h = post->forward(h);
-  return dec->forward(h);
+  return {decoder_fp32_, post_quant_conv_fp32_, at::kFloat};
 }
 
 namespace {

@@ -146,6 +146,15 @@ class AutoencoderKLImpl : public torch::nn::Module {
   // z: unscaled latents [B, latent_channels, h, w] -> images [B, out_channels, h * f, w * f] in
   // [-1, 1] (not clamped, as diffusers returns them).
   at::Tensor decode(const at::Tensor& z);
+  // What decode() runs, for callers that run the decoder's parts themselves (a row-band decode,
+  // core/parallel/parallel_vae.h): decoder and post_quant_conv (undefined without one) and the
+  // dtype they take, the fp32 copies (made here on first use) when it upcasts.
+  struct DecodeModules {
+    VAEDecoder decoder{nullptr};
+    Conv2d post_quant_conv{nullptr};
+    at::ScalarType dtype = at::kFloat;
+  };
+  DecodeModules decode_modules();
   // decode() in overlapping tiles of `tile` latents a side, `overlap` of them shared with each
   // neighbour and cross-faded there, so a large image needs only a tile's activation memory.
   // GroupNorm statistics and attention are per tile, so the result differs slightly from

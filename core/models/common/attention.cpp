@@ -75,6 +75,21 @@ AttentionImpl::AttentionImpl(const AttentionOptions& o) : options(o) {
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context) {
+  return attend(x, context, 0, x.dim() == 4 ? x.size(2) : 0);
+}
+
+at::Tensor AttentionImpl::forward_rows(const at::Tensor& x, int64_t row_begin, int64_t row_end) {
+  // x: [B, C, H, W] -> [B, C, row_end - row_begin, W].
+  if (x.dim() != 4 || options.cross_attention_dim > 0)
+    throw Error("Attention.forward_rows: spatial self-attention only (x [B, C, H, W]), got x " + c10::str(x.sizes()) +
+                (options.cross_attention_dim > 0 ? " in a cross-attention" : ""));
+  if (row_begin < 0 || row_end <= row_begin || row_end > x.size(2))
+    throw Error("Attention.forward_rows: rows [" + std::to_string(row_begin) + ", " + std::to_string(row_end) +
+                ") of an input " + std::to_string(x.size(2)) + " rows high");
+  return attend(x, {}, row_begin, row_end);
+}
+
+at::Tensor AttentionImpl::attend(const at::Tensor& x, const at::Tensor& context, int64_t row_begin, int64_t row_end) {
   const bool spatial = x.dim() == 4;
   at::Tensor h = x;
   int64_t b = x.size(0), c = 0, height = 0, width = 0;
@@ -97,10 +112,12 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context
   // Patch parallelism: this band's queries against the whole image's keys and values.
   if (!context.defined())
     if (auto* patch = patch_context()) std::tie(k, v) = patch->self_attention_kv(k, v);
+  const int64_t rows = spatial ? row_end - row_begin : 0;
+  if (spatial && rows != height) q = q.narrow(1, row_begin * width, rows * width);
   auto out = multi_head_attention(q, k, v, options.heads);
   out = to_out[0]->as<Linear>()->forward(out);
-  if (spatial) out = out.transpose(1, 2).reshape({b, c, height, width});
-  if (options.residual_connection) out = out + x;
+  if (spatial) out = out.transpose(1, 2).reshape({b, c, rows, width});
+  if (options.residual_connection) out = out + (rows != height ? x.narrow(2, row_begin, rows) : x);
   if (options.rescale_output_factor != 1.0) out = out / options.rescale_output_factor;
   return out;
 }

@@ -50,6 +50,10 @@ class AttentionImpl : public torch::nn::Module {
   // x: [B, T, C] or [B, C, H, W]; context: [B, S, Cc] or undefined (self-attention).
   // Returns the same shape as x.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& context = {});
+  // Spatial self-attention for some rows of the image: x [B, C, H, W] -> forward(x)'s rows
+  // [row_begin, row_end), [B, C, row_end - row_begin, W]: those rows' queries against every
+  // pixel's keys and values (a row-band VAE decode, core/parallel/parallel_vae.h).
+  at::Tensor forward_rows(const at::Tensor& x, int64_t row_begin, int64_t row_end);
 
   // Self-attention only: lays to_q, to_k and to_v's weights (and biases) end to end in one
   // tensor, each parameter becoming a view of its rows, so inference projects q, k and v in one
@@ -66,6 +70,8 @@ class AttentionImpl : public torch::nn::Module {
   torch::nn::ModuleList to_out{nullptr};
 
  private:
+  // forward(x, context), keeping only the queries of rows [row_begin, row_end) when x is spatial.
+  at::Tensor attend(const at::Tensor& x, const at::Tensor& context, int64_t row_begin, int64_t row_end);
   std::shared_ptr<FusedLinears> qkv_;  // to_q, to_k, to_v when fused
 };
 TORCH_MODULE(Attention);

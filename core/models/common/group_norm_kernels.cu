@@ -41,6 +41,10 @@ __device__ __forceinline__ float group_shift(const GroupNormArgs& a, int64_t n, 
   return to_float(x[at]) + added<T>(a, n, c0);
 }
 
+__host__ __device__ __forceinline__ int64_t stats_range(const GroupNormArgs& a) {
+  return (a.stats_end < 0 ? a.hw : a.stats_end) - a.stats_begin;
+}
+
 __device__ __forceinline__ void block_sum2(float& s, float& q) {
   __shared__ float ws[2][kThreads / 32];
   for (int o = 16; o > 0; o >>= 1) {
@@ -61,24 +65,34 @@ __device__ __forceinline__ void block_sum2(float& s, float& q) {
   }
 }
 
-// NCHW: grid (splits, groups, N). A group is one contiguous run of C/G * HW values; each block
-// sums a slice of it.
+// NCHW: grid (splits, groups, N). A group is one contiguous run of C/G * HW values (C/G runs of
+// the statistics' pixels when they are not all of HW); each block sums a slice of it.
 template <typename T>
 __global__ void stats_nchw(GroupNormArgs a) {
   using V = Vec<T>;
   const int s = blockIdx.x, g = blockIdx.y;
   const int64_t n = blockIdx.z;
   const int64_t cg = a.c / a.groups;
-  const int64_t vectors = cg * a.hw / V::size;
+  const int64_t per_channel = stats_range(a) / V::size;
+  const bool whole = per_channel * V::size == a.hw;
+  const int64_t vectors = cg * per_channel;
   const int64_t chunk = (vectors + a.splits - 1) / a.splits;
   const int64_t v0 = s * chunk, v1 = min(vectors, v0 + chunk);
-  const V* x = reinterpret_cast<const V*>(static_cast<const T*>(a.x) + (n * a.c + g * cg) * a.hw);
+  const V* x = reinterpret_cast<const V*>(static_cast<const T*>(a.x) + (n * a.c + g * cg) * a.hw + a.stats_begin);
+  const int64_t channel_vectors = a.hw / V::size;
   const bool adds = a.add || a.channel_add;
   const float shift = group_shift<T>(a, n, g);
   float sum = 0.f, sq = 0.f;
   for (int64_t v = v0 + threadIdx.x; v < v1; v += blockDim.x) {
-    const V in = x[v];
-    const float b = (adds ? added<T>(a, n, g * cg + v * V::size / a.hw) : 0.f) - shift;
+    int64_t at = v, ch = 0;
+    if (!whole) {
+      ch = v / per_channel;
+      at = ch * channel_vectors + (v - ch * per_channel);
+    } else if (adds) {
+      ch = v / channel_vectors;
+    }
+    const V in = x[at];
+    const float b = (adds ? added<T>(a, n, g * cg + ch) : 0.f) - shift;
 #pragma unroll
     for (int j = 0; j < V::size; ++j) {
       const float d = to_float(in.v[j]) + b;
@@ -109,8 +123,9 @@ __global__ void stats_nhwc(GroupNormArgs a) {
   __syncthreads();
   const int col = threadIdx.x % cols, row = threadIdx.x / cols;
   if (row < k) {
-    const int64_t chunk = (a.hw + a.splits - 1) / a.splits;
-    const int64_t r0 = s * chunk, r1 = min(a.hw, r0 + chunk);
+    const int64_t range = stats_range(a);
+    const int64_t chunk = (range + a.splits - 1) / a.splits;
+    const int64_t r0 = a.stats_begin + s * chunk, r1 = min(a.stats_begin + range, r0 + chunk);
     const int c0 = col * V::size;
     float b[V::size], sum[V::size], sq[V::size];
 #pragma unroll
@@ -152,10 +167,10 @@ __global__ void stats_nhwc(GroupNormArgs a) {
 }
 
 // One warp per (sample, group): the lanes sum every 32nd split, then a butterfly adds the lanes
-// -> mean and 1 / std. The order is fixed (deterministic) and the splits' loads are in flight
-// together; one thread per group adding them one after another (264 splits for SDXL's NHWC
-// tensors at batch 2) took 0.66 ms of a 32 ms SDXL step over ~60 calls.
-template <typename T>
+// -> mean and 1 / std (Moments: mean and variance). The order is fixed (deterministic) and the
+// splits' loads are in flight together; one thread per group adding them one after another
+// (264 splits for SDXL's NHWC tensors at batch 2) took 0.66 ms of a 32 ms SDXL step over ~60 calls.
+template <typename T, bool Moments>
 __global__ void finalize(GroupNormArgs a) {
   const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
@@ -174,11 +189,11 @@ __global__ void finalize(GroupNormArgs a) {
     sq += __shfl_xor_sync(0xffffffffu, sq, o);
   }
   if (lane == 0) {
-    const float count = static_cast<float>(a.c / a.groups * a.hw);
+    const float count = static_cast<float>(a.c / a.groups * stats_range(a));
     const float m = sum / count;
     const float var = fmaxf(sq / count - m * m, 0.f);
     a.stats[(n * a.groups + g) * 2] = group_shift<T>(a, n, g) + m;
-    a.stats[(n * a.groups + g) * 2 + 1] = rsqrtf(var + a.eps);
+    a.stats[(n * a.groups + g) * 2 + 1] = Moments ? var : rsqrtf(var + a.eps);
   }
 }
 
@@ -224,8 +239,28 @@ __global__ void apply(GroupNormArgs a) {
   }
 }
 
+// One thread per row: the parts' means and variances (Chan et al.) in double.
+__global__ void combine_moments(MomentsCombineArgs a) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= a.rows) return;
+  double total = 0, mean = 0;
+  for (int p = 0; p < a.parts; ++p) {
+    total += a.counts[p];
+    mean += a.counts[p] * static_cast<double>(a.moments[(p * a.rows + row) * 2]);
+  }
+  mean /= total;
+  double var = 0;
+  for (int p = 0; p < a.parts; ++p) {
+    const double d = static_cast<double>(a.moments[(p * a.rows + row) * 2]) - mean;
+    var += a.counts[p] * (static_cast<double>(a.moments[(p * a.rows + row) * 2 + 1]) + d * d);
+  }
+  var /= total;
+  a.stats[row * 2] = static_cast<float>(mean);
+  a.stats[row * 2 + 1] = static_cast<float>(1.0 / sqrt(var + a.eps));
+}
+
 template <typename T>
-int launch(const GroupNormArgs& a, cudaStream_t stream) {
+void launch_stats(const GroupNormArgs& a, cudaStream_t stream) {
   if (a.channels_last) {
     const int cols = static_cast<int>(a.c / Vec<T>::size);
     const int threads = cols * std::max(1, kThreads / cols);
@@ -233,12 +268,38 @@ int launch(const GroupNormArgs& a, cudaStream_t stream) {
   } else {
     stats_nchw<T><<<dim3(a.splits, a.groups, a.n), kThreads, 0, stream>>>(a);
   }
+}
+
+template <typename T, bool Moments>
+void launch_finalize(const GroupNormArgs& a, cudaStream_t stream) {
   const int64_t finalize_blocks = (a.n * a.groups * 32 + kThreads - 1) / kThreads;
-  finalize<T><<<static_cast<unsigned>(finalize_blocks), kThreads, 0, stream>>>(a);
+  finalize<T, Moments><<<static_cast<unsigned>(finalize_blocks), kThreads, 0, stream>>>(a);
+}
+
+template <typename T>
+void launch_apply(const GroupNormArgs& a, cudaStream_t stream) {
   const int64_t vectors = a.n * a.c * a.hw / Vec<T>::size;
   const int64_t blocks = std::min<int64_t>((vectors + kThreads - 1) / kThreads, 16LL * std::max(a.sm_count, 1));
   apply<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+}
+
+// What: 1 the statistics and the normalisation, 2 the moments only, 3 the normalisation only.
+template <typename T>
+int launch(const GroupNormArgs& a, cudaStream_t stream, int what) {
+  if (what != 3) launch_stats<T>(a, stream);
+  if (what == 1) launch_finalize<T, false>(a, stream);
+  if (what == 2) launch_finalize<T, true>(a, stream);
+  if (what != 2) launch_apply<T>(a, stream);
   return static_cast<int>(cudaGetLastError());
+}
+
+int dispatch(const GroupNormArgs& a, CUstream_st* stream, int what) {
+  switch (a.dtype) {
+    case DType::Float: return launch<float>(a, stream, what);
+    case DType::Half: return launch<__half>(a, stream, what);
+    case DType::BFloat16: return launch<__nv_bfloat16>(a, stream, what);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
 }
 
 int vec_size(DType t) { return t == DType::Float ? kVecBytes / 4 : kVecBytes / 2; }
@@ -249,8 +310,10 @@ bool group_norm_supported(const GroupNormArgs& a, uintptr_t x_address, uintptr_t
   const int vec = vec_size(a.dtype);
   if (a.n < 1 || a.c < 1 || a.hw < 1 || a.groups < 1 || a.c % a.groups != 0) return false;
   if (x_address % kVecBytes != 0 || y_address % kVecBytes != 0) return false;
+  const int64_t range = stats_range(a);
+  if (a.stats_begin < 0 || range < 1 || a.stats_begin + range > a.hw) return false;
   if (a.channels_last) return a.c % vec == 0 && a.c / vec <= 1024 && a.groups <= 4096;
-  return a.hw % vec == 0 && a.groups <= 65535 && a.n <= 65535;
+  return a.hw % vec == 0 && a.stats_begin % vec == 0 && range % vec == 0 && a.groups <= 65535 && a.n <= 65535;
 }
 
 int group_norm_splits(const GroupNormArgs& a) {
@@ -259,21 +322,22 @@ int group_norm_splits(const GroupNormArgs& a) {
   int64_t s;
   if (a.channels_last) {
     const int64_t cols = a.c / vec, k = std::max<int64_t>(1, kThreads / cols);
-    s = std::min((target + a.n - 1) / a.n, (a.hw + k - 1) / k);  // at least one row per thread row
+    s = std::min((target + a.n - 1) / a.n, (stats_range(a) + k - 1) / k);  // at least one row per thread row
   } else {
-    const int64_t vectors = a.c / a.groups * a.hw / vec;
+    const int64_t vectors = a.c / a.groups * stats_range(a) / vec;
     s = std::min((target + a.n * a.groups - 1) / (a.n * a.groups), (vectors + kThreads - 1) / kThreads);
   }
   return static_cast<int>(std::clamp<int64_t>(s, 1, 65535));
 }
 
-int group_norm_forward(const GroupNormArgs& a, CUstream_st* stream) {
-  switch (a.dtype) {
-    case DType::Float: return launch<float>(a, stream);
-    case DType::Half: return launch<__half>(a, stream);
-    case DType::BFloat16: return launch<__nv_bfloat16>(a, stream);
-  }
-  return static_cast<int>(cudaErrorInvalidValue);
+int group_norm_forward(const GroupNormArgs& a, CUstream_st* stream) { return dispatch(a, stream, 1); }
+int group_norm_moments(const GroupNormArgs& a, CUstream_st* stream) { return dispatch(a, stream, 2); }
+int group_norm_apply(const GroupNormArgs& a, CUstream_st* stream) { return dispatch(a, stream, 3); }
+
+int group_norm_combine(const MomentsCombineArgs& a, CUstream_st* stream) {
+  if (a.parts < 1 || a.parts > kMaxMomentParts || a.rows < 1) return static_cast<int>(cudaErrorInvalidValue);
+  combine_moments<<<static_cast<unsigned>((a.rows + 127) / 128), 128, 0, stream>>>(a);
+  return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace diffract::models::kernels

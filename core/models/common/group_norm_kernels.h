@@ -28,6 +28,9 @@ struct GroupNormArgs {
   float* partial = nullptr;      // [N, splits, groups, 2] scratch
   float* stats = nullptr;        // [N, groups, 2] scratch: mean, 1 / std
   int64_t n = 0, c = 0, hw = 0, add_stride = 0;
+  // The pixels [stats_begin, stats_end) of HW that the statistics read (stats_end < 0: all of
+  // them); the normalisation still writes every pixel. NCHW: multiples of the vector.
+  int64_t stats_begin = 0, stats_end = -1;
   int groups = 0, splits = 1;
   int sm_count = 1;  // the GPU's, for the grid sizes
   int stats_blocks_per_sm = 2;  // how many statistics blocks (splits x N) to aim for per SM
@@ -44,5 +47,26 @@ bool group_norm_supported(const GroupNormArgs& a, uintptr_t x_address, uintptr_t
 int group_norm_splits(const GroupNormArgs& a);
 // Launches the three kernels on `stream`; returns the CUDA error code of the launches (0: ok).
 int group_norm_forward(const GroupNormArgs& a, CUstream_st* stream);
+
+// The two halves of group_norm_forward, for a normalisation whose statistics come from several
+// devices (a row-band decode, core/parallel/parallel_vae.h): moments() writes stats[n, g] =
+// (mean, biased variance) of the statistics' pixels; apply() normalises every pixel with
+// stats[n, g] = (mean, 1 / std) given. Same return codes.
+int group_norm_moments(const GroupNormArgs& a, CUstream_st* stream);
+int group_norm_apply(const GroupNormArgs& a, CUstream_st* stream);
+
+// Several parts' moments -> the whole's statistics: moments [parts, rows, 2] (mean, variance
+// of each part, fp32) and each part's element count -> stats [rows, 2] (mean, 1 / sqrt(variance
+// + eps)), combined in double, parts in order (the same numbers on every device).
+constexpr int kMaxMomentParts = 16;
+struct MomentsCombineArgs {
+  const float* moments = nullptr;
+  float* stats = nullptr;
+  int64_t rows = 0;
+  int parts = 0;
+  double counts[kMaxMomentParts] = {};
+  float eps = 1e-5f;
+};
+int group_norm_combine(const MomentsCombineArgs& a, CUstream_st* stream);
 
 }  // namespace diffract::models::kernels

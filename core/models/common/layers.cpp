@@ -127,7 +127,7 @@ at::Tensor Conv2dImpl::forward_add(const at::Tensor& x, const at::Tensor& residu
     return residual_bias.defined() ? residual + residual_bias.view({1, -1, 1, 1}) + y : residual + y;
   };
   if (options.kernel > 1)
-    if (auto* patch = patch_context()) return with_residual(patch->conv2d(*this, x));
+    if (auto* patch = patch_context_for_convolutions()) return with_residual(patch->conv2d(*this, x));
   if (bias.defined() && x.is_cuda() && conv_bias_switch()) {
     auto y = forward_without_bias(x);
     if (bias_add_cuda(y, bias, residual, residual_bias)) return y;
@@ -137,7 +137,7 @@ at::Tensor Conv2dImpl::forward_add(const at::Tensor& x, const at::Tensor& residu
 }
 
 at::Tensor Conv2dImpl::forward_without_bias(const at::Tensor& x) {
-  if (options.kernel > 1 && patch_context())
+  if (options.kernel > 1 && patch_context_for_convolutions())
     throw Error("Conv2d::forward_without_bias: a patch-parallel context is active (its convolutions add the bias)");
   return at::conv2d(x, weight, {}, {options.stride_, options.stride_}, {options.padding_, options.padding_});
 }

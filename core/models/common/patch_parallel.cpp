@@ -13,9 +13,29 @@ namespace {
 thread_local PatchContext* t_context = nullptr;
 }  // namespace
 
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+// group_norm_cuda.cpp: false when the kernels do not take the case.
+bool group_norm_moments_cuda(const at::Tensor& x, const at::Tensor& add, int64_t groups, int64_t row_begin,
+                             int64_t row_end, at::Tensor& moments);
+bool group_norm_apply_cuda(const at::Tensor& x, const at::Tensor& add, const at::Tensor& weight, const at::Tensor& bias,
+                           const at::Tensor& stats, int64_t groups, bool silu, at::Tensor& out);
+at::Tensor group_norm_combine_cuda(const at::Tensor& moments, const std::vector<double>& counts, double eps);
+
+namespace {
+// The kernels record nothing for autograd.
+bool kernels_apply(const at::Tensor& x) {
+  return x.is_cuda() && fused_group_norm_enabled() && !(at::GradMode::is_enabled() && x.requires_grad());
+}
+}  // namespace
+#endif
+
 PatchContext::~PatchContext() = default;
 
 PatchContext* patch_context() { return t_context; }
+
+PatchContext* patch_context_for_convolutions() {
+  return t_context && !t_context->convolves_locally() ? t_context : nullptr;
+}
 
 PatchScope::PatchScope(PatchContext* context) : previous_(t_context) { t_context = context; }
 PatchScope::~PatchScope() { t_context = previous_; }
@@ -70,31 +90,75 @@ at::Tensor group_stats(const at::Tensor& x, std::int64_t groups) {
 
 at::Tensor band_group_norm(const GroupNormImpl& norm, const at::Tensor& x, const std::vector<at::Tensor>& stats,
                            bool silu) {
-  const auto groups = norm.options.groups;
   const auto all = at::stack(at::TensorList(stats)).to(x.device());  // [n, 2, B, G]
   const auto means = all.select(1, 0), vars = all.select(1, 1);
   const auto mean = means.mean(0);
   const auto var = (vars + (means - mean).pow(2)).mean(0);
-  const auto rstd = at::rsqrt(var + norm.options.eps_);
+  return group_norm_with_stats(norm, x, {}, at::stack({mean, at::rsqrt(var + norm.options.eps_)}, -1), silu);
+}
+
+at::Tensor group_moments(const at::Tensor& x, const at::Tensor& add, std::int64_t groups, std::int64_t row_begin,
+                         std::int64_t row_end) {
+  if (x.dim() != 4 || row_begin < 0 || row_end <= row_begin || row_end > x.size(2))
+    throw Error("GroupNorm moments: rows [" + std::to_string(row_begin) + ", " + std::to_string(row_end) + ") of input " +
+                c10::str(x.sizes()) + " (wants [B, C, H, W] and 0 <= begin < end <= H)");
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  at::Tensor m;
+  if (kernels_apply(x) && group_norm_moments_cuda(x, add, groups, row_begin, row_end, m)) return m;
+#endif
+  const auto rows = add_per_channel(x.narrow(2, row_begin, row_end - row_begin), add);
+  const auto grouped = rows.to(at::kFloat).reshape({x.size(0), groups, -1});
+  const auto [var, mean] = at::var_mean(grouped, /*dim=*/{2}, /*correction=*/0, /*keepdim=*/false);
+  return at::stack({mean, var}, -1).contiguous();
+}
+
+at::Tensor combine_group_moments(const at::Tensor& moments, const std::vector<double>& counts, double eps) {
+  if (moments.dim() < 2 || moments.size(0) != static_cast<std::int64_t>(counts.size()) || moments.size(-1) != 2)
+    throw Error("GroupNorm moments: " + c10::str(moments.sizes()) + " for " + std::to_string(counts.size()) +
+                " parts (wants [parts, ..., 2])");
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  if (moments.is_cuda() && fused_group_norm_enabled()) return group_norm_combine_cuda(moments, counts, eps);
+#endif
+  const auto m = moments.to(at::kDouble);
+  std::vector<std::int64_t> shape(static_cast<std::size_t>(m.dim() - 1), 1);
+  shape[0] = m.size(0);
+  const auto w = at::tensor(counts, m.options()).view(shape);
+  const auto total = w.sum();
+  const auto means = m.select(-1, 0), vars = m.select(-1, 1);
+  const auto mean = (w * means).sum(0) / total;
+  const auto var = (w * (vars + (means - mean).square())).sum(0) / total;
+  return at::stack({mean, at::rsqrt(var + eps)}, -1).to(at::kFloat).contiguous();
+}
+
+at::Tensor group_norm_with_stats(const GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& add,
+                                 const at::Tensor& stats, bool silu) {
+  const auto groups = norm.options.groups;
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  at::Tensor out;
+  if (kernels_apply(x) && group_norm_apply_cuda(x, add, norm.weight, norm.bias, stats, groups, silu, out)) return out;
+#endif
+  const auto in = add_per_channel(x, add);
+  const auto st = stats.to(in.device(), at::kFloat);
+  const auto mean = st.select(-1, 0), rstd = st.select(-1, 1);  // [B, G]
   // Per (batch, channel) scale and shift in fp32, as at::group_norm's kernels fold them:
   // y = x * rstd w + (b - mean rstd w). One pass over x in its own type (fp32 arithmetic per
   // element, no fp32 copy of the activation), the SiLU in place.
-  const auto channels = x.size(1);
+  const auto channels = in.size(1);
   const auto per_channel = [&](const at::Tensor& g) { return g.repeat_interleave(channels / groups, 1); };  // [B, C]
   const auto scale = per_channel(rstd) * norm.weight.to(at::kFloat).view({1, channels});
   const auto shift = norm.bias.to(at::kFloat).view({1, channels}) - per_channel(mean) * scale;
-  std::vector<std::int64_t> bc(static_cast<std::size_t>(x.dim()), 1);
-  bc[0] = x.size(0);
+  std::vector<std::int64_t> bc(static_cast<std::size_t>(in.dim()), 1);
+  bc[0] = in.size(0);
   bc[1] = channels;
   at::Tensor y;
-  if (at::GradMode::is_enabled() && (x.requires_grad() || scale.requires_grad() || shift.requires_grad())) {
-    y = at::addcmul(shift.view(bc), x, scale.view(bc)).to(x.scalar_type());  // out= does not differentiate
+  if (at::GradMode::is_enabled() && (in.requires_grad() || scale.requires_grad() || shift.requires_grad())) {
+    y = at::addcmul(shift.view(bc), in, scale.view(bc)).to(in.scalar_type());  // out= does not differentiate
   } else {
-    y = at::empty_like(x, x.options(), x.suggest_memory_format());
-    at::addcmul_out(y, shift.view(bc), x, scale.view(bc));
+    y = at::empty_like(in, in.options(), in.suggest_memory_format());
+    at::addcmul_out(y, shift.view(bc), in, scale.view(bc));
   }
   if (silu) y = y.requires_grad() ? at::silu(y) : at::silu_(y);
-  return y.contiguous(x.suggest_memory_format());
+  return y.contiguous(in.suggest_memory_format());
 }
 
 at::Tensor kv_pack(const at::Tensor& k, const at::Tensor& v) { return at::cat({k, v}, -1).contiguous(); }

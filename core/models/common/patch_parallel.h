@@ -32,7 +32,14 @@ class PatchContext {
   // are then graphed under it, keyed by the value, so that a graph replays only with the
   // buffers it was captured with.
   virtual std::int64_t graph_tag() const { return 0; }
+  // True when the band carries its neighbours' rows itself (an overlapped band decode,
+  // core/parallel/parallel_vae.h): convolutions then run as without a context (conv2d() is
+  // not asked, the fused convolution paths stay on) and only GroupNorm and attention ask.
+  virtual bool convolves_locally() const { return false; }
 };
+
+// This thread's context when the convolutions must ask it (one that does not convolve locally), or null.
+PatchContext* patch_context_for_convolutions();
 
 // This thread's context, or null.
 PatchContext* patch_context();
@@ -68,6 +75,19 @@ at::Tensor group_stats(const at::Tensor& x, std::int64_t groups);
 //  applied in one pass that writes x's type (no fp32 copy of x).
 at::Tensor band_group_norm(const GroupNormImpl& norm, const at::Tensor& x, const std::vector<at::Tensor>& stats,
                            bool silu);
+//  Bands of unequal size, statistics by moments (an overlapped band decode): x [B, C, H, W]
+//  (+ add [B, C] or [1, C]) -> [B, G, 2] fp32, each (sample, group)'s mean and biased variance
+//  over rows [row_begin, row_end) only.
+at::Tensor group_moments(const at::Tensor& x, const at::Tensor& add, std::int64_t groups, std::int64_t row_begin,
+                         std::int64_t row_end);
+//  Every band's group_moments [bands, B, G, 2] and element count -> [B, G, 2] fp32: the whole
+//  image's mean and 1 / sqrt(variance + eps), combined in double, bands in order.
+at::Tensor combine_group_moments(const at::Tensor& moments, const std::vector<double>& counts, double eps);
+//  norm.forward(x, add, silu) normalised with `stats` [B, G, 2] (mean, 1 / std) instead of x's
+//  own statistics: the GroupNorm kernels' normalisation pass on CUDA, a folded scale and shift
+//  in fp32 elsewhere.
+at::Tensor group_norm_with_stats(const GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& add,
+                                 const at::Tensor& stats, bool silu);
 //  Self-attention: [B, t, 2C] = k and v side by side; every band's -> k, v [B, T, C].
 at::Tensor kv_pack(const at::Tensor& k, const at::Tensor& v);
 std::pair<at::Tensor, at::Tensor> kv_unpack(const std::vector<at::Tensor>& packs);

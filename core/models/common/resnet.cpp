@@ -33,7 +33,7 @@ at::Tensor ResnetBlock2DImpl::forward(const at::Tensor& x, const at::Tensor& tem
     if (!t.defined()) t = time_emb_proj->forward(at::silu(temb));
   }
   at::Tensor out;
-  if (x.is_cuda() && conv_bias_kernel_available() && conv1->bias.defined() && !patch_context()) {
+  if (x.is_cuda() && conv_bias_kernel_available() && conv1->bias.defined() && !patch_context_for_convolutions()) {
     // The shortcut's bias goes in with conv2's bias and the skip, in conv2's kernel.
     const bool fold_shortcut = conv_shortcut && conv_shortcut->bias.defined();
     const auto skip = !conv_shortcut ? x : fold_shortcut ? conv_shortcut->forward_without_bias(x) : conv_shortcut->forward(x);
