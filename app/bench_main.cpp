@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <numeric>
+#include <optional>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -76,16 +78,66 @@ double denoise_ms(const engine::GenerationResult& r) {
   return std::accumulate(r.timings.step_ms.begin(), r.timings.step_ms.end(), 0.0);
 }
 
-// A strategy spec "name" or "name:n" (n devices, drafts or skip factor).
-std::pair<std::string, int> parse_strategy(const std::string& spec) {
-  const auto colon = spec.find(':');
-  if (colon == std::string::npos) return {spec, spec == "single" || spec == "step-skip" ? 1 : 2};
-  try {
-    return {spec.substr(0, colon), std::stoi(spec.substr(colon + 1))};
-  } catch (const std::logic_error&) {
-    throw Error("strategy '" + spec + "': expected NAME or NAME:N");
+// A strategy spec "name" or "name:n" (n devices, drafts or skip factor), then any number of
+// "@VAR=VALUE": environment settings for that strategy's runs alone (A/Bs in one run, e.g.
+// driffusion-aggressive:2@DIFFRACT_DRIFFUSION_PAIRS=0).
+struct StrategySpec {
+  std::string name;
+  int n = 2;
+  std::vector<std::pair<std::string, std::string>> env;
+};
+
+StrategySpec parse_strategy(const std::string& spec) {
+  StrategySpec s;
+  std::string head = spec.substr(0, spec.find('@'));
+  for (auto at = spec.find('@'); at != std::string::npos;) {
+    const auto next = spec.find('@', at + 1);
+    const auto setting = spec.substr(at + 1, next == std::string::npos ? std::string::npos : next - at - 1);
+    const auto eq = setting.find('=');
+    if (eq == std::string::npos || eq == 0)
+      throw Error("strategy '" + spec + "': '" + setting + "' is not VAR=VALUE (expected NAME[:N][@VAR=VALUE...])");
+    s.env.emplace_back(setting.substr(0, eq), setting.substr(eq + 1));
+    at = next;
   }
+  const auto colon = head.find(':');
+  if (colon == std::string::npos) {
+    s.name = head;
+    s.n = head == "single" || head == "step-skip" ? 1 : 2;
+    return s;
+  }
+  s.name = head.substr(0, colon);
+  try {
+    std::size_t used = 0;
+    s.n = std::stoi(head.substr(colon + 1), &used);
+    if (used != head.size() - colon - 1) throw std::invalid_argument("trailing characters");
+  } catch (const std::logic_error&) {
+    throw Error("strategy '" + spec + "': expected NAME[:N][@VAR=VALUE...]");
+  }
+  return s;
 }
+
+// Sets a spec's environment for its lifetime, then restores what was there.
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(const std::vector<std::pair<std::string, std::string>>& env) {
+    for (const auto& [k, v] : env) {
+      const char* old = std::getenv(k.c_str());
+      saved_.push_back({k, old ? std::optional<std::string>(old) : std::nullopt});
+      setenv(k.c_str(), v.c_str(), 1);
+    }
+  }
+  ~ScopedEnv() {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+      if (it->second) setenv(it->first.c_str(), it->second->c_str(), 1);
+      else unsetenv(it->first.c_str());
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
 
 json run_config(const BenchConfig& c, int batch, int runs, const std::string& device,
                 const std::vector<std::string>& strategies) {
@@ -216,7 +268,10 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   // Strategies: the same job run by each, against the single-device result of this run.
   const double base_e2e = percentile(e2e, 0.5), base_denoise = denoise;
   for (const auto& spec : strategies) {
-    const auto [name, n] = parse_strategy(spec);
+    const auto sp = parse_strategy(spec);
+    const auto& name = sp.name;
+    const int n = sp.n;
+    const ScopedEnv env(sp.env);
     auto sreq = req;
     sreq.strategy = name;
     sreq.devices = n;
@@ -230,7 +285,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
       sden.push_back(denoise_ms(sres));
     }
     const auto meta = json::parse(sres.metadata_json);
-    json sj = {{"strategy", name}, {"n", n},
+    json sj = {{"strategy", name}, {"n", n}, {"spec", spec},
                {"end_to_end_ms", percentile(se2e, 0.5)},
                {"denoising_ms", percentile(sden, 0.5)},
                {"images_per_s", 1e3 * batch / percentile(se2e, 0.5)},
@@ -357,8 +412,9 @@ int main(int argc, char** argv) {
   app.add_option("--device", device, "cpu or cuda:N")->capture_default_str();
   app.add_option("--runs", runs, "timed runs after the warm-up")->capture_default_str();
   app.add_option("--strategies", strategies,
-                 "also run each strategy (NAME or NAME:N, e.g. cfg-parallel,driffusion-aggressive:2) and compare it with "
-                 "the single-device result: speed-up, PSNR, SSIM, latent rel-L2")
+                 "also run each strategy (NAME[:N][@VAR=VALUE...], e.g. cfg-parallel,driffusion-aggressive:2, "
+                 "driffusion-aggressive:2@DIFFRACT_DRIFFUSION_PAIRS=0) and compare it with the single-device result: "
+                 "speed-up, PSNR, SSIM, latent rel-L2")
       ->delimiter(',');
   app.add_flag("--build-only", build, "only time building each config's UNet on the CPU, and its random init");
   app.add_flag("--load-only", load,
@@ -370,6 +426,7 @@ int main(int argc, char** argv) {
   log::set_verbose(verbose);
   try {
     if (runs < 1) throw Error("--runs must be at least 1");
+    for (const auto& spec : strategies) parse_strategy(spec);  // a typo fails now, not after the one-device runs
     const auto info = build_info();
     json out = {{"diffract", info.diffract_version}, {"torch", TORCH_VERSION}, {"cuda_devices", info.cuda_devices},
                 {"nccl", info.nccl_version}, {"results", json::array()}};

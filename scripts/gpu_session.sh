@@ -150,7 +150,7 @@ except Exception as e:
 for x in r["results"]:
     print(f"  {x['config']} batch {x['batch']}, one GPU: e2e {x['end_to_end_ms']['median']:.1f} ms, {x.get('images_per_s', 0):.3f} images/s")
     for s in x.get("strategies", []):
-        print(f"  {s['strategy']}:{s['n']:<2} {s.get('images_per_s', 0):.3f} img/s e2e {s['end_to_end_ms']:7.1f} ms  speed-up e2e {s['speedup_end_to_end']:.2f}x "
+        print(f"  {s.get('spec', s['strategy'] + ':' + str(s['n']))} {s.get('images_per_s', 0):.3f} img/s e2e {s['end_to_end_ms']:7.1f} ms  speed-up e2e {s['speedup_end_to_end']:.2f}x "
               f"denoise {s['speedup_denoising']:.2f}x  PSNR {s['psnr_db'] or float('inf'):.1f} dB  SSIM {s['ssim']:.4f}  rel-L2 {s['latents_rel_l2']:.4f}"
               f"  {s.get('stats', {}).get('note', '')[:150]}")
 PY
@@ -244,8 +244,8 @@ for x in r["results"]:
     for s in x.get("strategies", []):
         st = s.get("stats", {})
         steps = s.get("step_ms", [])
-        print(f"  {s['strategy']}: warm {st.get('warm_ms', 0):.0f} ms, loop {st.get('loop_ms', 0):.0f} ms, text {s.get('text_encode_ms', 0):.1f}, "
-              f"vae {s.get('vae_decode_ms', 0):.1f}, steps {len(steps)}: {[round(v, 1) for v in steps]}")
+        print(f"  {s.get('spec', s['strategy'])}: warm {st.get('warm_ms', 0):.0f} ms, loop {st.get('loop_ms', 0):.0f} ms, text {s.get('text_encode_ms', 0):.1f}, "
+              f"vae {s.get('vae_decode_ms', 0):.1f}, rounds {st.get('rounds')} (paired {st.get('paired_rounds', 0)}), steps {len(steps)}: {[round(v, 1) for v in steps]}")
         print(f"    outside the loop: before the call {st.get('before_call_ms', 0):.2f} ms, set-up {st.get('setup_ms', 0):.2f}, "
               f"finish {st.get('finish_ms', 0):.2f}, call - loop {st.get('call_ms', 0) - st.get('loop_ms', 0):.2f}, "
               f"after the call {st.get('after_call_ms', 0):.2f}")
@@ -390,6 +390,19 @@ if [ "$plan" = probe ]; then
   checks checks_probe "gpu_conv_bias|gpu_layernorm|gpu_groupnorm|gpu_geglu|gpu_qkv|gpu_graphs|gpu_stage_graphs|gpu_previews|gpu_vae_bands" 150 "rel-L2|ResNet|latent rows|VAE decode"
   echo "checks at $(elapsed) s"
   BENCH_RUNS=3 BENCH_STRATEGIES="${PROBE_STRATEGIES:-driffusion-aggressive:1,data-parallel:1}" strategy_bench "$(left 5)"
+  strategy_split "$logs/bench_strategies.json"
+  exit 0
+fi
+
+#   PLAN=pair (two GPUs): the 2-GPU strategy and VAE checks, then one strategy bench against our
+#     one GPU: CFG-parallel and DRiffusion n = 2 with the VAE decode on the first GPU and
+#     overlapped over both, DRiffusion without its paired rounds, hybrid CFG (PAIR_STRATEGIES).
+if [ "$plan" = pair ]; then
+  checks checks_pair "gpu_strategies|gpu_parallel_vae" 150 "rel-L2|rounds|paired|overlapped|decode"
+  echo "checks at $(elapsed) s"
+  o=@DIFFRACT_PARALLEL_VAE=overlap
+  BENCH_RUNS=3 BENCH_STRATEGIES="${PAIR_STRATEGIES:-cfg-parallel,cfg-parallel$o,driffusion-aggressive:2@DIFFRACT_DRIFFUSION_PAIRS=0,driffusion-aggressive:2,driffusion-aggressive:2$o,driffusion:2$o,hybrid-cfg$o,hybrid-cfg}" \
+    strategy_bench "$(left 5)"
   strategy_split "$logs/bench_strategies.json"
   exit 0
 fi
