@@ -407,6 +407,15 @@ if [ "$plan" = pair ]; then
   exit 0
 fi
 
+#   PLAN=gemm (one GPU): the GroupNorm, VAE band and tuned-GEMM checks, then SDXL 1024² with the
+#     tuned GEMMs (the default) and with at::linear (DIFFRACT_GEMM_TUNING=0), one after the other.
+if [ "$plan" = gemm ]; then
+  checks checks_gemm "gpu_groupnorm|gpu_vae_bands|gpu_gemm" 150 "gemm|all shapes|overlapped|FAIL"
+  echo "checks at $(elapsed) s"
+  env_ab DIFFRACT_GEMM_TUNING 1 0
+  exit 0
+fi
+
 #   PLAN=checks (any GPUs): the checks matching CHECKS (a ctest -R pattern), their lines matching GREP.
 if [ "$plan" = checks ]; then
   checks checks_some "${CHECKS:-gpu_groupnorm}" 150 "${GREP:-rel-L2}"

@@ -1,5 +1,5 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands
+//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm
 // Exit 0: passed; 1: one failed (the reasons printed); 77: all skipped (too few GPUs).
 #include <algorithm>
 #include <atomic>
@@ -1597,6 +1597,44 @@ void check_parallel_vae() {
   expect(e_two <= 1.5 * e_one + 1e-3, "the 2-GPU decode is as close to fp32 as the 1-GPU one");
 }
 
+// The tuned GEMMs of models::linear at SDXL 1024²'s shapes (batch 1 and 2: 1024 / 2048 tokens
+// at 1280 channels, 4096 / 8192 at 640): the same result as at::linear up to bf16 rounding, and
+// what the timing chose (ms per call: at::linear, cuBLASLt's first proposal, the one kept).
+void check_gemm() {
+  need_gpus(1);
+  at::NoGradGuard no_grad;
+  at::manual_seed(2);
+  const auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const std::vector<std::pair<std::int64_t, std::int64_t>> at1280 = {{3840, 1280}, {1280, 1280}, {10240, 1280}, {1280, 5120}};
+  const std::vector<std::pair<std::int64_t, std::int64_t>> at640 = {{1920, 640}, {640, 640}, {5120, 640}, {640, 2560}};
+  double worst = 0;
+  for (std::int64_t m : {1024, 2048, 4096, 8192}) {
+    for (const auto& [n, k] : m <= 2048 ? at1280 : at640) {
+      const auto x = at::randn({m, k}, o), w = at::randn({n, k}, o) * 0.03, b = at::randn({n}, o);
+      const auto ref = at::linear(x.to(at::kFloat), w.to(at::kFloat), b.to(at::kFloat));
+      for (const bool bias : {true, false}) {
+        const auto y = models::linear(x, w, bias ? b : at::Tensor());
+        const auto want = bias ? ref : ref - b.to(at::kFloat);
+        worst = std::max(worst, ((y.to(at::kFloat) - want).norm() / want.norm()).item<double>());
+      }
+    }
+  }
+  expect(models::gemm_tuning_enabled() && worst < 1e-2,
+         "tuned GEMMs equal fp32 ones up to bf16 rounding (worst rel-L2 " + std::to_string(worst) + ")");
+  const auto report = nlohmann::json::parse(models::gemm_tuning_report());
+  double aten = 0, kept = 0;
+  for (const auto& r : report) {
+    std::cout << "  gemm [" << r["m"] << ", " << r["k"] << "] x [" << r["k"] << ", " << r["n"] << "]" << (r["bias"].get<bool>() ? " + bias" : "")
+              << ": at::linear " << r["aten_ms"].get<double>() * 1e3 << " us, cuBLASLt first " << r["first_ms"].get<double>() * 1e3
+              << " us, kept " << r["best_ms"].get<double>() * 1e3 << " us (" << (r["cublaslt"].get<bool>() ? "cuBLASLt" : "ATen")
+              << ", " << r["tried"] << " tried)\n";
+    aten += r["aten_ms"].get<double>();
+    kept += r["best_ms"].get<double>();
+  }
+  std::cout << "  all shapes once: at::linear " << aten << " ms, kept " << kept << " ms\n";
+  expect(report.size() == 32, "every shape was tuned once (" + std::to_string(report.size()) + ")");
+}
+
 // What a row band of the SDXL VAE decoder costs on one GPU (bf16, 1024² image): the whole
 // decode, the part before the up blocks (post_quant_conv, conv_in, mid block with its
 // attention over all 16384 latents), and decodes of 77 and 64 latent rows (half the image with
@@ -1673,11 +1711,11 @@ int main(int argc, char** argv) {
       {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"layernorm", check_layernorm}, {"conv_bias", check_conv_bias}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
-      {"cfg_pipefusion", check_cfg_pipefusion}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}};
+      {"cfg_pipefusion", check_cfg_pipefusion}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}, {"gemm", check_gemm}};
   bool usage = argc < 2;
   for (int i = 1; i < argc; ++i) usage = usage || !checks.count(argv[i]);
   if (usage) {
-    std::cerr << "usage: diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands\n";
+    std::cerr << "usage: diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm\n";
     return 2;
   }
   std::cout << std::unitbuf;

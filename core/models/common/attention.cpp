@@ -184,10 +184,10 @@ class GEGLUImpl : public nn::Module {
   at::Tensor forward(const at::Tensor& x) {
     const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || proj->weight.requires_grad());
     if (x.is_cuda() && geglu_one_gemm() && fused_geglu_available() && !grad)
-      return geglu_halves(at::linear(x, proj->weight, proj->bias));
+      return geglu_halves(linear(x, proj->weight, proj->bias));
     const int64_t inner = proj->weight.size(0) / 2;
     const auto half = [&](int64_t i) {
-      return at::linear(x, proj->weight.narrow(0, i * inner, inner),
+      return linear(x, proj->weight.narrow(0, i * inner, inner),
                         proj->bias.defined() ? proj->bias.narrow(0, i * inner, inner) : at::Tensor());
     };
     return geglu(half(0), half(1));

@@ -73,7 +73,7 @@ bool FusedLinears::intact() const {
   return laid_end_to_end(weight_, weights) && (!bias_.defined() || laid_end_to_end(bias_, biases));
 }
 
-at::Tensor FusedLinears::project(const at::Tensor& x) const { return at::linear(x, weight_, bias_); }
+at::Tensor FusedLinears::project(const at::Tensor& x) const { return linear(x, weight_, bias_); }
 
 at::Tensor FusedLinears::part(const at::Tensor& projected, const void* owner, int i) const {
   const auto it = index_.find(owner);

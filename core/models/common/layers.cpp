@@ -105,7 +105,32 @@ LinearImpl::LinearImpl(const LinearOptions& o) : options(o), construction_index(
   if (o.with_bias) bias = register_parameter("bias", at::empty({o.out_features}));
 }
 
-at::Tensor LinearImpl::forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
+at::Tensor LinearImpl::forward(const at::Tensor& x) { return linear(x, weight, bias); }
+
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+// gemm_cuda.cpp: false when the tuned path does not take the case.
+bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out);
+#else
+bool gemm_tuning_enabled() { return false; }
+void set_gemm_tuning(bool) {}
+std::string gemm_tuning_report() { return "[]"; }
+#endif
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  if (x.is_cuda() && x.dim() >= 2 && x.is_contiguous() && gemm_tuning_enabled() &&
+      !(at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() ||
+                                       (bias.defined() && bias.requires_grad())))) {
+    at::Tensor out;
+    if (tuned_linear_cuda(x.view({-1, x.size(-1)}), weight, bias, out)) {
+      auto sizes = x.sizes().vec();
+      sizes.back() = weight.size(0);
+      return out.view(sizes);
+    }
+  }
+#endif
+  return at::linear(x, weight, bias);
+}
 
 Conv2dImpl::Conv2dImpl(const Conv2dOptions& o) : options(o), construction_index(next_construction_index()) {
   weight = register_parameter("weight", at::empty({o.out_channels, o.in_channels, o.kernel, o.kernel}));

@@ -1,5 +1,6 @@
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
@@ -84,6 +85,18 @@ class EmbeddingImpl : public torch::nn::Module {
   uint64_t construction_index;  // see init_random
 };
 TORCH_MODULE(Embedding);
+
+// x [..., K] weight[N, K]^T + bias[N] -> [..., N], what every Linear layer runs: at::linear, or
+// on CUDA in inference (bf16 / fp16, x contiguous) a cuBLASLt GEMM whose algorithm the shape's
+// first call chose by timing cuBLASLt's proposals against at::linear (gemm_cuda.cpp). Its first
+// call inside a CUDA graph capture, with no choice made yet, stays with at::linear.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+// Whether linear() tunes (default on; DIFFRACT_GEMM_TUNING=0 at start-up turns it off).
+bool gemm_tuning_enabled();
+void set_gemm_tuning(bool on);
+// Every shape tuned so far, as JSON: ms per call of at::linear, of cuBLASLt's first proposal
+// and of the one kept.
+std::string gemm_tuning_report();
 
 // GroupNorm with its affine weight and bias ("weight", "bias": ones and zeros until bound),
 // as torch::nn::GroupNorm, plus what the UNet runs around it: forward(x, add, silu, channel_add)

@@ -1,0 +1,238 @@
+// Linear layers' GEMMs through cuBLASLt with an algorithm chosen by timing (see layers.h,
+// models::linear). cuBLAS's own heuristic picks one algorithm per shape from a model of the GPU;
+// for SDXL's batch-1 shapes on an H200 ([1024, 1280] x [1280, 1280]: 80 output tiles of 128 x
+// 128 on 132 SMs) that choice leaves SMs idle. Here the first call of each shape (in the eager
+// warm-up, before any CUDA graph captures it) times up to kCandidates of the algorithms cuBLASLt
+// proposes, and ATen's at::linear, and keeps the fastest; later calls, graph captures included,
+// run the kept choice.
+#include <cublasLt.h>
+#include <cublas_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <nlohmann/json.hpp>
+
+#include "core/models/common/layers.h"
+#include "core/models/common/spin_kernel.h"
+#include "core/util/error.h"
+
+namespace diffract::models {
+
+namespace {
+
+constexpr int kCandidates = 16;
+constexpr std::size_t kWorkspaceBytes = std::size_t(32) << 20;
+
+struct Shape {
+  int device;
+  std::int64_t m, n, k;
+  at::ScalarType dtype;
+  bool bias;
+  int align;  // bytes every operand's address is a multiple of (16, 8, 4, 2)
+  bool operator<(const Shape& o) const {
+    return std::tie(device, m, n, k, dtype, bias, align) < std::tie(o.device, o.m, o.n, o.k, o.dtype, o.bias, o.align);
+  }
+};
+
+struct Choice {
+  bool lt = false;  // false: at::linear was fastest (or nothing else ran)
+  cublasLtMatmulAlgo_t algo{};
+  std::size_t workspace = 0;
+  // What the timing saw, for the report: ms per call of ATen's GEMM, cuBLASLt's first proposal
+  // and the one kept; how many proposals ran.
+  double aten_ms = 0, first_ms = 0, best_ms = 0;
+  int tried = 0;
+};
+
+std::mutex g_mutex;
+std::map<Shape, Choice> g_choices;
+std::map<std::pair<int, cudaStream_t>, at::Tensor> g_workspaces;  // per stream: calls on two streams overlap
+
+void check(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    throw Error(std::string("cuBLASLt ") + what + " failed: " + cublasGetStatusString(s));
+}
+
+cudaDataType_t cuda_type(at::ScalarType t) { return t == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F; }
+
+int alignment(const void* p) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  for (int b : {16, 8, 4}) if (a % b == 0) return b;
+  return 2;
+}
+
+// The matmul and layouts for out [m, n] = x [m, k] w[n, k]^T (+ bias[n]), row-major, as cuBLASLt's
+// column-major D [n, m] = op(A) B with A = w seen as [k, n] (transposed), B = x seen as [k, m].
+struct Problem {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  Problem(const Shape& s) {
+    check(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "descriptor");
+    const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
+    check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)), "transa");
+    check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)), "transb");
+    if (s.bias) {
+      const cublasLtEpilogue_t e = CUBLASLT_EPILOGUE_BIAS;
+      check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof(e)), "epilogue");
+    }
+    const auto type = cuda_type(s.dtype);
+    check(cublasLtMatrixLayoutCreate(&a, type, s.k, s.n, s.k), "layout A");
+    check(cublasLtMatrixLayoutCreate(&b, type, s.k, s.m, s.k), "layout B");
+    check(cublasLtMatrixLayoutCreate(&c, type, s.n, s.m, s.n), "layout C");
+  }
+  ~Problem() {
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+  Problem(const Problem&) = delete;
+  Problem& operator=(const Problem&) = delete;
+
+  cublasStatus_t run(const cublasLtMatmulAlgo_t& algo, std::size_t workspace_bytes, const at::Tensor& x,
+                     const at::Tensor& w, const at::Tensor& bias, at::Tensor& out, void* workspace, cudaStream_t stream) {
+    if (bias.defined()) {
+      const void* p = bias.data_ptr();
+      check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p, sizeof(p)), "bias pointer");
+    }
+    const float one = 1.f, zero = 0.f;
+    return cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), op, &one, w.data_ptr(), a, x.data_ptr(), b, &zero,
+                          out.data_ptr(), c, out.data_ptr(), c, &algo, workspace, workspace_bytes, stream);
+  }
+};
+
+void* workspace_for(int device, cudaStream_t stream) {
+  auto& w = g_workspaces[{device, stream}];
+  if (!w.defined())
+    w = at::empty({static_cast<std::int64_t>(kWorkspaceBytes)},
+                  at::TensorOptions().dtype(at::kByte).device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  return w.data_ptr();
+}
+
+// ms per call of f() on `stream`, after a warm-up call: the GPU's time alone, the calls queued
+// behind a spinning kernel so that they run back to back whatever their launches cost (in a CUDA
+// graph replay, what counts).
+template <typename F>
+double time_ms(cudaStream_t stream, F&& f) {
+  f();
+  cudaEvent_t start, end;
+  cudaEventCreate(&start);
+  cudaEventCreate(&end);
+  constexpr int reps = 10;
+  kernels::spin(stream, 1'000'000);  // 1 ms: longer than the host takes to enqueue the calls
+  cudaEventRecord(start, stream);
+  for (int i = 0; i < reps; ++i) f();
+  cudaEventRecord(end, stream);
+  cudaEventSynchronize(end);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, start, end);
+  cudaEventDestroy(start);
+  cudaEventDestroy(end);
+  return static_cast<double>(ms) / reps;
+}
+
+Choice tune(const Shape& s, Problem& p, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+            at::Tensor& out, cudaStream_t stream) {
+  Choice best;
+  best.aten_ms = time_ms(stream, [&] { at::linear(x, w, bias); });
+  best.best_ms = best.aten_ms;
+  cublasLtMatmulPreference_t pref;
+  check(cublasLtMatmulPreferenceCreate(&pref), "preference");
+  const std::uint64_t max_ws = kWorkspaceBytes;
+  const std::uint32_t align = static_cast<std::uint32_t>(s.align);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws, sizeof(max_ws));
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
+  cublasLtMatmulHeuristicResult_t found[kCandidates];
+  int count = 0;
+  const auto status = cublasLtMatmulAlgoGetHeuristic(at::cuda::getCurrentCUDABlasLtHandle(), p.op, p.a, p.b, p.c, p.c,
+                                                     pref, kCandidates, found, &count);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (status != CUBLAS_STATUS_SUCCESS) return best;
+  void* ws = workspace_for(s.device, stream);
+  for (int i = 0; i < count; ++i) {
+    if (found[i].state != CUBLAS_STATUS_SUCCESS || found[i].workspaceSize > kWorkspaceBytes) continue;
+    if (p.run(found[i].algo, found[i].workspaceSize, x, w, bias, out, ws, stream) != CUBLAS_STATUS_SUCCESS) continue;
+    const double ms = time_ms(stream, [&] { p.run(found[i].algo, found[i].workspaceSize, x, w, bias, out, ws, stream); });
+    ++best.tried;
+    if (best.tried == 1) best.first_ms = ms;
+    if (ms < best.best_ms) {
+      best.best_ms = ms;
+      best.lt = true;
+      best.algo = found[i].algo;
+      best.workspace = found[i].workspaceSize;
+    }
+  }
+  return best;
+}
+
+bool tuning_from_env() {
+  const char* v = std::getenv("DIFFRACT_GEMM_TUNING");
+  return !(v && std::string(v) == "0");
+}
+bool g_tuning = tuning_from_env();
+
+}  // namespace
+
+bool gemm_tuning_enabled() { return g_tuning; }
+void set_gemm_tuning(bool on) { g_tuning = on; }
+
+bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out) {
+  // x [M, K] contiguous, w [N, K] rows contiguous, bias [N] or undefined; bf16 / fp16 alike.
+  const auto dtype = x.scalar_type();
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return false;
+  if (w.scalar_type() != dtype || (bias.defined() && (bias.scalar_type() != dtype || !bias.is_contiguous()))) return false;
+  if (x.dim() != 2 || !x.is_contiguous() || w.dim() != 2 || w.stride(1) != 1 || w.stride(0) != w.size(1)) return false;
+  const std::int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  if (m < 1 || n < 1 || k < 1 || w.size(1) != k || (bias.defined() && bias.numel() != n)) return false;
+  const c10::cuda::CUDAGuard guard(x.device());
+  out = at::empty({m, n}, x.options());
+  const auto stream = at::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  Shape s{x.device().index(), m, n, k, dtype, bias.defined(),
+          std::min({alignment(x.data_ptr()), alignment(w.data_ptr()), alignment(out.data_ptr()),
+                    bias.defined() ? alignment(bias.data_ptr()) : 16})};
+  Problem p(s);
+  Choice choice;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_choices.find(s);
+    if (it == g_choices.end()) {
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      cudaStreamIsCapturing(stream, &capturing);
+      if (capturing != cudaStreamCaptureStatusNone) return false;  // no timing inside a capture: ATen's GEMM
+      it = g_choices.emplace(s, tune(s, p, x, w, bias, out, stream)).first;
+    }
+    choice = it->second;
+  }
+  if (!choice.lt) return false;
+  void* ws = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    ws = workspace_for(s.device, stream);
+  }
+  check(p.run(choice.algo, choice.workspace, x, w, bias, out, ws, stream), "matmul");
+  return true;
+}
+
+std::string gemm_tuning_report() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& [s, c] : g_choices)
+    j.push_back({{"m", s.m}, {"n", s.n}, {"k", s.k}, {"bias", s.bias}, {"dtype", c10::toString(s.dtype)},
+                 {"aten_ms", c.aten_ms}, {"first_ms", c.first_ms}, {"best_ms", c.best_ms}, {"cublaslt", c.lt},
+                 {"tried", c.tried}});
+  return j.dump();
+}
+
+}  // namespace diffract::models
