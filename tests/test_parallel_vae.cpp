@@ -47,6 +47,16 @@ models::AutoencoderKL tiny_vae() {
   return vae;
 }
 
+// The tiny VAE without its mid-block attention.
+models::AutoencoderKL tiny_vae_without_attention() {
+  auto c = tiny_vae()->config;
+  c.mid_block_add_attention = false;
+  models::AutoencoderKL plain(c);
+  plain->eval();
+  models::init_random(*plain, 6);
+  return plain;
+}
+
 double max_rel(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() / b.to(at::kDouble).abs().max().item<double>();
 }
@@ -214,11 +224,7 @@ class TestParallelVae : public QObject {
     };
     for (int where = 0; where <= 4; ++where)
       QVERIFY2(short_by_one(where) > 1e-5, qPrintable(QString("a plan short at stage %1 still matched").arg(where)));
-    auto c = vae->config;
-    c.mid_block_add_attention = false;
-    models::AutoencoderKL plain(c);
-    plain->eval();
-    models::init_random(*plain, 6);
+    auto plain = tiny_vae_without_attention();
     const auto z4 = latents(1, 4, 5);
     auto four = DeviceGroup::virtual_cpu(4);
     QVERIFY(max_rel(decode_overlapped(*four, {plain}, z4), plain->decode(z4)) < 1e-5);
@@ -284,11 +290,7 @@ class TestParallelVae : public QObject {
     std::vector<models::AutoencoderKL> replicas{vae, tiny_vae(), tiny_vae()};
     QVERIFY(max_rel(decode_parallel(*group, replicas, z), ref) < 1e-5);
     // Without the attention, and a band of a single latent row.
-    auto c = vae->config;
-    c.mid_block_add_attention = false;
-    models::AutoencoderKL plain(c);
-    plain->eval();
-    models::init_random(*plain, 6);
+    auto plain = tiny_vae_without_attention();
     const auto z4 = latents(1, 4, 5);
     auto four = DeviceGroup::virtual_cpu(4);
     QVERIFY(max_rel(decode_parallel(*four, {plain}, z4), plain->decode(z4)) < 1e-5);

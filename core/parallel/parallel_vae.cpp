@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -204,11 +205,40 @@ std::int64_t resnet_halo_rows(const torch::nn::Module& m) {
   return conv_halo_rows(r.conv1) + conv_halo_rows(r.conv2);
 }
 
+models::AutoencoderKL replica_for(const std::vector<models::AutoencoderKL>& replicas, int rank) {
+  return replicas.size() == 1 ? replicas.front() : replicas[static_cast<std::size_t>(rank)];
+}
+
 void check_inputs(const std::string& what, const std::vector<models::AutoencoderKL>& replicas, int n, const at::Tensor& z) {
   if (replicas.size() != 1 && replicas.size() != static_cast<std::size_t>(n))
     throw Error(what + ": " + std::to_string(replicas.size()) + " VAE replicas for a group of " + std::to_string(n) +
                 " (one per rank, or one shared)");
   if (z.dim() != 4) throw Error(what + ": expects latents [B, C, h, w]");
+}
+
+// What both band decodes do first: the inputs checked, `s` reset for `ranks` bands of z's latent
+// rows; with fewer rows than ranks (a band needs one) or a single rank, the one-device decode
+// (logged for a group), returned; otherwise nothing and s.band_rows filled. A shared replica
+// that upcasts makes its fp32 copy here, once, not on n threads.
+std::optional<at::Tensor> start_band_decode(const std::string& what, int ranks,
+                                            const std::vector<models::AutoencoderKL>& replicas, const at::Tensor& z,
+                                            ParallelDecodeStats& s) {
+  check_inputs(what, replicas, ranks, z);
+  s = ParallelDecodeStats{};
+  s.ranks = ranks;
+  const auto rows = z.size(2);
+  if (ranks < 2 || rows < ranks) {
+    if (ranks >= 2)
+      log::get("parallel").info(log::str(what, ": ", rows, " latent row(s) for ", ranks,
+                                         " devices (a band needs one); decoding on one device"));
+    s.ranks = 1;
+    s.band_rows = {rows};
+    return replica_for(replicas, 0)->decode(z);
+  }
+  s.parallel = true;
+  s.band_rows = vae_band_rows(rows, ranks);
+  if (replicas.size() == 1) replica_for(replicas, 0)->decode_modules();
+  return std::nullopt;
 }
 
 }  // namespace
@@ -245,29 +275,17 @@ OverlapPlan overlap_plan(models::VAEDecoderImpl& decoder) {
 at::Tensor decode_overlapped(DeviceGroup& group, const std::vector<models::AutoencoderKL>& replicas, const at::Tensor& z,
                              ParallelDecodeStats* stats, const OverlapPlan* plan_override) {
   const int n = group.size();
-  check_inputs("overlapped VAE decode", replicas, n, z);
-  models::AutoencoderKL vae = replicas.front();
-  const auto replica = [&](int r) -> models::AutoencoderKL { return replicas.size() == 1 ? vae : replicas[static_cast<std::size_t>(r)]; };
   ParallelDecodeStats local;
   ParallelDecodeStats& s = stats ? *stats : local;
-  s = ParallelDecodeStats{};
-  s.ranks = n;
-  s.overlapped = true;
-  const auto rows = z.size(2);
-  if (n < 2 || rows < n) {
-    if (n >= 2)
-      log::get("parallel").info(log::str("overlapped VAE decode: ", rows, " latent row(s) for ", n,
-                                         " devices (a band needs one); decoding on one device"));
-    s.ranks = 1;
-    s.band_rows = {rows};
-    return vae->decode(z);
+  if (auto one = start_band_decode("overlapped VAE decode", n, replicas, z, s)) {
+    s.overlapped = true;
+    return *one;
   }
-  s.parallel = true;
-  s.band_rows = vae_band_rows(rows, n);
+  s.overlapped = true;
+  models::AutoencoderKL vae = replicas.front();
+  const auto rows = z.size(2);
   std::vector<std::int64_t> starts(static_cast<std::size_t>(n) + 1, 0);
   for (int r = 0; r < n; ++r) starts[r + 1] = starts[r] + s.band_rows[r];
-  // The fp32 copies of an upcasting replica shared by the ranks: made once, here, not on n threads.
-  if (replicas.size() == 1) vae->decode_modules();
   const auto plan = plan_override ? *plan_override : overlap_plan(*vae->decoder);
   s.overlap_rows = plan.mid;
 
@@ -276,7 +294,7 @@ at::Tensor decode_overlapped(DeviceGroup& group, const std::vector<models::Autoe
   std::vector<std::int64_t> bytes(static_cast<std::size_t>(n));
   group.run([&](int rank, Communicator& comm) {
     const auto bytes_before = comm.bytes_sent();
-    auto m = replica(rank)->decode_modules();
+    auto m = replica_for(replicas, rank)->decode_modules();
     auto& dec = *m.decoder;
     const auto device = m.decoder->conv_in->weight.device();
     const auto own_begin = starts[rank], own_end = starts[rank + 1];
@@ -352,20 +370,18 @@ at::Tensor decode_batch_parallel(DeviceGroup& group, const std::vector<models::A
                                  const at::Tensor& z, int* ranks) {
   const int n = group.size();
   check_inputs("batch-split VAE decode", replicas, n, z);
-  models::AutoencoderKL shared = replicas.front();
-  const auto replica = [&](int r) -> models::AutoencoderKL { return replicas.size() == 1 ? shared : replicas[static_cast<std::size_t>(r)]; };
   const int used = static_cast<int>(std::min<std::int64_t>(n, z.size(0)));
   if (ranks) *ranks = used;
-  if (used < 2) return replica(0)->decode(z);
+  if (used < 2) return replica_for(replicas, 0)->decode(z);
   const auto counts = vae_band_rows(z.size(0), used);
   std::vector<std::int64_t> starts(static_cast<std::size_t>(used), 0);
   for (int r = 1; r < used; ++r) starts[r] = starts[r - 1] + counts[r - 1];
   // A shared replica that upcasts makes its fp32 copy on first use: once, here, not on n threads.
-  if (replicas.size() == 1 && shared->upcasts()) shared->decode(z.narrow(0, 0, 1).narrow(2, 0, 1).narrow(3, 0, 1));
+  if (replicas.size() == 1) replica_for(replicas, 0)->decode_modules();
   at::Tensor image;
   group.run([&](int rank, Communicator& comm) {
     if (rank >= used) return;
-    auto out = replica(rank)->decode(z.narrow(0, starts[rank], counts[rank]).to(group.device(rank)));
+    auto out = replica_for(replicas, rank)->decode(z.narrow(0, starts[rank], counts[rank]).to(group.device(rank)));
     if (rank != 0) {
       comm.send(out.contiguous(), 0);
       return;
@@ -384,28 +400,12 @@ at::Tensor decode_batch_parallel(DeviceGroup& group, const std::vector<models::A
 at::Tensor decode_parallel(DeviceGroup& group, const std::vector<models::AutoencoderKL>& replicas, const at::Tensor& z,
                            ParallelDecodeStats* stats) {
   const int n = group.size();
-  check_inputs("parallel VAE decode", replicas, n, z);
-  models::AutoencoderKL vae = replicas.front();
-  const auto replica = [&](int r) -> models::AutoencoderKL { return replicas.size() == 1 ? vae : replicas[static_cast<std::size_t>(r)]; };
   ParallelDecodeStats local;
   ParallelDecodeStats& s = stats ? *stats : local;
-  s = ParallelDecodeStats{};
-  s.ranks = n;
-  const auto rows = z.size(2);
-  if (n < 2 || rows < n) {
-    if (n >= 2)
-      log::get("parallel").info(log::str("parallel VAE decode: ", rows, " latent row(s) for ", n,
-                                         " devices (a band needs one); decoding on one device"));
-    s.ranks = 1;
-    s.band_rows = {rows};
-    return vae->decode(z);
-  }
-  s.parallel = true;
-  s.band_rows = vae_band_rows(rows, n);
+  if (auto one = start_band_decode("parallel VAE decode", n, replicas, z, s)) return *one;
+  models::AutoencoderKL vae = replicas.front();
   std::vector<std::int64_t> starts(static_cast<std::size_t>(n), 0);
   for (int r = 1; r < n; ++r) starts[r] = starts[r - 1] + s.band_rows[r - 1];
-  // A shared replica that upcasts makes its fp32 copy on first use: once, here, not on n threads.
-  if (replicas.size() == 1 && vae->upcasts()) vae->decode(z.narrow(2, 0, 1).narrow(3, 0, 1));
 
   const auto f = vae->config.downscale_factor();
   at::Tensor image;
@@ -416,7 +416,7 @@ at::Tensor decode_parallel(DeviceGroup& group, const std::vector<models::Autoenc
     at::Tensor out;
     {
       const models::PatchScope scope(&band);
-      out = replica(rank)->decode(z.narrow(2, starts[rank], s.band_rows[rank]).to(group.device(rank)));
+      out = replica_for(replicas, rank)->decode(z.narrow(2, starts[rank], s.band_rows[rank]).to(group.device(rank)));
     }
     if (rank == 0) {
       std::vector<at::Tensor> parts{out};
