@@ -186,6 +186,19 @@ class TestParallelVae : public QObject {
     DIFFRACT_EXPECT_ERROR(attn->forward_rows(x.flatten(2).transpose(1, 2), 0, 1), "spatial self-attention only");
   }
 
+  // Wide-head attention (the VAE's 512-wide head on CUDA) is SDPA's attention, in one chunk of
+  // queries or many.
+  void wideHeadAttentionIsAttention() {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(12);
+    const auto q = at::randn({3, 37, 24}, gen), k = at::randn({3, 29, 24}, gen) * 2, v = at::randn({3, 29, 24}, gen);
+    const auto ref = at::scaled_dot_product_attention(q, k, v);
+    for (int64_t bytes : {int64_t(1) << 30, int64_t(3 * 29 * 4 * 5), int64_t(1)}) {  // one chunk, 5 rows, 1 row
+      const auto out = models::wide_head_attention(q, k, v, bytes);
+      QVERIFY(out.sizes() == ref.sizes());
+      QVERIFY2(max_rel(out, ref) < 1e-5, qPrintable(QString("chunks of %1 bytes: %2").arg(bytes).arg(max_rel(out, ref))));
+    }
+  }
+
   // Overlapped bands (no halo exchange) give the one-device decode for 2, 3 and 4 ranks, bands
   // wider or narrower than their halo, uneven rows, one replica per rank, and without the
   // mid-block attention; a plan one row short anywhere does not, so the comparison can fail.

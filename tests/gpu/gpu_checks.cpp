@@ -29,6 +29,7 @@
 #include "core/metrics/metrics.h"
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
+#include "core/models/common/attention.h"
 #include "core/models/common/geglu.h"
 #include "core/models/common/layer_norm.h"
 #include "core/models/common/layers.h"
@@ -1668,6 +1669,20 @@ void check_vae_bands() {
   const double attention = time([&] { return vae->decoder->mid_block->attentions[0]->as<models::Attention>()->forward(mid_in); });
   std::cout << "  SDXL VAE decode 1024x1024 bf16: " << full << " ms; before the up blocks " << before_up
             << " ms (the mid block's attention " << attention << " ms)\n";
+  {
+    // Its attention core (one 512-wide head over 16384 latents): SDPA against the chunked
+    // fp32-score path multi_head_attention takes for heads over 256 wide, both against fp32.
+    const auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+    const auto q = at::randn({1, 16384, 512}, o), k = at::randn({1, 16384, 512}, o), v = at::randn({1, 16384, 512}, o);
+    const auto truth = at::scaled_dot_product_attention(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat)).to(at::kDouble);
+    at::Tensor sdpa_out, wide_out;
+    const double sdpa = time([&] { return sdpa_out = at::scaled_dot_product_attention(q, k, v); });
+    const double wide = time([&] { return wide_out = models::wide_head_attention(q, k, v); });
+    const auto err = [&](const at::Tensor& t) { return (t.to(at::kDouble) - truth).norm().item<double>() / truth.norm().item<double>(); };
+    std::cout << "  attention [16384, 512] bf16: SDPA " << sdpa << " ms (rel-L2 to fp32 " << err(sdpa_out)
+              << "), wide-head path " << wide << " ms (rel-L2 " << err(wide_out) << ")\n";
+    expect(err(wide_out) <= 1.5 * err(sdpa_out) + 1e-4, "the wide-head attention is as close to fp32 as SDPA");
+  }
   for (int rows : {77, 72, 64}) {
     const auto band = z.narrow(2, 0, rows).contiguous();
     std::cout << "  decode of " << rows << " latent rows: " << time([&] { return vae->decode(band); }) << " ms\n";

@@ -1,5 +1,7 @@
 #include "core/models/common/attention.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <string>
 #include <tuple>
@@ -29,7 +31,33 @@ void choose_attention_backend() {
   (void)chosen;
 }
 
+bool wide_heads_wanted() {
+  static const bool on = [] {
+    const char* v = std::getenv("DIFFRACT_WIDE_HEAD_ATTENTION");
+    return !(v && std::string(v) == "0");
+  }();
+  return on;
+}
+
 }  // namespace
+
+at::Tensor wide_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t max_score_bytes) {
+  // q [N, Tq, d], k, v [N, Tk, d] -> [N, Tq, d].
+  const auto n = q.size(0), tq = q.size(1), tk = k.size(1), d = q.size(2);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const auto chunk = std::clamp<int64_t>(max_score_bytes / std::max<int64_t>(1, 4 * n * tk), 1, tq);
+  const auto kt = k.transpose(1, 2);
+  auto out = at::empty({n, tq, d}, q.options());
+  for (int64_t begin = 0; begin < tq; begin += chunk) {
+    const auto rows = std::min(chunk, tq - begin);
+    const auto qc = q.narrow(1, begin, rows);
+    auto scores = q.is_cuda() ? at::bmm(qc, kt, at::kFloat) : at::bmm(qc.to(at::kFloat), kt.to(at::kFloat));
+    scores.mul_(scale);
+    auto p = at::softmax(scores, -1).to(v.scalar_type());
+    out.narrow(1, begin, rows).copy_(at::bmm(p, v));
+  }
+  return out;
+}
 
 at::Tensor multi_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t heads,
                                 bool causal) {
@@ -37,6 +65,14 @@ at::Tensor multi_head_attention(const at::Tensor& q, const at::Tensor& k, const 
   const auto b = q.size(0), tq = q.size(1), tk = k.size(1), c = q.size(2);
   const auto d = c / heads;
   auto split = [&](const at::Tensor& x, int64_t t) { return x.view({b, t, heads, d}).transpose(1, 2); };
+  // Heads wider than FlashAttention's and cuDNN's 256 (the VAE's one 512-wide head) went to the
+  // memory-efficient kernel: 4.2 ms of SDXL's 33.5 ms decode on an H200 for 0.55 TFLOP.
+  if (q.is_cuda() && d > 256 && !causal && q.scalar_type() != at::kFloat && !at::GradMode::is_enabled() &&
+      wide_heads_wanted()) {
+    const auto flat = [&](const at::Tensor& x, int64_t t) { return split(x, t).reshape({b * heads, t, d}); };
+    auto out = wide_head_attention(flat(q, tq), flat(k, tk), flat(v, tk));
+    return out.view({b, heads, tq, d}).transpose(1, 2).reshape({b, tq, c});
+  }
   auto out = at::scaled_dot_product_attention(split(q, tq), split(k, tk), split(v, tk), /*attn_mask=*/{},
                                               /*dropout_p=*/0.0, causal);
   return out.transpose(1, 2).reshape({b, tq, c});

@@ -23,6 +23,14 @@ namespace diffract::models {
 at::Tensor multi_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t heads,
                                 bool causal = false);
 
+// Attention over heads wider than the fused kernels take, what multi_head_attention() runs on
+// CUDA in inference for heads over 256 wide (DIFFRACT_WIDE_HEAD_ATTENTION=0: SDPA's memory-efficient
+// kernel instead): q [N, Tq, d], k, v [N, Tk, d] -> [N, Tq, d], per chunk of queries the scores
+// in fp32 from one GEMM, softmax in fp32, the probabilities in v's dtype times v. A chunk's
+// scores take at most max_score_bytes (at least one query row).
+at::Tensor wide_head_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               int64_t max_score_bytes = int64_t(256) << 20);
+
 enum class Activation { QuickGELU, GELU, GELUTanh, SiLU };
 
 // Names as transformers / diffusers configs spell them ("quick_gelu", "gelu", "gelu_new",
