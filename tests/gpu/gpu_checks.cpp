@@ -1633,7 +1633,8 @@ void check_gemm() {
     kept += r["best_ms"].get<double>();
   }
   std::cout << "  all shapes once: at::linear " << aten << " ms, kept " << kept << " ms\n";
-  expect(report.size() == 32, "every shape was tuned once (" + std::to_string(report.size()) + ")");
+  // 32 shapes here; more when other checks ran in this process first.
+  expect(report.size() >= 32, "every shape was tuned (" + std::to_string(report.size()) + " in the table)");
 }
 
 // What a row band of the SDXL VAE decoder costs on one GPU (bf16, 1024² image): the whole
