@@ -420,6 +420,19 @@ if [ "$plan" = gemm ]; then
   exit 0
 fi
 
+#   PLAN=lean (one GPU, a few minutes): the diffusers anchor, then diffract-bench for SDXL 1024²
+#     alone on the same GPU, and their ratios.
+if [ "$plan" = lean ]; then
+  timeout 150 python3 .carry/diffusers_sdxl_sd3.py > "$logs/anchor.log" 2>&1
+  echo "anchor rc $? at $(elapsed) s"
+  anchor_json
+  timeout "$(left 3)" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 2 \
+    > "$logs/bench_single.json" 2> "$logs/bench_single.log"
+  echo "single-GPU bench rc $? at $(elapsed) s"
+  ratios 2>&1 | grep -v "^    top" | cut -c1-1200
+  exit 0
+fi
+
 #   PLAN=checks (any GPUs): the checks matching CHECKS (a ctest -R pattern), their lines matching GREP.
 if [ "$plan" = checks ]; then
   checks checks_some "${CHECKS:-gpu_groupnorm}" 150 "${GREP:-rel-L2}"
