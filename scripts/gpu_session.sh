@@ -285,6 +285,12 @@ checks() {
   echo "  ($(grep -c '  ok  ' "$logs/$1.log") ok lines)"
   [ -n "${4:-}" ] && grep -E "$4" "$logs/$1.log" | grep -v "  FAIL  " | cut -c1-300 | head -60
 }
+# plan_checks: checks with the same arguments, and the time they ended, unless SKIP_CHECKS is set.
+plan_checks() {
+  [ -n "${SKIP_CHECKS:-}" ] && return 0
+  checks "$@"
+  echo "checks at $(elapsed) s"
+}
 
 # side_by_side: the diffusers anchor, then diffract-bench (SDXL, SD 1.5) on the same GPU, one
 # after the other: the ratios of one run.
@@ -398,10 +404,7 @@ fi
 #     one GPU: CFG-parallel and DRiffusion n = 2 with the VAE decode on the first GPU and
 #     overlapped over both, DRiffusion without its paired rounds, hybrid CFG (PAIR_STRATEGIES).
 if [ "$plan" = pair ]; then
-  if [ -z "${SKIP_CHECKS:-}" ]; then
-    checks checks_pair "gpu_strategies|gpu_parallel_vae" 150 "rel-L2|rounds|paired|overlapped|decode"
-    echo "checks at $(elapsed) s"
-  fi
+  plan_checks checks_pair "gpu_strategies|gpu_parallel_vae" 150 "rel-L2|rounds|paired|overlapped|decode"
   o=@DIFFRACT_PARALLEL_VAE=overlap
   BENCH_RUNS=3 BENCH_STRATEGIES="${PAIR_STRATEGIES:-cfg-parallel,cfg-parallel$o,driffusion-aggressive:2@DIFFRACT_DRIFFUSION_PAIRS=0,driffusion-aggressive:2,driffusion-aggressive:2$o,driffusion:2$o,hybrid-cfg$o,hybrid-cfg}" \
     strategy_bench "$(left 5)"
@@ -412,10 +415,7 @@ fi
 #   PLAN=gemm (one GPU): the GroupNorm, VAE band and tuned-GEMM checks, then SDXL 1024² with the
 #     tuned GEMMs (the default) and with at::linear (DIFFRACT_GEMM_TUNING=0), one after the other.
 if [ "$plan" = gemm ]; then
-  if [ -z "${SKIP_CHECKS:-}" ]; then
-    checks checks_gemm "gpu_groupnorm|gpu_vae_bands|gpu_gemm" 150 "gemm|all shapes|overlapped|FAIL"
-    echo "checks at $(elapsed) s"
-  fi
+  plan_checks checks_gemm "gpu_groupnorm|gpu_vae_bands|gpu_gemm" 150 "gemm|all shapes|overlapped|FAIL"
   env_ab DIFFRACT_GEMM_TUNING ${GEMM_AB:-1 0}
   exit 0
 fi
