@@ -508,6 +508,11 @@ class TestParallel : public QObject {
       QCOMPARE(c.stats.paired_rounds, 0);
       QVERIFY(at::equal(c.latents, run(idle, plain).latents));
     }
+    setenv("DIFFRACT_DRIFFUSION_PAIRS", "0", 1);
+    const auto off = make_strategy("driffusion-aggressive", 2);
+    unsetenv("DIFFRACT_DRIFFUSION_PAIRS");
+    QVERIFY(!dynamic_cast<const DRiffusion&>(*off).pair_branches);
+    QVERIFY(dynamic_cast<const DRiffusion&>(*make_strategy("driffusion", 2)).pair_branches);
   }
 
   // CFG-parallel x DRiffusion: n drafts on 2n devices, each pair splitting the prompt and the

@@ -205,6 +205,25 @@ std::int64_t resnet_halo_rows(const torch::nn::Module& m) {
   return conv_halo_rows(r.conv1) + conv_halo_rows(r.conv2);
 }
 
+// On rank 0: its `part` and ranks 1 .. extents.size() - 1's, received in order and
+// concatenated along `dim` (rank r's part is extents[r] long there, like `part` otherwise); the
+// other ranks send theirs and get an undefined tensor.
+at::Tensor concat_on_first(Communicator& comm, const at::Tensor& part, const std::vector<std::int64_t>& extents,
+                           std::int64_t dim) {
+  if (comm.rank() != 0) {
+    comm.send(part.contiguous(), 0);
+    return {};
+  }
+  std::vector<at::Tensor> parts{part};
+  for (std::size_t r = 1; r < extents.size(); ++r) {
+    auto shape = part.sizes().vec();
+    shape[static_cast<std::size_t>(dim)] = extents[r];
+    parts.push_back(at::empty(shape, part.options()));
+    comm.recv(parts.back(), static_cast<int>(r));
+  }
+  return at::cat(parts, dim);
+}
+
 models::AutoencoderKL replica_for(const std::vector<models::AutoencoderKL>& replicas, int rank) {
   return replicas.size() == 1 ? replicas.front() : replicas[static_cast<std::size_t>(rank)];
 }
@@ -289,7 +308,8 @@ at::Tensor decode_overlapped(DeviceGroup& group, const std::vector<models::Autoe
   const auto plan = plan_override ? *plan_override : overlap_plan(*vae->decoder);
   s.overlap_rows = plan.mid;
 
-  const auto f = vae->config.downscale_factor();
+  std::vector<std::int64_t> image_rows;  // each band's rows in the image
+  for (const auto b : s.band_rows) image_rows.push_back(b * vae->config.downscale_factor());
   at::Tensor image;
   std::vector<std::int64_t> bytes(static_cast<std::size_t>(n));
   group.run([&](int rank, Communicator& comm) {
@@ -331,17 +351,10 @@ at::Tensor decode_overlapped(DeviceGroup& group, const std::vector<models::Autoe
       h = dec.conv_out->forward(dec.conv_norm_out->forward(h, {}, /*silu=*/true));
       crop(0);
     }
+    auto all = concat_on_first(comm, h, image_rows, 2);
     if (rank == 0) {
-      std::vector<at::Tensor> parts{h};
-      for (int r = 1; r < n; ++r) {
-        auto part = at::empty({h.size(0), h.size(1), s.band_rows[r] * f, h.size(3)}, h.options());
-        comm.recv(part, r);
-        parts.push_back(part);
-      }
-      image = at::cat(parts, 2);
+      image = all;
       s.norms = band.norms;
-    } else {
-      comm.send(h.contiguous(), 0);
     }
     bytes[rank] = comm.bytes_sent() - bytes_before;
   });
@@ -382,17 +395,8 @@ at::Tensor decode_batch_parallel(DeviceGroup& group, const std::vector<models::A
   group.run([&](int rank, Communicator& comm) {
     if (rank >= used) return;
     auto out = replica_for(replicas, rank)->decode(z.narrow(0, starts[rank], counts[rank]).to(group.device(rank)));
-    if (rank != 0) {
-      comm.send(out.contiguous(), 0);
-      return;
-    }
-    std::vector<at::Tensor> parts{out};
-    for (int r = 1; r < used; ++r) {
-      auto part = at::empty({counts[r], out.size(1), out.size(2), out.size(3)}, out.options());
-      comm.recv(part, r);
-      parts.push_back(part);
-    }
-    image = at::cat(parts);
+    auto all = concat_on_first(comm, out, counts, 0);
+    if (rank == 0) image = all;
   });
   return image;
 }
@@ -407,7 +411,8 @@ at::Tensor decode_parallel(DeviceGroup& group, const std::vector<models::Autoenc
   std::vector<std::int64_t> starts(static_cast<std::size_t>(n), 0);
   for (int r = 1; r < n; ++r) starts[r] = starts[r - 1] + s.band_rows[r - 1];
 
-  const auto f = vae->config.downscale_factor();
+  std::vector<std::int64_t> image_rows;  // each band's rows in the image
+  for (const auto b : s.band_rows) image_rows.push_back(b * vae->config.downscale_factor());
   at::Tensor image;
   std::vector<std::int64_t> sends(static_cast<std::size_t>(n)), bytes(static_cast<std::size_t>(n));
   group.run([&](int rank, Communicator& comm) {
@@ -418,17 +423,8 @@ at::Tensor decode_parallel(DeviceGroup& group, const std::vector<models::Autoenc
       const models::PatchScope scope(&band);
       out = replica_for(replicas, rank)->decode(z.narrow(2, starts[rank], s.band_rows[rank]).to(group.device(rank)));
     }
-    if (rank == 0) {
-      std::vector<at::Tensor> parts{out};
-      for (int r = 1; r < n; ++r) {
-        auto part = at::empty({out.size(0), out.size(1), s.band_rows[r] * f, out.size(3)}, out.options());
-        comm.recv(part, r);
-        parts.push_back(part);
-      }
-      image = at::cat(parts, 2);
-    } else {
-      comm.send(out.contiguous(), 0);
-    }
+    auto all = concat_on_first(comm, out, image_rows, 2);
+    if (rank == 0) image = all;
     sends[rank] = band.sends;
     bytes[rank] = comm.bytes_sent() - bytes_before;
     if (rank == 0) {

@@ -46,12 +46,14 @@ at::Tensor wide_head_attention(const at::Tensor& q, const at::Tensor& k, const a
   const auto n = q.size(0), tq = q.size(1), tk = k.size(1), d = q.size(2);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   const auto chunk = std::clamp<int64_t>(max_score_bytes / std::max<int64_t>(1, 4 * n * tk), 1, tq);
-  const auto kt = k.transpose(1, 2);
+  // CUDA's GEMM writes fp32 scores from half inputs; elsewhere the inputs go to fp32 first.
+  const bool gpu = q.is_cuda();
+  const auto kt = gpu ? k.transpose(1, 2) : k.transpose(1, 2).to(at::kFloat);
   auto out = at::empty({n, tq, d}, q.options());
   for (int64_t begin = 0; begin < tq; begin += chunk) {
     const auto rows = std::min(chunk, tq - begin);
     const auto qc = q.narrow(1, begin, rows);
-    auto scores = q.is_cuda() ? at::bmm(qc, kt, at::kFloat) : at::bmm(qc.to(at::kFloat), kt.to(at::kFloat));
+    auto scores = gpu ? at::bmm(qc, kt, at::kFloat) : at::bmm(qc.to(at::kFloat), kt);
     scores.mul_(scale);
     auto p = at::softmax(scores, -1).to(v.scalar_type());
     out.narrow(1, begin, rows).copy_(at::bmm(p, v));
@@ -179,18 +181,11 @@ bool fused_qkv_wanted() {
 }
 
 std::shared_ptr<CrossKV> CrossKV::fuse(torch::nn::Module& root) {
-  // The root by reference (it need not be held by a shared_ptr), then what is below it.
-  std::vector<torch::nn::Module*> all = {&root};
-  for (const auto& m : root.modules(/*include_self=*/false)) all.push_back(m.get());
-  std::vector<FusedLinears::Member> members;
-  for (auto* m : all)
-    if (auto* a = dynamic_cast<AttentionImpl*>(m); a && a->options.cross_attention_dim > 0)
-      members.push_back({a, {a->to_k.get(), a->to_v.get()}});
-  auto linears = FusedLinears::fuse(members);
-  if (!linears) return nullptr;
-  auto group = std::make_shared<CrossKV>();
-  group->linears_ = std::move(linears);
-  return group;
+  return holding<CrossKV>(FusedLinears::fuse_below(root, [](torch::nn::Module& m) -> std::optional<FusedLinears::Member> {
+    auto* a = dynamic_cast<AttentionImpl*>(&m);
+    if (!a || a->options.cross_attention_dim <= 0) return std::nullopt;
+    return FusedLinears::Member{a, {a->to_k.get(), a->to_v.get()}};
+  }));
 }
 
 bool fused_cross_kv_wanted() {

@@ -98,17 +98,11 @@ bool fused_qkv_wanted();
 // that are handed that same context tensor take their keys and values from the scope's product.
 // Inference only (autograd recording runs the per-layer GEMMs), and only while every parameter
 // is still a view (a move to another device or dtype gives them their own storage).
-class CrossKV {
+class CrossKV : public FusedLinearsGroup {
  public:
   // Null where `root` has no cross-attention. Members: the cross-attentions with the first one's
-  // context width and bias setting (any other keeps its own GEMMs).
+  // context width and bias setting (any other keeps its own GEMMs); per attention to_k, to_v.
   static std::shared_ptr<CrossKV> fuse(torch::nn::Module& root);
-  bool intact() const { return linears_->intact(); }
-  int size() const { return linears_->size(); }
-
- private:
-  friend class CrossKVScope;
-  std::shared_ptr<FusedLinears> linears_;  // per attention: to_k, to_v
 };
 
 class CrossKVScope : FusedLinearsScope<CrossKV> {
@@ -116,7 +110,7 @@ class CrossKVScope : FusedLinearsScope<CrossKV> {
   // context [B, S, Cc]. Projects every member's keys and values when `group` is non-null and
   // intact, context is defined and autograd is not recording; otherwise a scope that gives none.
   CrossKVScope(const CrossKV* group, const at::Tensor& context)
-      : FusedLinearsScope(group ? group->linears_.get() : nullptr, context) {}
+      : FusedLinearsScope(group ? group->linears() : nullptr, context) {}
   // The innermost scope's keys and values [B, S, inner] for `attention` given `context`, or
   // undefined tensors when there is none (no scope, not a member, another context tensor).
   static std::pair<at::Tensor, at::Tensor> lookup(const AttentionImpl* attention, const at::Tensor& context) {

@@ -63,6 +63,16 @@ std::shared_ptr<FusedLinears> FusedLinears::fuse(const std::vector<Member>& memb
   return group;
 }
 
+std::shared_ptr<FusedLinears> FusedLinears::fuse_below(
+    torch::nn::Module& root, const std::function<std::optional<Member>(torch::nn::Module&)>& member) {
+  // The root by reference (it need not be held by a shared_ptr), then what is below it.
+  std::vector<Member> members;
+  if (auto m = member(root)) members.push_back(std::move(*m));
+  for (const auto& child : root.modules(/*include_self=*/false))
+    if (auto m = member(*child)) members.push_back(std::move(*m));
+  return fuse(members);
+}
+
 bool FusedLinears::intact() const {
   std::vector<const at::Tensor*> weights, biases;
   for (const auto* owner : owners_)

@@ -5,7 +5,9 @@
 // a move to another device or dtype gives them their own storage again, and intact() turns false.
 // CrossKV (attention.h) and TimeProjections (resnet.h) are built on it, with FusedLinearsScope.
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -23,6 +25,10 @@ class FusedLinears {
   // Lays the members' layers end to end, in order. A member whose layers differ from the first
   // layer in input width or in having a bias is left out. Null when no member is left.
   static std::shared_ptr<FusedLinears> fuse(const std::vector<Member>& members);
+  // fuse() over every module below `root` (root included, in modules() order) that `member`
+  // makes a member of.
+  static std::shared_ptr<FusedLinears> fuse_below(torch::nn::Module& root,
+                                                  const std::function<std::optional<Member>(torch::nn::Module&)>& member);
   bool intact() const;
   int size() const { return static_cast<int>(owners_.size()); }
   bool has(const void* owner) const { return index_.count(owner) != 0; }
@@ -39,6 +45,25 @@ class FusedLinears {
   std::vector<const void*> owners_;
   std::unordered_map<const void*, Entry> index_;
   at::Tensor weight_, bias_;  // [sum out, in], [sum out] or undefined
+};
+
+// A FusedLinears behind a type of its own, the Tag of its FusedLinearsScope (CrossKV, TimeProjections).
+class FusedLinearsGroup {
+ public:
+  bool intact() const { return linears_->intact(); }
+  int size() const { return linears_->size(); }
+  const FusedLinears* linears() const { return linears_.get(); }
+
+ protected:
+  // A G holding `linears`, or null for none.
+  template <class G>
+  static std::shared_ptr<G> holding(std::shared_ptr<FusedLinears> linears) {
+    if (!linears) return nullptr;
+    auto group = std::make_shared<G>();
+    group->linears_ = std::move(linears);
+    return group;
+  }
+  std::shared_ptr<FusedLinears> linears_;
 };
 
 // One forward's product of a FusedLinears, made from one input by the forward that owns the

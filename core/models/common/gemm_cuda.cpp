@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -76,7 +77,7 @@ int alignment(const void* p) {
 struct Problem {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  Problem(const Shape& s) {
+  explicit Problem(const Shape& s) {
     check(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "descriptor");
     const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
     check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)), "transa");
@@ -202,7 +203,12 @@ bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   Shape s{x.device().index(), m, n, k, dtype, bias.defined(),
           std::min({alignment(x.data_ptr()), alignment(w.data_ptr()), alignment(out.data_ptr()),
                     bias.defined() ? alignment(bias.data_ptr()) : 16})};
-  Problem p(s);
+  // The descriptors per shape, made once per thread (run() sets the bias pointer on them, so
+  // threads must not share them); eager models call linear() hundreds of times a step.
+  thread_local std::map<Shape, std::unique_ptr<Problem>> problems;
+  auto& slot = problems[s];
+  if (!slot) slot = std::make_unique<Problem>(s);
+  Problem& p = *slot;
   Choice choice;
   {
     std::lock_guard<std::mutex> lock(g_mutex);

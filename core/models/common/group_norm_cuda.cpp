@@ -12,11 +12,13 @@ namespace diffract::models {
 
 namespace {
 
-// The arguments for x (+ add [N, C] or [1, C], + channel_add [C]) read in full and written to
-// y (x's shape and memory format), or nullopt when the kernels do not take the case.
-// `keep` holds the converted inputs the arguments point into.
+// The arguments for x (+ add [N, C] or [1, C], + channel_add [C]), its statistics over rows
+// [row_begin, row_end) (row_end < 0: all), written to y (x's shape and memory format), or
+// nullopt when the kernels do not take the case. `keep` holds the converted inputs the
+// arguments point into.
 std::optional<kernels::GroupNormArgs> args_for(const at::Tensor& x, const at::Tensor& add, const at::Tensor& channel_add,
-                                                int64_t groups, const at::Tensor& y, std::vector<at::Tensor>& keep) {
+                                                int64_t groups, const at::Tensor& y, std::vector<at::Tensor>& keep,
+                                                int64_t row_begin = 0, int64_t row_end = -1) {
   if (x.dim() != 4) return std::nullopt;
   kernels::GroupNormArgs a;
   const auto dtype = kernel_dtype(x.scalar_type());
@@ -29,6 +31,8 @@ std::optional<kernels::GroupNormArgs> args_for(const at::Tensor& x, const at::Te
   a.c = x.size(1);
   a.hw = x.size(2) * x.size(3);
   a.groups = static_cast<int>(groups);
+  a.stats_begin = row_begin * x.size(3);
+  a.stats_end = row_end < 0 ? -1 : row_end * x.size(3);
   if (add.defined() && (add.dim() != 2 || (add.size(0) != a.n && add.size(0) != 1) || add.size(1) != a.c))
     return std::nullopt;
   if (channel_add.defined() && (channel_add.dim() != 1 || channel_add.size(0) != a.c)) return std::nullopt;
@@ -99,13 +103,8 @@ bool group_norm_moments_cuda(const at::Tensor& x, const at::Tensor& add, int64_t
   if (x.dim() != 4) return false;
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<at::Tensor> keep;
-  auto a = args_for(x, add, {}, groups, {}, keep);
+  auto a = args_for(x, add, {}, groups, {}, keep, row_begin, row_end);
   if (!a) return false;
-  a->stats_begin = row_begin * x.size(3);
-  a->stats_end = row_end * x.size(3);
-  if (!kernels::group_norm_supported(*a, reinterpret_cast<uintptr_t>(x.data_ptr()),
-                                     reinterpret_cast<uintptr_t>(x.data_ptr())))
-    return false;
   a->splits = kernels::group_norm_splits(*a);
   const auto f32 = x.options().dtype(at::kFloat);
   auto partial = at::empty({a->n, a->splits, a->groups, 2}, f32);

@@ -49,21 +49,16 @@ at::Tensor ResnetBlock2DImpl::forward(const at::Tensor& x, const at::Tensor& tem
 }
 
 std::shared_ptr<TimeProjections> TimeProjections::fuse(torch::nn::Module& root) {
-  std::vector<torch::nn::Module*> all = {&root};
-  for (const auto& m : root.modules(/*include_self=*/false)) all.push_back(m.get());
-  std::vector<FusedLinears::Member> members;
-  for (auto* m : all)
-    if (auto* r = dynamic_cast<ResnetBlock2DImpl*>(m); r && r->time_emb_proj)
-      members.push_back({r, {r->time_emb_proj.get()}});
-  auto linears = FusedLinears::fuse(members);
-  if (!linears) return nullptr;
-  auto group = std::make_shared<TimeProjections>();
-  group->linears_ = std::move(linears);
-  return group;
+  return holding<TimeProjections>(
+      FusedLinears::fuse_below(root, [](torch::nn::Module& m) -> std::optional<FusedLinears::Member> {
+        auto* r = dynamic_cast<ResnetBlock2DImpl*>(&m);
+        if (!r || !r->time_emb_proj) return std::nullopt;
+        return FusedLinears::Member{r, {r->time_emb_proj.get()}};
+      }));
 }
 
 TimeProjectionScope::TimeProjectionScope(const TimeProjections* group, const at::Tensor& temb)
-    : FusedLinearsScope(group ? group->linears_.get() : nullptr, temb,
+    : FusedLinearsScope(group ? group->linears() : nullptr, temb,
                         [](const at::Tensor& t) { return at::silu(t); }) {}
 
 bool fused_time_projections_wanted() {

@@ -38,17 +38,10 @@ TORCH_MODULE(ResnetBlock2D);
 // weights end to end (FusedLinears); a forward that owns a TimeProjections opens a
 // TimeProjectionScope with its time embedding, and the blocks under it that are handed that same
 // tensor take their slice of the scope's product. Inference only, while the layout is intact.
-class ResnetBlock2DImpl;
-class TimeProjections {
+class TimeProjections : public FusedLinearsGroup {
  public:
   // Null where `root` has no ResNet block with a time embedding.
   static std::shared_ptr<TimeProjections> fuse(torch::nn::Module& root);
-  bool intact() const { return linears_->intact(); }
-  int size() const { return linears_->size(); }
-
- private:
-  friend class TimeProjectionScope;
-  std::shared_ptr<FusedLinears> linears_;
 };
 
 class TimeProjectionScope : FusedLinearsScope<TimeProjections> {
