@@ -86,12 +86,7 @@ int bias_add(const BiasAddArgs& a, CUstream_st* stream) {
       !aligned(a.bias) || (a.residual && !aligned(a.residual)) ||
       (a.residual_bias && (!a.residual || !aligned(a.residual_bias))))
     return static_cast<int>(cudaErrorInvalidValue);
-  switch (a.dtype) {
-    case DType::Half: return dispatch<__half>(a, stream);
-    case DType::BFloat16: return dispatch<__nv_bfloat16>(a, stream);
-    case DType::Float: return dispatch<float>(a, stream);
-  }
-  return static_cast<int>(cudaErrorInvalidValue);
+  return with_element_type(a.dtype, [&](auto v) { return dispatch<decltype(v)>(a, stream); });
 }
 
 }  // namespace diffract::models::kernels

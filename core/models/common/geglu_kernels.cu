@@ -95,21 +95,11 @@ int launch(const void* a, const void* b, void* out, int64_t n, cudaStream_t stre
 }  // namespace
 
 int geglu_forward(const void* a, const void* b, void* out, int64_t n, DType dtype, CUstream_st* stream) {
-  switch (dtype) {
-    case DType::Float: return launch<float>(a, b, out, n, stream);
-    case DType::Half: return launch<__half>(a, b, out, n, stream);
-    case DType::BFloat16: return launch<__nv_bfloat16>(a, b, out, n, stream);
-  }
-  return static_cast<int>(cudaErrorInvalidValue);
+  return with_element_type(dtype, [&](auto v) { return launch<decltype(v)>(a, b, out, n, stream); });
 }
 
 int geglu_halves_forward(const void* y, void* out, int64_t rows, int64_t inner, DType dtype, CUstream_st* stream) {
-  switch (dtype) {
-    case DType::Float: return launch_halves<float>(y, out, rows, inner, stream);
-    case DType::Half: return launch_halves<__half>(y, out, rows, inner, stream);
-    case DType::BFloat16: return launch_halves<__nv_bfloat16>(y, out, rows, inner, stream);
-  }
-  return static_cast<int>(cudaErrorInvalidValue);
+  return with_element_type(dtype, [&](auto v) { return launch_halves<decltype(v)>(y, out, rows, inner, stream); });
 }
 
 }  // namespace diffract::models::kernels

@@ -294,12 +294,7 @@ int launch(const GroupNormArgs& a, cudaStream_t stream, int what) {
 }
 
 int dispatch(const GroupNormArgs& a, CUstream_st* stream, int what) {
-  switch (a.dtype) {
-    case DType::Float: return launch<float>(a, stream, what);
-    case DType::Half: return launch<__half>(a, stream, what);
-    case DType::BFloat16: return launch<__nv_bfloat16>(a, stream, what);
-  }
-  return static_cast<int>(cudaErrorInvalidValue);
+  return with_element_type(a.dtype, [&](auto v) { return launch<decltype(v)>(a, stream, what); });
 }
 
 int vec_size(DType t) { return t == DType::Float ? kVecBytes / 4 : kVecBytes / 2; }

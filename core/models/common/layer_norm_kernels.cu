@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -164,12 +165,11 @@ int layer_norm_forward(const LayerNormArgs& a, CUstream_st* stream) {
   if (!layer_norm_supported(a.dtype, a.c) || a.rows < 1 || !aligned(a.x) || !aligned(a.weight) || !aligned(a.bias) ||
       !aligned(a.y) || (a.residual == nullptr) != (a.sum == nullptr) || (a.residual && (!aligned(a.residual) || !aligned(a.sum))))
     return static_cast<int>(cudaErrorInvalidValue);
-  switch (a.dtype) {
-    case DType::Half: return dispatch<__half>(a, stream);
-    case DType::BFloat16: return dispatch<__nv_bfloat16>(a, stream);
-    case DType::Float: break;
-  }
-  return static_cast<int>(cudaErrorInvalidValue);
+  // layer_norm_supported() took Half and BFloat16 only.
+  return with_element_type(a.dtype, [&](auto v) -> int {
+    if constexpr (std::is_same_v<decltype(v), float>) return static_cast<int>(cudaErrorInvalidValue);
+    else return dispatch<decltype(v)>(a, stream);
+  });
 }
 
 }  // namespace diffract::models::kernels
