@@ -433,6 +433,14 @@ if [ "$plan" = lean ]; then
   exit 0
 fi
 
+#   PLAN=ab (one GPU): the checks matching CHECKS (their lines matching GREP), then SDXL 1024²
+#     with AB_VAR set to each of AB_VALUES, one after the other (kernel tables with AB_TOP / AB_OPS).
+if [ "$plan" = ab ]; then
+  plan_checks checks_ab "${CHECKS:-gpu_groupnorm}" 150 "${GREP:-rel-L2}"
+  env_ab "$AB_VAR" $AB_VALUES
+  exit 0
+fi
+
 #   PLAN=checks (any GPUs): the checks matching CHECKS (a ctest -R pattern), their lines matching GREP.
 if [ "$plan" = checks ]; then
   checks checks_some "${CHECKS:-gpu_groupnorm}" 150 "${GREP:-rel-L2}"

@@ -234,12 +234,24 @@ void check_groupnorm() {
                << ": max |diff| / (1 + |ref|) " << err << " (tol " << tol << ")";
           expect(err < tol && same_format, what.str());
         }
-  // The same call twice gives the same bits (the splits are summed in a fixed order).
+  // The same call gives the same bits every time (the splits, rows and channels are summed in a
+  // fixed order), in both layouts, for groups of 10 channels (a thread's 8-channel vector spans
+  // two groups) and of 40, with the ResNet blocks' per-sample add.
   at::NoGradGuard no_grad;
-  const auto x = at::randn({2, 320, 128, 128}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
-  models::GroupNorm gn(models::GroupNormOptions(32, 320));
-  gn->to(at::kCUDA, at::kBFloat16);
-  expect(at::equal(gn->forward(x, {}, true), gn->forward(x, {}, true)), "deterministic");
+  for (const std::vector<std::int64_t>& shape : {std::vector<std::int64_t>{2, 320, 128, 128}, {1, 1280, 32, 32}})
+    for (bool cl : {false, true}) {
+      const auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+      auto x = at::randn(shape, o) * 3 + 1;
+      if (cl) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+      const auto add = at::randn({shape[0], shape[1]}, o);
+      models::GroupNorm gn(models::GroupNormOptions(32, shape[1]));
+      gn->to(at::kCUDA, at::kBFloat16);
+      const auto first = gn->forward(x, add, true);
+      bool same = true;
+      for (int i = 0; i < 8; ++i) same = same && at::equal(first, gn->forward(x, add, true));
+      expect(same, "deterministic: group_norm " + c10::str(at::IntArrayRef(shape)) + (cl ? " channels-last" : " NCHW") +
+                       ", 9 calls, the same bits");
+    }
 
   // The time of the kernels and of ATen's path (x + add, group_norm, silu) at the SDXL UNet's
   // ResNet shapes, both layouts.

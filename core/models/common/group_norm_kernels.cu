@@ -1,6 +1,7 @@
 #include "core/models/common/group_norm_kernels.h"
 
 #include <algorithm>
+#include <cstddef>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -13,6 +14,12 @@ namespace {
 
 constexpr int kVecBytes = 16;
 constexpr int kThreads = 256;
+constexpr std::size_t kMaxStatsShared = 48 << 10;  // without opting in to more
+
+// stats_nhwc's shared memory: two floats per channel for each of its k thread rows.
+std::size_t nhwc_stats_shared_bytes(int64_t c, int64_t cols) {
+  return 2 * static_cast<std::size_t>(std::max<int64_t>(1, kThreads / cols)) * static_cast<std::size_t>(c) * sizeof(float);
+}
 
 
 template <typename T>
@@ -109,18 +116,21 @@ __global__ void stats_nchw(GroupNormArgs a) {
 }
 
 // NHWC: grid (splits, N); block = C/vec columns x k rows. Each thread keeps one vector of
-// channels over a slice of the rows, then the block adds its channels into their groups.
+// channels over a slice of the rows; the block then adds each channel's k rows, and each
+// group's channels, in a fixed order through shared memory (float atomics there would add in
+// whatever order the threads arrive: the same input gave different bits from run to run).
 template <typename T>
 __global__ void stats_nhwc(GroupNormArgs a) {
   using V = Vec<T>;
-  extern __shared__ float acc[];  // [groups][2]
+  extern __shared__ float part[];  // [2][k][C]: sums and sums of squares per thread row and channel
   const int s = blockIdx.x;
   const int64_t n = blockIdx.y;
-  const int cols = static_cast<int>(a.c / V::size);
+  const int c = static_cast<int>(a.c);
+  const int cols = c / V::size;
   const int k = blockDim.x / cols;
-  const int cg = static_cast<int>(a.c / a.groups);
-  for (int i = threadIdx.x; i < 2 * a.groups; i += blockDim.x) acc[i] = 0.f;
-  __syncthreads();
+  const int cg = c / a.groups;
+  float* psum = part;
+  float* psq = part + k * c;
   const int col = threadIdx.x % cols, row = threadIdx.x / cols;
   if (row < k) {
     const int64_t range = stats_range(a);
@@ -143,27 +153,33 @@ __global__ void stats_nhwc(GroupNormArgs a) {
         sq[j] += d * d;
       }
     }
-    // Runs of channels in one group go in as one atomic each.
-    int g = c0 / cg;
-    float gs = 0.f, gq = 0.f;
 #pragma unroll
     for (int j = 0; j < V::size; ++j) {
-      const int gj = (c0 + j) / cg;
-      if (gj != g) {
-        atomicAdd(&acc[2 * g], gs);
-        atomicAdd(&acc[2 * g + 1], gq);
-        g = gj;
-        gs = gq = 0.f;
-      }
-      gs += sum[j];
-      gq += sq[j];
+      psum[row * c + c0 + j] = sum[j];
+      psq[row * c + c0 + j] = sq[j];
     }
-    atomicAdd(&acc[2 * g], gs);
-    atomicAdd(&acc[2 * g + 1], gq);
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < 2 * a.groups; i += blockDim.x)
-    a.partial[(n * a.splits + s) * a.groups * 2 + i] = acc[i];
+  for (int ch = threadIdx.x; ch < c; ch += blockDim.x) {  // row 0's slot takes the channel's total
+    float cs = 0.f, cq = 0.f;
+    for (int r = 0; r < k; ++r) {
+      cs += psum[r * c + ch];
+      cq += psq[r * c + ch];
+    }
+    psum[ch] = cs;
+    psq[ch] = cq;
+  }
+  __syncthreads();
+  for (int g = threadIdx.x; g < a.groups; g += blockDim.x) {
+    float gs = 0.f, gq = 0.f;
+    for (int ch = g * cg; ch < (g + 1) * cg; ++ch) {
+      gs += psum[ch];
+      gq += psq[ch];
+    }
+    float* p = a.partial + ((n * a.splits + s) * a.groups + g) * 2;
+    p[0] = gs;
+    p[1] = gq;
+  }
 }
 
 // One warp per (sample, group): the lanes sum every 32nd split, then a butterfly adds the lanes
@@ -263,8 +279,8 @@ template <typename T>
 void launch_stats(const GroupNormArgs& a, cudaStream_t stream) {
   if (a.channels_last) {
     const int cols = static_cast<int>(a.c / Vec<T>::size);
-    const int threads = cols * std::max(1, kThreads / cols);
-    stats_nhwc<T><<<dim3(a.splits, a.n), threads, 2 * a.groups * sizeof(float), stream>>>(a);
+    const int k = std::max(1, kThreads / cols);
+    stats_nhwc<T><<<dim3(a.splits, a.n), cols * k, nhwc_stats_shared_bytes(a.c, cols), stream>>>(a);
   } else {
     stats_nchw<T><<<dim3(a.splits, a.groups, a.n), kThreads, 0, stream>>>(a);
   }
@@ -307,7 +323,8 @@ bool group_norm_supported(const GroupNormArgs& a, uintptr_t x_address, uintptr_t
   if (x_address % kVecBytes != 0 || y_address % kVecBytes != 0) return false;
   const int64_t range = stats_range(a);
   if (a.stats_begin < 0 || range < 1 || a.stats_begin + range > a.hw) return false;
-  if (a.channels_last) return a.c % vec == 0 && a.c / vec <= 1024 && a.groups <= 4096;
+  if (a.channels_last)
+    return a.c % vec == 0 && a.c / vec <= 1024 && a.groups <= 4096 && nhwc_stats_shared_bytes(a.c, a.c / vec) <= kMaxStatsShared;
   return a.hw % vec == 0 && a.stats_begin % vec == 0 && range % vec == 0 && a.groups <= 65535 && a.n <= 65535;
 }
 
