@@ -180,10 +180,14 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   const double first_ms = ms(t0, clock());  // the model build and warm-up happened before t0
   std::vector<double> e2e, steps, text, vae;
   engine::GenerationResult last;
+  // Whether every later run of the same request (previews on or off) ends in the first run's
+  // latents, bit for bit: what a user re-running a seed expects.
+  bool repeatable = true;
   for (int r = 0; r < runs; ++r) {
     const auto t = clock();
     auto res = sd->generate(req, {}, never);
     e2e.push_back(ms(t, clock()));
+    repeatable = repeatable && res.latents == first.latents;
     last = res;
     steps.insert(steps.end(), res.timings.step_ms.begin(), res.timings.step_ms.end());
     text.push_back(res.timings.text_encode_ms);
@@ -201,6 +205,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
     const auto t = clock();
     auto res = sd->generate(with_previews, o, never);
     e2e_p.push_back(ms(t, clock()));
+    repeatable = repeatable && res.latents == first.latents;
     denoise_p.push_back(denoise_ms(res));
     previews.insert(previews.end(), res.timings.preview_ms.begin(), res.timings.preview_ms.end());
     dropped += res.timings.previews_dropped;
@@ -246,6 +251,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
       {"preview_added_to_denoising_pct", denoise > 0 ? 100.0 * (percentile(denoise_p, 0.5) - denoise) / denoise : 0.0},
       {"warm_up_ms", warm_up_ms},
       {"prepare_ms", prepare_ms},
+      {"repeatable", repeatable},
   };
   if (!half_side.is_null()) j["previews_half_side"] = half_side;
   {
@@ -278,11 +284,14 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
     sd->generate(sreq, {}, never);  // replicas, communicators, graphs on the other devices
     std::vector<double> se2e, sden;
     engine::GenerationResult sres;
+    bool srepeatable = true;
     for (int r = 0; r < runs; ++r) {
       const auto t = clock();
-      sres = sd->generate(sreq, {}, never);
+      auto res = sd->generate(sreq, {}, never);
       se2e.push_back(ms(t, clock()));
-      sden.push_back(denoise_ms(sres));
+      sden.push_back(denoise_ms(res));
+      srepeatable = srepeatable && (r == 0 || res.latents == sres.latents);
+      sres = std::move(res);
     }
     const auto meta = json::parse(sres.metadata_json);
     json sj = {{"strategy", name}, {"n", n}, {"spec", spec},
@@ -293,7 +302,8 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
                {"speedup_denoising", base_denoise / percentile(sden, 0.5)},
                {"psnr_db", metrics::psnr(sres.images.front(), last.images.front())},
                {"ssim", metrics::ssim(sres.images.front(), last.images.front())},
-               {"latents_rel_l2", metrics::latents_rel_l2(sres, last)}};
+               {"latents_rel_l2", metrics::latents_rel_l2(sres, last)},
+               {"repeatable", srepeatable}};
     if (meta.contains("strategy")) sj["stats"] = meta["strategy"];
     sj["step_ms"] = sres.timings.step_ms;
     sj["text_encode_ms"] = sres.timings.text_encode_ms;

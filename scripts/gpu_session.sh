@@ -360,7 +360,8 @@ def fam(v):
     f = k.get("families_ms", {})
     top = [t for t in k.get("top_ms", []) if any(w in t[0] for w in ("sdpa", "flash", "fmha", "attention"))][:3]
     return k.get("device_ms_per_call"), k.get("kernels_per_call"), f.get("matmul"), f.get("attention"), top
-print(sys.argv[2], "e2e", r["end_to_end_ms"]["median"], "step", round(r["denoiser_step_ms"]["mean"], 3))
+print(sys.argv[2], "e2e", r["end_to_end_ms"]["median"], "step", round(r["denoiser_step_ms"]["mean"], 3),
+      "repeatable", r.get("repeatable"), [s.get("repeatable") for s in r.get("strategies", [])])
 print("   batch 2 (device, kernels, matmul, attention, top attention):", fam(r.get("unet_step_variants", {})))
 print("   batch 1:", fam(r.get("unet_step_variants_one_branch", {})))
 for name in ("unet_step_variants", "unet_step_variants_one_branch"):
