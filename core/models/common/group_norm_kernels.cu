@@ -21,7 +21,6 @@ std::size_t nhwc_stats_shared_bytes(int64_t c, int64_t cols) {
   return 2 * static_cast<std::size_t>(std::max<int64_t>(1, kThreads / cols)) * static_cast<std::size_t>(c) * sizeof(float);
 }
 
-
 template <typename T>
 struct alignas(kVecBytes) Vec {
   static constexpr int size = kVecBytes / sizeof(T);

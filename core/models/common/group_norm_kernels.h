@@ -41,7 +41,8 @@ struct GroupNormArgs {
 };
 
 // Whether the kernels take this case: x and y 16-byte aligned, HW (NCHW) or C (NHWC) a multiple
-// of the 16-byte vector, C / groups whole, C <= 8192 for NHWC. The caller falls back to ATen.
+// of the 16-byte vector, C / groups whole; NHWC: C <= 6144 in half types (the statistics' shared
+// memory), 4096 in float. The caller falls back to ATen.
 bool group_norm_supported(const GroupNormArgs& a, uintptr_t x_address, uintptr_t y_address);
 // The split count for `partial`, from the problem and the GPU's SM count.
 int group_norm_splits(const GroupNormArgs& a);
