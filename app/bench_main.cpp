@@ -80,7 +80,12 @@ double denoise_ms(const engine::GenerationResult& r) {
 
 // A strategy spec "name" or "name:n" (n devices, drafts or skip factor), then any number of
 // "@VAR=VALUE": environment settings for that strategy's runs alone (A/Bs in one run, e.g.
-// driffusion-aggressive:2@DIFFRACT_DRIFFUSION_PAIRS=0).
+// driffusion-aggressive:2@DIFFRACT_DRIFFUSION_PAIRS=0). Only the settings core reads per job
+// are taken (make_strategy, parallel_vae_mode, batch_vae_enabled); the rest are read once at
+// start-up, where a per-strategy value would change nothing: separate runs A/B those.
+const std::vector<std::string> kPerJobSettings = {"DIFFRACT_DRIFFUSION_PAIRS", "DIFFRACT_PARALLEL_VAE",
+                                                  "DIFFRACT_BATCH_VAE"};
+
 struct StrategySpec {
   std::string name;
   int n = 2;
@@ -96,7 +101,14 @@ StrategySpec parse_strategy(const std::string& spec) {
     const auto eq = setting.find('=');
     if (eq == std::string::npos || eq == 0)
       throw Error("strategy '" + spec + "': '" + setting + "' is not VAR=VALUE (expected NAME[:N][@VAR=VALUE...])");
-    s.env.emplace_back(setting.substr(0, eq), setting.substr(eq + 1));
+    const auto var = setting.substr(0, eq);
+    if (std::find(kPerJobSettings.begin(), kPerJobSettings.end(), var) == kPerJobSettings.end()) {
+      std::string known;
+      for (const auto& k : kPerJobSettings) known += (known.empty() ? "" : ", ") + k;
+      throw Error("strategy '" + spec + "': " + var + " is not read per job, so it cannot differ between strategies (" +
+                  known + " can); run it as a separate process instead");
+    }
+    s.env.emplace_back(var, setting.substr(eq + 1));
     at = next;
   }
   const auto colon = head.find(':');
@@ -423,7 +435,8 @@ int main(int argc, char** argv) {
   app.add_option("--runs", runs, "timed runs after the warm-up")->capture_default_str();
   app.add_option("--strategies", strategies,
                  "also run each strategy (NAME[:N][@VAR=VALUE...], e.g. cfg-parallel,driffusion-aggressive:2, "
-                 "driffusion-aggressive:2@DIFFRACT_DRIFFUSION_PAIRS=0) and compare it with the single-device result: "
+                 "driffusion-aggressive:2@DIFFRACT_DRIFFUSION_PAIRS=0; settings read per job only: DIFFRACT_DRIFFUSION_PAIRS, "
+                 "DIFFRACT_PARALLEL_VAE, DIFFRACT_BATCH_VAE) and compare it with the single-device result: "
                  "speed-up, PSNR, SSIM, latent rel-L2")
       ->delimiter(',');
   app.add_flag("--build-only", build, "only time building each config's UNet on the CPU, and its random init");

@@ -235,6 +235,13 @@ void check_inputs(const std::string& what, const std::vector<models::Autoencoder
   if (z.dim() != 4) throw Error(what + ": expects latents [B, C, h, w]");
 }
 
+// Each band's rows in the decoded image.
+std::vector<std::int64_t> band_image_rows(const ParallelDecodeStats& s, const models::AutoencoderKLImpl& vae) {
+  std::vector<std::int64_t> rows;
+  for (const auto b : s.band_rows) rows.push_back(b * vae.config.downscale_factor());
+  return rows;
+}
+
 // What both band decodes do first: the inputs checked, `s` reset for `ranks` bands of z's latent
 // rows; with fewer rows than ranks (a band needs one) or a single rank, the one-device decode
 // (logged for a group), returned; otherwise nothing and s.band_rows filled. A shared replica
@@ -296,11 +303,9 @@ at::Tensor decode_overlapped(DeviceGroup& group, const std::vector<models::Autoe
   const int n = group.size();
   ParallelDecodeStats local;
   ParallelDecodeStats& s = stats ? *stats : local;
-  if (auto one = start_band_decode("overlapped VAE decode", n, replicas, z, s)) {
-    s.overlapped = true;
-    return *one;
-  }
+  auto one = start_band_decode("overlapped VAE decode", n, replicas, z, s);
   s.overlapped = true;
+  if (one) return *one;
   models::AutoencoderKL vae = replicas.front();
   const auto rows = z.size(2);
   std::vector<std::int64_t> starts(static_cast<std::size_t>(n) + 1, 0);
@@ -308,8 +313,7 @@ at::Tensor decode_overlapped(DeviceGroup& group, const std::vector<models::Autoe
   const auto plan = plan_override ? *plan_override : overlap_plan(*vae->decoder);
   s.overlap_rows = plan.mid;
 
-  std::vector<std::int64_t> image_rows;  // each band's rows in the image
-  for (const auto b : s.band_rows) image_rows.push_back(b * vae->config.downscale_factor());
+  const auto image_rows = band_image_rows(s, *vae);
   at::Tensor image;
   std::vector<std::int64_t> bytes(static_cast<std::size_t>(n));
   group.run([&](int rank, Communicator& comm) {
@@ -411,8 +415,7 @@ at::Tensor decode_parallel(DeviceGroup& group, const std::vector<models::Autoenc
   std::vector<std::int64_t> starts(static_cast<std::size_t>(n), 0);
   for (int r = 1; r < n; ++r) starts[r] = starts[r - 1] + s.band_rows[r - 1];
 
-  std::vector<std::int64_t> image_rows;  // each band's rows in the image
-  for (const auto b : s.band_rows) image_rows.push_back(b * vae->config.downscale_factor());
+  const auto image_rows = band_image_rows(s, *vae);
   at::Tensor image;
   std::vector<std::int64_t> sends(static_cast<std::size_t>(n)), bytes(static_cast<std::size_t>(n));
   group.run([&](int rank, Communicator& comm) {

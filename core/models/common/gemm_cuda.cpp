@@ -198,11 +198,11 @@ bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const std::int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   if (m < 1 || n < 1 || k < 1 || w.size(1) != k || (bias.defined() && bias.numel() != n)) return false;
   const c10::cuda::CUDAGuard guard(x.device());
-  out = at::empty({m, n}, x.options());
   const auto stream = at::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  // `out` only where cuBLASLt runs (where at::linear was kept it makes its own); a fresh tensor
+  // from the caching allocator is 16-byte aligned or better.
   Shape s{x.device().index(), m, n, k, dtype, bias.defined(),
-          std::min({alignment(x.data_ptr()), alignment(w.data_ptr()), alignment(out.data_ptr()),
-                    bias.defined() ? alignment(bias.data_ptr()) : 16})};
+          std::min({alignment(x.data_ptr()), alignment(w.data_ptr()), bias.defined() ? alignment(bias.data_ptr()) : 16})};
   // The descriptors per shape, made once per thread (run() sets the bias pointer on them, so
   // threads must not share them); eager models call linear() hundreds of times a step.
   thread_local std::map<Shape, std::unique_ptr<Problem>> problems;
@@ -210,6 +210,7 @@ bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   if (!slot) slot = std::make_unique<Problem>(s);
   Problem& p = *slot;
   Choice choice;
+  void* ws = nullptr;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_choices.find(s);
@@ -217,16 +218,14 @@ bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
       cudaStreamIsCapturing(stream, &capturing);
       if (capturing != cudaStreamCaptureStatusNone) return false;  // no timing inside a capture: ATen's GEMM
+      out = at::empty({m, n}, x.options());
       it = g_choices.emplace(s, tune(s, p, x, w, bias, out, stream)).first;
     }
     choice = it->second;
+    if (choice.lt) ws = workspace_for(s.device, stream);
   }
   if (!choice.lt) return false;
-  void* ws = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    ws = workspace_for(s.device, stream);
-  }
+  if (!out.defined()) out = at::empty({m, n}, x.options());
   check(p.run(choice.algo, choice.workspace, x, w, bias, out, ws, stream), "matmul");
   return true;
 }
