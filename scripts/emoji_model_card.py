@@ -12,7 +12,7 @@ ap.add_argument("--run", required=True, help="folder with loss.csv and summary.j
 ap.add_argument("--eval", required=True, help="diffract-train eval output (JSON)")
 ap.add_argument("--model", required=True, help="the exported model folder")
 ap.add_argument("--docs", default="docs")
-ap.add_argument("--command", default="PLAN=single ./scripts/gpu_session.sh; PLAN=multi ./scripts/gpu_session.sh   # back to back, the second resumes")
+ap.add_argument("--command", default="TRAIN_SCHEDULE_MINUTES=14 ./scripts/gpu_train.sh; TRAIN_SCHEDULE_MINUTES=14 RESUME=1 ./scripts/gpu_train.sh   # back to back, the second resumes")
 ap.add_argument("--gpu-eval", help="the same evaluation run on the GPU (JSON), reported beside the CPU one")
 args = ap.parse_args()
 
