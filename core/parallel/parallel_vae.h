@@ -99,9 +99,8 @@ bool batch_vae_enabled();
 // group: "overlap" (decode_overlapped), "exchange" (decode_parallel) or "" (on the first device
 // alone). DIFFRACT_PARALLEL_VAE=0 never splits, =1 or =overlap overlaps, =exchange exchanges;
 // unset: "exchange" for images of 3 megapixels or more, else "". decode_parallel's halo
-// exchanges stop every device (33 halo exchanges, 30 GroupNorm gathers): at 1024² on 2 H200s it
-// was slower than one GPU (41.2 against 37.6 ms), at 2048² on 4 it was 3 times faster (74.8
-// against 223.7 ms; docs/benchmarks.md). decode_overlapped has not run on two GPUs yet.
+// exchanges stop every device (33 halo exchanges, 30 GroupNorm gathers): measured slower than one
+// GPU at 1024² on 2, faster at 2048² on 4 (docs/benchmarks.md). decode_overlapped is unmeasured on GPUs.
 std::string parallel_vae_mode(std::int64_t pixels);
 
 }  // namespace diffract::parallel

@@ -7,8 +7,7 @@
 //   by a caller's tag (which function: UNetGraphRunner's stage calls keep one cache for all of
 //   their layer ranges and splits).
 //  GraphedFunction: one function, one output. SD3's transformer step uses it. (Graphing the
-//   TAESD preview decode was measured and did not pay: SD 1.5's previews cost +10.4 % graphed
-//   against +10.1 % eager, docs/benchmarks.md.)
+//   TAESD preview decode measured no cheaper than eager, docs/benchmarks.md.)
 // Eager on the CPU and when disabled.
 #include <cstdint>
 #include <functional>

@@ -85,8 +85,8 @@ class AttentionImpl : public torch::nn::Module {
 TORCH_MODULE(Attention);
 
 // fuse_qkv() on every self-attention below `root`; returns how many fused. The pipelines do it
-// unless DIFFRACT_FUSED_QKV=0 (fused_qkv_wanted()): on an H200, SDXL 1024²'s step 1.5 % faster
-// at batch 1, 1 % at batch 2 (docs/benchmarks.md, ninth session).
+// unless DIFFRACT_FUSED_QKV=0 (fused_qkv_wanted()): SDXL's step measured faster at batch 1 and
+// 2 (docs/benchmarks.md).
 int fuse_attention_qkv(torch::nn::Module& root);
 bool fused_qkv_wanted();
 

@@ -1,8 +1,8 @@
 #pragma once
 // A convolution's per-channel bias, and optionally a residual, added to its output in one
 // vectorised kernel. Why: ATen runs cuDNN's convolution and then `output.add_(bias.view(1, C, 1,
-// 1))`, a broadcast add that TensorIterator cannot vectorise (0.8 ms of SDXL's batch-2 step on
-// an H200), and a ResNet block's skip connection is one more pass over the activations. Plain
+// 1))`, a broadcast add that TensorIterator cannot vectorise (docs/benchmarks.md), and a ResNet
+// block's skip connection is one more pass over the activations. Plain
 // C++ over raw pointers, like the other kernels; models::Conv2d (layers.h) is the caller.
 #include <cstdint>
 

@@ -1,7 +1,7 @@
 #pragma once
 // GEGLU's gate, a * gelu(b) with the exact (erf) GELU, as one CUDA kernel: ATen runs it as two
 // (gelu, then the product), writing and reading gelu(b) in between; at SDXL's feed-forward
-// widths that round trip was about 1 ms of a 33 ms step. Plain C++ over raw pointers (no torch
+// widths that round trip costs measurably (docs/benchmarks.md). Plain C++ over raw pointers (no torch
 // headers), like the GroupNorm kernels.
 #include <cstdint>
 

@@ -184,7 +184,7 @@ __global__ void stats_nhwc(GroupNormArgs a) {
 // One warp per (sample, group): the lanes sum every 32nd split, then a butterfly adds the lanes
 // -> mean and 1 / std (Moments: mean and variance). The order is fixed (deterministic) and the
 // splits' loads are in flight together; one thread per group adding them one after another
-// (264 splits for SDXL's NHWC tensors at batch 2) took 0.66 ms of a 32 ms SDXL step over ~60 calls.
+// (264 splits for SDXL's NHWC tensors at batch 2) measured slower (docs/benchmarks.md).
 template <typename T, bool Moments>
 __global__ void finalize(GroupNormArgs a) {
   const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;

@@ -117,8 +117,8 @@ int launch(const LayerNormArgs& a, cudaStream_t stream) {
   const auto grid = static_cast<unsigned>(blocks);
   // With at most ~2 blocks per SM the kernel is latency-bound (SDXL's 1024-row LayerNorms at
   // batch 1): weight and bias are loaded with x, off the critical path after the reductions.
-  // With more rows, doing so cost time (registers, the loads competing with x's): 1.65 against
-  // 1.15 ms per step at SDXL's batch 2, 0.87 against 0.97 ms at batch 1 (docs/benchmarks.md).
+  // With more rows, doing so costs time (registers, the loads competing with x's): measured
+  // slower at SDXL's batch 2, faster at batch 1 (docs/benchmarks.md).
   const bool prefetch = blocks <= 2LL * a.sm_count;
   if (a.residual) {
     if (prefetch) layer_norm<T, kVpt, kWarpsPerRow, true, true><<<grid, kThreads, 0, stream>>>(a);

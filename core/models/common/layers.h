@@ -12,11 +12,11 @@ namespace diffract::models {
 // Linear, Conv2d and Embedding without random initialisation. LibTorch's torch::nn versions
 // run kaiming_uniform_ / normal_ over every parameter in their constructors; the weights of a
 // loaded model are bound over them right after, so that work (31 s for SDXL's UNet on the CPU)
-// was thrown away. These allocate uninitialised parameters (at::empty) under the same names,
-// "weight" and "bias", so checkpoint keys bind as before. Linear runs at::linear, which folds
-// the bias into the GEMM; LibTorch's Linear::forward multiplied and then added the bias in a
-// separate broadcast kernel for inputs of 3+ dims (6.7 ms of SDXL's 48 ms step on an H200,
-// docs/benchmarks.md). A model meant to run on random weights calls init_random() below.
+// is thrown away. These allocate uninitialised parameters (at::empty) under the same names,
+// "weight" and "bias", so checkpoint keys bind as with torch::nn. Linear runs at::linear, which folds
+// the bias into the GEMM; LibTorch's Linear::forward multiplies and then adds the bias in a
+// separate broadcast kernel for inputs of 3+ dims (measured slower, docs/benchmarks.md).
+// A model meant to run on random weights calls init_random() below.
 
 struct LinearOptions {
   LinearOptions(int64_t in_features, int64_t out_features) : in_features(in_features), out_features(out_features) {}

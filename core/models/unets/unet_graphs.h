@@ -2,7 +2,7 @@
 // UNet2DConditionModel::forward replayed from CUDA graphs, one per input shape.
 //
 // A step of SDXL at batch 2 launches ~1,700 kernels; eager, the host cannot issue them as fast
-// as the H200 runs them. A graph issues them in one call. Each new (rows, latent size, tokens,
+// as the GPU runs them. A graph issues them in one call. Each new (rows, latent size, tokens,
 // dtype) is captured the first time it is seen (two eager warm-up calls for cuDNN's plans, then
 // the capture; a few hundred ms), with static input buffers the later calls copy into. The
 // cache keeps the most recently used `max_graphs` shapes; each holds its own memory pool.
@@ -17,7 +17,7 @@
 // Under a patch context (DistriFusion's bands) the stage calls are graphed only when the context
 // says its hooks touch nothing but its fixed buffers (PatchContext::graph_tag(), part of the key).
 // Captures belong outside the strategies' loops (Strategy::warm / warm_rank): a capture's eager
-// warm-up (cuDNN autotuning, cudaFree) while a peer waits in NCCL hung the ranks before.
+// warm-up (cuDNN autotuning, cudaFree) while a peer waits in NCCL hangs the ranks.
 #include <cstdint>
 #include <memory>
 #include <utility>
