@@ -24,14 +24,17 @@
 #include "core/io/safetensors_writer.h"
 #include "core/io/upload.h"
 #include "core/io/weights.h"
+#include "core/engine/compare.h"
 #include "core/metrics/metrics.h"
 #include "core/models/unets/unet_2d_condition.h"
+#include "core/parallel/registry.h"
 #include "core/pipeline/stable_diffusion.h"
 #include "core/pipeline/stable_diffusion_3.h"
 #include "core/util/build_info.h"
 #include "core/util/device_work.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/options.h"
 
 using namespace diffract;
 using nlohmann::json;
@@ -40,23 +43,22 @@ namespace {
 
 struct BenchConfig {
   std::string name;
-  pipeline::Family family;
+  job::ModelFamily family;
   bool tiny;
   int size;
   int steps;
   double cfg;
-  bool sd3 = false;  // SD3-medium (`family` unused)
 };
 
 const std::vector<BenchConfig>& configs() {
   static const std::vector<BenchConfig> all = {
-      {"sdxl-1024", pipeline::Family::SDXL, false, 1024, 30, 7.0},
-      {"sdxl-768", pipeline::Family::SDXL, false, 768, 30, 7.0},
-      {"sdxl-2048", pipeline::Family::SDXL, false, 2048, 30, 7.0},  // the patch strategies' large case
-      {"sd15-512", pipeline::Family::SD1, false, 512, 30, 7.0},
-      {"sd3-1024", pipeline::Family::SDXL, false, 1024, 28, 7.0, true},
-      {"tiny", pipeline::Family::SDXL, true, 64, 4, 7.0},  // CI: the same code path in seconds on CPU
-      {"tiny-sd3", pipeline::Family::SDXL, true, 64, 4, 7.0, true},
+      {"sdxl-1024", job::ModelFamily::SDXL, false, 1024, 30, 7.0},
+      {"sdxl-768", job::ModelFamily::SDXL, false, 768, 30, 7.0},
+      {"sdxl-2048", job::ModelFamily::SDXL, false, 2048, 30, 7.0},  // the patch strategies' large case
+      {"sd15-512", job::ModelFamily::SD1, false, 512, 30, 7.0},
+      {"sd3-1024", job::ModelFamily::SD3, false, 1024, 28, 7.0},
+      {"tiny", job::ModelFamily::SDXL, true, 64, 4, 7.0},  // CI: the same code path in seconds on CPU
+      {"tiny-sd3", job::ModelFamily::SD3, true, 64, 4, 7.0},
   };
   return all;
 }
@@ -74,22 +76,19 @@ double mean(const std::vector<double>& v) {
   return v.empty() ? 0 : std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
 }
 
-double denoise_ms(const engine::GenerationResult& r) {
+double denoise_ms(const job::GenerationResult& r) {
   return std::accumulate(r.timings.step_ms.begin(), r.timings.step_ms.end(), 0.0);
 }
 
-// A strategy spec "name" or "name:n" (n devices, drafts or skip factor), then any number of
-// "@VAR=VALUE": environment settings for that strategy's runs alone (A/Bs in one run, e.g.
-// driffusion-aggressive:2@DIFFRACT_DRIFFUSION_PAIRS=0). Only the settings core reads per job
-// are taken (make_strategy, parallel_vae_mode, batch_vae_enabled); the rest are read once at
-// start-up, where a per-strategy value would change nothing: separate runs A/B those.
-const std::vector<std::string> kPerJobSettings = {"DIFFRACT_DRIFFUSION_PAIRS", "DIFFRACT_PARALLEL_VAE",
-                                                  "DIFFRACT_BATCH_VAE"};
-
+// A strategy spec "name" or "name:n" (n devices; step-skip: its skip factor), then any number
+// of "@VAR=VALUE": job-scope runtime options for that strategy's runs alone (A/Bs in one run,
+// e.g. driffusion-aggressive:2@DIFFRACT_DRIFFUSION_PAIRS=0). The options table (core/util/
+// options.h) says which are job-scope; a process-scope one would change nothing per strategy,
+// so it is refused: separate runs A/B those.
 struct StrategySpec {
   std::string name;
   int n = 2;
-  std::vector<std::pair<std::string, std::string>> env;
+  options::Overrides options;
 };
 
 StrategySpec parse_strategy(const std::string& spec) {
@@ -101,20 +100,19 @@ StrategySpec parse_strategy(const std::string& spec) {
     const auto eq = setting.find('=');
     if (eq == std::string::npos || eq == 0)
       throw Error("strategy '" + spec + "': '" + setting + "' is not VAR=VALUE (expected NAME[:N][@VAR=VALUE...])");
-    const auto var = setting.substr(0, eq);
-    if (std::find(kPerJobSettings.begin(), kPerJobSettings.end(), var) == kPerJobSettings.end()) {
-      std::string known;
-      for (const auto& k : kPerJobSettings) known += (known.empty() ? "" : ", ") + k;
-      throw Error("strategy '" + spec + "': " + var + " is not read per job, so it cannot differ between strategies (" +
-                  known + " can); run it as a separate process instead");
-    }
-    s.env.emplace_back(var, setting.substr(eq + 1));
+    s.options[setting.substr(0, eq)] = setting.substr(eq + 1);
     at = next;
+  }
+  try {
+    options::check_overrides(s.options);
+  } catch (const Error& e) {
+    throw Error("strategy '" + spec + "': " + e.what());
   }
   const auto colon = head.find(':');
   if (colon == std::string::npos) {
     s.name = head;
-    s.n = head == "single" || head == "step-skip" ? 1 : 2;
+    const auto* info = parallel::find_strategy(head);
+    s.n = info && (info->devices.fixed == 1 || info->takes(parallel::Param::Skip)) ? 1 : 2;
     return s;
   }
   s.name = head.substr(0, colon);
@@ -128,29 +126,6 @@ StrategySpec parse_strategy(const std::string& spec) {
   return s;
 }
 
-// Sets a spec's environment for its lifetime, then restores what was there.
-class ScopedEnv {
- public:
-  explicit ScopedEnv(const std::vector<std::pair<std::string, std::string>>& env) {
-    for (const auto& [k, v] : env) {
-      const char* old = std::getenv(k.c_str());
-      saved_.push_back({k, old ? std::optional<std::string>(old) : std::nullopt});
-      setenv(k.c_str(), v.c_str(), 1);
-    }
-  }
-  ~ScopedEnv() {
-    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
-      if (it->second) setenv(it->first.c_str(), it->second->c_str(), 1);
-      else unsetenv(it->first.c_str());
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
-};
-
 json run_config(const BenchConfig& c, int batch, int runs, const std::string& device,
                 const std::vector<std::string>& strategies) {
   const bool cuda = device.rfind("cuda", 0) == 0;
@@ -161,9 +136,9 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
     reset_peak_memory(at::Device(at::kCUDA, index));
   }
 #endif
-  std::unique_ptr<pipeline::TextToImage> sd;
+  std::unique_ptr<pipeline::Pipeline> sd;
   pipeline::StableDiffusion* unet_pipeline = nullptr;  // the UNet profile is SD / SDXL only
-  if (c.sd3) {
+  if ((c.family == job::ModelFamily::SD3)) {
     sd = pipeline::StableDiffusion3::random(c.tiny, device);
   } else {
     auto m = pipeline::StableDiffusion::random(c.family, c.tiny, device);
@@ -171,7 +146,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
     sd = std::move(m);
   }
   const double warm_up_ms = sd->warm_up();  // what the engine does at load (GPU only)
-  engine::GenerationRequest req;
+  job::GenerationRequest req;
   req.model = "<random>";
   req.prompt = "a studio packshot of a red perfume bottle on a white background, soft shadow";
   req.width = req.height = c.size;
@@ -179,9 +154,9 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   req.cfg = c.cfg;
   req.batch = batch;
   req.device = device;
-  req.sampler = c.sd3 ? "flow-euler" : "euler";
+  req.sampler = (c.family == job::ModelFamily::SD3) ? "flow-euler" : "euler";
   req.preview_every = 0;
-  engine::CancelToken never;
+  job::CancelToken never;
   const auto clock = [] { return std::chrono::steady_clock::now(); };
   const auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
 
@@ -191,7 +166,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   auto first = sd->generate(req, {}, never);  // every first-use cost (cuDNN plans, allocator growth)
   const double first_ms = ms(t0, clock());  // the model build and warm-up happened before t0
   std::vector<double> e2e, steps, text, vae;
-  engine::GenerationResult last;
+  job::GenerationResult last;
   // Whether every later run of the same request (previews on or off) ends in the first run's
   // latents, bit for bit: what a user re-running a seed expects.
   bool repeatable = true;
@@ -209,8 +184,8 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   auto with_previews = req;
   with_previews.taesd = "<random>";
   with_previews.preview_every = 1;
-  engine::JobObserver o;
-  o.on_preview = [](const engine::PreviewEvent&) {};
+  job::JobObserver o;
+  o.on_preview = [](const job::PreviewEvent&) {};
   std::vector<double> e2e_p, denoise_p, previews;
   int dropped = 0;
   for (int r = 0; r < runs; ++r) {
@@ -289,13 +264,14 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
     const auto sp = parse_strategy(spec);
     const auto& name = sp.name;
     const int n = sp.n;
-    const ScopedEnv env(sp.env);
     auto sreq = req;
-    sreq.strategy = name;
-    sreq.devices = n;
+    sreq.strategy.name = name;
+    if (parallel::strategy_info(name).takes(parallel::Param::Skip)) sreq.strategy.skip = n;
+    else sreq.strategy.devices = n;
+    sreq.options = sp.options;
     sd->generate(sreq, {}, never);  // replicas, communicators, graphs on the other devices
     std::vector<double> se2e, sden;
-    engine::GenerationResult sres;
+    job::GenerationResult sres;
     bool srepeatable = true;
     for (int r = 0; r < runs; ++r) {
       const auto t = clock();
@@ -314,7 +290,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
                {"speedup_denoising", base_denoise / percentile(sden, 0.5)},
                {"psnr_db", metrics::psnr(sres.images.front(), last.images.front())},
                {"ssim", metrics::ssim(sres.images.front(), last.images.front())},
-               {"latents_rel_l2", metrics::latents_rel_l2(sres, last)},
+               {"latents_rel_l2", engine::latents_rel_l2(sres, last)},
                {"repeatable", srepeatable}};
     if (meta.contains("strategy")) sj["stats"] = meta["strategy"];
     sj["step_ms"] = sres.timings.step_ms;
@@ -328,8 +304,8 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
 
 // The full-size UNet of an sdxl or sd15 config, for the modes that time the UNet alone.
 models::UNet2DConditionConfig full_size_unet(const BenchConfig& c, const std::string& mode) {
-  if (c.tiny || c.sd3) throw Error(mode + " times the full-size UNets: pick an sdxl or sd15 config");
-  return c.family == pipeline::Family::SDXL ? models::UNet2DConditionConfig::sdxl_base()
+  if (c.tiny || (c.family == job::ModelFamily::SD3)) throw Error(mode + " times the full-size UNets: pick an sdxl or sd15 config");
+  return c.family == job::ModelFamily::SDXL ? models::UNet2DConditionConfig::sdxl_base()
                                             : models::UNet2DConditionConfig::sd15();
 }
 
@@ -435,8 +411,8 @@ int main(int argc, char** argv) {
   app.add_option("--runs", runs, "timed runs after the warm-up")->capture_default_str();
   app.add_option("--strategies", strategies,
                  "also run each strategy (NAME[:N][@VAR=VALUE...], e.g. cfg-parallel,driffusion-aggressive:2, "
-                 "driffusion-aggressive:2@DIFFRACT_DRIFFUSION_PAIRS=0; settings read per job only: DIFFRACT_DRIFFUSION_PAIRS, "
-                 "DIFFRACT_PARALLEL_VAE, DIFFRACT_BATCH_VAE) and compare it with the single-device result: "
+                 "driffusion-aggressive:2@DIFFRACT_DRIFFUSION_PAIRS=0, with the job-scope options diffract-cli info lists) "
+                 "and compare it with the single-device result: "
                  "speed-up, PSNR, SSIM, latent rel-L2")
       ->delimiter(',');
   app.add_flag("--build-only", build, "only time building each config's UNet on the CPU, and its random init");

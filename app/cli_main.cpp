@@ -9,17 +9,20 @@
 #include <nlohmann/json.hpp>
 
 #include "core/engine/compare.h"
+#include "core/engine/devices.h"
 #include "core/engine/engine.h"
 #include "core/engine/preset.h"
 #include "core/io/diffusers_folder.h"
 #include "core/io/image.h"
 #include "core/io/safetensors.h"
 #include "core/models/text_encoders/clip_text.h"
+#include "core/parallel/registry.h"
 #include "core/text/clip_tokenizer.h"
 #include "core/util/build_info.h"
 #include "core/util/embedded_model.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/options.h"
 
 namespace fs = std::filesystem;
 using namespace diffract;
@@ -114,29 +117,29 @@ fs::path numbered(const fs::path& out, int index, int count) {
 
 // --preview-size: "auto", "full" (0) or a number of pixels, 1 or more.
 int parse_preview_size(const std::string& v) {
-  if (v == "auto") return engine::GenerationRequest::kPreviewAuto;
+  if (v == "auto") return job::GenerationRequest::kPreviewAuto;
   if (v == "full") return 0;
   if (!v.empty() && v.size() < 6 && v.find_first_not_of("0123456789") == std::string::npos) return std::stoi(v);
   throw Error("--preview-size '" + v + "': expected auto, full or a number of pixels");
 }
 
-int generate(const engine::GenerationRequest& request, const fs::path& out, const std::string& preview_dir) {
+int generate(const job::GenerationRequest& request, const fs::path& out, const std::string& preview_dir) {
   if (out.extension() != ".png") throw Error("--out " + out.string() + ": the output must be a .png file");
   if (!out.parent_path().empty() && !fs::is_directory(out.parent_path()))
     throw Error("--out " + out.string() + ": folder " + out.parent_path().string() + " does not exist");
   if (!preview_dir.empty()) fs::create_directories(preview_dir);
-  engine::JobObserver observer;
-  observer.on_step = [](const engine::StepEvent& e) {
+  job::JobObserver observer;
+  observer.on_step = [](const job::StepEvent& e) {
     std::cerr << "\rstep " << e.index + 1 << "/" << e.total << " (" << static_cast<int>(e.step_ms) << " ms)" << std::flush;
   };
   if (!preview_dir.empty())
-    observer.on_preview = [&](const engine::PreviewEvent& e) {
+    observer.on_preview = [&](const job::PreviewEvent& e) {
       char name[32];
       std::snprintf(name, sizeof name, "step_%03d.png", e.index + 1);
       io::write_png(fs::path(preview_dir) / name, e.image);
     };
   engine::Engine eng;
-  engine::CancelToken never;
+  job::CancelToken never;
   auto request_with_previews = request;
   if (preview_dir.empty()) request_with_previews.preview_every = 0;
   const auto result = eng.run(request_with_previews, observer, never);
@@ -160,7 +163,75 @@ int generate(const engine::GenerationRequest& request, const fs::path& out, cons
   return 0;
 }
 
-void add_generation_options(CLI::App* cmd, engine::GenerationRequest& req, bool with_strategy = true) {
+// The registry's strategies, one line each, for --help.
+std::string strategy_help() {
+  std::string out = "Strategies (--strategy):\n";
+  for (const auto& s : parallel::strategies()) {
+    out += "  " + std::string(s.name) + std::string(s.name.size() < 26 ? 26 - s.name.size() : 1, ' ') +
+           std::string(s.hint) + " [" + s.devices.describe() + (s.exact ? "" : ", approximate") +
+           (s.needs_cfg ? ", needs CFG" : "") + (!s.unet ? ", SD3 only" : !s.transformer ? ", SD / SDXL only" : "") +
+           "]\n";
+  }
+  return out;
+}
+
+// What the command line says about a job's strategy and devices, applied by apply_devices().
+struct DeviceOptions {
+  int devices = 0;  // --devices (0: not given)
+  int skip = 0;     // --skip (0: not given)
+  std::vector<int> gpus;
+};
+
+// The same rule as the GUI's (engine::choose_devices): the GPUs are --gpus, else every GPU from
+// --device's on; the strategy takes its fixed count or --devices of them (or, without --devices,
+// as many as its rule allows).
+void apply_devices(job::GenerationRequest& req, const DeviceOptions& d) {
+  const auto& info = parallel::strategy_info(req.strategy.name);
+  if (req.strategy.single()) req.strategy.name = std::string(info.name);
+  if (info.takes(parallel::Param::Skip)) {
+    req.strategy.skip = d.skip > 0 ? d.skip : d.devices > 1 ? d.devices : req.strategy.skip;
+    if (d.skip == 0 && d.devices > 1)
+      log::get("cli").warn(log::str(info.name, " runs on one device: --devices ", d.devices,
+                                    " taken as its skip factor (say --skip ", d.devices, ")"));
+  } else if (d.skip > 0) {
+    throw Error("--skip applies to step-skip, not to " + req.strategy.display_name());
+  }
+  if (req.strategy.single() && d.devices <= 1 && d.gpus.empty()) return;
+  std::vector<int> enabled = d.gpus;
+  const bool cuda = req.device.rfind("cuda", 0) == 0;
+  if (cuda && enabled.empty()) {
+    const int first = req.device == "cuda" ? 0 : std::stoi(req.device.substr(5));
+    for (const auto& g : engine::list_devices())
+      if (g.index >= first) enabled.push_back(g.index);
+    if (enabled.empty()) throw Error("device '" + req.device + "': no such CUDA device");
+  } else if (!cuda && !enabled.empty()) {
+    throw Error("--gpus lists GPUs but --device is " + req.device);
+  }
+  const int count = info.takes(parallel::Param::Skip) ? 1 : d.devices > 0 ? d.devices : req.strategy.devices;
+  const auto c = engine::choose_devices(enabled, std::string(info.name), count, cuda ? (d.devices > 0 ? count : 0) : 0);
+  if (!c.error.empty()) throw Error(c.error);
+  req.device = c.device;
+  req.strategy.devices = c.devices;
+  req.gpus = c.gpus;
+}
+
+std::vector<int> parse_gpus(const std::string& list) {
+  std::vector<int> out;
+  if (list.empty()) return out;
+  std::size_t from = 0;
+  while (from <= list.size()) {
+    const auto comma = list.find(',', from);
+    const auto item = list.substr(from, comma == std::string::npos ? std::string::npos : comma - from);
+    if (item.empty() || item.size() > 3 || item.find_first_not_of("0123456789") != std::string::npos)
+      throw Error("--gpus '" + list.substr(0, 80) + "': expected GPU indices separated by commas, e.g. 0,2");
+    out.push_back(std::stoi(item));
+    if (comma == std::string::npos) break;
+    from = comma + 1;
+  }
+  return out;
+}
+
+void add_generation_options(CLI::App* cmd, job::GenerationRequest& req, bool with_strategy = true) {
   cmd->add_option("--model", req.model,
                   "diffusers folder (SD 1.x / 2.x / XL, SD3 without T5) or single-file checkpoint (default: the embedded diffract-emoji model)");
   cmd->add_option("--config", req.model_config, "single files: diffusers folder describing the components");
@@ -177,18 +248,23 @@ void add_generation_options(CLI::App* cmd, engine::GenerationRequest& req, bool 
   cmd->add_option("--taesd", req.taesd, "TAESD for previews (folder or .pth pair)");
   cmd->add_option("--batch", req.batch, "images per prompt")->capture_default_str();
   cmd->add_flag("--no-t5", req.drop_t5, "SD3: run without the T5 encoder (its part of the prompt embedding zeros)");
-  if (with_strategy) {
-    cmd->add_option("--strategy", req.strategy, "multi-device strategy (default: the plain loop)");
-    cmd->add_option("--devices", req.devices, "devices the strategy uses")->capture_default_str();
-    cmd->add_option("--patches", req.patches, "pipefusion, cfg-pipefusion (SD3): latent row patches (default: one per stage)");
-  }
+  if (with_strategy) cmd->add_option("--strategy", req.strategy.name, "multi-device strategy (default: the plain loop; listed below)");
+  cmd->add_option("--patches", req.strategy.patches,
+                  "pipefusion, cfg-pipefusion (SD3): latent row patches (default: one per stage)");
+  cmd->footer(strategy_help());
+}
+
+void add_device_options(CLI::App* cmd, DeviceOptions& d, std::string& gpus) {
+  cmd->add_option("--devices", d.devices, "devices the strategy runs on (default: its fixed count, or every GPU from --device)");
+  cmd->add_option("--skip", d.skip, "step-skip: evaluate every N-th step (default 2)");
+  cmd->add_option("--gpus", gpus, "the GPUs a strategy may use, e.g. 0,2 (default: every GPU from --device on)");
 }
 
 // Where --preset NAME looks: $DIFFRACT_PRESETS_DIR, the GUI's user presets, the installed
 // share/diffract/presets beside this executable, then the source tree's presets/.
 std::vector<fs::path> preset_dirs() {
   std::vector<fs::path> dirs;
-  if (const char* env = std::getenv("DIFFRACT_PRESETS_DIR")) dirs.emplace_back(env);
+  if (options::is_set(options::Id::PresetsDir)) dirs.emplace_back(options::value(options::Id::PresetsDir));
   const char* xdg = std::getenv("XDG_CONFIG_HOME");
   const char* home = std::getenv("HOME");
   if (xdg && *xdg) dirs.push_back(fs::path(xdg) / "Diffract" / "Diffract" / "presets");
@@ -201,10 +277,10 @@ std::vector<fs::path> preset_dirs() {
 }
 
 // The preset fills every setting the command line did not give; --prompt fills its {subject}.
-void apply_cli_preset(const CLI::App* cmd, const std::string& name, engine::GenerationRequest& req) {
+void apply_cli_preset(const CLI::App* cmd, const std::string& name, job::GenerationRequest& req) {
   const auto preset = engine::find_preset(name, preset_dirs());
   const auto given = [&](const char* option) { return cmd->get_option(option)->count() > 0; };
-  engine::GenerationRequest from = req;
+  job::GenerationRequest from = req;
   engine::apply_preset(preset, req.prompt, from);
   req.prompt = from.prompt;
   if (!given("--negative")) req.negative_prompt = from.negative_prompt;
@@ -213,17 +289,20 @@ void apply_cli_preset(const CLI::App* cmd, const std::string& name, engine::Gene
   if (!given("--steps")) req.steps = from.steps;
   if (!given("--cfg")) req.cfg = from.cfg;
   if (!given("--scheduler")) req.sampler = from.sampler;
-  if (!given("--strategy")) req.strategy = from.strategy;
-  if (!given("--devices")) req.devices = from.devices;
+  if (!given("--strategy")) req.strategy.name = from.strategy.name;
+  if (!given("--devices")) req.strategy.devices = from.strategy.devices;
+  if (!given("--skip")) req.strategy.skip = from.strategy.skip;
   std::cout << "preset '" << preset.name << "': prompt '" << req.prompt << "'\n";
 }
 
-int compare(engine::GenerationRequest request, const std::string& strategy, int devices, const fs::path& out_dir) {
+int compare(job::GenerationRequest request, const fs::path& out_dir) {
+  const auto strategy = request.strategy.display_name();
+  const int devices = request.strategy.devices;
   fs::create_directories(out_dir);
   request.preview_every = 0;
   engine::Engine eng;
-  engine::CancelToken never;
-  const auto c = engine::compare(eng, request, strategy, devices, {}, never);
+  job::CancelToken never;
+  const auto c = engine::compare(eng, request, request.strategy, {}, never);
   const io::PngText base_text = {{"parameters", c.baseline.a1111_parameters}, {"diffract", c.baseline.metadata_json}};
   const io::PngText acc_text = {{"parameters", c.accelerated.a1111_parameters},
                                 {"diffract", c.accelerated.metadata_json}};
@@ -270,10 +349,13 @@ int main(int argc, char** argv) {
   enc_cmd->add_option("--component", component, "text_encoder or text_encoder_2")
       ->check(CLI::IsMember({"text_encoder", "text_encoder_2"}));
 
-  engine::GenerationRequest req;
+  job::GenerationRequest req;
+  DeviceOptions device_options;
+  std::string gpus;
   std::string out_path, preview_dir, out_dir;
   auto* gen_cmd = app.add_subcommand("generate", "Text to image; writes a PNG carrying its parameters");
   add_generation_options(gen_cmd, req);
+  add_device_options(gen_cmd, device_options, gpus);
   gen_cmd->add_option("--preview-dir", preview_dir, "write each step's preview here");
   std::string preview_size = "auto";
   gen_cmd->add_option("--preview-size", preview_size,
@@ -285,24 +367,21 @@ int main(int argc, char** argv) {
                       "preset name or .json file: its settings, --prompt filling its {subject}; options given override it");
   gen_cmd->add_option("--out", out_path, "output .png")->required();
 
-  std::string compare_strategy;
-  int compare_devices = 2;
   auto* cmp_cmd = app.add_subcommand("compare", "A strategy against the one-device baseline, same seed: speed and quality");
   add_generation_options(cmp_cmd, req, /*with_strategy=*/false);
-  cmp_cmd->add_option("--strategy", compare_strategy,
-                      "cfg-parallel, hybrid-cfg, driffusion, driffusion-aggressive, data-parallel, step-skip, "
-                      "pipefusion (SD3), cfg-pipefusion (SD3, even devices), asyncdiff (SD / SDXL), asyncdiff-stride2 (SD / SDXL, "
-                      "3+ devices), distrifusion (SD / SDXL)")
-      ->required();
-  cmp_cmd->add_option("--devices", compare_devices, "devices (drafts per round for DRiffusion, skip for step-skip)")
-      ->capture_default_str();
+  cmp_cmd->add_option("--strategy", req.strategy.name, "a strategy other than single (listed below)")->required();
+  add_device_options(cmp_cmd, device_options, gpus);
   cmp_cmd->add_option("--out-dir", out_dir, "folder for baseline.png, <strategy>.png and heatmap.png")->required();
 
   CLI11_PARSE(app, argc, argv);
   log::set_verbose(verbose);
   try {
     if (info_cmd->parsed()) {
-      std::cout << describe(build_info()) << "\n";
+      std::cout << describe(build_info()) << "\n\nRuntime options (environment; job-scope ones may differ per job):\n";
+      for (const auto& o : options::table()) {
+        std::cout << "  " << o.name << "=" << options::value(o.id) << (options::is_set(o.id) ? "" : " (default)") << "  ["
+                  << options::type_name(o.type) << ", " << options::scope_name(o.scope) << "] " << o.doc << "\n";
+      }
       return 0;
     }
     if (inspect_cmd->parsed()) return inspect(inspect_path);
@@ -313,12 +392,20 @@ int main(int argc, char** argv) {
       if (req.model.empty())
         throw Error("no --model given and no embedded model (resources/models/diffract-emoji) found");
     }
+    if (gen_cmd->parsed() || cmp_cmd->parsed()) device_options.gpus = parse_gpus(gpus);
     if (gen_cmd->parsed()) {
       if (!preset_name.empty()) apply_cli_preset(gen_cmd, preset_name, req);
+      apply_devices(req, device_options);
       req.preview_max_side = parse_preview_size(preview_size);
       return generate(req, out_path, preview_dir);
     }
-    if (cmp_cmd->parsed()) return compare(req, compare_strategy, compare_devices, out_dir);
+    if (cmp_cmd->parsed()) {
+      if (device_options.devices == 0 && req.device == "cpu" &&
+          !parallel::strategy_info(req.strategy.name).takes(parallel::Param::Skip))
+        device_options.devices = 2;
+      apply_devices(req, device_options);
+      return compare(req, out_dir);
+    }
   } catch (const Error& e) {
     log::get("cli").error(e.what());
     return 1;

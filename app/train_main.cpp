@@ -60,7 +60,7 @@ json evaluate(const fs::path& model, const fs::path& atlas_dir, const fs::path& 
   double gen_seconds = 0;
   for (std::size_t k = 0; k < specs.size(); ++k) {
     const auto& spec = specs[k];
-    engine::GenerationRequest req;
+    job::GenerationRequest req;
     req.prompt = composer.full_caption(spec);
     req.steps = steps;
     req.cfg = cfg;
@@ -69,7 +69,7 @@ json evaluate(const fs::path& model, const fs::path& atlas_dir, const fs::path& 
     req.width = req.height = static_cast<int>(size);
     req.device = device;
     const auto t0 = std::chrono::steady_clock::now();
-    auto result = pipe->generate(req, {}, engine::CancelToken{});
+    auto result = pipe->generate(req, {}, job::CancelToken{});
     gen_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const auto& img = result.images.front();
     auto gen = at::from_blob(const_cast<std::uint8_t*>(img.rgb.data()), {size, size, 3}, at::kByte)

@@ -323,7 +323,7 @@ class TestCfgPipeFusion : public QObject {
   // stage_of hand-off is what stageReplicasHoldEnough checks.)
   void sd3PipelineRunsIt() {
     auto pipe = pipeline::StableDiffusion3::load(test::fixtures() / "sd3_pipeline" / "tiny-sd3", "cpu");
-    engine::GenerationRequest r;
+    job::GenerationRequest r;
     r.model = (test::fixtures() / "sd3_pipeline" / "tiny-sd3").string();
     r.prompt = "a red apple";
     r.negative_prompt = "blurry";
@@ -331,11 +331,11 @@ class TestCfgPipeFusion : public QObject {
     r.cfg = 5.0;
     r.seed = 3;
     r.preview_every = 2;
-    engine::CancelToken never;
+    job::CancelToken never;
     int previews = 0, steps = 0;
-    engine::JobObserver obs;
-    obs.on_preview = [&](const engine::PreviewEvent&) { ++previews; };
-    obs.on_step = [&](const engine::StepEvent&) { ++steps; };
+    job::JobObserver obs;
+    obs.on_preview = [&](const job::PreviewEvent&) { ++previews; };
+    obs.on_step = [&](const job::StepEvent&) { ++steps; };
     const auto run = [&](const std::string& name, int devices, int patches) {
       previews = steps = 0;
       return test::strategy_job(*pipe, r, name, devices, r.batch, patches, obs);
@@ -354,9 +354,9 @@ class TestCfgPipeFusion : public QObject {
     const auto weights = stats["weights_per_rank"].get<std::vector<std::int64_t>>();
     const auto pf_weights = pf_stats["weights_per_rank"].get<std::vector<std::int64_t>>();
     QCOMPARE(weights, (std::vector<std::int64_t>{pf_weights[0], pf_weights[1], pf_weights[0], pf_weights[1]}));
-    const auto refused = [&](engine::GenerationRequest q, const std::string& name, int devices) {
-      q.strategy = name;
-      q.devices = devices;
+    const auto refused = [&](job::GenerationRequest q, const std::string& name, int devices) {
+      q.strategy.name = name;
+      q.strategy.devices = devices;
       pipe->generate(q, {}, never);
     };
     DIFFRACT_EXPECT_ERROR(refused(r, "cfg-pipefusion", 3), "even number of devices");
@@ -369,7 +369,7 @@ class TestCfgPipeFusion : public QObject {
   // A cancel while patches are in flight ends every rank of both pipelines without a hang.
   void cancelEndsBothPipelines() {
     auto in = sd3_inputs(6, 1, 4.0);
-    engine::CancelToken token;
+    job::CancelToken token;
     in.cancel = &token;
     in.on_step = [&](int i, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
       if (i == 2) token.cancel();
@@ -377,7 +377,7 @@ class TestCfgPipeFusion : public QObject {
     bool cancelled = false;
     try {
       run(cfg_pipefusion(2, 4, 1), in);
-    } catch (const engine::Cancelled&) {
+    } catch (const job::Cancelled&) {
       cancelled = true;
     }
     QVERIFY(cancelled);

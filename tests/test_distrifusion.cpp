@@ -754,7 +754,7 @@ class TestDistriFusion : public QObject {
     DistriFusion d;
     d.n = 4;
     d.warmup = 1;
-    engine::CancelToken token;
+    job::CancelToken token;
     in.cancel = &token;
     int last = -1;
     in.on_step = [&](int i, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
@@ -764,7 +764,7 @@ class TestDistriFusion : public QObject {
     bool cancelled = false;
     try {
       run(d, in);
-    } catch (const engine::Cancelled&) {
+    } catch (const job::Cancelled&) {
       cancelled = true;
     }
     QVERIFY(cancelled);
@@ -784,14 +784,14 @@ class TestDistriFusion : public QObject {
   void pipelineRunsDistriFusion() {
     for (const char* model : {"tiny-sd", "tiny-sdxl"}) {
       auto sd = pipeline::StableDiffusion::load(test::fixtures() / model, "cpu");
-      engine::GenerationRequest req;
+      job::GenerationRequest req;
       req.prompt = "a red apple";
       req.negative_prompt = "blurry";
       req.steps = 6;
       req.cfg = 5.0;
       req.seed = 3;
       req.sampler = "euler";
-      engine::CancelToken never;
+      job::CancelToken never;
       const auto base = sd->generate(req, {}, never);
       DistriFusion sync;
       sync.n = 2;

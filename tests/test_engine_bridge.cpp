@@ -10,8 +10,8 @@ using diffract::ui::EngineBridge;
 
 namespace {
 
-engine::GenerationRequest tiny(int steps) {
-  engine::GenerationRequest r;
+job::GenerationRequest tiny(int steps) {
+  job::GenerationRequest r;
   r.model = (test::fixtures() / "tiny-sd").string();
   r.prompt = "a red apple";
   r.steps = steps;

@@ -286,29 +286,29 @@ class TestMainWindow : public QObject {
     setUpJob(w, 2);
     auto request = w.requestFromFields();
     QCOMPARE(request.device, std::string("cpu"));
-    QCOMPARE(request.devices, 1);
+    QCOMPARE(request.strategy.devices, 1);
     // Without a GPU the device count is the CPU's virtual devices.
     child<QComboBox>(w, "strategyCombo")->setCurrentIndex(child<QComboBox>(w, "strategyCombo")->findData("driffusion"));
     child<QSpinBox>(w, "devicesSpin")->setValue(3);
     request = w.requestFromFields();
     QCOMPARE(request.device, std::string("cpu"));
-    QCOMPARE(request.strategy, std::string("driffusion"));
-    QCOMPARE(request.devices, 3);
+    QCOMPARE(request.strategy.name, std::string("driffusion"));
+    QCOMPARE(request.strategy.devices, 3);
     QVERIFY2(child<QLabel>(w, "deviceSummaryLabel")->text().contains("CPU as 3 virtual devices"),
              qPrintable(child<QLabel>(w, "deviceSummaryLabel")->text()));
     // Patches count only for the PipeFusion strategies.
     auto* patches = child<QSpinBox>(w, "patchesSpin");
     QVERIFY(!patches->isEnabled());
     patches->setValue(4);
-    QCOMPARE(w.requestFromFields().patches, 0);
+    QCOMPARE(w.requestFromFields().strategy.patches, 0);
     for (const char* name : {"pipefusion", "cfg-pipefusion"}) {
       child<QComboBox>(w, "strategyCombo")->setCurrentIndex(child<QComboBox>(w, "strategyCombo")->findData(name));
       QVERIFY(patches->isEnabled());
-      QCOMPARE(w.requestFromFields().patches, 4);
+      QCOMPARE(w.requestFromFields().strategy.patches, 4);
     }
     patches->setValue(0);
     QCOMPARE(patches->text(), QStringLiteral("auto"));
-    QCOMPARE(w.requestFromFields().patches, 0);
+    QCOMPARE(w.requestFromFields().strategy.patches, 0);
   }
 
   void gpuTogglesDecideTheRequestAndPersist() {
@@ -329,12 +329,12 @@ class TestMainWindow : public QObject {
       strategy->setCurrentIndex(strategy->findData("cfg-parallel"));
       auto request = w.requestFromFields();
       QCOMPARE(request.device, std::string("cuda:0"));
-      QCOMPARE(request.devices, 2);
+      QCOMPARE(request.strategy.devices, 2);
       a->setChecked(false);
       strategy->setCurrentIndex(strategy->findData("single"));
       request = w.requestFromFields();
       QCOMPARE(request.device, std::string("cuda:1"));
-      QCOMPARE(request.devices, 1);
+      QCOMPARE(request.strategy.devices, 1);
       b->setChecked(false);
       QCOMPARE(w.requestFromFields().device, std::string("cpu"));
       b->setChecked(true);

@@ -768,7 +768,7 @@ class TestParallel : public QObject {
   void pipelineRunsStrategies() {
     for (const char* model : {"tiny-sd", "tiny-sdxl"}) {
       auto sd = pipeline::StableDiffusion::load(test::fixtures() / model, "cpu");
-      engine::GenerationRequest req;
+      job::GenerationRequest req;
       req.prompt = "a red apple";
       req.negative_prompt = "blurry";
       req.steps = 4;
@@ -776,11 +776,11 @@ class TestParallel : public QObject {
       req.seed = 3;
       req.sampler = "euler";
       req.preview_every = 2;
-      engine::CancelToken never;
+      job::CancelToken never;
       int previews = 0, steps = 0;
-      engine::JobObserver obs;
-      obs.on_preview = [&](const engine::PreviewEvent&) { ++previews; };
-      obs.on_step = [&](const engine::StepEvent&) { ++steps; };
+      job::JobObserver obs;
+      obs.on_preview = [&](const job::PreviewEvent&) { ++previews; };
+      obs.on_step = [&](const job::StepEvent&) { ++steps; };
       const auto base = sd->generate(req, {}, never);
       const auto same = sd->generate(req, obs, never, make_strategy("single", 1).get());
       QCOMPARE(previews, 2);
@@ -818,7 +818,7 @@ class TestParallel : public QObject {
     // `last`: the last step reported.
     int last = -1;
     const auto cancelled_at = [&](const Strategy& s, LoopInputs in, int when) {
-      engine::CancelToken token;
+      job::CancelToken token;
       in.cancel = &token;
       last = -1;
       in.on_step = [&](int i, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
@@ -827,7 +827,7 @@ class TestParallel : public QObject {
       };
       try {
         run(s, in);
-      } catch (const engine::Cancelled&) {
+      } catch (const job::Cancelled&) {
         return true;
       }
       return false;

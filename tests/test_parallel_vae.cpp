@@ -95,8 +95,8 @@ int64_t count_norms(torch::nn::Module& m) {
 }
 
 // A 2-step tiny-SDXL request of `batch` images at width x height, CFG 5, no previews.
-engine::GenerationRequest tiny_request(int width, int height, int batch, std::uint64_t seed) {
-  engine::GenerationRequest req;
+job::GenerationRequest tiny_request(int width, int height, int batch, std::uint64_t seed) {
+  job::GenerationRequest req;
   req.prompt = "a red apple";
   req.negative_prompt = "blurry";
   req.width = width;
@@ -111,7 +111,7 @@ engine::GenerationRequest tiny_request(int width, int height, int batch, std::ui
 }
 
 // The largest difference in 8-bit levels between two results' images, image by image.
-int worst_levels(const engine::GenerationResult& one, const engine::GenerationResult& two) {
+int worst_levels(const job::GenerationResult& one, const job::GenerationResult& two) {
   if (one.images.size() != two.images.size()) return 256;
   int worst = 0;
   for (std::size_t k = 0; k < one.images.size(); ++k) {
@@ -383,9 +383,9 @@ class TestParallelVae : public QObject {
   // A data-parallel job of 3 images on 2 virtual devices decodes them on both ranks (metadata
   // says so) and gives the images of the one-device decode (DIFFRACT_BATCH_VAE=0).
   void pipelineBatchJob() {
-    auto sd = pipeline::StableDiffusion::random(pipeline::Family::SDXL, /*tiny=*/true, "cpu");
+    auto sd = pipeline::StableDiffusion::random(job::ModelFamily::SDXL, /*tiny=*/true, "cpu");
     const auto req = tiny_request(64, 64, 3, 4);
-    engine::CancelToken never;
+    job::CancelToken never;
     const auto strategy = make_strategy("data-parallel", 2);
     setenv("DIFFRACT_BATCH_VAE", "0", 1);
     const auto one = sd->generate(req, {}, never, strategy.get());
@@ -401,9 +401,9 @@ class TestParallelVae : public QObject {
   // A cfg-parallel job on 2 virtual devices decodes on both (metadata says so) and gives the
   // image of the one-device decode (DIFFRACT_PARALLEL_VAE=0), with either split.
   void pipelineJob() {
-    auto sd = pipeline::StableDiffusion::random(pipeline::Family::SDXL, /*tiny=*/true, "cpu");
+    auto sd = pipeline::StableDiffusion::random(job::ModelFamily::SDXL, /*tiny=*/true, "cpu");
     const auto req = tiny_request(64, 72, 1, 3);  // 9 latent rows: bands of 5 and 4
-    engine::CancelToken never;
+    job::CancelToken never;
     const auto strategy = make_strategy("cfg-parallel", 2);
     setenv("DIFFRACT_PARALLEL_VAE", "0", 1);
     const auto one = sd->generate(req, {}, never, strategy.get());

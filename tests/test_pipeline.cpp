@@ -19,8 +19,8 @@ namespace {
 constexpr int kMaxLevels = 1;
 constexpr double kMaxMeanLevels = 0.05;
 
-engine::GenerationRequest request_for(const nlohmann::json& c, const std::string& model) {
-  engine::GenerationRequest r;
+job::GenerationRequest request_for(const nlohmann::json& c, const std::string& model) {
+  job::GenerationRequest r;
   r.model = (test::fixtures() / model).string();
   r.prompt = c["prompt"];
   r.negative_prompt = c["negative_prompt"];
@@ -50,6 +50,7 @@ class TestPipeline : public QObject {
     QTest::addColumn<int>("index");
     std::ifstream in(test::fixtures() / "pipeline_cases.json");
     const auto cases = nlohmann::json::parse(in);
+    QVERIFY2(cases.size() >= 13, "pipeline_cases.json lists too few cases");
     for (std::size_t i = 0; i < cases.size(); ++i)
       QTest::newRow(cases[i]["name"].get<std::string>().c_str()) << static_cast<int>(i);
   }
@@ -60,8 +61,8 @@ class TestPipeline : public QObject {
     const auto c = nlohmann::json::parse(in)[static_cast<std::size_t>(index)];
     const std::string name = c["name"];
     const auto expected = io::load_state_dict(test::fixtures() / "pipeline_cases.safetensors").at(name);
-    auto request = request_for(c, name.rfind("xl.", 0) == 0 ? "tiny-sdxl" : "tiny-sd");
-    engine::CancelToken never;
+    auto request = request_for(c, c["model"].get<std::string>());
+    job::CancelToken never;
     const auto result = engine_.run(request, {}, never);
     QCOMPARE(static_cast<int64_t>(result.images.size()), expected.size(0));
     for (std::size_t b = 0; b < result.images.size(); ++b) {
@@ -76,13 +77,16 @@ class TestPipeline : public QObject {
                               .arg(diff.to(at::kFloat).mean().item<float>())));
     }
     QCOMPARE(result.request.sampler, c["sampler"].get<std::string>());
+    // Zeros or an encoded empty prompt for the negative branch, as diffusers chose for this model.
+    QCOMPARE(nlohmann::json::parse(result.metadata_json)["negative_conditioning"].get<std::string>(),
+             c["negative_conditioning"].get<std::string>());
     QVERIFY(result.a1111_parameters.find("Seed: " + std::to_string(request.seed)) != std::string::npos);
     QCOMPARE(static_cast<int>(result.timings.step_ms.size()), request.steps);
   }
 
   void singleFileGivesTheFolderImage() {
     for (const char* name : {"tiny-sd", "tiny-sdxl"}) {
-      engine::GenerationRequest folder;
+      job::GenerationRequest folder;
       folder.model = (test::fixtures() / name).string();
       folder.prompt = "a glass bottle of perfume on white";
       folder.steps = 3;
@@ -91,7 +95,7 @@ class TestPipeline : public QObject {
       auto single = folder;
       single.model = (test::fixtures() / "single_file" / (std::string(name) + ".safetensors")).string();
       single.model_config = folder.model;  // tiny models break the families' head-count conventions
-      engine::CancelToken never;
+      job::CancelToken never;
       const auto a = engine_.run(folder, {}, never);
       const auto b = engine_.run(single, {}, never);
       QVERIFY2(a.images.front().rgb == b.images.front().rgb, name);
@@ -100,7 +104,7 @@ class TestPipeline : public QObject {
   }
 
   void streamsEventsAndPreviews() {
-    engine::GenerationRequest r;
+    job::GenerationRequest r;
     r.model = (test::fixtures() / "tiny-sd").string();
     r.prompt = "a cat";
     r.steps = 4;
@@ -108,14 +112,14 @@ class TestPipeline : public QObject {
     r.preview_every = 2;
     std::vector<int> steps, previews;
     std::vector<std::string> stages;
-    engine::JobObserver o;
-    o.on_step = [&](const engine::StepEvent& e) { steps.push_back(e.index); };
-    o.on_preview = [&](const engine::PreviewEvent& e) {
+    job::JobObserver o;
+    o.on_step = [&](const job::StepEvent& e) { steps.push_back(e.index); };
+    o.on_preview = [&](const job::PreviewEvent& e) {
       previews.push_back(e.index);
       QCOMPARE(e.image.rgb.size(), std::size_t(e.image.width) * e.image.height * 3);
     };
     o.on_stage = [&](const std::string& s, double) { stages.push_back(s); };
-    engine::CancelToken never;
+    job::CancelToken never;
     const auto result = engine_.run(r, o, never);
     QCOMPARE(steps, (std::vector<int>{0, 1, 2, 3}));
     QCOMPARE(previews, (std::vector<int>{1, 3}));
@@ -126,7 +130,7 @@ class TestPipeline : public QObject {
   }
 
   void previewsThroughTAESD() {
-    engine::GenerationRequest r;
+    job::GenerationRequest r;
     r.model = (test::fixtures() / "tiny-sd").string();
     r.taesd = (test::fixtures() / "vae" / "tiny4").string();  // a 4-channel AutoencoderTiny from the VAE oracle
     r.prompt = "a cat";
@@ -135,9 +139,9 @@ class TestPipeline : public QObject {
     r.height = 48;
     r.preview_max_side = 0;  // full size
     std::vector<std::pair<int, int>> sizes;
-    engine::JobObserver o;
-    o.on_preview = [&](const engine::PreviewEvent& e) { sizes.emplace_back(e.image.width, e.image.height); };
-    engine::CancelToken never;
+    job::JobObserver o;
+    o.on_preview = [&](const job::PreviewEvent& e) { sizes.emplace_back(e.image.width, e.image.height); };
+    job::CancelToken never;
     engine_.run(r, o, never);
     // TAESD decodes to full resolution (its 8x upscale of the tiny model's 32x24 latents), where
     // the latent projection would give 32x24.
@@ -165,34 +169,34 @@ class TestPipeline : public QObject {
   }
 
   void cancelsPromptlyAndStaysUsable() {
-    engine::GenerationRequest r;
+    job::GenerationRequest r;
     r.model = (test::fixtures() / "tiny-sd").string();
     r.prompt = "a cat";
     r.steps = 50;
     r.width = r.height = 64;
     r.preview_every = 0;
-    engine::CancelToken token;
+    job::CancelToken token;
     int seen = 0;
-    engine::JobObserver o;
-    o.on_step = [&](const engine::StepEvent& e) {
+    job::JobObserver o;
+    o.on_step = [&](const job::StepEvent& e) {
       seen = e.index + 1;
       if (e.index == 2) token.cancel();
     };
     bool cancelled = false;
     try {
       engine_.run(r, o, token);
-    } catch (const engine::Cancelled&) {
+    } catch (const job::Cancelled&) {
       cancelled = true;
     }
     QVERIFY(cancelled);
     QCOMPARE(seen, 3);  // stopped before the 4th step
     r.steps = 2;
-    engine::CancelToken fresh;
+    job::CancelToken fresh;
     QCOMPARE(engine_.run(r, {}, fresh).images.size(), std::size_t(1));
   }
 
   void workerThreadReportsOutcomes() {
-    engine::GenerationRequest good;
+    job::GenerationRequest good;
     good.model = (test::fixtures() / "tiny-sd").string();
     good.prompt = "a cat";
     good.steps = 2;
@@ -201,8 +205,8 @@ class TestPipeline : public QObject {
     bad.sampler = "heun";
     std::atomic<int> done{0}, errors{0};
     std::string message;
-    engine::JobObserver o;
-    o.on_done = [&](const engine::GenerationResult&) { ++done; };
+    job::JobObserver o;
+    o.on_done = [&](const job::GenerationResult&) { ++done; };
     o.on_error = [&](const std::string& m) {
       message = m;
       ++errors;
@@ -216,12 +220,12 @@ class TestPipeline : public QObject {
   }
 
   void rejectsBadRequests() {
-    engine::GenerationRequest r;
+    job::GenerationRequest r;
     r.model = (test::fixtures() / "tiny-sd").string();
     r.prompt = "x";
     r.steps = 2;
-    engine::CancelToken never;
-    auto expect = [&](engine::GenerationRequest req, const char* fragment) {
+    job::CancelToken never;
+    auto expect = [&](job::GenerationRequest req, const char* fragment) {
       DIFFRACT_EXPECT_ERROR(engine_.run(req, {}, never), fragment);
     };
     auto q = r;
@@ -256,12 +260,12 @@ class TestPipeline : public QObject {
   }
 
   void reportsNaNsInsteadOfABlackImage() {
-    engine::GenerationRequest r;
+    job::GenerationRequest r;
     r.model = (test::fixtures() / "tiny-sd-nan").string();  // the oracle poisons conv_out.bias
     r.prompt = "x";
     r.steps = 2;
     r.width = r.height = 64;
-    engine::CancelToken never;
+    job::CancelToken never;
     DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "NaN or Inf after step 1");
   }
 

@@ -47,7 +47,7 @@ class TestPreset : public QObject {
     p.sampler = "dpmpp-2m-karras";
     p.cfg = 6.25;
     p.strategy = "step-skip";
-    p.devices = 3;
+    p.skip = 3;
     const fs::path file = tmp("user/presets/round-trip.json");
     engine::save_preset(p, file);
     const auto q = engine::load_preset(file);
@@ -61,7 +61,8 @@ class TestPreset : public QObject {
     QCOMPARE(q.sampler, p.sampler);
     QCOMPARE(q.cfg, 6.25);
     QCOMPARE(q.strategy, p.strategy);
-    QCOMPARE(q.devices, 3);
+    QCOMPARE(q.skip, 3);
+    QCOMPARE(q.devices, 1);
     QCOMPARE(engine::preset_file_name(p.name), std::string("round-trip.json"));
     QCOMPARE(engine::preset_file_name("  Hero   Banner 16:9 "), std::string("hero-banner-16-9.json"));
     QCOMPARE(engine::preset_file_name("!!!"), std::string("preset.json"));
@@ -94,7 +95,7 @@ class TestPreset : public QObject {
     QCOMPARE(engine::fill_prompt_template("a {subject} and a {subject}!", "mug"), std::string("a mug and a mug!"));
     QCOMPARE(engine::fill_prompt_template("{subject}", ""), std::string());
     const auto p = engine::parse_preset(kValid, "inline");
-    engine::GenerationRequest r;
+    job::GenerationRequest r;
     r.model = "m";
     r.seed = 9;
     engine::apply_preset(p, "a red teapot", r);
@@ -107,6 +108,24 @@ class TestPreset : public QObject {
     QCOMPARE(r.cfg, 5.5);
     QCOMPARE(r.model, std::string("m"));  // untouched
     QCOMPARE(r.seed, std::uint64_t(9));
+  }
+
+  // step-skip's skip factor has a field of its own; files that gave it as "devices" read the same.
+  void stepSkipReadsItsSkipFactor() {
+    const std::string head = R"({"name": "S", "prompt_template": "{subject}", "width": 0, "height": 0, "steps": 20,
+      "sampler": "", "cfg": 5, "strategy": "step-skip", )";
+    auto p = engine::parse_preset(head + R"("skip": 4})", "new");
+    QCOMPARE(p.skip, 4);
+    QCOMPARE(p.devices, 1);
+    p = engine::parse_preset(head + R"("devices": 3})", "old");
+    QCOMPARE(p.skip, 3);
+    QCOMPARE(p.devices, 1);
+    job::GenerationRequest r;
+    engine::apply_preset(p, "x", r);
+    QCOMPARE(r.strategy.name, std::string("step-skip"));
+    QCOMPARE(r.strategy.skip, 3);
+    QCOMPARE(r.strategy.devices, 1);
+    DIFFRACT_EXPECT_ERROR(engine::parse_preset(head + R"("skip": 0})", "zero"), "zero", "strategy", "skip of 1 or more");
   }
 
   void badFilesGiveNamedErrors_data() {

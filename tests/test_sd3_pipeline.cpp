@@ -8,6 +8,7 @@
 #include "core/engine/engine.h"
 #include "core/parallel/strategies.h"
 #include "core/io/weights.h"
+#include "core/pipeline/factory.h"
 #include "core/pipeline/stable_diffusion_3.h"
 #include "core/text/t5_tokenizer.h"
 #include "core/util/error.h"
@@ -34,8 +35,8 @@ nlohmann::json cases() {
   return nlohmann::json::parse(in);
 }
 
-engine::GenerationRequest request_for(const nlohmann::json& c) {
-  engine::GenerationRequest r;
+job::GenerationRequest request_for(const nlohmann::json& c) {
+  job::GenerationRequest r;
   r.model = model().string();
   r.prompt = c["prompt"];
   r.negative_prompt = c["negative_prompt"];
@@ -114,7 +115,7 @@ class TestSD3Pipeline : public QObject {
     QVERIFY(at::equal(at::randn(initial.sizes(), gen, at::kFloat), initial));
 
     const auto request = request_for(c);
-    engine::CancelToken never;
+    job::CancelToken never;
     const auto result = pipe_->generate(request, {}, never, initial);
     const auto latents = at::from_blob(const_cast<float*>(result.latents.data()), result.latents_shape, at::kFloat);
     const auto expected_latents = e.at(name + ".latents.final");
@@ -155,21 +156,21 @@ class TestSD3Pipeline : public QObject {
 
   void runsThroughTheEngineWithPreviews() {
     engine::Engine eng;
-    engine::GenerationRequest r;
+    job::GenerationRequest r;
     r.model = model().string();
     r.prompt = "a red apple";
     r.steps = 3;
     r.preview_every = 1;
     std::vector<int> steps, previews;
-    engine::JobObserver o;
-    o.on_step = [&](const engine::StepEvent& e) { steps.push_back(e.index); };
+    job::JobObserver o;
+    o.on_step = [&](const job::StepEvent& e) { steps.push_back(e.index); };
     int preview_width = 0;
-    o.on_preview = [&](const engine::PreviewEvent& e) {
+    o.on_preview = [&](const job::PreviewEvent& e) {
       previews.push_back(e.index);
       preview_width = e.image.width;
       QCOMPARE(e.image.rgb.size(), std::size_t(e.image.width) * e.image.height * 3);
     };
-    engine::CancelToken never;
+    job::CancelToken never;
     const auto result = eng.run(r, o, never);
     QCOMPARE(preview_width, 16);  // the colour projection, at latent resolution
     QCOMPARE(result.family, std::string("sd3"));
@@ -179,7 +180,7 @@ class TestSD3Pipeline : public QObject {
   }
 
   void previewsThroughA16ChannelTAESD() {
-    engine::GenerationRequest r;
+    job::GenerationRequest r;
     r.model = model().string();
     r.prompt = "a red apple";
     r.steps = 2;
@@ -187,9 +188,9 @@ class TestSD3Pipeline : public QObject {
     r.taesd = (test::fixtures() / "vae" / "tiny16").string();  // a tiny random AutoencoderTiny of 16 channels
     r.preview_max_side = 0;  // full size (auto would average the 16 latent rows down to 8)
     std::vector<int> widths;
-    engine::JobObserver o;
-    o.on_preview = [&](const engine::PreviewEvent& e) { widths.push_back(e.image.width); };
-    engine::CancelToken never;
+    job::JobObserver o;
+    o.on_preview = [&](const job::PreviewEvent& e) { widths.push_back(e.image.width); };
+    job::CancelToken never;
     pipe_->generate(r, o, never);
     QCOMPARE(widths, (std::vector<int>{16 * 8, 16 * 8}));  // TAESD's 8x of the 16-latent side
     r.taesd = (test::fixtures() / "vae" / "tiny4").string();
@@ -197,27 +198,27 @@ class TestSD3Pipeline : public QObject {
   }
 
   void refusesWhatDoesNotApply() {
-    engine::GenerationRequest r;
+    job::GenerationRequest r;
     r.model = model().string();
     r.prompt = "x";
     r.steps = 2;
-    engine::CancelToken never;
+    job::CancelToken never;
     r.sampler = "euler";
     DIFFRACT_EXPECT_ERROR(pipe_->generate(r, {}, never), "flow-matching", "euler");
     r.sampler.clear();
     r.width = 42;  // a multiple of the VAE's 2, not of 2 x patch 2
     DIFFRACT_EXPECT_ERROR(pipe_->generate(r, {}, never), "size 42x32", "multiple of 4");
     r.width = 0;
-    r.strategy = "hybrid-cfg";
-    r.devices = 2;
+    r.strategy.name = "hybrid-cfg";
+    r.strategy.devices = 2;
     DIFFRACT_EXPECT_ERROR(pipe_->generate(r, {}, never), "hybrid-cfg", "SD3's MMDiT has none");
-    r.strategy.clear();
+    r.strategy = {};
     DIFFRACT_EXPECT_ERROR(pipe_->generate(r, {}, never, at::zeros({1, 4, 16, 16})), "initial latents");
   }
 
   // The multi-device strategies on CPU virtual devices against the plain loop.
   void runsStrategies() {
-    engine::GenerationRequest r;
+    job::GenerationRequest r;
     r.model = model().string();
     r.prompt = "a red apple";
     r.negative_prompt = "blurry";
@@ -225,12 +226,12 @@ class TestSD3Pipeline : public QObject {
     r.cfg = 5.0;
     r.seed = 3;
     r.preview_every = 2;
-    engine::CancelToken never;
+    job::CancelToken never;
     const auto base = test::latents_tensor(pipe_->generate(r, {}, never));
     int previews = 0, steps = 0;
-    engine::JobObserver obs;
-    obs.on_preview = [&](const engine::PreviewEvent&) { ++previews; };
-    obs.on_step = [&](const engine::StepEvent&) { ++steps; };
+    job::JobObserver obs;
+    obs.on_preview = [&](const job::PreviewEvent&) { ++previews; };
+    obs.on_step = [&](const job::StepEvent&) { ++steps; };
     const auto run = [&](const std::string& name, int devices, int batch = 1, int patches = 0) {
       previews = steps = 0;
       return test::strategy_job(*pipe_, r, name, devices, batch, patches, obs);
@@ -290,10 +291,10 @@ class TestSD3Pipeline : public QObject {
       DIFFRACT_EXPECT_ERROR(pipeline::StableDiffusion3::load(copy, "cpu"), component, "missing");
       // The engine picks the SD3 pipeline from model_index.json and reports the same.
       engine::Engine eng;
-      engine::GenerationRequest r;
+      job::GenerationRequest r;
       r.model = copy.string();
       r.prompt = "x";
-      engine::CancelToken never;
+      job::CancelToken never;
       DIFFRACT_EXPECT_ERROR(eng.run(r, {}, never), component, "missing");
     }
   }
@@ -317,7 +318,7 @@ class TestSD3Pipeline : public QObject {
     QVERIFY(ours.prompt_embeds.narrow(1, 77, 256).abs().max().item<double>() > 0.1);  // T5's part is not zeros
 
     const auto request = request_for(c);
-    engine::CancelToken never;
+    job::CancelToken never;
     const auto result = pipe_t5_->generate(request, {}, never, e.at(name + ".latents.initial"));
     DIFFRACT_COMPARE_TENSORS(test::latents_tensor(result), e.at(name + ".latents.final"), kLatentTol);
     qInfo("%s: prompt embeddings max |diff| %.3g, final latents %.3g", name.c_str(),
@@ -357,7 +358,7 @@ class TestSD3Pipeline : public QObject {
     auto r = request_for(c);
     r.model = model_t5().string();
     r.drop_t5 = true;
-    engine::CancelToken never;
+    job::CancelToken never;
     const auto result = eng.run(r, {}, never);
     QCOMPARE(nlohmann::json::parse(result.metadata_json)["t5"].get<std::string>(), std::string("dropped"));
   }
@@ -410,12 +411,12 @@ class TestSD3Pipeline : public QObject {
     }
     auto p = pipeline::StableDiffusion3::load(copy, "cpu", options);
     QVERIFY(p->t5_dropped());
-    engine::GenerationRequest r;
+    job::GenerationRequest r;
     r.model = copy.string();
     r.prompt = "a red apple";
     r.steps = 1;
     r.preview_every = 0;
-    engine::CancelToken never;
+    job::CancelToken never;
     const auto result = p->generate(r, {}, never);
     QCOMPARE(nlohmann::json::parse(result.metadata_json)["t5"].get<std::string>(), std::string("dropped"));
     // Without T5 the job is the T5-less folder's job.

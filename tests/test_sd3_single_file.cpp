@@ -7,12 +7,13 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
-#include "core/engine/generation.h"
+#include "core/job/job.h"
 #include "core/io/diffusers_folder.h"
 #include "core/io/safetensors.h"
 #include "core/io/single_file.h"
 #include "core/io/weights.h"
 #include "core/pipeline/single_file.h"
+#include "core/pipeline/factory.h"
 #include "core/pipeline/stable_diffusion_3.h"
 #include "core/text/t5_tokenizer.h"
 #include "core/util/error.h"
@@ -52,8 +53,8 @@ fs::path configs_only(const QTemporaryDir& tmp, const fs::path& folder, const st
   return out;
 }
 
-engine::GenerationRequest request(const std::string& model) {
-  engine::GenerationRequest r;
+job::GenerationRequest request(const std::string& model) {
+  job::GenerationRequest r;
   r.model = model;
   r.prompt = "a red apple on a white background";
   r.negative_prompt = "blurry";
@@ -66,13 +67,13 @@ engine::GenerationRequest request(const std::string& model) {
   return r;
 }
 
-at::Tensor latents_of(const engine::GenerationResult& r) {
+at::Tensor latents_of(const job::GenerationResult& r) {
   return at::from_blob(const_cast<float*>(r.latents.data()), r.latents_shape, at::kFloat).clone();
 }
 
 // Same request through two pipelines: final latents and images equal.
 void expect_same_generation(pipeline::StableDiffusion3& a, pipeline::StableDiffusion3& b) {
-  engine::CancelToken never;
+  job::CancelToken never;
   const auto ra = a.generate(request(a.path().string()), {}, never);
   const auto rb = b.generate(request(b.path().string()), {}, never);
   const auto la = latents_of(ra), lb = latents_of(rb);
@@ -257,7 +258,7 @@ class TestSD3SingleFile : public QObject {
     expect_same_generation(*single, *folder);
 
     // The engine's factory picks the SD3 pipeline for an SD3 file.
-    auto any = pipeline::load_text_to_image(file("tiny-sd3"), "cpu", folder_of("tiny-sd3"));
+    auto any = pipeline::load_pipeline(file("tiny-sd3"), "cpu", folder_of("tiny-sd3"));
     QVERIFY(dynamic_cast<pipeline::StableDiffusion3*>(any.get()) != nullptr);
   }
 

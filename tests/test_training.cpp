@@ -251,7 +251,7 @@ class TestTraining : public QObject {
             io::DType::F16);
 
     auto pipe = pipeline::StableDiffusion::load(dir, "cpu");
-    engine::GenerationRequest req;
+    job::GenerationRequest req;
     req.prompt = "a small red apple in the top left on a light blue background";
     req.width = req.height = 64;
     req.steps = 4;
@@ -259,12 +259,12 @@ class TestTraining : public QObject {
     req.seed = 3;
     req.sampler = "euler";
     int previews = 0;
-    engine::JobObserver obs;
-    obs.on_preview = [&](const engine::PreviewEvent& e) {
+    job::JobObserver obs;
+    obs.on_preview = [&](const job::PreviewEvent& e) {
       QCOMPARE(e.image.width, 64);
       ++previews;
     };
-    const auto result = pipe->generate(req, obs, engine::CancelToken{});
+    const auto result = pipe->generate(req, obs, job::CancelToken{});
     QCOMPARE(previews, 4);
     QCOMPARE(result.images.size(), std::size_t(1));
     QCOMPARE(result.images.front().width, 64);

@@ -32,7 +32,7 @@ io::Image toCoreImage(const QImage& image) {
 
 namespace {
 
-JobTimings toJobTimings(const engine::StageTimings& t) {
+JobTimings toJobTimings(const job::StageTimings& t) {
   JobTimings j;
   j.loadMs = t.load_ms;
   j.tokenizeMs = t.tokenize_ms;
@@ -56,23 +56,23 @@ EngineBridge::~EngineBridge() {
   m_engine.reset();
 }
 
-bool EngineBridge::prepare(const engine::GenerationRequest& request) {
+bool EngineBridge::prepare(const job::GenerationRequest& request) {
   if (request.model.empty() || request.device.rfind("cuda", 0) != 0) return false;
   if (m_prepareJob) m_prepareJob->cancel();  // a queued one is skipped; one loading finishes
-  engine::JobObserver o;
+  job::JobObserver o;
   o.on_error = [](const std::string&) {};  // the job that needs the model reports it
   m_prepareJob = m_engine->preload(request, std::move(o));
   return true;
 }
 
-quint64 EngineBridge::start(const engine::GenerationRequest& request) {
+quint64 EngineBridge::start(const job::GenerationRequest& request) {
   if (m_job) m_job->cancel();  // its remaining events are stale from here on
   const quint64 id = ++m_currentJob;
   m_running = true;
 
   // Every callback runs on the engine's worker: convert there (deep copies), post, return.
   // The lambdas run on this object's thread through the event loop and drop stale jobs.
-  engine::JobObserver o;
+  job::JobObserver o;
   o.on_stage = [this, id](const std::string& stage, double ms) {
     QMetaObject::invokeMethod(
         this, [this, id, s = QString::fromStdString(stage), ms] {
@@ -80,21 +80,21 @@ quint64 EngineBridge::start(const engine::GenerationRequest& request) {
         },
         Qt::QueuedConnection);
   };
-  o.on_step = [this, id](const engine::StepEvent& e) {
+  o.on_step = [this, id](const job::StepEvent& e) {
     QMetaObject::invokeMethod(
         this, [this, id, e] {
           if (isCurrent(id)) emit stepDone(e.index, e.total, e.timestep, e.step_ms);
         },
         Qt::QueuedConnection);
   };
-  o.on_preview = [this, id](const engine::PreviewEvent& e) {
+  o.on_preview = [this, id](const job::PreviewEvent& e) {
     QMetaObject::invokeMethod(
         this, [this, id, index = e.index, image = toQImage(e.image), ms = e.decode_ms] {
           if (isCurrent(id)) emit previewReady(index, image, ms);
         },
         Qt::QueuedConnection);
   };
-  o.on_done = [this, id](const engine::GenerationResult& r) {
+  o.on_done = [this, id](const job::GenerationResult& r) {
     QList<QImage> images;
     for (const auto& image : r.images) images.append(toQImage(image));
     QMetaObject::invokeMethod(

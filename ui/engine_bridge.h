@@ -7,7 +7,7 @@
 #include <QVector>
 #include <memory>
 
-#include "core/engine/generation.h"
+#include "core/job/job.h"
 
 namespace diffract::engine {
 class Engine;
@@ -43,12 +43,12 @@ class EngineBridge : public QObject {
   ~EngineBridge() override;  // cancels the running job and joins the engine's worker
 
   // Starts a job (cancelling the current one) and returns its id (1, 2, ...).
-  quint64 start(const engine::GenerationRequest& request);
+  quint64 start(const job::GenerationRequest& request);
   void cancel();
   // On a GPU, loads the request's model and prepares its size, batch and previews in the
   // background (engine::Engine::preload), replacing a preparation still queued; silent.
   // Returns false (nothing queued) for CPU requests and requests without a model.
-  bool prepare(const engine::GenerationRequest& request);
+  bool prepare(const job::GenerationRequest& request);
   bool isRunning() const { return m_running; }
   quint64 currentJob() const { return m_currentJob; }
 

@@ -51,6 +51,7 @@
 #include "ui/compare_view.h"
 #include "ui/gallery.h"
 #include "core/util/embedded_model.h"
+#include "core/util/options.h"
 #include "ui/image_view.h"
 #include "ui/timings_chart.h"
 
@@ -87,53 +88,6 @@ constexpr SizePreset kSizePresets[] = {
 constexpr int kCustomPreset = static_cast<int>(std::size(kSizePresets));
 
 const char* const kSamplers[] = {"euler", "euler-ancestral", "ddim", "ddpm", "dpmpp-2m", "dpmpp-2m-karras"};
-// The strategies the GUI offers, in its order, each with what it does and what it measured on
-// H200s (docs/benchmarks.md), for its tooltip.
-struct StrategyEntry {
-  const char* name;
-  const char* hint;
-};
-const StrategyEntry kStrategies[] = {
-    {"single",
-     QT_TRANSLATE_NOOP("MainWindow", "The plain loop on one device.")},
-    {"cfg-parallel",
-     QT_TRANSLATE_NOOP("MainWindow", "Prompt and negative prompt on two GPUs; the same image. SDXL 1024²: "
-                                     "1.53–1.56× on 2 H200s.")},
-    {"hybrid-cfg",
-     QT_TRANSLATE_NOOP("MainWindow", "CFG-parallel with a few layer-split steps where the branches agree. SDXL "
-                                     "2048²: 2.03× on 2 H200s.")},
-    {"driffusion",
-     QT_TRANSLATE_NOOP("MainWindow", "Draft-and-refine, exact anchor first (ideal 2/(n+1)). SDXL 1024²: 2.31× on 4"
-                                     " H200s.")},
-    {"driffusion-aggressive",
-     QT_TRANSLATE_NOOP("MainWindow", "Draft-and-refine, anchor and drafts together (ideal 1/n); changes the image "
-                                     "a little. SDXL 1024²: 1.78× on 2 H200s, 2.95× on 4.")},
-    {"cfg-driffusion",
-     QT_TRANSLATE_NOOP("MainWindow", "Conservative draft-and-refine with each draft's two branches on a pair of "
-                                     "GPUs. SDXL 1024²: 2.21× on 4 H200s.")},
-    {"cfg-driffusion-aggressive",
-     QT_TRANSLATE_NOOP("MainWindow", "Aggressive draft-and-refine with each draft's two branches on a pair of "
-                                     "GPUs. SDXL 1024²: 2.68× on 4 H200s; 2048²: 3.56×.")},
-    {"data-parallel",
-     QT_TRANSLATE_NOOP("MainWindow", "A batch's images split over the GPUs; the same images. 8 SDXL images: 3.84× "
-                                     "on 4 H200s.")},
-    {"step-skip",
-     QT_TRANSLATE_NOOP("MainWindow", "Skips steps on one device: the naive baseline to compare with.")},
-    {"pipefusion",
-     QT_TRANSLATE_NOOP("MainWindow", "SD3: the transformer's layers over the GPUs, the image in patches. SD3 "
-                                     "1024²: 1.90× on 4 H200s.")},
-    {"cfg-pipefusion",
-     QT_TRANSLATE_NOOP("MainWindow", "SD3: one PipeFusion pipeline per branch. SD3 1024²: 2.10× on 4 H200s.")},
-    {"asyncdiff",
-     QT_TRANSLATE_NOOP("MainWindow", "The UNet's layers over the GPUs, each fed the step before. SDXL 1024²: 2.29×"
-                                     " on 4 H200s.")},
-    {"asyncdiff-stride2",
-     QT_TRANSLATE_NOOP("MainWindow", "AsyncDiff that also runs two steps at a time (3 or more GPUs).")},
-    {"distrifusion",
-     QT_TRANSLATE_NOOP("MainWindow", "The image in bands over the GPUs, exchanging activations a step late. Pays "
-                                     "at 2048² (2.20× on 4 H200s), not at 1024².")},
-};
-
 // The first local file among dragged URLs (or a file URL dragged as text), else "".
 QString droppedFile(const QMimeData* mime) {
   if (!mime) return {};
@@ -175,7 +129,7 @@ MainWindow::MainWindow(QWidget* parent) : QMainWindow(parent), m_bridge(new Engi
   connect(m_prepareTimer, &QTimer::timeout, this, [this] {
     if (m_bridge->isRunning() || m_model->text().trimmed().isEmpty() || !deviceChoice().error.empty()) return;
     const auto r = requestFromFields();
-    if (r.strategy.empty() || r.strategy == "single") m_bridge->prepare(r);
+    if (r.strategy.single()) m_bridge->prepare(r);
   });
   buildUi();
   loadSettings();
@@ -398,13 +352,13 @@ void MainWindow::buildUi() {
 
   m_previewSize = new QComboBox;
   m_previewSize->setObjectName(QStringLiteral("previewSizeCombo"));
-  m_previewSize->addItem(tr("auto (half size, at most 512 px)"), engine::GenerationRequest::kPreviewAuto);
+  m_previewSize->addItem(tr("auto (half size, at most 512 px)"), job::GenerationRequest::kPreviewAuto);
   m_previewSize->addItem(tr("512 px"), 512);
   m_previewSize->addItem(tr("256 px (cheapest)"), 256);
   m_previewSize->addItem(tr("full size"), 0);
   m_previewSize->setToolTip(tr("Largest side of the step previews: larger images preview from latents averaged "
-                               "down. Auto takes half the image's side, at most 512 px, which keeps previews under "
-                               "3 % of the denoising time on an H200 (SD 1.5 and SDXL)."));
+                               "down. Auto takes half the image's side, at most 512 px, which keeps previews a "
+                               "small part of the denoising time."));
   fields->addRow(tr("Preview size"), m_previewSize);
   connect(m_cfg, &QDoubleSpinBox::valueChanged, this, &MainWindow::schedulePrepare);
 
@@ -412,9 +366,11 @@ void MainWindow::buildUi() {
   auto* strategyRow = new QHBoxLayout;
   m_strategy = new QComboBox;
   m_strategy->setObjectName(QStringLiteral("strategyCombo"));
-  for (const auto& st : kStrategies) {
-    m_strategy->addItem(QString::fromLatin1(st.name), QString::fromLatin1(st.name));
-    m_strategy->setItemData(m_strategy->count() - 1, tr(st.hint), Qt::ToolTipRole);
+  for (const auto& st : parallel::strategies()) {
+    const QString name = QString::fromUtf8(st.name.data(), static_cast<int>(st.name.size()));
+    m_strategy->addItem(name, name);
+    m_strategy->setItemData(m_strategy->count() - 1, QString::fromUtf8(st.hint.data(), static_cast<int>(st.hint.size())),
+                            Qt::ToolTipRole);
   }
   m_strategy->setToolTip(tr("Multi-device strategy; single runs the plain loop"));
   m_devices = new QSpinBox;
@@ -434,8 +390,7 @@ void MainWindow::buildUi() {
   strategyRow->addWidget(m_patches);
   fields->addRow(tr("Strategy"), strategyRow);
   const auto patchesApply = [this] {
-    const QString st = m_strategy->currentData().toString();
-    m_patches->setEnabled(st == QLatin1String("pipefusion") || st == QLatin1String("cfg-pipefusion"));
+    m_patches->setEnabled(currentStrategy().takes(parallel::Param::Patches));
   };
   connect(m_strategy, &QComboBox::currentIndexChanged, this, patchesApply);
   patchesApply();
@@ -577,8 +532,8 @@ void MainWindow::applySizePreset(int index) {
 }
 
 QString MainWindow::outputDir() {
-  const QByteArray env = qgetenv("DIFFRACT_OUTPUT_DIR");
-  if (!env.isEmpty()) return QString::fromLocal8Bit(env);
+  if (options::is_set(options::Id::OutputDir))
+    return QString::fromStdString(options::value(options::Id::OutputDir));
   return QDir(QStandardPaths::writableLocation(QStandardPaths::PicturesLocation)).filePath(QStringLiteral("Diffract"));
 }
 
@@ -645,8 +600,8 @@ QStringList MainWindow::discoverHuggingFaceModels() {
   return models;
 }
 
-engine::GenerationRequest MainWindow::requestFromFields() {
-  engine::GenerationRequest r;
+job::GenerationRequest MainWindow::requestFromFields() {
+  job::GenerationRequest r;
   r.model = m_model->text().trimmed().toStdString();
   r.taesd = m_taesd->text().trimmed().toStdString();
   r.prompt = m_prompt->toPlainText().toStdString();
@@ -661,11 +616,13 @@ engine::GenerationRequest MainWindow::requestFromFields() {
   r.preview_every = 1;
   r.preview_max_side = m_previewSize->currentData().toInt();
   r.prompt = engine::fill_prompt_template(m_promptTemplate.toStdString(), r.prompt);
-  r.strategy = m_strategy->currentData().toString().toStdString();
-  r.patches = m_patches->isEnabled() ? m_patches->value() : 0;
+  r.strategy.name = m_strategy->currentData().toString().toStdString();
+  r.strategy.patches = m_patches->isEnabled() ? m_patches->value() : 0;
   const engine::DeviceChoice choice = deviceChoice();
   r.device = choice.device;
-  r.devices = choice.devices;
+  r.strategy.devices = choice.devices;
+  r.strategy.skip = choice.skip;
+  r.gpus = choice.gpus;
   return r;
 }
 
@@ -796,7 +753,7 @@ void MainWindow::loadSettings() {
   const int sampler = m_sampler->findData(s.value(QStringLiteral("sampler")).toString());
   m_sampler->setCurrentIndex(std::max(0, sampler));
   m_batch->setValue(s.value(QStringLiteral("batch"), 1).toInt());
-  const int previewSize = s.value(QStringLiteral("previewSize"), engine::GenerationRequest::kPreviewAuto).toInt();
+  const int previewSize = s.value(QStringLiteral("previewSize"), job::GenerationRequest::kPreviewAuto).toInt();
   m_previewSize->setCurrentIndex(std::max(0, m_previewSize->findData(previewSize)));
   // Every GPU is enabled until the user unticks it.
   m_disabledGpus.clear();
@@ -909,7 +866,7 @@ void MainWindow::applyPreset(int index) {
   m_cfg->setValue(p.cfg);
   m_sampler->setCurrentIndex(std::max(0, m_sampler->findData(QString::fromStdString(p.sampler))));
   m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(QString::fromStdString(p.strategy))));
-  m_devices->setValue(p.devices);
+  m_devices->setValue(currentStrategy().takes(parallel::Param::Skip) ? p.skip : p.devices);
 }
 
 QString MainWindow::savePreset(const QString& name) {
@@ -924,7 +881,9 @@ QString MainWindow::savePreset(const QString& name) {
   p.sampler = m_sampler->currentData().toString().toStdString();
   p.cfg = m_cfg->value();
   p.strategy = m_strategy->currentData().toString().toStdString();
-  p.devices = m_devices->value();
+  const bool skips = currentStrategy().takes(parallel::Param::Skip);
+  p.devices = skips ? 1 : m_devices->value();
+  p.skip = skips ? m_devices->value() : 2;
   const QString file = QDir(userPresetDir()).filePath(QString::fromStdString(engine::preset_file_name(p.name)));
   try {
     engine::save_preset(p, file.toStdString());
@@ -1077,7 +1036,8 @@ void MainWindow::applyRestored(const engine::PngParameters& p, const QString& fi
       notRestored << tr("strategy: %1").arg(text(p.strategy));
     }
   }
-  if (p.devices) m_devices->setValue(*p.devices);
+  if (currentStrategy().takes(parallel::Param::Skip) && p.skip) m_devices->setValue(*p.skip);
+  else if (p.devices) m_devices->setValue(*p.devices);
 
   const QString source = p.source == "diffract" ? QStringLiteral("Diffract")
                          : p.source == "a1111"  ? QStringLiteral("AUTOMATIC1111")
@@ -1195,6 +1155,10 @@ engine::DeviceChoice MainWindow::deviceChoice() const {
   return engine::choose_devices(enabledGpus(), m_strategy->currentData().toString().toStdString(), m_devices->value());
 }
 
+const parallel::StrategyInfo& MainWindow::currentStrategy() const {
+  return parallel::strategy_info(m_strategy ? m_strategy->currentData().toString().toStdString() : std::string());
+}
+
 void MainWindow::schedulePrepare() {
   if (m_prepareTimer) m_prepareTimer->start();
 }
@@ -1209,16 +1173,19 @@ void MainWindow::updateDeviceSummary() {
     return;
   }
   m_deviceSummary->setStyleSheet(QString());
-  const QString strategy = m_strategy->currentData().toString();
-  if (strategy == QLatin1String("single") || strategy.isEmpty())
+  const auto& strategy = currentStrategy();
+  if (strategy.devices.fixed == 1 && !strategy.takes(parallel::Param::Skip))
     m_deviceSummary->setText(tr("Runs on %1").arg(QString::fromStdString(c.device)));
+  else if (strategy.takes(parallel::Param::Skip))
+    m_deviceSummary->setText(tr("Runs on %1, skipping %2 steps at a time").arg(QString::fromStdString(c.device)).arg(c.skip));
   else if (c.device == "cpu")
     m_deviceSummary->setText(c.devices == 1 ? tr("Runs on the CPU as 1 virtual device")
                                             : tr("Runs on the CPU as %1 virtual devices").arg(c.devices));
-  else if (strategy == QLatin1String("step-skip"))
-    m_deviceSummary->setText(tr("Runs on %1, skipping %2 steps at a time").arg(QString::fromStdString(c.device)).arg(c.devices));
-  else
-    m_deviceSummary->setText(tr("Runs on %1 GPUs from %2").arg(c.devices).arg(QString::fromStdString(c.device)));
+  else {
+    QStringList gpus;
+    for (const int g : c.gpus) gpus << QStringLiteral("cuda:%1").arg(g);
+    m_deviceSummary->setText(tr("Runs on %1 GPUs: %2").arg(c.devices).arg(gpus.join(QStringLiteral(", "))));
+  }
 }
 
 void MainWindow::closeEvent(QCloseEvent* event) {

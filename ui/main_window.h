@@ -13,6 +13,7 @@
 #include "core/engine/devices.h"
 #include "core/engine/png_parameters.h"
 #include "core/engine/preset.h"
+#include "core/parallel/registry.h"
 #include "ui/compare_view.h"
 #include "ui/engine_bridge.h"
 
@@ -63,7 +64,7 @@ class MainWindow : public QMainWindow {
   // The newest madebyollin TAESD snapshot in that cache for a diffusers model folder's pipeline
   // (taesd, taesdxl, taesd3, taef1); empty when there is none or the folder is not diffusers'.
   static QString matchingTaesd(const QString& modelDir);
-  engine::GenerationRequest requestFromFields();
+  job::GenerationRequest requestFromFields();
   // The seed field as a number; std::nullopt when it is empty or past 64 bits.
   std::optional<std::uint64_t> seedValue() const;
 
@@ -87,6 +88,7 @@ class MainWindow : public QMainWindow {
   std::vector<int> enabledGpus() const;
   // The device(s) the enabled GPUs and the strategy give a job, or why they cannot run.
   engine::DeviceChoice deviceChoice() const;
+  const parallel::StrategyInfo& currentStrategy() const;  // the registry entry chosen
 
  signals:
   void restoreFinished(bool ok);

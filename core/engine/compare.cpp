@@ -9,31 +9,38 @@ namespace diffract::engine {
 
 namespace {
 
-double generation_ms(const GenerationResult& r) { return r.timings.total_ms - r.timings.load_ms; }
+double generation_ms(const job::GenerationResult& r) { return r.timings.total_ms - r.timings.load_ms; }
+
+at::Tensor latents_of(const job::GenerationResult& r) {
+  return at::from_blob(const_cast<float*>(r.latents.data()), r.latents_shape, at::kFloat);
+}
 
 }  // namespace
 
-Comparison compare(Engine& engine, GenerationRequest request, const std::string& strategy, int devices,
-                   const JobObserver& observer, const CancelToken& cancel) {
-  if (strategy.empty() || strategy == "single") throw Error("compare needs a strategy other than 'single'");
+double latents_rel_l2(const job::GenerationResult& a, const job::GenerationResult& b) {
+  return metrics::relative_l2(latents_of(a), latents_of(b));
+}
+
+Comparison compare(Engine& engine, job::GenerationRequest request, const job::StrategyParams& strategy,
+                   const job::JobObserver& observer, const job::CancelToken& cancel) {
+  if (strategy.single()) throw Error("compare needs a strategy other than 'single'");
   Comparison c;
   auto baseline = request;
-  baseline.strategy = "single";
-  baseline.devices = 1;
+  baseline.strategy = {};
+  baseline.gpus.clear();
   // A one-step run first loads the model and pays every first-use cost outside the timing.
   auto warm_up = baseline;
   warm_up.steps = 1;
   engine.run(warm_up, {}, cancel);
   c.baseline = engine.run(baseline, observer, cancel);
   request.strategy = strategy;
-  request.devices = devices;
   c.accelerated = engine.run(request, observer, cancel);
   c.speedup = generation_ms(c.baseline) / generation_ms(c.accelerated);
   const auto& a = c.accelerated.images.front();
   const auto& b = c.baseline.images.front();
   c.psnr = metrics::psnr(a, b);
   c.ssim = metrics::ssim(a, b);
-  c.latents_rel_l2 = metrics::latents_rel_l2(c.accelerated, c.baseline);
+  c.latents_rel_l2 = latents_rel_l2(c.accelerated, c.baseline);
   auto diff = metrics::abs_diff_map(a, b);
   const double peak = std::max(diff.max().item<double>(), 1e-12);
   // Black (equal) through red and yellow to white (the largest difference).

@@ -4,6 +4,8 @@
 
 #include <torch/cuda.h>
 
+#include "core/parallel/registry.h"
+
 #ifdef DIFFRACT_HAS_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <cuda_runtime_api.h>
@@ -37,60 +39,39 @@ std::vector<DeviceInfo> list_devices() {
   return out;
 }
 
-namespace {
-
-const char* const kKnown[] = {"single",        "cfg-parallel", "hybrid-cfg", "driffusion", "driffusion-aggressive",
-                              "data-parallel", "step-skip",    "pipefusion", "asyncdiff", "cfg-driffusion",
-                              "cfg-driffusion-aggressive", "cfg-pipefusion", "distrifusion", "asyncdiff-stride2"};
-
-}  // namespace
-
-DeviceChoice choose_devices(std::vector<int> enabled_gpus, const std::string& strategy, int cpu_devices) {
+DeviceChoice choose_devices(std::vector<int> enabled_gpus, const std::string& strategy, int count, int gpu_count) {
   DeviceChoice c;
-  const std::string name = strategy.empty() ? "single" : strategy;
-  if (std::find(std::begin(kKnown), std::end(kKnown), name) == std::end(kKnown)) {
-    c.error = "unknown strategy '" + name + "'";
+  const auto* info = parallel::find_strategy(strategy);
+  if (!info) {
+    c.error = "unknown strategy '" + strategy.substr(0, 80) + "'";
     return c;
   }
+  const auto& rule = info->devices;
+  const std::string name(info->name);
+  if (info->takes(parallel::Param::Skip)) c.skip = std::max(1, count);
   std::sort(enabled_gpus.begin(), enabled_gpus.end());
   enabled_gpus.erase(std::unique(enabled_gpus.begin(), enabled_gpus.end()), enabled_gpus.end());
   if (enabled_gpus.empty()) {
     c.device = "cpu";
-    c.devices = std::max(1, cpu_devices);
+    c.devices = rule.fixed > 0 ? rule.fixed : std::max(1, count);
+    if (!info->takes(parallel::Param::Devices) && rule.fixed == 0) c.devices = 1;
+    if (!rule.allows(c.devices))
+      c.error = "strategy " + name + " needs " + rule.describe() + "; " + std::to_string(c.devices) +
+                " virtual device(s) asked for";
     return c;
   }
-  const int first = enabled_gpus.front();
   const int enabled = static_cast<int>(enabled_gpus.size());
-  c.device = "cuda:" + std::to_string(first);
-  if (name == "single") {
-    c.devices = 1;
+  c.device = "cuda:" + std::to_string(enabled_gpus.front());
+  const int needed = rule.fixed > 0 ? rule.fixed : gpu_count > 0 ? gpu_count : rule.most_of(enabled);
+  if (needed < 1 || needed > enabled || !rule.allows(needed)) {
+    c.error = "strategy " + name + " needs " + rule.describe() + "; " + std::to_string(enabled) +
+              (enabled == 1 ? " GPU is" : " GPUs are") + " enabled" +
+              (gpu_count > 0 ? " and " + std::to_string(gpu_count) + " asked for" : "") +
+              " (enable another GPU, or choose single)";
     return c;
   }
-  if (name == "step-skip") {
-    c.devices = std::max(1, cpu_devices);  // the skip factor, on one GPU
-    return c;
-  }
-  // A pair of GPUs per draft (cfg-driffusion) or per stage (cfg-pipefusion: a pipeline per branch).
-  const bool pairs = name.rfind("cfg-driffusion", 0) == 0 || name == "cfg-pipefusion";
-  const int needed = (name == "cfg-parallel" || name == "hybrid-cfg") ? 2 : pairs ? enabled - enabled % 2 : enabled;
-  if (name == "asyncdiff-stride2" && enabled < 3) {  // 2 components, the last on a second GPU too
-    c.error = "strategy asyncdiff-stride2 needs 3 GPUs; " + std::to_string(enabled) +
-              " enabled (enable another GPU, or choose asyncdiff)";
-    return c;
-  }
-  if (enabled < needed || needed < 1) {
-    c.error = "strategy " + name + " needs 2 GPUs; " + std::to_string(enabled) +
-              " is enabled (enable another GPU, or choose single)";
-    return c;
-  }
-  // The pipeline runs a strategy on cuda:k, cuda:k+1, ...: the enabled GPUs must be consecutive.
-  for (int r = 1; r < needed; ++r)
-    if (enabled_gpus[r] != first + r) {
-      c.error = "strategy " + name + " runs on consecutive GPUs (cuda:" + std::to_string(first) + ", cuda:" +
-                std::to_string(first + 1) + ", ...); cuda:" + std::to_string(first + r) + " is not enabled";
-      return c;
-    }
   c.devices = needed;
+  c.gpus.assign(enabled_gpus.begin(), enabled_gpus.begin() + needed);
   return c;
 }
 

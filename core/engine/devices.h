@@ -17,17 +17,20 @@ struct DeviceInfo {
 std::vector<DeviceInfo> list_devices();
 
 struct DeviceChoice {
-  std::string device = "cpu";  // GenerationRequest::device
-  int devices = 1;             // GenerationRequest::devices
+  std::string device = "cpu";  // job::GenerationRequest::device: the model's device (rank 0's)
+  int devices = 1;             // job::StrategyParams::devices
+  int skip = 2;                // job::StrategyParams::skip, for strategies that take one
+  std::vector<int> gpus;       // job::GenerationRequest::gpus: the GPUs in rank order (empty on the CPU)
   std::string error;           // non-empty: the choice cannot run, and why (readable)
 };
 
-// Maps the enabled GPUs (indices, any order) and a strategy name to a request's device and
-// devices. No GPU enabled runs on the CPU with `cpu_devices` virtual devices. With GPUs the job
-// runs on the lowest enabled one; multi-GPU strategies take consecutive GPUs from there
-// (cfg-parallel and hybrid-cfg need 2, driffusion, data-parallel, pipefusion and asyncdiff use every
-// enabled GPU; asyncdiff-stride2 every one of 3 or more).
-// step-skip runs on one device and keeps `cpu_devices` as its skip factor.
-DeviceChoice choose_devices(std::vector<int> enabled_gpus, const std::string& strategy, int cpu_devices);
+// The one rule for which devices a job uses, the same for the GUI and the CLI. No GPU enabled
+// runs on the CPU with `count` virtual devices (a strategy of a fixed count takes that count).
+// With GPUs the job runs on the enabled GPUs in index order, the lowest holding the model: the
+// strategy's fixed count, else `gpu_count` of them (0: as many as its device rule allows, e.g.
+// every enabled GPU, or the most even number of them for pairs). The GPUs need not be
+// consecutive. A strategy that takes a skip factor (step-skip) runs on one device and takes
+// `count` as its skip. The registry (core/parallel/registry.h) gives each strategy's rule.
+DeviceChoice choose_devices(std::vector<int> enabled_gpus, const std::string& strategy, int count, int gpu_count = 0);
 
 }  // namespace diffract::engine

@@ -5,7 +5,7 @@
 #include <mutex>
 #include <thread>
 
-#include "core/pipeline/text_to_image.h"
+#include "core/pipeline/factory.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -16,25 +16,25 @@ struct Engine::Impl {
   std::condition_variable wake;
   struct Queued {
     std::shared_ptr<Job> job;
-    GenerationRequest request;
-    JobObserver observer;
+    job::GenerationRequest request;
+    job::JobObserver observer;
     bool load_only = false;
   };
   std::deque<Queued> queue;
   std::shared_ptr<Job> running;
   bool stopping = false;
   std::mutex model_mutex;         // one job at a time uses the model
-  std::unique_ptr<pipeline::TextToImage> model;  // chosen from the folder: SD 1.x / 2.x / XL or SD3
+  std::unique_ptr<pipeline::Pipeline> model;  // chosen from the folder: SD 1.x / 2.x / XL or SD3
   std::string model_config;
   bool model_without_t5 = false;  // loaded with drop_t5: a job that wants T5 needs a reload
   std::thread worker;
 
-  pipeline::TextToImage& model_for(const GenerationRequest& r) {
+  pipeline::Pipeline& model_for(const job::GenerationRequest& r) {
     if (r.model.empty()) throw Error("no model chosen");
     if (!model || model->path() != r.model || model->device() != r.device || model_config != r.model_config ||
         (model_without_t5 && !r.drop_t5)) {
       model.reset();  // free the old one first: two SDXL models may not fit
-      model = pipeline::load_text_to_image(r.model, r.device, r.model_config, r.drop_t5);
+      model = pipeline::load_pipeline(r.model, r.device, r.model_config, r.drop_t5);
       model_config = r.model_config;
       model_without_t5 = r.drop_t5;
       // On a GPU the first job would otherwise pay for cuDNN plans and graph captures.
@@ -43,7 +43,7 @@ struct Engine::Impl {
     return *model;
   }
 
-  GenerationResult run(const GenerationRequest& r, const JobObserver& o, const CancelToken& c) {
+  job::GenerationResult run(const job::GenerationRequest& r, const job::JobObserver& o, const job::CancelToken& c) {
     std::lock_guard lock(model_mutex);
     return model_for(r).generate(r, o, c);
   }
@@ -51,8 +51,8 @@ struct Engine::Impl {
   void loop() {
     while (true) {
       std::shared_ptr<Job> job;
-      GenerationRequest request;
-      JobObserver observer;
+      job::GenerationRequest request;
+      job::JobObserver observer;
       bool load_only = false;
       {
         std::unique_lock lock(mutex);
@@ -66,7 +66,7 @@ struct Engine::Impl {
         running = job;
       }
       try {
-        if (job->token().cancelled()) throw Cancelled{};
+        if (job->token().cancelled()) throw job::Cancelled{};
         if (load_only) {
           std::lock_guard model_lock(model_mutex);
           const double prepared_ms = model_for(request).prepare(request);
@@ -75,7 +75,7 @@ struct Engine::Impl {
           auto result = run(request, observer, job->token());
           if (observer.on_done) observer.on_done(result);
         }
-      } catch (const Cancelled&) {
+      } catch (const job::Cancelled&) {
         if (observer.on_cancelled) observer.on_cancelled();
       } catch (const std::exception& e) {
         // Out-of-memory and other torch errors arrive here too; the engine stays usable.
@@ -103,7 +103,7 @@ Engine::~Engine() {
   impl_->worker.join();
 }
 
-std::shared_ptr<Job> Engine::submit(GenerationRequest request, JobObserver observer) {
+std::shared_ptr<Job> Engine::submit(job::GenerationRequest request, job::JobObserver observer) {
   auto job = std::make_shared<Job>();
   {
     std::lock_guard lock(impl_->mutex);
@@ -113,7 +113,7 @@ std::shared_ptr<Job> Engine::submit(GenerationRequest request, JobObserver obser
   return job;
 }
 
-std::shared_ptr<Job> Engine::preload(GenerationRequest request, JobObserver observer) {
+std::shared_ptr<Job> Engine::preload(job::GenerationRequest request, job::JobObserver observer) {
   auto job = std::make_shared<Job>();
   {
     std::lock_guard lock(impl_->mutex);
@@ -123,7 +123,7 @@ std::shared_ptr<Job> Engine::preload(GenerationRequest request, JobObserver obse
   return job;
 }
 
-GenerationResult Engine::run(const GenerationRequest& request, const JobObserver& observer, const CancelToken& cancel) {
+job::GenerationResult Engine::run(const job::GenerationRequest& request, const job::JobObserver& observer, const job::CancelToken& cancel) {
   return impl_->run(request, observer, cancel);
 }
 

@@ -76,9 +76,11 @@ PngParameters from_diffract(const std::string& text, const std::string& where) {
     else if (key == "steps") int_to(p.steps);
     else if (key == "batch") int_to(p.batch);
     else if (key == "devices") int_to(p.devices);
+    else if (key == "skip") int_to(p.skip);
     else if (key == "cfg") v.is_number() ? void(p.cfg = v.get<double>()) : bad();
     else if (key == "seed") v.is_number_unsigned() ? void(p.seed = v.get<std::uint64_t>()) : bad();
-    else if (key == "diffract_version" || key == "family" || key == "timings_ms" || key == "strategy")
+    else if (key == "diffract_version" || key == "family" || key == "timings_ms" || key == "strategy" ||
+             key == "negative_conditioning" || key == "initial_latents" || key == "options")
       continue;  // about the run, not settings for the next one
     else p.unmapped.push_back(key + ": " + v.dump());
   }

@@ -16,7 +16,7 @@ struct PngParameters {
   std::string source;  // "diffract", "a1111" or "comfyui"
   std::optional<std::string> prompt;
   std::optional<std::string> negative_prompt;
-  std::optional<int> width, height, steps, batch, devices;
+  std::optional<int> width, height, steps, batch, devices, skip;
   std::optional<double> cfg;
   std::optional<std::uint64_t> seed;
   std::optional<std::string> sampler;   // ours ("dpmpp-2m-karras"); "" is the model's own

@@ -8,7 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/parallel/strategies.h"
+#include "core/parallel/registry.h"
+#include "core/parallel/strategy.h"
 #include "core/schedulers/sampler.h"
 #include "core/util/error.h"
 
@@ -21,7 +22,7 @@ namespace {
 
 const std::set<std::string> kKeys = {"name",    "description", "prompt_template", "negative_prompt", "width",
                                      "height",  "steps",       "sampler",         "cfg",             "strategy",
-                                     "devices"};
+                                     "devices", "skip"};
 
 std::string field(const std::string& where, const std::string& key) { return where + ": field '" + key + "'"; }
 
@@ -86,7 +87,7 @@ void validate_preset(const Preset& p, const std::string& where) {
   if (p.devices < 1 || p.devices > 64)
     throw Error(field(where, "devices") + " is " + std::to_string(p.devices) + ": must be between 1 and 64");
   try {
-    parallel::make_strategy(p.strategy.empty() ? "single" : p.strategy, p.devices);
+    parallel::make_strategy(job::StrategyParams{p.strategy, p.devices, p.skip, 0});
   } catch (const Error& e) {
     throw Error(field(where, "strategy") + ": " + e.what());
   }
@@ -118,6 +119,13 @@ Preset parse_preset(const std::string& json_text, const std::string& where) {
   p.cfg = number_field(j, where, "cfg", true, 7.0);
   p.strategy = text_field(j, where, "strategy", false, "single");
   p.devices = int_field(j, where, "devices", false, 1);
+  const auto* info = parallel::find_strategy(p.strategy);
+  if (info && info->takes(parallel::Param::Skip) && !j.contains("skip") && p.devices > 1) {
+    p.skip = p.devices;  // written before step-skip had a skip field of its own
+    p.devices = 1;
+  } else {
+    p.skip = int_field(j, where, "skip", false, 2);
+  }
   validate_preset(p, where);
   return p;
 }
@@ -141,6 +149,8 @@ std::string preset_to_json(const Preset& p) {
             {"cfg", p.cfg},
             {"strategy", p.strategy.empty() ? "single" : p.strategy},
             {"devices", p.devices}};
+  if (const auto* info = parallel::find_strategy(p.strategy); info && info->takes(parallel::Param::Skip))
+    j["skip"] = p.skip;
   if (!p.description.empty()) j["description"] = p.description;
   return j.dump(2) + "\n";
 }
@@ -166,7 +176,7 @@ std::string fill_prompt_template(const std::string& prompt_template, const std::
   return out + prompt_template.substr(from);
 }
 
-void apply_preset(const Preset& preset, const std::string& subject, GenerationRequest& request) {
+void apply_preset(const Preset& preset, const std::string& subject, job::GenerationRequest& request) {
   request.prompt = fill_prompt_template(preset.prompt_template, subject);
   request.negative_prompt = preset.negative_prompt;
   request.width = preset.width;
@@ -174,8 +184,9 @@ void apply_preset(const Preset& preset, const std::string& subject, GenerationRe
   request.steps = preset.steps;
   request.sampler = preset.sampler;
   request.cfg = preset.cfg;
-  request.strategy = preset.strategy;
-  request.devices = preset.devices;
+  request.strategy.name = preset.strategy;
+  request.strategy.devices = preset.devices;
+  request.strategy.skip = preset.skip;
 }
 
 std::string preset_file_name(const std::string& name) {

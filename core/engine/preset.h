@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "core/engine/generation.h"
+#include "core/job/request.h"
 
 namespace diffract::engine {
 
@@ -16,8 +16,9 @@ namespace diffract::engine {
 //    "sampler": "dpmpp-2m-karras", "cfg": 6.5, "strategy": "single", "devices": 1}
 // Every occurrence of {subject} in prompt_template is replaced by the user's prompt; the
 // template must hold at least one. width / height 0 mean the model's native size, an empty
-// sampler the model's own; description and devices (default 1) are optional. Unknown keys are
-// errors, so a misspelt field is not silently ignored.
+// sampler the model's own; description, devices (default 1) and skip (step-skip; default 2) are
+// optional. Files that gave step-skip's skip factor as "devices" still read as before. Unknown
+// keys are errors, so a misspelt field is not silently ignored.
 struct Preset {
   std::string name;
   std::string description;
@@ -30,6 +31,7 @@ struct Preset {
   double cfg = 7.0;
   std::string strategy = "single";
   int devices = 1;
+  int skip = 2;  // step-skip's skip factor
 };
 
 inline constexpr const char* kSubjectPlaceholder = "{subject}";
@@ -46,7 +48,7 @@ void validate_preset(const Preset& preset, const std::string& where);
 // The template with each {subject} replaced by `subject`.
 std::string fill_prompt_template(const std::string& prompt_template, const std::string& subject);
 // Fills the request's prompt (from `subject`), negative prompt, size, steps, sampler, CFG and strategy.
-void apply_preset(const Preset& preset, const std::string& subject, GenerationRequest& request);
+void apply_preset(const Preset& preset, const std::string& subject, job::GenerationRequest& request);
 // A file name for a preset called `name`: lower case, runs of other characters as "-", ".json".
 std::string preset_file_name(const std::string& name);
 

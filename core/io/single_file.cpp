@@ -149,7 +149,7 @@ SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, con
   // Other architectures, recognised by their distinctive keys.
   // SD3 files load through the SD3 pipeline (detect_sd3_single_file); reaching here means a caller
   // took one for an SD / SDXL file.
-  const std::string sd3_hint = "; it loads through the SD3 pipeline (StableDiffusion3, which load_text_to_image picks)";
+  const std::string sd3_hint = "; it loads through the SD3 pipeline (StableDiffusion3, which load_pipeline picks)";
   if (auto k = any_contains("joint_blocks."); !k.empty())
     throw Error(what + ": an SD3 / SD3.5 (MMDiT) checkpoint (found '" + k + "'), not an SD 1.x / 2.x / SDXL one" +
                 sd3_hint);

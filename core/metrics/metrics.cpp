@@ -65,13 +65,6 @@ double relative_l2(const at::Tensor& a, const at::Tensor& b) {
   return num / den;
 }
 
-double latents_rel_l2(const engine::GenerationResult& a, const engine::GenerationResult& b) {
-  auto view = [](const engine::GenerationResult& r) {
-    return at::from_blob(const_cast<float*>(r.latents.data()), r.latents_shape, at::kFloat);
-  };
-  return relative_l2(view(a), view(b));
-}
-
 double rel_mae(const at::Tensor& a, const at::Tensor& b) {
   same_shape(a, b, "rel-MAE");
   const auto ad = a.to(at::kDouble), bd = b.to(at::kDouble);

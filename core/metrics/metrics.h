@@ -2,7 +2,6 @@
 // Image and latent quality metrics for comparing an accelerated run with its baseline.
 #include <ATen/core/Tensor.h>
 
-#include "core/engine/generation.h"
 #include "core/io/image.h"
 
 namespace diffract::metrics {
@@ -20,8 +19,6 @@ double psnr(const io::Image& a, const io::Image& b);
 double ssim(const io::Image& a, const io::Image& b);
 // ||a - b|| / ||b|| (Frobenius; 0 when both are zero).
 double relative_l2(const at::Tensor& a, const at::Tensor& b);
-// relative_l2 of two jobs' final latents, `b` the baseline.
-double latents_rel_l2(const engine::GenerationResult& a, const engine::GenerationResult& b);
 // mean|a - b| / mean|b|.
 double rel_mae(const at::Tensor& a, const at::Tensor& b);
 // |a - b| averaged over channels, [H, W] float, for a difference heatmap.

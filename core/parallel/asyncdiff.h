@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "core/parallel/strategies.h"
+#include "core/parallel/strategy.h"
 
 namespace diffract::parallel {
 

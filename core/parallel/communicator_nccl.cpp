@@ -13,6 +13,7 @@
 
 #include "core/parallel/communicator.h"
 #include "core/util/log.h"
+#include "core/util/options.h"
 
 namespace diffract::parallel {
 
@@ -41,9 +42,8 @@ ncclDataType_t nccl_type(at::ScalarType t) {
 // operation of which rank never completes. For diagnosis: sync serialises the communication.
 int trace_level() {
   static const int level = [] {
-    const char* env = std::getenv("DIFFRACT_NCCL_TRACE");
-    if (!env || !*env || std::string(env) == "0") return 0;
-    return std::string(env) == "sync" ? 2 : 1;
+    const auto v = options::value(options::Id::NcclTrace);
+    return v == "sync" ? 2 : v == "1" ? 1 : 0;
   }();
   return level;
 }

@@ -11,7 +11,7 @@
 #include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
 
-#include "core/engine/generation.h"
+#include "core/job/job.h"
 
 #ifdef DIFFRACT_HAS_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -163,7 +163,7 @@ namespace {
 // cuDNN's autotuning of a convolution it has not timed yet calls cudaDeviceSynchronize and
 // empties the allocator's cache (cudaFree, which synchronises too). On a rank whose device holds
 // an NCCL receive waiting for a peer whose thread is blocked the same way, neither returns: the
-// stacks of AsyncDiff's hang on 2 H200 (docs/benchmarks.md) were exactly these two. While ranks
+// stacks of AsyncDiff's hang on two GPUs (docs/benchmarks.md) were exactly these two. While ranks
 // run, convolutions take cuDNN's heuristic choice instead; graphs captured before keep theirs.
 class NoCudnnAutotuning {
  public:
@@ -194,7 +194,7 @@ void DeviceGroup::run(const std::function<void(int rank, Communicator& comm)>& f
       std::string what = "unknown error";
       try {
         throw;
-      } catch (const engine::Cancelled&) {
+      } catch (const job::Cancelled&) {
         what = "cancelled";
       } catch (const std::exception& e) {
         what = e.what();
@@ -216,7 +216,7 @@ void DeviceGroup::run(const std::function<void(int rank, Communicator& comm)>& f
   comms_.clear();  // an aborted or half-used set is not reused
   try {
     std::rethrow_exception(first);
-  } catch (const engine::Cancelled&) {
+  } catch (const job::Cancelled&) {
     throw;
   } catch (const std::exception& e) {
     throw Error("device " + std::to_string(first_rank) + " (" + device_name(first_rank) + "): " + e.what());

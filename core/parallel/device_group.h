@@ -31,11 +31,11 @@ class DeviceGroup {
 
   // Runs fn(rank, comm) on every rank's worker and waits for all of them. A rank's worker is the
   // same thread for the group's whole life: cuDNN keeps its execution plans per thread, and on
-  // fresh threads each job every eager convolution planned again (AsyncDiff's first SDXL step
-  // took 458 ms instead of 20 on 2 H200, docs/benchmarks.md). Virtual groups get
+  // fresh threads each job every eager convolution plans again (AsyncDiff's first SDXL step
+  // measured many times slower, docs/benchmarks.md). Virtual groups get
   // fresh communicators each run; NCCL ones keep theirs until a run fails. Either way a failed
   // run leaves the group usable. The workers run under at::NoGradGuard, bound to their device. The first exception on any rank aborts the communicators (ranks
-  // blocked in collectives are released) and is rethrown here: engine::Cancelled as is,
+  // blocked in collectives are released) and is rethrown here: job::Cancelled as is,
   // anything else as diffract::Error "device <rank> (<name>): <message>".
   void run(const std::function<void(int rank, Communicator& comm)>& fn);
 

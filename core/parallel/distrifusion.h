@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string>
 
-#include "core/parallel/strategies.h"
+#include "core/parallel/strategy.h"
 
 namespace diffract::parallel {
 

@@ -1,12 +1,12 @@
 #pragma once
-// What the strategies' loops share (strategies.cpp, pipefusion.cpp, asyncdiff.cpp): per-rank replicas of the
+// What the strategies' loops share (strategy.cpp and each strategy's file): per-rank replicas of the
 // sampler, generator and denoiser, the cancel gate, the refine step and the stats.
 #include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
 
-#include "core/parallel/strategies.h"
+#include "core/parallel/strategy.h"
 
 namespace diffract::parallel::detail {
 
@@ -26,11 +26,11 @@ std::vector<Rank> prepare(const Strategy& s, DeviceGroup& g, const LoopInputs& i
 // stops at the same round and none is left waiting in a collective for a peer that quit.
 class CancelGate {
  public:
-  explicit CancelGate(const engine::CancelToken* token) : token_(token) {}
+  explicit CancelGate(const job::CancelToken* token) : token_(token) {}
   void check(int round);
 
  private:
-  const engine::CancelToken* token_;
+  const job::CancelToken* token_;
   std::mutex mutex_;
   std::map<int, bool> decided_;
 };

@@ -15,6 +15,7 @@
 #include "core/parallel/device_group.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/options.h"
 
 namespace diffract::parallel {
 
@@ -368,8 +369,7 @@ at::Tensor decode_overlapped(DeviceGroup& group, const std::vector<models::Autoe
 }
 
 std::string parallel_vae_mode(std::int64_t pixels) {
-  const char* v = std::getenv("DIFFRACT_PARALLEL_VAE");
-  const std::string set = v ? v : "";
+  const std::string set = options::value(options::Id::ParallelVae);
   if (set == "0") return "";
   if (set == "1" || set == "overlap") return "overlap";
   if (set == "exchange") return "exchange";
@@ -379,8 +379,7 @@ std::string parallel_vae_mode(std::int64_t pixels) {
 }
 
 bool batch_vae_enabled() {
-  const char* v = std::getenv("DIFFRACT_BATCH_VAE");
-  return !(v && std::string(v) == "0");
+  return options::flag(options::Id::BatchVae);
 }
 
 at::Tensor decode_batch_parallel(DeviceGroup& group, const std::vector<models::AutoencoderKL>& replicas,

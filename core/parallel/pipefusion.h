@@ -4,7 +4,7 @@
 #include <string>
 #include <utility>
 
-#include "core/parallel/strategies.h"
+#include "core/parallel/strategy.h"
 
 namespace diffract::parallel {
 

@@ -7,6 +7,7 @@
 
 #include "core/models/text_encoders/clip_text.h"
 #include "core/util/graphed_function.h"
+#include "core/util/options.h"
 
 namespace diffract::pipeline::detail {
 
@@ -24,8 +25,7 @@ CLIPGraph::CLIPGraph(std::function<models::CLIPTextOutput(const at::Tensor&)> fo
     : forward_(std::move(forward)), config_(std::move(config)), projected_(projected) {
   graph_ = std::make_unique<GraphedFunction>(
       [this](const at::Tensor& ids) { return pack(forward_(ids), projected_); }, 2);
-  const char* env = std::getenv("DIFFRACT_CUDA_GRAPHS");
-  if (env && std::string(env) == "0") graph_->set_enabled(false);
+  if (!options::flag(options::Id::CudaGraphs)) graph_->set_enabled(false);
 }
 
 CLIPGraph::~CLIPGraph() = default;

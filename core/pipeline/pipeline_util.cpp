@@ -12,11 +12,11 @@
 #include "core/io/upload.h"
 #include "core/parallel/device_group.h"
 #include "core/parallel/strategies.h"
-#include "core/pipeline/text_to_image.h"
 
 #include "core/schedulers/sampler.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/options.h"
 
 namespace diffract::pipeline::detail {
 
@@ -60,7 +60,7 @@ std::string format_number(double v) {
   return s.str();
 }
 
-void check_request(engine::GenerationRequest& req, int native, int multiple, const std::string& why) {
+void check_request(job::GenerationRequest& req, int native, int multiple, const std::string& why) {
   if (req.width == 0) req.width = native;
   if (req.height == 0) req.height = native;
   const auto size = std::to_string(req.width) + "x" + std::to_string(req.height);
@@ -70,29 +70,29 @@ void check_request(engine::GenerationRequest& req, int native, int multiple, con
   if (!(req.cfg >= 0)) throw Error("CFG scale " + format_number(req.cfg) + " must be 0 or more");
   if (req.batch < 1 || req.batch > 64) throw Error("batch " + std::to_string(req.batch) + " must be between 1 and 64");
   if (req.preview_every < 0) throw Error("preview interval must be 0 (none) or more");
-  if (req.preview_max_side < 0 && req.preview_max_side != engine::GenerationRequest::kPreviewAuto)
+  if (req.preview_max_side < 0 && req.preview_max_side != job::GenerationRequest::kPreviewAuto)
     throw Error("preview size " + std::to_string(req.preview_max_side) + " must be -1 (auto: half the image, at most 512), "
                 "0 (full size) or more pixels");
 }
 
-void check_steps(const engine::GenerationRequest& req, int train_timesteps) {
+void check_steps(const job::GenerationRequest& req, int train_timesteps) {
   if (req.steps < 1 || req.steps > train_timesteps)
     throw Error("steps " + std::to_string(req.steps) + " must be between 1 and the model's " +
                 std::to_string(train_timesteps) + " training timesteps");
 }
 
 double warm_up(const std::string& device, const std::string& taesd,
-               const std::function<void(const engine::GenerationRequest&, const engine::JobObserver&)>& run) {
+               const std::function<void(const job::GenerationRequest&, const job::JobObserver&)>& run) {
   const auto t0 = Clock::now();
-  engine::GenerationRequest r;
+  job::GenerationRequest r;
   r.prompt = "warm-up";
   r.steps = 2;
   r.cfg = 7.0;
   r.device = device;
   r.taesd = taesd;
   r.preview_every = 1;
-  engine::JobObserver o;
-  o.on_preview = [](const engine::PreviewEvent&) {};
+  job::JobObserver o;
+  o.on_preview = [](const job::PreviewEvent&) {};
   run(r, o);
   const double ms = ms_since(t0);
   log::get("pipeline").info(log::str("warm-up in ", static_cast<int>(ms), " ms"));
@@ -101,41 +101,11 @@ double warm_up(const std::string& device, const std::string& taesd,
 
 }  // namespace diffract::pipeline::detail
 
-namespace diffract::pipeline {
-
-double TextToImage::prepare(const engine::GenerationRequest& request) {
-  if (device().rfind("cuda", 0) != 0 || !(request.strategy.empty() || request.strategy == "single")) return 0;
-  const int w = request.width > 0 ? request.width : native_size(), h = request.height > 0 ? request.height : native_size();
-  const bool cfg = request.cfg > 1.0, previews = request.preview_every > 0;
-  if (w == native_size() && h == native_size() && request.batch == 1 && cfg) return 0;  // warm_up()'s
-  const std::string key = std::to_string(w) + "x" + std::to_string(h) + "x" + std::to_string(request.batch) +
-                          (cfg ? " cfg " : " ") + (previews ? request.taesd : std::string());
-  if (!prepared_.insert(key).second) return 0;
-  const auto t0 = detail::Clock::now();
-  auto r = request;
-  r.width = w;
-  r.height = h;
-  r.steps = 2;
-  r.prompt = "warm-up";
-  r.seed = 0;
-  engine::JobObserver o;
-  if (previews) {
-    r.preview_every = 1;
-    o.on_preview = [](const engine::PreviewEvent&) {};
-  }
-  generate(r, o, engine::CancelToken{});
-  const double ms = detail::ms_since(t0);
-  log::get("pipeline").info(log::str("prepared ", key, " in ", static_cast<int>(ms), " ms"));
-  return ms;
-}
-
-}  // namespace diffract::pipeline
-
 namespace diffract::pipeline::detail {
 
-StepReporter::StepReporter(const c10::Device& device, const engine::GenerationRequest& req,
-                           const engine::JobObserver& observer, const schedulers::Sampler& sampler, Preview preview,
-                           engine::StageTimings& timings)
+StepReporter::StepReporter(const c10::Device& device, const job::GenerationRequest& req,
+                           const job::JobObserver& observer, const schedulers::Sampler& sampler, Preview preview,
+                           job::StageTimings& timings)
     : req_(req), observer_(observer), sampler_(sampler), preview_(std::move(preview)), timings_(timings),
       clock_(device), previews_(device) {
   clock_.start();
@@ -155,7 +125,7 @@ void StepReporter::stepped(int i, const at::Tensor& out, const at::Tensor& befor
 void StepReporter::finish() {
   clock_.wait_until_ahead(0);
   drain();
-  while (auto d = previews_.wait()) emit(*d);
+  while (auto d = previews_.wait()) deliver(*d);
 }
 
 void StepReporter::drain() {
@@ -166,11 +136,11 @@ void StepReporter::drain() {
     timings_.step_ms.push_back(ms);
     if (observer_.on_step) observer_.on_step({i, sampler_.num_steps(), sampler_.timesteps()[static_cast<std::size_t>(i)], ms});
   }
-  for (const auto& d : previews) emit(d);
+  for (const auto& d : previews) deliver(d);
 }
 
-void StepReporter::emit(const SideStreamTask::Done& d) {
-  engine::PreviewEvent ev;
+void StepReporter::deliver(const SideStreamTask::Done& d) {
+  job::PreviewEvent ev;
   ev.index = d.tag;
   ev.image = std::move(bytes_to_images(d.host).front());
   ev.decode_ms = d.device_ms;
@@ -180,10 +150,10 @@ void StepReporter::emit(const SideStreamTask::Done& d) {
 
 at::Tensor denoise(schedulers::Sampler& sampler, at::Tensor latents, at::Generator& gen, double cfg_scale,
                    const std::function<at::Tensor(const at::Tensor& x_in, const at::Tensor& timesteps)>& model,
-                   StepReporter& reporter, const engine::CancelToken& cancel, const std::string& nan_hint) {
+                   StepReporter& reporter, const job::CancelToken& cancel, const std::string& nan_hint) {
   const bool cfg = cfg_scale > 1.0;
   for (int i = 0; i < sampler.num_steps(); ++i) {
-    if (cancel.cancelled()) throw engine::Cancelled{};
+    if (cancel.cancelled()) throw job::Cancelled{};
     const double t = sampler.timesteps()[static_cast<std::size_t>(i)];
     auto x_in = sampler.scale_model_input(cfg ? at::cat({latents, latents}) : latents, i);
     auto out = model(x_in, at::full({x_in.size(0)}, t, at::TensorOptions().dtype(at::kFloat).device(latents.device())));
@@ -205,18 +175,27 @@ at::Tensor denoise(schedulers::Sampler& sampler, at::Tensor latents, at::Generat
 StrategyGroups::StrategyGroups() = default;
 StrategyGroups::~StrategyGroups() = default;
 
-parallel::DeviceGroup& StrategyGroups::group_for(const c10::Device& model_device, const parallel::Strategy& strategy) {
+parallel::DeviceGroup& StrategyGroups::group_for(const c10::Device& model_device, const parallel::Strategy& strategy,
+                                                 const std::vector<int>& gpus) {
   const int n = strategy.devices();
   if (model_device.is_cpu()) {
     virtual_ = parallel::DeviceGroup::virtual_cpu(n);
     return *virtual_;
   }
   const int count = static_cast<int>(torch::cuda::device_count());
-  if (n > count)
-    throw Error("strategy " + strategy.name() + " needs " + std::to_string(n) + " GPUs; this machine has " +
-                std::to_string(count));
-  std::vector<int> ids;
-  for (int r = 0; r < n; ++r) ids.push_back((model_device.index() + r) % count);
+  std::vector<int> ids = gpus;
+  if (ids.empty())
+    for (int r = 0; r < n; ++r) ids.push_back(model_device.index() + r);
+  if (static_cast<int>(ids.size()) != n)
+    throw Error("strategy " + strategy.name() + " runs on " + std::to_string(n) + " GPUs; the job names " +
+                std::to_string(ids.size()));
+  if (ids.front() != model_device.index())
+    throw Error("strategy " + strategy.name() + ": the job's first GPU must hold the model (cuda:" +
+                std::to_string(model_device.index()) + "), not cuda:" + std::to_string(ids.front()));
+  for (const int id : ids)
+    if (id < 0 || id >= count)
+      throw Error("strategy " + strategy.name() + " needs " + std::to_string(n) + " GPUs from cuda:" +
+                  std::to_string(model_device.index()) + "; this machine has " + std::to_string(count));
   if (!gpu_ || gpu_ids_ != ids) {
     gpu_.reset();
     gpu_ = parallel::DeviceGroup::cuda(ids);
@@ -239,9 +218,9 @@ void copy_weights(torch::nn::Module& src, torch::nn::Module& dst, const c10::Dev
 }
 
 at::Tensor run_strategy_loop(const parallel::Strategy& strategy, parallel::DeviceGroup& group, parallel::LoopInputs in,
-                             const at::Tensor& warm_input, double warm_timestep, const engine::GenerationRequest& req,
-                             const engine::JobObserver& observer, StepReporter::Preview preview,
-                             engine::StageTimings& timings, std::string& stats) {
+                             const at::Tensor& warm_input, double warm_timestep, const job::GenerationRequest& req,
+                             const job::JobObserver& observer, StepReporter::Preview preview,
+                             job::StageTimings& timings, parallel::LoopStats& stats) {
   const auto entered = Clock::now();
   std::string warm_key = strategy.name() + (req.cfg > 1.0 ? " cfg" : "") + " " + c10::toString(warm_input.scalar_type());
   for (const auto d : warm_input.sizes()) warm_key += " " + std::to_string(d);
@@ -250,8 +229,8 @@ at::Tensor run_strategy_loop(const parallel::Strategy& strategy, parallel::Devic
   if (group.device(0).is_cuda() && group.first_use(warm_key)) {
     // Every rank's CUDA graphs are captured here, one device at a time, before the ranks start:
     // a capture inside the loop (cuDNN autotuning, seconds for SDXL) would run while the other
-    // ranks wait in a collective. On 2 H200 DRiffusion, whose ranks first evaluate at different
-    // rounds, hung with in-loop captures while CFG-parallel ran; see docs/benchmarks.md.
+    // ranks wait in a collective, and ranks that first evaluate at different rounds (DRiffusion's)
+    // then hang.
     // Each on its rank's own thread, where cuDNN keeps the plans it makes.
     for (int r = 0; r < group.size(); ++r) {
       group.run_on(r, [&] {
@@ -276,28 +255,18 @@ at::Tensor run_strategy_loop(const parallel::Strategy& strategy, parallel::Devic
   const double loop_ms = ms_since(t1);
   const auto t2 = Clock::now();
   reporter.finish();
-  auto j = nlohmann::json::parse(out.stats.to_json());
-  j["warm_ms"] = warm_ms;
-  j["loop_ms"] = loop_ms;
-  // Where a strategy's job spends time outside its loop and the VAE (2 H200, eleventh session:
-  // 5-10 ms more than one GPU's job, not located yet): set-up here before the loop (warm-up
-  // excluded) and the reporter's finish after it, which waits for the steps the host queued
-  // ahead of the GPU (60 ms of a one-device job on an H200: the loop's own time, not overhead).
-  j["setup_ms"] = std::chrono::duration<double, std::milli>(t1 - entered).count() - warm_ms;
-  if (group.device(0).is_cuda()) {
-    // Memory per GPU: the peak allocated during the loop (weights, replicas and caches included).
-    std::vector<std::int64_t> peak;
-    for (int r = 0; r < group.size(); ++r) peak.push_back(peak_memory(group.device(r)));
-    j["peak_memory_per_rank"] = peak;
-  }
-  j["finish_ms"] = ms_since(t2);
-  stats = j.dump();
+  stats = std::move(out.stats);
+  stats.warm_ms = warm_ms;
+  stats.loop_ms = loop_ms;
+  stats.setup_ms = std::chrono::duration<double, std::milli>(t1 - entered).count() - warm_ms;
+  if (group.device(0).is_cuda())
+    for (int r = 0; r < group.size(); ++r) stats.peak_memory_per_rank.push_back(peak_memory(group.device(r)));
+  stats.finish_ms = ms_since(t2);
   return out.latents;
 }
 
 std::unique_ptr<io::ScopedPlacement> placement_for(const at::Device& device, at::ScalarType dtype) {
-  const char* env = std::getenv("DIFFRACT_PINNED_UPLOAD");
-  if (!device.is_cuda() || (env && std::string(env) == "0")) return nullptr;
+  if (!device.is_cuda() || !options::flag(options::Id::PinnedUpload)) return nullptr;
   return std::make_unique<io::ScopedPlacement>(device, dtype);
 }
 

@@ -11,7 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
-#include "core/engine/generation.h"
+#include "core/job/job.h"
 #include "core/io/image.h"
 #include "core/util/device_work.h"
 
@@ -22,6 +22,7 @@ namespace diffract::parallel {
 class DeviceGroup;
 class Strategy;
 struct LoopInputs;
+struct LoopStats;
 }  // namespace diffract::parallel
 namespace torch::nn {
 class Module;
@@ -49,9 +50,9 @@ std::string format_number(double v);
 // The checks every job gets before any work starts: a zero width or height becomes `native`;
 // the size must be a positive multiple of `multiple` (`why`: what that multiple is) and at most
 // 8192 a side; CFG scale, batch and preview settings in range.
-void check_request(engine::GenerationRequest& req, int native, int multiple, const std::string& why);
+void check_request(job::GenerationRequest& req, int native, int multiple, const std::string& why);
 // 1 <= steps <= the model's training timesteps.
-void check_steps(const engine::GenerationRequest& req, int train_timesteps);
+void check_steps(const job::GenerationRequest& req, int train_timesteps);
 
 // For a model loaded onto a GPU: weights go from the checkpoint through pinned buffers straight
 // onto it, in `dtype` (io::ScopedPlacement, for as long as the result lives). Null on the CPU and
@@ -63,7 +64,7 @@ void log_placement(const io::ScopedPlacement* placement, const std::string& what
 // A 2-step job with a preview every step through `run`, so that graphs, cuDNN plans and the
 // previews' stream exist before the first real job; logs and returns its ms.
 double warm_up(const std::string& device, const std::string& taesd,
-               const std::function<void(const engine::GenerationRequest&, const engine::JobObserver&)>& run);
+               const std::function<void(const job::GenerationRequest&, const job::JobObserver&)>& run);
 
 // Reports the steps and previews of a denoising loop without holding the device back: step
 // times come from marks in its stream, previews decode on a side stream and reach the
@@ -72,8 +73,8 @@ class StepReporter {
  public:
   // x0 [1, C, h, w] (the sampler's prediction, diffusion latent space) -> images [1, 3, H, W] in [-1, 1].
   using Preview = std::function<at::Tensor(const at::Tensor& x0)>;
-  StepReporter(const c10::Device& device, const engine::GenerationRequest& req, const engine::JobObserver& observer,
-               const schedulers::Sampler& sampler, Preview preview, engine::StageTimings& timings);
+  StepReporter(const c10::Device& device, const job::GenerationRequest& req, const job::JobObserver& observer,
+               const schedulers::Sampler& sampler, Preview preview, job::StageTimings& timings);
 
   // After step i's work is enqueued: its model output and the state it started from.
   void stepped(int i, const at::Tensor& out, const at::Tensor& before);
@@ -81,13 +82,13 @@ class StepReporter {
 
  private:
   void drain();
-  void emit(const SideStreamTask::Done& d);
+  void deliver(const SideStreamTask::Done& d);
 
-  const engine::GenerationRequest& req_;
-  const engine::JobObserver& observer_;
+  const job::GenerationRequest& req_;
+  const job::JobObserver& observer_;
   const schedulers::Sampler& sampler_;
   Preview preview_;
-  engine::StageTimings& timings_;
+  job::StageTimings& timings_;
   StepClock clock_;
   SideStreamTask previews_;
   int reported_ = 0;
@@ -100,16 +101,19 @@ class StepReporter {
 // says what to try). Returns the final latents.
 at::Tensor denoise(schedulers::Sampler& sampler, at::Tensor latents, at::Generator& gen, double cfg_scale,
                    const std::function<at::Tensor(const at::Tensor& x_in, const at::Tensor& timesteps)>& model,
-                   StepReporter& reporter, const engine::CancelToken& cancel, const std::string& nan_hint);
+                   StepReporter& reporter, const job::CancelToken& cancel, const std::string& nan_hint);
 
 // The groups the multi-device strategies (core/parallel) run on: CPU virtual devices for a
-// model on the CPU (made per job); for a model on cuda:k, the GPUs cuda:k, cuda:k+1, ...
-// (wrapping), kept with their NCCL communicators for later jobs.
+// model on the CPU (made per job); for a model on a GPU, the job's GPUs, kept with their NCCL
+// communicators for later jobs.
 class StrategyGroups {
  public:
   StrategyGroups();
   ~StrategyGroups();
-  parallel::DeviceGroup& group_for(const c10::Device& model_device, const parallel::Strategy& strategy);
+  // `gpus`: the GPUs in rank order (job::GenerationRequest::gpus; the first holds the model);
+  // empty: the model's GPU and the ones after it. CPU models get virtual devices.
+  parallel::DeviceGroup& group_for(const c10::Device& model_device, const parallel::Strategy& strategy,
+                                   const std::vector<int>& gpus = {});
 
  private:
   std::unique_ptr<parallel::DeviceGroup> virtual_, gpu_;
@@ -128,8 +132,8 @@ void copy_weights(torch::nn::Module& src, torch::nn::Module& dst, const c10::Dev
 // steps and previews go through a StepReporter on rank 0's thread. Returns the final latents;
 // `stats` gets the strategy's statistics (JSON, the job metadata's "strategy").
 at::Tensor run_strategy_loop(const parallel::Strategy& strategy, parallel::DeviceGroup& group, parallel::LoopInputs in,
-                             const at::Tensor& warm_input, double warm_timestep, const engine::GenerationRequest& req,
-                             const engine::JobObserver& observer, StepReporter::Preview preview,
-                             engine::StageTimings& timings, std::string& stats);
+                             const at::Tensor& warm_input, double warm_timestep, const job::GenerationRequest& req,
+                             const job::JobObserver& observer, StepReporter::Preview preview,
+                             job::StageTimings& timings, parallel::LoopStats& stats);
 
 }  // namespace diffract::pipeline::detail

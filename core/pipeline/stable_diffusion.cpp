@@ -29,13 +29,14 @@
 #include "core/parallel/device_group.h"
 #include "core/parallel/distrifusion.h"
 #include "core/parallel/parallel_vae.h"
-#include "core/parallel/strategies.h"
+#include "core/parallel/denoiser.h"
+#include "core/parallel/strategy.h"
 #include "core/schedulers/sampler.h"
 #include "core/text/clip_tokenizer.h"
-#include "core/util/build_info.h"
 #include "core/util/device_work.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/options.h"
 
 namespace diffract::pipeline {
 
@@ -46,8 +47,8 @@ namespace {
 
 // Channel -> RGB projections of the latent spaces, for previews without a TAESD: least-squares
 // fits of decoded colours to latents, as the SD community uses them.
-at::Tensor latent_rgb_factors(Family family) {
-  if (family == Family::SDXL)
+at::Tensor latent_rgb_factors(job::ModelFamily family) {
+  if (family == job::ModelFamily::SDXL)
     return at::tensor({0.3651, 0.4232, 0.4341, -0.2533, -0.0042, 0.1068, 0.1076, 0.1111, -0.0362, -0.3165, -0.2492,
                        -0.2188},
                       at::kFloat)
@@ -60,8 +61,7 @@ at::Tensor latent_rgb_factors(Family family) {
 
 models::UNetGraphOptions graph_options() {
   models::UNetGraphOptions o;
-  const char* env = std::getenv("DIFFRACT_CUDA_GRAPHS");
-  o.enabled = !(env && std::string(env) == "0");
+  o.enabled = options::flag(options::Id::CudaGraphs);
   o.stage_graphs = models::stage_graphs_from_env();  // DIFFRACT_STAGE_GRAPHS=0: the strategies' stages eager
   return o;
 }
@@ -76,37 +76,11 @@ void fuse_projections(models::UNet2DConditionModel& unet) {
   if (models::fused_time_projections_wanted()) unet->fuse_time_projections();
 }
 
-std::string a1111_sampler(schedulers::SamplerKind k) {
-  using K = schedulers::SamplerKind;
-  switch (k) {
-    case K::Euler: return "Euler";
-    case K::EulerAncestral: return "Euler a";
-    case K::DDIM: return "DDIM";
-    case K::DDPM: return "DDPM";
-    case K::DPMPP2M: return "DPM++ 2M";
-    case K::DPMPP2MKarras: return "DPM++ 2M Karras";
-    case K::FlowMatchEuler: return "Euler";  // what A1111 / Forge call SD3's flow sampler
-  }
-  return "";
-}
 
 }  // namespace
 
-std::string family_name(Family f) {
-  switch (f) {
-    case Family::SD1: return "sd1";
-    case Family::SD2: return "sd2";
-    case Family::SDXL: return "sdxl";
-  }
-  return "";
-}
-
-struct StableDiffusion::Impl {
-  fs::path path;
-  std::string device_name;
-  at::Device device{at::kCPU};
-  at::ScalarType dtype = at::kFloat;
-  Family family = Family::SD1;
+struct StableDiffusion::Impl : PipelineState {
+  job::ModelFamily family = job::ModelFamily::SD1;
   std::unique_ptr<text::CLIPTokenizer> tokenizer, tokenizer_2;
   models::CLIPTextModel text_encoder{nullptr};
   models::CLIPTextModelWithProjection text_encoder_2{nullptr};
@@ -119,8 +93,6 @@ struct StableDiffusion::Impl {
   // Multi-GPU jobs: the UNet copied to the group's other GPUs, and the group with its NCCL
   // communicators; both kept for later jobs.
   std::map<int, std::shared_ptr<models::UNetGraphRunner>> replicas;
-  StrategyGroups groups;
-  double replica_ms = 0;
   nlohmann::json memory_format_choice;  // what choose_memory_format() measured
   void choose_memory_format();
   models::AutoencoderKL vae{nullptr};
@@ -131,9 +103,6 @@ struct StableDiffusion::Impl {
   std::function<schedulers::SchedulerConfig(schedulers::SamplerKind)> scheduler_config;
   std::optional<schedulers::SamplerKind> native_sampler;
   bool force_zeros_for_empty_prompt = false;
-  std::string taesd_path;
-  models::TAESD taesd{nullptr};
-  double load_ms = 0;
 
   int vae_factor() const {
     return static_cast<int>(tiny_vae ? tiny_vae->config.downscale_factor() : vae->config.downscale_factor());
@@ -237,7 +206,7 @@ struct StableDiffusion::Impl {
   };
 
   // Text for one prompt (repeated `batch` times); `zeros` gives SDXL's empty negative.
-  Conditioning encode(const std::string& prompt, int batch, bool zeros, engine::StageTimings& t) {
+  Conditioning encode(const std::string& prompt, int batch, bool zeros, job::StageTimings& t) {
     at::NoGradGuard no_grad;
     auto run_tokenizer = [&](const text::CLIPTokenizer& tok) {
       const auto t0 = Clock::now();
@@ -249,14 +218,14 @@ struct StableDiffusion::Impl {
       return at::tensor(at::ArrayRef<int>(tokens.ids), at::kLong).unsqueeze(0).to(device);
     };
     Conditioning c;
-    if (family == Family::SDXL && zeros) {
+    if (family == job::ModelFamily::SDXL && zeros) {
       // SDXL's empty negative prompt: zeros of the encoders' shapes, nothing to run.
       const auto opts = at::TensorOptions().device(device).dtype(dtype);
       const auto& c1 = text_encoder->text_model->config;
       const auto& c2 = text_encoder_2->text_model->config;
       c.context = at::zeros({1, tokenizer->max_length(), c1.hidden_size + c2.hidden_size}, opts);
       c.pooled = at::zeros({1, c2.projection_dim}, opts);
-    } else if (family == Family::SDXL) {
+    } else if (family == job::ModelFamily::SDXL) {
       auto ids1 = run_tokenizer(*tokenizer);
       auto ids2 = run_tokenizer(*tokenizer_2);
       const auto t0 = Clock::now();
@@ -276,23 +245,13 @@ struct StableDiffusion::Impl {
     return c;
   }
 
-  // A full-size TAESD decode of SDXL 1024² costs 8.5 ms on an H200 beside a 48 ms step, and a
-  // preview every step then added 9 % to the denoising; a 512² preview costs about a quarter.
-  at::Tensor preview(const at::Tensor& x0, bool use_taesd, int max_side) {
-    at::NoGradGuard no_grad;
-    if (use_taesd) {
-      auto z = x0;
-      const int64_t side = std::max(z.size(2), z.size(3)) * vae_factor();
-      if (max_side > 0 && side > max_side) {
-        const double s = static_cast<double>(max_side) / static_cast<double>(side);
-        z = at::adaptive_avg_pool2d(z, {std::max<int64_t>(1, std::lround(z.size(2) * s)),
-                                        std::max<int64_t>(1, std::lround(z.size(3) * s))});
-      }
-      return taesd->decode(z.to(taesd->parameters().front().dtype()));
-    }
-    if (tiny_vae) return decode_latents(x0).clamp(-1, 1);  // as cheap as a projection, and exact
+  // Previews without a TAESD: the tiny VAE itself (as cheap as a projection, and exact), else
+  // a linear latent-to-RGB projection at latent resolution.
+  at::Tensor latent_preview(const at::Tensor& x0) {
+    if (tiny_vae) return decode_latents(x0).clamp(-1, 1);
     auto rgb = at::einsum("bchw,cr->brhw", {x0.to(at::kFloat), latent_rgb_factors(family).to(x0.device())});
-    if (family == Family::SDXL) rgb = rgb + at::tensor({0.1084, -0.0175, -0.0011}, rgb.options()).view({1, 3, 1, 1});
+    if (family == job::ModelFamily::SDXL)
+      rgb = rgb + at::tensor({0.1084, -0.0175, -0.0011}, rgb.options()).view({1, 3, 1, 1});
     return rgb.clamp(-1, 1);
   }
 };
@@ -302,9 +261,8 @@ StableDiffusion::StableDiffusion(std::unique_ptr<Impl> impl) : impl_(std::move(i
 // 2048²): a model given up gives them back. Another live pipeline's later DistriFusion jobs then
 // take the eager buckets (a graph is never replayed without its buffers).
 StableDiffusion::~StableDiffusion() { parallel::DistriFusion::release_static_buffers(); }
-Family StableDiffusion::family() const { return impl_->family; }
-const fs::path& StableDiffusion::path() const { return impl_->path; }
-const std::string& StableDiffusion::device() const { return impl_->device_name; }
+job::ModelFamily StableDiffusion::family() const { return impl_->family; }
+PipelineState& StableDiffusion::state() { return *impl_; }
 int StableDiffusion::native_size() const {
   return static_cast<int>(impl_->unet->config.sample_size) * impl_->vae_factor();
 }
@@ -339,7 +297,7 @@ void load_folder(StableDiffusion::Impl& p, const fs::path& model) {
   p.text_encoder = models::load_clip_text_model(te_c.dir, te_c.variant);
   p.tokenizer = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(tok_c.dir));
   if (p.unet->config.addition_embed_type == "text_time") {
-    p.family = Family::SDXL;
+    p.family = job::ModelFamily::SDXL;
     const auto& te2 = folder.require("text_encoder_2");
     p.text_encoder_2 = models::load_clip_text_model_with_projection(te2.dir, te2.variant);
     p.tokenizer_2 = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(folder.require("tokenizer_2").dir));
@@ -348,7 +306,7 @@ void load_folder(StableDiffusion::Impl& p, const fs::path& model) {
   } else {
     // SD 2.x pairs an OpenCLIP-H encoder (gelu, 1024 wide) with its UNet; SD 1.x uses CLIP-L.
     const auto& te = p.text_encoder->text_model->config;
-    p.family = te.hidden_act == "gelu" || te.hidden_size == 1024 ? Family::SD2 : Family::SD1;
+    p.family = te.hidden_act == "gelu" || te.hidden_size == 1024 ? job::ModelFamily::SD2 : job::ModelFamily::SD1;
   }
 }
 
@@ -375,11 +333,11 @@ void load_single(StableDiffusion::Impl& p, const fs::path& file, const fs::path&
   p.text_encoder = m.text_encoder;
   p.tokenizer = std::make_unique<text::CLIPTokenizer>(make_clip_tokenizer(m.tokenizer));
   switch (m.family) {
-    case io::SingleFileFamily::SD1: p.family = Family::SD1; break;
-    case io::SingleFileFamily::SD2: p.family = Family::SD2; break;
-    case io::SingleFileFamily::SDXL: p.family = Family::SDXL; break;
+    case io::SingleFileFamily::SD1: p.family = job::ModelFamily::SD1; break;
+    case io::SingleFileFamily::SD2: p.family = job::ModelFamily::SD2; break;
+    case io::SingleFileFamily::SDXL: p.family = job::ModelFamily::SDXL; break;
   }
-  if (p.family == Family::SDXL) {
+  if (p.family == job::ModelFamily::SDXL) {
     p.text_encoder_2 = m.text_encoder_2;
     p.tokenizer_2 = std::make_unique<text::CLIPTokenizer>(make_clip_tokenizer(*m.tokenizer_2));
     p.force_zeros_for_empty_prompt = true;
@@ -397,21 +355,21 @@ void load_single(StableDiffusion::Impl& p, const fs::path& file, const fs::path&
 
 }  // namespace
 
-std::unique_ptr<StableDiffusion> StableDiffusion::random(Family family, bool tiny, const std::string& device) {
+std::unique_ptr<StableDiffusion> StableDiffusion::random(job::ModelFamily family, bool tiny, const std::string& device) {
   const auto t0 = Clock::now();
   auto p = std::make_unique<Impl>();
-  p->path = std::string("random-") + (tiny ? "tiny-" : "") + family_name(family);
+  p->path = std::string("random-") + (tiny ? "tiny-" : "") + std::string(job::family_name(family));
   p->device_name = device;
   p->device = parse_device(device);
   p->dtype = p->device.is_cuda() ? at::kBFloat16 : at::kFloat;
   p->family = family;
-  auto unet_c = family == Family::SDXL ? models::UNet2DConditionConfig::sdxl_base()
-                : family == Family::SD2 ? models::UNet2DConditionConfig::sd21()
+  auto unet_c = family == job::ModelFamily::SDXL ? models::UNet2DConditionConfig::sdxl_base()
+                : family == job::ModelFamily::SD2 ? models::UNet2DConditionConfig::sd21()
                                         : models::UNet2DConditionConfig::sd15();
-  auto vae_c = family == Family::SDXL ? models::AutoencoderKLConfig::sdxl() : models::AutoencoderKLConfig::sd();
-  auto te_c = family == Family::SD2 ? models::CLIPTextConfig::open_clip_h() : models::CLIPTextConfig::clip_l();
+  auto vae_c = family == job::ModelFamily::SDXL ? models::AutoencoderKLConfig::sdxl() : models::AutoencoderKLConfig::sd();
+  auto te_c = family == job::ModelFamily::SD2 ? models::CLIPTextConfig::open_clip_h() : models::CLIPTextConfig::clip_l();
   auto te2_c = models::CLIPTextConfig::open_clip_bigg();
-  auto taesd_c = family == Family::SDXL ? models::TAESDConfig::taesdxl() : models::TAESDConfig::taesd();
+  auto taesd_c = family == job::ModelFamily::SDXL ? models::TAESDConfig::taesdxl() : models::TAESDConfig::taesd();
   if (tiny) {  // the same architectures, a few channels wide: for CI
     unet_c.block_out_channels = {32, 64, 64};
     unet_c.down_block_types = {"DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"};
@@ -424,9 +382,9 @@ std::unique_ptr<StableDiffusion> StableDiffusion::random(Family family, bool tin
     te_c.hidden_size = 32, te_c.intermediate_size = 64, te_c.num_hidden_layers = 2, te_c.num_attention_heads = 2;
     te2_c.hidden_size = 32, te2_c.intermediate_size = 64, te2_c.num_hidden_layers = 2, te2_c.num_attention_heads = 2;
     te2_c.projection_dim = 32;
-    const int64_t ctx = family == Family::SDXL ? 64 : 32;
+    const int64_t ctx = family == job::ModelFamily::SDXL ? 64 : 32;
     unet_c.cross_attention_dim = {ctx, ctx, ctx};
-    if (family == Family::SDXL) unet_c.projection_class_embeddings_input_dim = 32 + 6 * unet_c.addition_time_embed_dim;
+    if (family == job::ModelFamily::SDXL) unet_c.projection_class_embeddings_input_dim = 32 + 6 * unet_c.addition_time_embed_dim;
     vae_c.block_out_channels = {16, 16, 32, 32};
     vae_c.norm_num_groups = 8;
     taesd_c.encoder_block_out_channels = taesd_c.decoder_block_out_channels = {16, 16, 16, 16};
@@ -434,7 +392,7 @@ std::unique_ptr<StableDiffusion> StableDiffusion::random(Family family, bool tin
   p->unet = models::UNet2DConditionModel(unet_c);
   p->vae = models::AutoencoderKL(vae_c);
   p->text_encoder = models::CLIPTextModel(te_c);
-  if (family == Family::SDXL) p->text_encoder_2 = models::CLIPTextModelWithProjection(te2_c);
+  if (family == job::ModelFamily::SDXL) p->text_encoder_2 = models::CLIPTextModelWithProjection(te2_c);
   p->taesd = models::TAESD(taesd_c, /*with_encoder=*/false);
   p->taesd_path = "<random>";
   {
@@ -453,13 +411,13 @@ std::unique_ptr<StableDiffusion> StableDiffusion::random(Family family, bool tin
     for (auto& w : p->unet->parameters()) w.mul_(0.5);
   }
   p->tokenizer = std::make_unique<text::CLIPTokenizer>(make_clip_tokenizer({}));
-  if (family == Family::SDXL) {
+  if (family == job::ModelFamily::SDXL) {
     text::CLIPTokenizerOptions bang;
     bang.pad_token = "!";
     p->tokenizer_2 = std::make_unique<text::CLIPTokenizer>(make_clip_tokenizer(bang));
     p->force_zeros_for_empty_prompt = true;
   }
-  use_builtin_scheduler(*p, family == Family::SD2 ? "v_prediction" : "epsilon", p->path.string());
+  use_builtin_scheduler(*p, family == job::ModelFamily::SD2 ? "v_prediction" : "epsilon", p->path.string());
   p->taesd->eval();
   p->taesd->to(p->device, p->dtype);
   if (p->device.is_cuda()) models::set_memory_format(*p->taesd, at::MemoryFormat::ChannelsLast);
@@ -488,18 +446,12 @@ std::unique_ptr<StableDiffusion> StableDiffusion::load(const fs::path& model, co
   }
   p->place();
   p->load_ms = ms_since(t0);
-  log::get("pipeline").info(log::str("loaded ", model.string(), " (", family_name(p->family), ") on ", device, " in ",
+  log::get("pipeline").info(log::str("loaded ", model.string(), " (", job::family_name(p->family), ") on ", device, " in ",
                                      static_cast<int>(p->load_ms), " ms"));
   return std::unique_ptr<StableDiffusion>(new StableDiffusion(std::move(p)));
 }
 
 namespace {
-
-// The pipeline's preview decode for the step reporter.
-StepReporter::Preview preview_fn(StableDiffusion::Impl& p, const engine::GenerationRequest& req, bool use_taesd) {
-  const int max_side = req.preview_side();
-  return [&p, use_taesd, max_side](const at::Tensor& x0) { return p.preview(x0, use_taesd, max_side); };
-}
 
 models::UNetConditioning to_device(const models::UNetConditioning& c, const c10::Device& d) {
   models::UNetConditioning o;
@@ -509,44 +461,12 @@ models::UNetConditioning to_device(const models::UNetConditioning& c, const c10:
   return o;
 }
 
-// The denoising loop of a multi-device strategy (core/parallel). CPU virtual devices share the
-// one loaded UNet (read-only in inference); GPUs get replicas copied from ours.
-at::Tensor run_strategy(StableDiffusion::Impl& p, const parallel::Strategy& strategy, const engine::GenerationRequest& req,
-                        schedulers::SamplerKind kind, const schedulers::SchedulerConfig& config,
-                        const StableDiffusion::Impl::Conditioning& positive,
-                        const StableDiffusion::Impl::Conditioning& negative, const at::Tensor& latents,
-                        const at::Generator& gen, const engine::JobObserver& observer, const engine::CancelToken& cancel,
-                        bool use_taesd, engine::StageTimings& timings, std::string& stats,
-                        parallel::DeviceGroup*& group_used) {
-  auto branch = [&](const StableDiffusion::Impl::Conditioning& c) {
-    models::UNetConditioning u;
-    if (!c.context.defined()) return u;
-    u.encoder_hidden_states = c.context;
-    if (p.family == Family::SDXL) {
-      const auto h = static_cast<double>(req.height), w = static_cast<double>(req.width);
-      u.time_ids = at::tensor({h, w, 0.0, 0.0, h, w}, at::kFloat).view({1, 6}).repeat({req.batch, 1}).to(p.device, p.dtype);
-      u.text_embeds = c.pooled;
-    }
-    return u;
-  };
-  const auto pos = branch(positive), neg = req.cfg > 1.0 ? branch(negative) : models::UNetConditioning{};
-  auto& group = p.groups.group_for(p.device, strategy);
-  group_used = &group;
-  // Replicas are made here, on this thread, before the ranks start.
-  for (int r = 0; r < group.size(); ++r) p.unet_on(group.device(r));
-  parallel::LoopInputs in;
-  in.kind = kind;
-  in.config = config;
-  in.steps = req.steps;
-  in.latents = latents;
-  in.generator = gen;
-  in.cancel = &cancel;
-  in.make_denoiser = [&p, pos, neg, &req](int, const c10::Device& d) -> std::unique_ptr<parallel::Denoiser> {
-    return std::make_unique<parallel::UNetDenoiser>(p.unet_on(d), to_device(pos, d), to_device(neg, d), req.cfg, p.dtype, d);
-  };
-  return run_strategy_loop(strategy, group, std::move(in), latents.to(p.dtype), config.num_train_timesteps - 1.0, req,
-                           observer, preview_fn(p, req, use_taesd), timings, stats);
-}
+// One job's UNet conditioning: each branch alone (the strategies' ranks) and both as one batch,
+// [negative; prompt] (the plain loop).
+struct SDConditioning {
+  models::UNetConditioning positive, negative, batched;
+  const char* negative_source = "none";  // "encoded", "zeros" (SDXL's force_zeros_for_empty_prompt) or "none" (no CFG)
+};
 
 }  // namespace
 
@@ -687,13 +607,13 @@ std::string StableDiffusion::profile_unet_step(int size, int rows, int reps) {
 }
 
 // channels-last or not for this UNet on this GPU, by measurement: the graph of one CFG step at
-// the native size, a few replays each way (SDXL on an H200 had channels-last 4 % slower with
-// ATen's GroupNorm, SD 1.5 16 % faster). DIFFRACT_CHANNELS_LAST=0/1 decides instead.
+// the native size, a few replays each way (which layout wins differs between models and
+// GroupNorm kernels). DIFFRACT_CHANNELS_LAST=0/1 decides instead.
 void StableDiffusion::Impl::choose_memory_format() {
   if (!device.is_cuda() || !runner->options().enabled) return;
-  if (const char* env = std::getenv("DIFFRACT_CHANNELS_LAST"); env && *env) {
-    runner->set_channels_last(std::string(env) == "1");
-    memory_format_choice = {{"forced", std::string(env) == "1" ? "channels_last" : "nchw"}};
+  if (const auto forced = options::value(options::Id::ChannelsLast); !forced.empty()) {
+    runner->set_channels_last(forced == "1");
+    memory_format_choice = {{"forced", forced == "1" ? "channels_last" : "nchw"}};
     return;
   }
   at::NoGradGuard no_grad;
@@ -726,158 +646,126 @@ void StableDiffusion::Impl::choose_memory_format() {
                                      " ms; running ", nchw <= nhwc ? "NCHW" : "channels-last"));
 }
 
-double StableDiffusion::warm_up() {
-  auto& p = *impl_;
-  if (!p.device.is_cuda()) return 0;
-  p.choose_memory_format();
-  const double load_ms = p.load_ms;  // the warm-up job is not a load
-  const double ms = detail::warm_up(p.device_name, p.taesd ? p.taesd_path : std::string(),
-                                    [&](const auto& r, const auto& o) { generate(r, o, engine::CancelToken{}); });
-  p.load_ms = load_ms;
-  return ms;
+void StableDiffusion::before_warm_up() { impl_->choose_memory_format(); }
+
+job::GenerationResult StableDiffusion::generate(const job::GenerationRequest& request, const job::JobObserver& observer,
+                                                const job::CancelToken& cancel, const parallel::Strategy* strategy) {
+  JobInputs inputs;
+  inputs.strategy = strategy;
+  return Pipeline::generate(request, observer, cancel, inputs);
 }
 
-engine::GenerationResult StableDiffusion::generate(const engine::GenerationRequest& request,
-                                                   const engine::JobObserver& observer,
-                                                   const engine::CancelToken& cancel) {
-  if (request.strategy.empty() || request.strategy == "single") return generate(request, observer, cancel, nullptr);
-  const auto strategy = parallel::make_strategy(request.strategy, request.devices, request.patches);
-  strategy->validate(request.batch, request.cfg > 1.0);
-  return generate(request, observer, cancel, strategy.get());
-}
+int StableDiffusion::size_multiple() const { return impl_->vae_factor(); }
+std::string StableDiffusion::size_multiple_why() const { return "the model's latent factor"; }
+int StableDiffusion::latent_channels() const { return static_cast<int>(impl_->unet->config.in_channels); }
+int StableDiffusion::vae_factor() const { return impl_->vae_factor(); }
+std::string StableDiffusion::taesd_hint() const { return impl_->family == job::ModelFamily::SDXL ? "taesdxl" : "taesd"; }
+std::string StableDiffusion::nan_hint() const { return "try another sampler or fp32"; }
 
-engine::GenerationResult StableDiffusion::generate(const engine::GenerationRequest& request,
-                                                   const engine::JobObserver& observer,
-                                                   const engine::CancelToken& cancel,
-                                                   const parallel::Strategy* strategy) {
-  auto& p = *impl_;
-  const auto start = Clock::now();
-  engine::GenerationResult result;
-  result.request = request;
-  auto& req = result.request;
-  auto& timings = result.timings;
-  timings.load_ms = std::exchange(p.load_ms, 0.0);
-  result.family = family_name(p.family);
-
-  // Everything a user can get wrong is checked before any work starts.
-  if (strategy && (strategy->name() == "pipefusion" || strategy->name() == "cfg-pipefusion"))
-    throw Error(strategy->name() + " splits a transformer's joint blocks into stages: it runs SD3 only, and SD 1.x / "
-                "2.x / XL have a UNet (use cfg-parallel, hybrid-cfg, driffusion or data-parallel)");
-  const int factor = p.vae_factor();
-  check_request(req, native_size(), factor, "the model's latent factor");
-
+schedulers::SamplerKind StableDiffusion::choose_sampler(const std::string& requested) const {
+  const auto& p = *impl_;
   schedulers::SamplerKind kind;
-  if (req.sampler.empty()) {
+  if (requested.empty()) {
     kind = p.native_sampler.value_or(schedulers::SamplerKind::Euler);
     if (!p.native_sampler)
       log::get("pipeline").info("the model's own scheduler is not supported here; using euler (choose with --scheduler)");
   } else {
-    kind = schedulers::parse_sampler_or_throw(req.sampler);
+    kind = schedulers::parse_sampler_or_throw(requested);
   }
   if (schedulers::is_flow_matching(kind))
     throw Error("the " + std::string(schedulers::sampler_name(kind)) +
                 " sampler is for flow-matching models (SD3); SD 1.x / 2.x / XL predict noise or v");
-  req.sampler = std::string(schedulers::sampler_name(kind));
-  const auto config = p.scheduler_config(kind);
-  check_steps(req, config.num_train_timesteps);
-  auto sampler = schedulers::Sampler::create(kind, config, req.steps);
+  return kind;
+}
 
-  // The last TAESD stays loaded for later jobs that name it again.
-  if (!req.taesd.empty() && req.taesd != p.taesd_path) {
-    p.taesd = models::load_taesd(req.taesd);
-    p.taesd->to(p.device, p.dtype);
-    if (p.device.is_cuda()) models::set_memory_format(*p.taesd, at::MemoryFormat::ChannelsLast);
-    p.taesd_path = req.taesd;
+schedulers::SchedulerConfig StableDiffusion::scheduler_config(schedulers::SamplerKind kind) const {
+  return impl_->scheduler_config(kind);
+}
+
+std::string StableDiffusion::a1111_sampler(schedulers::SamplerKind k) const {
+  using K = schedulers::SamplerKind;
+  switch (k) {
+    case K::Euler: return "Euler";
+    case K::EulerAncestral: return "Euler a";
+    case K::DDIM: return "DDIM";
+    case K::DDPM: return "DDPM";
+    case K::DPMPP2M: return "DPM++ 2M";
+    case K::DPMPP2MKarras: return "DPM++ 2M Karras";
+    case K::FlowMatchEuler: return "Euler";  // what A1111 / Forge call SD3's flow sampler
   }
-  const bool use_taesd = !req.taesd.empty();
+  return "";
+}
 
+void StableDiffusion::encode(JobContext& job) {
+  auto& p = *impl_;
+  const auto& req = job.req;
+  const auto branch = [&](const Impl::Conditioning& c) {
+    models::UNetConditioning u;
+    u.encoder_hidden_states = c.context;
+    if (p.family == job::ModelFamily::SDXL) {
+      const auto h = static_cast<double>(req.height), w = static_cast<double>(req.width);
+      u.time_ids = at::tensor({h, w, 0.0, 0.0, h, w}, at::kFloat).view({1, 6}).repeat({req.batch, 1}).to(p.device, p.dtype);
+      u.text_embeds = c.pooled;
+    }
+    return u;
+  };
+  SDConditioning c;
+  c.positive = branch(p.encode(req.prompt, req.batch, false, job.timings));
+  c.batched = c.positive;
+  if (job.cfg) {
+    // diffusers' SDXL pipelines use zeros for a negative prompt not given when the model's
+    // force_zeros_for_empty_prompt is true (SDXL base ships it so); an empty one here is "not given".
+    const bool zeros = p.family == job::ModelFamily::SDXL && req.negative_prompt.empty() && p.force_zeros_for_empty_prompt;
+    c.negative_source = zeros ? "zeros" : "encoded";
+    c.negative = branch(p.encode(req.negative_prompt, req.batch, zeros, job.timings));
+    c.batched.encoder_hidden_states = at::cat({c.negative.encoder_hidden_states, c.positive.encoder_hidden_states});
+    if (p.family == job::ModelFamily::SDXL) {
+      c.batched.time_ids = at::cat({c.negative.time_ids, c.positive.time_ids});
+      c.batched.text_embeds = at::cat({c.negative.text_embeds, c.positive.text_embeds});
+    }
+  }
+  job.conditioning = std::move(c);
+}
+
+std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> StableDiffusion::denoiser(JobContext& job) {
+  auto& p = *impl_;
+  const auto cond = std::any_cast<const SDConditioning&>(job.conditioning).batched;
+  return [&p, cond](const at::Tensor& x_in, const at::Tensor& t) { return p.runner->forward(x_in.to(p.dtype), t, cond); };
+}
+
+// CPU virtual devices share the one loaded UNet (read-only in inference); GPUs get replicas
+// copied from ours, made here before the ranks start.
+void StableDiffusion::prepare_ranks(JobContext&, const parallel::Strategy&, parallel::DeviceGroup& group) {
+  for (int r = 0; r < group.size(); ++r) impl_->unet_on(group.device(r));
+}
+
+std::unique_ptr<parallel::Denoiser> StableDiffusion::rank_denoiser(const JobContext& job, const parallel::Strategy&,
+                                                                   int, const c10::Device& d) {
+  auto& p = *impl_;
+  const auto& c = std::any_cast<const SDConditioning&>(job.conditioning);
+  return std::make_unique<parallel::UNetDenoiser>(p.unet_on(d), to_device(c.positive, d),
+                                                  job.cfg ? to_device(c.negative, d) : models::UNetConditioning{},
+                                                  job.req.cfg, p.dtype, d);
+}
+
+double StableDiffusion::warm_timestep(const JobContext& job, const schedulers::Sampler&) const {
+  return job.config.num_train_timesteps - 1.0;
+}
+
+at::Tensor StableDiffusion::preview(const at::Tensor& x0, bool use_taesd, int max_side) {
   at::NoGradGuard no_grad;
-  const bool cfg = req.cfg > 1.0;
-  const auto stage = [&](const char* name, double ms) {
-    if (observer.on_stage) observer.on_stage(name, ms);
-  };
-  auto positive = p.encode(req.prompt, req.batch, false, timings);
-  Impl::Conditioning negative;
-  if (cfg)
-    negative = p.encode(req.negative_prompt, req.batch,
-                        p.family == Family::SDXL && req.negative_prompt.empty() && p.force_zeros_for_empty_prompt, timings);
-  stage("tokenize", timings.tokenize_ms);
-  stage("text_encode", timings.text_encode_ms);
+  return use_taesd ? taesd_preview(x0, impl_->vae_factor(), max_side) : impl_->latent_preview(x0);
+}
 
-  models::UNetConditioning cond;
-  cond.encoder_hidden_states = cfg ? at::cat({negative.context, positive.context}) : positive.context;
-  if (p.family == Family::SDXL) {
-    const auto h = static_cast<double>(req.height), w = static_cast<double>(req.width);
-    auto ids = at::tensor({h, w, 0.0, 0.0, h, w}, at::kFloat).view({1, 6}).repeat({req.batch * (cfg ? 2 : 1), 1});
-    cond.time_ids = ids.to(p.device, p.dtype);
-    cond.text_embeds = cfg ? at::cat({negative.pooled, positive.pooled}) : positive.pooled;
-  }
+at::Tensor StableDiffusion::decode(const at::Tensor& latents, parallel::DeviceGroup* group) {
+  impl_->last_decode_ranks = 1;
+  return impl_->decode_latents(latents, group);
+}
 
-  // Initial noise comes from a CPU generator, drawn in the model's dtype as diffusers' randn_tensor
-  // does, so a seed gives diffusers' latents at the same precision (bf16 draws differ from fp32 ones).
-  at::Generator gen = at::detail::createCPUGenerator(req.seed);
-  const int64_t channels = p.unet->config.in_channels;
-  auto latents = at::randn({req.batch, channels, req.height / factor, req.width / factor}, gen, p.dtype)
-                     .to(p.device) * sampler->init_noise_sigma();
-
-  std::string strategy_stats;  // a multi-device strategy (core/parallel) runs the loop instead
-  parallel::DeviceGroup* strategy_group = nullptr;  // and its group decodes the latents
-  const auto before_strategy = Clock::now();
-  if (strategy)
-    latents = run_strategy(p, *strategy, req, kind, config, positive, negative, latents, gen, observer, cancel, use_taesd,
-                           timings, strategy_stats, strategy_group);
-  const double strategy_call_ms = ms_since(before_strategy);
-  if (!strategy) {
-    StepReporter reporter(p.device, req, observer, *sampler, preview_fn(p, req, use_taesd), timings);
-    latents = denoise(
-        *sampler, latents, gen, req.cfg,
-        [&](const at::Tensor& x_in, const at::Tensor& t) { return p.runner->forward(x_in.to(p.dtype), t, cond); },
-        reporter, cancel, "try another sampler or fp32");
-  }
-  if (!at::isfinite(latents).all().item<bool>())
-    throw Error("the final latents hold NaN or Inf: the model's weights or settings are broken");
-  if (cancel.cancelled()) throw engine::Cancelled{};
-
-  const auto td = Clock::now();
-  p.last_decode_ranks = 1;
-  auto images = p.decode_latents(latents, strategy_group);
-  if (!at::isfinite(images).all().item<bool>())
-    throw Error("the VAE decode produced NaN or Inf (an fp16 overflow? the VAE may need fp32)");
-  result.images = to_images(images);
-  timings.vae_decode_ms = ms_since(td);
-  stage("vae_decode", timings.vae_decode_ms);
-  timings.total_ms = ms_since(start) + timings.load_ms;
-  stage("total", timings.total_ms);
-
-  const std::string model_name = p.path.filename().string();
-  result.a1111_parameters = req.prompt + "\nNegative prompt: " + req.negative_prompt + "\nSteps: " +
-                            std::to_string(req.steps) + ", Sampler: " + a1111_sampler(kind) +
-                            ", CFG scale: " + format_number(req.cfg) + ", Seed: " + std::to_string(req.seed) +
-                            ", Size: " + std::to_string(req.width) + "x" + std::to_string(req.height) +
-                            ", Model: " + model_name + ", Version: Diffract " + build_info().diffract_version;
-  nlohmann::json meta = {
-      {"diffract_version", build_info().diffract_version},
-      {"model", p.path.string()}, {"family", result.family},
-      {"prompt", req.prompt}, {"negative_prompt", req.negative_prompt},
-      {"width", req.width}, {"height", req.height}, {"steps", req.steps}, {"cfg", req.cfg},
-      {"seed", req.seed}, {"sampler", req.sampler}, {"device", req.device}, {"batch", req.batch},
-      {"taesd", req.taesd}, {"strategy_name", req.strategy.empty() ? "single" : req.strategy},
-      {"devices", req.devices},
-      {"timings_ms", {{"load", timings.load_ms}, {"tokenize", timings.tokenize_ms},
-                      {"text_encode", timings.text_encode_ms}, {"steps", timings.step_ms},
-                      {"previews", timings.preview_ms}, {"previews_dropped", timings.previews_dropped},
-                      {"vae_decode", timings.vae_decode_ms},
-                      {"total", timings.total_ms}}},
-  };
-  if (!strategy_stats.empty()) {
-    meta["strategy"] = nlohmann::json::parse(strategy_stats);
-    // From the job's start to the strategy's call (text encoding, latents), the whole call, and
-    // from its return to the VAE decode (the finite check): against loop_ms, setup_ms, finish_ms.
-    meta["strategy"]["before_call_ms"] = std::chrono::duration<double, std::milli>(before_strategy - start).count();
-    meta["strategy"]["call_ms"] = strategy_call_ms;
-    meta["strategy"]["after_call_ms"] = std::chrono::duration<double, std::milli>(td - before_strategy).count() - strategy_call_ms;
-  }
-  if (strategy && !p.tiny_vae) meta["vae_decode_devices"] = p.last_decode_ranks;
+void StableDiffusion::add_metadata(const JobContext& job, nlohmann::json& meta) const {
+  const auto& p = *impl_;
+  meta["negative_conditioning"] = std::any_cast<const SDConditioning&>(job.conditioning).negative_source;
+  if (meta.contains("strategy") && !p.tiny_vae) meta["vae_decode_devices"] = p.last_decode_ranks;
   if (p.device.is_cuda())
     meta["unet_graphs"] = {{"graphs", p.runner->graphs()},
                            {"last_capture_ms", p.runner->last_capture_ms()},
@@ -885,11 +773,6 @@ engine::GenerationResult StableDiffusion::generate(const engine::GenerationReque
                            {"replicas_ms", p.replica_ms},
                            {"channels_last", p.runner->options().channels_last},
                            {"memory_format_choice", p.memory_format_choice}};
-  result.metadata_json = meta.dump();
-  const auto cpu_latents = latents.to(at::kCPU, at::kFloat).contiguous();
-  result.latents.assign(cpu_latents.data_ptr<float>(), cpu_latents.data_ptr<float>() + cpu_latents.numel());
-  result.latents_shape = cpu_latents.sizes().vec();
-  return result;
 }
 
 }  // namespace diffract::pipeline

@@ -3,8 +3,8 @@
 #include <memory>
 #include <string>
 
-#include "core/engine/generation.h"
-#include "core/pipeline/text_to_image.h"
+#include "core/job/job.h"
+#include "core/pipeline/pipeline.h"
 
 namespace diffract::parallel {
 class Strategy;
@@ -12,12 +12,10 @@ class Strategy;
 
 namespace diffract::pipeline {
 
-enum class Family { SD1, SD2, SDXL };
-std::string family_name(Family family);
-
-// SD 1.x / 2.x / SDXL text-to-image: prompt -> text encoders -> CFG denoising loop -> VAE.
-// Loads a diffusers folder or a single-file checkpoint once; generate() may run many times.
-class StableDiffusion : public TextToImage {
+// SD 1.x / 2.x / SDXL: prompt -> CLIP text encoders -> CFG denoising loop over the UNet -> VAE,
+// as the hooks of the shared skeleton (pipeline.h). Loads a diffusers folder or a single-file
+// checkpoint once; generate() may run many times.
+class StableDiffusion : public Pipeline {
  public:
   // `config_dir`: for a single-file checkpoint, a diffusers folder whose config.json files
   // describe its components (as diffusers' from_single_file(config=...)); optional.
@@ -25,19 +23,12 @@ class StableDiffusion : public TextToImage {
                                                const std::filesystem::path& config_dir = {});
   // The family's full-size architecture (or a few-channel `tiny` one) with random weights,
   // plus a random TAESD decoder under the name "<random>": for benchmarks, no files needed.
-  static std::unique_ptr<StableDiffusion> random(Family family, bool tiny, const std::string& device);
+  static std::unique_ptr<StableDiffusion> random(job::ModelFamily family, bool tiny, const std::string& device);
   ~StableDiffusion() override;
   struct Impl;
 
-  Family family() const;
-  const std::filesystem::path& path() const override;
-  const std::string& device() const override;
+  job::ModelFamily family() const override;
   int native_size() const override;  // pixels, square
-
-  // One short job at the native size (2 steps, CFG, previews) so that cuDNN's plans, the CUDA
-  // graph of the default shape and the allocator's pools exist before the first real job.
-  // Returns its time in ms; a no-op (0) on the CPU.
-  double warm_up() override;
 
   // Diagnostics for the benchmarks: one UNet call of `rows` rows at size² pixels on random
   // inputs, timed eager and from CUDA graphs in both layouts, with our GroupNorm kernels and with
@@ -47,15 +38,33 @@ class StableDiffusion : public TextToImage {
   // keeps its layout.
   std::string profile_unet_step(int size, int rows, int reps);
 
-  // Runs one job on the calling thread. Throws diffract::Error with a readable message,
-  // or engine::Cancelled when `cancel` fires (checked between steps).
-  engine::GenerationResult generate(const engine::GenerationRequest& request, const engine::JobObserver& observer,
-                                    const engine::CancelToken& cancel) override;
-  // The same with the denoising loop run by a multi-device strategy (core/parallel/strategies.h)
-  // on CPU virtual devices; null runs the built-in loop. Its statistics go into metadata_json
-  // under "strategy".
-  engine::GenerationResult generate(const engine::GenerationRequest& request, const engine::JobObserver& observer,
-                                    const engine::CancelToken& cancel, const parallel::Strategy* strategy);
+  using Pipeline::generate;
+  // A job with its denoising loop run by a given multi-device strategy (core/parallel); null runs
+  // the request's. Its statistics go into metadata_json under "strategy".
+  job::GenerationResult generate(const job::GenerationRequest& request, const job::JobObserver& observer,
+                                 const job::CancelToken& cancel, const parallel::Strategy* strategy);
+
+ protected:
+  PipelineState& state() override;
+  int size_multiple() const override;
+  std::string size_multiple_why() const override;
+  schedulers::SamplerKind choose_sampler(const std::string& requested) const override;
+  schedulers::SchedulerConfig scheduler_config(schedulers::SamplerKind kind) const override;
+  std::string a1111_sampler(schedulers::SamplerKind kind) const override;
+  int latent_channels() const override;
+  int vae_factor() const override;
+  std::string taesd_hint() const override;
+  void encode(JobContext& job) override;
+  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> denoiser(JobContext& job) override;
+  void prepare_ranks(JobContext& job, const parallel::Strategy& strategy, parallel::DeviceGroup& group) override;
+  std::unique_ptr<parallel::Denoiser> rank_denoiser(const JobContext& job, const parallel::Strategy& strategy, int rank,
+                                                    const c10::Device& device) override;
+  double warm_timestep(const JobContext& job, const schedulers::Sampler& sampler) const override;
+  at::Tensor preview(const at::Tensor& x0, bool use_taesd, int max_side) override;
+  at::Tensor decode(const at::Tensor& latents, parallel::DeviceGroup* group) override;
+  void add_metadata(const JobContext& job, nlohmann::json& meta) const override;
+  std::string nan_hint() const override;
+  void before_warm_up() override;
 
  private:
   explicit StableDiffusion(std::unique_ptr<Impl> impl);

@@ -24,17 +24,17 @@
 #include "core/models/text_encoders/t5_encoder.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/parallel/pipefusion.h"
-#include "core/parallel/strategies.h"
+#include "core/parallel/denoiser.h"
+#include "core/parallel/strategy.h"
 #include "core/pipeline/clip_graph.h"
 #include "core/pipeline/pipeline_util.h"
 #include "core/pipeline/single_file.h"
-#include "core/pipeline/stable_diffusion.h"
 #include "core/schedulers/sampler.h"
 #include "core/text/clip_tokenizer.h"
 #include "core/text/t5_tokenizer.h"
-#include "core/util/build_info.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/options.h"
 
 namespace diffract::pipeline {
 
@@ -43,8 +43,7 @@ using namespace detail;
 
 namespace {
 bool graphs_enabled() {
-  const char* env = std::getenv("DIFFRACT_CUDA_GRAPHS");
-  return !(env && std::string(env) == "0");
+  return options::flag(options::Id::CudaGraphs);
 }
 }  // namespace
 
@@ -68,11 +67,7 @@ at::Tensor sd3_latent_rgb(const at::Tensor& x0) {
 
 }  // namespace
 
-struct StableDiffusion3::Impl {
-  fs::path path;
-  std::string device_name;
-  at::Device device{at::kCPU};
-  at::ScalarType dtype = at::kFloat;
+struct StableDiffusion3::Impl : PipelineState {
   std::unique_ptr<text::CLIPTokenizer> tokenizer, tokenizer_2;
   models::CLIPTextModelWithProjection text_encoder{nullptr}, text_encoder_2{nullptr};
   CLIPGraph text_graph{[this](const at::Tensor& ids) { return text_encoder->forward(ids, true); },
@@ -91,15 +86,10 @@ struct StableDiffusion3::Impl {
   std::optional<schedulers::SamplerKind> native_sampler;
   bool t5_dropped = false;
   int max_sequence_length = 256;
-  std::string taesd_path;
-  models::TAESD taesd{nullptr};
-  double load_ms = 0;
   // Multi-GPU jobs: a transformer replica on each of the group's other GPUs (whole, or one
   // PipeFusion stage's weights), by device and what it holds; the groups with their NCCL
   // communicators.
   std::map<std::pair<int, std::string>, models::SD3Transformer2DModel> replicas;
-  StrategyGroups groups;
-  double replica_ms = 0;
 
   int vae_factor() const { return static_cast<int>(vae->config.downscale_factor()); }
 
@@ -132,7 +122,7 @@ struct StableDiffusion3::Impl {
   int size_multiple() const { return vae_factor() * static_cast<int>(transformer->config.patch_size); }
 
   // One prompt: [1, 77 + max_sequence_length, joint], pooled [1, P].
-  std::pair<at::Tensor, at::Tensor> encode_one(const std::string& prompt, engine::StageTimings& t, bool use_t5) {
+  std::pair<at::Tensor, at::Tensor> encode_one(const std::string& prompt, job::StageTimings& t, bool use_t5) {
     auto run_tokenizer = [&](const text::CLIPTokenizer& tok) {
       const auto t0 = Clock::now();
       auto tokens = tok.tokenize(prompt);
@@ -168,20 +158,6 @@ struct StableDiffusion3::Impl {
       t5 = at::zeros({1, max_sequence_length, joint}, clip.options());
     }
     return {at::cat({clip, t5}, -2), pooled};
-  }
-
-  at::Tensor preview(const at::Tensor& x0, bool use_taesd, int max_side) {
-    at::NoGradGuard no_grad;
-    if (!use_taesd) return sd3_latent_rgb(x0);
-    auto z = x0;
-    const int64_t side = std::max(z.size(2), z.size(3)) * vae_factor();
-    if (max_side > 0 && side > max_side) {
-      const double s = static_cast<double>(max_side) / static_cast<double>(side);
-      z = at::adaptive_avg_pool2d(z, {std::max<int64_t>(1, std::lround(z.size(2) * s)),
-                                      std::max<int64_t>(1, std::lround(z.size(3) * s))});
-    }
-    // TAESD3 decodes SD3's diffusion latents directly (see TAESDConfig).
-    return taesd->decode(z.to(taesd->parameters().front().dtype()));
   }
 
   at::Tensor decode_latents(const at::Tensor& latents) {
@@ -313,8 +289,6 @@ void load_single(StableDiffusion3::Impl& p, const fs::path& file, const StableDi
 
 StableDiffusion3::StableDiffusion3(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 StableDiffusion3::~StableDiffusion3() = default;
-const fs::path& StableDiffusion3::path() const { return impl_->path; }
-const std::string& StableDiffusion3::device() const { return impl_->device_name; }
 int StableDiffusion3::native_size() const {
   return static_cast<int>(impl_->transformer->config.sample_size) * impl_->vae_factor();
 }
@@ -418,10 +392,10 @@ std::unique_ptr<StableDiffusion3> StableDiffusion3::load(const fs::path& model, 
 }
 
 StableDiffusion3::Conditioning StableDiffusion3::encode_prompt(const std::string& prompt, const std::string& negative,
-                                                               int batch, bool cfg, engine::StageTimings* timings,
+                                                               int batch, bool cfg, job::StageTimings* timings,
                                                                bool drop_t5) {
   at::NoGradGuard no_grad;
-  engine::StageTimings scratch;
+  job::StageTimings scratch;
   auto& t = timings ? *timings : scratch;
   Conditioning c;
   const bool use_t5 = impl_->text_encoder_3 && !drop_t5;
@@ -436,220 +410,123 @@ StableDiffusion3::Conditioning StableDiffusion3::encode_prompt(const std::string
   return c;
 }
 
-double StableDiffusion3::warm_up() {
-  auto& p = *impl_;
-  if (!p.device.is_cuda()) return 0;
-  const double load_ms = p.load_ms;  // the warm-up job is not a load
-  const double ms = detail::warm_up(p.device_name, p.taesd ? p.taesd_path : std::string(),
-                                    [&](const auto& r, const auto& o) { generate(r, o, engine::CancelToken{}); });
-  p.load_ms = load_ms;
-  return ms;
-}
-
 namespace {
 
-// The denoising loop of a multi-device strategy (core/parallel). CPU virtual devices share our
-// transformer (read-only in inference); GPUs get replicas, made here before the ranks start
-// (PipeFusion's hold only their stage's weights).
-at::Tensor run_strategy(StableDiffusion3::Impl& p, const parallel::Strategy& strategy,
-                        const engine::GenerationRequest& req, schedulers::SamplerKind kind,
-                        const schedulers::SchedulerConfig& config, const StableDiffusion3::Conditioning& c,
-                        const at::Tensor& latents, const at::Generator& gen, const engine::JobObserver& observer,
-                        const engine::CancelToken& cancel, const StepReporter::Preview& preview,
-                        engine::StageTimings& timings, std::string& stats) {
-  auto& group = p.groups.group_for(p.device, strategy);
-  // PipeFusion (and cfg-pipefusion, whose rank r is stage r % n of its branch's pipeline): the
-  // stage each rank runs, whose weights are all its replica holds.
-  const auto* pipefusion = dynamic_cast<const parallel::PipeFusion*>(&strategy);
-  const int stages = pipefusion ? pipefusion->n : 0;
-  const auto stage_of = [pipefusion](int r) { return pipefusion ? pipefusion->stage_of(r) : r; };
-  for (int r = 0; r < group.size(); ++r) p.transformer_on(group.device(r), stage_of(r), stages);
-  const parallel::SD3Conditioning pos{c.prompt_embeds, c.pooled}, neg{c.negative_prompt_embeds, c.negative_pooled};
-  parallel::LoopInputs in;
-  in.kind = kind;
-  in.config = config;
-  in.steps = req.steps;
-  in.latents = latents;
-  in.generator = gen;
-  in.cancel = &cancel;
-  in.make_denoiser = [&p, pos, neg, stages, stage_of, cfg_scale = req.cfg](int r, const c10::Device& d) {
-    return std::unique_ptr<parallel::Denoiser>(std::make_unique<parallel::SD3Denoiser>(
-        p.transformer_on(d, stage_of(r), stages), pos, neg, cfg_scale, p.dtype, d));
-  };
-  const auto first_t = schedulers::Sampler::create(kind, config, req.steps)->timesteps().front();
-  return run_strategy_loop(strategy, group, std::move(in), latents.to(p.dtype), first_t, req, observer, preview,
-                           timings, stats);
-}
+struct SD3JobConditioning {
+  at::Tensor context, pooled;  // [negative; prompt] with CFG
+  parallel::SD3Conditioning positive, negative;
+  const char* t5 = "absent";
+};
 
 }  // namespace
 
-engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequest& request,
-                                                    const engine::JobObserver& observer,
-                                                    const engine::CancelToken& cancel) {
-  return generate(request, observer, cancel, at::Tensor());
+PipelineState& StableDiffusion3::state() { return *impl_; }
+int StableDiffusion3::size_multiple() const { return impl_->size_multiple(); }
+std::string StableDiffusion3::size_multiple_why() const {
+  return "the VAE's factor times the transformer's patch size";
+}
+int StableDiffusion3::latent_channels() const { return static_cast<int>(impl_->transformer->config.in_channels); }
+int StableDiffusion3::vae_factor() const { return impl_->vae_factor(); }
+std::string StableDiffusion3::a1111_sampler(schedulers::SamplerKind) const { return "Euler, Schedule type: Simple"; }
+
+job::GenerationResult StableDiffusion3::generate(const job::GenerationRequest& request, const job::JobObserver& observer,
+                                                 const job::CancelToken& cancel, const at::Tensor& initial_latents) {
+  JobInputs inputs;
+  inputs.initial_latents = initial_latents;
+  return Pipeline::generate(request, observer, cancel, inputs);
 }
 
-engine::GenerationResult StableDiffusion3::generate(const engine::GenerationRequest& request,
-                                                    const engine::JobObserver& observer,
-                                                    const engine::CancelToken& cancel,
-                                                    const at::Tensor& initial_latents) {
-  auto& p = *impl_;
-  const auto start = Clock::now();
-  engine::GenerationResult result;
-  result.request = request;
-  auto& req = result.request;
-  auto& timings = result.timings;
-  timings.load_ms = std::exchange(p.load_ms, 0.0);
-  result.family = "sd3";
-
-  // Everything a user can get wrong is checked before any work starts.
-  std::unique_ptr<parallel::Strategy> strategy;  // a multi-device strategy (core/parallel) runs the loop instead
-  if (!req.strategy.empty() && req.strategy != "single") {
-    if (req.strategy == "hybrid-cfg")
-      throw Error("hybrid-cfg's stale window needs a layer split of the UNet (its U split); SD3's MMDiT has none: use "
-                  "cfg-parallel, or pipefusion for a split of the transformer's blocks");
-    strategy = parallel::make_strategy(req.strategy, req.devices, req.patches);
-    strategy->validate(req.batch, req.cfg > 1.0);
-  }
-  check_request(req, native_size(), p.size_multiple(), "the VAE's factor times the transformer's patch size");
-
+schedulers::SamplerKind StableDiffusion3::choose_sampler(const std::string& requested) const {
+  const auto& p = *impl_;
   schedulers::SamplerKind kind = schedulers::SamplerKind::FlowMatchEuler;
-  if (!req.sampler.empty()) kind = schedulers::parse_sampler_or_throw(req.sampler);
+  if (!requested.empty()) kind = schedulers::parse_sampler_or_throw(requested);
   else if (!p.native_sampler || *p.native_sampler != kind)
     log::get("pipeline").info("the model's own scheduler is not flow-euler's; using flow-euler with its settings");
   if (!schedulers::is_flow_matching(kind))
     throw Error("SD3 is a flow-matching model: the " + std::string(schedulers::sampler_name(kind)) +
                 " sampler does not apply to it (use flow-euler)");
-  req.sampler = std::string(schedulers::sampler_name(kind));
-  const auto config = p.scheduler_text.empty()
-                          ? schedulers::SchedulerConfig::from_json(p.scheduler_json, kind)
-                          : schedulers::SchedulerConfig::from_json_text(p.scheduler_text, kind, p.path.string());
-  check_steps(req, config.num_train_timesteps);
-  auto sampler = schedulers::Sampler::create(kind, config, req.steps);
+  return kind;
+}
 
-  const int64_t channels = p.transformer->config.in_channels;
-  const std::vector<int64_t> shape{req.batch, channels, req.height / p.vae_factor(), req.width / p.vae_factor()};
-  if (initial_latents.defined() && initial_latents.sizes().vec() != shape)
-    throw Error("initial latents of shape " + c10::str(initial_latents.sizes()) + " for a job that needs " +
-                c10::str(at::IntArrayRef(shape)));
+schedulers::SchedulerConfig StableDiffusion3::scheduler_config(schedulers::SamplerKind kind) const {
+  const auto& p = *impl_;
+  return p.scheduler_text.empty() ? schedulers::SchedulerConfig::from_json(p.scheduler_json, kind)
+                                  : schedulers::SchedulerConfig::from_json_text(p.scheduler_text, kind, p.path.string());
+}
 
-  // The last TAESD stays loaded for later jobs that name it again.
-  if (!req.taesd.empty() && req.taesd != p.taesd_path) {
-    auto taesd = models::load_taesd(req.taesd);
-    if (!taesd->has_decoder()) throw Error(req.taesd + ": the TAESD has no decoder");
-    if (taesd->config.latent_channels != channels)
-      throw Error(req.taesd + ": a TAESD of " + std::to_string(taesd->config.latent_channels) +
-                  " latent channels cannot preview SD3's " + std::to_string(channels) + " (use taesd3)");
-    taesd->eval();
-    taesd->to(p.device, p.dtype);
-    if (p.device.is_cuda()) models::set_memory_format(*taesd, at::MemoryFormat::ChannelsLast);
-    p.taesd = taesd;
-    p.taesd_path = req.taesd;
+void StableDiffusion3::encode(JobContext& job) {
+  auto& p = *impl_;
+  const auto& req = job.req;
+  const auto c = encode_prompt(req.prompt, req.negative_prompt, req.batch, job.cfg, &job.timings, req.drop_t5);
+  SD3JobConditioning j;
+  j.t5 = p.text_encoder_3 && !req.drop_t5 ? "used" : p.text_encoder_3 || p.t5_dropped ? "dropped" : "absent";
+  j.context = (job.cfg ? at::cat({c.negative_prompt_embeds, c.prompt_embeds}) : c.prompt_embeds).to(p.dtype);
+  j.pooled = (job.cfg ? at::cat({c.negative_pooled, c.pooled}) : c.pooled).to(p.dtype);
+  j.positive = {c.prompt_embeds, c.pooled};
+  j.negative = {c.negative_prompt_embeds, c.negative_pooled};
+  job.conditioning = std::move(j);
+}
+
+std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> StableDiffusion3::denoiser(JobContext& job) {
+  auto& p = *impl_;
+  const auto& c = std::any_cast<const SD3JobConditioning&>(job.conditioning);
+  return [&p, context = c.context, pooled = c.pooled](const at::Tensor& x_in, const at::Tensor& t) {
+    const auto x = x_in.to(p.dtype);
+    if (p.device.is_cuda() && graphs_enabled()) return p.transformer_graph({x, context, pooled, t});
+    return p.transformer->forward(x, context, pooled, t);
+  };
+}
+
+namespace {
+
+// PipeFusion (and cfg-pipefusion, whose rank r is stage r % n of its branch's pipeline): the
+// stage each rank runs, whose weights are all its replica holds; 0 stages for the others.
+std::pair<int, int> stage_of(const parallel::Strategy& strategy, int rank) {
+  const auto* pipefusion = dynamic_cast<const parallel::PipeFusion*>(&strategy);
+  return pipefusion ? std::make_pair(pipefusion->stage_of(rank), pipefusion->n) : std::make_pair(rank, 0);
+}
+
+}  // namespace
+
+// CPU virtual devices share our transformer (read-only in inference); GPUs get replicas, made
+// here before the ranks start (PipeFusion's hold only their stage's weights).
+void StableDiffusion3::prepare_ranks(JobContext&, const parallel::Strategy& strategy, parallel::DeviceGroup& group) {
+  for (int r = 0; r < group.size(); ++r) {
+    const auto [stage, stages] = stage_of(strategy, r);
+    impl_->transformer_on(group.device(r), stage, stages);
   }
-  const bool use_taesd = !req.taesd.empty();
+}
 
+std::unique_ptr<parallel::Denoiser> StableDiffusion3::rank_denoiser(const JobContext& job,
+                                                                    const parallel::Strategy& strategy, int rank,
+                                                                    const c10::Device& d) {
+  auto& p = *impl_;
+  const auto& c = std::any_cast<const SD3JobConditioning&>(job.conditioning);
+  const auto [stage, stages] = stage_of(strategy, rank);
+  return std::make_unique<parallel::SD3Denoiser>(p.transformer_on(d, stage, stages), c.positive, c.negative, job.req.cfg,
+                                                 p.dtype, d);
+}
+
+double StableDiffusion3::warm_timestep(const JobContext&, const schedulers::Sampler& sampler) const {
+  return sampler.timesteps().front();
+}
+
+at::Tensor StableDiffusion3::preview(const at::Tensor& x0, bool use_taesd, int max_side) {
   at::NoGradGuard no_grad;
-  const bool cfg = req.cfg > 1.0;
-  const auto stage = [&](const char* name, double ms) {
-    if (observer.on_stage) observer.on_stage(name, ms);
-  };
-  const auto c = encode_prompt(req.prompt, req.negative_prompt, req.batch, cfg, &timings, req.drop_t5);
-  const char* t5_state = p.text_encoder_3 && !req.drop_t5 ? "used"
-                         : p.text_encoder_3 || p.t5_dropped ? "dropped" : "absent";
-  stage("tokenize", timings.tokenize_ms);
-  stage("text_encode", timings.text_encode_ms);
-  const auto context = (cfg ? at::cat({c.negative_prompt_embeds, c.prompt_embeds}) : c.prompt_embeds).to(p.dtype);
-  const auto pooled = (cfg ? at::cat({c.negative_pooled, c.pooled}) : c.pooled).to(p.dtype);
+  // TAESD3 decodes SD3's diffusion latents directly (see TAESDConfig).
+  return use_taesd ? taesd_preview(x0, impl_->vae_factor(), max_side) : sd3_latent_rgb(x0);
+}
 
-  // Initial noise from a CPU generator in the model's dtype, as diffusers' randn_tensor draws it.
-  at::Generator gen = at::detail::createCPUGenerator(req.seed);
-  at::Tensor latents = initial_latents.defined() ? initial_latents.to(p.device, p.dtype)
-                                                 : at::randn(shape, gen, p.dtype).to(p.device);
-  latents = latents * sampler->init_noise_sigma();
+at::Tensor StableDiffusion3::decode(const at::Tensor& latents, parallel::DeviceGroup*) {
+  return impl_->decode_latents(latents);
+}
 
-  const StepReporter::Preview preview = [&p, use_taesd, max_side = req.preview_side()](const at::Tensor& x0) {
-    return p.preview(x0, use_taesd, max_side);
-  };
-  std::string strategy_stats;
-  if (strategy) {
-    latents = run_strategy(p, *strategy, req, kind, config, c, latents, gen, observer, cancel, preview, timings,
-                           strategy_stats);
-  } else {
-    StepReporter reporter(p.device, req, observer, *sampler, preview, timings);
-    latents = denoise(
-        *sampler, latents, gen, req.cfg,
-        [&](const at::Tensor& x_in, const at::Tensor& t) {
-          const auto x = x_in.to(p.dtype);
-          if (p.device.is_cuda() && graphs_enabled()) return p.transformer_graph({x, context, pooled, t});
-          return p.transformer->forward(x, context, pooled, t);
-        },
-        reporter, cancel, "try fp32");
-  }
-  if (!at::isfinite(latents).all().item<bool>())
-    throw Error("the final latents hold NaN or Inf: the model's weights or settings are broken");
-  if (cancel.cancelled()) throw engine::Cancelled{};
-
-  const auto td = Clock::now();
-  auto images = p.decode_latents(latents);
-  if (!at::isfinite(images).all().item<bool>()) throw Error("the VAE decode produced NaN or Inf");
-  result.images = to_images(images);
-  timings.vae_decode_ms = ms_since(td);
-  stage("vae_decode", timings.vae_decode_ms);
-  timings.total_ms = ms_since(start) + timings.load_ms;
-  stage("total", timings.total_ms);
-
-  result.a1111_parameters = req.prompt + "\nNegative prompt: " + req.negative_prompt + "\nSteps: " +
-                            std::to_string(req.steps) + ", Sampler: Euler, Schedule type: Simple, CFG scale: " +
-                            format_number(req.cfg) + ", Seed: " + std::to_string(req.seed) + ", Size: " +
-                            std::to_string(req.width) + "x" + std::to_string(req.height) +
-                            ", Model: " + p.path.filename().string() + ", Version: Diffract " +
-                            build_info().diffract_version;
-  nlohmann::json meta = {
-      {"diffract_version", build_info().diffract_version},
-      {"model", p.path.string()}, {"family", result.family},
-      {"t5", t5_state}, {"max_sequence_length", p.max_sequence_length},
-      {"shift", config.shift},
-      {"prompt", req.prompt}, {"negative_prompt", req.negative_prompt},
-      {"width", req.width}, {"height", req.height}, {"steps", req.steps}, {"cfg", req.cfg},
-      {"seed", req.seed}, {"sampler", req.sampler}, {"device", req.device}, {"batch", req.batch},
-      {"taesd", req.taesd}, {"strategy_name", strategy ? strategy->name() : "single"},
-      {"devices", strategy ? req.devices : 1},
-      {"initial_latents", initial_latents.defined() ? "given" : "seed"},
-      {"timings_ms", {{"load", timings.load_ms}, {"tokenize", timings.tokenize_ms},
-                      {"text_encode", timings.text_encode_ms}, {"steps", timings.step_ms},
-                      {"previews", timings.preview_ms}, {"previews_dropped", timings.previews_dropped},
-                      {"vae_decode", timings.vae_decode_ms}, {"total", timings.total_ms}}},
-  };
-  if (!strategy_stats.empty()) meta["strategy"] = nlohmann::json::parse(strategy_stats);
+void StableDiffusion3::add_metadata(const JobContext& job, nlohmann::json& meta) const {
+  const auto& p = *impl_;
+  meta["t5"] = std::any_cast<const SD3JobConditioning&>(job.conditioning).t5;
+  meta["max_sequence_length"] = p.max_sequence_length;
+  meta["shift"] = job.config.shift;
   if (!p.replicas.empty()) meta["replicas_ms"] = p.replica_ms;
-  result.metadata_json = meta.dump();
-  const auto cpu_latents = latents.to(at::kCPU, at::kFloat).contiguous();
-  result.latents.assign(cpu_latents.data_ptr<float>(), cpu_latents.data_ptr<float>() + cpu_latents.numel());
-  result.latents_shape = cpu_latents.sizes().vec();
-  return result;
-}
-
-bool is_sd3_folder(const fs::path& model) {
-  const auto index_path = model / "model_index.json";
-  if (!fs::is_directory(model) || !fs::is_regular_file(index_path)) return false;
-  const auto index = io::JsonFile::read(index_path);
-  const auto cls = index.optional<std::string>("_class_name", "");
-  if (cls.rfind("StableDiffusion3", 0) == 0) return true;
-  const auto& j = index.json();
-  const auto it = j.find("transformer");
-  return it != j.end() && it->is_array() && it->size() == 2 && (*it)[1].is_string() &&
-         (*it)[1].get<std::string>() == "SD3Transformer2DModel";
-}
-
-std::unique_ptr<TextToImage> load_text_to_image(const fs::path& model, const std::string& device,
-                                                const fs::path& config_dir, bool drop_t5) {
-  if (is_sd3_folder(model) || is_sd3_single_file(model)) {
-    StableDiffusion3::LoadOptions options;
-    options.drop_t5 = drop_t5;
-    options.config_dir = config_dir;
-    return StableDiffusion3::load(model, device, options);
-  }
-  return StableDiffusion::load(model, device, config_dir);
 }
 
 }  // namespace diffract::pipeline

@@ -5,8 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "core/engine/generation.h"
-#include "core/pipeline/text_to_image.h"
+#include "core/job/job.h"
+#include "core/pipeline/pipeline.h"
 
 namespace diffract::pipeline {
 
@@ -21,10 +21,9 @@ namespace diffract::pipeline {
 // folder has none, when asked (LoadOptions::drop_t5 or the request's drop_t5, the CLI's
 // --no-t5), or when this build has no SentencePiece (a warning at load). The job's metadata
 // says "t5": "used", "dropped" or "absent".
-// Multi-device strategies (request.strategy, core/parallel): cfg-parallel, driffusion(-aggressive),
-// data-parallel and step-skip through parallel::SD3Denoiser, pipefusion (its blocks split
-// into stages, request.patches patches) and cfg-pipefusion (a pipefusion per CFG branch, each on
-// half the devices); hybrid-cfg needs a UNet's layer split and is refused.
+// Multi-device strategies (request.strategy, core/parallel): the registry says which run SD3
+// (cfg-parallel, driffusion, data-parallel, step-skip through parallel::SD3Denoiser, pipefusion
+// and cfg-pipefusion over its blocks) and why the UNet-only ones are refused.
 // Single files: Stability's SD3 / SD3.5 .safetensors (core/pipeline/single_file.h,
 // load_sd3_single_file) load as the folder does; their T5 needs config_dir/tokenizer_3 (a
 // SentencePiece model), else it is dropped with a warning.
@@ -35,7 +34,7 @@ struct SD3LoadOptions {
   std::filesystem::path config_dir;
 };
 
-class StableDiffusion3 : public TextToImage {
+class StableDiffusion3 : public Pipeline {
  public:
   using LoadOptions = SD3LoadOptions;
   // A diffusers SD3 folder: transformer, vae, text_encoder(_2), tokenizer(_2), scheduler and,
@@ -50,31 +49,48 @@ class StableDiffusion3 : public TextToImage {
   ~StableDiffusion3() override;
   struct Impl;
 
-  const std::filesystem::path& path() const override;
-  const std::string& device() const override;
+  job::ModelFamily family() const override { return job::ModelFamily::SD3; }
   int native_size() const override;  // pixels, square
   bool has_t5() const;      // T5 is loaded
   bool t5_dropped() const;  // the folder lists a T5 encoder that is not loaded
   int max_sequence_length() const;  // T5's tokens after CLIP's 77 (diffusers' default 256)
 
-  double warm_up() override;
-
   // What diffusers' encode_prompt(prompt, negative_prompt=..., num_images_per_prompt=batch)
   // gives: [batch, 77 + max_sequence_length, joint_attention_dim] and [batch,
-  // pooled_projection_dim]; the negative pair only with `cfg` (empty negative: ""). T5's part
-  // is zeros without T5 or with `drop_t5`.
+  // pooled_projection_dim]; the negative pair only with `cfg` (an empty negative encodes "", as
+  // diffusers' SD3 pipeline always does). T5's part is zeros without T5 or with `drop_t5`.
   struct Conditioning {
     at::Tensor prompt_embeds, pooled, negative_prompt_embeds, negative_pooled;
   };
   Conditioning encode_prompt(const std::string& prompt, const std::string& negative, int batch, bool cfg,
-                             engine::StageTimings* timings = nullptr, bool drop_t5 = false);
+                             job::StageTimings* timings = nullptr, bool drop_t5 = false);
 
-  engine::GenerationResult generate(const engine::GenerationRequest& request, const engine::JobObserver& observer,
-                                    const engine::CancelToken& cancel) override;
-  // The same from given initial latents [batch, 16, height / 8, width / 8] (the request's seed
+  using Pipeline::generate;
+  // A job from given initial latents [batch, 16, height / 8, width / 8] (the request's seed
   // then only names the job), as diffusers' pipeline(latents=...).
-  engine::GenerationResult generate(const engine::GenerationRequest& request, const engine::JobObserver& observer,
-                                    const engine::CancelToken& cancel, const at::Tensor& initial_latents);
+  job::GenerationResult generate(const job::GenerationRequest& request, const job::JobObserver& observer,
+                                 const job::CancelToken& cancel, const at::Tensor& initial_latents);
+
+ protected:
+  PipelineState& state() override;
+  int size_multiple() const override;
+  std::string size_multiple_why() const override;
+  schedulers::SamplerKind choose_sampler(const std::string& requested) const override;
+  schedulers::SchedulerConfig scheduler_config(schedulers::SamplerKind kind) const override;
+  std::string a1111_sampler(schedulers::SamplerKind kind) const override;
+  int latent_channels() const override;
+  int vae_factor() const override;
+  std::string taesd_hint() const override { return "taesd3"; }
+  void encode(JobContext& job) override;
+  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> denoiser(JobContext& job) override;
+  void prepare_ranks(JobContext& job, const parallel::Strategy& strategy, parallel::DeviceGroup& group) override;
+  std::unique_ptr<parallel::Denoiser> rank_denoiser(const JobContext& job, const parallel::Strategy& strategy, int rank,
+                                                    const c10::Device& device) override;
+  double warm_timestep(const JobContext& job, const schedulers::Sampler& sampler) const override;
+  at::Tensor preview(const at::Tensor& x0, bool use_taesd, int max_side) override;
+  at::Tensor decode(const at::Tensor& latents, parallel::DeviceGroup* group) override;
+  void add_metadata(const JobContext& job, nlohmann::json& meta) const override;
+  std::string nan_hint() const override { return "try fp32"; }
 
  private:
   explicit StableDiffusion3(std::unique_ptr<Impl> impl);

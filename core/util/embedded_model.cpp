@@ -1,8 +1,9 @@
 #include "core/util/embedded_model.h"
 
-#include <cstdlib>
 #include <system_error>
 #include <vector>
+
+#include "core/util/options.h"
 
 namespace diffract {
 
@@ -10,8 +11,8 @@ std::filesystem::path embedded_model_dir() {
   namespace fs = std::filesystem;
   std::vector<fs::path> candidates;
   std::error_code ec;
-  if (const char* env = std::getenv("DIFFRACT_EMBEDDED_MODEL")) {
-    candidates.emplace_back(env);  // alone: tests pin it (or point it nowhere)
+  if (options::is_set(options::Id::EmbeddedModel)) {
+    candidates.emplace_back(options::value(options::Id::EmbeddedModel));  // alone: tests pin it (or point it nowhere)
   } else {
     const auto exe = fs::read_symlink("/proc/self/exe", ec);
     if (!ec) candidates.push_back(exe.parent_path() / ".." / "share" / "diffract" / "models" / "diffract-emoji");

@@ -26,6 +26,7 @@
 #include <torch/cuda.h>
 
 #include "core/io/upload.h"
+#include "core/engine/compare.h"
 #include "core/metrics/metrics.h"
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
@@ -72,8 +73,8 @@ void need_gpus(int n) {
   if (have < n) throw Skip{"needs " + std::to_string(n) + " GPU(s), found " + std::to_string(have)};
 }
 
-engine::GenerationRequest request(int steps = 8) {
-  engine::GenerationRequest r;
+job::GenerationRequest request(int steps = 8) {
+  job::GenerationRequest r;
   r.model = "<random>";
   r.prompt = "a red apple on a white background";
   r.negative_prompt = "blurry";
@@ -87,11 +88,11 @@ engine::GenerationRequest request(int steps = 8) {
   return r;
 }
 
-double rel_l2(const engine::GenerationResult& a, const engine::GenerationResult& b) { return metrics::latents_rel_l2(a, b); }
+double rel_l2(const job::GenerationResult& a, const job::GenerationResult& b) { return engine::latents_rel_l2(a, b); }
 
 std::unique_ptr<pipeline::StableDiffusion> tiny_sdxl(bool graphs) {
   setenv("DIFFRACT_CUDA_GRAPHS", graphs ? "1" : "0", 1);
-  return pipeline::StableDiffusion::random(pipeline::Family::SDXL, /*tiny=*/true, "cuda:0");
+  return pipeline::StableDiffusion::random(job::ModelFamily::SDXL, /*tiny=*/true, "cuda:0");
 }
 
 // Device time (ms) per call of `f` on cuda:0: f once outside the capture (workspaces, plans),
@@ -308,7 +309,7 @@ void check_qkv() {
   auto plain = tiny_sdxl(true);
   for (const char* v : switches) unsetenv(v);
   auto fused = tiny_sdxl(true);
-  engine::CancelToken never;
+  job::CancelToken never;
   const auto req = request();
   const auto a = plain->generate(req, {}, never);
   const auto b = fused->generate(req, {}, never);
@@ -317,8 +318,8 @@ void check_qkv() {
   expect(rel_l2(fused->generate(req, {}, never), b) == 0.0, "fused projections replay bit for bit");
   if (torch::cuda::device_count() >= 2) {
     auto r = req;
-    r.strategy = "cfg-parallel";
-    r.devices = 2;
+    r.strategy.name = "cfg-parallel";
+    r.strategy.devices = 2;
     const auto c = fused->generate(r, {}, never);
     std::cout << "  fused projections cfg-parallel vs one GPU: rel-L2 " << rel_l2(c, b) << "\n";
     expect(rel_l2(c, b) < 2e-2, "fused projections under cfg-parallel give the one-GPU result");
@@ -328,7 +329,7 @@ void check_qkv() {
 void check_graphs() {
   need_gpus(1);
   auto eager = tiny_sdxl(false), graphed = tiny_sdxl(true);
-  engine::CancelToken never;
+  job::CancelToken never;
   const auto req = request();
   const auto a = eager->generate(req, {}, never);
   const auto b = graphed->generate(req, {}, never);
@@ -912,14 +913,14 @@ void check_previews() {
   req.taesd = "<random>";
   std::vector<int> steps, previews;
   int wrong_size = 0, last_width = 0, last_height = 0;
-  engine::JobObserver o;
-  o.on_step = [&](const engine::StepEvent& e) { steps.push_back(e.index); };
-  o.on_preview = [&](const engine::PreviewEvent& e) {
+  job::JobObserver o;
+  o.on_step = [&](const job::StepEvent& e) { steps.push_back(e.index); };
+  o.on_preview = [&](const job::PreviewEvent& e) {
     previews.push_back(e.index);
     last_width = e.image.width, last_height = e.image.height;
     if (e.image.width != req.preview_side() || e.image.height != req.preview_side()) ++wrong_size;
   };
-  engine::CancelToken never;
+  job::CancelToken never;
   const auto r = sd->generate(req, o, never);
   bool ordered = static_cast<int>(steps.size()) == req.steps;
   for (std::size_t i = 0; i < steps.size(); ++i) ordered = ordered && steps[i] == static_cast<int>(i);
@@ -1151,13 +1152,13 @@ void check_nccl() {
 void check_strategies() {
   need_gpus(2);
   auto sd = tiny_sdxl(true);
-  engine::CancelToken never;
+  job::CancelToken never;
   const auto req = request(9);
   const auto base = sd->generate(req, {}, never);
   auto run = [&](const std::string& name, int n, int batch = 1) {
     auto r = req;
-    r.strategy = name;
-    r.devices = n;
+    r.strategy.name = name;
+    r.strategy.devices = n;
     r.batch = batch;
     return sd->generate(r, {}, never);
   };
@@ -1274,16 +1275,16 @@ void check_wide() {
   }
 
   auto sd = tiny_sdxl(true);
-  engine::CancelToken never;
+  job::CancelToken never;
   const auto req = request(9);
   const auto base = sd->generate(req, {}, never);
-  auto run = [&](const std::string& name, int n, const engine::GenerationRequest& from) {
+  auto run = [&](const std::string& name, int n, const job::GenerationRequest& from) {
     auto r = from;
-    r.strategy = name;
-    r.devices = n;
+    r.strategy.name = name;
+    r.strategy.devices = n;
     return sd->generate(r, {}, never);
   };
-  const auto stats = [](const engine::GenerationResult& r) { return nlohmann::json::parse(r.metadata_json)["strategy"]; };
+  const auto stats = [](const job::GenerationResult& r) { return nlohmann::json::parse(r.metadata_json)["strategy"]; };
   for (int n = 4; n <= gpus; n *= 2) {
     for (const char* mode : {"driffusion", "driffusion-aggressive"}) {
       const auto m = std::string(mode) == "driffusion" ? parallel::DRiffusion::Mode::Conservative
@@ -1332,24 +1333,24 @@ void check_cancel() {
   need_gpus(2);
   auto sd = tiny_sdxl(true);
   auto req = request(400);
-  req.strategy = "cfg-parallel";
-  req.devices = 2;
-  engine::CancelToken token;
+  req.strategy.name = "cfg-parallel";
+  req.strategy.devices = 2;
+  job::CancelToken token;
   int seen = 0;
-  engine::JobObserver o;
-  o.on_step = [&](const engine::StepEvent&) {
+  job::JobObserver o;
+  o.on_step = [&](const job::StepEvent&) {
     if (++seen == 10) token.cancel();
   };
   bool cancelled = false;
   try {
     sd->generate(req, o, token);
-  } catch (const engine::Cancelled&) {
+  } catch (const job::Cancelled&) {
     cancelled = true;
   }
   std::cout << "  steps reported before the job stopped: " << seen << " of " << req.steps << "\n";
   expect(cancelled && seen < 60, "a 2-GPU job stops soon after cancel");
   req.steps = 4;
-  engine::CancelToken never;
+  job::CancelToken never;
   bool ok = true;
   try {
     sd->generate(req, {}, never);

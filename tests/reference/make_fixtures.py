@@ -229,7 +229,12 @@ def make_pipelines(out, enc_l, enc_g, tok_l, tok_g):
     xl = StableDiffusionXLPipeline(vae=vae, text_encoder=enc_l, text_encoder_2=enc_g, tokenizer=tok_l, tokenizer_2=tok_g,
                                    unet=unet_xl, scheduler=sched)
     xl.save_pretrained(os.path.join(out, "tiny-sdxl"))
-    return sd, xl
+    # The same SDXL with force_zeros_for_empty_prompt off: an empty negative prompt is encoded.
+    xl_encoded = StableDiffusionXLPipeline(vae=vae, text_encoder=enc_l, text_encoder_2=enc_g, tokenizer=tok_l,
+                                           tokenizer_2=tok_g, unet=unet_xl, scheduler=sched,
+                                           force_zeros_for_empty_prompt=False)
+    xl_encoded.save_pretrained(os.path.join(out, "tiny-sdxl-encoded-negative"))
+    return sd, xl, xl_encoded
 
 
 def make_unet_cases(out, sd, xl):
@@ -264,14 +269,15 @@ SAMPLERS = {
 }
 
 
-def make_pipeline_cases(out, sd, xl):
+def make_pipeline_cases(out, sd, xl, xl_encoded):
     """Whole text-to-image runs through diffusers, as the C++ pipeline must reproduce them."""
     import diffusers
 
     cases, index = {}, []
     # Every sampler starts from the model's own scheduler config, never from the previous
     # sampler's (from_config would carry over keys such as use_karras_sigmas).
-    saved = {id(sd): dict(sd.scheduler.config), id(xl): dict(xl.scheduler.config)}
+    saved = {id(p): dict(p.scheduler.config) for p in (sd, xl, xl_encoded)}
+    folders = {id(sd): "tiny-sd", id(xl): "tiny-sdxl", id(xl_encoded): "tiny-sdxl-encoded-negative"}
 
     def run(name, pipe, sampler, **kw):
         cls, extra = SAMPLERS[sampler]
@@ -279,7 +285,13 @@ def make_pipeline_cases(out, sd, xl):
         seed = kw.pop("seed")
         image = pipe(generator=torch.Generator().manual_seed(seed), output_type="np", **kw).images
         cases[name] = torch.from_numpy(image)
-        entry = {"name": name, "sampler": sampler, "seed": seed, **kw}
+        entry = {"name": name, "model": folders[id(pipe)], "sampler": sampler, "seed": seed, **kw}
+        # What the negative branch was, by diffusers' own rule (an SDXL pipeline zeros a negative
+        # prompt not given when its config's force_zeros_for_empty_prompt is true).
+        cfg = kw.get("guidance_scale", 5.0) > 1
+        zeros = (isinstance(pipe, diffusers.StableDiffusionXLPipeline) and kw.get("negative_prompt") is None
+                 and pipe.config.force_zeros_for_empty_prompt)
+        entry["negative_conditioning"] = "none" if not cfg else "zeros" if zeros else "encoded"
         entry.setdefault("negative_prompt", "")
         entry["negative_prompt"] = entry["negative_prompt"] or ""
         index.append(entry)
@@ -295,6 +307,8 @@ def make_pipeline_cases(out, sd, xl):
     run("xl.euler", xl, "euler", seed=21, **xl_base)
     run("xl.dpmpp-2m-karras", xl, "dpmpp-2m-karras", seed=22, **xl_base)
     run("xl.negative", xl, "ddim", seed=23, **{**xl_base, "negative_prompt": "dark"})
+    for sampler in ("euler", "dpmpp-2m"):
+        run(f"xl.encoded-negative.{sampler}", xl_encoded, sampler, seed=24, **xl_base)
     cases["randn.seed42"] = torch.randn((1, 4, 8, 8), generator=torch.Generator().manual_seed(42))
     save_file({k: v.contiguous() for k, v in cases.items()}, os.path.join(out, "pipeline_cases.safetensors"))
     write_json(os.path.join(out, "pipeline_cases.json"), index)
@@ -310,9 +324,9 @@ def main():
     make_pth(args.out, args.shared)
     tok_l, tok_g = make_tokenizers(args.out, os.path.join(args.shared, "data", "clip", "bpe_simple_vocab_16e6.txt.gz"))
     enc_l, enc_g = make_text_encoders(args.out, tok_l, tok_g)
-    sd, xl = make_pipelines(args.out, enc_l, enc_g, tok_l, tok_g)
+    sd, xl, xl_encoded = make_pipelines(args.out, enc_l, enc_g, tok_l, tok_g)
     make_unet_cases(args.out, sd, xl)
-    make_pipeline_cases(args.out, sd, xl)
+    make_pipeline_cases(args.out, sd, xl, xl_encoded)
     with open(os.path.join(args.out, "STAMP"), "w") as f:
         f.write("ok\n")
 

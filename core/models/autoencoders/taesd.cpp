@@ -19,6 +19,7 @@
 #include "core/models/common/patch_parallel.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/options.h"
 
 namespace diffract::models {
 
@@ -47,8 +48,7 @@ Conv2d conv3x3(int64_t in, int64_t out, int64_t stride = 1, bool bias = true) {
 Conv2d conv1x1(int64_t in, int64_t out) { return Conv2d(Conv2dOptions(in, out, 1).bias(false)); }
 
 std::atomic<bool> g_fused_taesd{[] {
-  const char* env = std::getenv("DIFFRACT_FUSED_TAESD");
-  return !(env && std::string(env) == "0");
+  return options::flag(options::Id::FusedTaesd);
 }()};
 
 // relu(conv(x) + bias + alpha * z) in one cuDNN kernel. Without a residual, callers pass z = x

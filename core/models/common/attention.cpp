@@ -12,6 +12,7 @@
 #include "core/models/common/geglu.h"
 #include "core/models/common/patch_parallel.h"
 #include "core/util/error.h"
+#include "core/util/options.h"
 
 namespace diffract::models {
 
@@ -22,8 +23,7 @@ namespace {
 // kernels. For A/B runs of the attention kernels (docs/benchmarks.md); read once per process.
 void choose_attention_backend() {
   static const bool chosen = [] {
-    const char* v = std::getenv("DIFFRACT_SDPA");
-    const std::string choice = v ? v : "";
+    const std::string choice = options::value(options::Id::Sdpa);
     if (choice == "flash" || choice == "efficient") at::globalContext().setSDPUseCuDNN(false);
     if (choice == "efficient") at::globalContext().setSDPUseFlash(false);
     return true;
@@ -33,8 +33,7 @@ void choose_attention_backend() {
 
 bool wide_heads_wanted() {
   static const bool on = [] {
-    const char* v = std::getenv("DIFFRACT_WIDE_HEAD_ATTENTION");
-    return !(v && std::string(v) == "0");
+    return options::flag(options::Id::WideHeadAttention);
   }();
   return on;
 }
@@ -67,8 +66,8 @@ at::Tensor multi_head_attention(const at::Tensor& q, const at::Tensor& k, const 
   const auto b = q.size(0), tq = q.size(1), tk = k.size(1), c = q.size(2);
   const auto d = c / heads;
   auto split = [&](const at::Tensor& x, int64_t t) { return x.view({b, t, heads, d}).transpose(1, 2); };
-  // Heads wider than FlashAttention's and cuDNN's 256 (the VAE's one 512-wide head) went to the
-  // memory-efficient kernel: 4.2 ms of SDXL's 33.5 ms decode on an H200 for 0.55 TFLOP.
+  // Heads wider than FlashAttention's and cuDNN's 256 (the VAE's one 512-wide head) go to SDPA's
+  // memory-efficient kernel, far below the GPU's peak (docs/benchmarks.md).
   if (q.is_cuda() && d > 256 && !causal && q.scalar_type() != at::kFloat && !at::GradMode::is_enabled() &&
       wide_heads_wanted()) {
     const auto flat = [&](const at::Tensor& x, int64_t t) { return split(x, t).reshape({b * heads, t, d}); };
@@ -176,8 +175,7 @@ int fuse_attention_qkv(torch::nn::Module& root) {
 }
 
 bool fused_qkv_wanted() {
-  const char* v = std::getenv("DIFFRACT_FUSED_QKV");
-  return !(v && std::string(v) == "0");
+  return options::flag(options::Id::FusedQkv);
 }
 
 std::shared_ptr<CrossKV> CrossKV::fuse(torch::nn::Module& root) {
@@ -189,16 +187,14 @@ std::shared_ptr<CrossKV> CrossKV::fuse(torch::nn::Module& root) {
 }
 
 bool fused_cross_kv_wanted() {
-  const char* v = std::getenv("DIFFRACT_FUSED_CROSS_KV");
-  return !(v && std::string(v) == "0");
+  return options::flag(options::Id::FusedCrossKv);
 }
 
 namespace {
 // DIFFRACT_GEGLU_ONE_GEMM=0: the two half-width GEMMs on CUDA too.
 bool geglu_one_gemm() {
   static const bool on = [] {
-    const char* v = std::getenv("DIFFRACT_GEGLU_ONE_GEMM");
-    return !(v && std::string(v) == "0");
+    return options::flag(options::Id::GegluOneGemm);
   }();
   return on;
 }
@@ -211,7 +207,7 @@ class GEGLUImpl : public nn::Module {
   // halves in place: one wide GEMM fills the GPU better than two half as wide (a batch-1 SDXL
   // step at 1024 tokens has too few tiles for 132 SMs). Elsewhere two GEMMs over the halves of
   // the weight, so that each half comes out contiguous for ATen's vectorised ops (on strided
-  // halves gelu and the product ran non-vectorised, 5.1 ms of the SDXL step on an H200).
+  // halves gelu and the product run non-vectorised, measurably slower, docs/benchmarks.md).
   at::Tensor forward(const at::Tensor& x) {
     const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || proj->weight.requires_grad());
     if (x.is_cuda() && geglu_one_gemm() && fused_geglu_available() && !grad)

@@ -26,6 +26,7 @@
 #include "core/models/common/layers.h"
 #include "core/models/common/spin_kernel.h"
 #include "core/util/error.h"
+#include "core/util/options.h"
 
 namespace diffract::models {
 
@@ -179,8 +180,7 @@ Choice tune(const Shape& s, Problem& p, const at::Tensor& x, const at::Tensor& w
 }
 
 bool tuning_from_env() {
-  const char* v = std::getenv("DIFFRACT_GEMM_TUNING");
-  return !(v && std::string(v) == "0");
+  return options::flag(options::Id::GemmTuning);
 }
 bool g_tuning = tuning_from_env();
 

@@ -8,6 +8,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "core/util/options.h"
+
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
 #include <ATen/autocast_mode.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -25,8 +27,7 @@ namespace {
 
 std::atomic<bool>& fused_switch() {
   static std::atomic<bool> on{[] {
-    const char* v = std::getenv("DIFFRACT_FUSED_LAYER_NORM");
-    return !(v && std::strcmp(v, "0") == 0);
+    return options::flag(options::Id::FusedLayerNorm);
   }()};
   return on;
 }
@@ -38,8 +39,7 @@ std::atomic<int>& warps_per_row() {
 
 bool add_switch() {
   static const bool on = [] {
-    const char* v = std::getenv("DIFFRACT_FUSED_ADD_LAYER_NORM");
-    return !(v && std::strcmp(v, "0") == 0);
+    return options::flag(options::Id::FusedAddLayerNorm);
   }();
   return on;
 }
@@ -145,8 +145,8 @@ std::pair<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at::
     }
   }
 #endif
-  // The residual stream first, as the blocks added it before: an add's output takes its first
-  // operand's strides, and with x first AsyncDiff's CPU results no longer equaled one device's.
+  // The residual stream first (residual + x): an add's output takes its first operand's
+  // strides, and with x first AsyncDiff's CPU results differ from one device's.
   auto sum = residual + x;
   auto y = layer_norm(sum, weight, bias, eps);
   return {sum, y};

@@ -14,6 +14,7 @@
 
 #include "core/models/common/patch_parallel.h"
 #include "core/util/error.h"
+#include "core/util/options.h"
 
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
 #include <ATen/cuda/CUDAContext.h>
@@ -34,8 +35,7 @@ uint64_t next_construction_index() {
 
 std::atomic<bool>& conv_bias_switch() {
   static std::atomic<bool> on{[] {
-    const char* v = std::getenv("DIFFRACT_CONV_BIAS_KERNEL");
-    return !(v && std::string(v) == "0");
+    return options::flag(options::Id::ConvBiasKernel);
   }()};
   return on;
 }
@@ -145,7 +145,7 @@ at::Tensor Conv2dImpl::forward_add(const at::Tensor& x, const at::Tensor& residu
     throw Error("Conv2d::forward_add: residual_bias of shape " + c10::str(residual_bias.sizes()) +
                 (residual.defined() ? "" : " without a residual") + " (wants a residual and [" +
                 std::to_string(options.out_channels) + "])");
-  // The residual first, as a ResNet block's skip + h was: an add's output takes its first
+  // The residual first, as in a ResNet block's skip + h: an add's output takes its first
   // operand's strides.
   const auto with_residual = [&](const at::Tensor& y) {
     if (!residual.defined()) return y;
@@ -190,13 +190,12 @@ bool fused_group_norm_available() { return false; }
 void set_fused_group_norm(bool on) { g_fused_group_norm = on; }
 
 namespace {
-// 2 by measurement (H200, graphed, the SDXL step's channels-last shapes): 6-17 % faster than 4
-// at batch 1, 3-12 % at batch 2; 1 and 8 were no better (docs/benchmarks.md, eleventh session).
+// 2 by measurement (graphed, the SDXL step's channels-last shapes): faster than 4 at batch 1 and
+// batch 2, 1 and 8 no better (docs/benchmarks.md).
 // DIFFRACT_GROUP_NORM_STATS_BLOCKS sets another at start-up (A/B runs).
 constexpr int kStatsBlocksPerSm = 2;
 int stats_blocks_from_env() {
-  const char* v = std::getenv("DIFFRACT_GROUP_NORM_STATS_BLOCKS");
-  const int n = v ? std::atoi(v) : 0;
+  const int n = options::integer(options::Id::GroupNormStatsBlocks);
   return n > 0 ? n : kStatsBlocksPerSm;
 }
 std::atomic<int> g_stats_blocks_per_sm{stats_blocks_from_env()};

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include "core/models/common/patch_parallel.h"
+#include "core/util/options.h"
 
 namespace diffract::models {
 
@@ -62,8 +63,7 @@ TimeProjectionScope::TimeProjectionScope(const TimeProjections* group, const at:
                         [](const at::Tensor& t) { return at::silu(t); }) {}
 
 bool fused_time_projections_wanted() {
-  const char* v = std::getenv("DIFFRACT_FUSED_TIME_PROJ");
-  return !(v && std::string(v) == "0");
+  return options::flag(options::Id::FusedTimeProj);
 }
 
 Downsample2DImpl::Downsample2DImpl(int64_t channels, int64_t out_channels, int64_t pad) : padding(pad) {

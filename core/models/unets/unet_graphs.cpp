@@ -16,6 +16,7 @@
 #endif
 
 #include "core/models/common/patch_parallel.h"
+#include "core/util/options.h"
 
 namespace diffract::models {
 
@@ -42,8 +43,7 @@ struct UNetGraphRunner::Cache {
 };
 
 bool stage_graphs_from_env() {
-  const char* env = std::getenv("DIFFRACT_STAGE_GRAPHS");
-  return !(env && std::string(env) == "0");
+  return options::flag(options::Id::StageGraphs);
 }
 
 UNetGraphRunner::UNetGraphRunner(UNet2DConditionModel unet, UNetGraphOptions options)

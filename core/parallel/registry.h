@@ -1,0 +1,73 @@
+#pragma once
+// The strategy registry: one entry per multi-device strategy, the only place that knows their
+// names. make_strategy, device choice (engine/devices.h), presets, the pipelines, the CLI's
+// --help and the GUI's list all read it. No torch headers: the GUI includes this.
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/job/model_family.h"
+#include "core/job/request.h"
+
+namespace diffract::parallel {
+
+class Strategy;
+
+// Where a strategy plugs in (docs/DESIGN.md): which (x, t) the sampler asks for, where each
+// evaluation runs, or how one evaluation is split inside the network.
+enum class Level { Loop, Evaluation, Model };
+
+// The typed parameters a strategy takes (job::StrategyParams' fields).
+enum class Param { Devices, Skip, Patches };
+
+// How many devices a strategy runs on: exactly `fixed` (when above 0), else at least `min` and a
+// multiple of `multiple`.
+struct DeviceRule {
+  int fixed = 0;
+  int min = 1;
+  int multiple = 1;
+  bool allows(int devices) const {
+    return fixed > 0 ? devices == fixed : devices >= min && devices % multiple == 0;
+  }
+  // The most devices the rule allows out of `available` (0 when none).
+  int most_of(int available) const;
+  std::string describe() const;  // "2 devices", "1 or more devices", "an even number of devices, 2 or more"
+};
+
+struct StrategyInfo {
+  std::string_view name;
+  std::string_view hint;      // one line in plain words, for --help and tooltips
+  Level level;
+  bool unet = true;           // runs SD 1.x / 2.x / XL (a UNet)
+  bool transformer = true;    // runs SD3 (an MMDiT)
+  std::string_view refused_why;  // why the other families are refused
+  bool needs_cfg = false;     // needs classifier-free guidance (a CFG scale above 1)
+  bool exact = true;          // the same result as one device (up to rounding)
+  DeviceRule devices;
+  std::vector<Param> params;  // the parameters it reads besides its name
+  std::unique_ptr<Strategy> (*make)(const job::StrategyParams&) = nullptr;
+
+  bool takes(Param p) const;
+  bool runs(job::ModelFamily family) const;
+};
+
+// Every strategy, "single" first, in the order lists show them.
+const std::vector<StrategyInfo>& strategies();
+// The entry for `name` ("" is "single"); asyncdiff-stride<S> for any S finds AsyncDiff's
+// stride entry. Null when there is none.
+const StrategyInfo* find_strategy(std::string_view name);
+// The same, or a diffract::Error naming the unknown strategy and listing the known ones.
+const StrategyInfo& strategy_info(std::string_view name);
+// "single, cfg-parallel, ...": every name, for messages.
+std::string strategy_names();
+
+// Checks a job's strategy against its entry before any work starts: the family, CFG, the device
+// count and the parameters. Throws diffract::Error saying which and why.
+void check_strategy(const job::StrategyParams& params, job::ModelFamily family, bool cfg);
+// The strategy, made and checked against `params` (not against a family or CFG).
+std::unique_ptr<Strategy> make_strategy(const job::StrategyParams& params);
+// Shorthand: `name` on `n` devices (step-skip: skip factor `n`; pipefusion: `patches` patches).
+std::unique_ptr<Strategy> make_strategy(const std::string& name, int n, int patches = 0);
+
+}  // namespace diffract::parallel

@@ -1,0 +1,193 @@
+#include "core/util/options.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <optional>
+#include <set>
+
+#include "core/util/error.h"
+#include "core/util/log.h"
+
+namespace diffract::options {
+
+namespace {
+
+const std::vector<Option>& build_table() {
+  static const std::vector<Option> t = {
+      {Id::EmbeddedModel, "DIFFRACT_EMBEDDED_MODEL", Type::Path, "", Scope::Process,
+       "the folder of the model used without --model (default: the installed or source tree's diffract-emoji)", {}},
+      {Id::PresetsDir, "DIFFRACT_PRESETS_DIR", Type::Path, "", Scope::Process,
+       "a folder searched first for presets by name", {}},
+      {Id::OutputDir, "DIFFRACT_OUTPUT_DIR", Type::Path, "", Scope::Process,
+       "where the GUI saves its images (default: Pictures/Diffract)", {}},
+      {Id::CudaGraphs, "DIFFRACT_CUDA_GRAPHS", Type::Flag, "1", Scope::Process,
+       "replay the denoiser and text encoders from CUDA graphs on GPUs (0: eager)", {}},
+      {Id::StageGraphs, "DIFFRACT_STAGE_GRAPHS", Type::Flag, "1", Scope::Process,
+       "CUDA graphs for the strategies' UNet stages too (0: stages eager)", {}},
+      {Id::ChannelsLast, "DIFFRACT_CHANNELS_LAST", Type::Choice, "", Scope::Process,
+       "the UNet's memory format on GPUs: 1 channels-last, 0 NCHW, unset: measured at warm-up", {"", "0", "1"}},
+      {Id::PinnedUpload, "DIFFRACT_PINNED_UPLOAD", Type::Flag, "1", Scope::Process,
+       "load weights through pinned buffers straight onto the GPU (0: into CPU tensors, then moved)", {}},
+      {Id::Sdpa, "DIFFRACT_SDPA", Type::Choice, "", Scope::Process,
+       "ATen's attention kernels: flash (no cuDNN), efficient (no cuDNN, no flash), unset: ATen's choice",
+       {"", "flash", "efficient"}},
+      {Id::WideHeadAttention, "DIFFRACT_WIDE_HEAD_ATTENTION", Type::Flag, "1", Scope::Process,
+       "heads wider than 256 (the VAE's) by chunked GEMMs on CUDA (0: SDPA)", {}},
+      {Id::FusedQkv, "DIFFRACT_FUSED_QKV", Type::Flag, "1", Scope::Process,
+       "self-attention's q, k, v projections as one GEMM", {}},
+      {Id::FusedCrossKv, "DIFFRACT_FUSED_CROSS_KV", Type::Flag, "1", Scope::Process,
+       "every cross-attention's keys and values in one GEMM per step", {}},
+      {Id::FusedTimeProj, "DIFFRACT_FUSED_TIME_PROJ", Type::Flag, "1", Scope::Process,
+       "every ResNet block's time-embedding projection in one GEMM per step", {}},
+      {Id::GegluOneGemm, "DIFFRACT_GEGLU_ONE_GEMM", Type::Flag, "1", Scope::Process,
+       "GEGLU's projection as one GEMM on CUDA (0: two half-width GEMMs)", {}},
+      {Id::FusedLayerNorm, "DIFFRACT_FUSED_LAYER_NORM", Type::Flag, "1", Scope::Process,
+       "LayerNorm through Diffract's CUDA kernel (0: ATen's)", {}},
+      {Id::FusedAddLayerNorm, "DIFFRACT_FUSED_ADD_LAYER_NORM", Type::Flag, "1", Scope::Process,
+       "a residual add and the next LayerNorm in one kernel", {}},
+      {Id::ConvBiasKernel, "DIFFRACT_CONV_BIAS_KERNEL", Type::Flag, "1", Scope::Process,
+       "convolution biases (and residuals) added by Diffract's kernel", {}},
+      {Id::GroupNormStatsBlocks, "DIFFRACT_GROUP_NORM_STATS_BLOCKS", Type::Integer, "2", Scope::Process,
+       "GroupNorm's statistics pass: thread blocks per SM", {}},
+      {Id::GemmTuning, "DIFFRACT_GEMM_TUNING", Type::Flag, "1", Scope::Process,
+       "time cuBLASLt's algorithms per linear-layer shape and keep the fastest (0: at::linear)", {}},
+      {Id::FusedTaesd, "DIFFRACT_FUSED_TAESD", Type::Flag, "1", Scope::Process,
+       "TAESD's decoder blocks as cuDNN fused convolutions on CUDA", {}},
+      {Id::NcclTrace, "DIFFRACT_NCCL_TRACE", Type::Choice, "0", Scope::Process,
+       "log every NCCL operation (1), and wait for each on the device (sync: serialises, for hangs)",
+       {"0", "1", "sync"}},
+      {Id::DriffusionPairs, "DIFFRACT_DRIFFUSION_PAIRS", Type::Flag, "1", Scope::Job,
+       "DRiffusion: a round with devices to spare runs each point's two CFG branches on two devices", {}},
+      {Id::ParallelVae, "DIFFRACT_PARALLEL_VAE", Type::Choice, "", Scope::Job,
+       "multi-GPU VAE decode in row bands: overlap (or 1), exchange, 0 off; unset: exchange from 3 MP",
+       {"", "0", "1", "overlap", "exchange"}},
+      {Id::BatchVae, "DIFFRACT_BATCH_VAE", Type::Flag, "1", Scope::Job,
+       "a multi-GPU job's batch decoded image by image over its devices", {}},
+  };
+  for (std::size_t i = 0; i < t.size(); ++i)
+    if (static_cast<std::size_t>(t[i].id) != i) throw std::logic_error("options table out of order");
+  return t;
+}
+
+thread_local const Overrides* t_job = nullptr;
+
+std::string from_environment(const Option& o) {
+  const char* v = std::getenv(std::string(o.name).c_str());  // the one place core reads the environment
+  if (!v) return std::string(o.default_value);
+  const std::string s = v;
+  if (const auto why = invalid_reason(o, s); !why.empty()) {
+    static std::mutex mutex;
+    static std::set<Id> warned;
+    std::lock_guard<std::mutex> lock(mutex);
+    if (warned.insert(o.id).second)
+      log::get("options").warn(std::string(o.name) + "=" + s.substr(0, 40) + ": " + why + "; using the default '" +
+                               std::string(o.default_value) + "'");
+    return std::string(o.default_value);
+  }
+  return s;
+}
+
+// Process-scope values, read once each.
+std::string process_value(const Option& o) {
+  static std::mutex mutex;
+  static std::map<Id, std::string> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = cache.find(o.id);
+  if (it != cache.end()) return it->second;
+  return cache.emplace(o.id, from_environment(o)).first->second;
+}
+
+}  // namespace
+
+const std::vector<Option>& table() {
+  static const auto& t = build_table();
+  return t;
+}
+
+const Option& info(Id id) { return table().at(static_cast<std::size_t>(id)); }
+
+const Option* find(std::string_view name) {
+  for (const auto& o : table())
+    if (o.name == name) return &o;
+  return nullptr;
+}
+
+std::string_view type_name(Type type) {
+  switch (type) {
+    case Type::Flag: return "flag";
+    case Type::Integer: return "integer";
+    case Type::Choice: return "choice";
+    case Type::Path: return "path";
+  }
+  return "";
+}
+
+std::string_view scope_name(Scope scope) { return scope == Scope::Job ? "job" : "process"; }
+
+std::string invalid_reason(const Option& o, std::string_view v) {
+  switch (o.type) {
+    case Type::Flag:
+      return v == "0" || v == "1" ? "" : "expected 0 or 1";
+    case Type::Integer: {
+      if (v.empty() || v.size() > 6 || v.find_first_not_of("0123456789") != std::string_view::npos)
+        return "expected a whole number from 1 to 999999";
+      return std::stoi(std::string(v)) >= 1 ? "" : "expected a whole number from 1 to 999999";
+    }
+    case Type::Choice: {
+      if (std::find(o.choices.begin(), o.choices.end(), v) != o.choices.end()) return "";
+      std::string list;
+      for (const auto c : o.choices)
+        if (!c.empty()) list += (list.empty() ? "" : ", ") + std::string(c);
+      return "expected one of " + list;
+    }
+    case Type::Path:
+      return v.size() > 4096 ? "longer than 4096 characters" : "";
+  }
+  return "";
+}
+
+std::string value(Id id) {
+  const auto& o = info(id);
+  if (o.scope == Scope::Job) {
+    if (t_job)
+      if (const auto it = t_job->find(std::string(o.name)); it != t_job->end()) return it->second;
+    return from_environment(o);
+  }
+  return process_value(o);
+}
+
+bool flag(Id id) { return value(id) != "0"; }
+
+int integer(Id id) {
+  const auto v = value(id);
+  return invalid_reason(info(id), v).empty() ? std::stoi(v) : std::stoi(std::string(info(id).default_value));
+}
+
+bool is_set(Id id) {
+  const auto& o = info(id);
+  if (o.scope == Scope::Job && t_job && t_job->count(std::string(o.name))) return true;
+  const char* v = std::getenv(std::string(o.name).c_str());
+  return v && invalid_reason(o, v).empty();
+}
+
+void check_overrides(const Overrides& overrides) {
+  for (const auto& [name, v] : overrides) {
+    const auto* o = find(name);
+    if (!o) throw Error("unknown option " + name.substr(0, 80) + " (diffract-cli info lists them)");
+    if (o->scope != Scope::Job) {
+      std::string job;
+      for (const auto& t : table())
+        if (t.scope == Scope::Job) job += (job.empty() ? "" : ", ") + std::string(t.name);
+      throw Error(name + " is read once per process, so a job cannot set its own (" + job +
+                  " can); set it in the environment instead");
+    }
+    if (const auto why = invalid_reason(*o, v); !why.empty())
+      throw Error(name + "=" + v.substr(0, 40) + ": " + why);
+  }
+}
+
+JobOptionsScope::JobOptionsScope(const Overrides& overrides) : previous_(t_job) { t_job = &overrides; }
+JobOptionsScope::~JobOptionsScope() { t_job = previous_; }
+
+}  // namespace diffract::options
