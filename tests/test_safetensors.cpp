@@ -33,6 +33,7 @@ class TestSafetensors : public QObject {
     auto archive = io::SafetensorsArchive::open(test::fixtures() / "dtypes.safetensors");
     std::ifstream in(test::fixtures() / "dtypes.json");
     const auto expected = nlohmann::json::parse(in);
+    QCOMPARE(expected.size(), std::size_t(14));  // make_dtypes: 12 dtypes, a scalar, an empty tensor
     QCOMPARE(archive->tensors().size(), expected.size());
     std::shared_ptr<const io::SafetensorsArchive> shared = archive;
     for (const auto& [name, e] : expected.items()) {

@@ -27,6 +27,15 @@ constexpr double kRtol = 1e-5;
 // Sigmas are the same float32 numbers; the Karras timestep search may see a log-sigma one ulp off.
 constexpr double kSigmaRtol = 1e-6;
 
+// What make_scheduler_fixtures.py writes: the loops over its index check that they saw all of
+// it, so a missing or cut-short index fails instead of leaving them nothing to compare.
+constexpr int kCases = 197;          // trajectories: 192 of the six discrete-time samplers, 5 of flow Euler
+constexpr int kDpmCases = 61;        // of them DPM++ 2M (35) and DPM++ 2M Karras (26)
+constexpr int kJumps = 48;           // DDIM, DDPM x sd, linear x epsilon, v_prediction x 6 (i, j) pairs
+constexpr int kSweepKeys = 1278;     // 6 kinds x 3 spacings x 71 step counts
+constexpr int kFlowSweepKeys = 260;  // 4 shifts x 65 step counts
+constexpr int kResolved = 30;        // 5 real configs x 6 kinds
+
 fs::path dir() { return test::fixtures() / "schedulers"; }
 
 const nlohmann::json& index() {
@@ -115,17 +124,21 @@ class TestSchedulers : public QObject {
 
   // Our CPU generator and torch.Generator().manual_seed(s) draw the same initial noise.
   void generatorMatchesTorch() {
+    int checked = 0;
     for (const auto& c : index().at("cases")) {
       const auto name = c.at("name").get<std::string>();
       const auto want = tensors("trajectories.safetensors").at(name + ".x")[0];
       const auto x = at::randn({1, 4, 8, 8}, cpu_generator(c.at("seed").get<uint64_t>()), at::kFloat) *
                      c.at("init_noise_sigma").get<double>();
       EXPECT_MATCH(x, want, 1e-6, name + " initial noise");
+      ++checked;
     }
+    QCOMPARE(checked, kCases);
   }
 
   void trajectoriesMatchDiffusers() {
     const auto& t = tensors("trajectories.safetensors");
+    int checked = 0;
     for (const auto& c : index().at("cases")) {
       const auto name = c.at("name").get<std::string>();
       const auto s = sampler_for(c);
@@ -148,7 +161,9 @@ class TestSchedulers : public QObject {
         x = s->step(mo, i, x, gen);
         EXPECT_MATCH(x, xs[i + 1], kRtol, name + " after step " + std::to_string(i), seen);
       }
+      ++checked;
     }
+    QCOMPARE(checked, kCases);
   }
 
   // Timesteps and sigmas for many step counts. For the few counts where diffusers' trailing
@@ -156,6 +171,7 @@ class TestSchedulers : public QObject {
   void schedulesMatchOverStepCounts() {
     const auto& sw = tensors("sweep.safetensors");
     const auto& uneven = index().at("sweep").at("uneven");
+    int checked = 0;
     for (const auto& kind_name : sampler_names()) {
       const auto kind = *parse_sampler(kind_name);
       if (is_flow_matching(kind)) continue;  // flowSchedulesMatchOverStepCounts
@@ -170,6 +186,7 @@ class TestSchedulers : public QObject {
         cfg.timestep_spacing = spacing;
         for (int n : index().at("sweep").at("counts").get<std::vector<int>>()) {
           const auto key = kind_name + "." + std::string(spacing_name(spacing)) + "." + std::to_string(n);
+          ++checked;
           auto want_t = sw.at(key + ".timesteps");
           if (!is_sigma_space(kind) && want_t.max().item<double>() >= cfg.num_train_timesteps) {
             DIFFRACT_EXPECT_ERROR(Sampler::create(kind, cfg, n), "timestep 1000 lies outside", "steps_offset (1)");
@@ -188,12 +205,14 @@ class TestSchedulers : public QObject {
         }
       }
     }
+    QCOMPARE(checked, kSweepKeys);
   }
 
   // FlowMatchEulerDiscreteScheduler's sigmas and timesteps for many step counts and shifts.
   void flowSchedulesMatchOverStepCounts() {
     const auto& sw = tensors("flow_sweep.safetensors");
     const auto& j = index().at("flow_sweep");
+    int checked = 0;
     for (double shift : j.at("shifts").get<std::vector<double>>()) {
       auto cfg = SchedulerConfig::defaults(SamplerKind::FlowMatchEuler);
       cfg.shift = shift;
@@ -205,8 +224,10 @@ class TestSchedulers : public QObject {
         QCOMPARE(s->init_noise_sigma(), 1.0);
         EXPECT_MATCH(s->timesteps(), sw.at(key.str() + ".timesteps"), 0, key.str() + " timesteps");
         EXPECT_MATCH(s->sigmas(), sw.at(key.str() + ".sigmas"), 0, key.str() + " sigmas");
+        ++checked;
       }
     }
+    QCOMPARE(checked, kFlowSweepKeys);
     // The shift formula itself, and the SD3 folder's scheduler_config.json.
     QCOMPARE(flow_shift(0.5, 3.0), 0.75);
     QCOMPARE(flow_shift(0.25, 1.0), 0.25);
@@ -234,6 +255,7 @@ class TestSchedulers : public QObject {
   }
 
   void fromJsonMatchesDiffusersDefaults() {
+    int checked = 0;
     for (const auto& [real, by_kind] : index().at("resolved").items()) {
       const auto path = dir() / "real" / real / "scheduler_config.json";
       for (const auto& [kind_name, want] : by_kind.items()) {
@@ -274,8 +296,10 @@ class TestSchedulers : public QObject {
         check("thresholding", false);
         check("solver_order", 2);
         check("algorithm_type", "dpmsolver++");
+        ++checked;
       }
     }
+    QCOMPARE(checked, kResolved);
   }
 
   void nativeSampler() {
@@ -325,6 +349,7 @@ class TestSchedulers : public QObject {
   // Single-step samplers: a jump to the next step is the step itself, bit for bit.
   void jumpToNextEqualsStep() {
     const auto& t = tensors("trajectories.safetensors");
+    int checked = 0;
     for (const auto& c : index().at("cases")) {
       const auto name = c.at("name").get<std::string>();
       const auto a = sampler_for(c), b = sampler_for(c);
@@ -336,13 +361,15 @@ class TestSchedulers : public QObject {
         const auto jumped = b->jump(mo, i, i + 1, xs[i], cpu_generator(9 + i));
         QVERIFY2(at::equal(stepped, jumped), qPrintable(QString::fromStdString(name + " step " + std::to_string(i))));
       }
+      ++checked;
     }
+    QCOMPARE(checked, kCases - kDpmCases);
   }
 
   void ddimAndDdpmJumpsMatchClosedForm() {
     const auto& t = tensors("trajectories.safetensors");
     const auto& want = tensors("jumps.safetensors");
-    QVERIFY(!index().at("jumps").empty());
+    QCOMPARE(static_cast<int>(index().at("jumps").size()), kJumps);
     for (const auto& jmp : index().at("jumps")) {
       const auto key = jmp.at("key").get<std::string>();
       const auto s = sampler_for(find_case(jmp.at("case").get<std::string>()));
@@ -356,6 +383,7 @@ class TestSchedulers : public QObject {
   // DPM++ 2M: jumps between steps leave the multistep history alone; reset() restarts it.
   void dpmJumpKeepsHistory() {
     const auto& t = tensors("trajectories.safetensors");
+    int checked = 0;
     for (const auto& c : index().at("cases")) {
       const auto name = c.at("name").get<std::string>();
       const auto s = sampler_for(c);
@@ -380,7 +408,9 @@ class TestSchedulers : public QObject {
       // The final sigma is 0 here, so a jump to the end lands on the x0 prediction.
       if (fresh->sigmas().back() == 0)
         EXPECT_MATCH(fresh->jump(mo, 0, n, xs[0], {}), fresh->predict_x0(mo, 0, xs[0]), 1e-6, name + " jump to end");
+      ++checked;
     }
+    QCOMPARE(checked, kDpmCases);
   }
 
   void halfPrecisionComesBackHalf() {

@@ -48,8 +48,9 @@ io::StateDict meta_state_dict(const std::vector<io::TensorShape>& shapes) {
   return out;
 }
 
-// Empty when `mapped` has exactly the expected names and shapes.
+// Empty when `mapped` has exactly the expected names and shapes (and there are some).
 std::string same_layout(const io::StateDict& mapped, const nlohmann::json& expected) {
+  if (expected.empty()) return " the oracle's layout lists no tensors";
   std::string why;
   for (const auto& [k, v] : expected.items()) {
     auto it = mapped.find(k);

@@ -34,6 +34,7 @@ class TestT5 : public QObject {
     QCOMPARE(tok.vocab_size(), j["vocab_size"].get<int>());
     QCOMPARE(tok.eos_id(), 1);
     QCOMPARE(tok.pad_id(), 0);
+    QCOMPARE(j["cases"].size(), std::size_t(12));  // make_t5_fixtures.py's TOKENIZER_CASES
     for (const auto& c : j["cases"]) {
       const std::string text = c["text"];
       const int max_length = c["max_length"];

@@ -40,6 +40,7 @@ class TestWeights : public QObject {
       const auto pth = test::shared_dir() / "data" / "taesd" / (std::string("taef2_") + part + ".pth");
       auto got = io::load_state_dict(pth);
       auto expected = io::load_state_dict(test::fixtures() / (std::string("taef2_") + part + ".expected.safetensors"));
+      QVERIFY2(!expected.empty(), part);
       QCOMPARE(got.size(), expected.size());
       for (const auto& [k, v] : expected) {
         QVERIFY2(got.count(k), k.c_str());
