@@ -255,19 +255,6 @@ std::vector<std::string> sampler_names() {
   return v;
 }
 
-std::string_view diffusers_class(SamplerKind kind) {
-  switch (kind) {
-    case SamplerKind::Euler: return "EulerDiscreteScheduler";
-    case SamplerKind::EulerAncestral: return "EulerAncestralDiscreteScheduler";
-    case SamplerKind::DDIM: return "DDIMScheduler";
-    case SamplerKind::DDPM: return "DDPMScheduler";
-    case SamplerKind::DPMPP2M:
-    case SamplerKind::DPMPP2MKarras: return "DPMSolverMultistepScheduler";
-    case SamplerKind::FlowMatchEuler: return "FlowMatchEulerDiscreteScheduler";
-  }
-  return "?";
-}
-
 bool is_flow_matching(SamplerKind kind) { return kind == SamplerKind::FlowMatchEuler; }
 
 std::optional<Prediction> parse_prediction(std::string_view name) {

@@ -24,8 +24,6 @@ std::optional<SamplerKind> parse_sampler(std::string_view name);
 SamplerKind parse_sampler_or_throw(std::string_view name);
 std::string_view sampler_name(SamplerKind kind);
 std::vector<std::string> sampler_names();
-// The diffusers class a kind reproduces ("EulerDiscreteScheduler", ...).
-std::string_view diffusers_class(SamplerKind kind);
 // Whether the sampler integrates a flow-matching ODE (the model predicts a velocity).
 bool is_flow_matching(SamplerKind kind);
 

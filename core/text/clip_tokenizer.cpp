@@ -273,12 +273,6 @@ CLIPTokenizer::CLIPTokenizer(std::unordered_map<std::string, int> vocab,
                    [](const SpecialToken& a, const SpecialToken& b) { return a.content.size() > b.content.size(); });
 }
 
-CLIPTokenizer CLIPTokenizer::from_vocab_merges(const fs::path& vocab_json, const fs::path& merges_txt,
-                                               CLIPTokenizerOptions options) {
-  return CLIPTokenizer(read_vocab(vocab_json), read_merges(merges_txt), std::move(options), {},
-                       vocab_json.parent_path().string());
-}
-
 namespace {
 
 std::vector<std::pair<std::string, std::string>> read_openai_merges(const fs::path& bpe_gz) {

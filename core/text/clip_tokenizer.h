@@ -36,9 +36,6 @@ struct CLIPTokenizerOptions {
 // accepted (an error says so otherwise).
 class CLIPTokenizer {
  public:
-  // vocab.json + merges.txt, as diffusers folders ship them.
-  static CLIPTokenizer from_vocab_merges(const std::filesystem::path& vocab_json, const std::filesystem::path& merges_txt,
-                                         CLIPTokenizerOptions options = {});
   // OpenAI's bpe_simple_vocab_16e6.txt.gz, from which the 49408-entry vocabulary is derived.
   static CLIPTokenizer from_openai_bpe(const std::filesystem::path& bpe_gz, CLIPTokenizerOptions options = {});
   // Writes the tokenizer folder transformers' CLIPTokenizer loads (vocab.json, merges.txt,

@@ -61,17 +61,6 @@ std::string T5EncoderOptions::activation() const {
   return act;
 }
 
-T5EncoderOptions T5EncoderOptions::t5_v1_1_xxl() {
-  T5EncoderOptions o;
-  o.d_model = 4096;
-  o.d_kv = 64;
-  o.d_ff = 10240;
-  o.num_layers = 24;
-  o.num_heads = 64;
-  o.feed_forward_proj = "gated-gelu";
-  return o;
-}
-
 T5EncoderOptions T5EncoderOptions::from_json(const std::filesystem::path& path) {
   const auto j = io::JsonFile::read(path);
   const std::string where = path.string();

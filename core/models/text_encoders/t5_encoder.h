@@ -28,7 +28,6 @@ struct T5EncoderOptions {
   bool gated() const;               // wi_0, wi_1, wo instead of wi, wo
   std::string activation() const;   // "relu", "gelu_new" (what "gated-gelu" means), ...
 
-  static T5EncoderOptions t5_v1_1_xxl();  // SD3's text_encoder_3
   // Architecture keys are required; the rest default as transformers does.
   static T5EncoderOptions from_json(const std::filesystem::path& config_json);
 };
