@@ -57,7 +57,9 @@ if [ "$plan" = tree ]; then
     cmake --build build/gpu -j "$(( $(nproc) / 2 ))" --target diffract-bench > "$logs/tree_build.log" 2>&1 ) &
   tree_build=$!
 fi
-gpu_build "$logs" diffract-bench diffract-gpu-checks || exit 1
+targets="diffract-bench diffract-gpu-checks"
+[ "$plan" = tree ] && targets=diffract-bench
+gpu_build "$logs" $targets || exit 1
 echo "built at $(elapsed) s"
 bench=build/gpu/app/diffract-bench
 

@@ -76,12 +76,16 @@ class TestOptions : public QObject {
                           "expected one of");
   }
 
-  // Process-scope options are read once: a later change of the environment has no effect.
-  void processScopeOptionsAreReadOnce() {
-    const bool first = opt::flag(opt::Id::FusedTaesd);
-    ::setenv("DIFFRACT_FUSED_TAESD", first ? "0" : "1", 1);
-    QCOMPARE(opt::flag(opt::Id::FusedTaesd), first);
+  // A job's scope holds job-scope values only: a process-scope one there is not taken.
+  void processScopeOptionsComeFromTheEnvironment() {
+    ::setenv("DIFFRACT_FUSED_TAESD", "0", 1);
+    {
+      const opt::Overrides mine = {{"DIFFRACT_FUSED_TAESD", "1"}};
+      const opt::JobOptionsScope scope(mine);
+      QVERIFY(!opt::flag(opt::Id::FusedTaesd));
+    }
     ::unsetenv("DIFFRACT_FUSED_TAESD");
+    QVERIFY(opt::flag(opt::Id::FusedTaesd));
   }
 };
 

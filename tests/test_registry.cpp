@@ -51,8 +51,10 @@ class TestRegistry : public QObject {
     p.devices = 2;
     p.patches = 4;
     QCOMPARE(dynamic_cast<const PipeFusion&>(*make_strategy(p)).patch_count(), 4);
+    p.devices = 65;
+    DIFFRACT_EXPECT_ERROR(make_strategy(p), "devices 65 must be 64 or fewer");
     p.devices = 0;
-    DIFFRACT_EXPECT_ERROR(make_strategy(p), "devices 0 must be between 1 and 64");
+    DIFFRACT_EXPECT_ERROR(make_strategy(p)->validate(1, true), "needs 1 or more devices");
     QCOMPARE(dynamic_cast<const DRiffusion&>(*make_strategy("cfg-driffusion", 4)).n, 2);
   }
 

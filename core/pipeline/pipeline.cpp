@@ -113,16 +113,17 @@ job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, 
   const options::JobOptionsScope job_options(req.options);
 
   // Everything a user can get wrong is checked before any work starts; the model's load time
-  // goes to the first job that gets past the checks.
+  // goes to the first job that gets past the checks. The registry checks the family; each
+  // strategy's validate() says best why it needs CFG or more devices.
   const bool cfg = req.cfg > 1.0;
   std::unique_ptr<parallel::Strategy> made;
   const parallel::Strategy* strategy = inputs.strategy;
   if (strategy) {
     job::StrategyParams named;
     named.name = strategy->name();
-    parallel::check_strategy(named, fam, cfg);
+    parallel::check_strategy(named, fam, /*cfg=*/true);
   } else if (!req.strategy.single()) {
-    parallel::check_strategy(req.strategy, fam, cfg);
+    parallel::check_strategy(req.strategy, fam, /*cfg=*/true);
     made = parallel::make_strategy(req.strategy);
     strategy = made.get();
   }

@@ -88,16 +88,6 @@ std::string from_environment(const Option& o) {
   return s;
 }
 
-// Process-scope values, read once each.
-std::string process_value(const Option& o) {
-  static std::mutex mutex;
-  static std::map<Id, std::string> cache;
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto it = cache.find(o.id);
-  if (it != cache.end()) return it->second;
-  return cache.emplace(o.id, from_environment(o)).first->second;
-}
-
 }  // namespace
 
 const std::vector<Option>& table() {
@@ -152,9 +142,8 @@ std::string value(Id id) {
   if (o.scope == Scope::Job) {
     if (t_job)
       if (const auto it = t_job->find(std::string(o.name)); it != t_job->end()) return it->second;
-    return from_environment(o);
   }
-  return process_value(o);
+  return from_environment(o);
 }
 
 bool flag(Id id) { return value(id) != "0"; }

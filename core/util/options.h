@@ -1,8 +1,9 @@
 #pragma once
 // Every DIFFRACT_* runtime switch in one table: its name, type, default, scope and one line of
 // doc. This is the only place in core that reads the environment; everything else asks here.
-//  Process scope: read once, the first time it is asked for (kernels, graph capture, start-up
-//   choices); changing it later in the same process has no effect.
+//  Process scope: set in the environment; read where the code needs it (when a model loads, when
+//   a kernel first runs), so a value set after that has no effect on what was already read. A
+//   job cannot carry its own.
 //  Job scope: read for each job, and a job may carry its own value (job::GenerationRequest::
 //   options, applied by JobOptionsScope on the job's thread), so one process can A/B them.
 // No torch headers: the GUI, the CLI and the bench include this.
@@ -63,7 +64,7 @@ std::string invalid_reason(const Option& option, std::string_view value);
 
 // The value in force on this thread: a job's own value (job scope, inside a JobOptionsScope),
 // else the environment's (checked: an invalid one is warned about once and the default used),
-// else the default. Process-scope options are read once per process.
+// else the default.
 std::string value(Id id);
 bool flag(Id id);     // Flag: "0" is off, "1" on
 int integer(Id id);   // Integer
