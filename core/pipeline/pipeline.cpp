@@ -21,6 +21,13 @@ namespace diffract::pipeline {
 
 using namespace detail;
 
+void PipelineState::open(std::filesystem::path model, const std::string& device_name_) {
+  path = std::move(model);
+  device_name = device_name_;
+  device = parse_device(device_name_);
+  dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
+}
+
 Pipeline::~Pipeline() = default;
 const std::filesystem::path& Pipeline::path() const { return state().path; }
 const std::string& Pipeline::device() const { return state().device_name; }

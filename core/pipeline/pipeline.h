@@ -40,6 +40,8 @@ struct PipelineState {
   double load_ms = 0;             // reported by the next job, then 0
   detail::StrategyGroups groups;  // multi-device jobs' groups, kept for later jobs
   double replica_ms = 0;          // time spent copying the denoiser to other GPUs
+  // Names the model and its device (checked against the machine); bf16 on CUDA, fp32 on the CPU.
+  void open(std::filesystem::path model, const std::string& device);
 };
 
 // One job as the skeleton runs it, handed to the hooks.
@@ -58,6 +60,32 @@ struct JobInputs {
   const parallel::Strategy* strategy = nullptr;  // runs the loop instead of the plain one; null: the request's
   at::Tensor initial_latents;     // [batch, C, h, w] in place of the seed's noise (diffusers' latents=...)
 };
+
+// The hooks a family overrides, declared in its class body by this one list (each family defines
+// them in its .cpp), so that a hook added here is added to every family at once.
+#define DIFFRACT_PIPELINE_HOOKS                                                                        \
+ protected:                                                                                           \
+  PipelineState& state() override;                                                                    \
+  int size_multiple() const override;                                                                 \
+  std::string size_multiple_why() const override;                                                     \
+  schedulers::SamplerKind choose_sampler(const std::string& requested) const override;                \
+  schedulers::SchedulerConfig scheduler_config(schedulers::SamplerKind kind) const override;          \
+  std::string a1111_sampler(schedulers::SamplerKind kind) const override;                             \
+  int latent_channels() const override;                                                               \
+  int vae_factor() const override;                                                                    \
+  std::string taesd_hint() const override;                                                            \
+  void encode(JobContext& job) override;                                                              \
+  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> denoiser(JobContext& job) override; \
+  void prepare_ranks(JobContext& job, const parallel::Strategy& strategy,                             \
+                     parallel::DeviceGroup& group) override;                                          \
+  std::unique_ptr<parallel::Denoiser> rank_denoiser(const JobContext& job,                            \
+                                                    const parallel::Strategy& strategy, int rank,     \
+                                                    const c10::Device& device) override;              \
+  double warm_timestep(const JobContext& job, const schedulers::Sampler& sampler) const override;     \
+  at::Tensor preview(const at::Tensor& x0, bool use_taesd, int max_side) override;                    \
+  at::Tensor decode(const at::Tensor& latents, parallel::DeviceGroup* group) override;                \
+  void add_metadata(const JobContext& job, nlohmann::json& meta) const override;                      \
+  std::string nan_hint() const override;
 
 class Pipeline {
  public:

@@ -14,6 +14,7 @@
 #include "core/parallel/strategies.h"
 
 #include "core/schedulers/sampler.h"
+#include "core/text/clip_tokenizer.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 #include "core/util/options.h"
@@ -58,6 +59,17 @@ std::string format_number(double v) {
   std::ostringstream s;
   s << v;
   return s.str();
+}
+
+at::Tensor clip_token_ids(const text::CLIPTokenizer& tok, const std::string& prompt, const at::Device& device,
+                          job::StageTimings& timings) {
+  const auto t0 = Clock::now();
+  auto tokens = tok.tokenize(prompt);
+  timings.tokenize_ms += ms_since(t0);
+  if (tokens.dropped > 0)
+    log::get("pipeline").warn(log::str("prompt is ", tokens.dropped, " tokens over CLIP's ", tok.max_length(),
+                                       "-token limit: the end was cut off ('", prompt.substr(0, 40), "...')"));
+  return at::tensor(at::ArrayRef<int>(tokens.ids), at::kLong).unsqueeze(0).to(device);
 }
 
 void check_request(job::GenerationRequest& req, int native, int multiple, const std::string& why) {

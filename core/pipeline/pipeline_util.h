@@ -30,6 +30,9 @@ class Module;
 namespace diffract::io {
 class ScopedPlacement;
 }
+namespace diffract::text {
+class CLIPTokenizer;
+}
 
 namespace diffract::pipeline::detail {
 
@@ -46,6 +49,11 @@ std::vector<io::Image> bytes_to_images(const at::Tensor& bytes);
 std::vector<io::Image> to_images(const at::Tensor& x);
 
 std::string format_number(double v);
+
+// A prompt's CLIP token ids [1, max_length] on `device`, the time added to timings.tokenize_ms;
+// a warning when the prompt was cut off at the tokenizer's limit.
+at::Tensor clip_token_ids(const text::CLIPTokenizer& tokenizer, const std::string& prompt, const at::Device& device,
+                          job::StageTimings& timings);
 
 // The checks every job gets before any work starts: a zero width or height becomes `native`;
 // the size must be a positive multiple of `multiple` (`why`: what that multiple is) and at most

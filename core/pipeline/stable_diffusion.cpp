@@ -208,15 +208,7 @@ struct StableDiffusion::Impl : PipelineState {
   // Text for one prompt (repeated `batch` times); `zeros` gives SDXL's empty negative.
   Conditioning encode(const std::string& prompt, int batch, bool zeros, job::StageTimings& t) {
     at::NoGradGuard no_grad;
-    auto run_tokenizer = [&](const text::CLIPTokenizer& tok) {
-      const auto t0 = Clock::now();
-      auto tokens = tok.tokenize(prompt);
-      t.tokenize_ms += ms_since(t0);
-      if (tokens.dropped > 0)
-        log::get("pipeline").warn(log::str("prompt is ", tokens.dropped, " tokens over CLIP's ", tok.max_length(),
-                                           "-token limit: the end was cut off ('", prompt.substr(0, 40), "...')"));
-      return at::tensor(at::ArrayRef<int>(tokens.ids), at::kLong).unsqueeze(0).to(device);
-    };
+    auto run_tokenizer = [&](const text::CLIPTokenizer& tok) { return clip_token_ids(tok, prompt, device, t); };
     Conditioning c;
     if (family == job::ModelFamily::SDXL && zeros) {
       // SDXL's empty negative prompt: zeros of the encoders' shapes, nothing to run.
@@ -358,10 +350,7 @@ void load_single(StableDiffusion::Impl& p, const fs::path& file, const fs::path&
 std::unique_ptr<StableDiffusion> StableDiffusion::random(job::ModelFamily family, bool tiny, const std::string& device) {
   const auto t0 = Clock::now();
   auto p = std::make_unique<Impl>();
-  p->path = std::string("random-") + (tiny ? "tiny-" : "") + std::string(job::family_name(family));
-  p->device_name = device;
-  p->device = parse_device(device);
-  p->dtype = p->device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  p->open(std::string("random-") + (tiny ? "tiny-" : "") + std::string(job::family_name(family)), device);
   p->family = family;
   auto unet_c = family == job::ModelFamily::SDXL ? models::UNet2DConditionConfig::sdxl_base()
                 : family == job::ModelFamily::SD2 ? models::UNet2DConditionConfig::sd21()
@@ -430,10 +419,7 @@ std::unique_ptr<StableDiffusion> StableDiffusion::load(const fs::path& model, co
                                                        const fs::path& config_dir) {
   const auto t0 = Clock::now();
   auto p = std::make_unique<Impl>();
-  p->path = model;
-  p->device_name = device;
-  p->device = parse_device(device);
-  p->dtype = p->device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  p->open(model, device);
 
   {
     const auto placement = placement_for(p->device, p->dtype);

@@ -44,26 +44,7 @@ class StableDiffusion : public Pipeline {
   job::GenerationResult generate(const job::GenerationRequest& request, const job::JobObserver& observer,
                                  const job::CancelToken& cancel, const parallel::Strategy* strategy);
 
- protected:
-  PipelineState& state() override;
-  int size_multiple() const override;
-  std::string size_multiple_why() const override;
-  schedulers::SamplerKind choose_sampler(const std::string& requested) const override;
-  schedulers::SchedulerConfig scheduler_config(schedulers::SamplerKind kind) const override;
-  std::string a1111_sampler(schedulers::SamplerKind kind) const override;
-  int latent_channels() const override;
-  int vae_factor() const override;
-  std::string taesd_hint() const override;
-  void encode(JobContext& job) override;
-  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> denoiser(JobContext& job) override;
-  void prepare_ranks(JobContext& job, const parallel::Strategy& strategy, parallel::DeviceGroup& group) override;
-  std::unique_ptr<parallel::Denoiser> rank_denoiser(const JobContext& job, const parallel::Strategy& strategy, int rank,
-                                                    const c10::Device& device) override;
-  double warm_timestep(const JobContext& job, const schedulers::Sampler& sampler) const override;
-  at::Tensor preview(const at::Tensor& x0, bool use_taesd, int max_side) override;
-  at::Tensor decode(const at::Tensor& latents, parallel::DeviceGroup* group) override;
-  void add_metadata(const JobContext& job, nlohmann::json& meta) const override;
-  std::string nan_hint() const override;
+  DIFFRACT_PIPELINE_HOOKS
   void before_warm_up() override;
 
  private:

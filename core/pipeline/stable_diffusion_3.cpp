@@ -123,15 +123,7 @@ struct StableDiffusion3::Impl : PipelineState {
 
   // One prompt: [1, 77 + max_sequence_length, joint], pooled [1, P].
   std::pair<at::Tensor, at::Tensor> encode_one(const std::string& prompt, job::StageTimings& t, bool use_t5) {
-    auto run_tokenizer = [&](const text::CLIPTokenizer& tok) {
-      const auto t0 = Clock::now();
-      auto tokens = tok.tokenize(prompt);
-      t.tokenize_ms += ms_since(t0);
-      if (tokens.dropped > 0)
-        log::get("pipeline").warn(log::str("prompt is ", tokens.dropped, " tokens over CLIP's ", tok.max_length(),
-                                           "-token limit: the end was cut off ('", prompt.substr(0, 40), "...')"));
-      return at::tensor(at::ArrayRef<int>(tokens.ids), at::kLong).unsqueeze(0).to(device);
-    };
+    auto run_tokenizer = [&](const text::CLIPTokenizer& tok) { return clip_token_ids(tok, prompt, device, t); };
     auto ids1 = run_tokenizer(*tokenizer);
     auto ids2 = run_tokenizer(*tokenizer_2);
     const auto t0 = Clock::now();
@@ -299,10 +291,7 @@ int StableDiffusion3::max_sequence_length() const { return impl_->max_sequence_l
 std::unique_ptr<StableDiffusion3> StableDiffusion3::random(bool tiny, const std::string& device) {
   const auto t0 = Clock::now();
   auto p = std::make_unique<Impl>();
-  p->path = tiny ? "random-tiny-sd3" : "random-sd3-medium";
-  p->device_name = device;
-  p->device = parse_device(device);
-  p->dtype = p->device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  p->open(tiny ? "random-tiny-sd3" : "random-sd3-medium", device);
   auto tr_c = models::SD3Transformer2DConfig::sd3_medium();
   auto vae_c = models::AutoencoderKLConfig::sd3();
   auto te_c = models::CLIPTextConfig::clip_l(), te2_c = models::CLIPTextConfig::open_clip_bigg();
@@ -354,10 +343,7 @@ std::unique_ptr<StableDiffusion3> StableDiffusion3::load(const fs::path& model, 
                                                          const LoadOptions& options) {
   const auto t0 = Clock::now();
   auto p = std::make_unique<Impl>();
-  p->path = model;
-  p->device_name = device;
-  p->device = parse_device(device);
-  p->dtype = p->device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  p->open(model, device);
   {
     const auto placement = placement_for(p->device, p->dtype);
     if (fs::is_directory(model)) {
@@ -428,6 +414,8 @@ std::string StableDiffusion3::size_multiple_why() const {
 int StableDiffusion3::latent_channels() const { return static_cast<int>(impl_->transformer->config.in_channels); }
 int StableDiffusion3::vae_factor() const { return impl_->vae_factor(); }
 std::string StableDiffusion3::a1111_sampler(schedulers::SamplerKind) const { return "Euler, Schedule type: Simple"; }
+std::string StableDiffusion3::taesd_hint() const { return "taesd3"; }
+std::string StableDiffusion3::nan_hint() const { return "try fp32"; }
 
 job::GenerationResult StableDiffusion3::generate(const job::GenerationRequest& request, const job::JobObserver& observer,
                                                  const job::CancelToken& cancel, const at::Tensor& initial_latents) {
