@@ -11,8 +11,6 @@
 #include <QDragEnterEvent>
 #include <QDropEvent>
 #include <QFile>
-#include <QJsonDocument>
-#include <QJsonObject>
 #include <QFutureWatcher>
 #include <QImageReader>
 #include <QInputDialog>
@@ -45,6 +43,7 @@
 #include <iterator>
 #include <limits>
 
+#include "core/engine/model_discovery.h"
 #include "core/io/image.h"
 #include "core/util/build_info.h"
 #include "core/util/error.h"
@@ -249,11 +248,8 @@ void MainWindow::buildUi() {
   const QStringList found = discoverHuggingFaceModels();
   m_discovered->addItem(found.isEmpty() ? tr("No models in the Hugging Face cache")
                                         : tr("%n model(s) in the Hugging Face cache", nullptr, static_cast<int>(found.size())));
-  for (const QString& path : found) {
-    // models--org--name/snapshots/<hash> reads as org/name.
-    const QString repo = QDir(path).absolutePath().section(QLatin1Char('/'), -3, -3);
-    m_discovered->addItem(repo.mid(8).replace(QStringLiteral("--"), QStringLiteral("/")), path);
-  }
+  for (const QString& path : found)
+    m_discovered->addItem(QString::fromStdString(engine::hugging_face_repo_name(path.toStdString())), path);
   m_discovered->setEnabled(!found.isEmpty());
   connect(m_discovered, &QComboBox::activated, this, [this](int index) {
     if (index > 0) m_model->setText(m_discovered->itemData(index).toString());
@@ -537,40 +533,8 @@ QString MainWindow::outputDir() {
   return QDir(QStandardPaths::writableLocation(QStandardPaths::PicturesLocation)).filePath(QStringLiteral("Diffract"));
 }
 
-namespace {
-
-QString huggingFaceHub() {
-  QString hub = qEnvironmentVariable("HF_HUB_CACHE");
-  if (hub.isEmpty()) {
-    const QString home = qEnvironmentVariable("HF_HOME");
-    hub = home.isEmpty() ? QDir::home().filePath(QStringLiteral(".cache/huggingface/hub"))
-                         : QDir(home).filePath(QStringLiteral("hub"));
-  }
-  return hub;
-}
-
-}  // namespace
-
 QString MainWindow::matchingTaesd(const QString& modelDir) {
-  QFile index(QDir(modelDir).filePath(QStringLiteral("model_index.json")));
-  if (!index.open(QIODevice::ReadOnly)) return {};
-  const QString pipeline = QJsonDocument::fromJson(index.readAll()).object().value(QStringLiteral("_class_name")).toString();
-  // madebyollin's TAESD repositories, by the latent space of the pipeline.
-  QString repo;
-  if (pipeline.startsWith(QLatin1String("StableDiffusionXL")))
-    repo = QStringLiteral("taesdxl");
-  else if (pipeline.startsWith(QLatin1String("StableDiffusion3")))
-    repo = QStringLiteral("taesd3");
-  else if (pipeline.startsWith(QLatin1String("Flux")))
-    repo = QStringLiteral("taef1");
-  else if (pipeline.startsWith(QLatin1String("StableDiffusion")))
-    repo = QStringLiteral("taesd");
-  else
-    return {};
-  const QDir snapshots(QDir(huggingFaceHub()).filePath(QStringLiteral("models--madebyollin--%1/snapshots").arg(repo)));
-  for (const QFileInfo& snap : snapshots.entryInfoList(QDir::Dirs | QDir::NoDotAndDotDot, QDir::Time))
-    if (QFileInfo::exists(QDir(snap.filePath()).filePath(QStringLiteral("config.json")))) return snap.filePath();
-  return {};
+  return QString::fromStdString(engine::matching_taesd(modelDir.toStdString()).string());
 }
 
 void MainWindow::matchTaesdToModel() {
@@ -586,17 +550,7 @@ void MainWindow::matchTaesdToModel() {
 
 QStringList MainWindow::discoverHuggingFaceModels() {
   QStringList models;
-  const QDir hubDir(huggingFaceHub());
-  for (const QString& repo : hubDir.entryList({QStringLiteral("models--*")}, QDir::Dirs | QDir::NoDotAndDotDot, QDir::Name)) {
-    const QDir snapshots(hubDir.filePath(repo + QStringLiteral("/snapshots")));
-    // The newest snapshot of each repository that is a diffusers pipeline.
-    const QFileInfoList snaps = snapshots.entryInfoList(QDir::Dirs | QDir::NoDotAndDotDot, QDir::Time);
-    for (const QFileInfo& snap : snaps)
-      if (QFileInfo::exists(QDir(snap.filePath()).filePath(QStringLiteral("model_index.json")))) {
-        models << snap.filePath();
-        break;
-      }
-  }
+  for (const auto& path : engine::discover_hugging_face_models()) models << QString::fromStdString(path.string());
   return models;
 }
 

@@ -6,6 +6,7 @@
 #include <optional>
 #include <set>
 
+#include "core/util/environment.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -73,7 +74,7 @@ const std::vector<Option>& build_table() {
 thread_local const Overrides* t_job = nullptr;
 
 std::string from_environment(const Option& o) {
-  const char* v = std::getenv(std::string(o.name).c_str());  // the one place core reads the environment
+  const char* v = std::getenv(std::string(o.name).c_str());  // with environment(), the only readers of it in core
   if (!v) return std::string(o.default_value);
   const std::string s = v;
   if (const auto why = invalid_reason(o, s); !why.empty()) {
@@ -158,6 +159,11 @@ bool is_set(Id id) {
   if (o.scope == Scope::Job && t_job && t_job->count(std::string(o.name))) return true;
   const char* v = std::getenv(std::string(o.name).c_str());
   return v && invalid_reason(o, v).empty();
+}
+
+std::string environment(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::string(v) : std::string();
 }
 
 void check_overrides(const Overrides& overrides) {

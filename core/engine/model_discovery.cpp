@@ -1,0 +1,98 @@
+#include "core/engine/model_discovery.h"
+
+#include <algorithm>
+#include <fstream>
+#include <iterator>
+#include <system_error>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "core/util/environment.h"
+
+namespace fs = std::filesystem;
+
+namespace diffract::engine {
+
+namespace {
+
+bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+// The folders inside `dir` (hidden ones left out, as a file manager would), newest first; a
+// folder that cannot be read has none.
+std::vector<fs::path> subfolders_newest_first(const fs::path& dir) {
+  std::vector<std::pair<fs::file_time_type, fs::path>> found;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const auto name = it->path().filename().string();
+    if (name.empty() || name[0] == '.' || !it->is_directory(ec)) continue;
+    found.emplace_back(fs::last_write_time(it->path(), ec), it->path());
+  }
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  });
+  std::vector<fs::path> out;
+  for (auto& f : found) out.push_back(std::move(f.second));
+  return out;
+}
+
+bool present(const fs::path& p) {
+  std::error_code ec;
+  return fs::exists(p, ec);
+}
+
+}  // namespace
+
+fs::path hugging_face_hub() {
+  if (auto hub = options::environment("HF_HUB_CACHE"); !hub.empty()) return hub;
+  if (auto home = options::environment("HF_HOME"); !home.empty()) return fs::path(home) / "hub";
+  return fs::path(options::environment("HOME")) / ".cache" / "huggingface" / "hub";
+}
+
+std::vector<fs::path> discover_hugging_face_models(const fs::path& hub) {
+  std::vector<fs::path> repos;
+  std::error_code ec;
+  for (fs::directory_iterator it(hub, ec), end; !ec && it != end; it.increment(ec))
+    if (starts_with(it->path().filename().string(), "models--") && it->is_directory(ec)) repos.push_back(it->path());
+  std::sort(repos.begin(), repos.end());
+  std::vector<fs::path> models;
+  for (const auto& repo : repos)
+    for (const auto& snap : subfolders_newest_first(repo / "snapshots"))
+      if (present(snap / "model_index.json")) {
+        models.push_back(snap);
+        break;
+      }
+  return models;
+}
+
+std::string hugging_face_repo_name(const fs::path& snapshot) {
+  const fs::path clean = snapshot.lexically_normal();
+  const fs::path dir = clean.has_filename() ? clean : clean.parent_path();
+  const std::string repo = dir.parent_path().parent_path().filename().string();
+  if (dir.parent_path().filename() != "snapshots" || !starts_with(repo, "models--")) return {};
+  std::string out = repo.substr(8);
+  for (std::size_t at = out.find("--"); at != std::string::npos; at = out.find("--", at + 1)) out.replace(at, 2, "/");
+  return out;
+}
+
+fs::path matching_taesd(const fs::path& model_dir, const fs::path& hub) {
+  std::ifstream in(model_dir / "model_index.json", std::ios::binary);
+  if (!in) return {};
+  const auto index = nlohmann::json::parse(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(),
+                                           nullptr, /*allow_exceptions=*/false);
+  std::string pipeline;
+  if (index.is_object() && index.contains("_class_name") && index["_class_name"].is_string())
+    pipeline = index["_class_name"].get<std::string>();
+  // madebyollin's TAESD repositories, by the latent space of the pipeline.
+  const char* repo = starts_with(pipeline, "StableDiffusionXL")  ? "taesdxl"
+                     : starts_with(pipeline, "StableDiffusion3") ? "taesd3"
+                     : starts_with(pipeline, "Flux")             ? "taef1"
+                     : starts_with(pipeline, "StableDiffusion")  ? "taesd"
+                                                                 : nullptr;
+  if (!repo) return {};
+  for (const auto& snap : subfolders_newest_first(hub / ("models--madebyollin--" + std::string(repo)) / "snapshots"))
+    if (present(snap / "config.json")) return snap;
+  return {};
+}
+
+}  // namespace diffract::engine
