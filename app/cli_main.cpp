@@ -11,6 +11,7 @@
 #include "core/engine/compare.h"
 #include "core/engine/devices.h"
 #include "core/engine/engine.h"
+#include "core/engine/output.h"
 #include "core/engine/preset.h"
 #include "core/io/diffusers_folder.h"
 #include "core/io/image.h"
@@ -110,11 +111,6 @@ int encode(const fs::path& model, const std::string& component, const std::strin
   return 0;
 }
 
-fs::path numbered(const fs::path& out, int index, int count) {
-  if (count == 1) return out;
-  return out.parent_path() / (out.stem().string() + "_" + std::to_string(index) + out.extension().string());
-}
-
 // --preview-size: "auto", "full" (0) or a number of pixels, 1 or more.
 int parse_preview_size(const std::string& v) {
   if (v == "auto") return job::GenerationRequest::kPreviewAuto;
@@ -146,9 +142,8 @@ int generate(const job::GenerationRequest& request, const fs::path& out, const s
   std::cerr << "\n";
   const int n = static_cast<int>(result.images.size());
   for (int i = 0; i < n; ++i) {
-    const auto path = numbered(out, i, n);
-    io::write_png(path, result.images[static_cast<std::size_t>(i)],
-                  {{"parameters", result.a1111_parameters}, {"diffract", result.metadata_json}});
+    const auto path = engine::batch_file(out, i, n);
+    engine::save_image(path, result.images[static_cast<std::size_t>(i)], result.a1111_parameters, result.metadata_json);
     std::cout << "wrote " << path.string() << "\n";
   }
   const auto& t = result.timings;
@@ -303,11 +298,10 @@ int compare(job::GenerationRequest request, const fs::path& out_dir) {
   engine::Engine eng;
   job::CancelToken never;
   const auto c = engine::compare(eng, request, request.strategy, {}, never);
-  const io::PngText base_text = {{"parameters", c.baseline.a1111_parameters}, {"diffract", c.baseline.metadata_json}};
-  const io::PngText acc_text = {{"parameters", c.accelerated.a1111_parameters},
-                                {"diffract", c.accelerated.metadata_json}};
-  io::write_png(out_dir / "baseline.png", c.baseline.images.front(), base_text);
-  io::write_png(out_dir / (strategy + ".png"), c.accelerated.images.front(), acc_text);
+  engine::save_image(out_dir / "baseline.png", c.baseline.images.front(), c.baseline.a1111_parameters,
+                     c.baseline.metadata_json);
+  engine::save_image(out_dir / (strategy + ".png"), c.accelerated.images.front(), c.accelerated.a1111_parameters,
+                     c.accelerated.metadata_json);
   io::write_png(out_dir / "heatmap.png", c.heatmap);
   const auto meta = nlohmann::json::parse(c.accelerated.metadata_json);
   std::cout << "strategy " << strategy << " on " << devices << " device(s)\n"

@@ -4,7 +4,6 @@
 #include <QCheckBox>
 #include <QCloseEvent>
 #include <QComboBox>
-#include <QDateTime>
 #include <QDir>
 #include <QDockWidget>
 #include <QDoubleSpinBox>
@@ -39,18 +38,18 @@
 #include <QToolButton>
 #include <QVBoxLayout>
 #include <algorithm>
+#include <ctime>
 #include <exception>
 #include <iterator>
 #include <limits>
 
 #include "core/engine/model_discovery.h"
-#include "core/io/image.h"
+#include "core/engine/output.h"
 #include "core/util/build_info.h"
 #include "core/util/error.h"
 #include "ui/compare_view.h"
 #include "ui/gallery.h"
 #include "core/util/embedded_model.h"
-#include "core/util/options.h"
 #include "ui/image_view.h"
 #include "ui/timings_chart.h"
 
@@ -528,9 +527,9 @@ void MainWindow::applySizePreset(int index) {
 }
 
 QString MainWindow::outputDir() {
-  if (options::is_set(options::Id::OutputDir))
-    return QString::fromStdString(options::value(options::Id::OutputDir));
-  return QDir(QStandardPaths::writableLocation(QStandardPaths::PicturesLocation)).filePath(QStringLiteral("Diffract"));
+  const QString pictures =
+      QDir(QStandardPaths::writableLocation(QStandardPaths::PicturesLocation)).filePath(QStringLiteral("Diffract"));
+  return QString::fromStdString(engine::output_dir(pictures.toStdString()).string());
 }
 
 QString MainWindow::matchingTaesd(const QString& modelDir) {
@@ -641,22 +640,14 @@ void MainWindow::onFinished(const QList<QImage>& images, const QString& metadata
   QString saveError;
   QString firstSaved;
   if (!QDir().mkpath(dir.path())) saveError = tr("cannot create the output folder %1").arg(dir.path());
-  const QString stamp = QDateTime::currentDateTime().toString(QStringLiteral("yyyyMMdd-HHmmss"));
+  const std::string stamp = engine::output_stamp(std::time(nullptr));
   for (int i = 0; i < images.size(); ++i) {
     RenderedImage r{images[i], parameters, metadataJson, timings, QString()};
     if (saveError.isEmpty()) {
-      QString path;
-      for (int n = 0;; ++n) {  // never overwrite an earlier image
-        path = dir.filePath(QStringLiteral("%1-%2-%3%4.png")
-                                .arg(stamp)
-                                .arg(m_seed->text())
-                                .arg(i)
-                                .arg(n ? QStringLiteral("-%1").arg(n) : QString()));
-        if (!QFileInfo::exists(path)) break;
-      }
       try {
-        io::write_png(path.toStdString(), toCoreImage(images[i]),
-                      {{"parameters", parameters.toStdString()}, {"diffract", metadataJson.toStdString()}});
+        const auto file = engine::unused_output_file(dir.path().toStdString(), stamp, m_seed->text().toStdString(), i);
+        engine::save_image(file, toCoreImage(images[i]), parameters.toStdString(), metadataJson.toStdString());
+        const QString path = QString::fromStdString(file.string());
         r.savedPath = path;
         if (firstSaved.isEmpty()) firstSaved = path;
         if (m_gallery->folder() == dir.path()) m_gallery->addFile(path);

@@ -1,0 +1,64 @@
+#include "core/engine/output.h"
+
+#include <atomic>
+#include <cstdio>
+#include <random>
+#include <system_error>
+
+#include "core/util/error.h"
+#include "core/util/options.h"
+
+namespace fs = std::filesystem;
+
+namespace diffract::engine {
+
+fs::path output_dir(const fs::path& fallback) {
+  if (options::is_set(options::Id::OutputDir)) return options::value(options::Id::OutputDir);
+  return fallback;
+}
+
+fs::path batch_file(const fs::path& out, int index, int count) {
+  if (count == 1) return out;
+  return out.parent_path() / (out.stem().string() + "_" + std::to_string(index) + out.extension().string());
+}
+
+std::string output_stamp(std::time_t t) {
+  std::tm local{};
+  localtime_r(&t, &local);
+  char text[32];
+  std::strftime(text, sizeof text, "%Y%m%d-%H%M%S", &local);
+  return text;
+}
+
+fs::path unused_output_file(const fs::path& dir, const std::string& stamp, const std::string& seed, int index) {
+  const std::string base = stamp + "-" + seed + "-" + std::to_string(index);
+  for (int n = 0;; ++n) {
+    fs::path path = dir / (base + (n ? "-" + std::to_string(n) : std::string()) + ".png");
+    std::error_code ec;
+    if (!fs::exists(path, ec)) return path;
+  }
+}
+
+void save_image(const fs::path& path, const io::Image& image, const std::string& parameters,
+                const std::string& metadata_json) {
+  // Hidden and not *.png, so a folder watcher (the gallery) never lists it; unique per call, so
+  // two writers of one name do not share a temporary file.
+  static std::atomic<unsigned> counter{0};
+  char unique[40];
+  std::snprintf(unique, sizeof unique, "%08x%04x", static_cast<unsigned>(std::random_device{}()),
+                counter.fetch_add(1) & 0xffffu);
+  const fs::path temporary = path.parent_path() / ("." + path.filename().string() + "." + unique + ".tmp");
+  try {
+    io::write_png(temporary, image, {{"parameters", parameters}, {"diffract", metadata_json}});
+    fs::rename(temporary, path);
+  } catch (const std::exception& e) {
+    std::error_code ignored;
+    fs::remove(temporary, ignored);
+    // The reason names the file the caller asked for, not the temporary one.
+    std::string why = e.what();
+    if (why.rfind(temporary.string() + ": ", 0) == 0) why = why.substr(temporary.string().size() + 2);
+    throw Error(path.string() + ": " + why);
+  }
+}
+
+}  // namespace diffract::engine
