@@ -68,6 +68,55 @@ class TestPreset : public QObject {
     QCOMPARE(engine::preset_file_name("!!!"), std::string("preset.json"));
   }
 
+  void presetFromARequestRoundTrips() {
+    job::GenerationRequest r;
+    r.prompt = "ignored: the template is the preset's";
+    r.negative_prompt = "blurry";
+    r.width = 768;
+    r.height = 512;
+    r.steps = 12;
+    r.sampler = "ddim";
+    r.cfg = 4.5;
+    r.strategy.name = "cfg-parallel";
+    r.strategy.devices = 2;
+    r.strategy.skip = 5;  // not cfg-parallel's: the preset keeps its default
+    auto p = engine::preset_from_request("Mine", "a {subject} at dusk", r);
+    QCOMPARE(p.name, std::string("Mine"));
+    QCOMPARE(p.prompt_template, std::string("a {subject} at dusk"));
+    QCOMPARE(p.devices, 2);
+    QCOMPARE(p.skip, 2);
+    const fs::path file = tmp("from-request/mine.json");
+    engine::save_preset(p, file);
+    job::GenerationRequest back;
+    engine::apply_preset(engine::load_preset(file), "fox", back);
+    QCOMPARE(back.prompt, std::string("a fox at dusk"));
+    QCOMPARE(back.negative_prompt, r.negative_prompt);
+    QCOMPARE(back.width, 768);
+    QCOMPARE(back.height, 512);
+    QCOMPARE(back.steps, 12);
+    QCOMPARE(back.sampler, r.sampler);
+    QCOMPARE(back.cfg, 4.5);
+    QCOMPARE(back.strategy.name, r.strategy.name);
+    QCOMPARE(back.strategy.devices, 2);
+
+    // Step-skip runs on one device: its skip factor is what the preset keeps, through a file.
+    r.strategy.name = "step-skip";
+    r.strategy.devices = 1;
+    r.strategy.skip = 3;
+    p = engine::preset_from_request("Skips", "{subject}", r);
+    QCOMPARE(p.skip, 3);
+    QCOMPARE(p.devices, 1);
+    engine::save_preset(p, file);
+    engine::apply_preset(engine::load_preset(file), "x", back);
+    QCOMPARE(back.strategy.name, std::string("step-skip"));
+    QCOMPARE(back.strategy.skip, 3);
+    QCOMPARE(back.strategy.devices, 1);
+
+    // The plain loop by either of its names is "single".
+    r.strategy.name.clear();
+    QCOMPARE(engine::preset_from_request("Plain", "{subject}", r).strategy, std::string("single"));
+  }
+
   void everyShippedPresetLoads() {
     QVERIFY2(fs::is_directory(shippedDir()), shippedDir().c_str());
     std::set<std::string> names, stems;

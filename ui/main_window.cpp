@@ -815,20 +815,14 @@ void MainWindow::applyPreset(int index) {
 }
 
 QString MainWindow::savePreset(const QString& name) {
-  engine::Preset p;
-  p.name = name.toStdString();
   const QString prompt = m_prompt->toPlainText();
-  p.prompt_template = (prompt.contains(QLatin1String(engine::kSubjectPlaceholder)) ? prompt : m_promptTemplate).toStdString();
-  p.negative_prompt = m_negative->toPlainText().toStdString();
-  p.width = m_width->value();
-  p.height = m_height->value();
-  p.steps = m_steps->value();
-  p.sampler = m_sampler->currentData().toString().toStdString();
-  p.cfg = m_cfg->value();
-  p.strategy = m_strategy->currentData().toString().toStdString();
-  const bool skips = currentStrategy().takes(parallel::Param::Skip);
-  p.devices = skips ? 1 : m_devices->value();
-  p.skip = skips ? m_devices->value() : 2;
+  job::GenerationRequest r = requestFromFields();
+  // The preset keeps the devices field (a skip factor, or the count a CPU job takes), not what the
+  // GPUs enabled on this machine make of it.
+  r.strategy.devices = r.strategy.skip = m_devices->value();
+  const engine::Preset p = engine::preset_from_request(
+      name.toStdString(),
+      (prompt.contains(QLatin1String(engine::kSubjectPlaceholder)) ? prompt : m_promptTemplate).toStdString(), r);
   const QString file = QDir(userPresetDir()).filePath(QString::fromStdString(engine::preset_file_name(p.name)));
   try {
     engine::save_preset(p, file.toStdString());

@@ -189,6 +189,27 @@ void apply_preset(const Preset& preset, const std::string& subject, job::Generat
   request.strategy.skip = preset.skip;
 }
 
+Preset preset_from_request(const std::string& name, const std::string& prompt_template,
+                           const job::GenerationRequest& request) {
+  Preset p;
+  p.name = name;
+  p.prompt_template = prompt_template;
+  p.negative_prompt = request.negative_prompt;
+  p.width = request.width;
+  p.height = request.height;
+  p.steps = request.steps;
+  p.sampler = request.sampler;
+  p.cfg = request.cfg;
+  p.strategy = request.strategy.display_name();
+  const auto* info = parallel::find_strategy(p.strategy);
+  if (info && info->takes(parallel::Param::Skip)) {
+    p.skip = request.strategy.skip;
+  } else {
+    p.devices = request.strategy.devices;
+  }
+  return p;
+}
+
 std::string preset_file_name(const std::string& name) {
   std::string out;
   for (unsigned char c : name) {

@@ -49,6 +49,12 @@ void validate_preset(const Preset& preset, const std::string& where);
 std::string fill_prompt_template(const std::string& prompt_template, const std::string& subject);
 // Fills the request's prompt (from `subject`), negative prompt, size, steps, sampler, CFG and strategy.
 void apply_preset(const Preset& preset, const std::string& subject, job::GenerationRequest& request);
+// The reverse: a preset called `name` with `prompt_template` and the request's negative prompt,
+// size, steps, sampler, CFG and strategy. A strategy that takes a skip factor (step-skip) keeps
+// request.strategy.skip and one device; any other keeps request.strategy.devices and the
+// default skip. apply_preset of the result gives those fields back.
+Preset preset_from_request(const std::string& name, const std::string& prompt_template,
+                           const job::GenerationRequest& request);
 // A file name for a preset called `name`: lower case, runs of other characters as "-", ".json".
 std::string preset_file_name(const std::string& name);
 
