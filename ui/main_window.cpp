@@ -28,6 +28,7 @@
 #include <QRandomGenerator>
 #include <QRegularExpressionValidator>
 #include <QScrollArea>
+#include <QSet>
 #include <QSettings>
 #include <QSignalBlocker>
 #include <QShortcut>
@@ -48,6 +49,7 @@
 #include "core/util/build_info.h"
 #include "core/util/error.h"
 #include "ui/compare_view.h"
+#include "ui/devices_panel.h"
 #include "ui/gallery.h"
 #include "core/util/embedded_model.h"
 #include "ui/image_view.h"
@@ -392,31 +394,10 @@ void MainWindow::buildUi() {
   connect(m_strategy, &QComboBox::currentIndexChanged, this, [this] { updateDeviceSummary(); });
   connect(m_devices, &QSpinBox::valueChanged, this, [this] { updateDeviceSummary(); });
 
-  // Devices: each GPU with its memory and an enable box; "CPU" when there is none.
-  m_devicesBox = new QGroupBox(tr("Devices"));
-  m_devicesBox->setObjectName(QStringLiteral("devicesGroup"));
-  auto* devicesLayout = new QVBoxLayout(m_devicesBox);
-  m_deviceRows = new QVBoxLayout;
-  devicesLayout->addLayout(m_deviceRows);
-  m_cpuLabel = new QLabel(tr("CPU"));
-  m_cpuLabel->setObjectName(QStringLiteral("cpuDeviceLabel"));
-  m_cpuLabel->setToolTip(tr("No GPU found: generating on the CPU"));
-  m_deviceRows->addWidget(m_cpuLabel);
-  auto* deviceFooter = new QHBoxLayout;
-  m_deviceSummary = new QLabel;
-  m_deviceSummary->setObjectName(QStringLiteral("deviceSummaryLabel"));
-  m_deviceSummary->setWordWrap(true);
-  m_deviceSummary->setTextFormat(Qt::PlainText);
-  auto* refresh = new QToolButton;
-  refresh->setObjectName(QStringLiteral("refreshDevicesButton"));
-  refresh->setText(tr("Refresh"));
-  refresh->setToolTip(tr("Read the GPUs' memory in use again"));
-  deviceFooter->addWidget(m_deviceSummary, 1);
-  deviceFooter->addWidget(refresh);
-  devicesLayout->addLayout(deviceFooter);
-  formLayout->addWidget(m_devicesBox);
-  connect(refresh, &QToolButton::clicked, this, &MainWindow::refreshDevices);
-  refreshDevices();
+  m_devicesPanel = new DevicesPanel;
+  formLayout->addWidget(m_devicesPanel);
+  connect(m_devicesPanel, &DevicesPanel::gpusChanged, this, &MainWindow::updateDeviceSummary);
+  m_devicesPanel->refresh();
 
   auto* buttons = new QHBoxLayout;
   m_generate = new QPushButton(tr("Generate"));
@@ -701,9 +682,9 @@ void MainWindow::loadSettings() {
   const int previewSize = s.value(QStringLiteral("previewSize"), job::GenerationRequest::kPreviewAuto).toInt();
   m_previewSize->setCurrentIndex(std::max(0, m_previewSize->findData(previewSize)));
   // Every GPU is enabled until the user unticks it.
-  m_disabledGpus.clear();
-  for (const QString& i : s.value(QStringLiteral("disabledGpus")).toStringList()) m_disabledGpus.insert(i.toInt());
-  for (QCheckBox* box : m_gpuChecks) box->setChecked(!m_disabledGpus.contains(box->property("gpuIndex").toInt()));
+  QSet<int> disabledGpus;
+  for (const QString& i : s.value(QStringLiteral("disabledGpus")).toStringList()) disabledGpus.insert(i.toInt());
+  m_devicesPanel->setDisabledGpus(disabledGpus);
   m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(s.value(QStringLiteral("strategy")).toString())));
   m_devices->setValue(s.value(QStringLiteral("devices"), 1).toInt());
   m_patches->setValue(s.value(QStringLiteral("patches"), 0).toInt());
@@ -730,7 +711,8 @@ void MainWindow::saveSettings() const {
   s.setValue(QStringLiteral("sampler"), m_sampler->currentData().toString());
   s.setValue(QStringLiteral("batch"), m_batch->value());
   s.setValue(QStringLiteral("previewSize"), m_previewSize->currentData().toInt());
-  QList<int> disabled(m_disabledGpus.begin(), m_disabledGpus.end());
+  const QSet<int> disabledGpus = m_devicesPanel->disabledGpus();
+  QList<int> disabled(disabledGpus.begin(), disabledGpus.end());
   std::sort(disabled.begin(), disabled.end());
   QStringList disabledText;
   for (const int i : disabled) disabledText << QString::number(i);
@@ -955,12 +937,8 @@ void MainWindow::applyRestored(const engine::PngParameters& p, const QString& fi
   }
   if (p.device) {
     const QString device = text(p.device);
-    QCheckBox* gpu = nullptr;
-    for (QCheckBox* box : m_gpuChecks)
-      if (device == QStringLiteral("cuda:%1").arg(box->property("gpuIndex").toInt())) gpu = box;
-    if (device == QLatin1String("cpu") || gpu) {
-      // The job ran on that device alone (a strategy's other GPUs follow it: enable them to use them).
-      for (QCheckBox* box : m_gpuChecks) box->setChecked(box == gpu);
+    // The job ran on that device alone (a strategy's other GPUs follow it: enable them to use them).
+    if (m_devicesPanel->useOnly(device)) {
       restored << tr("device");
     } else {
       notRestored << tr("device: %1 (not on this machine)").arg(device);
@@ -1036,59 +1014,9 @@ void MainWindow::compareFiles(const QString& a, const QString& b) {
   }));
 }
 
-// Listing GPUs creates a CUDA context per device (a second or more), so it runs on the thread
-// pool; a list set meanwhile (setDevices) wins over the one in flight.
-void MainWindow::refreshDevices() {
-  const int generation = ++m_devicesGeneration;
-  m_deviceSummary->setText(tr("Looking for GPUs…"));
-  auto* watcher = new QFutureWatcher<std::vector<engine::DeviceInfo>>(this);
-  connect(watcher, &QFutureWatcherBase::finished, this, [this, watcher, generation] {
-    watcher->deleteLater();
-    if (generation == m_devicesGeneration) setDevices(watcher->result(), generation);
-  });
-  watcher->setFuture(QtConcurrent::run([]() -> std::vector<engine::DeviceInfo> {
-    try {
-      return engine::list_devices();
-    } catch (const std::exception& e) {
-      qWarning("listing the GPUs failed: %s", e.what());  // shown as CPU only
-      return {};
-    }
-  }));
-}
+void MainWindow::setDevices(const std::vector<engine::DeviceInfo>& devices) { m_devicesPanel->setDevices(devices); }
 
-void MainWindow::setDevices(const std::vector<engine::DeviceInfo>& devices, int generation) {
-  if (generation == 0) ++m_devicesGeneration;
-  // Each GPU keeps its tick by index (m_disabledGpus); one never unticked starts enabled.
-  qDeleteAll(m_gpuChecks);
-  m_gpuChecks.clear();
-  const auto gib = [](std::uint64_t bytes) { return QString::number(bytes / double(1ull << 30), 'f', 1); };
-  for (const engine::DeviceInfo& d : devices) {
-    auto* box = new QCheckBox(tr("cuda:%1 %2 · %3 GiB, %4 GiB in use")
-                                  .arg(d.index)
-                                  .arg(QString::fromStdString(d.name), gib(d.total_bytes), gib(d.used_bytes)));
-    box->setObjectName(QStringLiteral("gpuCheck%1").arg(d.index));
-    box->setProperty("gpuIndex", d.index);
-    box->setChecked(!m_disabledGpus.contains(d.index));
-    connect(box, &QCheckBox::toggled, this, [this, index = d.index](bool on) {
-      if (on)
-        m_disabledGpus.remove(index);
-      else
-        m_disabledGpus.insert(index);
-      updateDeviceSummary();
-    });
-    m_deviceRows->addWidget(box);
-    m_gpuChecks.append(box);
-  }
-  m_cpuLabel->setVisible(devices.empty());
-  updateDeviceSummary();
-}
-
-std::vector<int> MainWindow::enabledGpus() const {
-  std::vector<int> out;
-  for (const QCheckBox* box : m_gpuChecks)
-    if (box->isChecked()) out.push_back(box->property("gpuIndex").toInt());
-  return out;
-}
+std::vector<int> MainWindow::enabledGpus() const { return m_devicesPanel->enabledGpus(); }
 
 engine::DeviceChoice MainWindow::deviceChoice() const {
   return engine::choose_devices(enabledGpus(), m_strategy->currentData().toString().toStdString(), m_devices->value());
@@ -1103,28 +1031,9 @@ void MainWindow::schedulePrepare() {
 }
 
 void MainWindow::updateDeviceSummary() {
-  if (!m_deviceSummary || !m_strategy || !m_devices) return;
+  if (!m_devicesPanel || !m_strategy || !m_devices) return;
   schedulePrepare();
-  const engine::DeviceChoice c = deviceChoice();
-  if (!c.error.empty()) {
-    m_deviceSummary->setText(QString::fromStdString(c.error));
-    m_deviceSummary->setStyleSheet(QStringLiteral("color: #c62828;"));
-    return;
-  }
-  m_deviceSummary->setStyleSheet(QString());
-  const auto& strategy = currentStrategy();
-  if (strategy.devices.fixed == 1 && !strategy.takes(parallel::Param::Skip))
-    m_deviceSummary->setText(tr("Runs on %1").arg(QString::fromStdString(c.device)));
-  else if (strategy.takes(parallel::Param::Skip))
-    m_deviceSummary->setText(tr("Runs on %1, skipping %2 steps at a time").arg(QString::fromStdString(c.device)).arg(c.skip));
-  else if (c.device == "cpu")
-    m_deviceSummary->setText(c.devices == 1 ? tr("Runs on the CPU as 1 virtual device")
-                                            : tr("Runs on the CPU as %1 virtual devices").arg(c.devices));
-  else {
-    QStringList gpus;
-    for (const int g : c.gpus) gpus << QStringLiteral("cuda:%1").arg(g);
-    m_deviceSummary->setText(tr("Runs on %1 GPUs: %2").arg(c.devices).arg(gpus.join(QStringLiteral(", "))));
-  }
+  m_devicesPanel->showChoice(deviceChoice(), currentStrategy());
 }
 
 void MainWindow::closeEvent(QCloseEvent* event) {

@@ -3,7 +3,6 @@
 #include <QTimer>
 #include <QImage>
 #include <QList>
-#include <QSet>
 #include <QMainWindow>
 
 #include <cstdint>
@@ -23,8 +22,6 @@ class QDragEnterEvent;
 class QDragMoveEvent;
 class QDropEvent;
 class QDoubleSpinBox;
-class QGroupBox;
-class QVBoxLayout;
 class QLabel;
 class QLineEdit;
 class QPlainTextEdit;
@@ -34,6 +31,7 @@ class QSplitter;
 
 namespace diffract::ui {
 
+class DevicesPanel;
 class GalleryView;
 class ImageView;
 class TimingsChart;
@@ -82,9 +80,8 @@ class MainWindow : public QMainWindow {
   // Reads two PNGs off the GUI thread, then opens the compare window on them.
   void compareFiles(const QString& a, const QString& b);
 
-  // The devices panel: one enable box per GPU (kept ticked or not by index), "CPU" without any.
-  // The GPUs shown (tests give their own); generation: internal, 0 from callers.
-  void setDevices(const std::vector<engine::DeviceInfo>& devices, int generation = 0);
+  // The GPUs the devices panel shows (tests give their own; DevicesPanel::refresh lists the real ones).
+  void setDevices(const std::vector<engine::DeviceInfo>& devices);
   std::vector<int> enabledGpus() const;
   // The device(s) the enabled GPUs and the strategy give a job, or why they cannot run.
   engine::DeviceChoice deviceChoice() const;
@@ -115,7 +112,6 @@ class MainWindow : public QMainWindow {
   // engine loads and prepares that job in the background once the fields rest for a moment,
   // so that Generate starts at full speed.
   void schedulePrepare();
-  void refreshDevices();
   void matchTaesdToModel();
   void showError(const QString& message);
   void applySizePreset(int index);
@@ -144,13 +140,7 @@ class MainWindow : public QMainWindow {
   QComboBox* m_sampler = nullptr;
   QSpinBox* m_batch = nullptr;
   QComboBox* m_previewSize = nullptr;  // the previews' largest side (GenerationRequest::preview_max_side; 0: full size)
-  QGroupBox* m_devicesBox = nullptr;
-  QVBoxLayout* m_deviceRows = nullptr;
-  QList<QCheckBox*> m_gpuChecks;  // property "gpuIndex": the N of cuda:N
-  QLabel* m_cpuLabel = nullptr;
-  QSet<int> m_disabledGpus;       // unticked GPUs, by index (saved; a GPU never unticked is enabled)
-  QLabel* m_deviceSummary = nullptr;
-  int m_devicesGeneration = 0;
+  DevicesPanel* m_devicesPanel = nullptr;
   bool m_taesdMatched = false;  // m_taesd holds matchingTaesd()'s pick, not the user's
   QComboBox* m_strategy = nullptr;
   QSpinBox* m_devices = nullptr;
