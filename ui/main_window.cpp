@@ -46,6 +46,7 @@
 
 #include "core/engine/model_discovery.h"
 #include "core/engine/output.h"
+#include "core/schedulers/sampler.h"
 #include "core/util/build_info.h"
 #include "core/util/error.h"
 #include "ui/compare_view.h"
@@ -87,7 +88,6 @@ constexpr SizePreset kSizePresets[] = {
 };
 constexpr int kCustomPreset = static_cast<int>(std::size(kSizePresets));
 
-const char* const kSamplers[] = {"euler", "euler-ancestral", "ddim", "ddpm", "dpmpp-2m", "dpmpp-2m-karras"};
 // The first local file among dragged URLs (or a file URL dragged as text), else "".
 QString droppedFile(const QMimeData* mime) {
   if (!mime) return {};
@@ -338,7 +338,10 @@ void MainWindow::buildUi() {
   m_sampler = new QComboBox;
   m_sampler->setObjectName(QStringLiteral("samplerCombo"));
   m_sampler->addItem(tr("model default"), QString());
-  for (const char* s : kSamplers) m_sampler->addItem(QString::fromLatin1(s), QString::fromLatin1(s));
+  // The core's samplers but its flow-matching ones, which the SD3 models run by default.
+  for (const std::string& name : schedulers::sampler_names())
+    if (const auto kind = schedulers::parse_sampler(name); kind && !schedulers::is_flow_matching(*kind))
+      m_sampler->addItem(QString::fromStdString(name), QString::fromStdString(name));
   fields->addRow(tr("Sampler"), m_sampler);
 
   m_batch = new QSpinBox;
