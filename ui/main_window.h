@@ -32,6 +32,7 @@ class QSplitter;
 namespace diffract::ui {
 
 class DevicesPanel;
+class SettingsPanel;
 class GalleryView;
 class ImageView;
 class TimingsChart;
@@ -114,7 +115,6 @@ class MainWindow : public QMainWindow {
   void schedulePrepare();
   void matchTaesdToModel();
   void showError(const QString& message);
-  void applySizePreset(int index);
   void reloadPresets(const QString& select = QString());
   void applyPreset(int index);
   void selectPreset(int index);  // the combo and the prompt template, fields untouched
@@ -130,7 +130,6 @@ class MainWindow : public QMainWindow {
   QLineEdit* m_model = nullptr;
   QComboBox* m_discovered = nullptr;
   QLineEdit* m_taesd = nullptr;
-  QComboBox* m_sizePreset = nullptr;
   QSpinBox* m_width = nullptr;
   QSpinBox* m_height = nullptr;
   QSpinBox* m_steps = nullptr;
@@ -141,6 +140,7 @@ class MainWindow : public QMainWindow {
   QSpinBox* m_batch = nullptr;
   QComboBox* m_previewSize = nullptr;  // the previews' largest side (GenerationRequest::preview_max_side; 0: full size)
   DevicesPanel* m_devicesPanel = nullptr;
+  SettingsPanel* m_settings = nullptr;  // owns the form's widgets; the pointers here are into it
   bool m_taesdMatched = false;  // m_taesd holds matchingTaesd()'s pick, not the user's
   QComboBox* m_strategy = nullptr;
   QSpinBox* m_devices = nullptr;

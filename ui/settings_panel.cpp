@@ -1,0 +1,260 @@
+#include "ui/settings_panel.h"
+
+#include <QCheckBox>
+#include <QComboBox>
+#include <QDir>
+#include <QDoubleSpinBox>
+#include <QFileDialog>
+#include <QFileInfo>
+#include <QFormLayout>
+#include <QHBoxLayout>
+#include <QLabel>
+#include <QLineEdit>
+#include <QPlainTextEdit>
+#include <QRegularExpressionValidator>
+#include <QSignalBlocker>
+#include <QSpinBox>
+#include <QToolButton>
+#include <QVBoxLayout>
+#include <iterator>
+#include <string>
+
+#include "core/engine/model_discovery.h"
+#include "core/job/request.h"
+#include "core/schedulers/sampler.h"
+
+namespace diffract::ui {
+
+namespace {
+
+struct SizePreset {
+  const char* label;
+  int width;
+  int height;
+};
+
+// 0x0: the model's native size. The SDXL entries are its training buckets (about 1 megapixel).
+constexpr SizePreset kSizePresets[] = {
+    {"Model default", 0, 0},
+    {"512 × 512 (1:1)", 512, 512},
+    {"768 × 768 (1:1)", 768, 768},
+    {"1024 × 1024 (1:1, SDXL)", 1024, 1024},
+    {"640 × 480 (4:3)", 640, 480},
+    {"768 × 576 (4:3)", 768, 576},
+    {"1152 × 864 (4:3)", 1152, 864},
+    {"768 × 432 (16:9)", 768, 432},
+    {"1024 × 576 (16:9)", 1024, 576},
+    {"1344 × 768 (SDXL 16:9)", 1344, 768},
+    {"768 × 1344 (SDXL 9:16)", 768, 1344},
+    {"1152 × 896 (SDXL)", 1152, 896},
+    {"896 × 1152 (SDXL)", 896, 1152},
+    {"1216 × 832 (SDXL)", 1216, 832},
+    {"832 × 1216 (SDXL)", 832, 1216},
+    {"1536 × 640 (SDXL)", 1536, 640},
+    {"640 × 1536 (SDXL)", 640, 1536},
+};
+constexpr int kCustomPreset = static_cast<int>(std::size(kSizePresets));
+
+}  // namespace
+
+SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
+  auto* layout = new QVBoxLayout(this);
+  layout->setContentsMargins(0, 0, 0, 0);
+  layout->addWidget(new QLabel(tr("Prompt")));
+  m_prompt = new QPlainTextEdit;
+  m_prompt->setObjectName(QStringLiteral("promptEdit"));
+  m_prompt->setPlaceholderText(tr("What to draw (Ctrl+Enter generates)"));
+  m_prompt->setTabChangesFocus(true);
+  layout->addWidget(m_prompt, 2);
+  layout->addWidget(new QLabel(tr("Negative prompt")));
+  m_negative = new QPlainTextEdit;
+  m_negative->setObjectName(QStringLiteral("negativeEdit"));
+  m_negative->setPlaceholderText(tr("What to avoid"));
+  m_negative->setTabChangesFocus(true);
+  layout->addWidget(m_negative, 1);
+
+  auto* fields = new QFormLayout;
+  layout->addLayout(fields);
+
+  // Model: a path (folder or checkpoint) with browse buttons and the Hugging Face cache's models.
+  auto* modelRow = new QHBoxLayout;
+  m_model = new QLineEdit;
+  m_model->setObjectName(QStringLiteral("modelEdit"));
+  m_model->setPlaceholderText(tr("diffusers folder or .safetensors / .ckpt"));
+  auto* modelFolder = new QToolButton;
+  modelFolder->setObjectName(QStringLiteral("browseModelFolderButton"));
+  modelFolder->setText(tr("Folder…"));
+  auto* modelFile = new QToolButton;
+  modelFile->setObjectName(QStringLiteral("browseModelFileButton"));
+  modelFile->setText(tr("File…"));
+  modelRow->addWidget(m_model, 1);
+  modelRow->addWidget(modelFolder);
+  modelRow->addWidget(modelFile);
+  fields->addRow(tr("Model"), modelRow);
+  connect(modelFolder, &QToolButton::clicked, this, [this] {
+    const QString dir = QFileDialog::getExistingDirectory(this, tr("Diffusers model folder"), m_model->text());
+    if (!dir.isEmpty()) m_model->setText(dir);
+  });
+  connect(modelFile, &QToolButton::clicked, this, [this] {
+    const QString file = QFileDialog::getOpenFileName(this, tr("Checkpoint"), QFileInfo(m_model->text()).path(),
+                                                      tr("Checkpoints (*.safetensors *.ckpt)"));
+    if (!file.isEmpty()) m_model->setText(file);
+  });
+
+  m_discovered = new QComboBox;
+  m_discovered->setObjectName(QStringLiteral("discoveredModelsCombo"));
+  QStringList found;
+  for (const auto& path : engine::discover_hugging_face_models()) found << QString::fromStdString(path.string());
+  m_discovered->addItem(found.isEmpty() ? tr("No models in the Hugging Face cache")
+                                        : tr("%n model(s) in the Hugging Face cache", nullptr, static_cast<int>(found.size())));
+  for (const QString& path : found)
+    m_discovered->addItem(QString::fromStdString(engine::hugging_face_repo_name(path.toStdString())), path);
+  m_discovered->setEnabled(!found.isEmpty());
+  connect(m_discovered, &QComboBox::activated, this, [this](int index) {
+    if (index > 0) m_model->setText(m_discovered->itemData(index).toString());
+  });
+  fields->addRow(QString(), m_discovered);
+
+  auto* taesdRow = new QHBoxLayout;
+  m_taesd = new QLineEdit;
+  m_taesd->setObjectName(QStringLiteral("taesdEdit"));
+  m_taesd->setPlaceholderText(tr("optional: full-size previews"));
+  auto* taesdBrowse = new QToolButton;
+  taesdBrowse->setObjectName(QStringLiteral("browseTaesdButton"));
+  taesdBrowse->setText(tr("Folder…"));
+  taesdRow->addWidget(m_taesd, 1);
+  taesdRow->addWidget(taesdBrowse);
+  fields->addRow(tr("TAESD"), taesdRow);
+  connect(taesdBrowse, &QToolButton::clicked, this, [this] {
+    const QString dir = QFileDialog::getExistingDirectory(this, tr("TAESD folder"), m_taesd->text());
+    if (!dir.isEmpty()) m_taesd->setText(dir);
+  });
+
+  m_sizePreset = new QComboBox;
+  m_sizePreset->setObjectName(QStringLiteral("sizePresetCombo"));
+  for (const auto& p : kSizePresets) m_sizePreset->addItem(QString::fromUtf8(p.label));
+  m_sizePreset->addItem(tr("Custom"));
+  fields->addRow(tr("Size"), m_sizePreset);
+  auto* sizeRow = new QHBoxLayout;
+  m_width = new QSpinBox;
+  m_width->setObjectName(QStringLiteral("widthSpin"));
+  m_height = new QSpinBox;
+  m_height->setObjectName(QStringLiteral("heightSpin"));
+  for (QSpinBox* s : {m_width, m_height}) {
+    s->setRange(0, 8192);
+    s->setSingleStep(8);
+    s->setSpecialValueText(tr("model"));
+    sizeRow->addWidget(s, 1);
+  }
+  sizeRow->insertWidget(1, new QLabel(QStringLiteral("×")));
+  fields->addRow(QString(), sizeRow);
+  connect(m_sizePreset, &QComboBox::activated, this, &SettingsPanel::applySizePreset);
+  for (QSpinBox* s : {m_width, m_height})
+    connect(s, &QSpinBox::valueChanged, this, [this] {
+      // Typing a size that no preset has switches to Custom.
+      for (int i = 0; i < kCustomPreset; ++i)
+        if (kSizePresets[i].width == m_width->value() && kSizePresets[i].height == m_height->value()) {
+          m_sizePreset->setCurrentIndex(i);
+          return;
+        }
+      m_sizePreset->setCurrentIndex(kCustomPreset);
+    });
+
+  m_steps = new QSpinBox;
+  m_steps->setObjectName(QStringLiteral("stepsSpin"));
+  m_steps->setRange(1, 1000);
+  m_steps->setValue(30);
+  fields->addRow(tr("Steps"), m_steps);
+
+  m_cfg = new QDoubleSpinBox;
+  m_cfg->setObjectName(QStringLiteral("cfgSpin"));
+  m_cfg->setRange(0, 30);
+  m_cfg->setSingleStep(0.5);
+  m_cfg->setDecimals(1);
+  m_cfg->setValue(7.0);
+  m_cfg->setToolTip(tr("Classifier-free guidance; 1 or less turns it off"));
+  fields->addRow(tr("CFG"), m_cfg);
+
+  auto* seedRow = new QHBoxLayout;
+  // 64 bits, as the core takes: A1111 seeds reach 2^32 and ComfyUI's 2^64, past a QSpinBox's int.
+  m_seed = new QLineEdit(QStringLiteral("0"));
+  m_seed->setObjectName(QStringLiteral("seedEdit"));
+  m_seed->setValidator(new QRegularExpressionValidator(QRegularExpression(QStringLiteral("\\d{1,20}")), m_seed));
+  m_randomSeed = new QCheckBox(tr("Randomise"));
+  m_randomSeed->setObjectName(QStringLiteral("randomSeedCheck"));
+  m_randomSeed->setToolTip(tr("A new seed for every job; untick to lock the seed"));
+  seedRow->addWidget(m_seed, 1);
+  seedRow->addWidget(m_randomSeed);
+  fields->addRow(tr("Seed"), seedRow);
+
+  m_sampler = new QComboBox;
+  m_sampler->setObjectName(QStringLiteral("samplerCombo"));
+  m_sampler->addItem(tr("model default"), QString());
+  // The core's samplers but its flow-matching ones, which the SD3 models run by default.
+  for (const std::string& name : schedulers::sampler_names())
+    if (const auto kind = schedulers::parse_sampler(name); kind && !schedulers::is_flow_matching(*kind))
+      m_sampler->addItem(QString::fromStdString(name), QString::fromStdString(name));
+  fields->addRow(tr("Sampler"), m_sampler);
+
+  m_batch = new QSpinBox;
+  m_batch->setObjectName(QStringLiteral("batchSpin"));
+  m_batch->setRange(1, 16);
+  fields->addRow(tr("Batch"), m_batch);
+
+  m_previewSize = new QComboBox;
+  m_previewSize->setObjectName(QStringLiteral("previewSizeCombo"));
+  m_previewSize->addItem(tr("auto (half size, at most 512 px)"), job::GenerationRequest::kPreviewAuto);
+  m_previewSize->addItem(tr("512 px"), 512);
+  m_previewSize->addItem(tr("256 px (cheapest)"), 256);
+  m_previewSize->addItem(tr("full size"), 0);
+  m_previewSize->setToolTip(tr("Largest side of the step previews: larger images preview from latents averaged "
+                               "down. Auto takes half the image's side, at most 512 px, which keeps previews a "
+                               "small part of the denoising time."));
+  fields->addRow(tr("Preview size"), m_previewSize);
+
+  auto* strategyRow = new QHBoxLayout;
+  m_strategy = new QComboBox;
+  m_strategy->setObjectName(QStringLiteral("strategyCombo"));
+  for (const auto& st : parallel::strategies()) {
+    const QString name = QString::fromUtf8(st.name.data(), static_cast<int>(st.name.size()));
+    m_strategy->addItem(name, name);
+    m_strategy->setItemData(m_strategy->count() - 1, QString::fromUtf8(st.hint.data(), static_cast<int>(st.hint.size())),
+                            Qt::ToolTipRole);
+  }
+  m_strategy->setToolTip(tr("Multi-device strategy; single runs the plain loop"));
+  m_devices = new QSpinBox;
+  m_devices->setObjectName(QStringLiteral("devicesSpin"));
+  m_devices->setRange(1, 64);
+  m_devices->setToolTip(tr("CPU virtual devices when no GPU is enabled (drafts per round for DRiffusion); "
+                           "the skip factor for step skipping. With GPUs the enabled ones count."));
+  m_patches = new QSpinBox;
+  m_patches->setObjectName(QStringLiteral("patchesSpin"));
+  m_patches->setRange(0, 64);
+  m_patches->setSpecialValueText(tr("auto"));
+  m_patches->setPrefix(tr("patches "));
+  m_patches->setToolTip(tr("PipeFusion: the latent's row patches streaming through the stages, at least one per "
+                           "stage; auto: one per stage"));
+  strategyRow->addWidget(m_strategy, 1);
+  strategyRow->addWidget(m_devices);
+  strategyRow->addWidget(m_patches);
+  fields->addRow(tr("Strategy"), strategyRow);
+  const auto patchesApply = [this] {
+    m_patches->setEnabled(strategyInfo().takes(parallel::Param::Patches));
+  };
+  connect(m_strategy, &QComboBox::currentIndexChanged, this, patchesApply);
+  patchesApply();
+
+}
+
+void SettingsPanel::applySizePreset(int index) {
+  if (index < 0 || index >= kCustomPreset) return;  // Custom: keep the spin boxes as they are
+  const QSignalBlocker bw(m_width), bh(m_height);
+  m_width->setValue(kSizePresets[index].width);
+  m_height->setValue(kSizePresets[index].height);
+}
+
+const parallel::StrategyInfo& SettingsPanel::strategyInfo() const {
+  return parallel::strategy_info(m_strategy ? m_strategy->currentData().toString().toStdString() : std::string());
+}
+
+}  // namespace diffract::ui

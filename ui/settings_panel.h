@@ -1,0 +1,67 @@
+#pragma once
+#include <QWidget>
+
+#include "core/parallel/registry.h"
+
+class QCheckBox;
+class QComboBox;
+class QDoubleSpinBox;
+class QLineEdit;
+class QPlainTextEdit;
+class QSpinBox;
+
+namespace diffract::ui {
+
+// The generation settings form: prompt and negative prompt, the model (path, browse buttons, the
+// Hugging Face cache's models) and its TAESD, size (with its presets), steps, CFG, seed, sampler,
+// batch, preview size and the strategy row. It owns the widgets and keeps the rules inside the
+// form (a size no preset has shows Custom; patches only for strategies that take them); the
+// window reads and fills the widgets and reacts to their signals.
+class SettingsPanel : public QWidget {
+  Q_OBJECT
+ public:
+  explicit SettingsPanel(QWidget* parent = nullptr);
+
+  QPlainTextEdit* prompt() const { return m_prompt; }
+  QPlainTextEdit* negative() const { return m_negative; }
+  QLineEdit* model() const { return m_model; }
+  QComboBox* discovered() const { return m_discovered; }
+  QLineEdit* taesd() const { return m_taesd; }
+  QSpinBox* widthSpin() const { return m_width; }
+  QSpinBox* heightSpin() const { return m_height; }
+  QSpinBox* steps() const { return m_steps; }
+  QDoubleSpinBox* cfg() const { return m_cfg; }
+  QLineEdit* seed() const { return m_seed; }
+  QCheckBox* randomSeed() const { return m_randomSeed; }
+  QComboBox* sampler() const { return m_sampler; }
+  QSpinBox* batch() const { return m_batch; }
+  QComboBox* previewSize() const { return m_previewSize; }
+  QComboBox* strategy() const { return m_strategy; }
+  QSpinBox* devices() const { return m_devices; }
+  QSpinBox* patches() const { return m_patches; }
+  const parallel::StrategyInfo& strategyInfo() const;  // the registry entry chosen
+
+ private:
+  void applySizePreset(int index);
+
+  QPlainTextEdit* m_prompt = nullptr;
+  QPlainTextEdit* m_negative = nullptr;
+  QLineEdit* m_model = nullptr;
+  QComboBox* m_discovered = nullptr;
+  QLineEdit* m_taesd = nullptr;
+  QComboBox* m_sizePreset = nullptr;
+  QSpinBox* m_width = nullptr;
+  QSpinBox* m_height = nullptr;
+  QSpinBox* m_steps = nullptr;
+  QDoubleSpinBox* m_cfg = nullptr;
+  QLineEdit* m_seed = nullptr;
+  QCheckBox* m_randomSeed = nullptr;
+  QComboBox* m_sampler = nullptr;
+  QSpinBox* m_batch = nullptr;
+  QComboBox* m_previewSize = nullptr;  // the previews' largest side (GenerationRequest::preview_max_side; 0: full size)
+  QComboBox* m_strategy = nullptr;
+  QSpinBox* m_devices = nullptr;
+  QSpinBox* m_patches = nullptr;  // pipefusion / cfg-pipefusion: latent row patches (0: one per stage)
+};
+
+}  // namespace diffract::ui
