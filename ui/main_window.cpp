@@ -48,7 +48,6 @@
 #include "ui/devices_panel.h"
 #include "ui/settings_panel.h"
 #include "ui/gallery.h"
-#include "core/util/embedded_model.h"
 #include "ui/image_view.h"
 #include "ui/timings_chart.h"
 
@@ -465,31 +464,14 @@ void MainWindow::updateControls() {
 
 void MainWindow::loadSettings() {
   QSettings s;
-  m_prompt->setPlainText(s.value(QStringLiteral("prompt")).toString());
-  m_negative->setPlainText(s.value(QStringLiteral("negativePrompt")).toString());
-  // The TAESD first: setting the model matches one only when none was saved.
+  // The TAESD first: setting the model (in the form's own settings) matches one only when none was saved.
   m_taesd->setText(s.value(QStringLiteral("taesd")).toString());
   m_taesdMatched = s.value(QStringLiteral("taesdMatched"), false).toBool();
-  // First start: the embedded emoji model, when this build or installation has it.
-  m_model->setText(s.value(QStringLiteral("model"), QString::fromStdString(embedded_model_dir().string())).toString());
-  m_width->setValue(s.value(QStringLiteral("width"), 0).toInt());
-  m_height->setValue(s.value(QStringLiteral("height"), 0).toInt());
-  m_steps->setValue(s.value(QStringLiteral("steps"), 30).toInt());
-  m_cfg->setValue(s.value(QStringLiteral("cfg"), 7.0).toDouble());
-  m_seed->setText(QString::number(s.value(QStringLiteral("seed"), 0).toULongLong()));
-  m_randomSeed->setChecked(s.value(QStringLiteral("randomSeed"), true).toBool());
-  const int sampler = m_sampler->findData(s.value(QStringLiteral("sampler")).toString());
-  m_sampler->setCurrentIndex(std::max(0, sampler));
-  m_batch->setValue(s.value(QStringLiteral("batch"), 1).toInt());
-  const int previewSize = s.value(QStringLiteral("previewSize"), job::GenerationRequest::kPreviewAuto).toInt();
-  m_previewSize->setCurrentIndex(std::max(0, m_previewSize->findData(previewSize)));
+  m_settings->loadSettings(s);
   // Every GPU is enabled until the user unticks it.
   QSet<int> disabledGpus;
   for (const QString& i : s.value(QStringLiteral("disabledGpus")).toStringList()) disabledGpus.insert(i.toInt());
   m_devicesPanel->setDisabledGpus(disabledGpus);
-  m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(s.value(QStringLiteral("strategy")).toString())));
-  m_devices->setValue(s.value(QStringLiteral("devices"), 1).toInt());
-  m_patches->setValue(s.value(QStringLiteral("patches"), 0).toInt());
   reloadPresets(s.value(QStringLiteral("preset")).toString());
   restoreGeometry(s.value(QStringLiteral("window/geometry")).toByteArray());
   restoreState(s.value(QStringLiteral("window/state")).toByteArray());
@@ -499,29 +481,15 @@ void MainWindow::loadSettings() {
 
 void MainWindow::saveSettings() const {
   QSettings s;
-  s.setValue(QStringLiteral("prompt"), m_prompt->toPlainText());
-  s.setValue(QStringLiteral("negativePrompt"), m_negative->toPlainText());
-  s.setValue(QStringLiteral("model"), m_model->text());
+  m_settings->saveSettings(s);
   s.setValue(QStringLiteral("taesd"), m_taesd->text());
   s.setValue(QStringLiteral("taesdMatched"), m_taesdMatched);
-  s.setValue(QStringLiteral("width"), m_width->value());
-  s.setValue(QStringLiteral("height"), m_height->value());
-  s.setValue(QStringLiteral("steps"), m_steps->value());
-  s.setValue(QStringLiteral("cfg"), m_cfg->value());
-  s.setValue(QStringLiteral("seed"), QVariant::fromValue<qulonglong>(seedValue().value_or(0)));
-  s.setValue(QStringLiteral("randomSeed"), m_randomSeed->isChecked());
-  s.setValue(QStringLiteral("sampler"), m_sampler->currentData().toString());
-  s.setValue(QStringLiteral("batch"), m_batch->value());
-  s.setValue(QStringLiteral("previewSize"), m_previewSize->currentData().toInt());
   const QSet<int> disabledGpus = m_devicesPanel->disabledGpus();
   QList<int> disabled(disabledGpus.begin(), disabledGpus.end());
   std::sort(disabled.begin(), disabled.end());
   QStringList disabledText;
   for (const int i : disabled) disabledText << QString::number(i);
   s.setValue(QStringLiteral("disabledGpus"), disabledText);
-  s.setValue(QStringLiteral("strategy"), m_strategy->currentData().toString());
-  s.setValue(QStringLiteral("devices"), m_devices->value());
-  s.setValue(QStringLiteral("patches"), m_patches->value());
   s.setValue(QStringLiteral("preset"), m_preset->currentIndex() > 0 ? m_preset->currentText() : QString());
   s.setValue(QStringLiteral("window/geometry"), saveGeometry());
   s.setValue(QStringLiteral("window/state"), saveState());
@@ -529,12 +497,7 @@ void MainWindow::saveSettings() const {
   s.setValue(QStringLiteral("window/viewSplitter"), m_viewSplitter->saveState());
 }
 
-std::optional<std::uint64_t> MainWindow::seedValue() const {
-  bool ok = false;
-  const qulonglong v = m_seed->text().toULongLong(&ok);
-  if (!ok) return std::nullopt;
-  return static_cast<std::uint64_t>(v);
-}
+std::optional<std::uint64_t> MainWindow::seedValue() const { return m_settings->seedValue(); }
 
 QString MainWindow::userPresetDir() {
   return QDir(QStandardPaths::writableLocation(QStandardPaths::AppConfigLocation)).filePath(QStringLiteral("presets"));

@@ -12,16 +12,19 @@
 #include <QLineEdit>
 #include <QPlainTextEdit>
 #include <QRegularExpressionValidator>
+#include <QSettings>
 #include <QSignalBlocker>
 #include <QSpinBox>
 #include <QToolButton>
 #include <QVBoxLayout>
+#include <algorithm>
 #include <iterator>
 #include <string>
 
 #include "core/engine/model_discovery.h"
 #include "core/job/request.h"
 #include "core/schedulers/sampler.h"
+#include "core/util/embedded_model.h"
 
 namespace diffract::ui {
 
@@ -255,6 +258,51 @@ void SettingsPanel::applySizePreset(int index) {
 
 const parallel::StrategyInfo& SettingsPanel::strategyInfo() const {
   return parallel::strategy_info(m_strategy ? m_strategy->currentData().toString().toStdString() : std::string());
+}
+
+std::optional<std::uint64_t> SettingsPanel::seedValue() const {
+  bool ok = false;
+  const qulonglong v = m_seed->text().toULongLong(&ok);
+  if (!ok) return std::nullopt;
+  return static_cast<std::uint64_t>(v);
+}
+
+void SettingsPanel::loadSettings(const QSettings& s) {
+  m_prompt->setPlainText(s.value(QStringLiteral("prompt")).toString());
+  m_negative->setPlainText(s.value(QStringLiteral("negativePrompt")).toString());
+  // First start: the embedded emoji model, when this build or installation has it.
+  m_model->setText(s.value(QStringLiteral("model"), QString::fromStdString(embedded_model_dir().string())).toString());
+  m_width->setValue(s.value(QStringLiteral("width"), 0).toInt());
+  m_height->setValue(s.value(QStringLiteral("height"), 0).toInt());
+  m_steps->setValue(s.value(QStringLiteral("steps"), 30).toInt());
+  m_cfg->setValue(s.value(QStringLiteral("cfg"), 7.0).toDouble());
+  m_seed->setText(QString::number(s.value(QStringLiteral("seed"), 0).toULongLong()));
+  m_randomSeed->setChecked(s.value(QStringLiteral("randomSeed"), true).toBool());
+  m_sampler->setCurrentIndex(std::max(0, m_sampler->findData(s.value(QStringLiteral("sampler")).toString())));
+  m_batch->setValue(s.value(QStringLiteral("batch"), 1).toInt());
+  const int previewSize = s.value(QStringLiteral("previewSize"), job::GenerationRequest::kPreviewAuto).toInt();
+  m_previewSize->setCurrentIndex(std::max(0, m_previewSize->findData(previewSize)));
+  m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(s.value(QStringLiteral("strategy")).toString())));
+  m_devices->setValue(s.value(QStringLiteral("devices"), 1).toInt());
+  m_patches->setValue(s.value(QStringLiteral("patches"), 0).toInt());
+}
+
+void SettingsPanel::saveSettings(QSettings& s) const {
+  s.setValue(QStringLiteral("prompt"), m_prompt->toPlainText());
+  s.setValue(QStringLiteral("negativePrompt"), m_negative->toPlainText());
+  s.setValue(QStringLiteral("model"), m_model->text());
+  s.setValue(QStringLiteral("width"), m_width->value());
+  s.setValue(QStringLiteral("height"), m_height->value());
+  s.setValue(QStringLiteral("steps"), m_steps->value());
+  s.setValue(QStringLiteral("cfg"), m_cfg->value());
+  s.setValue(QStringLiteral("seed"), QVariant::fromValue<qulonglong>(seedValue().value_or(0)));
+  s.setValue(QStringLiteral("randomSeed"), m_randomSeed->isChecked());
+  s.setValue(QStringLiteral("sampler"), m_sampler->currentData().toString());
+  s.setValue(QStringLiteral("batch"), m_batch->value());
+  s.setValue(QStringLiteral("previewSize"), m_previewSize->currentData().toInt());
+  s.setValue(QStringLiteral("strategy"), m_strategy->currentData().toString());
+  s.setValue(QStringLiteral("devices"), m_devices->value());
+  s.setValue(QStringLiteral("patches"), m_patches->value());
 }
 
 }  // namespace diffract::ui

@@ -1,6 +1,9 @@
 #pragma once
 #include <QWidget>
 
+#include <cstdint>
+#include <optional>
+
 #include "core/parallel/registry.h"
 
 class QCheckBox;
@@ -8,6 +11,7 @@ class QComboBox;
 class QDoubleSpinBox;
 class QLineEdit;
 class QPlainTextEdit;
+class QSettings;
 class QSpinBox;
 
 namespace diffract::ui {
@@ -40,6 +44,13 @@ class SettingsPanel : public QWidget {
   QSpinBox* devices() const { return m_devices; }
   QSpinBox* patches() const { return m_patches; }
   const parallel::StrategyInfo& strategyInfo() const;  // the registry entry chosen
+  // The seed field as a number; std::nullopt when it is empty or past 64 bits.
+  std::optional<std::uint64_t> seedValue() const;
+
+  // The fields to and from the settings, but the TAESD: whether the window matched it to the
+  // model is the window's, and it must be read before the model.
+  void loadSettings(const QSettings& s);
+  void saveSettings(QSettings& s) const;
 
  private:
   void applySizePreset(int index);
