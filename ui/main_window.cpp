@@ -550,15 +550,7 @@ void MainWindow::selectPreset(int index) {
 void MainWindow::applyPreset(int index) {
   selectPreset(index);
   if (index <= 0 || index > static_cast<int>(m_presets.size())) return;
-  const engine::Preset& p = m_presets[index - 1];
-  m_negative->setPlainText(QString::fromStdString(p.negative_prompt));
-  m_width->setValue(p.width);
-  m_height->setValue(p.height);
-  m_steps->setValue(p.steps);
-  m_cfg->setValue(p.cfg);
-  m_sampler->setCurrentIndex(std::max(0, m_sampler->findData(QString::fromStdString(p.sampler))));
-  m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(QString::fromStdString(p.strategy))));
-  m_devices->setValue(currentStrategy().takes(parallel::Param::Skip) ? p.skip : p.devices);
+  m_settings->applyPreset(m_presets[index - 1]);
 }
 
 QString MainWindow::savePreset(const QString& name) {
@@ -644,64 +636,11 @@ void MainWindow::applyRestored(const engine::PngParameters& p, const QString& fi
   QStringList restored;
   QStringList notRestored;
   for (const auto& u : p.unmapped) notRestored << QString::fromStdString(u);
-  auto text = [](const std::optional<std::string>& v) { return QString::fromStdString(*v); };
   // The prompt is the whole prompt, not a subject for a template.
   selectPreset(0);
-  if (p.prompt) {
-    m_prompt->setPlainText(text(p.prompt));
-    restored << tr("prompt");
-  }
-  if (p.negative_prompt) {
-    m_negative->setPlainText(text(p.negative_prompt));
-    restored << tr("negative prompt");
-  }
-  if (p.width && p.height) {
-    m_width->setValue(*p.width);
-    m_height->setValue(*p.height);
-    restored << tr("size");
-  }
-  if (p.steps) {
-    m_steps->setValue(*p.steps);
-    restored << tr("steps");
-  }
-  if (p.cfg) {
-    m_cfg->setValue(*p.cfg);
-    restored << tr("CFG");
-  }
-  if (p.seed) {
-    m_seed->setText(QString::number(*p.seed));
-    m_randomSeed->setChecked(false);
-    restored << tr("seed");
-  }
-  if (p.sampler) {
-    const int i = m_sampler->findData(text(p.sampler));
-    if (i >= 0) {
-      m_sampler->setCurrentIndex(i);
-      restored << tr("sampler");
-    } else {
-      notRestored << tr("sampler: %1").arg(text(p.sampler));
-    }
-  }
-  if (p.batch) {
-    if (*p.batch >= m_batch->minimum() && *p.batch <= m_batch->maximum()) {
-      m_batch->setValue(*p.batch);
-      restored << tr("batch");
-    } else {
-      notRestored << tr("batch: %1").arg(*p.batch);
-    }
-  }
-  if (p.model && !p.model->empty()) {
-    m_model->setText(text(p.model));
-    restored << tr("model");
-  } else if (p.model_name) {
-    notRestored << tr("Model: %1 (a checkpoint name, not a path: choose it under Model)").arg(text(p.model_name));
-  }
-  if (p.taesd) {
-    m_taesd->setText(text(p.taesd));
-    restored << tr("TAESD");
-  }
+  m_settings->restoreFields(p, restored, notRestored);
   if (p.device) {
-    const QString device = text(p.device);
+    const QString device = QString::fromStdString(*p.device);
     // The job ran on that device alone (a strategy's other GPUs follow it: enable them to use them).
     if (m_devicesPanel->useOnly(device)) {
       restored << tr("device");
@@ -709,17 +648,7 @@ void MainWindow::applyRestored(const engine::PngParameters& p, const QString& fi
       notRestored << tr("device: %1 (not on this machine)").arg(device);
     }
   }
-  if (p.strategy) {
-    const int i = m_strategy->findData(text(p.strategy));
-    if (i >= 0) {
-      m_strategy->setCurrentIndex(i);
-      restored << tr("strategy");
-    } else {
-      notRestored << tr("strategy: %1").arg(text(p.strategy));
-    }
-  }
-  if (currentStrategy().takes(parallel::Param::Skip) && p.skip) m_devices->setValue(*p.skip);
-  else if (p.devices) m_devices->setValue(*p.devices);
+  m_settings->restoreStrategy(p, restored, notRestored);
 
   const QString source = p.source == "diffract" ? QStringLiteral("Diffract")
                          : p.source == "a1111"  ? QStringLiteral("AUTOMATIC1111")
@@ -788,7 +717,7 @@ engine::DeviceChoice MainWindow::deviceChoice() const {
 }
 
 const parallel::StrategyInfo& MainWindow::currentStrategy() const {
-  return parallel::strategy_info(m_strategy ? m_strategy->currentData().toString().toStdString() : std::string());
+  return m_settings ? m_settings->strategyInfo() : parallel::strategy_info(std::string());
 }
 
 void MainWindow::schedulePrepare() {

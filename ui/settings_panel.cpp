@@ -305,4 +305,91 @@ void SettingsPanel::saveSettings(QSettings& s) const {
   s.setValue(QStringLiteral("patches"), m_patches->value());
 }
 
+void SettingsPanel::applyPreset(const engine::Preset& p) {
+  m_negative->setPlainText(QString::fromStdString(p.negative_prompt));
+  m_width->setValue(p.width);
+  m_height->setValue(p.height);
+  m_steps->setValue(p.steps);
+  m_cfg->setValue(p.cfg);
+  m_sampler->setCurrentIndex(std::max(0, m_sampler->findData(QString::fromStdString(p.sampler))));
+  m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(QString::fromStdString(p.strategy))));
+  m_devices->setValue(strategyInfo().takes(parallel::Param::Skip) ? p.skip : p.devices);
+}
+
+namespace {
+
+QString text(const std::optional<std::string>& v) { return QString::fromStdString(*v); }
+
+}  // namespace
+
+void SettingsPanel::restoreFields(const engine::PngParameters& p, QStringList& restored, QStringList& notRestored) {
+  if (p.prompt) {
+    m_prompt->setPlainText(text(p.prompt));
+    restored << tr("prompt");
+  }
+  if (p.negative_prompt) {
+    m_negative->setPlainText(text(p.negative_prompt));
+    restored << tr("negative prompt");
+  }
+  if (p.width && p.height) {
+    m_width->setValue(*p.width);
+    m_height->setValue(*p.height);
+    restored << tr("size");
+  }
+  if (p.steps) {
+    m_steps->setValue(*p.steps);
+    restored << tr("steps");
+  }
+  if (p.cfg) {
+    m_cfg->setValue(*p.cfg);
+    restored << tr("CFG");
+  }
+  if (p.seed) {
+    m_seed->setText(QString::number(*p.seed));
+    m_randomSeed->setChecked(false);
+    restored << tr("seed");
+  }
+  if (p.sampler) {
+    const int i = m_sampler->findData(text(p.sampler));
+    if (i >= 0) {
+      m_sampler->setCurrentIndex(i);
+      restored << tr("sampler");
+    } else {
+      notRestored << tr("sampler: %1").arg(text(p.sampler));
+    }
+  }
+  if (p.batch) {
+    if (*p.batch >= m_batch->minimum() && *p.batch <= m_batch->maximum()) {
+      m_batch->setValue(*p.batch);
+      restored << tr("batch");
+    } else {
+      notRestored << tr("batch: %1").arg(*p.batch);
+    }
+  }
+  if (p.model && !p.model->empty()) {
+    m_model->setText(text(p.model));
+    restored << tr("model");
+  } else if (p.model_name) {
+    notRestored << tr("Model: %1 (a checkpoint name, not a path: choose it under Model)").arg(text(p.model_name));
+  }
+  if (p.taesd) {
+    m_taesd->setText(text(p.taesd));
+    restored << tr("TAESD");
+  }
+}
+
+void SettingsPanel::restoreStrategy(const engine::PngParameters& p, QStringList& restored, QStringList& notRestored) {
+  if (p.strategy) {
+    const int i = m_strategy->findData(text(p.strategy));
+    if (i >= 0) {
+      m_strategy->setCurrentIndex(i);
+      restored << tr("strategy");
+    } else {
+      notRestored << tr("strategy: %1").arg(text(p.strategy));
+    }
+  }
+  if (strategyInfo().takes(parallel::Param::Skip) && p.skip) m_devices->setValue(*p.skip);
+  else if (p.devices) m_devices->setValue(*p.devices);
+}
+
 }  // namespace diffract::ui

@@ -1,8 +1,12 @@
 #pragma once
+#include <QStringList>
 #include <QWidget>
 
 #include <cstdint>
 #include <optional>
+
+#include "core/engine/png_parameters.h"
+#include "core/engine/preset.h"
 
 #include "core/parallel/registry.h"
 
@@ -51,6 +55,15 @@ class SettingsPanel : public QWidget {
   // model is the window's, and it must be read before the model.
   void loadSettings(const QSettings& s);
   void saveSettings(QSettings& s) const;
+
+  // The preset's settings (not its template: the window wraps the prompt in it).
+  void applyPreset(const engine::Preset& p);
+  // A restored PNG's parameters, in two parts so that the window's device comes between them in
+  // the report: the prompts, size, steps, CFG, seed, sampler, batch, model and TAESD; then the
+  // strategy and its devices or skip factor. Each names what it set in `restored` and what it
+  // could not in `notRestored`.
+  void restoreFields(const engine::PngParameters& p, QStringList& restored, QStringList& notRestored);
+  void restoreStrategy(const engine::PngParameters& p, QStringList& restored, QStringList& notRestored);
 
  private:
   void applySizePreset(int index);
