@@ -336,23 +336,8 @@ QStringList MainWindow::discoverHuggingFaceModels() {
 }
 
 job::GenerationRequest MainWindow::requestFromFields() {
-  job::GenerationRequest r;
-  r.model = m_model->text().trimmed().toStdString();
-  r.taesd = m_taesd->text().trimmed().toStdString();
-  r.prompt = m_prompt->toPlainText().toStdString();
-  r.negative_prompt = m_negative->toPlainText().toStdString();
-  r.width = m_width->value();
-  r.height = m_height->value();
-  r.steps = m_steps->value();
-  r.cfg = m_cfg->value();
-  r.seed = seedValue().value_or(0);
-  r.sampler = m_sampler->currentData().toString().toStdString();
-  r.batch = m_batch->value();
-  r.preview_every = 1;
-  r.preview_max_side = m_previewSize->currentData().toInt();
+  job::GenerationRequest r = m_settings->request();
   r.prompt = engine::fill_prompt_template(m_promptTemplate.toStdString(), r.prompt);
-  r.strategy.name = m_strategy->currentData().toString().toStdString();
-  r.strategy.patches = m_patches->isEnabled() ? m_patches->value() : 0;
   const engine::DeviceChoice choice = deviceChoice();
   r.device = choice.device;
   r.strategy.devices = choice.devices;

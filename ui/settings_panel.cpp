@@ -260,6 +260,26 @@ const parallel::StrategyInfo& SettingsPanel::strategyInfo() const {
   return parallel::strategy_info(m_strategy ? m_strategy->currentData().toString().toStdString() : std::string());
 }
 
+job::GenerationRequest SettingsPanel::request() const {
+  job::GenerationRequest r;
+  r.model = m_model->text().trimmed().toStdString();
+  r.taesd = m_taesd->text().trimmed().toStdString();
+  r.prompt = m_prompt->toPlainText().toStdString();
+  r.negative_prompt = m_negative->toPlainText().toStdString();
+  r.width = m_width->value();
+  r.height = m_height->value();
+  r.steps = m_steps->value();
+  r.cfg = m_cfg->value();
+  r.seed = seedValue().value_or(0);
+  r.sampler = m_sampler->currentData().toString().toStdString();
+  r.batch = m_batch->value();
+  r.preview_every = 1;
+  r.preview_max_side = m_previewSize->currentData().toInt();
+  r.strategy.name = m_strategy->currentData().toString().toStdString();
+  r.strategy.patches = m_patches->isEnabled() ? m_patches->value() : 0;
+  return r;
+}
+
 std::optional<std::uint64_t> SettingsPanel::seedValue() const {
   bool ok = false;
   const qulonglong v = m_seed->text().toULongLong(&ok);

@@ -7,6 +7,7 @@
 
 #include "core/engine/png_parameters.h"
 #include "core/engine/preset.h"
+#include "core/job/request.h"
 
 #include "core/parallel/registry.h"
 
@@ -48,6 +49,9 @@ class SettingsPanel : public QWidget {
   QSpinBox* devices() const { return m_devices; }
   QSpinBox* patches() const { return m_patches; }
   const parallel::StrategyInfo& strategyInfo() const;  // the registry entry chosen
+  // The request the fields make: the prompt as typed (the window fills a preset's template with
+  // it), the strategy without its devices (the window's device choice gives them).
+  job::GenerationRequest request() const;
   // The seed field as a number; std::nullopt when it is empty or past 64 bits.
   std::optional<std::uint64_t> seedValue() const;
 
