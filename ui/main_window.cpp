@@ -168,22 +168,11 @@ void MainWindow::buildUi() {
   m_settings = new SettingsPanel;
   formLayout->addWidget(m_settings, 3);
   m_prompt = m_settings->prompt();
-  m_negative = m_settings->negative();
   m_model = m_settings->model();
-  m_discovered = m_settings->discovered();
   m_taesd = m_settings->taesd();
-  m_width = m_settings->widthSpin();
-  m_height = m_settings->heightSpin();
-  m_steps = m_settings->steps();
-  m_cfg = m_settings->cfg();
   m_seed = m_settings->seed();
-  m_randomSeed = m_settings->randomSeed();
-  m_sampler = m_settings->sampler();
-  m_batch = m_settings->batch();
-  m_previewSize = m_settings->previewSize();
   m_strategy = m_settings->strategy();
   m_devices = m_settings->devices();
-  m_patches = m_settings->patches();
   // The form's changes the window acts on: the background prepare, the TAESD matched to the
   // model, the hint, the device summary.
   connect(m_model, &QLineEdit::textChanged, this, &MainWindow::schedulePrepare);
@@ -196,9 +185,9 @@ void MainWindow::buildUi() {
     m_taesdMatched = false;
     m_taesd->setToolTip(QString());
   });
-  for (QSpinBox* s : {m_width, m_height}) connect(s, &QSpinBox::valueChanged, this, &MainWindow::schedulePrepare);
-  connect(m_batch, &QSpinBox::valueChanged, this, &MainWindow::schedulePrepare);
-  connect(m_cfg, &QDoubleSpinBox::valueChanged, this, &MainWindow::schedulePrepare);
+  for (QSpinBox* s : {m_settings->widthSpin(), m_settings->heightSpin(), m_settings->batch()})
+    connect(s, &QSpinBox::valueChanged, this, &MainWindow::schedulePrepare);
+  connect(m_settings->cfg(), &QDoubleSpinBox::valueChanged, this, &MainWindow::schedulePrepare);
   connect(m_strategy, &QComboBox::currentIndexChanged, this, [this] { updateDeviceSummary(); });
   connect(m_devices, &QSpinBox::valueChanged, this, [this] { updateDeviceSummary(); });
 
@@ -240,7 +229,7 @@ void MainWindow::buildUi() {
   setAcceptDrops(true);
   // The prompt editors take text drops themselves; a dropped PNG restores parameters instead.
   m_prompt->viewport()->installEventFilter(this);
-  m_negative->viewport()->installEventFilter(this);
+  m_settings->negative()->viewport()->installEventFilter(this);
 
   auto* scroll = new QScrollArea;
   scroll->setWidget(form);
@@ -354,7 +343,7 @@ void MainWindow::generate() {
     showError(tr("Choose a model first: a diffusers folder or a .safetensors / .ckpt checkpoint (Model, above)."));
     return;
   }
-  if (m_randomSeed->isChecked()) m_seed->setText(QString::number(QRandomGenerator::global()->generate()));
+  if (m_settings->randomSeed()->isChecked()) m_seed->setText(QString::number(QRandomGenerator::global()->generate()));
   if (!seedValue()) {
     showError(tr("Seed '%1' is not a whole number from 0 to %2.")
                   .arg(m_seed->text())

@@ -16,12 +16,10 @@
 #include "ui/compare_view.h"
 #include "ui/engine_bridge.h"
 
-class QCheckBox;
 class QComboBox;
 class QDragEnterEvent;
 class QDragMoveEvent;
 class QDropEvent;
-class QDoubleSpinBox;
 class QLabel;
 class QLineEdit;
 class QPlainTextEdit;
@@ -126,25 +124,14 @@ class MainWindow : public QMainWindow {
   EngineBridge* m_bridge = nullptr;
   QTimer* m_prepareTimer = nullptr;
   QPlainTextEdit* m_prompt = nullptr;
-  QPlainTextEdit* m_negative = nullptr;
   QLineEdit* m_model = nullptr;
-  QComboBox* m_discovered = nullptr;
   QLineEdit* m_taesd = nullptr;
-  QSpinBox* m_width = nullptr;
-  QSpinBox* m_height = nullptr;
-  QSpinBox* m_steps = nullptr;
-  QDoubleSpinBox* m_cfg = nullptr;
   QLineEdit* m_seed = nullptr;
-  QCheckBox* m_randomSeed = nullptr;
-  QComboBox* m_sampler = nullptr;
-  QSpinBox* m_batch = nullptr;
-  QComboBox* m_previewSize = nullptr;  // the previews' largest side (GenerationRequest::preview_max_side; 0: full size)
-  DevicesPanel* m_devicesPanel = nullptr;
-  SettingsPanel* m_settings = nullptr;  // owns the form's widgets; the pointers here are into it
-  bool m_taesdMatched = false;  // m_taesd holds matchingTaesd()'s pick, not the user's
   QComboBox* m_strategy = nullptr;
   QSpinBox* m_devices = nullptr;
-  QSpinBox* m_patches = nullptr;  // pipefusion / cfg-pipefusion: latent row patches (0: one per stage)
+  DevicesPanel* m_devicesPanel = nullptr;
+  SettingsPanel* m_settings = nullptr;  // owns the form's widgets (m_prompt to m_devices point into it)
+  bool m_taesdMatched = false;  // m_taesd holds matchingTaesd()'s pick, not the user's
   QComboBox* m_preset = nullptr;
   QLabel* m_template = nullptr;
   QLabel* m_restored = nullptr;
