@@ -54,7 +54,6 @@ DeviceChoice choose_devices(std::vector<int> enabled_gpus, const std::string& st
   if (enabled_gpus.empty()) {
     c.device = "cpu";
     c.devices = rule.fixed > 0 ? rule.fixed : std::max(1, count);
-    if (!info->takes(parallel::Param::Devices) && rule.fixed == 0) c.devices = 1;
     if (!rule.allows(c.devices))
       c.error = "strategy " + name + " needs " + rule.describe() + "; " + std::to_string(c.devices) +
                 " virtual device(s) asked for";

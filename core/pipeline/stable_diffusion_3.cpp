@@ -458,9 +458,11 @@ void StableDiffusion3::encode(JobContext& job) {
 std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> StableDiffusion3::denoiser(JobContext& job) {
   auto& p = *impl_;
   const auto& c = std::any_cast<const SD3JobConditioning&>(job.conditioning);
-  return [&p, context = c.context, pooled = c.pooled](const at::Tensor& x_in, const at::Tensor& t) {
+  // Graphs or eager is decided once per job, not at every step.
+  const bool graphed = p.device.is_cuda() && graphs_enabled();
+  return [&p, graphed, context = c.context, pooled = c.pooled](const at::Tensor& x_in, const at::Tensor& t) {
     const auto x = x_in.to(p.dtype);
-    if (p.device.is_cuda() && graphs_enabled()) return p.transformer_graph({x, context, pooled, t});
+    if (graphed) return p.transformer_graph({x, context, pooled, t});
     return p.transformer->forward(x, context, pooled, t);
   };
 }
