@@ -1,5 +1,6 @@
 // diffract-cli: the headless front end.
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
@@ -11,6 +12,7 @@
 #include "core/engine/compare.h"
 #include "core/engine/devices.h"
 #include "core/engine/engine.h"
+#include "core/engine/image_inputs.h"
 #include "core/engine/output.h"
 #include "core/engine/preset.h"
 #include "core/io/diffusers_folder.h"
@@ -117,6 +119,109 @@ int parse_preview_size(const std::string& v) {
   if (v == "full") return 0;
   if (!v.empty() && v.size() < 6 && v.find_first_not_of("0123456789") == std::string::npos) return std::stoi(v);
   throw Error("--preview-size '" + v + "': expected auto, full or a number of pixels");
+}
+
+// --image / --mask and the options that need them.
+struct ImageOptions {
+  std::string image, mask, outpaint, hires;
+  CLI::Option* hires_upscaler = nullptr;
+  CLI::Option* hires_steps = nullptr;
+  CLI::Option* strength = nullptr;
+  CLI::Option* mask_blur = nullptr;
+  CLI::Option* full_res = nullptr;
+  CLI::Option* paste_back = nullptr;
+  CLI::Option* outpaint_option = nullptr;
+  CLI::Option* outpaint_fill = nullptr;
+};
+
+void add_image_options(CLI::App* cmd, job::GenerationRequest& req, ImageOptions& o) {
+  cmd->add_option("--image", o.image, "init image (PNG or JPEG): image-to-image, or inpainting with --mask or its alpha");
+  o.strength = cmd->add_option("--strength", req.input.strength,
+                               "how much of the image is repainted, 0..1 (default 0.75; 1.0 with --mask)");
+  cmd->add_option("--mask", o.mask, "inpainting mask (white = repaint), resized to the image when it differs");
+  o.mask_blur = cmd->add_option("--mask-blur", req.input.mask_blur, "blur the mask's edge by PX pixels (default 0)");
+  o.full_res = cmd->add_option("--inpaint-full-res", req.input.full_res_padding,
+                               "inpaint the mask's region, padded by PAD pixels, at the job's size, and paste it back");
+  o.paste_back = cmd->add_flag("--paste-back", req.input.paste_back,
+                               "put the original's unmasked pixels back over the result");
+  o.outpaint_option = cmd->add_option("--outpaint", o.outpaint,
+                                      "extend the canvas by LEFT,TOP,RIGHT,BOTTOM pixels and paint the new area");
+  o.outpaint_fill = cmd->add_option("--outpaint-fill", req.input.outpaint_fill,
+                                    "what the new area starts from: edge (its pixels repeated) or blur")
+                        ->capture_default_str();
+  cmd->add_option("--hires", o.hires, "hires fix: upscale by SCALE (above 1, at most 4) and denoise again from "
+                                      "STRENGTH (default 0.5), in one job");
+  o.hires_upscaler = cmd->add_option("--hires-upscaler", req.hires.upscaler,
+                                     "latent (bicubic on the latents) or lanczos (in pixels)")
+                         ->capture_default_str();
+  o.hires_steps = cmd->add_option("--hires-steps", req.hires.steps, "the second pass's steps (default: --steps)");
+}
+
+// "SCALE[:STRENGTH]".
+void parse_hires(const std::string& text, job::HiresFix& h) {
+  const auto colon = text.find(':');
+  const auto number = [&](const std::string& s, const char* what) {
+    std::size_t used = 0;
+    double v = 0;
+    try {
+      v = std::stod(s, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (s.empty() || used != s.size() || !std::isfinite(v))
+      throw Error("--hires '" + text + "': " + what + " is not a number (expected SCALE[:STRENGTH], e.g. 1.5:0.5)");
+    return v;
+  };
+  h.scale = number(text.substr(0, colon), "the scale");
+  if (colon != std::string::npos) h.strength = number(text.substr(colon + 1), "the strength");
+  if (!(h.scale > 1.0 && h.scale <= 4.0)) throw Error("--hires '" + text + "': the scale must be above 1, at most 4");
+  if (!(h.strength >= 0.0 && h.strength <= 1.0)) throw Error("--hires '" + text + "': the strength must be from 0 to 1");
+}
+
+// "LEFT,TOP,RIGHT,BOTTOM": four whole numbers of pixels, 0..4096 each, not all 0.
+void parse_outpaint(const std::string& text, job::ImageInputs& in) {
+  std::vector<int> v;
+  std::size_t start = 0;
+  while (start <= text.size() && v.size() < 5) {
+    const auto comma = text.find(',', start);
+    const std::string part = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    if (part.empty() || part.size() > 4 || part.find_first_not_of("0123456789") != std::string::npos)
+      throw Error("--outpaint '" + text + "': expected LEFT,TOP,RIGHT,BOTTOM in whole pixels, e.g. 0,0,256,0");
+    v.push_back(std::stoi(part));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  if (v.size() != 4) throw Error("--outpaint '" + text + "': expected four numbers, LEFT,TOP,RIGHT,BOTTOM");
+  for (const int x : v)
+    if (x > 4096) throw Error("--outpaint '" + text + "': each margin must be 4096 pixels or fewer");
+  if (v[0] + v[1] + v[2] + v[3] == 0) throw Error("--outpaint '" + text + "': every margin is 0");
+  in.outpaint_left = v[0];
+  in.outpaint_top = v[1];
+  in.outpaint_right = v[2];
+  in.outpaint_bottom = v[3];
+}
+
+void apply_image_options(job::GenerationRequest& req, const ImageOptions& o) {
+  if (!o.hires.empty()) parse_hires(o.hires, req.hires);
+  for (const auto* opt : {o.hires_upscaler, o.hires_steps})
+    if (opt->count() > 0 && o.hires.empty()) throw Error(opt->get_name() + " needs --hires");
+  if (o.image.empty()) {
+    for (const auto* opt : {o.strength, o.mask_blur, o.full_res, o.paste_back, o.outpaint_option, o.outpaint_fill})
+      if (opt->count() > 0) throw Error(opt->get_name() + " needs --image");
+    if (!o.mask.empty()) throw Error("--mask needs --image (the picture to inpaint)");
+    return;
+  }
+  if (o.strength->count() > 0 && !(req.input.strength >= 0.0 && req.input.strength <= 1.0))
+    throw Error("--strength " + std::to_string(req.input.strength) + ": must be from 0 to 1");
+  if (req.input.mask_blur < 0 || req.input.mask_blur > 256) throw Error("--mask-blur must be 0..256 pixels");
+  if (o.full_res->count() > 0 && (req.input.full_res_padding < 0 || req.input.full_res_padding > 4096))
+    throw Error("--inpaint-full-res must be 0..4096 pixels of padding");
+  if (!o.outpaint.empty()) parse_outpaint(o.outpaint, req.input);
+  if (o.outpaint_fill->count() > 0 && o.outpaint.empty()) throw Error("--outpaint-fill needs --outpaint");
+  for (const auto& note : engine::load_image_inputs(req.input, o.image, o.mask)) log::get("cli").info(note);
+  for (const auto* opt : {o.mask_blur, o.full_res, o.paste_back})
+    if (opt->count() > 0 && !req.input.has_mask() && !req.input.outpaints())
+      throw Error(opt->get_name() + " needs a mask (--mask, or an image with transparency)");
 }
 
 int generate(const job::GenerationRequest& request, const fs::path& out, const std::string& preview_dir) {
@@ -347,9 +452,11 @@ int main(int argc, char** argv) {
   DeviceOptions device_options;
   std::string gpus;
   std::string out_path, preview_dir, out_dir;
-  auto* gen_cmd = app.add_subcommand("generate", "Text to image; writes a PNG carrying its parameters");
+  auto* gen_cmd = app.add_subcommand("generate", "Text to image, image to image or inpainting; writes a PNG carrying its parameters");
   add_generation_options(gen_cmd, req);
   add_device_options(gen_cmd, device_options, gpus);
+  ImageOptions image_options;
+  add_image_options(gen_cmd, req, image_options);
   gen_cmd->add_option("--preview-dir", preview_dir, "write each step's preview here");
   std::string preview_size = "auto";
   gen_cmd->add_option("--preview-size", preview_size,
@@ -390,6 +497,7 @@ int main(int argc, char** argv) {
     if (gen_cmd->parsed()) {
       if (!preset_name.empty()) apply_cli_preset(gen_cmd, preset_name, req);
       apply_devices(req, device_options);
+      apply_image_options(req, image_options);
       req.preview_max_side = parse_preview_size(preview_size);
       return generate(req, out_path, preview_dir);
     }

@@ -5,6 +5,8 @@
 #include <random>
 #include <system_error>
 
+#include <nlohmann/json.hpp>
+
 #include "core/util/error.h"
 #include "core/util/options.h"
 
@@ -59,6 +61,22 @@ void save_image(const fs::path& path, const io::Image& image, const std::string&
     if (why.rfind(temporary.string() + ": ", 0) == 0) why = why.substr(temporary.string().size() + 2);
     throw Error(path.string() + ": " + why);
   }
+}
+
+std::string save_inputs_beside(const fs::path& png, const job::ImageInputs& in, const std::string& metadata_json) {
+  if (!in.has_image()) return metadata_json;
+  auto meta = nlohmann::json::parse(metadata_json);
+  const fs::path folder = png.parent_path() / "inputs";
+  fs::create_directories(folder);
+  const std::string stem = png.stem().string();
+  const auto write = [&](const io::Image& img, const char* suffix, const char* key) {
+    const fs::path file = folder / (stem + suffix);
+    save_image(file, img, "", "{}");
+    meta["input"][key] = (fs::path("inputs") / file.filename()).generic_string();
+  };
+  write(in.image, ".input.png", "input_file");
+  if (in.has_mask()) write(in.mask, ".mask.png", "mask_file");
+  return meta.dump();
 }
 
 }  // namespace diffract::engine

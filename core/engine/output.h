@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/io/image.h"
+#include "core/job/request.h"
 
 namespace diffract::engine {
 
@@ -31,5 +32,12 @@ std::filesystem::path unused_output_file(const std::filesystem::path& dir, const
 // untouched. Throws diffract::Error naming the file.
 void save_image(const std::filesystem::path& path, const io::Image& image, const std::string& parameters,
                 const std::string& metadata_json);
+
+// A job's init image and mask written beside the PNG it made, as <folder>/inputs/<stem>.input.png
+// and <stem>.mask.png (the gallery lists only the folder itself), so that restoring the PNG brings
+// them back. Returns `metadata_json` with their names, relative to the PNG's folder, added to its
+// "input" object (input_file, mask_file); unchanged for a job without an image.
+std::string save_inputs_beside(const std::filesystem::path& png, const job::ImageInputs& in,
+                               const std::string& metadata_json);
 
 }  // namespace diffract::engine

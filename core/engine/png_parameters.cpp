@@ -78,6 +78,15 @@ PngParameters from_diffract(const std::string& text, const std::string& where) {
     else if (key == "devices") int_to(p.devices);
     else if (key == "skip") int_to(p.skip);
     else if (key == "cfg") v.is_number() ? void(p.cfg = v.get<double>()) : bad();
+    else if (key == "input" && v.is_object()) {
+      // The image inputs: their files (written beside the PNG by the GUI) and strength.
+      if (v.contains("strength") && v["strength"].is_number()) p.strength = v["strength"].get<double>();
+      if (v.contains("input_file") && v["input_file"].is_string()) p.input_file = v["input_file"].get<std::string>();
+      if (v.contains("mask_file") && v["mask_file"].is_string()) p.mask_file = v["mask_file"].get<std::string>();
+      if (!p.input_file) p.unmapped.push_back("input image: " + v.value("image", std::string("?")) + " (not saved with the PNG)");
+      if (v.contains("outpaint") && v["outpaint"].is_object())
+        p.unmapped.push_back("outpaint margins: " + v["outpaint"].value("margins", nlohmann::json::array()).dump());
+    }
     else if (key == "seed") v.is_number_unsigned() ? void(p.seed = v.get<std::uint64_t>()) : bad();
     else if (key == "diffract_version" || key == "family" || key == "timings_ms" || key == "strategy" ||
              key == "negative_conditioning" || key == "initial_latents" || key == "options")

@@ -23,6 +23,9 @@ struct PngParameters {
   std::optional<std::string> model;     // diffract: the path it ran with
   std::optional<std::string> model_name;  // A1111 / ComfyUI: a checkpoint name, not a path
   std::optional<std::string> taesd, device, strategy;
+  // diffract: image inputs saved beside the PNG (file names relative to its folder) and their settings.
+  std::optional<std::string> input_file, mask_file;
+  std::optional<double> strength;
   // What the source holds that has no counterpart here, one readable line each
   // ("Sampler: LMS Karras (no Diffract sampler)", "Clip skip: 2").
   std::vector<std::string> unmapped;

@@ -1,7 +1,12 @@
 #include "core/io/image.h"
 
 #include <png.h>
+#ifdef DIFFRACT_HAS_JPEG
+#include <csetjmp>
+#include <jpeglib.h>
+#endif
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 
@@ -73,9 +78,10 @@ void write_png(const std::filesystem::path& path, const Image& image, const PngT
 
 namespace {
 
-// Reads into `pixels` with 3 (alpha dropped) or 4 (alpha added when absent) channels.
+// Reads into `pixels` with 3 (alpha dropped) or 4 (alpha added when absent) channels; `depth`
+// and `alpha` (when given) get the file's bit depth and whether it has alpha or transparency.
 void read_png_pixels(const std::filesystem::path& path, int channels, int& width, int& height,
-                     std::vector<std::uint8_t>& pixels, PngText* text) {
+                     std::vector<std::uint8_t>& pixels, PngText* text, int* depth = nullptr, bool* alpha = nullptr) {
   File file{std::fopen(path.c_str(), "rb")};
   if (!file.f) throw Error(path.string() + ": cannot open");
   unsigned char sig[8] = {};
@@ -89,7 +95,16 @@ void read_png_pixels(const std::filesystem::path& path, int channels, int& width
   }
   png_init_io(png, file.f);
   png_set_sig_bytes(png, 8);
+  png_set_user_limits(png, kMaxImageSide, kMaxImageSide);
   png_read_info(png, info);
+  if (static_cast<long long>(png_get_image_width(png, info)) * png_get_image_height(png, info) > kMaxImagePixels) {
+    png_destroy_read_struct(&png, &info, nullptr);
+    throw Error(path.string() + ": the image has more than " + std::to_string(kMaxImagePixels / (1024 * 1024)) +
+                " megapixels");
+  }
+  if (depth) *depth = png_get_bit_depth(png, info);
+  if (alpha)
+    *alpha = (png_get_color_type(png, info) & PNG_COLOR_MASK_ALPHA) != 0 || png_get_valid(png, info, PNG_INFO_tRNS) != 0;
   png_set_expand(png);
   png_set_strip_16(png);
   if (channels == 3)
@@ -121,6 +136,117 @@ ImageRGBA read_png_rgba(const std::filesystem::path& path) {
   ImageRGBA image;
   read_png_pixels(path, 4, image.width, image.height, image.rgba, nullptr);
   return image;
+}
+
+namespace {
+
+#ifdef DIFFRACT_HAS_JPEG
+struct JpegError {
+  jpeg_error_mgr mgr;
+  std::jmp_buf jump;
+  char message[JMSG_LENGTH_MAX] = {};
+};
+
+[[noreturn]] void jpeg_fail(j_common_ptr cinfo) {
+  auto* e = reinterpret_cast<JpegError*>(cinfo->err);
+  (*cinfo->err->format_message)(cinfo, e->message);
+  std::longjmp(e->jump, 1);
+}
+
+DecodedImage read_jpeg(const std::filesystem::path& path) {
+  File file{std::fopen(path.c_str(), "rb")};
+  if (!file.f) throw Error(path.string() + ": cannot open");
+  DecodedImage out;
+  out.format = "jpeg";
+  jpeg_decompress_struct cinfo{};
+  JpegError err;
+  cinfo.err = jpeg_std_error(&err.mgr);
+  err.mgr.error_exit = jpeg_fail;
+  std::vector<std::uint8_t> row;
+  if (setjmp(err.jump)) {
+    jpeg_destroy_decompress(&cinfo);
+    throw Error(path.string() + ": corrupt JPEG: " + err.message);
+  }
+  jpeg_create_decompress(&cinfo);
+  jpeg_stdio_src(&cinfo, file.f);
+  jpeg_read_header(&cinfo, TRUE);
+  if (cinfo.image_width > static_cast<unsigned>(kMaxImageSide) || cinfo.image_height > static_cast<unsigned>(kMaxImageSide) ||
+      static_cast<long long>(cinfo.image_width) * cinfo.image_height > kMaxImagePixels) {
+    jpeg_destroy_decompress(&cinfo);
+    throw Error(path.string() + ": the image is " + std::to_string(cinfo.image_width) + "x" +
+                std::to_string(cinfo.image_height) + ", more than " + std::to_string(kMaxImageSide) +
+                " pixels a side or " + std::to_string(kMaxImagePixels / (1024 * 1024)) + " megapixels");
+  }
+  const bool cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
+  const bool grey = cinfo.jpeg_color_space == JCS_GRAYSCALE;
+  cinfo.out_color_space = cmyk ? JCS_CMYK : grey ? JCS_GRAYSCALE : JCS_RGB;
+  jpeg_start_decompress(&cinfo);
+  const int w = static_cast<int>(cinfo.output_width), h = static_cast<int>(cinfo.output_height);
+  const int n = cinfo.output_components;
+  out.image = Image{w, h, std::vector<std::uint8_t>(static_cast<std::size_t>(w) * h * 3)};
+  row.resize(static_cast<std::size_t>(w) * n);
+  // Photoshop writes Adobe CMYK inverted (255 = no ink); without its marker the values are ink.
+  const bool inverted = cinfo.saw_Adobe_marker;
+  while (cinfo.output_scanline < cinfo.output_height) {
+    JSAMPROW r = row.data();
+    const int y = static_cast<int>(cinfo.output_scanline);
+    jpeg_read_scanlines(&cinfo, &r, 1);
+    std::uint8_t* dst = &out.image.rgb[static_cast<std::size_t>(y) * w * 3];
+    for (int x = 0; x < w; ++x) {
+      const std::uint8_t* s = &row[static_cast<std::size_t>(x) * n];
+      if (cmyk) {
+        const int k = inverted ? s[3] : 255 - s[3];
+        for (int c = 0; c < 3; ++c) dst[x * 3 + c] = static_cast<std::uint8_t>(((inverted ? s[c] : 255 - s[c]) * k + 127) / 255);
+      } else if (grey) {
+        dst[x * 3] = dst[x * 3 + 1] = dst[x * 3 + 2] = s[0];
+      } else {
+        std::copy_n(s, 3, dst + x * 3);
+      }
+    }
+  }
+  jpeg_finish_decompress(&cinfo);
+  jpeg_destroy_decompress(&cinfo);
+  if (cmyk) out.notes.push_back(path.filename().string() + ": a CMYK JPEG, converted to RGB without its colour profile");
+  return out;
+}
+#endif
+
+}  // namespace
+
+DecodedImage read_image(const std::filesystem::path& path) {
+  unsigned char sig[8] = {};
+  {
+    File file{std::fopen(path.c_str(), "rb")};
+    if (!file.f) throw Error(path.string() + ": cannot open");
+    const std::size_t n = std::fread(sig, 1, 8, file.f);
+    if (n == 0) throw Error(path.string() + ": the file is empty");
+  }
+  if (png_sig_cmp(sig, 0, 8) == 0) {
+    DecodedImage out;
+    out.format = "png";
+    int depth = 8;
+    bool alpha = false;
+    ImageRGBA rgba;
+    read_png_pixels(path, 4, rgba.width, rgba.height, rgba.rgba, nullptr, &depth, &alpha);
+    const std::size_t n = static_cast<std::size_t>(rgba.width) * rgba.height;
+    out.image = Image{rgba.width, rgba.height, std::vector<std::uint8_t>(n * 3)};
+    if (alpha) out.alpha.resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      std::copy_n(&rgba.rgba[i * 4], 3, &out.image.rgb[i * 3]);
+      if (alpha) out.alpha[i] = rgba.rgba[i * 4 + 3];
+    }
+    if (std::all_of(out.alpha.begin(), out.alpha.end(), [](std::uint8_t a) { return a == 255; })) out.alpha.clear();
+    if (depth == 16) out.notes.push_back(path.filename().string() + ": a 16-bit PNG, reduced to 8 bits a channel");
+    return out;
+  }
+  if (sig[0] == 0xFF && sig[1] == 0xD8 && sig[2] == 0xFF) {
+#ifdef DIFFRACT_HAS_JPEG
+    return read_jpeg(path);
+#else
+    throw Error(path.string() + ": a JPEG, and this build reads PNG only (built without libjpeg): convert it to PNG");
+#endif
+  }
+  throw Error(path.string() + ": not a PNG or JPEG image");
 }
 
 }  // namespace diffract::io

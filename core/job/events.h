@@ -17,6 +17,7 @@ struct StageTimings {
   std::vector<double> step_ms;   // each denoising step
   std::vector<double> preview_ms;  // each preview decode (device time on its own stream)
   int previews_dropped = 0;      // skipped because the previous preview was still decoding
+  double vae_encode_ms = 0;      // image inputs' VAE encodes (their enqueueing on a GPU)
   double vae_decode_ms = 0;
   double total_ms = 0;
 };

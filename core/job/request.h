@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "core/io/image.h"
+
 namespace diffract::job {
 
 // A job's multi-device strategy (core/parallel/registry.h says which parameters each takes).
@@ -15,6 +17,42 @@ struct StrategyParams {
   int patches = 0;   // pipefusion / cfg-pipefusion: latent row patches, at least one per stage; 0: one per stage
   bool single() const { return name.empty() || name == "single"; }
   std::string display_name() const { return single() ? "single" : name; }
+};
+
+// What an image-conditioned job starts from (core/pipeline/image_processor.h prepares it as
+// diffusers' VaeImageProcessor does). No image: text-to-image; an image: image-to-image; an image
+// and a mask: inpainting.
+struct ImageInputs {
+  static constexpr double kStrengthAuto = -1;  // 0.75 for image-to-image, 1.0 for inpainting
+  io::Image image;           // resized to the job's size (Lanczos); the job's size defaults to it
+  io::Image mask;            // white = repaint (its grey level binarised at 50 %); resized likewise
+  double strength = kStrengthAuto;  // [0, 1]: the last `strength` part of the schedule runs
+  int mask_blur = 0;         // px: a Gaussian blur of the mask first (its edge, and the paste-back's feather)
+  int full_res_padding = -1; // >= 0: inpaint at full resolution: the mask's box, padded by this many
+                             // pixels and grown to the job's aspect, is cut out, generated at the job's
+                             // size and pasted back (diffusers' padding_mask_crop); < 0: the whole image
+  bool paste_back = false;   // the unmasked pixels of the original over the result, the mask's edge feathered
+  // Outpainting: the canvas grows by these many pixels a side, the new area is filled from the
+  // image's edge ("edge": its pixels repeated; "blur": the same, blurred) and inpainted, the mask
+  // reaching `outpaint_overlap` pixels into the old area so that the seam is repainted too.
+  int outpaint_left = 0, outpaint_top = 0, outpaint_right = 0, outpaint_bottom = 0;
+  std::string outpaint_fill = "edge";
+  int outpaint_overlap = 8;
+
+  bool has_image() const { return image.width > 0 && image.height > 0; }
+  bool has_mask() const { return mask.width > 0 && mask.height > 0; }
+  bool outpaints() const { return outpaint_left > 0 || outpaint_top > 0 || outpaint_right > 0 || outpaint_bottom > 0; }
+  double resolved_strength() const { return strength != kStrengthAuto ? strength : has_mask() ? 1.0 : 0.75; }
+};
+
+// Hires fix: after the job's pass, its latents upscaled ("latent": bicubic on the latents;
+// "lanczos": decoded, resized in pixels and encoded again) and denoised again from `strength`.
+struct HiresFix {
+  double scale = 0;          // > 1: the final size over the job's (0: off)
+  double strength = 0.5;     // [0, 1]: the part of the second schedule that runs
+  std::string upscaler = "latent";
+  int steps = 0;             // the second pass's schedule; 0: the job's steps
+  bool enabled() const { return scale != 0; }
 };
 
 struct GenerationRequest {
@@ -38,6 +76,8 @@ struct GenerationRequest {
   StrategyParams strategy;
   std::vector<int> gpus;         // the GPUs a strategy runs on, in rank order (engine::choose_devices); empty:
                                  // the model's GPU and the ones after it
+  ImageInputs input;            // init image and mask; empty: text-to-image
+  HiresFix hires;
   bool drop_t5 = false;          // SD3: run without the T5 encoder (its part of the prompt embedding zeros)
   // Job-scope runtime options (core/util/options.h) this job sets for itself, by name.
   std::map<std::string, std::string> options;

@@ -86,7 +86,7 @@ constexpr std::string_view kTransformerOnly =
     "cfg-parallel, hybrid-cfg, driffusion or data-parallel)";
 
 const std::vector<StrategyInfo> kStrategies = {
-    {"single", "The plain loop on one device.", Level::Loop, true, true, "", false, true, {1, 1, 1}, {}, make_single},
+    {"single", "The plain loop on one device.", Level::Loop, true, true, "", false, true, {1, 1, 1}, {}, make_single, ""},
     {"cfg-parallel", "Prompt and negative prompt on two devices at once; the same image.", Level::Evaluation, true,
      true, "", true, true, {2, 2, 1}, {}, make_cfg_parallel},
     {"hybrid-cfg",
@@ -167,6 +167,13 @@ void check_strategy(const job::StrategyParams& p, job::ModelFamily family, bool 
                 std::string(s.refused_why));
   if (s.needs_cfg && !cfg)
     throw Error(std::string(s.name) + " needs classifier-free guidance (a CFG scale above 1)");
+}
+
+void check_image_inputs(std::string_view name, bool mask) {
+  const auto& s = strategy_info(name);
+  if (!s.image_refused_why.empty())
+    throw Error(std::string(s.name) + " does not take an init image" + (mask ? " or a mask" : "") + ": " +
+                std::string(s.image_refused_why));
 }
 
 std::unique_ptr<Strategy> make_strategy(const job::StrategyParams& p) {

@@ -35,6 +35,12 @@ struct DeviceRule {
   std::string describe() const;  // "2 devices", "1 or more devices", "an even number of devices, 2 or more"
 };
 
+// Why a strategy refuses image inputs (an init image, a mask) unless its entry says otherwise.
+inline constexpr std::string_view kNoImageInputs =
+    "its loop starts from pure noise at the schedule's first step and keeps no mask, where image-to-image and "
+    "inpainting start later in the schedule and blend the mask after every step; run image jobs on one device "
+    "(single)";
+
 struct StrategyInfo {
   std::string_view name;
   std::string_view hint;      // one line in plain words, for --help and tooltips
@@ -47,6 +53,7 @@ struct StrategyInfo {
   DeviceRule devices;
   std::vector<Param> params;  // the parameters it reads besides its name
   std::unique_ptr<Strategy> (*make)(const job::StrategyParams&) = nullptr;
+  std::string_view image_refused_why = kNoImageInputs;  // empty: takes an init image and a mask
 
   bool takes(Param p) const;
   bool runs(job::ModelFamily family) const;
@@ -65,6 +72,9 @@ std::string strategy_names();
 // Checks a job's strategy against its entry before any work starts: the family, CFG, the device
 // count and the parameters. Throws diffract::Error saying which and why.
 void check_strategy(const job::StrategyParams& params, job::ModelFamily family, bool cfg);
+// Throws diffract::Error saying why when the strategy `name` cannot run a job with an init image
+// (and a mask, when `mask`).
+void check_image_inputs(std::string_view name, bool mask);
 // The strategy, made and checked against `params` (not against a family or CFG).
 std::unique_ptr<Strategy> make_strategy(const job::StrategyParams& params);
 // Shorthand: `name` on `n` devices (step-skip: skip factor `n`; pipefusion: `patches` patches).

@@ -72,6 +72,7 @@ struct JobInputs {
   schedulers::SchedulerConfig scheduler_config(schedulers::SamplerKind kind) const override;          \
   std::string a1111_sampler(schedulers::SamplerKind kind) const override;                             \
   int latent_channels() const override;                                                               \
+  int denoiser_in_channels() const override;                                                          \
   int vae_factor() const override;                                                                    \
   std::string taesd_hint() const override;                                                            \
   void encode(JobContext& job) override;                                                              \
@@ -84,6 +85,7 @@ struct JobInputs {
   double warm_timestep(const JobContext& job, const schedulers::Sampler& sampler) const override;     \
   at::Tensor preview(const at::Tensor& x0, bool use_taesd, int max_side) override;                    \
   at::Tensor decode(const at::Tensor& latents, parallel::DeviceGroup* group) override;                \
+  at::Tensor encode_image(const at::Tensor& pixels, at::Generator& generator) override;              \
   void add_metadata(const JobContext& job, nlohmann::json& meta) const override;                      \
   std::string nan_hint() const override;
 
@@ -128,6 +130,9 @@ class Pipeline {
   // A1111's name for the sampler in its parameters text ("Euler a", "DPM++ 2M Karras", ...).
   virtual std::string a1111_sampler(schedulers::SamplerKind kind) const = 0;
   virtual int latent_channels() const = 0;
+  // The denoiser's input channels: latent_channels(), or 2 * latent_channels() + 1 for an
+  // inpainting model (the mask and the masked image's latents follow the latents).
+  virtual int denoiser_in_channels() const = 0;
   virtual int vae_factor() const = 0;         // pixels per latent a side
   virtual std::string taesd_hint() const = 0;  // which TAESD fits, for errors ("taesdxl")
   // The prompts' conditioning into job.conditioning (negative with job.cfg); timings into job.timings.
@@ -145,6 +150,10 @@ class Pipeline {
   virtual at::Tensor preview(const at::Tensor& x0, bool use_taesd, int max_side) = 0;
   // Final latents -> images [B, 3, H, W] in [-1, 1]; a multi-device job's group may share the work.
   virtual at::Tensor decode(const at::Tensor& latents, parallel::DeviceGroup* group) = 0;
+  // Images [1, 3, H, W] in [-1, 1] (float32, on the CPU) -> the diffusion model's latents
+  // [1, C, H / f, W / f] on the model's device: the VAE's posterior sampled with `generator` (as
+  // diffusers' retrieve_latents), scaled (and shifted) as decode() undoes.
+  virtual at::Tensor encode_image(const at::Tensor& pixels, at::Generator& generator) = 0;
   // The family's own metadata (text encoders used, graphs, decode devices, ...).
   virtual void add_metadata(const JobContext& job, nlohmann::json& meta) const = 0;
   // A hint for a NaN in the CPU loop ("try another sampler or fp32").
@@ -156,6 +165,12 @@ class Pipeline {
   at::Tensor taesd_preview(const at::Tensor& x0, int vae_factor, int max_side);
 
  private:
+  // The hires fix's second pass on the first pass's final latents (job.req's size becomes the
+  // upscaled one); its steps and previews go to `observer` as a second run of steps.
+  at::Tensor hires_pass(JobContext& job, const at::Tensor& latents, at::Generator& gen, bool inpaint_model,
+                        const job::JobObserver& observer, const detail::StepReporter::Preview& preview,
+                        const job::CancelToken& cancel);
+
   std::set<std::string> prepared_;
 };
 

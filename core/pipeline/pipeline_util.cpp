@@ -117,18 +117,18 @@ namespace diffract::pipeline::detail {
 
 StepReporter::StepReporter(const c10::Device& device, const job::GenerationRequest& req,
                            const job::JobObserver& observer, const schedulers::Sampler& sampler, Preview preview,
-                           job::StageTimings& timings)
+                           job::StageTimings& timings, int first_step)
     : req_(req), observer_(observer), sampler_(sampler), preview_(std::move(preview)), timings_(timings),
-      clock_(device), previews_(device) {
+      first_(first_step), clock_(device), previews_(device) {
   clock_.start();
 }
 
 void StepReporter::stepped(int i, const at::Tensor& out, const at::Tensor& before) {
   clock_.mark_step();
-  const int total = sampler_.num_steps();
-  if (req_.preview_every > 0 && observer_.on_preview && ((i + 1) % req_.preview_every == 0 || i + 1 == total)) {
+  const int total = sampler_.num_steps() - first_, k = i - first_;
+  if (req_.preview_every > 0 && observer_.on_preview && ((k + 1) % req_.preview_every == 0 || k + 1 == total)) {
     const auto x0 = sampler_.predict_x0(out, i, before).narrow(0, 0, 1);
-    if (!previews_.try_start(i, {x0}, [&] { return to_bytes(preview_(x0)); })) ++timings_.previews_dropped;
+    if (!previews_.try_start(k, {x0}, [&] { return to_bytes(preview_(x0)); })) ++timings_.previews_dropped;
   }
   clock_.wait_until_ahead(2);  // the device always has the next step queued, the host stays near
   drain();
@@ -146,7 +146,8 @@ void StepReporter::drain() {
   for (double ms : clock_.finished()) {
     const int i = reported_++;
     timings_.step_ms.push_back(ms);
-    if (observer_.on_step) observer_.on_step({i, sampler_.num_steps(), sampler_.timesteps()[static_cast<std::size_t>(i)], ms});
+    if (observer_.on_step)
+      observer_.on_step({i, sampler_.num_steps() - first_, sampler_.timesteps()[static_cast<std::size_t>(i + first_)], ms});
   }
   for (const auto& d : previews) deliver(d);
 }
@@ -162,9 +163,11 @@ void StepReporter::deliver(const SideStreamTask::Done& d) {
 
 at::Tensor denoise(schedulers::Sampler& sampler, at::Tensor latents, at::Generator& gen, double cfg_scale,
                    const std::function<at::Tensor(const at::Tensor& x_in, const at::Tensor& timesteps)>& model,
-                   StepReporter& reporter, const job::CancelToken& cancel, const std::string& nan_hint) {
+                   StepReporter& reporter, const job::CancelToken& cancel, const std::string& nan_hint,
+                   const LoopImage& image) {
   const bool cfg = cfg_scale > 1.0;
-  for (int i = 0; i < sampler.num_steps(); ++i) {
+  const int n = sampler.num_steps();
+  for (int i = image.first_step; i < n; ++i) {
     if (cancel.cancelled()) throw job::Cancelled{};
     const double t = sampler.timesteps()[static_cast<std::size_t>(i)];
     auto x_in = sampler.scale_model_input(cfg ? at::cat({latents, latents}) : latents, i);
@@ -175,6 +178,10 @@ at::Tensor denoise(schedulers::Sampler& sampler, at::Tensor latents, at::Generat
     }
     const auto before = latents;
     latents = sampler.step(out, i, latents, gen);
+    if (image.mask.defined()) {
+      const auto kept = i + 1 < n ? sampler.add_noise(image.image_latents, image.noise, i + 1) : image.image_latents;
+      latents = (1 - image.mask) * kept + image.mask * latents;
+    }
     if (latents.is_cpu() && !at::isfinite(latents).all().item<bool>())
       throw Error("the latents hold NaN or Inf after step " + std::to_string(i + 1) +
                   ": the model's weights or settings are broken (" + nan_hint + ")");

@@ -81,8 +81,9 @@ class StepReporter {
  public:
   // x0 [1, C, h, w] (the sampler's prediction, diffusion latent space) -> images [1, 3, H, W] in [-1, 1].
   using Preview = std::function<at::Tensor(const at::Tensor& x0)>;
+  // `first_step`: the loop runs the sampler's steps from there (image-to-image); events count from it.
   StepReporter(const c10::Device& device, const job::GenerationRequest& req, const job::JobObserver& observer,
-               const schedulers::Sampler& sampler, Preview preview, job::StageTimings& timings);
+               const schedulers::Sampler& sampler, Preview preview, job::StageTimings& timings, int first_step = 0);
 
   // After step i's work is enqueued: its model output and the state it started from.
   void stepped(int i, const at::Tensor& out, const at::Tensor& before);
@@ -97,9 +98,21 @@ class StepReporter {
   const schedulers::Sampler& sampler_;
   Preview preview_;
   job::StageTimings& timings_;
+  int first_;
   StepClock clock_;
   SideStreamTask previews_;
   int reported_ = 0;
+};
+
+// Where an image-conditioned loop starts, and what 4-channel inpainting keeps outside its mask.
+struct LoopImage {
+  int first_step = 0;        // the steps before it are skipped (diffusers' get_timesteps for a strength)
+  // Latent blending (diffusers' StableDiffusionInpaintPipeline for models without mask inputs):
+  // after each step, latents = (1 - mask) * image_latents noised to the next step's level with
+  // `noise` + mask * latents. Undefined mask: none.
+  at::Tensor mask;           // [B, 1, h, w], 1: repaint
+  at::Tensor image_latents;  // [B, C, h, w]
+  at::Tensor noise;          // [B, C, h, w]: the initial noise
 };
 
 // The plain single-device loop of both pipelines: each step's model input (the CFG halves as one
@@ -109,7 +122,8 @@ class StepReporter {
 // says what to try). Returns the final latents.
 at::Tensor denoise(schedulers::Sampler& sampler, at::Tensor latents, at::Generator& gen, double cfg_scale,
                    const std::function<at::Tensor(const at::Tensor& x_in, const at::Tensor& timesteps)>& model,
-                   StepReporter& reporter, const job::CancelToken& cancel, const std::string& nan_hint);
+                   StepReporter& reporter, const job::CancelToken& cancel, const std::string& nan_hint,
+                   const LoopImage& image = {});
 
 // The groups the multi-device strategies (core/parallel) run on: CPU virtual devices for a
 // model on the CPU (made per job); for a model on a GPU, the job's GPUs, kept with their NCCL

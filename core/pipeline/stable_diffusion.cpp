@@ -643,7 +643,19 @@ job::GenerationResult StableDiffusion::generate(const job::GenerationRequest& re
 
 int StableDiffusion::size_multiple() const { return impl_->vae_factor(); }
 std::string StableDiffusion::size_multiple_why() const { return "the model's latent factor"; }
-int StableDiffusion::latent_channels() const { return static_cast<int>(impl_->unet->config.in_channels); }
+int StableDiffusion::latent_channels() const { return static_cast<int>(impl_->unet->config.out_channels); }
+int StableDiffusion::denoiser_in_channels() const { return static_cast<int>(impl_->unet->config.in_channels); }
+
+at::Tensor StableDiffusion::encode_image(const at::Tensor& pixels, at::Generator& generator) {
+  auto& p = *impl_;
+  if (p.tiny_vae) {
+    if (!p.tiny_vae->has_encoder())
+      throw Error(p.path.string() + ": the model's AutoencoderTiny has no encoder, so it cannot take an init image");
+    const auto& c = p.tiny_vae->config;
+    return (p.tiny_vae->encode(pixels.to(p.device, p.dtype)) - c.shift_factor) * c.scaling_factor;
+  }
+  return p.vae->scale_latents(p.vae->encode(pixels.to(p.device, p.dtype)).sample(generator));
+}
 int StableDiffusion::vae_factor() const { return impl_->vae_factor(); }
 std::string StableDiffusion::taesd_hint() const { return impl_->family == job::ModelFamily::SDXL ? "taesdxl" : "taesd"; }
 std::string StableDiffusion::nan_hint() const { return "try another sampler or fp32"; }

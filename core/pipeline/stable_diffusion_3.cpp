@@ -212,9 +212,11 @@ void check_components(const StableDiffusion3::Impl& p, const fs::path& model) {
   const auto& tc = p.transformer->config;
   const auto& l = p.text_encoder->text_model->config;
   const auto& g = p.text_encoder_2->text_model->config;
-  if (p.vae->config.latent_channels != tc.in_channels)
+  if (p.vae->config.latent_channels != tc.out_channels ||
+      (tc.in_channels != tc.out_channels && tc.in_channels != 2 * tc.out_channels + 1))
     throw Error(model.string() + ": the vae has " + std::to_string(p.vae->config.latent_channels) +
-                " latent channels, the transformer takes " + std::to_string(tc.in_channels));
+                " latent channels, the transformer takes " + std::to_string(tc.in_channels) + " and gives " +
+                std::to_string(tc.out_channels) + " (an inpainting transformer takes 2 * latents + 1)");
   if (l.hidden_size + g.hidden_size > tc.joint_attention_dim)
     throw Error(model.string() + ": text_encoder and text_encoder_2 give " + std::to_string(l.hidden_size) + " + " +
                 std::to_string(g.hidden_size) + " features, more than the transformer's joint_attention_dim " +
@@ -411,7 +413,13 @@ int StableDiffusion3::size_multiple() const { return impl_->size_multiple(); }
 std::string StableDiffusion3::size_multiple_why() const {
   return "the VAE's factor times the transformer's patch size";
 }
-int StableDiffusion3::latent_channels() const { return static_cast<int>(impl_->transformer->config.in_channels); }
+int StableDiffusion3::latent_channels() const { return static_cast<int>(impl_->transformer->config.out_channels); }
+int StableDiffusion3::denoiser_in_channels() const { return static_cast<int>(impl_->transformer->config.in_channels); }
+
+at::Tensor StableDiffusion3::encode_image(const at::Tensor& pixels, at::Generator& generator) {
+  auto& p = *impl_;
+  return p.vae->scale_latents(p.vae->encode(pixels.to(p.device, p.dtype)).sample(generator));
+}
 int StableDiffusion3::vae_factor() const { return impl_->vae_factor(); }
 std::string StableDiffusion3::a1111_sampler(schedulers::SamplerKind) const { return "Euler, Schedule type: Simple"; }
 std::string StableDiffusion3::taesd_hint() const { return "taesd3"; }

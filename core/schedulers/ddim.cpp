@@ -19,6 +19,14 @@ class AlphaSampler : public Sampler {
     return predict(detail::upcast(model_output), alpha(i), detail::upcast(sample)).first;
   }
 
+  at::Tensor add_noise(const at::Tensor& x0, const at::Tensor& noise, int i) const override {
+    check_level(i);
+    if (i == num_steps()) return x0;
+    const double a = f32(alpha(i));
+    return (f32(std::sqrt(a)) * x0.to(at::kFloat) + f32(std::sqrt(f32(1 - a))) * noise.to(at::kFloat))
+        .to(x0.scalar_type());
+  }
+
  protected:
   AlphaSampler(SamplerKind kind, const SchedulerConfig& c, int n) : Sampler(kind, c), ac_(alphas_cumprod(c)) {
     timesteps_ = spaced_timesteps(c.timestep_spacing, c.num_train_timesteps, n, c.steps_offset, true);

@@ -67,6 +67,13 @@ class DPMSolverSampler final : public Sampler {
     return out.to(model_output.scalar_type());
   }
 
+  at::Tensor add_noise(const at::Tensor& x0, const at::Tensor& noise, int i) const override {
+    check_level(i);
+    if (i == num_steps()) return x0;
+    const Level s(sigmas_[i]);
+    return (f32(s.alpha) * x0.to(at::kFloat) + f32(s.sigma_t) * noise.to(at::kFloat)).to(x0.scalar_type());
+  }
+
   at::Tensor jump(const at::Tensor& model_output, int i, int j, const at::Tensor& sample,
                   at::Generator) const override {
     check_jump(i, j);

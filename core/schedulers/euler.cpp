@@ -37,6 +37,11 @@ class EulerSampler final : public Sampler {
     return sample / std::sqrt(sigmas_[i] * sigmas_[i] + 1);
   }
 
+  at::Tensor add_noise(const at::Tensor& x0, const at::Tensor& noise, int i) const override {
+    check_level(i);
+    return (x0.to(at::kFloat) + noise.to(at::kFloat) * sigmas_[i]).to(x0.scalar_type());
+  }
+
   at::Tensor predict_x0(const at::Tensor& model_output, int i, const at::Tensor& sample) const override {
     check_step(i);
     return x0(model_output, sigmas_[i], sample.to(at::kFloat));

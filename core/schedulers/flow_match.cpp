@@ -35,6 +35,12 @@ class FlowMatchEulerSampler final : public Sampler {
     return flow_match_x0(sample, model_output, sigmas_[i]);
   }
 
+  at::Tensor add_noise(const at::Tensor& x0, const at::Tensor& noise, int i) const override {
+    check_level(i);
+    const double s = f32(sigmas_[i]);
+    return (s * noise.to(at::kFloat) + f32(1.0 - s) * x0.to(at::kFloat)).to(x0.scalar_type());
+  }
+
   at::Tensor step(const at::Tensor& model_output, int i, const at::Tensor& sample, at::Generator) override {
     check_step(i);
     return flow_match_transition(sample, model_output, sigmas_[i], sigmas_[i + 1]);

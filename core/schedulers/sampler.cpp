@@ -400,6 +400,12 @@ void Sampler::check_step(int i) const {
                 std::to_string(num_steps() - 1) + ")");
 }
 
+void Sampler::check_level(int i) const {
+  if (i < 0 || i > num_steps())
+    throw Error(std::string(sampler_name(kind_)) + " sampler: no noise level " + std::to_string(i) + " (it has 0.." +
+                std::to_string(num_steps()) + ")");
+}
+
 void Sampler::check_jump(int i, int j) const {
   check_step(i);
   if (j <= i || j > num_steps())

@@ -126,6 +126,12 @@ class Sampler {
   // the same generator state).
   virtual at::Tensor jump(const at::Tensor& model_output, int i, int j, const at::Tensor& sample,
                           at::Generator generator) const = 0;
+  // x0 taken to the noise level step i starts from with `noise`, by the sampler's own forward
+  // rule, as diffusers' add_noise (scale_noise for flow Euler) with the schedule begun at step i:
+  // sqrt(abar) x0 + sqrt(1 - abar) noise for DDIM / DDPM, x0 + sigma noise for the Euler samplers,
+  // alpha x0 + sigma_t noise for DPM++ 2M, (1 - sigma) x0 + sigma noise for flow Euler. In
+  // float32, returned in x0's dtype. i == num_steps() gives x0 (the final level).
+  virtual at::Tensor add_noise(const at::Tensor& x0, const at::Tensor& noise, int i) const = 0;
   // Forgets multistep history (for re-running the same schedule).
   virtual void reset();
 
@@ -133,6 +139,7 @@ class Sampler {
   Sampler(SamplerKind kind, SchedulerConfig config) : kind_(kind), config_(std::move(config)) {}
   void check_step(int i) const;
   void check_jump(int i, int j) const;
+  void check_level(int i) const;  // 0 <= i <= num_steps()
 
   SamplerKind kind_;
   SchedulerConfig config_;
