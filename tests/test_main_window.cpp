@@ -11,6 +11,7 @@
 #include <QFileInfo>
 #include <QSettings>
 #include <QSignalSpy>
+#include <QSlider>
 #include <QSpinBox>
 #include <QStandardPaths>
 #include <QTemporaryDir>
@@ -29,11 +30,15 @@
 #include "core/engine/devices.h"
 #include "core/engine/preset.h"
 #include "core/io/image.h"
+#include "core/pipeline/image_processor.h"
+#include "masked_change.h"
 #include "test_util.h"
 #include "ui/compare_view.h"
 #include "ui/gallery.h"
 #include "ui/image_view.h"
+#include "ui/input_panel.h"
 #include "ui/main_window.h"
+#include "ui/mask_editor.h"
 #include "ui/timings_chart.h"
 
 using namespace diffract;
@@ -64,6 +69,20 @@ void setUpJob(MainWindow& w, int steps, const QString& model = tinyModel()) {
 std::filesystem::path shippedPresets() {
   const char* d = std::getenv("DIFFRACT_PRESETS_DIR");
   return d ? std::filesystem::path(d) : std::filesystem::path("presets");
+}
+
+QString imageFixture(const char* name) {
+  return QString::fromStdString((test::fixtures() / "image" / name).string());
+}
+
+// Runs the job the fields describe; returns its first image (fails the test on an error).
+QImage runJob(MainWindow& w) {
+  QSignalSpy finished(w.bridge(), &EngineBridge::finished);
+  QSignalSpy failed(w.bridge(), &EngineBridge::failed);
+  QTest::mouseClick(w.findChild<QPushButton*>("generateButton"), Qt::LeftButton);
+  if (!QTest::qWaitFor([&] { return finished.count() + failed.count() > 0; }, 180000)) qFatal("the job never ended");
+  if (!failed.isEmpty()) qFatal("the job failed: %s", qPrintable(failed[0][0].toString()));
+  return finished[0][0].value<QList<QImage>>().front();
 }
 
 QString pngFixture(const char* name) {
@@ -725,6 +744,78 @@ class TestMainWindow : public QObject {
     QVERIFY(view->comparison().ssim > -1 && view->comparison().ssim <= 1);
     // One job's batch: the same settings, so no parameter differs.
     QCOMPARE(view->findChild<QTableWidget*>("differencesTable")->rowCount(), 0);
+  }
+
+  void inpaintsTheMaskPaintedWithTheMouse() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    setUpJob(w, 3);
+    child<QPlainTextEdit>(w, "promptEdit")->setPlainText("a golden helmet");
+    QString error;
+    QVERIFY2(w.inputPanel()->loadFile(imageFixture("photo.png"), &error), qPrintable(error));
+    // The editor is on show with the photo; the size fields keep the job small.
+    auto* editor = w.maskEditor();
+    QTRY_VERIFY(editor->isVisible());
+    QCOMPARE(editor->inputImage().size(), QSize(75, 61));
+    QCOMPARE(child<QSpinBox>(w, "widthSpin")->value(), 64);
+    QVERIFY(!editor->hasMask());
+
+    // A stroke across the middle with real mouse events; the wheel still zooms.
+    child<QSpinBox>(w, "maskBrushSize")->setValue(16);
+    const QPoint mid = editor->rect().center();
+    QTest::mousePress(editor, Qt::LeftButton, Qt::NoModifier, mid - QPoint(editor->width() / 4, 0));
+    for (int i = -3; i <= 3; ++i) QTest::mouseMove(editor, mid + QPoint(i * editor->width() / 12, 0));
+    QTest::mouseRelease(editor, Qt::LeftButton, Qt::NoModifier, mid + QPoint(editor->width() / 4, 0));
+    QVERIFY(editor->hasMask());
+    QCOMPARE(editor->mask().pixelColor(37, 30).value(), 255);  // the middle is repainted
+    QCOMPARE(editor->mask().pixelColor(37, 2).value(), 0);     // the top is kept
+    QCOMPARE(child<QSlider>(w, "inputStrength")->value(), 100);  // inpainting's default strength
+
+    const QImage out = runJob(w).convertToFormat(QImage::Format_RGB888);
+    QCOMPARE(out.size(), QSize(64, 64));
+    // Paste-back is on: outside the mask the original's pixels (at the job's size) come back
+    // exactly; inside, the model repainted.
+    const auto original = pipeline::resize_lanczos(ui::toCoreImage(editor->inputImage()), 64, 64);
+    const auto mask = pipeline::to_grey(pipeline::resize_lanczos(ui::toCoreImage(editor->mask()), 64, 64));
+    const auto ours = ui::toCoreImage(out);
+    const auto c = test::masked_change(ours.rgb, original.rgb, mask);
+    QCOMPARE(c.changed_outside, 0);
+    QVERIFY(c.kept > 1500);
+    QVERIFY2(c.repainted > 200, qPrintable(QString("only %1 masked pixels changed").arg(c.repainted)));
+
+    // The input and the mask are saved beside the PNG, and dropping the PNG brings them back.
+    const QString saved = w.results().back().savedPath;
+    const auto meta = nlohmann::json::parse(w.results().back().metadataJson.toStdString());
+    const QString inputFile = QFileInfo(saved).dir().filePath(QString::fromStdString(meta["input"]["input_file"]));
+    QVERIFY(QFileInfo::exists(inputFile));
+    w.inputPanel()->clear();
+    QVERIFY(!w.inputPanel()->hasImage());
+    QVERIFY(dropFile(w, saved));
+    QVERIFY(w.inputPanel()->hasImage());
+    QCOMPARE(editor->inputImage().size(), QSize(75, 61));
+    QVERIFY(editor->hasMask());
+    QCOMPARE(editor->mask().pixelColor(37, 30).value(), 255);
+    QVERIFY(child<QLabel>(w, "restoredLabel")->text().contains("input image"));
+  }
+
+  void imageToImageAtStrengthZeroReturnsTheInput() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    setUpJob(w, 3);
+    child<QPlainTextEdit>(w, "promptEdit")->setPlainText("anything");
+    QString error;
+    QVERIFY2(w.inputPanel()->loadFile(imageFixture("photo.png"), &error), qPrintable(error));
+    child<QSlider>(w, "inputStrength")->setValue(0);
+    const QImage out = runJob(w);
+    const auto expected = pipeline::resize_lanczos(ui::toCoreImage(w.maskEditor()->inputImage()), 64, 64);
+    QCOMPARE(ui::toCoreImage(out).rgb, expected.rgb);
+
+    // "Use as input" on the result: it becomes the input.
+    QTest::mouseClick(child<QPushButton>(w, "useAsInputButton"), Qt::LeftButton);
+    QCOMPARE(w.maskEditor()->inputImage().size(), QSize(64, 64));
+    QVERIFY(w.inputPanel()->source().contains("result"));
   }
 
   void droppingAPngWithoutParametersSaysSo() {

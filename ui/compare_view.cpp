@@ -1,5 +1,7 @@
 #include "ui/compare_view.h"
 
+#include <QFileInfo>
+#include <QImageReader>
 #include <QComboBox>
 #include <QFutureWatcher>
 #include <QHBoxLayout>
@@ -294,6 +296,29 @@ void CompareView::compare() {
     emit computed();
   });
   watcher->setFuture(QtConcurrent::run(compareImages, a.image, b.image));
+}
+
+CompareView* CompareView::openWindow(QList<Item> items, int a, int b, QWidget* parent) {
+  auto* view = new CompareView(std::move(items), a, b, parent);
+  view->setWindowFlag(Qt::Window);
+  view->setAttribute(Qt::WA_DeleteOnClose);
+  view->show();
+  return view;
+}
+
+QPair<QList<CompareView::Item>, QString> CompareView::readFiles(const QStringList& paths) {
+  QPair<QList<Item>, QString> out;
+  for (const QString& path : paths) {
+    QImageReader reader(path);
+    const QImage image = reader.read();
+    if (image.isNull()) {
+      out.first.clear();
+      out.second = tr("%1: %2").arg(QFileInfo(path).fileName(), reader.errorString());
+      return out;
+    }
+    out.first.append({QFileInfo(path).fileName(), image, image.text(QStringLiteral("diffract"))});
+  }
+  return out;
 }
 
 }  // namespace diffract::ui

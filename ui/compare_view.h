@@ -3,7 +3,9 @@
 // and the parameters that differ. The image maths runs off the GUI thread.
 #include <QImage>
 #include <QList>
+#include <QPair>
 #include <QString>
+#include <QStringList>
 #include <QWidget>
 
 class QComboBox;
@@ -65,6 +67,11 @@ class CompareView : public QWidget {
   };
   // Compares items[a] with items[b]; the two menus pick any other pair from `items`.
   CompareView(QList<Item> items, int a, int b, QWidget* parent = nullptr);
+  // A compare window of its own over `parent`, deleted when closed.
+  static CompareView* openWindow(QList<Item> items, int a, int b, QWidget* parent);
+  // The images as items (file name, pixels, "diffract" chunk); on the first unreadable one,
+  // no items and the reason. Blocking: call it off the GUI thread.
+  static QPair<QList<Item>, QString> readFiles(const QStringList& paths);
   const ImageComparison& comparison() const { return m_comparison; }
 
  signals:

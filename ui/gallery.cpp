@@ -60,8 +60,11 @@ GalleryView::GalleryView(QWidget* parent) : QWidget(parent) {
   m_compare = new QPushButton(tr("Compare"));
   m_compare->setObjectName(QStringLiteral("galleryCompare"));
   m_compare->setToolTip(tr("Select two images"));
+  m_useAsInput = new QPushButton(tr("Use as input"));
+  m_useAsInput->setObjectName(QStringLiteral("galleryUseAsInput"));
+  m_useAsInput->setToolTip(tr("The selected image becomes the input image (vary it, or paint a mask)"));
   buttons->addWidget(m_status, 1);
-  for (QPushButton* b : {refresh, openFolder, m_saveAs, m_delete, m_compare}) buttons->addWidget(b);
+  for (QPushButton* b : {refresh, openFolder, m_saveAs, m_delete, m_compare, m_useAsInput}) buttons->addWidget(b);
   layout->addLayout(buttons);
 
   connect(refresh, &QPushButton::clicked, this, &GalleryView::refresh);
@@ -74,6 +77,10 @@ GalleryView::GalleryView(QWidget* parent) : QWidget(parent) {
   connect(m_compare, &QPushButton::clicked, this, [this] {
     const QStringList paths = selectedPaths();
     if (paths.size() == 2) emit compareRequested(paths[0], paths[1]);
+  });
+  connect(m_useAsInput, &QPushButton::clicked, this, [this] {
+    const QStringList paths = selectedPaths();
+    if (paths.size() == 1) emit useAsInputRequested(paths.front());
   });
   connect(m_list, &QListWidget::itemSelectionChanged, this, &GalleryView::updateButtons);
   connect(m_list, &QListWidget::itemDoubleClicked, this,
@@ -193,6 +200,7 @@ void GalleryView::updateButtons() {
   m_saveAs->setEnabled(n == 1);
   m_delete->setEnabled(n > 0);
   m_compare->setEnabled(n == 2);
+  m_useAsInput->setEnabled(n == 1);
 }
 
 QString GalleryView::saveCopy(const QString& from, const QString& to) {

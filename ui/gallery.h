@@ -47,6 +47,7 @@ class GalleryView : public QWidget {
   void loaded();
   void restoreRequested(const QString& path);
   void compareRequested(const QString& a, const QString& b);
+  void useAsInputRequested(const QString& path);
 
  private:
   struct Loaded {
@@ -67,6 +68,7 @@ class GalleryView : public QWidget {
   QPushButton* m_saveAs = nullptr;
   QPushButton* m_delete = nullptr;
   QPushButton* m_compare = nullptr;
+  QPushButton* m_useAsInput = nullptr;
   QStringList m_problems;
   QFutureWatcher<Loaded>* m_listing = nullptr;
 };

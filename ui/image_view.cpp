@@ -83,7 +83,7 @@ void ImageView::wheelEvent(QWheelEvent* event) {
 }
 
 void ImageView::mousePressEvent(QMouseEvent* event) {
-  if (event->button() != Qt::LeftButton || m_image.isNull()) return;
+  if (!(event->button() & m_panButtons) || m_image.isNull()) return;
   if (m_fit) {  // start panning from where the fitted image is
     m_offset = targetRect().topLeft();
     m_zoom = fitZoom();

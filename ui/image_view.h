@@ -26,8 +26,11 @@ class ImageView : public QWidget {
   void fitToWindow();
 
   QSize sizeHint() const override { return {512, 512}; }
+  // The buttons that pan by dragging (default: the left one).
+  void setPanButtons(Qt::MouseButtons buttons) { m_panButtons = buttons; }
 
  protected:
+  QRectF targetRect() const;     // where the image is drawn, in widget coordinates
   void paintEvent(QPaintEvent* event) override;
   void wheelEvent(QWheelEvent* event) override;
   void mousePressEvent(QMouseEvent* event) override;
@@ -36,7 +39,6 @@ class ImageView : public QWidget {
   void mouseDoubleClickEvent(QMouseEvent* event) override;
 
  private:
-  QRectF targetRect() const;     // where the image is drawn, in widget coordinates
   double fitZoom() const;
 
   QImage m_image;
@@ -46,6 +48,7 @@ class ImageView : public QWidget {
   bool m_fit = true;
   double m_zoom = 1.0;           // when not fitted
   QPointF m_offset;              // image top-left in widget coordinates, when not fitted
+  Qt::MouseButtons m_panButtons = Qt::LeftButton;
   bool m_dragging = false;
   QPointF m_dragStart;
   QPointF m_offsetStart;

@@ -11,8 +11,6 @@
 #include <QDropEvent>
 #include <QFile>
 #include <QFutureWatcher>
-#include <QImageReader>
-#include <QInputDialog>
 #include <QMimeData>
 #include <QtConcurrent/QtConcurrentRun>
 #include <QFileInfo>
@@ -33,9 +31,10 @@
 #include <QSplitter>
 #include <QStandardPaths>
 #include <QStatusBar>
-#include <QToolButton>
+#include <QTabWidget>
 #include <QVBoxLayout>
 #include <algorithm>
+#include <cmath>
 #include <ctime>
 #include <exception>
 #include <limits>
@@ -49,6 +48,9 @@
 #include "ui/settings_panel.h"
 #include "ui/gallery.h"
 #include "ui/image_view.h"
+#include "ui/input_panel.h"
+#include "ui/mask_editor.h"
+#include "ui/preset_bar.h"
 #include "ui/timings_chart.h"
 
 namespace diffract::ui {
@@ -136,32 +138,11 @@ void MainWindow::buildUi() {
   m_hint->setMargin(6);
   formLayout->addWidget(m_hint);
 
-  auto* presetRow = new QHBoxLayout;
-  presetRow->addWidget(new QLabel(tr("Preset")));
-  m_preset = new QComboBox;
-  m_preset->setObjectName(QStringLiteral("presetCombo"));
-  m_preset->setToolTip(tr("Fills the settings and wraps your prompt in the preset's template"));
-  presetRow->addWidget(m_preset, 1);
-  auto* savePresetButton = new QToolButton;
-  savePresetButton->setObjectName(QStringLiteral("savePresetButton"));
-  savePresetButton->setText(tr("Save as preset…"));
-  presetRow->addWidget(savePresetButton);
-  formLayout->addLayout(presetRow);
-  m_template = new QLabel;
-  m_template->setObjectName(QStringLiteral("promptTemplateLabel"));
-  m_template->setWordWrap(true);
-  m_template->setTextFormat(Qt::PlainText);
-  m_template->hide();
-  formLayout->addWidget(m_template);
-  connect(m_preset, &QComboBox::activated, this, &MainWindow::applyPreset);
-  connect(savePresetButton, &QToolButton::clicked, this, [this] {
-    const QString current = m_preset->currentIndex() > 0 ? m_preset->currentText() : QString();
-    bool ok = false;
-    const QString name = QInputDialog::getText(this, tr("Save as preset"),
-                                               tr("Preset name (a prompt containing {subject} becomes its template):"),
-                                               QLineEdit::Normal, current, &ok);
-    if (!ok || name.trimmed().isEmpty()) return;
-    const QString error = savePreset(name.trimmed());
+  m_presetBar = new PresetBar;
+  formLayout->addWidget(m_presetBar);
+  connect(m_presetBar, &PresetBar::applied, this, [this](const engine::Preset& p) { m_settings->applyPreset(p); });
+  connect(m_presetBar, &PresetBar::saveRequested, this, [this](const QString& name) {
+    const QString error = savePreset(name);
     if (!error.isEmpty()) showError(error);
   });
 
@@ -173,6 +154,10 @@ void MainWindow::buildUi() {
   m_seed = m_settings->seed();
   m_strategy = m_settings->strategy();
   m_devices = m_settings->devices();
+  connect(m_presetBar, &PresetBar::templateChanged, this, [this](const QString&, bool active) {
+    m_prompt->setPlaceholderText(active ? tr("The subject: fills {subject} in the template (Ctrl+Enter generates)")
+                                        : tr("What to draw (Ctrl+Enter generates)"));
+  });
   // The form's changes the window acts on: the background prepare, the TAESD matched to the
   // model, the hint, the device summary.
   connect(m_model, &QLineEdit::textChanged, this, &MainWindow::schedulePrepare);
@@ -190,6 +175,18 @@ void MainWindow::buildUi() {
   connect(m_settings->cfg(), &QDoubleSpinBox::valueChanged, this, &MainWindow::schedulePrepare);
   connect(m_strategy, &QComboBox::currentIndexChanged, this, [this] { updateDeviceSummary(); });
   connect(m_devices, &QSpinBox::valueChanged, this, [this] { updateDeviceSummary(); });
+
+  // The input image and its mask live in the editor on the right; the panel drives it.
+  m_maskPane = new MaskEditorPane;
+  m_inputPanel = new InputPanel(m_maskPane->editor());
+  formLayout->addWidget(m_inputPanel);
+  connect(m_inputPanel, &InputPanel::imageChanged, this, [this](bool has) {
+    if (has) m_viewTabs->setCurrentWidget(m_maskPane);
+  });
+  connect(m_inputPanel, &InputPanel::notice, this, [this](const QString& text) { m_status->setText(text); });
+  connect(m_inputPanel, &InputPanel::sizeSuggested, m_settings, &SettingsPanel::fitSizeTo);
+  m_maskPane->editor()->setAcceptDrops(true);
+  m_maskPane->editor()->installEventFilter(this);
 
   m_devicesPanel = new DevicesPanel;
   formLayout->addWidget(m_devicesPanel);
@@ -255,13 +252,24 @@ void MainWindow::buildUi() {
   m_compare->setToolTip(tr("The last two images of this session side by side, their difference and PSNR / SSIM "
                            "(or select two in the gallery)"));
   statusRow->addWidget(m_compare);
+  auto* useAsInput = new QPushButton(tr("Use as input"));
+  useAsInput->setObjectName(QStringLiteral("useAsInputButton"));
+  useAsInput->setToolTip(tr("Vary this result: it becomes the input image (paint a mask to repaint part of it)"));
+  statusRow->addWidget(useAsInput);
+  connect(useAsInput, &QPushButton::clicked, this, [this] {
+    if (m_view->isFinal() && !m_view->image().isNull()) m_inputPanel->setImage(m_view->image(), tr("the last result"));
+  });
   viewLayout->addLayout(statusRow);
   connect(m_compare, &QPushButton::clicked, this, [this] {
     if (m_results.size() >= 2) compareResults(static_cast<int>(m_results.size()) - 2, static_cast<int>(m_results.size()) - 1);
   });
+  m_viewTabs = new QTabWidget;
+  m_viewTabs->setObjectName(QStringLiteral("viewTabs"));
+  m_viewTabs->addTab(viewPane, tr("Render"));
+  m_viewTabs->addTab(m_maskPane, tr("Input && mask"));
   m_viewSplitter = new QSplitter(Qt::Vertical);
   m_viewSplitter->setObjectName(QStringLiteral("viewSplitter"));
-  m_viewSplitter->addWidget(viewPane);
+  m_viewSplitter->addWidget(m_viewTabs);
   m_viewSplitter->addWidget(m_timings);
   m_viewSplitter->setStretchFactor(0, 3);
   m_viewSplitter->setStretchFactor(1, 1);
@@ -280,6 +288,10 @@ void MainWindow::buildUi() {
   addDockWidget(Qt::BottomDockWidgetArea, galleryDock);
   connect(m_gallery, &GalleryView::restoreRequested, this, &MainWindow::restoreFromPng);
   connect(m_gallery, &GalleryView::compareRequested, this, &MainWindow::compareFiles);
+  connect(m_gallery, &GalleryView::useAsInputRequested, this, [this](const QString& path) {
+    QString error;
+    if (!m_inputPanel->loadFile(path, &error)) showError(error);
+  });
 
   auto* buildLabel = new QLabel(QString::fromStdString(describe(build_info())));
   buildLabel->setObjectName(QStringLiteral("buildInfoLabel"));
@@ -326,12 +338,13 @@ QStringList MainWindow::discoverHuggingFaceModels() {
 
 job::GenerationRequest MainWindow::requestFromFields() {
   job::GenerationRequest r = m_settings->request();
-  r.prompt = engine::fill_prompt_template(m_promptTemplate.toStdString(), r.prompt);
+  r.prompt = engine::fill_prompt_template(m_presetBar->promptTemplate().toStdString(), r.prompt);
   const engine::DeviceChoice choice = deviceChoice();
   r.device = choice.device;
   r.strategy.devices = choice.devices;
   r.strategy.skip = choice.skip;
   r.gpus = choice.gpus;
+  m_inputPanel->fillRequest(r);
   return r;
 }
 
@@ -362,6 +375,8 @@ void MainWindow::generate() {
   m_jobClock.start();
   if (request.width > 0 && request.height > 0) m_view->setDisplaySize(QSize(request.width, request.height));
   m_status->setText(tr("Starting (the first job with a model loads it)…"));
+  m_jobRequest = request;
+  m_viewTabs->setCurrentIndex(0);
   m_bridge->start(request);
   saveSettings();
   updateControls();
@@ -397,12 +412,15 @@ void MainWindow::onFinished(const QList<QImage>& images, const QString& metadata
   QString firstSaved;
   if (!QDir().mkpath(dir.path())) saveError = tr("cannot create the output folder %1").arg(dir.path());
   const std::string stamp = engine::output_stamp(std::time(nullptr));
+  std::string metadata = metadataJson.toStdString();  // with the input's files once they are written
   for (int i = 0; i < images.size(); ++i) {
     RenderedImage r{images[i], parameters, metadataJson, timings, QString()};
     if (saveError.isEmpty()) {
       try {
         const auto file = engine::unused_output_file(dir.path().toStdString(), stamp, m_seed->text().toStdString(), i);
-        engine::save_image(file, toCoreImage(images[i]), parameters.toStdString(), metadataJson.toStdString());
+        if (i == 0) metadata = engine::save_inputs_beside(file, m_jobRequest.input, metadata);
+        r.metadataJson = QString::fromStdString(metadata);
+        engine::save_image(file, toCoreImage(images[i]), parameters.toStdString(), metadata);
         const QString path = QString::fromStdString(file.string());
         r.savedPath = path;
         if (firstSaved.isEmpty()) firstSaved = path;
@@ -464,7 +482,7 @@ void MainWindow::saveSettings() const {
   QStringList disabledText;
   for (const int i : disabled) disabledText << QString::number(i);
   s.setValue(QStringLiteral("disabledGpus"), disabledText);
-  s.setValue(QStringLiteral("preset"), m_preset->currentIndex() > 0 ? m_preset->currentText() : QString());
+  s.setValue(QStringLiteral("preset"), m_presetBar->currentName());
   s.setValue(QStringLiteral("window/geometry"), saveGeometry());
   s.setValue(QStringLiteral("window/state"), saveState());
   s.setValue(QStringLiteral("window/mainSplitter"), m_mainSplitter->saveState());
@@ -473,58 +491,13 @@ void MainWindow::saveSettings() const {
 
 std::optional<std::uint64_t> MainWindow::seedValue() const { return m_settings->seedValue(); }
 
-QString MainWindow::userPresetDir() {
-  return QDir(QStandardPaths::writableLocation(QStandardPaths::AppConfigLocation)).filePath(QStringLiteral("presets"));
-}
+const std::vector<engine::Preset>& MainWindow::presets() const { return m_presetBar->presets(); }
+
+QString MainWindow::userPresetDir() { return PresetBar::userPresetDir(); }
 
 void MainWindow::reloadPresets(const QString& select) {
-  m_presets.clear();
-  QStringList problems;
-  // Shipped presets are compiled in (ui/CMakeLists.txt); a broken one is a build bug, still reported.
-  const QDir shipped(QStringLiteral(":/presets"));
-  for (const QString& name : shipped.entryList({QStringLiteral("*.json")}, QDir::Files, QDir::Name)) {
-    QFile f(shipped.filePath(name));
-    try {
-      if (!f.open(QIODevice::ReadOnly)) throw Error(f.fileName().toStdString() + ": cannot open");
-      m_presets.push_back(engine::parse_preset(f.readAll().toStdString(), f.fileName().toStdString()));
-    } catch (const std::exception& e) {
-      problems << QString::fromUtf8(e.what());
-    }
-  }
-  const QDir user(userPresetDir());
-  for (const QFileInfo& fi : user.entryInfoList({QStringLiteral("*.json")}, QDir::Files, QDir::Name)) {
-    try {
-      m_presets.push_back(engine::load_preset(fi.filePath().toStdString()));
-    } catch (const std::exception& e) {
-      problems << QString::fromUtf8(e.what());
-    }
-  }
-  const QSignalBlocker block(m_preset);
-  m_preset->clear();
-  m_preset->addItem(tr("No preset"));
-  for (const auto& p : m_presets) {
-    m_preset->addItem(QString::fromStdString(p.name));
-    m_preset->setItemData(m_preset->count() - 1, QString::fromStdString(p.description), Qt::ToolTipRole);
-  }
-  selectPreset(select.isEmpty() ? 0 : std::max(0, m_preset->findText(select)));
+  const QStringList problems = m_presetBar->reload(select);
   if (!problems.isEmpty()) showError(tr("Some presets were skipped:\n%1").arg(problems.join(QLatin1Char('\n'))));
-}
-
-void MainWindow::selectPreset(int index) {
-  m_preset->setCurrentIndex(index);
-  const bool active = index > 0 && index <= static_cast<int>(m_presets.size());
-  m_promptTemplate = active ? QString::fromStdString(m_presets[index - 1].prompt_template)
-                            : QString::fromLatin1(engine::kSubjectPlaceholder);
-  m_template->setText(tr("Prompt template: %1").arg(m_promptTemplate));
-  m_template->setVisible(active);
-  m_prompt->setPlaceholderText(active ? tr("The subject: fills {subject} in the template (Ctrl+Enter generates)")
-                                      : tr("What to draw (Ctrl+Enter generates)"));
-}
-
-void MainWindow::applyPreset(int index) {
-  selectPreset(index);
-  if (index <= 0 || index > static_cast<int>(m_presets.size())) return;
-  m_settings->applyPreset(m_presets[index - 1]);
 }
 
 QString MainWindow::savePreset(const QString& name) {
@@ -533,17 +506,16 @@ QString MainWindow::savePreset(const QString& name) {
   // The preset keeps the devices field (a skip factor, or the count a CPU job takes), not what the
   // GPUs enabled on this machine make of it.
   r.strategy.devices = r.strategy.skip = m_devices->value();
-  const engine::Preset p = engine::preset_from_request(
-      name.toStdString(),
-      (prompt.contains(QLatin1String(engine::kSubjectPlaceholder)) ? prompt : m_promptTemplate).toStdString(), r);
-  const QString file = QDir(userPresetDir()).filePath(QString::fromStdString(engine::preset_file_name(p.name)));
+  const bool promptIsTemplate = prompt.contains(QLatin1String(engine::kSubjectPlaceholder));
+  QString file;
   try {
-    engine::save_preset(p, file.toStdString());
+    file = m_presetBar->save(engine::preset_from_request(
+        name.toStdString(), (promptIsTemplate ? prompt : m_presetBar->promptTemplate()).toStdString(), r));
   } catch (const std::exception& e) {
     return tr("The preset was not saved: %1").arg(QString::fromUtf8(e.what()));
   }
   // A prompt that was the template is now the preset's job: leave the subject to the user.
-  if (prompt.contains(QLatin1String(engine::kSubjectPlaceholder))) m_prompt->clear();
+  if (promptIsTemplate) m_prompt->clear();
   reloadPresets(name);
   m_status->setText(tr("Saved preset %1 to %2").arg(name, QDir::toNativeSeparators(file)));
   return {};
@@ -554,6 +526,16 @@ bool MainWindow::eventFilter(QObject* watched, QEvent* event) {
   if (type == QEvent::DragEnter || type == QEvent::DragMove || type == QEvent::Drop) {
     auto* drop = static_cast<QDropEvent*>(event);
     const QString file = droppedFile(drop->mimeData());
+    if (watched == m_maskPane->editor()) {  // any image dropped on the editor is the input
+      if (file.isEmpty() && !drop->mimeData()->hasImage()) return false;
+      drop->acceptProposedAction();
+      if (type == QEvent::Drop) {
+        QString error;
+        if (file.isEmpty()) m_inputPanel->setImage(qvariant_cast<QImage>(drop->mimeData()->imageData()), tr("a dropped image"));
+        else if (!m_inputPanel->loadFile(file, &error)) showError(error);
+      }
+      return true;
+    }
     if (file.endsWith(QLatin1String(".png"), Qt::CaseInsensitive)) {
       drop->acceptProposedAction();
       if (type == QEvent::Drop) restoreFromPng(file);
@@ -575,7 +557,16 @@ void MainWindow::dropEvent(QDropEvent* event) {
   const QString file = droppedFile(event->mimeData());
   if (file.isEmpty()) return;
   event->acceptProposedAction();
-  restoreFromPng(file);
+  // A PNG brings back the parameters it was made with; photos become the input; anything else
+  // is tried as a PNG (and says why not).
+  static const QStringList kPhotos = {QStringLiteral("jpg"), QStringLiteral("jpeg"), QStringLiteral("webp"),
+                                      QStringLiteral("bmp"), QStringLiteral("tif"), QStringLiteral("tiff")};
+  if (!kPhotos.contains(QFileInfo(file).suffix().toLower())) {
+    restoreFromPng(file);
+    return;
+  }
+  QString error;
+  if (!m_inputPanel->loadFile(file, &error)) showError(error);
 }
 
 void MainWindow::restoreFromPng(const QString& png) {
@@ -611,7 +602,7 @@ void MainWindow::applyRestored(const engine::PngParameters& p, const QString& fi
   QStringList notRestored;
   for (const auto& u : p.unmapped) notRestored << QString::fromStdString(u);
   // The prompt is the whole prompt, not a subject for a template.
-  selectPreset(0);
+  m_presetBar->select(0);
   m_settings->restoreFields(p, restored, notRestored);
   if (p.device) {
     const QString device = QString::fromStdString(*p.device);
@@ -623,6 +614,7 @@ void MainWindow::applyRestored(const engine::PngParameters& p, const QString& fi
     }
   }
   m_settings->restoreStrategy(p, restored, notRestored);
+  m_inputPanel->restore(p, QFileInfo(file).dir(), restored, notRestored);
 
   const QString source = p.source == "diffract" ? QStringLiteral("Diffract")
                          : p.source == "a1111"  ? QStringLiteral("AUTOMATIC1111")
@@ -635,6 +627,8 @@ void MainWindow::applyRestored(const engine::PngParameters& p, const QString& fi
   m_status->setText(tr("Parameters restored from %1").arg(QFileInfo(file).fileName()));
 }
 
+MaskEditor* MainWindow::maskEditor() const { return m_maskPane->editor(); }
+
 CompareView* MainWindow::compareResults(int a, int b) {
   if (a < 0 || b < 0 || a >= m_results.size() || b >= m_results.size()) return nullptr;
   QList<CompareView::Item> items;
@@ -643,10 +637,7 @@ CompareView* MainWindow::compareResults(int a, int b) {
     items.append({tr("#%1 %2").arg(i + 1).arg(r.savedPath.isEmpty() ? tr("(not saved)") : QFileInfo(r.savedPath).fileName()),
                   r.image, r.metadataJson});
   }
-  auto* view = new CompareView(items, a, b, this);
-  view->setWindowFlag(Qt::Window);
-  view->setAttribute(Qt::WA_DeleteOnClose);
-  view->show();
+  auto* view = CompareView::openWindow(items, a, b, this);
   emit compareOpened(view);
   return view;
 }
@@ -661,25 +652,9 @@ void MainWindow::compareFiles(const QString& a, const QString& b) {
       showError(tr("Cannot compare: %1").arg(loaded.second));
       return;
     }
-    auto* view = new CompareView(loaded.first, 0, 1, this);
-    view->setWindowFlag(Qt::Window);
-    view->setAttribute(Qt::WA_DeleteOnClose);
-    view->show();
-    emit compareOpened(view);
+    emit compareOpened(CompareView::openWindow(loaded.first, 0, 1, this));
   });
-  watcher->setFuture(QtConcurrent::run([a, b] {
-    Loaded out;
-    for (const QString& path : {a, b}) {
-      QImageReader reader(path);
-      const QImage image = reader.read();
-      if (image.isNull()) {
-        out.second = tr("%1: %2").arg(QFileInfo(path).fileName(), reader.errorString());
-        return out;
-      }
-      out.first.append({QFileInfo(path).fileName(), image, image.text(QStringLiteral("diffract"))});
-    }
-    return out;
-  }));
+  watcher->setFuture(QtConcurrent::run([a, b] { return CompareView::readFiles({a, b}); }));
 }
 
 void MainWindow::setDevices(const std::vector<engine::DeviceInfo>& devices) { m_devicesPanel->setDevices(devices); }

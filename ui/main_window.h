@@ -26,10 +26,15 @@ class QPlainTextEdit;
 class QPushButton;
 class QSpinBox;
 class QSplitter;
+class QTabWidget;
 
 namespace diffract::ui {
 
 class DevicesPanel;
+class InputPanel;
+class MaskEditor;
+class MaskEditorPane;
+class PresetBar;
 class SettingsPanel;
 class GalleryView;
 class ImageView;
@@ -66,7 +71,7 @@ class MainWindow : public QMainWindow {
   std::optional<std::uint64_t> seedValue() const;
 
   // Shipped presets (compiled-in resources) then the user's (userPresetDir()), as in the combo.
-  const std::vector<engine::Preset>& presets() const { return m_presets; }
+  const std::vector<engine::Preset>& presets() const;
   static QString userPresetDir();
   // Writes the fields as a user preset called `name` and selects it; returns the error, or "".
   QString savePreset(const QString& name);
@@ -74,6 +79,8 @@ class MainWindow : public QMainWindow {
   // (restoreFinished reports the outcome; failures show in the window).
   void restoreFromPng(const QString& png);
   GalleryView* gallery() const { return m_gallery; }
+  InputPanel* inputPanel() const { return m_inputPanel; }
+  MaskEditor* maskEditor() const;
   // Opens the compare window on session results a and b (indexes into results()).
   CompareView* compareResults(int a, int b);
   // Reads two PNGs off the GUI thread, then opens the compare window on them.
@@ -114,8 +121,6 @@ class MainWindow : public QMainWindow {
   void matchTaesdToModel();
   void showError(const QString& message);
   void reloadPresets(const QString& select = QString());
-  void applyPreset(int index);
-  void selectPreset(int index);  // the combo and the prompt template, fields untouched
   void applyRestored(const engine::PngParameters& p, const QString& file);
   void onStep(int index, int total, double timestep, double ms);
   void onFinished(const QList<QImage>& images, const QString& metadataJson, const QString& parameters,
@@ -132,8 +137,7 @@ class MainWindow : public QMainWindow {
   DevicesPanel* m_devicesPanel = nullptr;
   SettingsPanel* m_settings = nullptr;  // owns the form's widgets (m_prompt to m_devices point into it)
   bool m_taesdMatched = false;  // m_taesd holds matchingTaesd()'s pick, not the user's
-  QComboBox* m_preset = nullptr;
-  QLabel* m_template = nullptr;
+  PresetBar* m_presetBar = nullptr;
   QLabel* m_restored = nullptr;
   QPushButton* m_compare = nullptr;
   GalleryView* m_gallery = nullptr;
@@ -144,12 +148,14 @@ class MainWindow : public QMainWindow {
   QLabel* m_status = nullptr;
   ImageView* m_view = nullptr;
   TimingsChart* m_timings = nullptr;
+  InputPanel* m_inputPanel = nullptr;
+  MaskEditorPane* m_maskPane = nullptr;
+  QTabWidget* m_viewTabs = nullptr;
+  job::GenerationRequest m_jobRequest;  // the running (or last) job, for saving its inputs
   QSplitter* m_mainSplitter = nullptr;
   QSplitter* m_viewSplitter = nullptr;
 
   QList<RenderedImage> m_results;
-  std::vector<engine::Preset> m_presets;
-  QString m_promptTemplate = QString::fromLatin1(engine::kSubjectPlaceholder);
   QElapsedTimer m_jobClock;
   int m_stepsSeen = 0;
   double m_stepMsSum = 0;

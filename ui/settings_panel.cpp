@@ -18,6 +18,7 @@
 #include <QToolButton>
 #include <QVBoxLayout>
 #include <algorithm>
+#include <cmath>
 #include <iterator>
 #include <string>
 
@@ -178,6 +179,29 @@ SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
   m_cfg->setToolTip(tr("Classifier-free guidance; 1 or less turns it off"));
   fields->addRow(tr("CFG"), m_cfg);
 
+  // The hires fix: off at ×1.
+  auto* hiresRow = new QHBoxLayout;
+  m_hiresScale = new QDoubleSpinBox;
+  m_hiresScale->setObjectName(QStringLiteral("hiresScale"));
+  m_hiresScale->setRange(1.0, 4.0);
+  m_hiresScale->setSingleStep(0.25);
+  m_hiresScale->setPrefix(QStringLiteral("×"));
+  m_hiresScale->setSpecialValueText(tr("off"));
+  m_hiresScale->setToolTip(tr("Hires fix: generate, upscale by this much, then denoise again at the strength beside it"));
+  m_hiresStrength = new QDoubleSpinBox;
+  m_hiresStrength->setObjectName(QStringLiteral("hiresStrength"));
+  m_hiresStrength->setRange(0.0, 1.0);
+  m_hiresStrength->setSingleStep(0.05);
+  m_hiresStrength->setValue(0.5);
+  m_hiresUpscaler = new QComboBox;
+  m_hiresUpscaler->setObjectName(QStringLiteral("hiresUpscaler"));
+  m_hiresUpscaler->addItem(tr("latent"), QStringLiteral("latent"));
+  m_hiresUpscaler->addItem(tr("Lanczos"), QStringLiteral("lanczos"));
+  hiresRow->addWidget(m_hiresScale, 1);
+  hiresRow->addWidget(m_hiresStrength, 1);
+  hiresRow->addWidget(m_hiresUpscaler, 1);
+  fields->addRow(tr("Hires fix"), hiresRow);
+
   auto* seedRow = new QHBoxLayout;
   // 64 bits, as the core takes: A1111 seeds reach 2^32 and ComfyUI's 2^64, past a QSpinBox's int.
   m_seed = new QLineEdit(QStringLiteral("0"));
@@ -260,6 +284,16 @@ const parallel::StrategyInfo& SettingsPanel::strategyInfo() const {
   return parallel::strategy_info(m_strategy ? m_strategy->currentData().toString().toStdString() : std::string());
 }
 
+void SettingsPanel::fitSizeTo(const QSize& canvas) {
+  if (canvas.isEmpty()) return;
+  const double area = m_width->value() > 0 && m_height->value() > 0 ? double(m_width->value()) * m_height->value()
+                                                                    : 1024.0 * 1024.0;
+  const double scale = std::min(1.0, std::sqrt(area / (double(canvas.width()) * canvas.height())));
+  const auto round64 = [](double v) { return std::max(64, static_cast<int>(std::lround(v / 64)) * 64); };
+  m_width->setValue(round64(canvas.width() * scale));
+  m_height->setValue(round64(canvas.height() * scale));
+}
+
 job::GenerationRequest SettingsPanel::request() const {
   job::GenerationRequest r;
   r.model = m_model->text().trimmed().toStdString();
@@ -277,6 +311,11 @@ job::GenerationRequest SettingsPanel::request() const {
   r.preview_max_side = m_previewSize->currentData().toInt();
   r.strategy.name = m_strategy->currentData().toString().toStdString();
   r.strategy.patches = m_patches->isEnabled() ? m_patches->value() : 0;
+  if (m_hiresScale->value() > 1.0) {
+    r.hires.scale = m_hiresScale->value();
+    r.hires.strength = m_hiresStrength->value();
+    r.hires.upscaler = m_hiresUpscaler->currentData().toString().toStdString();
+  }
   return r;
 }
 

@@ -1,5 +1,6 @@
 #pragma once
 #include <QStringList>
+#include <QSize>
 #include <QWidget>
 
 #include <cstdint>
@@ -62,6 +63,10 @@ class SettingsPanel : public QWidget {
 
   // The preset's settings (not its template: the window wraps the prompt in it).
   void applyPreset(const engine::Preset& p);
+  // The size fields to `canvas`'s aspect at about the pixels they ask for now (a megapixel when
+  // they say "model"), never above the canvas, in multiples of 64: a large photo is not run at its
+  // own size.
+  void fitSizeTo(const QSize& canvas);
   // A restored PNG's parameters, in two parts so that the window's device comes between them in
   // the report: the prompts, size, steps, CFG, seed, sampler, batch, model and TAESD; then the
   // strategy and its devices or skip factor. Each names what it set in `restored` and what it
@@ -89,7 +94,10 @@ class SettingsPanel : public QWidget {
   QComboBox* m_previewSize = nullptr;  // the previews' largest side (GenerationRequest::preview_max_side; 0: full size)
   QComboBox* m_strategy = nullptr;
   QSpinBox* m_devices = nullptr;
-  QSpinBox* m_patches = nullptr;  // pipefusion / cfg-pipefusion: latent row patches (0: one per stage)
+  QSpinBox* m_patches = nullptr;
+  QDoubleSpinBox* m_hiresScale = nullptr;
+  QDoubleSpinBox* m_hiresStrength = nullptr;
+  QComboBox* m_hiresUpscaler = nullptr;  // pipefusion / cfg-pipefusion: latent row patches (0: one per stage)
 };
 
 }  // namespace diffract::ui

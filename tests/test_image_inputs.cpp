@@ -1,0 +1,254 @@
+// Image-conditioned jobs against diffusers (tests/reference/make_image_fixtures.py): Pillow's
+// Lanczos resize, then img2img and inpainting (4-channel latent blending and 9 / 33-channel
+// inpainting models) for SD, SDXL and SD3, inputs of another size than the job's.
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/engine/engine.h"
+#include "core/engine/image_inputs.h"
+#include "core/io/image.h"
+#include "core/io/weights.h"
+#include "core/pipeline/image_processor.h"
+#include "core/util/error.h"
+#include "masked_change.h"
+#include "test_util.h"
+
+using namespace diffract;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path dir() { return test::fixtures() / "image"; }
+
+// As the text-to-image oracle: diffusers' float image (x * 255, rounded) against our 8-bit one.
+constexpr int kMaxLevels = 1;
+constexpr double kMaxMeanLevels = 0.05;
+
+at::Tensor bytes(const io::Image& img) {
+  return at::from_blob(const_cast<std::uint8_t*>(img.rgb.data()), {img.height, img.width, 3}, at::kByte).to(at::kInt);
+}
+
+nlohmann::json cases() {
+  std::ifstream in(dir() / "image_cases.json");
+  return nlohmann::json::parse(in);
+}
+
+job::GenerationRequest request_for(const nlohmann::json& c) {
+  job::GenerationRequest r;
+  r.model = (test::fixtures() / c["model"].get<std::string>()).string();
+  r.prompt = c["prompt"];
+  r.negative_prompt = c["negative_prompt"];
+  r.steps = c["steps"];
+  r.cfg = c["cfg"];
+  r.width = c["width"];
+  r.height = c["height"];
+  r.seed = c["seed"];
+  r.sampler = c["sampler"];
+  r.preview_every = 0;
+  engine::load_image_inputs(r.input, dir() / c["image"].get<std::string>(),
+                            c["mask"].get<std::string>().empty() ? fs::path() : dir() / c["mask"].get<std::string>());
+  r.input.strength = c["strength"];
+  r.input.full_res_padding = c["full_res_padding"];
+  return r;
+}
+
+job::GenerationRequest tiny_inpaint() {
+  job::GenerationRequest r;
+  r.model = (test::fixtures() / "tiny-sd").string();
+  r.prompt = "a helmet";
+  r.steps = 4;
+  r.width = r.height = 64;
+  r.seed = 3;
+  r.preview_every = 0;
+  engine::load_image_inputs(r.input, dir() / "photo.png", dir() / "mask.png");
+  return r;
+}
+
+}  // namespace
+
+class TestImageInputs : public QObject {
+  Q_OBJECT
+ private slots:
+  void lanczosResizeIsPillows() {
+    const auto photo = io::read_png(dir() / "photo.png");
+    const auto expected = io::load_state_dict(dir() / "resize_cases.safetensors");
+    QCOMPARE(expected.size(), std::size_t(6));
+    for (const auto& [key, want] : expected) {
+      const auto x = key.find('x');
+      const int w = std::stoi(key.substr(0, x)), h = std::stoi(key.substr(x + 1));
+      const auto ours = bytes(pipeline::resize_lanczos(photo, w, h));
+      QCOMPARE(ours.sizes(), want.sizes());
+      QVERIFY2(at::equal(ours, want.to(at::kInt)), key.c_str());
+    }
+  }
+
+  void greyAndBinarisationAreDiffusers() {
+    io::Image img{4, 1, {255, 255, 255, 128, 128, 128, 127, 127, 127, 10, 200, 30}};
+    // Pillow's convert("L") of these four pixels, then diffusers' binarisation (>= 0.5 repaints).
+    QCOMPARE(pipeline::to_grey(img), (std::vector<std::uint8_t>{255, 128, 127, 124}));
+    const auto m = pipeline::mask_tensor(img).flatten();
+    QVERIFY(at::equal(m, at::tensor({1.0f, 1.0f, 0.0f, 0.0f})));
+    const auto soft = pipeline::mask_tensor(img, /*soft=*/true).flatten();
+    QCOMPARE(soft[1].item<float>(), 128.0f / 255.0f);
+  }
+
+  void matchesDiffusers_data() {
+    QTest::addColumn<int>("index");
+    const auto all = cases();
+    for (std::size_t i = 0; i < all.size(); ++i) QTest::newRow(all[i]["name"].get<std::string>().c_str()) << static_cast<int>(i);
+    QCOMPARE(all.size(), std::size_t(20));
+  }
+
+  void matchesDiffusers() {
+    QFETCH(int, index);
+    const auto c = cases()[static_cast<std::size_t>(index)];
+    const std::string name = c["name"];
+    const auto expected = io::load_state_dict(dir() / "image_cases.safetensors").at(name);
+    const auto request = request_for(c);
+    job::CancelToken never;
+    const auto result = engine_.run(request, {}, never);
+    QCOMPARE(static_cast<int64_t>(result.images.size()), expected.size(0));
+    const auto ours = bytes(result.images.front());
+    const auto theirs = (expected[0] * 255).round().to(at::kInt);
+    QCOMPARE(ours.sizes(), theirs.sizes());
+    const auto diff = (ours - theirs).abs();
+    const int max = diff.max().item<int>();
+    const double mean = diff.to(at::kFloat).mean().item<float>();
+    qInfo("%s: max %d levels, mean %.4f", name.c_str(), max, mean);
+    QVERIFY2(max <= kMaxLevels && mean <= kMaxMeanLevels,
+             qPrintable(QString("%1: max diff %2 levels, mean %3").arg(name.c_str()).arg(max).arg(mean)));
+    const auto meta = nlohmann::json::parse(result.metadata_json);
+    const double strength = c["strength"];
+    const int steps = c["steps"];
+    QCOMPARE(meta["input"]["steps_run"].get<int>(), static_cast<int>(steps * strength));
+    QCOMPARE(static_cast<int>(result.timings.step_ms.size()), static_cast<int>(steps * strength));
+    const std::string kind = c["kind"];
+    if (kind != "img2img")
+      QCOMPARE(meta["input"]["inpainting"].get<std::string>(),
+               std::string(kind == "inpaint" ? "latent blend" : "mask channels"));
+    QVERIFY(result.a1111_parameters.find("Denoising strength: ") != std::string::npos);
+  }
+
+  void strengthZeroReturnsTheInput() {
+    auto r = tiny_inpaint();
+    r.input.mask = {};
+    r.input.strength = 0.0;
+    r.width = r.height = 0;  // the image's size, cut to the VAE factor: 74x60
+    job::CancelToken never;
+    const auto result = engine_.run(r, {}, never);
+    QCOMPARE(result.images.front().width, 74);
+    QCOMPARE(result.images.front().height, 60);
+    QVERIFY(result.images.front().rgb == pipeline::resize_lanczos(r.input.image, 74, 60).rgb);
+    QVERIFY(result.timings.step_ms.empty());
+  }
+
+  void pasteBackKeepsTheUnmaskedPixels() {
+    auto r = tiny_inpaint();
+    r.width = 74;
+    r.height = 60;
+    r.input.paste_back = true;
+    job::CancelToken never;
+    const auto result = engine_.run(r, {}, never);
+    const auto& out = result.images.front();
+    const auto original = pipeline::resize_lanczos(r.input.image, 74, 60);
+    const auto mask = pipeline::to_grey(pipeline::resize_lanczos(r.input.mask, 74, 60));
+    const auto c = test::masked_change(out.rgb, original.rgb, mask);
+    QCOMPARE(c.changed_outside, 0);
+    QVERIFY(c.kept > 1000);
+    QVERIFY2(c.repainted > 100, qPrintable(QString("only %1 masked pixels changed").arg(c.repainted)));
+  }
+
+  void fullResolutionInpaintsTheMaskRegion() {
+    auto r = tiny_inpaint();
+    r.input.full_res_padding = 4;
+    job::CancelToken never;
+    const auto result = engine_.run(r, {}, never);
+    const auto& out = result.images.front();
+    // The original's size comes back; outside the padded box nothing changes.
+    QCOMPARE(out.width, 75);
+    QCOMPARE(out.height, 61);
+    const auto meta = nlohmann::json::parse(result.metadata_json);
+    const auto box = meta["input"]["crop"];
+    QCOMPARE(box.size(), std::size_t(4));
+    const int x1 = box[0], y1 = box[1], x2 = box[2], y2 = box[3];
+    // The job's square aspect, unless the image's edges cut the box.
+    QVERIFY(x2 - x1 == y2 - y1 || x2 - x1 == out.width || y2 - y1 == out.height);
+    QVERIFY(x1 > 0 || y1 > 0 || x2 < out.width || y2 < out.height);  // not the whole image
+    for (int y = 0; y < out.height; ++y)
+      for (int x = 0; x < out.width; ++x)
+        if (x < x1 || x >= x2 || y < y1 || y >= y2) {
+          const std::size_t i = (static_cast<std::size_t>(y) * out.width + x) * 3;
+          QVERIFY(std::equal(&out.rgb[i], &out.rgb[i + 3], &r.input.image.rgb[i]));
+        }
+  }
+
+  void alphaBecomesTheMask() {
+    job::ImageInputs in;
+    const auto notes = engine::load_image_inputs(in, dir() / "photo_alpha.png");
+    QVERIFY(in.has_mask());
+    QCOMPARE(in.mask.width, 75);
+    QVERIFY(!notes.empty() && notes.back().find("alpha channel is the mask") != std::string::npos);
+    const auto grey = pipeline::to_grey(in.mask);
+    QCOMPARE(grey[static_cast<std::size_t>(30) * 75 + 30], std::uint8_t(255));  // the transparent hole
+    QCOMPARE(grey[0], std::uint8_t(0));
+  }
+
+  void badInputsAreClearErrors() {
+    job::CancelToken never;
+    const auto fails = [&](job::GenerationRequest r, const char* expected) {
+      try {
+        engine_.run(r, {}, never);
+      } catch (const Error& e) {
+        if (std::string(e.what()).find(expected) != std::string::npos) return true;
+        qWarning("unexpected message: %s", e.what());
+        return false;
+      }
+      return false;
+    };
+    auto r = tiny_inpaint();
+    r.input.strength = 1.5;
+    QVERIFY(fails(r, "strength 1.5 is outside 0..1"));
+    r = tiny_inpaint();
+    r.input.mask = io::Image{8, 8, std::vector<std::uint8_t>(8 * 8 * 3, 100)};
+    QVERIFY(fails(r, "nothing to repaint"));
+    r = tiny_inpaint();
+    r.input.image = {};
+    QVERIFY(fails(r, "a mask needs an init image"));
+    r = tiny_inpaint();
+    r.strategy.name = "cfg-parallel";
+    r.strategy.devices = 2;
+    QVERIFY(fails(r, "cfg-parallel does not take an init image or a mask"));
+
+    const auto read_fails = [](const fs::path& p, const char* expected) {
+      try {
+        io::read_image(p);
+      } catch (const Error& e) {
+        return std::string(e.what()).find(expected) != std::string::npos;
+      }
+      return false;
+    };
+    const fs::path tmp = fs::temp_directory_path() / "diffract_test_image_inputs";
+    fs::create_directories(tmp);
+    { std::ofstream(tmp / "empty.png"); }
+    QVERIFY(read_fails(tmp / "empty.png", "empty"));
+    { std::ofstream(tmp / "text.png") << "not an image at all"; }
+    QVERIFY(read_fails(tmp / "text.png", "not a PNG or JPEG"));
+    {
+      // A PNG whose header is cut after the signature.
+      std::ifstream src(dir() / "photo.png", std::ios::binary);
+      std::string head(40, '\0');
+      src.read(head.data(), 40);
+      std::ofstream(tmp / "cut.png", std::ios::binary) << head;
+    }
+    QVERIFY(read_fails(tmp / "cut.png", "corrupt PNG"));
+    QVERIFY(read_fails(tmp / "missing.png", "cannot open"));
+    fs::remove_all(tmp);
+  }
+
+ private:
+  engine::Engine engine_;
+};
+
+QTEST_GUILESS_MAIN(TestImageInputs)
+#include "test_image_inputs.moc"
