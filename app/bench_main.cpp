@@ -21,6 +21,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include "core/io/image.h"
 #include "core/io/safetensors_writer.h"
 #include "core/io/upload.h"
 #include "core/io/weights.h"
@@ -126,8 +127,62 @@ StrategySpec parse_strategy(const std::string& spec) {
   return s;
 }
 
+// A deterministic photo-like init image: smooth colour gradients with a bright disc.
+io::Image synthetic_image(int size) {
+  io::Image img{size, size, std::vector<std::uint8_t>(static_cast<std::size_t>(size) * size * 3)};
+  for (int y = 0; y < size; ++y)
+    for (int x = 0; x < size; ++x) {
+      const double dx = x - size / 2.0, dy = y - size / 2.0;
+      const bool disc = dx * dx + dy * dy < size * size / 16.0;
+      auto* p = &img.rgb[(static_cast<std::size_t>(y) * size + x) * 3];
+      p[0] = static_cast<std::uint8_t>(disc ? 230 : 255 * x / size);
+      p[1] = static_cast<std::uint8_t>(disc ? 200 : 255 * y / size);
+      p[2] = static_cast<std::uint8_t>(disc ? 40 : 128);
+    }
+  return img;
+}
+
+// Image-to-image at `strength` and inpainting (the centre quarter of the area, strength 1) of
+// the config's job, against its text-to-image denoising time `denoise`.
+json image_inputs(pipeline::Pipeline& sd, const job::GenerationRequest& req, int runs, double strength, double denoise) {
+  const auto clock = [] { return std::chrono::steady_clock::now(); };
+  const auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+  job::CancelToken never;
+  const auto timed = [&](const job::GenerationRequest& r) {
+    sd.generate(r, {}, never);  // first use of the encoder's shapes
+    std::vector<double> e2e, den, enc;
+    job::GenerationResult last;
+    for (int i = 0; i < runs; ++i) {
+      const auto t = clock();
+      last = sd.generate(r, {}, never);
+      e2e.push_back(ms(t, clock()));
+      den.push_back(denoise_ms(last));
+      enc.push_back(last.timings.vae_encode_ms);
+    }
+    return json{{"end_to_end_ms", percentile(e2e, 0.5)}, {"denoising_ms", percentile(den, 0.5)},
+                {"steps_run", last.timings.step_ms.size()}, {"vae_encode_enqueue_ms", percentile(enc, 0.5)},
+                {"step_ms", mean(last.timings.step_ms)}};
+  };
+  auto i2i = req;
+  i2i.input.image = synthetic_image(req.width);
+  i2i.input.strength = strength;
+  json out;
+  out["img2img"] = timed(i2i);
+  out["img2img"]["strength"] = strength;
+  auto inpaint = i2i;
+  inpaint.input.strength = 1.0;
+  inpaint.input.mask = io::Image{req.width, req.height, std::vector<std::uint8_t>(inpaint.input.image.rgb.size(), 0)};
+  for (int y = req.height / 4; y < 3 * req.height / 4; ++y)
+    std::fill_n(&inpaint.input.mask.rgb[(static_cast<std::size_t>(y) * req.width + req.width / 4) * 3],
+                static_cast<std::size_t>(req.width / 2) * 3, std::uint8_t(255));
+  out["inpaint"] = timed(inpaint);
+  out["inpaint"]["added_to_denoising_pct"] =
+      denoise > 0 ? 100.0 * (out["inpaint"]["denoising_ms"].get<double>() - denoise) / denoise : 0.0;
+  return out;
+}
+
 json run_config(const BenchConfig& c, int batch, int runs, const std::string& device,
-                const std::vector<std::string>& strategies) {
+                const std::vector<std::string>& strategies, double image_strength) {
   const bool cuda = device.rfind("cuda", 0) == 0;
 #ifdef DIFFRACT_HAS_CUDA
   const auto index = static_cast<c10::DeviceIndex>(cuda ? at::Device(device == "cuda" ? "cuda:0" : device).index() : 0);
@@ -241,6 +296,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
       {"repeatable", repeatable},
   };
   if (!half_side.is_null()) j["previews_half_side"] = half_side;
+  if (image_strength >= 0) j["image_inputs"] = image_inputs(*sd, req, runs, image_strength, denoise);
   {
     const auto meta = json::parse(last.metadata_json);
     if (meta.contains("unet_graphs")) j["unet_graphs"] = meta["unet_graphs"];
@@ -403,6 +459,7 @@ int main(int argc, char** argv) {
   bool verbose = false, build = false, load = false;
   std::string scratch = (std::filesystem::temp_directory_path() / "diffract-bench").string();
   std::vector<std::string> strategies;
+  double image_strength = -1;
   std::string names_help = "configs:";
   for (const auto& c : configs()) names_help += " " + c.name;
   app.add_option("--config", names, names_help)->delimiter(',');
@@ -420,6 +477,10 @@ int main(int argc, char** argv) {
                "only time loading each config's UNet from an fp16 safetensors file (written to --scratch first) onto "
                "--device: bound then moved, against pinned chunks straight to the device; page cache and cold");
   app.add_option("--scratch", scratch, "folder for --load-only's file")->capture_default_str();
+  app.add_option("--image-inputs", image_strength,
+                 "also time image-to-image at this strength and inpainting (a centred mask, strength 1) of each "
+                 "config's job, against its text-to-image denoising")
+      ->check(CLI::Range(0.0, 1.0));
   app.add_flag("-v,--verbose", verbose);
   CLI11_PARSE(app, argc, argv);
   log::set_verbose(verbose);
@@ -443,7 +504,7 @@ int main(int argc, char** argv) {
       }
       for (int b : batches) {
         if (b < 1) throw Error("--batch values must be at least 1");
-        out["results"].push_back(run_config(*it, b, runs, device, strategies));
+        out["results"].push_back(run_config(*it, b, runs, device, strategies, image_strength));
         log::get("bench").info(out["results"].back().dump());
       }
     }

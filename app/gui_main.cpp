@@ -14,8 +14,12 @@
 #include <cstdio>
 #include <memory>
 
+#include <QPainter>
+
 #include "ui/gallery.h"
+#include "ui/input_panel.h"
 #include "ui/main_window.h"
+#include "ui/mask_editor.h"
 
 namespace {
 
@@ -23,13 +27,16 @@ using diffract::ui::EngineBridge;
 using diffract::ui::MainWindow;
 
 // --screenshots DIR --model PATH: drives the real window through two generations, then saves
-// main-window.png, compare.png and gallery.png into DIR and quits (docs/screenshots, the CTest).
+// main-window.png, compare.png and gallery.png into DIR; then uses the last result as input,
+// masks its centre and inpaints it with another prompt, saving inpaint-mask.png (the mask on
+// the input) and inpaint.png (the result), and quits (docs/screenshots, the CTest).
 // Settings and output go to a temporary folder, so the user's are left alone.
 class ScreenshotTour : public QObject {
  public:
   struct Job {
     QString prompt, negative;
     int size = 96, steps = 10;
+    QString inpaintPrompt;  // the masked centre's
   };
   ScreenshotTour(QString dir, QString model, Job job, int timeoutS)
       : m_dir(std::move(dir)), m_model(std::move(model)), m_job(std::move(job)) {
@@ -64,7 +71,12 @@ class ScreenshotTour : public QObject {
             [this](const QString& message) { fail(QStringLiteral("generation failed: %1").arg(message)); });
     connect(w->bridge(), &EngineBridge::finished, this, [this] {
       // After the window's own slot has shown and saved the image.
-      QTimer::singleShot(0, this, [this] { m_window->results().size() < 2 ? generate(43) : shootMain(); });
+      QTimer::singleShot(0, this, [this] {
+        const auto n = m_window->results().size();
+        if (n < 2) generate(43);
+        else if (n == 2) shootMain();
+        else shootInpaintResult();
+      });
     });
     // Room for the settings; the gallery has its own screenshot.
     if (auto* dock = w->findChild<QDockWidget*>(QStringLiteral("galleryDock")))
@@ -124,10 +136,41 @@ class ScreenshotTour : public QObject {
     connect(view, &diffract::ui::CompareView::computed, this, [this, view] {
       QTimer::singleShot(200, this, [this, view] {
         if (!save(view->grab(), QStringLiteral("compare.png"))) return;
-        std::printf("screenshots: wrote main-window.png, gallery.png, compare.png to %s\n", qPrintable(m_dir));
-        m_done = true;
-        QApplication::exit(0);
+        view->close();
+        inpaint();
       });
+    });
+  }
+
+  // The last result as input, a disc in its centre masked (white = repaint), another prompt.
+  void inpaint() {
+    m_stage = QStringLiteral("inpainting");
+    const QImage last = m_window->results().back().image;
+    m_window->inputPanel()->setImage(last, QStringLiteral("the last result"));
+    QImage mask(last.size(), QImage::Format_Grayscale8);
+    mask.fill(0);
+    {
+      QPainter p(&mask);
+      p.setPen(Qt::NoPen);
+      p.setBrush(Qt::white);
+      const double r = last.width() * 0.3;
+      p.drawEllipse(QPointF(last.width() / 2.0, last.height() / 2.0), r, r);
+    }
+    m_window->maskEditor()->setMask(mask);
+    m_window->findChild<QPlainTextEdit*>(QStringLiteral("promptEdit"))->setPlainText(m_job.inpaintPrompt);
+    QTimer::singleShot(200, this, [this] {
+      if (!save(m_window->grab(), QStringLiteral("inpaint-mask.png"))) return;
+      generate(44);
+    });
+  }
+
+  void shootInpaintResult() {
+    QTimer::singleShot(200, this, [this] {
+      if (!save(m_window->grab(), QStringLiteral("inpaint.png"))) return;
+      std::printf("screenshots: wrote main-window.png, gallery.png, compare.png, inpaint-mask.png, inpaint.png to %s\n",
+                  qPrintable(m_dir));
+      m_done = true;
+      QApplication::exit(0);
     });
   }
 
@@ -184,7 +227,10 @@ int main(int argc, char** argv) {
                           QStringLiteral("96"));
   QCommandLineOption steps(QStringLiteral("steps"), QStringLiteral("Steps for --screenshots"), QStringLiteral("N"),
                            QStringLiteral("10"));
-  for (QCommandLineOption* o : {&screenshots, &model, &timeout, &prompt, &negative, &size, &steps}) {
+  QCommandLineOption inpaintPrompt(QStringLiteral("inpaint-prompt"),
+                                   QStringLiteral("The prompt --screenshots inpaints the masked centre with"),
+                                   QStringLiteral("TEXT"), QStringLiteral("a yellow star in the centre"));
+  for (QCommandLineOption* o : {&screenshots, &model, &timeout, &prompt, &negative, &size, &steps, &inpaintPrompt}) {
     o->setFlags(QCommandLineOption::HiddenFromHelp);
     parser.addOption(*o);
   }
@@ -207,6 +253,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "diffract: --size '%s' is not a positive number of pixels\n", qPrintable(parser.value(size)));
       return 2;
     }
+    job.inpaintPrompt = parser.value(inpaintPrompt);
     job.steps = parser.value(steps).toInt(&ok);
     if (!ok || job.steps <= 0) {
       std::fprintf(stderr, "diffract: --steps '%s' is not a positive number\n", qPrintable(parser.value(steps)));

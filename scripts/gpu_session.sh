@@ -5,6 +5,9 @@
 #           pattern); the lines matching GREP are printed besides the verdicts.
 #   lean    one GPU: the diffusers anchor, then diffract-bench (LEAN_CONFIGS, default sdxl-1024)
 #           on the same GPU, one after the other, and their ratios: a side-by-side of one run.
+#   image   one GPU: diffusers' SDXL text-to-image, img2img and inpaint pipelines
+#           (tests/gpu/diffusers_sdxl_image_inputs.py, img2img at STRENGTH, default 0.6), then
+#           diffract-bench --image-inputs on sdxl-1024, and their ratios.
 #   ab      one GPU: SDXL 1024² with AB_VAR set to each of AB_VALUES, one after the other on the
 #           same GPU, after the checks matching CHECKS if set; AB_OPS=N lists each step's N
 #           largest kernels by the ATen op that launched them, AB_STRATEGIES adds strategy runs.
@@ -166,6 +169,34 @@ lean)
     > "$logs/bench_single.json" 2> "$logs/bench_single.log"
   echo "single-GPU bench rc $? at $(elapsed) s"
   ratios
+  ;;
+
+image)
+  export CUDA_VISIBLE_DEVICES=0
+  STRENGTH="${STRENGTH:-0.6}" timeout 240 python3 tests/gpu/diffusers_sdxl_image_inputs.py > "$logs/anchor_image.log" 2>&1
+  echo "image anchor rc $? at $(elapsed) s"
+  timeout "$(left 3)" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 3 --image-inputs "${STRENGTH:-0.6}" \
+    > "$logs/bench_image.json" 2> "$logs/bench_image.log"
+  echo "image bench rc $? at $(elapsed) s"
+  python3 - "$logs" <<'PY'
+import json, sys
+d = sys.argv[1]
+anchor = {k: float(v) for _, k, v in (l.split(" ", 2) for l in open(f"{d}/anchor_image.log") if l.startswith("RES "))}
+print("anchor", anchor)
+try:
+    r = json.load(open(f"{d}/bench_image.json"))["results"][0]
+except Exception as e:
+    print("no bench JSON:", e); sys.exit(0)
+im = r["image_inputs"]
+print("ours: txt2img e2e", r["end_to_end_ms"]["median"], "step", round(r["denoiser_step_ms"]["mean"], 3), json.dumps(im))
+rows = [("text-to-image end to end (s)", r["end_to_end_ms"]["median"] / 1e3, anchor.get("txt2img_s")),
+        ("img2img end to end (s)", im["img2img"]["end_to_end_ms"] / 1e3, anchor.get("img2img_s")),
+        ("inpaint end to end (s)", im["inpaint"]["end_to_end_ms"] / 1e3, anchor.get("inpaint_s"))]
+for name, a, b in rows:
+    if b:
+        print(f"{name:32s} ours {a:8.3f} diffusers {b:8.3f} ratio {a / b:6.3f}")
+print("inpainting added to denoising:", round(im["inpaint"]["added_to_denoising_pct"], 2), "%")
+PY
   ;;
 
 ab)

@@ -19,7 +19,7 @@ if [ ! -f "$models/STAMP" ]; then
 fi
 if [ -f resources/models/diffract-emoji/model_index.json ]; then
   job=(--model resources/models/diffract-emoji --prompt "a large red apple in the centre on a light blue background"
-       --negative "" --size 128 --steps 20)
+       --negative "" --size 128 --steps 20 --inpaint-prompt "a yellow star in the centre on a light blue background")
 else
   job=(--model "$models/tiny-sd")
 fi
@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from PIL import Image
 raw, out = Path(sys.argv[1]), Path(sys.argv[2])
-for name in ("main-window.png", "compare.png", "gallery.png"):
+for name in ("main-window.png", "compare.png", "gallery.png", "inpaint-mask.png", "inpaint.png"):
     image = Image.open(raw / name).convert("RGB")
     image.quantize(128, dither=Image.Dither.NONE).save(out / name, optimize=True)
     print(f"[screenshots] {out / name}: {image.width}x{image.height}, {(out / name).stat().st_size // 1024} KiB")

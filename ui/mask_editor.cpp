@@ -100,8 +100,9 @@ void MaskEditor::changed() {
     const uchar* src = m_mask.constScanLine(y);
     auto* dst = reinterpret_cast<QRgb*>(m_overlayImage.scanLine(y));
     for (int x = 0; x < m_mask.width(); ++x) {
-      const int a = src[x] * 110 / 255;  // premultiplied red at up to 43 % opacity
-      dst[x] = qRgba(a, 0, 0, a);
+      // Premultiplied blue at up to 55 % opacity: it shows on reds, skin and white alike.
+      const int a = src[x] * 140 / 255;
+      dst[x] = qRgba(40 * a / 255, 120 * a / 255, a, a);
     }
   }
   update();

@@ -65,7 +65,7 @@ class MaskEditor : public ImageView {
 
   QImage m_input;
   QImage m_mask;
-  QImage m_overlayImage;     // red where the mask repaints
+  QImage m_overlayImage;     // blue where the mask repaints
   QList<QImage> m_undo, m_redo;
   Tool m_tool = Tool::Brush;
   int m_brush = 24;
