@@ -46,6 +46,12 @@ job::GenerationRequest request_for(const nlohmann::json& c) {
   r.seed = c["seed"];
   r.sampler = c["sampler"];
   r.preview_every = 0;
+  if (c["kind"] == "hires") {
+    r.hires.scale = c["hires_scale"];
+    r.hires.strength = c["strength"];
+    r.hires.upscaler = c["upscaler"];
+    return r;
+  }
   engine::load_image_inputs(r.input, dir() / c["image"].get<std::string>(),
                             c["mask"].get<std::string>().empty() ? fs::path() : dir() / c["mask"].get<std::string>());
   r.input.strength = c["strength"];
@@ -97,7 +103,7 @@ class TestImageInputs : public QObject {
     QTest::addColumn<int>("index");
     const auto all = cases();
     for (std::size_t i = 0; i < all.size(); ++i) QTest::newRow(all[i]["name"].get<std::string>().c_str()) << static_cast<int>(i);
-    QCOMPARE(all.size(), std::size_t(20));
+    QCOMPARE(all.size(), std::size_t(23));
   }
 
   void matchesDiffusers() {
@@ -121,14 +127,20 @@ class TestImageInputs : public QObject {
     const auto meta = nlohmann::json::parse(result.metadata_json);
     const double strength = c["strength"];
     const int steps = c["steps"];
+    const std::string kind = c["kind"];
+    if (kind == "hires") {  // both passes' steps
+      QCOMPARE(static_cast<int>(result.timings.step_ms.size()), steps + static_cast<int>(steps * strength));
+      QCOMPARE(meta["hires"]["first_pass"].get<std::string>(), std::string("32x32"));
+      return;
+    }
     QCOMPARE(meta["input"]["steps_run"].get<int>(), static_cast<int>(steps * strength));
     QCOMPARE(static_cast<int>(result.timings.step_ms.size()), static_cast<int>(steps * strength));
-    const std::string kind = c["kind"];
     if (kind != "img2img")
       QCOMPARE(meta["input"]["inpainting"].get<std::string>(),
                std::string(kind == "inpaint" ? "latent blend" : "mask channels"));
     QVERIFY(result.a1111_parameters.find("Denoising strength: ") != std::string::npos);
   }
+
 
   void strengthZeroReturnsTheInput() {
     auto r = tiny_inpaint();
@@ -181,6 +193,33 @@ class TestImageInputs : public QObject {
           const std::size_t i = (static_cast<std::size_t>(y) * out.width + x) * 3;
           QVERIFY(std::equal(&out.rgb[i], &out.rgb[i + 3], &r.input.image.rgb[i]));
         }
+  }
+
+  void readsWhatUsersBring() {
+    const auto photo = io::read_png(dir() / "photo.png");
+    // A 16-bit grey PNG: reduced to 8 bits, grey in all three channels, said so.
+    const auto grey = io::read_image(dir() / "grey16.png");
+    QCOMPARE(grey.format, std::string("png"));
+    QCOMPARE(grey.image.width, 75);
+    QCOMPARE(grey.image.rgb[0], grey.image.rgb[1]);
+    QVERIFY(!grey.notes.empty() && grey.notes.front().find("16-bit") != std::string::npos);
+    QCOMPARE(pipeline::to_grey(io::Image{grey.image.width, grey.image.height, grey.image.rgb})[10],
+             pipeline::to_grey(io::Image{photo.width, photo.height, photo.rgb})[10]);
+    // A CMYK JPEG (Pillow writes Adobe's inverted CMYK): back near the photo's colours, said so.
+    const auto cmyk = io::read_image(dir() / "photo_cmyk.jpg");
+    QCOMPARE(cmyk.format, std::string("jpeg"));
+    QVERIFY(!cmyk.notes.empty() && cmyk.notes.front().find("CMYK") != std::string::npos);
+    const auto diff = (bytes(cmyk.image) - bytes(photo)).abs().to(at::kFloat).mean().item<float>();
+    QVERIFY2(diff < 12, qPrintable(QString("CMYK JPEG differs from the photo by %1 levels on average").arg(diff)));
+    // A header claiming 100000 x 100000 pixels is refused before anything is allocated.
+    try {
+      io::read_image(dir() / "huge_header.png");
+      QFAIL("a 100000 x 100000 PNG was read");
+    } catch (const Error& e) {
+      QVERIFY2(std::string(e.what()).find("huge_header.png: the image is larger than 16384 pixels a side") !=
+                   std::string::npos,
+               e.what());
+    }
   }
 
   void alphaBecomesTheMask() {

@@ -818,6 +818,26 @@ class TestMainWindow : public QObject {
     QVERIFY(w.inputPanel()->source().contains("result"));
   }
 
+  void hiresFixDoublesTheImageInOneJob() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    setUpJob(w, 2);
+    child<QSpinBox>(w, "widthSpin")->setValue(32);
+    child<QSpinBox>(w, "heightSpin")->setValue(32);
+    child<QPlainTextEdit>(w, "promptEdit")->setPlainText("a red apple");
+    child<QDoubleSpinBox>(w, "hiresScale")->setValue(2.0);
+    QSignalSpy steps(w.bridge(), &EngineBridge::stepDone);
+    const QImage out = runJob(w);
+    QCOMPARE(out.size(), QSize(64, 64));
+    // 2 steps, then 1 of the second pass (strength 0.5), numbered as one run of 3.
+    QCOMPARE(steps.count(), 3);
+    QCOMPARE(steps[2][0].toInt(), 2);
+    QCOMPARE(steps[2][1].toInt(), 3);
+    QCOMPARE(child<ui::TimingsChart>(w, "timingsChart")->totalSteps(), 3);
+    QVERIFY(w.results().back().parameters.contains("Hires upscale: 2"));
+  }
+
   void droppingAPngWithoutParametersSaysSo() {
     MainWindow w;
     w.show();

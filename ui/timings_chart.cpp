@@ -30,7 +30,8 @@ void TimingsChart::reset(int totalSteps) {
 }
 
 void TimingsChart::setStep(int index, int total, double ms) {
-  if (total > m_steps.size()) m_steps.resize(total, -1.0);
+  // The job's own count wins over the request's steps (image-to-image runs fewer, the hires fix more).
+  if (total != m_steps.size()) m_steps.resize(std::max(0, total), -1.0);
   if (index >= 0 && index < m_steps.size()) m_steps[index] = ms;
   update();
 }

@@ -23,10 +23,19 @@ struct File {
   }
 };
 
+// What a read's png_set_user_limits breach leaves in the error text (libpng warns, then fails
+// with "Invalid IHDR data").
+constexpr const char* kOverLimit = "over the size limit";
+
 [[noreturn]] void png_fail(png_structp png, png_const_charp message) {
   auto* what = static_cast<std::string*>(png_get_error_ptr(png));
-  *what = message;
+  if (*what != kOverLimit) *what = message;
   png_longjmp(png, 1);
+}
+
+void png_warn(png_structp png, png_const_charp message) {
+  if (std::string(message).find("exceeds user limit") != std::string::npos)
+    *static_cast<std::string*>(png_get_error_ptr(png)) = kOverLimit;
 }
 
 void collect_text(png_structp png, png_infop info, PngText* out) {
@@ -87,10 +96,12 @@ void read_png_pixels(const std::filesystem::path& path, int channels, int& width
   unsigned char sig[8] = {};
   if (std::fread(sig, 1, 8, file.f) != 8 || png_sig_cmp(sig, 0, 8) != 0) throw Error(path.string() + ": not a PNG file");
   std::string error;
-  png_structp png = png_create_read_struct(PNG_LIBPNG_VER_STRING, &error, png_fail, nullptr);
+  png_structp png = png_create_read_struct(PNG_LIBPNG_VER_STRING, &error, png_fail, png_warn);
   png_infop info = png_create_info_struct(png);
   if (setjmp(png_jmpbuf(png))) {
     png_destroy_read_struct(&png, &info, nullptr);
+    if (error == kOverLimit)
+      throw Error(path.string() + ": the image is larger than " + std::to_string(kMaxImageSide) + " pixels a side");
     throw Error(path.string() + ": corrupt PNG: " + error);
   }
   png_init_io(png, file.f);

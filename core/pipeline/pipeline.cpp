@@ -129,6 +129,13 @@ std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> with_mask_channe
   };
 }
 
+// The steps the hires pass runs (0 without it).
+int hires_steps_run(const job::GenerationRequest& req) {
+  if (!req.hires.enabled()) return 0;
+  const int steps = req.hires.steps > 0 ? req.hires.steps : req.steps;
+  return std::min(static_cast<int>(steps * req.hires.strength), steps);
+}
+
 // The hires pass's size: the job's times the scale, rounded to the size multiple.
 std::pair<int, int> hires_size(const job::GenerationRequest& req, int multiple) {
   const auto side = [&](int v) {
@@ -242,13 +249,15 @@ at::Tensor Pipeline::hires_pass(JobContext& job, const at::Tensor& latents, at::
   encode(job);  // conditioning that depends on the size (SDXL's time ids)
   const int steps = h.steps > 0 ? h.steps : req.steps;
   auto sampler = schedulers::Sampler::create(job.kind, job.config, steps);
-  const int first = steps - std::min(static_cast<int>(steps * h.strength), steps);
+  const int first = steps - hires_steps_run(req);
   if (first == steps) return start;
   const auto noise = at::randn(start.sizes(), gen, s.dtype).to(s.device);
   auto x = sampler->add_noise(start, noise, first);
   const auto extra = inpaint_model ? repaint_all_channels(start.sizes().vec(), f, s.device, s.dtype, encode_fn)
                                    : at::Tensor();
-  StepReporter reporter(s.device, req, observer, *sampler, preview, job.timings, first);
+  const int run_before = static_cast<int>(job.timings.step_ms.size());
+  StepReporter reporter(s.device, req, observer, *sampler, preview, job.timings, first, run_before,
+                        run_before + steps - first);
   LoopImage from;
   from.first_step = first;
   return denoise(*sampler, x, gen, req.cfg, with_mask_channels(denoiser(job), extra), reporter, cancel, nan_hint(), from);
@@ -423,7 +432,8 @@ job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, 
                                   req, observer, preview_fn, timings, strategy_stats);
     } else {
       const auto model = with_mask_channels(denoiser(job), start_point.mask_channels);
-      StepReporter reporter(s.device, req, observer, *sampler, preview_fn, timings, first_step);
+      StepReporter reporter(s.device, req, observer, *sampler, preview_fn, timings, first_step, 0,
+                            req.steps - first_step + hires_steps_run(req));
       latents = denoise(*sampler, latents, gen, req.cfg, model, reporter, cancel, nan_hint(), start_point.loop);
     }
     strategy_call_ms = ms_since(before_strategy);

@@ -117,9 +117,10 @@ namespace diffract::pipeline::detail {
 
 StepReporter::StepReporter(const c10::Device& device, const job::GenerationRequest& req,
                            const job::JobObserver& observer, const schedulers::Sampler& sampler, Preview preview,
-                           job::StageTimings& timings, int first_step)
+                           job::StageTimings& timings, int first_step, int event_offset, int event_total)
     : req_(req), observer_(observer), sampler_(sampler), preview_(std::move(preview)), timings_(timings),
-      first_(first_step), clock_(device), previews_(device) {
+      first_(first_step), offset_(event_offset),
+      total_(event_total > 0 ? event_total : sampler.num_steps() - first_step), clock_(device), previews_(device) {
   clock_.start();
 }
 
@@ -128,7 +129,7 @@ void StepReporter::stepped(int i, const at::Tensor& out, const at::Tensor& befor
   const int total = sampler_.num_steps() - first_, k = i - first_;
   if (req_.preview_every > 0 && observer_.on_preview && ((k + 1) % req_.preview_every == 0 || k + 1 == total)) {
     const auto x0 = sampler_.predict_x0(out, i, before).narrow(0, 0, 1);
-    if (!previews_.try_start(k, {x0}, [&] { return to_bytes(preview_(x0)); })) ++timings_.previews_dropped;
+    if (!previews_.try_start(k + offset_, {x0}, [&] { return to_bytes(preview_(x0)); })) ++timings_.previews_dropped;
   }
   clock_.wait_until_ahead(2);  // the device always has the next step queued, the host stays near
   drain();
@@ -147,7 +148,7 @@ void StepReporter::drain() {
     const int i = reported_++;
     timings_.step_ms.push_back(ms);
     if (observer_.on_step)
-      observer_.on_step({i, sampler_.num_steps() - first_, sampler_.timesteps()[static_cast<std::size_t>(i + first_)], ms});
+      observer_.on_step({i + offset_, total_, sampler_.timesteps()[static_cast<std::size_t>(i + first_)], ms});
   }
   for (const auto& d : previews) deliver(d);
 }

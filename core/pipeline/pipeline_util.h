@@ -81,9 +81,12 @@ class StepReporter {
  public:
   // x0 [1, C, h, w] (the sampler's prediction, diffusion latent space) -> images [1, 3, H, W] in [-1, 1].
   using Preview = std::function<at::Tensor(const at::Tensor& x0)>;
-  // `first_step`: the loop runs the sampler's steps from there (image-to-image); events count from it.
+  // `first_step`: the loop runs the sampler's steps from there (image-to-image); events count from
+  // it. A job of two loops (the hires fix) numbers its events on: the second loop's start at
+  // `event_offset`, both reporting `event_total` steps (0: this loop's own count).
   StepReporter(const c10::Device& device, const job::GenerationRequest& req, const job::JobObserver& observer,
-               const schedulers::Sampler& sampler, Preview preview, job::StageTimings& timings, int first_step = 0);
+               const schedulers::Sampler& sampler, Preview preview, job::StageTimings& timings, int first_step = 0,
+               int event_offset = 0, int event_total = 0);
 
   // After step i's work is enqueued: its model output and the state it started from.
   void stepped(int i, const at::Tensor& out, const at::Tensor& before);
@@ -99,6 +102,7 @@ class StepReporter {
   Preview preview_;
   job::StageTimings& timings_;
   int first_;
+  int offset_, total_;  // what step events say: index + offset_ of total_
   StepClock clock_;
   SideStreamTask previews_;
   int reported_ = 0;

@@ -5,7 +5,8 @@ SD3) on the tiny seeded models, with inputs whose size differs from the job's.
 Reads make_fixtures.py's tiny-sd / tiny-sdxl and make_sd3_pipeline_fixtures.py's tiny-sd3 (--fixtures).
 Writes into --out:
   photo.png (75x61 RGB, a crop of skimage's astronaut), photo_alpha.png (the same with a transparent
-  hole), mask.png (40x30 grey, soft-edged ellipse: binarisation matters), mask_empty.png (nothing to repaint);
+  hole), mask.png (40x30 grey, soft-edged ellipse: binarisation matters), mask_empty.png (nothing to repaint),
+  grey16.png, photo_cmyk.jpg and huge_header.png (what the readers must take or refuse);
   tiny-sd-inpainting/, tiny-sdxl-inpainting/ (9-channel UNets), tiny-sd3-inpainting/ (a 33-channel
   transformer), each the base model's other components;
   resize_cases.safetensors: Pillow's Lanczos resizes of photo.png to several sizes;
@@ -41,6 +42,16 @@ def make_inputs(out):
     draw.ellipse((6, 4, 32, 25), outline=140)  # a ring over 50 %: repainted
     mask.save(os.path.join(out, "mask.png"))
     Image.new("L", (75, 61), 100).save(os.path.join(out, "mask_empty.png"))  # under 50 % everywhere
+    # What users bring: a 16-bit grey PNG, a CMYK JPEG, and a PNG whose header claims 100000² pixels.
+    grey16 = (np.array(photo.convert("L"), dtype=np.uint16) * 257)
+    Image.fromarray(grey16).save(os.path.join(out, "grey16.png"))  # mode I;16
+    photo.convert("CMYK").save(os.path.join(out, "photo_cmyk.jpg"), quality=95)
+    import struct, zlib
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    with open(os.path.join(out, "huge_header.png"), "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 100000, 100000, 8, 2, 0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
     return photo, mask, rgba
 
 
@@ -161,6 +172,31 @@ def make_cases(fixtures, out, photo, mask):
     run("sd3.inpaint", "sd3", "inpaint", "flow-euler", 52, 1.0, 64, 64, cfg=5.0)
     run("sd3.inpaint.0.8", "sd3", "inpaint", "flow-euler", 53, 0.8, 64, 48, cfg=5.0)
     run("sd3.inpaint33", "sd3", "inpaint33", "flow-euler", 54, 1.0, 64, 64, cfg=5.0)
+
+    # The hires fix as diffusers would run it: text-to-image, the upscale, then img2img from the
+    # upscaled latents (or the Lanczos-resized image) with the same generator carried on.
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    for name, family, upscaler, sampler, seed in (("sd.hires.latent", "sd", "latent", "euler", 71),
+                                                  ("sd.hires.lanczos", "sd", "lanczos", "dpmpp-2m", 72),
+                                                  ("sdxl.hires.latent", "sdxl", "latent", "euler-ancestral", 73)):
+        i2i, folder = pipes[(family, "img2img")]
+        t2i = (StableDiffusionPipeline if family == "sd" else StableDiffusionXLPipeline)(**i2i.components)
+        cls, extra = SAMPLERS[sampler]
+        t2i.scheduler = getattr(diffusers, cls).from_config(saved[(family, "img2img")], **extra)
+        i2i.scheduler = getattr(diffusers, cls).from_config(saved[(family, "img2img")], **extra)
+        g = torch.Generator().manual_seed(seed)
+        kw = dict(prompt="a portrait in a spacesuit", num_inference_steps=5, guidance_scale=7.5, generator=g)
+        if upscaler == "latent":
+            latents = t2i(height=32, width=32, output_type="latent", **kw).images
+            start = torch.nn.functional.interpolate(latents, scale_factor=2, mode="bicubic", align_corners=False)
+        else:
+            start = t2i(height=32, width=32, output_type="pil", **kw).images[0].resize((64, 64), Image.LANCZOS)
+        result = i2i(image=start, strength=0.5, output_type="np", **kw).images
+        cases[name] = torch.from_numpy(np.ascontiguousarray(result))
+        index.append({"name": name, "model": folder, "kind": "hires", "sampler": sampler, "seed": seed, "strength": 0.5,
+                      "width": 32, "height": 32, "cfg": 7.5, "steps": 5, "negative_prompt": "", "prompt": kw["prompt"],
+                      "image": "", "mask": "", "full_res_padding": -1, "hires_scale": 2.0, "upscaler": upscaler,
+                      "out_width": int(result.shape[2]), "out_height": int(result.shape[1])})
     save_file(cases, os.path.join(out, "image_cases.safetensors"))
     with open(os.path.join(out, "image_cases.json"), "w") as f:
         json.dump(index, f, indent=1)
