@@ -103,7 +103,7 @@ class TestImageInputs : public QObject {
     QTest::addColumn<int>("index");
     const auto all = cases();
     for (std::size_t i = 0; i < all.size(); ++i) QTest::newRow(all[i]["name"].get<std::string>().c_str()) << static_cast<int>(i);
-    QCOMPARE(all.size(), std::size_t(23));
+    QCOMPARE(all.size(), std::size_t(24));
   }
 
   void matchesDiffusers() {
@@ -141,6 +141,24 @@ class TestImageInputs : public QObject {
     QVERIFY(result.a1111_parameters.find("Denoising strength: ") != std::string::npos);
   }
 
+
+  void cfgParallelRunsImageJobsAsOneDevice() {
+    // On two CPU virtual devices: image-to-image and 4-channel inpainting (the blend on every
+    // rank), against the same job on one device.
+    job::CancelToken never;
+    for (const bool mask : {false, true}) {
+      auto r = tiny_inpaint();
+      r.input.strength = 0.7;
+      if (!mask) r.input.mask = {};
+      const auto one = engine_.run(r, {}, never);
+      r.strategy.name = "cfg-parallel";
+      r.strategy.devices = 2;
+      const auto two = engine_.run(r, {}, never);
+      QCOMPARE(two.timings.step_ms.size(), one.timings.step_ms.size());
+      const int max = (bytes(two.images.front()) - bytes(one.images.front())).abs().max().item<int>();
+      QVERIFY2(max <= 1, qPrintable(QString("%1: %2 levels apart").arg(mask ? "inpaint" : "img2img").arg(max)));
+    }
+  }
 
   void strengthZeroReturnsTheInput() {
     auto r = tiny_inpaint();
@@ -255,9 +273,14 @@ class TestImageInputs : public QObject {
     r.input.image = {};
     QVERIFY(fails(r, "a mask needs an init image"));
     r = tiny_inpaint();
+    r.strategy.name = "driffusion";
+    r.strategy.devices = 2;
+    QVERIFY(fails(r, "driffusion does not take an init image or a mask"));
+    r = tiny_inpaint();
+    r.model = (dir() / "tiny-sd-inpainting").string();
     r.strategy.name = "cfg-parallel";
     r.strategy.devices = 2;
-    QVERIFY(fails(r, "cfg-parallel does not take an init image or a mask"));
+    QVERIFY(fails(r, "cannot run an inpainting model"));
 
     const auto read_fails = [](const fs::path& p, const char* expected) {
       try {

@@ -25,7 +25,7 @@ LoopOutput run_cfg_parallel(const Strategy& s, DeviceGroup& g, const LoopInputs&
     auto& k = ranks[static_cast<std::size_t>(rank)];
     const auto dev = g.device(rank);
     const auto bytes0 = comm.bytes_sent();
-    for (int i = 0; i < k.sampler->num_steps(); ++i) {
+    for (int i = in.first_step; i < k.sampler->num_steps(); ++i) {
       gate.check(i);
       auto mine = eval_at(*k.den, *k.sampler, k.x, i, rank == 0 ? Branch::Cond : Branch::Uncond);
       ++evals;
@@ -41,7 +41,7 @@ LoopOutput run_cfg_parallel(const Strategy& s, DeviceGroup& g, const LoopInputs&
     const auto all = at::stack(maes).to(at::kCPU, at::kDouble).contiguous();
     curve.assign(all.data_ptr<double>(), all.data_ptr<double>() + all.numel());
   }
-  return finish(s, in, g, result, in.steps, evals.load(), bytes.load());
+  return finish(s, in, g, result, in.steps - in.first_step, evals.load(), bytes.load());
 }
 
 }  // namespace

@@ -15,6 +15,7 @@ struct Rank {
   at::Generator gen;
   std::unique_ptr<Denoiser> den;
   at::Tensor x;
+  at::Tensor mask, image_latents, noise;  // LoopInputs' blend tensors on this rank's device
 };
 
 // Throws unless the group has the strategy's device count.

@@ -88,7 +88,7 @@ constexpr std::string_view kTransformerOnly =
 const std::vector<StrategyInfo> kStrategies = {
     {"single", "The plain loop on one device.", Level::Loop, true, true, "", false, true, {1, 1, 1}, {}, make_single, ""},
     {"cfg-parallel", "Prompt and negative prompt on two devices at once; the same image.", Level::Evaluation, true,
-     true, "", true, true, {2, 2, 1}, {}, make_cfg_parallel},
+     true, "", true, true, {2, 2, 1}, {}, make_cfg_parallel, ""},
     {"hybrid-cfg",
      "CFG-parallel, with a few layer-split steps a step stale where the two branches agree; small changes.",
      Level::Evaluation, true, false,

@@ -59,6 +59,11 @@ std::vector<Rank> prepare(const Strategy& s, DeviceGroup& g, const LoopInputs& i
     }
     k.den = in.make_denoiser(r, g.device(r));
     k.x = in.latents.to(g.device(r));
+    if (in.blend_mask.defined()) {
+      k.mask = in.blend_mask.to(g.device(r));
+      k.image_latents = in.blend_image_latents.to(g.device(r));
+      k.noise = in.blend_noise.to(g.device(r));
+    }
   }
   s.validate(ranks[0].den->batch(), ranks[0].den->cfg());
   return ranks;
@@ -78,6 +83,11 @@ void CancelGate::check(int round) {
 
 at::Tensor refine(Rank& k, int rank, const LoopInputs& in, const at::Tensor& out, int i, const at::Tensor& x) {
   auto next = k.sampler->step(out, i, x, k.gen);
+  if (k.mask.defined()) {
+    const int n = k.sampler->num_steps();
+    const auto kept = i + 1 < n ? k.sampler->add_noise(k.image_latents, k.noise, i + 1) : k.image_latents;
+    next = (1 - k.mask) * kept + k.mask * next;
+  }
   if (rank == 0 && in.on_step) in.on_step(i, out, x, next);
   return next;
 }
@@ -105,7 +115,7 @@ LoopOutput SingleDevice::run(DeviceGroup& g, const LoopInputs& in) const {
   CancelGate gate(in.cancel);
   g.run([&](int rank, Communicator&) {
     auto& k = ranks[0];
-    for (int i = 0; i < k.sampler->num_steps(); ++i) {
+    for (int i = in.first_step; i < k.sampler->num_steps(); ++i) {
       gate.check(i);
       k.x = refine(k, rank, in, eval_at(*k.den, *k.sampler, k.x, i, Branch::Guided), i, k.x);
     }

@@ -33,6 +33,11 @@ struct LoopInputs {
   // On rank 0's thread after each refined step i: the output it used, the state before, after.
   std::function<void(int step, const at::Tensor& model_output, const at::Tensor& before, const at::Tensor& after)> on_step;
   const job::CancelToken* cancel = nullptr;
+  // Image inputs (strategies whose registry entry takes them): the loop starts at `first_step`;
+  // with a blend mask, after each step the latents outside it become the image's latents noised
+  // to the next step's level (4-channel inpainting, as pipeline::detail::LoopImage).
+  int first_step = 0;
+  at::Tensor blend_mask, blend_image_latents, blend_noise;
 };
 
 struct LoopStats {

@@ -32,8 +32,9 @@ struct Weights {
   std::vector<std::int32_t> k;
 };
 
-Weights lanczos_weights(int in_size, int out_size) {
-  const double scale = static_cast<double>(in_size) / out_size;
+// The source range [in0, in1) of the axis (Pillow's resize box) onto out_size samples.
+Weights lanczos_weights(int in_size, double in0, double in1, int out_size) {
+  const double scale = (in1 - in0) / out_size;
   const double filterscale = std::max(scale, 1.0);
   const double support = 3.0 * filterscale;
   Weights w;
@@ -43,7 +44,7 @@ Weights lanczos_weights(int in_size, int out_size) {
   w.k.assign(static_cast<size_t>(out_size) * w.ksize, 0);
   std::vector<double> k(w.ksize);
   for (int xx = 0; xx < out_size; ++xx) {
-    const double center = (xx + 0.5) * scale;
+    const double center = in0 + (xx + 0.5) * scale;
     const double ss = 1.0 / filterscale;
     int xmin = static_cast<int>(center - support + 0.5);  // C's truncation, as Pillow
     if (xmin < 0) xmin = 0;
@@ -102,16 +103,69 @@ void check_image(const io::Image& image, const char* what) {
 
 io::Image resize_lanczos(const io::Image& image, int width, int height) {
   check_image(image, "resize");
+  return resize_lanczos(image, width, height, 0, 0, image.width, image.height);
+}
+
+io::Image resize_lanczos(const io::Image& image, int width, int height, double x0, double y0, double x1, double y1) {
+  check_image(image, "resize");
   if (width <= 0 || height <= 0) throw Error("resize to " + std::to_string(width) + "x" + std::to_string(height));
-  if (width == image.width && height == image.height) return image;
+  if (x0 < 0 || y0 < 0 || x1 > image.width || y1 > image.height || x1 < x0 || y1 < y0)
+    throw Error("resize box outside the image");
+  const bool along_x = width != image.width || x0 != 0 || x1 != image.width;
+  const bool along_y = height != image.height || y0 != 0 || y1 != image.height;
   std::vector<std::uint8_t> px = image.rgb;
   int w = image.width;
-  if (width != image.width) {
-    px = resample_axis(px, w, image.height, 3, true, width, lanczos_weights(image.width, width));
+  if (along_x) {
+    px = resample_axis(px, w, image.height, 3, true, width, lanczos_weights(image.width, x0, x1, width));
     w = width;
   }
-  if (height != image.height) px = resample_axis(px, w, image.height, 3, false, height, lanczos_weights(image.height, height));
+  if (along_y) px = resample_axis(px, w, image.height, 3, false, height, lanczos_weights(image.height, y0, y1, height));
   return io::Image{width, height, std::move(px)};
+}
+
+void paste(io::Image& dst, const io::Image& src, int x, int y) {
+  for (int sy = 0; sy < src.height; ++sy) {
+    const int dy = y + sy;
+    if (dy < 0 || dy >= dst.height) continue;
+    const int sx0 = std::max(0, -x), sx1 = std::min(src.width, dst.width - x);
+    if (sx1 <= sx0) continue;
+    std::copy_n(&src.rgb[(static_cast<size_t>(sy) * src.width + sx0) * 3], static_cast<size_t>(sx1 - sx0) * 3,
+                &dst.rgb[(static_cast<size_t>(dy) * dst.width + x + sx0) * 3]);
+  }
+}
+
+io::Image resize_fill(const io::Image& image, int width, int height) {
+  check_image(image, "resize");
+  const double ratio = static_cast<double>(width) / height, src_ratio = static_cast<double>(image.width) / image.height;
+  const int src_w = ratio < src_ratio ? width : image.width * height / image.height;
+  const int src_h = ratio >= src_ratio ? height : image.height * width / image.width;
+  const auto resized = resize_lanczos(image, src_w, src_h);
+  io::Image res{width, height, std::vector<std::uint8_t>(static_cast<size_t>(width) * height * 3, 0)};
+  paste(res, resized, width / 2 - src_w / 2, height / 2 - src_h / 2);
+  if (ratio < src_ratio) {
+    const int fill = height / 2 - src_h / 2;
+    if (fill > 0) {
+      paste(res, resize_lanczos(resized, width, fill, 0, 0, width, 0), 0, 0);
+      paste(res, resize_lanczos(resized, width, fill, 0, resized.height, width, resized.height), 0, fill + src_h);
+    }
+  } else if (ratio > src_ratio) {
+    const int fill = width / 2 - src_w / 2;
+    if (fill > 0) {
+      paste(res, resize_lanczos(resized, fill, height, 0, 0, 0, height), 0, 0);
+      paste(res, resize_lanczos(resized, fill, height, resized.width, 0, resized.width, height), fill + src_w, 0);
+    }
+  }
+  return res;
+}
+
+io::Image resize_crop(const io::Image& image, int width, int height) {
+  check_image(image, "resize");
+  const double ratio = static_cast<double>(width) / height, src_ratio = static_cast<double>(image.width) / image.height;
+  const int src_w = ratio > src_ratio ? width : image.width * height / image.height;
+  const int src_h = ratio <= src_ratio ? height : image.height * width / image.width;
+  io::Image res{width, height, std::vector<std::uint8_t>(static_cast<size_t>(width) * height * 3, 0)};
+  paste(res, resize_lanczos(image, src_w, src_h), width / 2 - src_w / 2, height / 2 - src_h / 2);
+  return res;
 }
 
 std::vector<std::uint8_t> to_grey(const io::Image& image) {
@@ -284,8 +338,8 @@ PreparedInputs prepare_inputs(const job::ImageInputs& in, int width, int height)
     if (in.full_res_padding >= 0) {
       p.crop_box = mask_crop_region(p.soft_mask, width, height, in.full_res_padding);
       p.cropped = true;
-      p.image = resize_lanczos(crop(in.image, p.crop_box), width, height);
-      p.mask = mask_tensor(resize_lanczos(crop(p.soft_mask, p.crop_box), width, height));
+      p.image = resize_fill(crop(in.image, p.crop_box), width, height);
+      p.mask = mask_tensor(resize_fill(crop(p.soft_mask, p.crop_box), width, height));
     } else {
       p.image = resize_lanczos(in.image, width, height);
       p.job_mask = resize_lanczos(mask, width, height);
@@ -322,10 +376,7 @@ std::vector<io::Image> finish_images(const PreparedInputs& p, std::vector<io::Im
   for (auto& img : images) {
     if (p.cropped) {
       io::Image full = p.original;
-      const auto part = resize_lanczos(img, p.crop_box.width(), p.crop_box.height());
-      for (int y = 0; y < part.height; ++y)
-        std::copy_n(&part.rgb[static_cast<size_t>(y) * part.width * 3], static_cast<size_t>(part.width) * 3,
-                    &full.rgb[(static_cast<size_t>(y + p.crop_box.y1) * full.width + p.crop_box.x1) * 3]);
+      paste(full, resize_crop(img, p.crop_box.width(), p.crop_box.height()), p.crop_box.x1, p.crop_box.y1);
       img = composite_unmasked(full, p.original, to_grey(p.soft_mask));
     } else if (paste_back && p.mask.defined()) {
       img = composite_unmasked(img, p.image, to_grey(p.job_mask));

@@ -16,6 +16,15 @@ namespace diffract::pipeline {
 // Pillow's Image.resize((width, height), Image.LANCZOS) of an 8-bit RGB image, bit for bit: its
 // two passes (horizontal first) with 22-bit fixed-point weights, each rounded to 8 bits.
 io::Image resize_lanczos(const io::Image& image, int width, int height);
+// The same from the source rectangle [x0, x1) x [y0, y1) (Pillow's `box`; an empty side stretches
+// the edge rows or columns as Pillow's filter weighs them).
+io::Image resize_lanczos(const io::Image& image, int width, int height, double x0, double y0, double x1, double y1);
+// diffusers' resize_mode "fill": the aspect kept, the rest filled from the edges; and "crop":
+// the aspect kept, the excess cut, centred (each Pillow's Lanczos underneath).
+io::Image resize_fill(const io::Image& image, int width, int height);
+io::Image resize_crop(const io::Image& image, int width, int height);
+// `src` into `dst` with its top-left at (x, y), clipped.
+void paste(io::Image& dst, const io::Image& src, int x, int y);
 // Pillow's convert("L"): ITU-R 601 luma, (19595 R + 38470 G + 7471 B + 2^15) >> 16.
 std::vector<std::uint8_t> to_grey(const io::Image& image);
 // A Gaussian blur of standard deviation `radius` pixels (edges repeated), every channel.

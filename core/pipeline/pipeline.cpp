@@ -349,6 +349,10 @@ job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, 
     throw Error("the model's denoiser takes " + std::to_string(denoiser_in_channels()) + " channels: neither its " +
                 std::to_string(latent_channels()) + " latent channels nor an inpainting model's " +
                 std::to_string(2 * latent_channels() + 1));
+  if (strategy && inpaint_model)
+    throw Error("strategy " + strategy->name() + " cannot run an inpainting model (its " +
+                std::to_string(denoiser_in_channels()) + "-channel denoiser takes the mask, which the ranks are not "
+                "given): run it on one device (single)");
   PreparedInputs prepared;
   if (image_job) {
     prepared = prepare_inputs(req.input, req.width, req.height);
@@ -425,6 +429,10 @@ job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, 
       in.latents = latents;
       in.generator = gen;
       in.cancel = &cancel;
+      in.first_step = first_step;
+      in.blend_mask = start_point.loop.mask;
+      in.blend_image_latents = start_point.loop.image_latents;
+      in.blend_noise = start_point.loop.noise;
       in.make_denoiser = [this, &job, strategy](int rank, const c10::Device& d) {
         return rank_denoiser(job, *strategy, rank, d);
       };

@@ -265,7 +265,7 @@ at::Tensor run_strategy_loop(const parallel::Strategy& strategy, parallel::Devic
   const auto sampler = schedulers::Sampler::create(in.kind, in.config, in.steps);  // timesteps, x0 for previews
   // The clock starts before the ranks do (on device 0's current stream, which rank 0's thread
   // shares), so the first step's time holds the ranks' start-up, as the loop's total should.
-  StepReporter reporter(group.device(0), req, observer, *sampler, preview, timings);
+  StepReporter reporter(group.device(0), req, observer, *sampler, preview, timings, in.first_step);
   in.on_step = [&](int i, const at::Tensor& out, const at::Tensor& before, const at::Tensor&) {
     reporter.stepped(i, out, before);  // on rank 0's thread
   };

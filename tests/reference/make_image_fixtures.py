@@ -41,6 +41,8 @@ def make_inputs(out):
     draw.ellipse((4, 2, 34, 27), outline=120)  # a ring under 50 %: not repainted
     draw.ellipse((6, 4, 32, 25), outline=140)  # a ring over 50 %: repainted
     mask.save(os.path.join(out, "mask.png"))
+    # At the photo's size, for the full-resolution crop (diffusers crops image and mask alike).
+    mask.resize(photo.size, Image.NEAREST).save(os.path.join(out, "mask_photo_size.png"))
     Image.new("L", (75, 61), 100).save(os.path.join(out, "mask_empty.png"))  # under 50 % everywhere
     # What users bring: a 16-bit grey PNG, a CMYK JPEG, and a PNG whose header claims 100000² pixels.
     grey16 = (np.array(photo.convert("L"), dtype=np.uint16) * 257)
@@ -119,7 +121,7 @@ def make_cases(fixtures, out, photo, mask):
     cases, index = {}, []
 
     def run(name, family, kind, sampler, seed, strength, width=None, height=None, cfg=7.5, steps=5,
-            negative=None, padding_mask_crop=None, image_file="photo.png"):
+            negative=None, padding_mask_crop=None, image_file="photo.png", mask_file="mask.png"):
         pipe, folder = pipes[(family, kind)]
         cls, extra = SAMPLERS[sampler]
         pipe.scheduler = getattr(diffusers, cls).from_config(saved[(family, kind)], **extra)
@@ -134,9 +136,10 @@ def make_cases(fixtures, out, photo, mask):
                 image = image.resize((width, height), Image.LANCZOS)
             result = pipe(image=image, **kw).images
         else:
-            extra_kw = {} if kind == "img2img" else {"mask_image": mask}
+            extra_kw = {} if kind == "img2img" else {"mask_image": Image.open(os.path.join(out, mask_file))}
             if padding_mask_crop is not None:
                 extra_kw["padding_mask_crop"] = padding_mask_crop
+                kw["output_type"] = "pil"  # diffusers pastes the crop back in PIL only
             if family == "sd3" and kind != "img2img":
                 # diffusers 0.42.1's SD3 inpaint pipeline decodes latents / scaling_factor without
                 # adding the VAE's shift_factor back (its txt2img and img2img pipelines add it):
@@ -148,11 +151,13 @@ def make_cases(fixtures, out, photo, mask):
                 result = pipe.image_processor.postprocess(decoded, output_type="np")
             else:
                 result = pipe(image=image, height=height, width=width, **kw, **extra_kw).images
+        if isinstance(result, list):  # PIL images
+            result = np.stack([np.asarray(i, dtype=np.float32) / 255.0 for i in result])
         cases[name] = torch.from_numpy(np.ascontiguousarray(result))
         index.append({"name": name, "model": folder, "kind": kind, "sampler": sampler, "seed": seed,
                       "strength": strength, "width": width or 0, "height": height or 0, "cfg": cfg,
                       "steps": steps, "negative_prompt": negative or "", "prompt": kw["prompt"],
-                      "image": image_file, "mask": "" if kind == "img2img" else "mask.png",
+                      "image": image_file, "mask": "" if kind == "img2img" else mask_file,
                       "full_res_padding": -1 if padding_mask_crop is None else padding_mask_crop,
                       "out_width": int(result.shape[2]), "out_height": int(result.shape[1])})
 
@@ -164,6 +169,8 @@ def make_cases(fixtures, out, photo, mask):
     run("sd.inpaint.euler-ancestral.0.7", "sd", "inpaint", "euler-ancestral", 35, 0.7, 64, 64)
     run("sd.inpaint.ddim.0.8", "sd", "inpaint", "ddim", 36, 0.8, 64, 48)
     run("sd.inpaint9.euler", "sd", "inpaint9", "euler", 37, 1.0, 64, 64)
+    run("sd.inpaint.full-res", "sd", "inpaint", "euler", 39, 1.0, 64, 64, padding_mask_crop=4,
+        mask_file="mask_photo_size.png")
     run("sd.inpaint9.dpmpp-2m.0.6", "sd", "inpaint9", "dpmpp-2m", 38, 0.6, 64, 64)
     run("sdxl.img2img.euler", "sdxl", "img2img", "euler", 41, 0.6, 96, 64)
     run("sdxl.inpaint.euler-ancestral", "sdxl", "inpaint", "euler-ancestral", 42, 1.0, 64, 64)
