@@ -2,6 +2,8 @@
 // Lanczos resize, then img2img and inpainting (4-channel latent blending and 9 / 33-channel
 // inpainting models) for SD, SDXL and SD3, inputs of another size than the job's.
 #include <fstream>
+#include <iterator>
+#include <random>
 
 #include <nlohmann/json.hpp>
 
@@ -238,6 +240,43 @@ class TestImageInputs : public QObject {
                    std::string::npos,
                e.what());
     }
+  }
+
+  void damagedFilesAreErrorsNotCrashes() {
+    // Seeded byte flips and cuts of a PNG (with alpha), a CMYK JPEG and a 16-bit PNG: each read
+    // gives an image or a diffract::Error, never a crash or another exception.
+    const fs::path tmp = fs::temp_directory_path() / "diffract_fuzz_image";
+    fs::create_directories(tmp);
+    std::mt19937 rng(1234);
+    int images = 0, errors = 0;
+    for (const char* name : {"photo_alpha.png", "photo_cmyk.jpg", "grey16.png"}) {
+      std::ifstream in(dir() / name, std::ios::binary);
+      const std::string original((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      QVERIFY(original.size() > 100);
+      for (int round = 0; round < 150; ++round) {
+        std::string bytes = original;
+        if (round % 3 == 0) {
+          bytes.resize(std::uniform_int_distribution<std::size_t>(0, bytes.size() - 1)(rng));
+        } else {
+          const int flips = 1 + round % 8;
+          for (int f = 0; f < flips; ++f)
+            bytes[std::uniform_int_distribution<std::size_t>(0, bytes.size() - 1)(rng)] =
+                static_cast<char>(std::uniform_int_distribution<int>(0, 255)(rng));
+        }
+        const fs::path file = tmp / (std::string("fuzz_") + name);
+        std::ofstream(file, std::ios::binary) << bytes;
+        try {
+          const auto d = io::read_image(file);
+          QVERIFY(d.image.rgb.size() == static_cast<std::size_t>(d.image.width) * d.image.height * 3);
+          ++images;
+        } catch (const Error&) {
+          ++errors;
+        }
+      }
+    }
+    qInfo("damaged files: %d read, %d refused", images, errors);
+    QVERIFY(errors > 0);
+    fs::remove_all(tmp);
   }
 
   void alphaBecomesTheMask() {

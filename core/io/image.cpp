@@ -173,6 +173,7 @@ DecodedImage read_jpeg(const std::filesystem::path& path) {
   JpegError err;
   cinfo.err = jpeg_std_error(&err.mgr);
   err.mgr.error_exit = jpeg_fail;
+  err.mgr.output_message = [](j_common_ptr) {};  // warnings are counted (num_warnings), not printed
   std::vector<std::uint8_t> row;
   if (setjmp(err.jump)) {
     jpeg_destroy_decompress(&cinfo);
@@ -218,6 +219,9 @@ DecodedImage read_jpeg(const std::filesystem::path& path) {
   jpeg_finish_decompress(&cinfo);
   jpeg_destroy_decompress(&cinfo);
   if (cmyk) out.notes.push_back(path.filename().string() + ": a CMYK JPEG, converted to RGB without its colour profile");
+  if (err.mgr.num_warnings > 0)
+    out.notes.push_back(path.filename().string() + ": the JPEG is damaged (" + std::to_string(err.mgr.num_warnings) +
+                        " problems in its data); what could be decoded is used");
   return out;
 }
 #endif
