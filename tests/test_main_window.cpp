@@ -838,6 +838,36 @@ class TestMainWindow : public QObject {
     QVERIFY(w.results().back().parameters.contains("Hires upscale: 2"));
   }
 
+  void generateStaysInSightAndTheWheelScrollsPastFields() {
+    MainWindow w;
+    w.resize(1280, 720);
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    // Generate and Cancel sit below the scrolled form: inside the window at 1280x720.
+    for (const char* name : {"generateButton", "cancelButton"}) {
+      auto* b = child<QPushButton>(w, name);
+      const QRect inWindow(b->mapTo(&w, QPoint(0, 0)), b->size());
+      QVERIFY2(w.rect().contains(inWindow), name);
+      QVERIFY(b->isVisible());
+    }
+    // The wheel over an unfocused field leaves it alone; once focused, it changes it.
+    auto* steps = child<QSpinBox>(w, "stepsSpin");
+    steps->setValue(20);
+    const QPoint at = steps->rect().center();
+    QWheelEvent wheel(at, steps->mapToGlobal(at), QPoint(), QPoint(0, 120), Qt::NoButton, Qt::NoModifier,
+                      Qt::NoScrollPhase, false);
+    QApplication::sendEvent(steps, &wheel);
+    QCOMPARE(steps->value(), 20);
+    w.activateWindow();
+    QVERIFY(QTest::qWaitForWindowActive(&w));
+    steps->setFocus();
+    QTRY_VERIFY(steps->hasFocus());
+    QWheelEvent again(at, steps->mapToGlobal(at), QPoint(), QPoint(0, 120), Qt::NoButton, Qt::NoModifier,
+                      Qt::NoScrollPhase, false);
+    QApplication::sendEvent(steps, &again);
+    QCOMPARE(steps->value(), 21);
+  }
+
   void droppingAPngWithoutParametersSaysSo() {
     MainWindow w;
     w.show();

@@ -52,6 +52,7 @@
 #include "ui/mask_editor.h"
 #include "ui/preset_bar.h"
 #include "ui/timings_chart.h"
+#include "ui/wheel_guard.h"
 
 namespace diffract::ui {
 
@@ -203,7 +204,6 @@ void MainWindow::buildUi() {
   m_cancel->setToolTip(tr("Esc"));
   buttons->addWidget(m_generate, 1);
   buttons->addWidget(m_cancel);
-  formLayout->addLayout(buttons);
   connect(m_generate, &QPushButton::clicked, this, &MainWindow::generate);
   connect(m_cancel, &QPushButton::clicked, this, &MainWindow::cancel);
 
@@ -214,7 +214,6 @@ void MainWindow::buildUi() {
   m_error->setTextFormat(Qt::PlainText);
   m_error->setStyleSheet(QStringLiteral("color: #c62828;"));
   m_error->hide();
-  formLayout->addWidget(m_error);
   m_restored = new QLabel;
   m_restored->setObjectName(QStringLiteral("restoredLabel"));
   m_restored->setWordWrap(true);
@@ -228,10 +227,18 @@ void MainWindow::buildUi() {
   m_prompt->viewport()->installEventFilter(this);
   m_settings->negative()->viewport()->installEventFilter(this);
 
+  guardWheel(form);
   auto* scroll = new QScrollArea;
   scroll->setWidget(form);
   scroll->setWidgetResizable(true);
   scroll->setMinimumWidth(300);
+  // Generate, Cancel and the error stay in sight below the scrolled form, at any window height.
+  auto* left = new QWidget;
+  auto* leftLayout = new QVBoxLayout(left);
+  leftLayout->setContentsMargins(0, 0, 0, 0);
+  leftLayout->addWidget(scroll, 1);
+  leftLayout->addLayout(buttons);
+  leftLayout->addWidget(m_error);
 
   // Right: the live view, its status line, the stage timings.
   m_view = new ImageView;
@@ -276,7 +283,7 @@ void MainWindow::buildUi() {
 
   m_mainSplitter = new QSplitter(Qt::Horizontal);
   m_mainSplitter->setObjectName(QStringLiteral("mainSplitter"));
-  m_mainSplitter->addWidget(scroll);
+  m_mainSplitter->addWidget(left);
   m_mainSplitter->addWidget(m_viewSplitter);
   m_mainSplitter->setStretchFactor(1, 1);
   setCentralWidget(m_mainSplitter);
