@@ -144,22 +144,29 @@ class TestImageInputs : public QObject {
   }
 
 
-  void cfgParallelRunsImageJobsAsOneDevice() {
+  void strategiesRunImageJobsAsOneDevice() {
     // On two CPU virtual devices: image-to-image and 4-channel inpainting (the blend on every
-    // rank), against the same job on one device.
+    // rank, or on each rank's rows), against the same job on one device.
     job::CancelToken never;
-    for (const bool mask : {false, true}) {
-      auto r = tiny_inpaint();
-      r.input.strength = 0.7;
-      if (!mask) r.input.mask = {};
-      const auto one = engine_.run(r, {}, never);
-      r.strategy.name = "cfg-parallel";
-      r.strategy.devices = 2;
-      const auto two = engine_.run(r, {}, never);
-      QCOMPARE(two.timings.step_ms.size(), one.timings.step_ms.size());
-      const int max = (bytes(two.images.front()) - bytes(one.images.front())).abs().max().item<int>();
-      QVERIFY2(max <= 1, qPrintable(QString("%1: %2 levels apart").arg(mask ? "inpaint" : "img2img").arg(max)));
-    }
+    for (const char* strategy : {"cfg-parallel", "data-parallel"})
+      for (const bool mask : {false, true}) {
+        auto r = tiny_inpaint();
+        r.input.strength = 0.7;
+        r.batch = 2;
+        if (!mask) r.input.mask = {};
+        const auto one = engine_.run(r, {}, never);
+        r.strategy.name = strategy;
+        r.strategy.devices = 2;
+        const auto two = engine_.run(r, {}, never);
+        QCOMPARE(nlohmann::json::parse(two.metadata_json)["strategy_name"].get<std::string>(), std::string(strategy));
+        QCOMPARE(two.timings.step_ms.size(), one.timings.step_ms.size());
+        QCOMPARE(two.images.size(), std::size_t(2));
+        for (std::size_t b = 0; b < 2; ++b) {
+          const int max = (bytes(two.images[b]) - bytes(one.images[b])).abs().max().item<int>();
+          QVERIFY2(max <= 1, qPrintable(QString("%1 %2, image %3: %4 levels apart")
+                                            .arg(strategy).arg(mask ? "inpaint" : "img2img").arg(b).arg(max)));
+        }
+      }
   }
 
   void strengthZeroReturnsTheInput() {

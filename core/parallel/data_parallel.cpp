@@ -41,11 +41,19 @@ LoopOutput DataParallel::run(DeviceGroup& g, const LoopInputs& in) const {
     const std::int64_t count = base + (rank < extra ? 1 : 0);
     auto den = k.den->rows(begin, count);
     auto x = k.x.narrow(0, begin, count).contiguous();
-    for (int i = 0; i < k.sampler->num_steps(); ++i) {
+    // This rank's rows of an inpainting job's blend.
+    const auto rows = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, begin, count) : t; };
+    const auto mask = rows(k.mask), image_latents = rows(k.image_latents), noise = rows(k.noise);
+    const int steps = k.sampler->num_steps();
+    for (int i = in.first_step; i < steps; ++i) {
       gate.check(i);
       auto out = eval_at(*den, *k.sampler, x, i, Branch::Guided);
       ++evals;
       auto next = k.sampler->step(out, i, x, k.gen);
+      if (mask.defined()) {
+        const auto kept = i + 1 < steps ? k.sampler->add_noise(image_latents, noise, i + 1) : image_latents;
+        next = (1 - mask) * kept + mask * next;
+      }
       // on_step reports rank 0's slice (the first images of the batch).
       if (rank == 0 && in.on_step) in.on_step(i, out, x, next);
       x = next;
@@ -62,7 +70,7 @@ LoopOutput DataParallel::run(DeviceGroup& g, const LoopInputs& in) const {
       result = at::cat(all);
     }
   });
-  return finish(*this, in, g, result, in.steps, evals.load(), bytes.load());
+  return finish(*this, in, g, result, in.steps - in.first_step, evals.load(), bytes.load());
 }
 
 

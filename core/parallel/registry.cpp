@@ -105,7 +105,7 @@ const std::vector<StrategyInfo> kStrategies = {
     {"cfg-driffusion-aggressive", "Aggressive DRiffusion with each draft's two CFG branches on a pair of devices.",
      Level::Loop, true, true, "", true, false, {0, 2, 2}, {Param::Devices}, make_driffusion},
     {"data-parallel", "A batch's images split over the devices; the same images.", Level::Evaluation, true, true,
-     "", false, true, {0, 1, 1}, {Param::Devices}, make_data_parallel},
+     "", false, true, {0, 1, 1}, {Param::Devices}, make_data_parallel, ""},
     {"step-skip", "Evaluates every skip-th step on one device and jumps over the rest: the naive baseline.",
      Level::Loop, true, true, "", false, false, {1, 1, 1}, {Param::Skip}, make_step_skip},
     {"pipefusion", "SD3: the transformer's blocks over the devices, the image in patches, a step stale.",
