@@ -181,6 +181,13 @@ class TestMainWindow : public QObject {
       QVERIFY(QTest::qWaitForWindowExposed(&w));
       QCOMPARE(QFileInfo(child<QLineEdit>(w, "modelEdit")->text()).canonicalFilePath(), QFileInfo(embedded).canonicalFilePath());
       QVERIFY(!child<QLabel>(w, "hintLabel")->isVisible());
+      // After choosing another model, the models menu leads back to the embedded one.
+      child<QLineEdit>(w, "modelEdit")->setText(tinyModel());
+      auto* combo = child<QComboBox>(w, "discoveredModelsCombo");
+      const int last = combo->count() - 1;
+      QCOMPARE(combo->itemText(last), QStringLiteral("diffract-emoji (embedded)"));
+      combo->activated(last);
+      QCOMPARE(QFileInfo(child<QLineEdit>(w, "modelEdit")->text()).canonicalFilePath(), QFileInfo(embedded).canonicalFilePath());
     }
     qputenv("DIFFRACT_EMBEDDED_MODEL", before);
   }

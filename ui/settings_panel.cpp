@@ -113,7 +113,10 @@ SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
                                         : tr("%n model(s) in the Hugging Face cache", nullptr, static_cast<int>(found.size())));
   for (const QString& path : found)
     m_discovered->addItem(QString::fromStdString(engine::hugging_face_repo_name(path.toStdString())), path);
-  m_discovered->setEnabled(!found.isEmpty());
+  // The way back to the model this build ships, once another was chosen.
+  const QString embedded = QString::fromStdString(embedded_model_dir().string());
+  if (!embedded.isEmpty()) m_discovered->addItem(tr("diffract-emoji (embedded)"), embedded);
+  m_discovered->setEnabled(m_discovered->count() > 1);
   connect(m_discovered, &QComboBox::activated, this, [this](int index) {
     if (index > 0) m_model->setText(m_discovered->itemData(index).toString());
   });
