@@ -1,6 +1,7 @@
 // The compare view: OpenCV metrics against scikit-image, the heatmap, the differing parameters.
 #include <QComboBox>
 #include <QLabel>
+#include <QPointer>
 #include <QSignalSpy>
 #include <QTableWidget>
 #include <cmath>
@@ -77,6 +78,18 @@ class TestCompareView : public QObject {
     QVERIFY(cold.red() < 10 && cold.green() < 10 && cold.blue() < 10);  // INFERNO at 0 is near black
     QVERIFY(hot.red() > 200 && hot.green() > 200);  // INFERNO at 255 is pale yellow
     QCOMPARE(r.heatmap.pixelColor(39, 29), cold);
+  }
+
+  void escClosesTheWindow() {
+    QWidget owner;
+    auto* view = CompareView::openWindow({{"a", filled(16, 16, Qt::white), "{}"}, {"b", filled(16, 16, Qt::black), "{}"}},
+                                         0, 1, &owner);
+    QPointer<CompareView> alive(view);
+    QVERIFY(QTest::qWaitForWindowExposed(view));
+    view->activateWindow();
+    QVERIFY(QTest::qWaitForWindowActive(view));
+    QTest::keyClick(view, Qt::Key_Escape);
+    QTRY_VERIFY(alive.isNull());  // closed, and deleted on close
   }
 
   void tableListsDifferingParameters() {

@@ -1,6 +1,8 @@
 #include "ui/compare_view.h"
 
 #include <QFileInfo>
+#include <QKeySequence>
+#include <QShortcut>
 #include <QImageReader>
 #include <QComboBox>
 #include <QFutureWatcher>
@@ -184,6 +186,10 @@ void SwipeView::mouseMoveEvent(QMouseEvent* event) {
 CompareView::CompareView(QList<Item> items, int a, int b, QWidget* parent) : QWidget(parent), m_items(std::move(items)) {
   setObjectName(QStringLiteral("compareView"));
   setWindowTitle(tr("Compare"));
+  // Esc closes the window (it is one when opened with openWindow).
+  auto* close = new QShortcut(QKeySequence(Qt::Key_Escape), this);
+  close->setContext(Qt::WidgetWithChildrenShortcut);
+  connect(close, &QShortcut::activated, this, &QWidget::close);
   auto* layout = new QVBoxLayout(this);
 
   auto* pickRow = new QHBoxLayout;

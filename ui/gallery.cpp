@@ -70,7 +70,8 @@ GalleryView::GalleryView(QWidget* parent) : QWidget(parent) {
   connect(refresh, &QPushButton::clicked, this, &GalleryView::refresh);
   connect(openFolder, &QPushButton::clicked, this, [this] {
     QDir().mkpath(m_folder);
-    QDesktopServices::openUrl(QUrl::fromLocalFile(m_folder));
+    if (!QDesktopServices::openUrl(QUrl::fromLocalFile(m_folder)))
+      m_status->setText(tr("No file manager opened %1: open it yourself").arg(QDir::toNativeSeparators(m_folder)));
   });
   connect(m_saveAs, &QPushButton::clicked, this, &GalleryView::saveSelectedAs);
   connect(m_delete, &QPushButton::clicked, this, &GalleryView::deleteSelected);
