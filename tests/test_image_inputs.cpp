@@ -97,8 +97,6 @@ class TestImageInputs : public QObject {
     QCOMPARE(pipeline::to_grey(img), (std::vector<std::uint8_t>{255, 128, 127, 124}));
     const auto m = pipeline::mask_tensor(img).flatten();
     QVERIFY(at::equal(m, at::tensor({1.0f, 1.0f, 0.0f, 0.0f})));
-    const auto soft = pipeline::mask_tensor(img, /*soft=*/true).flatten();
-    QCOMPARE(soft[1].item<float>(), 128.0f / 255.0f);
   }
 
   void matchesDiffusers_data() {
@@ -295,6 +293,13 @@ class TestImageInputs : public QObject {
     const auto grey = pipeline::to_grey(in.mask);
     QCOMPARE(grey[static_cast<std::size_t>(30) * 75 + 30], std::uint8_t(255));  // the transparent hole
     QCOMPARE(grey[0], std::uint8_t(0));
+    // A mask file with transparency: its transparent pixels count as black (kept).
+    job::ImageInputs with_mask;
+    const auto mask_notes = engine::load_image_inputs(with_mask, dir() / "photo.png", dir() / "photo_alpha.png");
+    QVERIFY(!mask_notes.empty() && mask_notes.back().find("transparent pixels count as black") != std::string::npos);
+    const auto m = pipeline::to_grey(with_mask.mask);
+    QCOMPARE(m[static_cast<std::size_t>(30) * 75 + 30], std::uint8_t(0));
+    QCOMPARE(m[0], pipeline::to_grey(io::read_png(dir() / "photo.png"))[0]);
   }
 
   void badInputsAreClearErrors() {

@@ -75,6 +75,16 @@ QString imageFixture(const char* name) {
   return QString::fromStdString((test::fixtures() / "image" / name).string());
 }
 
+// The window on show with a 3-step job on the tiny model, `prompt`, and the photo fixture as input.
+void setUpPhotoJob(MainWindow& w, const char* prompt) {
+  w.show();
+  if (!QTest::qWaitForWindowExposed(&w)) qFatal("the window was not exposed");
+  setUpJob(w, 3);
+  w.findChild<QPlainTextEdit*>("promptEdit")->setPlainText(QString::fromLatin1(prompt));
+  QString error;
+  if (!w.inputPanel()->loadFile(imageFixture("photo.png"), &error)) qFatal("photo.png: %s", qPrintable(error));
+}
+
 // Runs the job the fields describe; returns its first image (fails the test on an error).
 QImage runJob(MainWindow& w) {
   QSignalSpy finished(w.bridge(), &EngineBridge::finished);
@@ -755,12 +765,7 @@ class TestMainWindow : public QObject {
 
   void inpaintsTheMaskPaintedWithTheMouse() {
     MainWindow w;
-    w.show();
-    QVERIFY(QTest::qWaitForWindowExposed(&w));
-    setUpJob(w, 3);
-    child<QPlainTextEdit>(w, "promptEdit")->setPlainText("a golden helmet");
-    QString error;
-    QVERIFY2(w.inputPanel()->loadFile(imageFixture("photo.png"), &error), qPrintable(error));
+    setUpPhotoJob(w, "a golden helmet");
     // The editor is on show with the photo; the size fields keep the job small.
     auto* editor = w.maskEditor();
     QTRY_VERIFY(editor->isVisible());
@@ -808,12 +813,7 @@ class TestMainWindow : public QObject {
 
   void imageToImageAtStrengthZeroReturnsTheInput() {
     MainWindow w;
-    w.show();
-    QVERIFY(QTest::qWaitForWindowExposed(&w));
-    setUpJob(w, 3);
-    child<QPlainTextEdit>(w, "promptEdit")->setPlainText("anything");
-    QString error;
-    QVERIFY2(w.inputPanel()->loadFile(imageFixture("photo.png"), &error), qPrintable(error));
+    setUpPhotoJob(w, "anything");
     child<QSlider>(w, "inputStrength")->setValue(0);
     const QImage out = runJob(w);
     const auto expected = pipeline::resize_lanczos(ui::toCoreImage(w.maskEditor()->inputImage()), 64, 64);

@@ -18,7 +18,11 @@
 #include <QVBoxLayout>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <vector>
 
+#include "core/engine/image_inputs.h"
+#include "core/io/image.h"
 #include "ui/engine_bridge.h"
 #include "ui/mask_editor.h"
 
@@ -161,9 +165,11 @@ bool InputPanel::loadFile(const QString& path, QString* error) {
   QImageReader reader(path);
   reader.setAutoTransform(true);
   const QSize size = reader.size();
-  if (size.isValid() && (size.width() > kMaxSide || size.height() > kMaxSide)) {
-    *error = tr("%1 is %2×%3: more than %4 pixels a side").arg(QFileInfo(path).fileName()).arg(size.width())
-                 .arg(size.height()).arg(kMaxSide);
+  // The core's limits (core/io/image.h), checked before the pixels are read.
+  if (size.isValid() && (size.width() > io::kMaxImageSide || size.height() > io::kMaxImageSide ||
+                         static_cast<long long>(size.width()) * size.height() > io::kMaxImagePixels)) {
+    *error = tr("%1 is %2×%3: more than %4 pixels a side or %5 megapixels").arg(QFileInfo(path).fileName())
+                 .arg(size.width()).arg(size.height()).arg(io::kMaxImageSide).arg(io::kMaxImagePixels / (1024 * 1024));
     return false;
   }
   const QImage image = reader.read();
@@ -180,19 +186,15 @@ void InputPanel::setImage(const QImage& image, const QString& source) {
   m_source = source;
   m_editor->setInputImage(image);
   if (image.hasAlphaChannel()) {
-    const QImage alpha = image.convertToFormat(QImage::Format_ARGB32);
-    QImage mask(alpha.size(), QImage::Format_Grayscale8);
-    bool transparent = false;
-    for (int y = 0; y < alpha.height(); ++y) {
-      const auto* src = reinterpret_cast<const QRgb*>(alpha.constScanLine(y));
-      uchar* dst = mask.scanLine(y);
-      for (int x = 0; x < alpha.width(); ++x) {
-        dst[x] = static_cast<uchar>(255 - qAlpha(src[x]));
-        transparent = transparent || qAlpha(src[x]) < 255;
-      }
+    const QImage argb = image.convertToFormat(QImage::Format_ARGB32);
+    std::vector<std::uint8_t> alpha;
+    alpha.reserve(static_cast<std::size_t>(argb.width()) * argb.height());
+    for (int y = 0; y < argb.height(); ++y) {
+      const auto* row = reinterpret_cast<const QRgb*>(argb.constScanLine(y));
+      for (int x = 0; x < argb.width(); ++x) alpha.push_back(static_cast<std::uint8_t>(qAlpha(row[x])));
     }
-    if (transparent) {
-      m_editor->setMask(mask);
+    if (std::any_of(alpha.begin(), alpha.end(), [](std::uint8_t a) { return a < 255; })) {
+      m_editor->setMask(toQImage(engine::mask_from_alpha(alpha, argb.width(), argb.height())));
       emit notice(tr("%1 has transparent pixels: they are the mask (repainted).").arg(source));
     }
   }

@@ -42,9 +42,6 @@ class InputPanel : public QWidget {
   // The input image, mask and strength a restored PNG names (files in `folder`), or none.
   void restore(const engine::PngParameters& p, const QDir& folder, QStringList& restored, QStringList& notRestored);
 
-  // The most pixels a side an input may have (larger files are refused before they are read).
-  static constexpr int kMaxSide = 16384;
-
  signals:
   // The input changed (set, cleared): the window shows the mask editor.
   void imageChanged(bool hasImage);

@@ -50,10 +50,7 @@ LoopOutput DataParallel::run(DeviceGroup& g, const LoopInputs& in) const {
       auto out = eval_at(*den, *k.sampler, x, i, Branch::Guided);
       ++evals;
       auto next = k.sampler->step(out, i, x, k.gen);
-      if (mask.defined()) {
-        const auto kept = i + 1 < steps ? k.sampler->add_noise(image_latents, noise, i + 1) : image_latents;
-        next = (1 - mask) * kept + mask * next;
-      }
+      if (mask.defined()) next = schedulers::blend_outside_mask(*k.sampler, i, next, mask, image_latents, noise);
       // on_step reports rank 0's slice (the first images of the batch).
       if (rank == 0 && in.on_step) in.on_step(i, out, x, next);
       x = next;

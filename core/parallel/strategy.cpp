@@ -83,11 +83,7 @@ void CancelGate::check(int round) {
 
 at::Tensor refine(Rank& k, int rank, const LoopInputs& in, const at::Tensor& out, int i, const at::Tensor& x) {
   auto next = k.sampler->step(out, i, x, k.gen);
-  if (k.mask.defined()) {
-    const int n = k.sampler->num_steps();
-    const auto kept = i + 1 < n ? k.sampler->add_noise(k.image_latents, k.noise, i + 1) : k.image_latents;
-    next = (1 - k.mask) * kept + k.mask * next;
-  }
+  if (k.mask.defined()) next = schedulers::blend_outside_mask(*k.sampler, i, next, k.mask, k.image_latents, k.noise);
   if (rank == 0 && in.on_step) in.on_step(i, out, x, next);
   return next;
 }

@@ -213,10 +213,10 @@ at::Tensor image_tensor(const io::Image& image) {
   return 2.0 * x - 1.0;
 }
 
-at::Tensor mask_tensor(const io::Image& mask, bool soft) {
+at::Tensor mask_tensor(const io::Image& mask) {
   auto grey = to_grey(mask);
   auto m = at::from_blob(grey.data(), {1, 1, mask.height, mask.width}, at::kByte).to(at::kFloat) / 255.0;
-  return soft ? m : (m >= 0.5).to(at::kFloat);
+  return (m >= 0.5).to(at::kFloat);
 }
 
 Box mask_crop_region(const io::Image& mask, int width, int height, int pad) {

@@ -32,8 +32,8 @@ io::Image gaussian_blur(const io::Image& image, double radius);
 
 // [1, 3, H, W] float32 in [-1, 1]: x / 255 * 2 - 1, as diffusers computes it.
 at::Tensor image_tensor(const io::Image& image);
-// [1, 1, H, W] float32: the grey level / 255, binarised (>= 0.5 -> 1) unless `soft`.
-at::Tensor mask_tensor(const io::Image& mask, bool soft = false);
+// [1, 1, H, W] float32: the grey level / 255, binarised (>= 0.5 -> 1).
+at::Tensor mask_tensor(const io::Image& mask);
 
 // A rectangle of pixels, x2 and y2 exclusive.
 struct Box {

@@ -123,16 +123,19 @@ at::Tensor repaint_all_channels(const std::vector<int64_t>& shape, int vae_facto
 std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> with_mask_channels(
     std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> model, const at::Tensor& extra) {
   if (!extra.defined()) return model;
-  return [inner = std::move(model), extra](const at::Tensor& x, const at::Tensor& t) {
-    const auto e = x.size(0) == extra.size(0) ? extra : extra.repeat({x.size(0) / extra.size(0), 1, 1, 1});
+  // Both batch sizes a step can ask for, made once: the job's, and both CFG halves.
+  return [inner = std::move(model), extra, both = at::cat({extra, extra})](const at::Tensor& x, const at::Tensor& t) {
+    const auto& e = x.size(0) == extra.size(0) ? extra : both;
+    if (x.size(0) != e.size(0)) throw Error("an inpainting model's mask channels for batch " + std::to_string(x.size(0)));
     return inner(at::cat({x, e.to(x.scalar_type())}, 1), t);
   };
 }
 
-// The steps the hires pass runs (0 without it).
+// The hires pass's schedule length, and the steps of it that run (0 without the fix).
+int hires_schedule(const job::GenerationRequest& req) { return req.hires.steps > 0 ? req.hires.steps : req.steps; }
 int hires_steps_run(const job::GenerationRequest& req) {
   if (!req.hires.enabled()) return 0;
-  const int steps = req.hires.steps > 0 ? req.hires.steps : req.steps;
+  const int steps = hires_schedule(req);
   return std::min(static_cast<int>(steps * req.hires.strength), steps);
 }
 
@@ -247,7 +250,7 @@ at::Tensor Pipeline::hires_pass(JobContext& job, const at::Tensor& latents, at::
   req.width = w;
   req.height = ht;
   encode(job);  // conditioning that depends on the size (SDXL's time ids)
-  const int steps = h.steps > 0 ? h.steps : req.steps;
+  const int steps = hires_schedule(req);
   auto sampler = schedulers::Sampler::create(job.kind, job.config, steps);
   const int first = steps - hires_steps_run(req);
   if (first == steps) return start;

@@ -179,10 +179,8 @@ at::Tensor denoise(schedulers::Sampler& sampler, at::Tensor latents, at::Generat
     }
     const auto before = latents;
     latents = sampler.step(out, i, latents, gen);
-    if (image.mask.defined()) {
-      const auto kept = i + 1 < n ? sampler.add_noise(image.image_latents, image.noise, i + 1) : image.image_latents;
-      latents = (1 - image.mask) * kept + image.mask * latents;
-    }
+    if (image.mask.defined())
+      latents = schedulers::blend_outside_mask(sampler, i, latents, image.mask, image.image_latents, image.noise);
     if (latents.is_cpu() && !at::isfinite(latents).all().item<bool>())
       throw Error("the latents hold NaN or Inf after step " + std::to_string(i + 1) +
                   ": the model's weights or settings are broken (" + nan_hint + ")");

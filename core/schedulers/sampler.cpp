@@ -445,4 +445,10 @@ void check_timesteps_in_range(const std::vector<double>& timesteps, const Schedu
 
 }  // namespace detail
 
+at::Tensor blend_outside_mask(const Sampler& sampler, int i, const at::Tensor& latents, const at::Tensor& mask,
+                              const at::Tensor& x0, const at::Tensor& noise) {
+  const auto kept = i + 1 < sampler.num_steps() ? sampler.add_noise(x0, noise, i + 1) : x0;
+  return (1 - mask) * kept + mask * latents;
+}
+
 }  // namespace diffract::schedulers

@@ -148,4 +148,10 @@ class Sampler {
   double init_noise_sigma_ = 1.0;
 };
 
+// 4-channel inpainting's blend after step i (diffusers' StableDiffusionInpaintPipeline): outside
+// `mask` (1: repaint) the latents become `x0` noised with `noise` to the level step i + 1 starts
+// from (x0 itself after the last step); inside they stay `latents`.
+at::Tensor blend_outside_mask(const Sampler& sampler, int i, const at::Tensor& latents, const at::Tensor& mask,
+                              const at::Tensor& x0, const at::Tensor& noise);
+
 }  // namespace diffract::schedulers
