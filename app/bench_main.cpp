@@ -10,7 +10,9 @@
 #include <iostream>
 #include <numeric>
 #include <optional>
+#include <regex>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <torch/cuda.h>
@@ -181,8 +183,79 @@ json image_inputs(pipeline::Pipeline& sd, const job::GenerationRequest& req, int
   return out;
 }
 
+// One ControlNet (random weights, this model's encoder) on the config's job against the same job
+// without: the denoiser step (ControlNet + UNet) and end to end.
+json controlnet_step(pipeline::StableDiffusion& sd, const job::GenerationRequest& req, int runs, double plain_step_ms,
+                     const std::string& scratch) {
+  const auto dir = std::filesystem::path(scratch) / "bench-controlnet";
+  sd.write_random_controlnet(dir, 11);
+  auto r = req;
+  job::ControlNetRef c;
+  c.path = dir.string();
+  c.image = synthetic_image(req.width);
+  r.controlnets = {c};
+  job::CancelToken never;
+  sd.generate(r, {}, never);  // loads it, captures the graphs of the new shape
+  std::vector<double> e2e, step;
+  const auto clock = [] { return std::chrono::steady_clock::now(); };
+  for (int i = 0; i < runs; ++i) {
+    const auto t = clock();
+    const auto res = sd.generate(r, {}, never);
+    e2e.push_back(std::chrono::duration<double, std::milli>(clock() - t).count());
+    step.push_back(mean(res.timings.step_ms));
+  }
+  std::filesystem::remove_all(dir);
+  const double s = percentile(step, 0.5);
+  return {{"step_ms", s}, {"plain_step_ms", plain_step_ms}, {"step_ratio", plain_step_ms > 0 ? s / plain_step_ms : 0.0},
+          {"end_to_end_ms", percentile(e2e, 0.5)}};
+}
+
+// A random rank-`rank` LoRA over every attention, feed-forward and projection layer of the
+// denoiser and the text encoders (diffusers' layout, bf16), written to `scratch`; then its
+// application to the loaded model, a switch to another weight, and its removal, each measured
+// by the pipeline (loras_apply_ms) on a 2-step job.
+json lora_apply(pipeline::Pipeline& sd, const job::GenerationRequest& req, int rank, const std::string& scratch) {
+  static const std::regex target(
+      R"((^|\.)(to_q|to_k|to_v|to_out\.0|ff\.net\.0\.proj|ff\.net\.2|proj_in|proj_out|q_proj|k_proj|v_proj|out_proj|fc1|fc2|add_q_proj|add_k_proj|add_v_proj|to_add_out|ff_context\.net\.0\.proj|ff_context\.net\.2)$)");
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  at::Generator gen = at::detail::createCPUGenerator(7);
+  std::map<std::string, int> layers;
+  int64_t params = 0;
+  for (const auto& [component, modules] : sd.lora_modules().components)
+    for (const auto& [name, shape] : modules) {
+      if (!std::regex_search(name, target) || shape.size() != 2) continue;
+      const auto opts = at::TensorOptions().dtype(at::kFloat);
+      tensors.emplace_back(component + "." + name + ".lora_A.weight",
+                           (at::randn({rank, shape[1]}, gen, opts) * 0.01).to(at::kBFloat16));
+      tensors.emplace_back(component + "." + name + ".lora_B.weight",
+                           (at::randn({shape[0], rank}, gen, opts) * 0.01).to(at::kBFloat16));
+      tensors.emplace_back(component + "." + name + ".alpha", at::full({}, static_cast<double>(rank), opts));
+      params += rank * (shape[0] + shape[1]);
+      layers[component]++;
+    }
+  std::filesystem::create_directories(scratch);
+  const auto file = std::filesystem::path(scratch) / ("bench-lora-r" + std::to_string(rank) + ".safetensors");
+  io::write_safetensors(file, tensors);
+  tensors.clear();
+  auto r = req;
+  r.steps = 2;
+  r.loras = {{file.string(), 1.0, 1.0, ""}};
+  job::CancelToken never;
+  const auto apply_ms = [&] { return json::parse(sd.generate(r, {}, never).metadata_json).value("loras_apply_ms", -1.0); };
+  json out = {{"rank", rank}, {"layers", layers}, {"params", params},
+              {"file_mb", static_cast<double>(std::filesystem::file_size(file)) / (1 << 20)}};
+  out["apply_ms"] = apply_ms();
+  r.loras[0].weight = r.loras[0].text_encoder_weight = 0.5;
+  out["switch_ms"] = apply_ms();  // the originals back, then the new weight
+  r.loras.clear();
+  out["remove_ms"] = apply_ms();
+  std::filesystem::remove(file);
+  return out;
+}
+
 json run_config(const BenchConfig& c, int batch, int runs, const std::string& device,
-                const std::vector<std::string>& strategies, double image_strength) {
+                const std::vector<std::string>& strategies, double image_strength, int lora_rank,
+                const std::string& scratch, bool controlnet) {
   const bool cuda = device.rfind("cuda", 0) == 0;
 #ifdef DIFFRACT_HAS_CUDA
   const auto index = static_cast<c10::DeviceIndex>(cuda ? at::Device(device == "cuda" ? "cuda:0" : device).index() : 0);
@@ -297,6 +370,9 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   };
   if (!half_side.is_null()) j["previews_half_side"] = half_side;
   if (image_strength >= 0) j["image_inputs"] = image_inputs(*sd, req, runs, image_strength, denoise);
+  if (lora_rank > 0) j["lora"] = lora_apply(*sd, req, lora_rank, scratch);
+  if (controlnet && unet_pipeline)
+    j["controlnet"] = controlnet_step(*unet_pipeline, req, runs, j["denoiser_step_ms"]["mean"].get<double>(), scratch);
   {
     const auto meta = json::parse(last.metadata_json);
     if (meta.contains("unet_graphs")) j["unet_graphs"] = meta["unet_graphs"];
@@ -460,6 +536,8 @@ int main(int argc, char** argv) {
   std::string scratch = (std::filesystem::temp_directory_path() / "diffract-bench").string();
   std::vector<std::string> strategies;
   double image_strength = -1;
+  int lora_rank = 0;
+  bool controlnet = false;
   std::string names_help = "configs:";
   for (const auto& c : configs()) names_help += " " + c.name;
   app.add_option("--config", names, names_help)->delimiter(',');
@@ -481,6 +559,13 @@ int main(int argc, char** argv) {
                  "also time image-to-image at this strength and inpainting (a centred mask, strength 1) of each "
                  "config's job, against its text-to-image denoising")
       ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--lora-rank", lora_rank,
+                 "also time applying, switching and removing a random LoRA of this rank (every attention, "
+                 "feed-forward and projection layer of the denoiser and text encoders; written to --scratch)")
+      ->check(CLI::Range(1, 1024));
+  app.add_flag("--controlnet", controlnet,
+               "also time the job with one ControlNet (random weights, the UNet's encoder; SD-family configs) against "
+               "its step without");
   app.add_flag("-v,--verbose", verbose);
   CLI11_PARSE(app, argc, argv);
   log::set_verbose(verbose);
@@ -504,7 +589,7 @@ int main(int argc, char** argv) {
       }
       for (int b : batches) {
         if (b < 1) throw Error("--batch values must be at least 1");
-        out["results"].push_back(run_config(*it, b, runs, device, strategies, image_strength));
+        out["results"].push_back(run_config(*it, b, runs, device, strategies, image_strength, lora_rank, scratch, controlnet));
         log::get("bench").info(out["results"].back().dump());
       }
     }

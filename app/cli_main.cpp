@@ -134,6 +134,47 @@ struct ImageOptions {
   CLI::Option* outpaint_fill = nullptr;
 };
 
+// --controlnet DIR ... with --control-image FILE ... (one each, in order) and per-ControlNet (or
+// one for all) --control-scale / --control-start / --control-end.
+struct ControlNetOptions {
+  std::vector<std::string> nets, images;
+  std::vector<double> scales, starts, ends;
+};
+
+void add_controlnet_options(CLI::App* cmd, ControlNetOptions& o) {
+  cmd->add_option("--controlnet", o.nets, "a diffusers ControlNetModel folder (repeatable; SD 1.x / 2.x / XL)")
+      ->allow_extra_args(false);
+  cmd->add_option("--control-image", o.images, "its control image (edges, depth, pose, ...): one per --controlnet")
+      ->allow_extra_args(false);
+  cmd->add_option("--control-scale", o.scales, "conditioning scale (default 1; one for all, or one per --controlnet)")
+      ->allow_extra_args(false);
+  cmd->add_option("--control-start", o.starts, "the fraction of the steps before it acts (default 0)")->allow_extra_args(false);
+  cmd->add_option("--control-end", o.ends, "the fraction of the steps after which it stops (default 1)")->allow_extra_args(false);
+}
+
+void apply_controlnet_options(job::GenerationRequest& req, const ControlNetOptions& o) {
+  const auto n = o.nets.size();
+  if (o.images.size() != n)
+    throw Error("--control-image: " + std::to_string(o.images.size()) + " given for " + std::to_string(n) +
+                " --controlnet (one image per ControlNet, in order)");
+  const auto pick = [&](const std::vector<double>& v, std::size_t i, double fallback, const char* name) {
+    if (v.empty()) return fallback;
+    if (v.size() != 1 && v.size() != n)
+      throw Error(std::string(name) + ": give one value for all ControlNets or one per --controlnet (" + std::to_string(n) + ")");
+    return v.size() == 1 ? v[0] : v[i];
+  };
+  for (std::size_t i = 0; i < n; ++i) {
+    job::ControlNetRef c;
+    c.path = o.nets[i];
+    auto decoded = io::read_image(o.images[i]);
+    c.image = decoded.image;
+    c.scale = pick(o.scales, i, 1.0, "--control-scale");
+    c.start = pick(o.starts, i, 0.0, "--control-start");
+    c.end = pick(o.ends, i, 1.0, "--control-end");
+    req.controlnets.push_back(std::move(c));
+  }
+}
+
 void add_image_options(CLI::App* cmd, job::GenerationRequest& req, ImageOptions& o) {
   cmd->add_option("--image", o.image, "init image (PNG or JPEG): image-to-image, or inpainting with --mask or its alpha");
   o.strength = cmd->add_option("--strength", req.input.strength,
@@ -331,6 +372,29 @@ std::vector<int> parse_gpus(const std::string& list) {
   return out;
 }
 
+// "FILE[:WEIGHT]": the weight after the last colon (when what follows it is no path).
+job::LoraRef parse_lora(const std::string& text) {
+  job::LoraRef ref;
+  ref.path = text;
+  const auto colon = text.rfind(':');
+  if (colon != std::string::npos && text.find('/', colon) == std::string::npos) {
+    const auto w = text.substr(colon + 1);
+    std::size_t used = 0;
+    double v = 0;
+    try {
+      v = std::stod(w, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (w.empty() || used != w.size() || !std::isfinite(v))
+      throw Error("--lora '" + text + "': the weight '" + w + "' is not a number (expected FILE[:WEIGHT], e.g. style.safetensors:0.8)");
+    ref.path = text.substr(0, colon);
+    ref.weight = ref.text_encoder_weight = v;
+  }
+  if (ref.path.empty()) throw Error("--lora '" + text + "': no file given");
+  return ref;
+}
+
 void add_generation_options(CLI::App* cmd, job::GenerationRequest& req, bool with_strategy = true) {
   cmd->add_option("--model", req.model,
                   "diffusers folder (SD 1.x / 2.x / XL, SD3 without T5) or single-file checkpoint (default: the embedded diffract-emoji model)");
@@ -348,6 +412,28 @@ void add_generation_options(CLI::App* cmd, job::GenerationRequest& req, bool wit
   cmd->add_option("--taesd", req.taesd, "TAESD for previews (folder or .pth pair)");
   cmd->add_option("--batch", req.batch, "images per prompt")->capture_default_str();
   cmd->add_flag("--no-t5", req.drop_t5, "SD3: run without the T5 encoder (its part of the prompt embedding zeros)");
+  cmd->add_option_function<std::string>(
+         "--prompt-syntax",
+         [&req](const std::string& v) {
+           if (v != "a1111" && v != "plain")
+             throw CLI::ValidationError("--prompt-syntax", "'" + v + "': expected a1111 (weights, BREAK, long prompts) or plain (diffusers')");
+           req.prompt_syntax = v == "plain" ? job::PromptSyntax::Plain : job::PromptSyntax::A1111;
+         },
+         "a1111 (default): (word:1.2), [word], BREAK, prompts over 75 tokens in chunks, <lora:NAME:W>; "
+         "plain: the text as written, cut at 77 tokens (diffusers')");
+  cmd->add_option_function<std::vector<std::string>>(
+         "--lora",
+         [&req](const std::vector<std::string>& v) {
+           try {
+             for (const auto& x : v) req.loras.push_back(parse_lora(x));
+           } catch (const Error& e) {
+             throw CLI::ValidationError("--lora", e.what());  // parse errors are CLI11's to print
+           }
+         },
+         "LoRA / LyCORIS file FILE[:WEIGHT] (repeatable; weight 1 by default)")
+      ->allow_extra_args(false);
+  cmd->add_option("--lora-dir", req.lora_dirs, "folder where <lora:NAME> in the prompt is looked up (repeatable)");
+  cmd->add_flag("--lora-lenient", req.lora_lenient, "apply a LoRA whose some layers match nothing (warn instead of failing)");
   if (with_strategy) cmd->add_option("--strategy", req.strategy.name, "multi-device strategy (default: the plain loop; listed below)");
   cmd->add_option("--patches", req.strategy.patches,
                   "pipefusion, cfg-pipefusion (SD3): latent row patches (default: one per stage)");
@@ -457,6 +543,8 @@ int main(int argc, char** argv) {
   add_device_options(gen_cmd, device_options, gpus);
   ImageOptions image_options;
   add_image_options(gen_cmd, req, image_options);
+  ControlNetOptions controlnet_options;
+  add_controlnet_options(gen_cmd, controlnet_options);
   gen_cmd->add_option("--preview-dir", preview_dir, "write each step's preview here");
   std::string preview_size = "auto";
   gen_cmd->add_option("--preview-size", preview_size,
@@ -498,6 +586,7 @@ int main(int argc, char** argv) {
       if (!preset_name.empty()) apply_cli_preset(gen_cmd, preset_name, req);
       apply_devices(req, device_options);
       apply_image_options(req, image_options);
+      apply_controlnet_options(req, controlnet_options);
       req.preview_max_side = parse_preview_size(preview_size);
       return generate(req, out_path, preview_dir);
     }

@@ -22,6 +22,9 @@ find_package(ZLIB REQUIRED)
 find_package(PNG REQUIRED)
 # libjpeg (Debian libjpeg-dev) reads JPEG init images. Optional: without it only PNGs are read.
 find_package(JPEG)
+# OpenSSL's libcrypto (Debian libssl-dev) hashes LoRA files as A1111 does (its "Lora hashes"). Optional:
+# without it the parameters text carries no hashes and PNGs' hashes are not looked up.
+find_package(OpenSSL COMPONENTS Crypto)
 find_package(ICU COMPONENTS uc)  # optional: without it the CLIP tokenizer accepts ASCII prompts only
 if(NOT ICU_FOUND)
   message(WARNING "ICU not found: the CLIP tokenizer will reject non-ASCII prompts")
@@ -49,7 +52,7 @@ if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
   set(DIFFRACT_HAS_CUDA ON)
   find_package(NCCL)
 endif()
-message(STATUS "Diffract: CUDA ${DIFFRACT_HAS_CUDA}, NCCL ${NCCL_FOUND}, ICU ${ICU_FOUND}, SentencePiece ${SentencePiece_FOUND}, JPEG ${JPEG_FOUND}")
+message(STATUS "Diffract: CUDA ${DIFFRACT_HAS_CUDA}, NCCL ${NCCL_FOUND}, ICU ${ICU_FOUND}, SentencePiece ${SentencePiece_FOUND}, JPEG ${JPEG_FOUND}, OpenSSL ${OPENSSL_FOUND}")
 
 if(DIFFRACT_BUILD_CLI)
   # CLI11 is header-only: without its CMake package (the GPU machine), its headers will do.

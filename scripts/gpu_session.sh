@@ -8,6 +8,11 @@
 #   image   one GPU: diffusers' SDXL text-to-image, img2img and inpaint pipelines
 #           (tests/gpu/diffusers_sdxl_image_inputs.py, img2img at STRENGTH, default 0.6), then
 #           diffract-bench --image-inputs on sdxl-1024, and their ratios.
+#   lora    one GPU: diffusers' load_lora_weights + fuse_lora of a random rank-RANK (default 32)
+#           LoRA over SDXL's UNet and both encoders (tests/gpu/diffusers_sdxl_lora.py), then
+#           diffract-bench --lora-rank on sdxl-1024 (apply, switch, remove), and their ratios.
+#   controlnet one GPU: diffusers' SDXL ControlNet pipeline with one ControlNet made from the UNet
+#           (tests/gpu/diffusers_sdxl_controlnet.py), then diffract-bench --controlnet on sdxl-1024.
 #   ab      one GPU: SDXL 1024² with AB_VAR set to each of AB_VALUES, one after the other on the
 #           same GPU, after the checks matching CHECKS if set; AB_OPS=N lists each step's N
 #           largest kernels by the ATen op that launched them, AB_STRATEGIES adds strategy runs.
@@ -171,6 +176,54 @@ lean)
   ratios
   ;;
 
+lora)
+  export CUDA_VISIBLE_DEVICES=0
+  RANK="${RANK:-32}" timeout 240 python3 tests/gpu/diffusers_sdxl_lora.py > "$logs/anchor_lora.log" 2>&1
+  echo "lora anchor rc $? at $(elapsed) s"
+  timeout "$(left 3)" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 1 --lora-rank "${RANK:-32}" \
+    --scratch /tmp/diffract-bench > "$logs/bench_lora.json" 2> "$logs/bench_lora.log"
+  echo "lora bench rc $? at $(elapsed) s"
+  python3 - "$logs" <<'PY'
+import json, sys
+d = sys.argv[1]
+anchor = {k: float(v) for _, k, v in (l.split(" ", 2) for l in open(f"{d}/anchor_lora.log") if l.startswith("RES "))}
+print("anchor", anchor)
+try:
+    r = json.load(open(f"{d}/bench_lora.json"))["results"][0]["lora"]
+except Exception as e:
+    print("no bench JSON:", e); sys.exit(0)
+print("ours", json.dumps(r))
+for name, ours, theirs in (("apply (read + patch) vs load + fuse", r["apply_ms"] / 1e3, anchor.get("load_and_fuse_s")),
+                           ("switch weight", r["switch_ms"] / 1e3, anchor.get("switch_s")),
+                           ("remove", r["remove_ms"] / 1e3, anchor.get("remove_s"))):
+    if theirs:
+        print(f"{name:40s} ours {ours:7.3f} s diffusers {theirs:7.3f} s ratio {ours / theirs:6.3f}")
+PY
+  ;;
+
+controlnet)
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 300 python3 tests/gpu/diffusers_sdxl_controlnet.py > "$logs/anchor_controlnet.log" 2>&1
+  echo "controlnet anchor rc $? at $(elapsed) s"
+  timeout "$(left 3)" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 3 --controlnet \
+    --scratch /tmp/diffract-bench > "$logs/bench_controlnet.json" 2> "$logs/bench_controlnet.log"
+  echo "controlnet bench rc $? at $(elapsed) s"
+  python3 - "$logs" <<'PY'
+import json, sys
+d = sys.argv[1]
+anchor = {k: float(v) for _, k, v in (l.split(" ", 2) for l in open(f"{d}/anchor_controlnet.log") if l.startswith("RES "))}
+print("anchor", anchor)
+try:
+    r = json.load(open(f"{d}/bench_controlnet.json"))["results"][0]
+except Exception as e:
+    print("no bench JSON:", e); sys.exit(0)
+c = r["controlnet"]
+print("ours", json.dumps(c))
+print(f"ControlNet job end to end: ours {c['end_to_end_ms'] / 1e3:.3f} s, diffusers {anchor.get('controlnet_s', 0):.3f} s")
+print(f"step with / without ControlNet: {c['step_ms']:.2f} / {c['plain_step_ms']:.2f} ms = {c['step_ratio']:.3f} (target <= 1.5)")
+PY
+  ;;
+
 image)
   export CUDA_VISIBLE_DEVICES=0
   STRENGTH="${STRENGTH:-0.6}" timeout 240 python3 tests/gpu/diffusers_sdxl_image_inputs.py > "$logs/anchor_image.log" 2>&1
@@ -290,5 +343,5 @@ PY
   done
   ;;
 
-*) echo "unknown PLAN=$plan (checks, lean, ab, pair, wide, tree)" >&2; exit 2 ;;
+*) echo "unknown PLAN=$plan (checks, lean, image, lora, controlnet, ab, pair, wide, tree)" >&2; exit 2 ;;
 esac

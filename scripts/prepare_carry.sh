@@ -11,7 +11,7 @@ cp -r /usr/include/CLI .carry/include/
 cp -r "$shared/data/clip" "$shared/data/taesd" .carry/shared/data/
 cp "$shared/anchors/"*.py .carry/
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 -d .carry/whl diffusers==0.42.1 importlib_metadata
+  --platform manylinux_2_28_x86_64 -d .carry/whl diffusers==0.42.1 importlib_metadata peft==0.21.2 accelerate==1.15.0
 # The emoji atlas diffract-train needs (scripts/gpu_train.sh), from this machine's Debian fonts.
 if [[ ! -f .carry/emoji/atlas.json ]]; then
   [[ -x build/default/app/diffract-dataset ]] || { echo "build diffract-dataset first (cmake --build build/default --target diffract-dataset)" >&2; exit 1; }

@@ -10,7 +10,7 @@ import re
 import sys
 
 ROOT = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else pathlib.Path(__file__).resolve().parents[1])
-LEVEL = {"util": 0, "io": 1, "job": 2, "text": 3, "models": 3, "schedulers": 3, "metrics": 3,
+LEVEL = {"util": 0, "io": 1, "job": 2, "text": 3, "models": 3, "adapters": 3, "schedulers": 3, "metrics": 3,
          "parallel": 4, "training": 5, "pipeline": 5, "engine": 6}
 SOURCES = (".h", ".cpp", ".cu", ".cuh")
 include = re.compile(r'#include\s+"core/([a-z_]+)/')

@@ -14,6 +14,7 @@
 #include "core/pipeline/image_processor.h"
 #include "core/util/error.h"
 #include "masked_change.h"
+#include "diffusers_case.h"
 #include "test_util.h"
 
 using namespace diffract;
@@ -27,9 +28,7 @@ fs::path dir() { return test::fixtures() / "image"; }
 constexpr int kMaxLevels = 1;
 constexpr double kMaxMeanLevels = 0.05;
 
-at::Tensor bytes(const io::Image& img) {
-  return at::from_blob(const_cast<std::uint8_t*>(img.rgb.data()), {img.height, img.width, 3}, at::kByte).to(at::kInt);
-}
+using test::image_levels;
 
 nlohmann::json cases() {
   std::ifstream in(dir() / "image_cases.json");
@@ -37,17 +36,7 @@ nlohmann::json cases() {
 }
 
 job::GenerationRequest request_for(const nlohmann::json& c) {
-  job::GenerationRequest r;
-  r.model = (test::fixtures() / c["model"].get<std::string>()).string();
-  r.prompt = c["prompt"];
-  r.negative_prompt = c["negative_prompt"];
-  r.steps = c["steps"];
-  r.cfg = c["cfg"];
-  r.width = c["width"];
-  r.height = c["height"];
-  r.seed = c["seed"];
-  r.sampler = c["sampler"];
-  r.preview_every = 0;
+  auto r = test::request_from_case(c);
   if (c["kind"] == "hires") {
     r.hires.scale = c["hires_scale"];
     r.hires.strength = c["strength"];
@@ -85,7 +74,7 @@ class TestImageInputs : public QObject {
     for (const auto& [key, want] : expected) {
       const auto x = key.find('x');
       const int w = std::stoi(key.substr(0, x)), h = std::stoi(key.substr(x + 1));
-      const auto ours = bytes(pipeline::resize_lanczos(photo, w, h));
+      const auto ours = image_levels(pipeline::resize_lanczos(photo, w, h));
       QCOMPARE(ours.sizes(), want.sizes());
       QVERIFY2(at::equal(ours, want.to(at::kInt)), key.c_str());
     }
@@ -115,15 +104,8 @@ class TestImageInputs : public QObject {
     job::CancelToken never;
     const auto result = engine_.run(request, {}, never);
     QCOMPARE(static_cast<int64_t>(result.images.size()), expected.size(0));
-    const auto ours = bytes(result.images.front());
-    const auto theirs = (expected[0] * 255).round().to(at::kInt);
-    QCOMPARE(ours.sizes(), theirs.sizes());
-    const auto diff = (ours - theirs).abs();
-    const int max = diff.max().item<int>();
-    const double mean = diff.to(at::kFloat).mean().item<float>();
-    qInfo("%s: max %d levels, mean %.4f", name.c_str(), max, mean);
-    QVERIFY2(max <= kMaxLevels && mean <= kMaxMeanLevels,
-             qPrintable(QString("%1: max diff %2 levels, mean %3").arg(name.c_str()).arg(max).arg(mean)));
+    const auto mismatch = test::image_mismatch(result.images.front(), expected[0], name, kMaxLevels, kMaxMeanLevels);
+    QVERIFY2(mismatch.isEmpty(), qPrintable(mismatch));
     const auto meta = nlohmann::json::parse(result.metadata_json);
     const double strength = c["strength"];
     const int steps = c["steps"];
@@ -160,7 +142,7 @@ class TestImageInputs : public QObject {
         QCOMPARE(two.timings.step_ms.size(), one.timings.step_ms.size());
         QCOMPARE(two.images.size(), std::size_t(2));
         for (std::size_t b = 0; b < 2; ++b) {
-          const int max = (bytes(two.images[b]) - bytes(one.images[b])).abs().max().item<int>();
+          const int max = (image_levels(two.images[b]) - image_levels(one.images[b])).abs().max().item<int>();
           QVERIFY2(max <= 1, qPrintable(QString("%1 %2, image %3: %4 levels apart")
                                             .arg(strategy).arg(mask ? "inpaint" : "img2img").arg(b).arg(max)));
         }
@@ -234,7 +216,7 @@ class TestImageInputs : public QObject {
     const auto cmyk = io::read_image(dir() / "photo_cmyk.jpg");
     QCOMPARE(cmyk.format, std::string("jpeg"));
     QVERIFY(!cmyk.notes.empty() && cmyk.notes.front().find("CMYK") != std::string::npos);
-    const auto diff = (bytes(cmyk.image) - bytes(photo)).abs().to(at::kFloat).mean().item<float>();
+    const auto diff = (image_levels(cmyk.image) - image_levels(photo)).abs().to(at::kFloat).mean().item<float>();
     QVERIFY2(diff < 12, qPrintable(QString("CMYK JPEG differs from the photo by %1 levels on average").arg(diff)));
     // A header claiming 100000 x 100000 pixels is refused before anything is allocated.
     try {

@@ -49,6 +49,7 @@
 #include "ui/gallery.h"
 #include "ui/image_view.h"
 #include "ui/input_panel.h"
+#include "ui/lora_panel.h"
 #include "ui/mask_editor.h"
 #include "ui/preset_bar.h"
 #include "ui/timings_chart.h"
@@ -186,6 +187,12 @@ void MainWindow::buildUi() {
   });
   connect(m_inputPanel, &InputPanel::notice, this, [this](const QString& text) { m_status->setText(text); });
   connect(m_inputPanel, &InputPanel::sizeSuggested, m_settings, &SettingsPanel::fitSizeTo);
+  m_loraPanel = new LoraPanel;
+  formLayout->addWidget(m_loraPanel);
+  connect(m_loraPanel, &LoraPanel::insertText, this, [this](const QString& text) {
+    const QString now = m_prompt->toPlainText().trimmed();
+    m_prompt->setPlainText(now.isEmpty() ? text : now + QStringLiteral(", ") + text);
+  });
   m_maskPane->editor()->setAcceptDrops(true);
   m_maskPane->editor()->installEventFilter(this);
 
@@ -352,6 +359,7 @@ job::GenerationRequest MainWindow::requestFromFields() {
   r.strategy.skip = choice.skip;
   r.gpus = choice.gpus;
   m_inputPanel->fillRequest(r);
+  m_loraPanel->fillRequest(r);
   return r;
 }
 
@@ -471,6 +479,7 @@ void MainWindow::loadSettings() {
   QSet<int> disabledGpus;
   for (const QString& i : s.value(QStringLiteral("disabledGpus")).toStringList()) disabledGpus.insert(i.toInt());
   m_devicesPanel->setDisabledGpus(disabledGpus);
+  m_loraPanel->setFolders(s.value(QStringLiteral("loraFolders")).toStringList());
   reloadPresets(s.value(QStringLiteral("preset")).toString());
   restoreGeometry(s.value(QStringLiteral("window/geometry")).toByteArray());
   restoreState(s.value(QStringLiteral("window/state")).toByteArray());
@@ -489,6 +498,7 @@ void MainWindow::saveSettings() const {
   QStringList disabledText;
   for (const int i : disabled) disabledText << QString::number(i);
   s.setValue(QStringLiteral("disabledGpus"), disabledText);
+  s.setValue(QStringLiteral("loraFolders"), m_loraPanel->folders());
   s.setValue(QStringLiteral("preset"), m_presetBar->currentName());
   s.setValue(QStringLiteral("window/geometry"), saveGeometry());
   s.setValue(QStringLiteral("window/state"), saveState());
@@ -622,6 +632,9 @@ void MainWindow::applyRestored(const engine::PngParameters& p, const QString& fi
   }
   m_settings->restoreStrategy(p, restored, notRestored);
   m_inputPanel->restore(p, QFileInfo(file).dir(), restored, notRestored);
+  const QString prompt = m_loraPanel->restore(p, restored, notRestored);
+  if (p.prompt && prompt != m_prompt->toPlainText()) m_prompt->setPlainText(prompt);
+  if (p.prompt_syntax && *p.prompt_syntax == "plain") notRestored << tr("prompt syntax: plain (the window reads A1111's)");
 
   const QString source = p.source == "diffract" ? QStringLiteral("Diffract")
                          : p.source == "a1111"  ? QStringLiteral("AUTOMATIC1111")

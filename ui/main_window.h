@@ -32,6 +32,7 @@ namespace diffract::ui {
 
 class DevicesPanel;
 class InputPanel;
+class LoraPanel;
 class MaskEditor;
 class MaskEditorPane;
 class PresetBar;
@@ -80,6 +81,7 @@ class MainWindow : public QMainWindow {
   void restoreFromPng(const QString& png);
   GalleryView* gallery() const { return m_gallery; }
   InputPanel* inputPanel() const { return m_inputPanel; }
+  LoraPanel* loraPanel() const { return m_loraPanel; }
   MaskEditor* maskEditor() const;
   // Opens the compare window on session results a and b (indexes into results()).
   CompareView* compareResults(int a, int b);
@@ -149,6 +151,7 @@ class MainWindow : public QMainWindow {
   ImageView* m_view = nullptr;
   TimingsChart* m_timings = nullptr;
   InputPanel* m_inputPanel = nullptr;
+  LoraPanel* m_loraPanel = nullptr;
   MaskEditorPane* m_maskPane = nullptr;
   QTabWidget* m_viewTabs = nullptr;
   job::GenerationRequest m_jobRequest;  // the running (or last) job, for saving its inputs

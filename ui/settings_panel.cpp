@@ -24,6 +24,9 @@
 
 #include "core/engine/model_discovery.h"
 #include "core/job/request.h"
+#include "core/text/clip_tokenizer.h"
+#include "core/util/embedded_model.h"
+#include "ui/prompt_highlighter.h"
 #include "core/schedulers/sampler.h"
 #include "core/util/embedded_model.h"
 
@@ -70,12 +73,21 @@ SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
   m_prompt->setPlaceholderText(tr("What to draw (Ctrl+Enter generates)"));
   m_prompt->setTabChangesFocus(true);
   layout->addWidget(m_prompt, 2);
+  m_promptTokens = new QLabel;
+  m_promptTokens->setObjectName(QStringLiteral("promptTokens"));
+  m_promptTokens->setTextFormat(Qt::PlainText);
+  m_promptTokens->setWordWrap(true);
+  m_promptTokens->setStyleSheet(QStringLiteral("color: palette(mid);"));
+  layout->addWidget(m_promptTokens);
+  m_highlighter = new PromptHighlighter(m_prompt->document());
   layout->addWidget(new QLabel(tr("Negative prompt")));
   m_negative = new QPlainTextEdit;
   m_negative->setObjectName(QStringLiteral("negativeEdit"));
   m_negative->setPlaceholderText(tr("What to avoid"));
   m_negative->setTabChangesFocus(true);
   layout->addWidget(m_negative, 1);
+  m_negativeHighlighter = new PromptHighlighter(m_negative->document());
+  connect(m_prompt, &QPlainTextEdit::textChanged, this, &SettingsPanel::updatePromptTokens);
 
   auto* fields = new QFormLayout;
   layout->addLayout(fields);
@@ -83,6 +95,7 @@ SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
   // Model: a path (folder or checkpoint) with browse buttons and the Hugging Face cache's models.
   auto* modelRow = new QHBoxLayout;
   m_model = new QLineEdit;
+  connect(m_model, &QLineEdit::textChanged, this, &SettingsPanel::updatePromptTokens);
   m_model->setObjectName(QStringLiteral("modelEdit"));
   m_model->setPlaceholderText(tr("diffusers folder or .safetensors / .ckpt"));
   auto* modelFolder = new QToolButton;
@@ -327,6 +340,24 @@ std::optional<std::uint64_t> SettingsPanel::seedValue() const {
   const qulonglong v = m_seed->text().toULongLong(&ok);
   if (!ok) return std::nullopt;
   return static_cast<std::uint64_t>(v);
+}
+
+void SettingsPanel::updatePromptTokens() {
+  // The model's tokenizer folder (a diffusers folder), else the embedded model's: every SD CLIP
+  // tokenizer shares the BPE, so the count holds for single files too.
+  QString dir = m_model->text().trimmed() + QStringLiteral("/tokenizer");
+  if (!QFileInfo(dir + QStringLiteral("/vocab.json")).exists())
+    dir = QString::fromStdString((embedded_model_dir() / "tokenizer").string());
+  if (dir != m_tokenizerDir) {
+    m_tokenizerDir = dir;
+    m_tokenizer.reset();
+    try {
+      if (QFileInfo(dir).isDir()) m_tokenizer = std::make_shared<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(dir.toStdString()));
+    } catch (const std::exception&) {
+      m_tokenizer.reset();
+    }
+  }
+  m_promptTokens->setText(m_tokenizer ? promptTokenSummary(*m_tokenizer, m_prompt->toPlainText()) : QString());
 }
 
 void SettingsPanel::loadSettings(const QSettings& s) {

@@ -1,4 +1,5 @@
 #pragma once
+#include <memory>
 #include <QStringList>
 #include <QSize>
 #include <QWidget>
@@ -13,6 +14,7 @@
 #include "core/parallel/registry.h"
 
 class QCheckBox;
+class QLabel;
 class QComboBox;
 class QDoubleSpinBox;
 class QLineEdit;
@@ -20,7 +22,13 @@ class QPlainTextEdit;
 class QSettings;
 class QSpinBox;
 
+namespace diffract::text {
+class CLIPTokenizer;
+}
+
 namespace diffract::ui {
+
+class PromptHighlighter;
 
 // The generation settings form: prompt and negative prompt, the model (path, browse buttons, the
 // Hugging Face cache's models) and its TAESD, size (with its presets), steps, CFG, seed, sampler,
@@ -33,6 +41,9 @@ class SettingsPanel : public QWidget {
   explicit SettingsPanel(QWidget* parent = nullptr);
 
   QPlainTextEdit* prompt() const { return m_prompt; }
+  // Under the prompt: its tokens per 75-token chunk (the model's CLIP tokenizer, else the
+  // embedded model's), or what is wrong with its syntax.
+  QLabel* promptTokens() const { return m_promptTokens; }
   QPlainTextEdit* negative() const { return m_negative; }
   QLineEdit* model() const { return m_model; }
   QComboBox* discovered() const { return m_discovered; }
@@ -76,9 +87,15 @@ class SettingsPanel : public QWidget {
 
  private:
   void applySizePreset(int index);
+  void updatePromptTokens();
 
   QPlainTextEdit* m_prompt = nullptr;
   QPlainTextEdit* m_negative = nullptr;
+  QLabel* m_promptTokens = nullptr;
+  PromptHighlighter* m_highlighter = nullptr;
+  PromptHighlighter* m_negativeHighlighter = nullptr;
+  std::shared_ptr<text::CLIPTokenizer> m_tokenizer;
+  QString m_tokenizerDir;  // where m_tokenizer came from
   QLineEdit* m_model = nullptr;
   QComboBox* m_discovered = nullptr;
   QLineEdit* m_taesd = nullptr;

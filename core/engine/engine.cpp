@@ -1,4 +1,5 @@
 #include "core/engine/engine.h"
+#include "core/engine/lora_library.h"
 
 #include <condition_variable>
 #include <deque>
@@ -45,7 +46,9 @@ struct Engine::Impl {
 
   job::GenerationResult run(const job::GenerationRequest& r, const job::JobObserver& o, const job::CancelToken& c) {
     std::lock_guard lock(model_mutex);
-    return model_for(r).generate(r, o, c);
+    auto resolved = r;
+    resolve_lora_tags(resolved);
+    return model_for(resolved).generate(resolved, o, c);
   }
 
   void loop() {

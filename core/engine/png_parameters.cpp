@@ -87,9 +87,26 @@ PngParameters from_diffract(const std::string& text, const std::string& where) {
       if (v.contains("outpaint") && v["outpaint"].is_object())
         p.unmapped.push_back("outpaint margins: " + v["outpaint"].value("margins", nlohmann::json::array()).dump());
     }
+    else if (key == "prompt_syntax") text_to(p.prompt_syntax);
+    else if (key == "loras" && v.is_array()) {
+      for (const auto& l : v) {
+        if (!l.is_object() || !l.contains("path") || !l["path"].is_string()) {
+          p.unmapped.push_back("LoRA: " + l.dump() + " (no path)");
+          continue;
+        }
+        PngParameters::Lora x;
+        x.path = l["path"].get<std::string>();
+        x.name = l.value("name", std::string());
+        x.weight = l.contains("weight") && l["weight"].is_number() ? l["weight"].get<double>() : 1.0;
+        x.text_encoder_weight = l.contains("text_encoder_weight") && l["text_encoder_weight"].is_number()
+                                    ? l["text_encoder_weight"].get<double>() : x.weight;
+        p.loras.push_back(x);
+      }
+    }
     else if (key == "seed") v.is_number_unsigned() ? void(p.seed = v.get<std::uint64_t>()) : bad();
     else if (key == "diffract_version" || key == "family" || key == "timings_ms" || key == "strategy" ||
-             key == "negative_conditioning" || key == "initial_latents" || key == "options")
+             key == "negative_conditioning" || key == "initial_latents" || key == "options" ||
+             key == "loras_apply_ms")
       continue;  // about the run, not settings for the next one
     else p.unmapped.push_back(key + ": " + v.dump());
   }
@@ -177,6 +194,20 @@ PngParameters from_a1111(const std::string& text, const std::string& where) {
       schedule = value;
     } else if (key == "Model") {
       p.model_name = value;
+    } else if (key == "Lora hashes") {
+      // "name: hash, name: hash"
+      std::size_t from = 0;
+      while (from < value.size()) {
+        auto comma = value.find(',', from);
+        if (comma == std::string::npos) comma = value.size();
+        const auto item = trim(value.substr(from, comma - from));
+        const auto colon = item.rfind(':');
+        if (colon != std::string::npos && colon > 0)
+          p.lora_hashes.emplace_back(trim(item.substr(0, colon)), trim(item.substr(colon + 1)));
+        else if (!item.empty())
+          p.unmapped.push_back("Lora hashes: " + item + " (not NAME: HASH)");
+        from = comma + 1;
+      }
     } else if (key == "Version") {
       continue;  // the program that wrote it, not a setting
     } else {

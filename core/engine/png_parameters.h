@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/io/image.h"
@@ -26,6 +27,15 @@ struct PngParameters {
   // diffract: image inputs saved beside the PNG (file names relative to its folder) and their settings.
   std::optional<std::string> input_file, mask_file;
   std::optional<double> strength;
+  std::optional<std::string> prompt_syntax;  // diffract: "a1111" or "plain"
+  // diffract: the LoRAs applied (A1111's ride in the prompt as <lora:NAME:W> tags).
+  struct Lora {
+    std::string name, path;
+    double weight = 1.0, text_encoder_weight = 1.0;
+  };
+  std::vector<Lora> loras;
+  // A1111: "Lora hashes" (name -> its short hash), for finding a LoRA renamed since.
+  std::vector<std::pair<std::string, std::string>> lora_hashes;
   // What the source holds that has no counterpart here, one readable line each
   // ("Sampler: LMS Karras (no Diffract sampler)", "Clip skip: 2").
   std::vector<std::string> unmapped;

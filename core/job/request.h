@@ -55,6 +55,30 @@ struct HiresFix {
   bool enabled() const { return scale != 0; }
 };
 
+// How the prompts are read. A1111: its attention syntax ("(word:1.3)", "[word]", BREAK) and
+// prompts of any length in 75-token chunks (core/text/prompt_syntax.h); plain: diffusers'
+// tokenization, the text as written, cut at the encoder's window.
+enum class PromptSyntax { A1111, Plain };
+
+// A LoRA (or LyCORIS LoCon / LoHa / LoKr) file applied for the job, its delta scaled as A1111
+// does (weight x alpha / rank x up.down).
+struct LoraRef {
+  std::string path;                  // a .safetensors file
+  double weight = 1.0;               // on the denoiser (UNet / transformer)
+  double text_encoder_weight = 1.0;  // on the text encoders
+  std::string name;                  // how the user named it (<lora:NAME>); empty: the file's stem
+};
+
+// A ControlNet for the job (diffusers' StableDiffusion(XL)ControlNetPipeline): its residuals,
+// times `scale`, added to the UNet's skips on the steps from `start` to `end` of the schedule.
+struct ControlNetRef {
+  std::string path;    // a diffusers ControlNetModel folder
+  io::Image image;     // the control image (edges, depth, pose, ...), resized to the job's size (Lanczos)
+  double scale = 1.0;  // controlnet_conditioning_scale
+  double start = 0.0;  // control_guidance_start: the fraction of the steps before it acts
+  double end = 1.0;    // control_guidance_end: the fraction of the steps after which it stops
+};
+
 struct GenerationRequest {
   static constexpr int kPreviewAuto = -1;  // preview_max_side: half the image's side, at most 512
   std::string model;             // diffusers folder or single-file checkpoint
@@ -78,6 +102,11 @@ struct GenerationRequest {
                                  // the model's GPU and the ones after it
   ImageInputs input;            // init image and mask; empty: text-to-image
   HiresFix hires;
+  PromptSyntax prompt_syntax = PromptSyntax::A1111;
+  std::vector<LoraRef> loras;    // applied in this order; the prompt's <lora:NAME:W> tags are added by the engine
+  std::vector<ControlNetRef> controlnets;  // summed, as diffusers' MultiControlNetModel
+  bool lora_lenient = false;     // keys a LoRA has that match nothing: a warning instead of an error
+  std::vector<std::string> lora_dirs;  // where <lora:NAME> is looked up (then the Hugging Face cache)
   bool drop_t5 = false;          // SD3: run without the T5 encoder (its part of the prompt embedding zeros)
   // Job-scope runtime options (core/util/options.h) this job sets for itself, by name.
   std::map<std::string, std::string> options;

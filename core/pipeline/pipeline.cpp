@@ -13,6 +13,7 @@
 #include "core/parallel/registry.h"
 #include "core/parallel/strategy.h"
 #include "core/pipeline/image_processor.h"
+#include "core/text/prompt_syntax.h"
 #include "core/util/build_info.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
@@ -32,6 +33,21 @@ void PipelineState::open(std::filesystem::path model, const std::string& device_
 Pipeline::~Pipeline() = default;
 const std::filesystem::path& Pipeline::path() const { return state().path; }
 const std::string& Pipeline::device() const { return state().device_name; }
+
+namespace {
+// A1111's ", Lora hashes: "name: hash, ..."" for the LoRAs applied ("" when none has a hash).
+std::string lora_hashes(const std::vector<adapters::AppliedLora>& applied) {
+  std::string list;
+  for (const auto& a : applied) {
+    if (a.hash.empty()) continue;
+    const auto name = a.ref.name.empty() ? std::filesystem::path(a.ref.path).stem().string() : a.ref.name;
+    list += (list.empty() ? "" : ", ") + name + ": " + a.hash;
+  }
+  return list.empty() ? "" : ", Lora hashes: \"" + list + "\"";
+}
+}  // namespace
+
+io::LoraModelModules Pipeline::lora_modules() { return adapters::lora_modules(lora_components()); }
 
 std::string Pipeline::family_label() const {
   switch (family()) {
@@ -263,6 +279,7 @@ at::Tensor Pipeline::hires_pass(JobContext& job, const at::Tensor& latents, at::
                         run_before + steps - first);
   LoopImage from;
   from.first_step = first;
+  job.run_timesteps.assign(sampler->timesteps().begin() + first, sampler->timesteps().end());
   return denoise(*sampler, x, gen, req.cfg, with_mask_channels(denoiser(job), extra), reporter, cancel, nan_hint(), from);
 }
 
@@ -352,6 +369,20 @@ job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, 
     throw Error("the model's denoiser takes " + std::to_string(denoiser_in_channels()) + " channels: neither its " +
                 std::to_string(latent_channels()) + " latent channels nor an inpainting model's " +
                 std::to_string(2 * latent_channels() + 1));
+  for (std::size_t i = 0; i < req.controlnets.size(); ++i) {
+    const auto& c = req.controlnets[i];
+    const auto what = "ControlNet " + std::to_string(i + 1) + " (" + c.path + ")";
+    if (c.image.width <= 0 || c.image.height <= 0) throw Error(what + " has no control image");
+    if (!std::isfinite(c.scale)) throw Error(what + ": its scale is not a number");
+    if (!(c.start >= 0 && c.start < c.end && c.end <= 1))
+      throw Error(what + ": start " + format_number(c.start) + " and end " + format_number(c.end) +
+                  " must satisfy 0 <= start < end <= 1 (fractions of the steps)");
+  }
+  if (!req.controlnets.empty() && strategy)
+    throw Error("strategy " + strategy->name() + " does not run ControlNets yet: run the job on one device (single)");
+  if (!req.controlnets.empty() && inpaint_model)
+    throw Error("ControlNets with an inpainting model (its " + std::to_string(denoiser_in_channels()) +
+                "-channel UNet) are not supported: use the base model, which inpaints by blending");
   if (strategy && inpaint_model)
     throw Error("strategy " + strategy->name() + " cannot run an inpainting model (its " +
                 std::to_string(denoiser_in_channels()) + "-channel denoiser takes the mask, which the ranks are not "
@@ -380,6 +411,31 @@ job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, 
     if (s.device.is_cuda()) models::set_memory_format(*taesd, at::MemoryFormat::ChannelsLast);
     s.taesd = taesd;
     s.taesd_path = req.taesd;
+  }
+  // LoRAs: --lora files, and the prompt's <lora:NAME:W> tags, which the engine resolved into
+  // req.loras by name; the tags are not encoded, and the parameters text keeps them as written
+  // (with tags added for the --lora files), as A1111 writes its prompts.
+  const std::string written_prompt = req.prompt;
+  std::string lora_tags;
+  if (req.prompt_syntax == job::PromptSyntax::A1111) {
+    auto extracted = text::extract_extra_networks(req.prompt);
+    for (const auto& tag : extracted.tags)
+      if (std::none_of(req.loras.begin(), req.loras.end(), [&](const job::LoraRef& l) { return l.name == tag.name; }))
+        throw Error("the prompt's " + tag.text + " names a LoRA that was not looked up (run the job through the engine, "
+                    "which finds <lora:NAME> in the LoRA folders)");
+    for (const auto& l : req.loras)
+      if (std::none_of(extracted.tags.begin(), extracted.tags.end(), [&](const auto& t) { return t.name == l.name; }))
+        lora_tags += " <lora:" + (l.name.empty() ? std::filesystem::path(l.path).stem().string() : l.name) + ":" +
+                     format_number(l.weight) + ">";
+    req.prompt = extracted.prompt;
+  } else if (!req.loras.empty()) {
+    for (const auto& l : req.loras) lora_tags += " <lora:" + std::filesystem::path(l.path).stem().string() + ":" + format_number(l.weight) + ">";
+  }
+  const bool loras_changed = s.loras.apply(req.loras, lora_components(), req.lora_lenient);
+  if (loras_changed) {
+    weights_changed();
+    log::get("pipeline").info(log::str("LoRAs ", req.loras.empty() ? "removed" : "applied", " in ",
+                                       static_cast<int>(s.loras.last_apply_ms()), " ms"));
   }
   timings.load_ms = std::exchange(s.load_ms, 0.0);
 
@@ -442,6 +498,7 @@ job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, 
       latents = run_strategy_loop(*strategy, *group, std::move(in), latents.to(s.dtype), warm_timestep(job, *sampler),
                                   req, observer, preview_fn, timings, strategy_stats);
     } else {
+      job.run_timesteps.assign(sampler->timesteps().begin() + first_step, sampler->timesteps().end());
       const auto model = with_mask_channels(denoiser(job), start_point.mask_channels);
       StepReporter reporter(s.device, req, observer, *sampler, preview_fn, timings, first_step, 0,
                             req.steps - first_step + hires_steps_run(req));
@@ -469,7 +526,7 @@ job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, 
   timings.total_ms = ms_since(start) + timings.load_ms;
   stage("total", timings.total_ms);
 
-  result.a1111_parameters = req.prompt + "\nNegative prompt: " + req.negative_prompt + "\nSteps: " +
+  result.a1111_parameters = written_prompt + lora_tags + "\nNegative prompt: " + req.negative_prompt + "\nSteps: " +
                             std::to_string(req.steps) + ", Sampler: " + a1111_sampler(kind) +
                             ", CFG scale: " + format_number(req.cfg) + ", Seed: " + std::to_string(req.seed) +
                             ", Size: " + std::to_string(base_width) + "x" + std::to_string(base_height) +
@@ -484,11 +541,13 @@ job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, 
                                                  : std::string()) +
                             (req.input.has_mask() && req.input.mask_blur > 0
                                  ? ", Mask blur: " + std::to_string(req.input.mask_blur) : std::string()) +
+                            lora_hashes(s.loras.applied()) +
                             ", Version: Diffract " + build_info().diffract_version;
   nlohmann::json meta = {
       {"diffract_version", build_info().diffract_version},
       {"model", s.path.string()}, {"family", result.family},
-      {"prompt", req.prompt}, {"negative_prompt", req.negative_prompt},
+      {"prompt", written_prompt}, {"negative_prompt", req.negative_prompt},
+      {"prompt_syntax", req.prompt_syntax == job::PromptSyntax::A1111 ? "a1111" : "plain"},
       {"width", req.width}, {"height", req.height}, {"steps", req.steps}, {"cfg", req.cfg},
       {"seed", req.seed}, {"sampler", req.sampler}, {"device", req.device}, {"batch", req.batch},
       {"taesd", req.taesd}, {"strategy_name", strategy ? strategy->name() : std::string("single")},
@@ -497,6 +556,11 @@ job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, 
       {"timings_ms", timings_json(timings)},
   };
   if (!req.options.empty()) meta["options"] = req.options;
+  if (!s.loras.applied().empty()) {
+    meta["loras"] = nlohmann::json::array();
+    for (const auto& a : s.loras.applied()) meta["loras"].push_back(a.json());
+  }
+  if (loras_changed) meta["loras_apply_ms"] = s.loras.last_apply_ms();  // also when the last set was removed
   if (image_job) meta["input"] = input_json(req.input, prepared, strength, req.steps - first_step, inpaint_model);
   if (!outpaint.is_null()) meta["input"]["outpaint"] = outpaint;
   if (req.hires.enabled())

@@ -16,6 +16,7 @@
 #include <c10/core/Device.h>
 #include <nlohmann/json.hpp>
 
+#include "core/adapters/lora.h"
 #include "core/job/job.h"
 #include "core/models/autoencoders/taesd.h"
 #include "core/pipeline/pipeline_util.h"
@@ -40,6 +41,7 @@ struct PipelineState {
   double load_ms = 0;             // reported by the next job, then 0
   detail::StrategyGroups groups;  // multi-device jobs' groups, kept for later jobs
   double replica_ms = 0;          // time spent copying the denoiser to other GPUs
+  adapters::LoraPatcher loras;    // the LoRAs patched into the weights now
   // Names the model and its device (checked against the machine); bf16 on CUDA, fp32 on the CPU.
   void open(std::filesystem::path model, const std::string& device);
 };
@@ -53,6 +55,7 @@ struct JobContext {
   bool cfg = false;               // classifier-free guidance (scale above 1)
   bool use_taesd = false;
   std::any conditioning;          // what the family's encode() made, for its other hooks
+  std::vector<double> run_timesteps;  // the timesteps of the steps this pass runs, in order (set before denoiser())
 };
 
 // What a job starts from besides its request.
@@ -87,7 +90,9 @@ struct JobInputs {
   at::Tensor decode(const at::Tensor& latents, parallel::DeviceGroup* group) override;                \
   at::Tensor encode_image(const at::Tensor& pixels, at::Generator& generator) override;              \
   void add_metadata(const JobContext& job, nlohmann::json& meta) const override;                      \
-  std::string nan_hint() const override;
+  std::string nan_hint() const override;                                                              \
+  std::vector<adapters::LoraComponent> lora_components() override;                                    \
+  void weights_changed() override;
 
 class Pipeline {
  public:
@@ -97,6 +102,8 @@ class Pipeline {
   virtual job::ModelFamily family() const = 0;
   virtual int native_size() const = 0;  // pixels, square
   std::string family_label() const;     // "SD 1.x", "SD 2.x", "SDXL", "SD3": for messages
+  // The modules a LoRA may patch, per component ("unet", "text_encoder", ...), with their shapes.
+  io::LoraModelModules lora_modules();
 
   // A 2-step job at the native size with CFG and previews so that cuDNN's plans, the CUDA graphs
   // of the default shape and the allocator's pools exist before the first real job. Returns its
@@ -158,6 +165,11 @@ class Pipeline {
   virtual void add_metadata(const JobContext& job, nlohmann::json& meta) const = 0;
   // A hint for a NaN in the CPU loop ("try another sampler or fp32").
   virtual std::string nan_hint() const = 0;
+  // The modules LoRAs patch, named as LoRA files name them ("unet", "text_encoder", ...).
+  virtual std::vector<adapters::LoraComponent> lora_components() = 0;
+  // After the weights changed in place (another set of LoRAs): copies made of them (other GPUs'
+  // replicas) are stale.
+  virtual void weights_changed() = 0;
   // Before the warm-up job (the SD UNet's memory-format measurement).
   virtual void before_warm_up() {}
 

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <functional>
+#include <fstream>
 #include <map>
 #include <optional>
 #include <set>
@@ -16,14 +17,18 @@
 #include <torch/cuda.h>
 
 #include "core/io/diffusers_folder.h"
+#include "core/io/safetensors_writer.h"
 #include "core/io/json_file.h"
 #include "core/io/upload.h"
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
+#include "core/models/controlnets/controlnet.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/unets/unet_2d_condition.h"
 #include "core/models/unets/unet_graphs.h"
 #include "core/pipeline/clip_graph.h"
+#include "core/pipeline/image_processor.h"
+#include "core/pipeline/prompt_encoding.h"
 #include "core/pipeline/pipeline_util.h"
 #include "core/pipeline/single_file.h"
 #include "core/parallel/device_group.h"
@@ -201,14 +206,36 @@ struct StableDiffusion::Impl : PipelineState {
     return copy;
   }
 
+  // ControlNets by folder, loaded on first use and kept for later jobs.
+  std::map<std::string, models::ControlNetModel> controlnets;
+  models::ControlNetModel controlnet(const std::string& path) {
+    if (const auto it = controlnets.find(path); it != controlnets.end()) return it->second;
+    auto net = models::load_controlnet(path);
+    const auto& c = net->config.unet;
+    const auto& u = unet->config;
+    const auto fits = c.block_out_channels == u.block_out_channels && c.layers_per_block == u.layers_per_block &&
+                      c.cross_attention_dim == u.cross_attention_dim && c.addition_embed_type == u.addition_embed_type &&
+                      c.in_channels == u.out_channels;
+    if (!fits)
+      throw Error("ControlNet " + path + " is for another model: its encoder (blocks " +
+                  c10::str(at::IntArrayRef(c.block_out_channels)) + ", cross-attention " +
+                  c10::str(at::IntArrayRef(c.cross_attention_dim)) + (c.addition_embed_type.empty() ? "" : ", SDXL's added embeddings") +
+                  ") does not match this " + std::string(family == job::ModelFamily::SDXL ? "SDXL" : "SD") + " UNet's (blocks " +
+                  c10::str(at::IntArrayRef(u.block_out_channels)) + ", cross-attention " +
+                  c10::str(at::IntArrayRef(u.cross_attention_dim)) + ")");
+    net->eval();
+    net->to(device, dtype);
+    controlnets.emplace(path, net);
+    return net;
+  }
+
   struct Conditioning {
     at::Tensor context, pooled;
   };
 
-  // Text for one prompt (repeated `batch` times); `zeros` gives SDXL's empty negative.
-  Conditioning encode(const std::string& prompt, int batch, bool zeros, job::StageTimings& t) {
+  // Text for one prompt (repeated `batch` times) as `syntax` reads it; `zeros` gives SDXL's empty negative.
+  Conditioning encode(const std::string& prompt, job::PromptSyntax syntax, int batch, bool zeros, job::StageTimings& t) {
     at::NoGradGuard no_grad;
-    auto run_tokenizer = [&](const text::CLIPTokenizer& tok) { return clip_token_ids(tok, prompt, device, t); };
     Conditioning c;
     if (family == job::ModelFamily::SDXL && zeros) {
       // SDXL's empty negative prompt: zeros of the encoders' shapes, nothing to run.
@@ -218,18 +245,26 @@ struct StableDiffusion::Impl : PipelineState {
       c.context = at::zeros({1, tokenizer->max_length(), c1.hidden_size + c2.hidden_size}, opts);
       c.pooled = at::zeros({1, c2.projection_dim}, opts);
     } else if (family == job::ModelFamily::SDXL) {
-      auto ids1 = run_tokenizer(*tokenizer);
-      auto ids2 = run_tokenizer(*tokenizer_2);
+      const auto p1 = clip_prompt(*tokenizer, prompt, syntax, device, t);
+      const auto p2 = clip_prompt(*tokenizer_2, prompt, syntax, device, t);
+      if (p1.ids.size() != p2.ids.size())
+        throw Error("the prompt makes " + std::to_string(p1.ids.size()) + " chunks for the first text encoder and " +
+                    std::to_string(p2.ids.size()) + " for the second: their tokenizers differ");
       const auto t0 = Clock::now();
-      auto o1 = text_graph(ids1);
-      auto o2 = text_graph_2(ids2);
-      c.context = at::cat({o1.penultimate, o2.penultimate}, -1);
-      c.pooled = o2.pooled;
+      auto e1 = encode_chunks(p1, [&](const at::Tensor& ids) { return ChunkEncoding{text_graph(ids).penultimate, {}}; });
+      auto e2 = encode_chunks(p2, [&](const at::Tensor& ids) {
+        const auto o = text_graph_2(ids);
+        return ChunkEncoding{o.penultimate, o.pooled};
+      });
+      c.context = at::cat({e1.hidden, e2.hidden}, -1);
+      c.pooled = e2.pooled;
       t.text_encode_ms += ms_since(t0);
     } else {
-      auto ids = run_tokenizer(*tokenizer);
+      const auto p1 = clip_prompt(*tokenizer, prompt, syntax, device, t);
       const auto t0 = Clock::now();
-      c.context = text_graph(ids).last_hidden_state;
+      c.context = encode_chunks(p1, [&](const at::Tensor& ids) {
+        return ChunkEncoding{text_graph(ids).last_hidden_state, {}};
+      }).hidden;
       t.text_encode_ms += ms_since(t0);
     }
     c.context = c.context.repeat({batch, 1, 1});
@@ -449,9 +484,18 @@ models::UNetConditioning to_device(const models::UNetConditioning& c, const c10:
 
 // One job's UNet conditioning: each branch alone (the strategies' ranks) and both as one batch,
 // [negative; prompt] (the plain loop).
+// A ControlNet as a job runs it: the control image at the job's size, for every row of the batch
+// the denoiser sees (both CFG halves).
+struct SDControl {
+  models::ControlNetModel net{nullptr};
+  at::Tensor image;  // [rows, 3, H, W] in [0, 1], the model's device and dtype
+  job::ControlNetRef ref;
+};
+
 struct SDConditioning {
   models::UNetConditioning positive, negative, batched;
   const char* negative_source = "none";  // "encoded", "zeros" (SDXL's force_zeros_for_empty_prompt) or "none" (no CFG)
+  std::vector<SDControl> controls;
 };
 
 }  // namespace
@@ -660,6 +704,48 @@ int StableDiffusion::vae_factor() const { return impl_->vae_factor(); }
 std::string StableDiffusion::taesd_hint() const { return impl_->family == job::ModelFamily::SDXL ? "taesdxl" : "taesd"; }
 std::string StableDiffusion::nan_hint() const { return "try another sampler or fp32"; }
 
+void StableDiffusion::write_random_controlnet(const std::filesystem::path& dir, std::uint64_t seed) const {
+  const auto& u = impl_->unet->config;
+  nlohmann::json j = {{"_class_name", "ControlNetModel"},
+                      {"in_channels", u.out_channels},
+                      {"down_block_types", u.down_block_types},
+                      {"block_out_channels", u.block_out_channels},
+                      {"layers_per_block", u.layers_per_block},
+                      {"cross_attention_dim", u.cross_attention_dim},
+                      {"transformer_layers_per_block", u.transformer_layers_per_block},
+                      {"num_attention_heads", u.num_attention_heads},
+                      {"use_linear_projection", u.use_linear_projection},
+                      {"norm_num_groups", u.norm_num_groups},
+                      {"norm_eps", u.norm_eps},
+                      {"flip_sin_to_cos", u.flip_sin_to_cos},
+                      {"freq_shift", u.freq_shift}};
+  if (!u.addition_embed_type.empty()) {
+    j["addition_embed_type"] = u.addition_embed_type;
+    j["addition_time_embed_dim"] = u.addition_time_embed_dim;
+    j["projection_class_embeddings_input_dim"] = u.projection_class_embeddings_input_dim;
+  }
+  // One stride-2 stage of the conditioning embedding per halving of the VAE.
+  std::vector<int64_t> embedding = {16};
+  for (int f = impl_->vae_factor(); f > 1; f /= 2) embedding.push_back(embedding.back() * 2);
+  j["conditioning_embedding_out_channels"] = embedding;
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "config.json") << j.dump(1);
+  models::ControlNetModel net(models::ControlNetConfig::from_json(dir / "config.json"));
+  models::init_random(*net, at::detail::createCPUGenerator(seed));
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& p : net->named_parameters()) tensors.emplace_back(p.key(), p.value().to(at::kHalf));
+  io::write_safetensors(dir / "diffusion_pytorch_model.safetensors", tensors);
+}
+
+std::vector<adapters::LoraComponent> StableDiffusion::lora_components() {
+  auto& p = *impl_;
+  std::vector<adapters::LoraComponent> c{{"unet", p.unet.get(), false}, {"text_encoder", p.text_encoder.get(), true}};
+  if (p.text_encoder_2) c.push_back({"text_encoder_2", p.text_encoder_2.get(), true});
+  return c;
+}
+
+void StableDiffusion::weights_changed() { impl_->replicas.clear(); }
+
 schedulers::SamplerKind StableDiffusion::choose_sampler(const std::string& requested) const {
   const auto& p = *impl_;
   schedulers::SamplerKind kind;
@@ -708,27 +794,73 @@ void StableDiffusion::encode(JobContext& job) {
     return u;
   };
   SDConditioning c;
-  c.positive = branch(p.encode(req.prompt, req.batch, false, job.timings));
+  c.positive = branch(p.encode(req.prompt, req.prompt_syntax, req.batch, false, job.timings));
   c.batched = c.positive;
   if (job.cfg) {
     // diffusers' SDXL pipelines use zeros for a negative prompt not given when the model's
     // force_zeros_for_empty_prompt is true (SDXL base ships it so); an empty one here is "not given".
     const bool zeros = p.family == job::ModelFamily::SDXL && req.negative_prompt.empty() && p.force_zeros_for_empty_prompt;
     c.negative_source = zeros ? "zeros" : "encoded";
-    c.negative = branch(p.encode(req.negative_prompt, req.batch, zeros, job.timings));
+    c.negative = branch(p.encode(req.negative_prompt, req.prompt_syntax, req.batch, zeros, job.timings));
+    // Prompts of different chunk counts: both repeated to a common length, which cross-attention
+    // cannot tell from running them apart (prompt_encoding.h).
+    auto& pos = c.positive.encoder_hidden_states;
+    auto& neg = c.negative.encoder_hidden_states;
+    if (pos.size(1) != neg.size(1)) {
+      const auto tokens = common_length(pos.size(1), neg.size(1));
+      pos = repeat_tokens(pos, tokens);
+      neg = repeat_tokens(neg, tokens);
+    }
     c.batched.encoder_hidden_states = at::cat({c.negative.encoder_hidden_states, c.positive.encoder_hidden_states});
     if (p.family == job::ModelFamily::SDXL) {
       c.batched.time_ids = at::cat({c.negative.time_ids, c.positive.time_ids});
       c.batched.text_embeds = at::cat({c.negative.text_embeds, c.positive.text_embeds});
     }
   }
+  for (const auto& ref : req.controlnets) {
+    SDControl control;
+    control.ref = ref;
+    control.ref.image = {};
+    control.net = p.controlnet(ref.path);
+    // diffusers' control image: resized (Lanczos) to the job's size, in [0, 1], one per image, both CFG halves.
+    const auto image = ref.image.width == req.width && ref.image.height == req.height
+                           ? ref.image : resize_lanczos(ref.image, req.width, req.height);
+    const auto x = (image_tensor(image) + 1.0) / 2.0;
+    control.image = x.repeat({req.batch * (job.cfg ? 2 : 1), 1, 1, 1}).to(p.device, p.dtype);
+    c.controls.push_back(std::move(control));
+  }
   job.conditioning = std::move(c);
 }
 
 std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> StableDiffusion::denoiser(JobContext& job) {
   auto& p = *impl_;
-  const auto cond = std::any_cast<const SDConditioning&>(job.conditioning).batched;
-  return [&p, cond](const at::Tensor& x_in, const at::Tensor& t) { return p.runner->forward(x_in.to(p.dtype), t, cond); };
+  const auto& conditioning = std::any_cast<const SDConditioning&>(job.conditioning);
+  const auto cond = conditioning.batched;
+  if (conditioning.controls.empty())
+    return [&p, cond](const at::Tensor& x_in, const at::Tensor& t) { return p.runner->forward(x_in.to(p.dtype), t, cond); };
+  // With ControlNets: each one's residuals on the steps inside its [start, end] (diffusers'
+  // controlnet_keep: step i of n acts unless i / n < start or (i + 1) / n > end), summed, added
+  // to the UNet's. Every sampler here evaluates the denoiser once a step, so the calls count the steps.
+  auto step = std::make_shared<int>(0);
+  const auto n = static_cast<double>(job.run_timesteps.size());
+  return [&p, cond, controls = conditioning.controls, step, n](const at::Tensor& x_in, const at::Tensor& t) mutable {
+    const auto x = x_in.to(p.dtype);
+    auto c = cond;
+    const double i = (*step)++;
+    for (auto& control : controls) {
+      const auto& r = control.ref;
+      if (i / n < r.start || (i + 1) / n > r.end || r.scale == 0) continue;
+      auto out = control.net->forward(x, t, cond, control.image, r.scale);
+      if (c.down_residuals.empty()) {
+        c.down_residuals = std::move(out.down);
+        c.mid_residual = out.mid;
+      } else {
+        for (size_t k = 0; k < out.down.size(); ++k) c.down_residuals[k] = c.down_residuals[k] + out.down[k];
+        c.mid_residual = c.mid_residual + out.mid;
+      }
+    }
+    return p.runner->forward(x, t, c);
+  };
 }
 
 // CPU virtual devices share the one loaded UNet (read-only in inference); GPUs get replicas
@@ -762,7 +894,10 @@ at::Tensor StableDiffusion::decode(const at::Tensor& latents, parallel::DeviceGr
 
 void StableDiffusion::add_metadata(const JobContext& job, nlohmann::json& meta) const {
   const auto& p = *impl_;
-  meta["negative_conditioning"] = std::any_cast<const SDConditioning&>(job.conditioning).negative_source;
+  const auto& conditioning = std::any_cast<const SDConditioning&>(job.conditioning);
+  meta["negative_conditioning"] = conditioning.negative_source;
+  for (const auto& c : conditioning.controls)
+    meta["controlnets"].push_back({{"path", c.ref.path}, {"scale", c.ref.scale}, {"start", c.ref.start}, {"end", c.ref.end}});
   if (meta.contains("strategy") && !p.tiny_vae) meta["vae_decode_devices"] = p.last_decode_ranks;
   if (p.device.is_cuda())
     meta["unet_graphs"] = {{"graphs", p.runner->graphs()},

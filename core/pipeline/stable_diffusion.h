@@ -1,4 +1,5 @@
 #pragma once
+#include <cstdint>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -24,6 +25,8 @@ class StableDiffusion : public Pipeline {
   // The family's full-size architecture (or a few-channel `tiny` one) with random weights,
   // plus a random TAESD decoder under the name "<random>": for benchmarks, no files needed.
   static std::unique_ptr<StableDiffusion> random(job::ModelFamily family, bool tiny, const std::string& device);
+  // A ControlNet folder for this model's UNet with random weights (the benchmark's; seeded).
+  void write_random_controlnet(const std::filesystem::path& dir, std::uint64_t seed) const;
   ~StableDiffusion() override;
   struct Impl;
 

@@ -28,9 +28,11 @@
 #include "core/parallel/strategy.h"
 #include "core/pipeline/clip_graph.h"
 #include "core/pipeline/pipeline_util.h"
+#include "core/pipeline/prompt_encoding.h"
 #include "core/pipeline/single_file.h"
 #include "core/schedulers/sampler.h"
 #include "core/text/clip_tokenizer.h"
+#include "core/text/prompt_syntax.h"
 #include "core/text/t5_tokenizer.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
@@ -121,35 +123,47 @@ struct StableDiffusion3::Impl : PipelineState {
   // Pixel sizes must be multiples of this: the VAE's factor times the transformer's patch.
   int size_multiple() const { return vae_factor() * static_cast<int>(transformer->config.patch_size); }
 
-  // One prompt: [1, 77 + max_sequence_length, joint], pooled [1, P].
-  std::pair<at::Tensor, at::Tensor> encode_one(const std::string& prompt, job::StageTimings& t, bool use_t5) {
-    auto run_tokenizer = [&](const text::CLIPTokenizer& tok) { return clip_token_ids(tok, prompt, device, t); };
-    auto ids1 = run_tokenizer(*tokenizer);
-    auto ids2 = run_tokenizer(*tokenizer_2);
+  // One prompt: CLIP's part [1, 77 * chunks, joint], T5's [1, max_sequence_length, joint], pooled [1, P].
+  struct Encoded {
+    at::Tensor clip, t5, pooled;
+  };
+  Encoded encode_one(const std::string& prompt, job::PromptSyntax syntax, job::StageTimings& t, bool use_t5) {
+    const auto p1 = clip_prompt(*tokenizer, prompt, syntax, device, t);
+    const auto p2 = clip_prompt(*tokenizer_2, prompt, syntax, device, t);
+    if (p1.ids.size() != p2.ids.size())
+      throw Error("the prompt makes " + std::to_string(p1.ids.size()) + " chunks for CLIP-L and " +
+                  std::to_string(p2.ids.size()) + " for CLIP-G: their tokenizers differ");
     const auto t0 = Clock::now();
-    auto o1 = text_graph(ids1);
-    auto o2 = text_graph_2(ids2);
-    auto clip = at::cat({o1.penultimate, o2.penultimate}, -1);
+    const auto e1 = encode_chunks(p1, [&](const at::Tensor& ids) {
+      const auto o = text_graph(ids);
+      return ChunkEncoding{o.penultimate, o.pooled};
+    });
+    const auto e2 = encode_chunks(p2, [&](const at::Tensor& ids) {
+      const auto o = text_graph_2(ids);
+      return ChunkEncoding{o.penultimate, o.pooled};
+    });
+    Encoded e;
+    e.clip = at::cat({e1.hidden, e2.hidden}, -1);
     const int64_t joint = transformer->config.joint_attention_dim;
-    clip = at::constant_pad_nd(clip, {0, joint - clip.size(-1)});  // checked at load: never negative
-    auto pooled = at::cat({o1.pooled, o2.pooled}, -1);
+    e.clip = at::constant_pad_nd(e.clip, {0, joint - e.clip.size(-1)});  // checked at load: never negative
+    e.pooled = at::cat({e1.pooled, e2.pooled}, -1);
     t.text_encode_ms += ms_since(t0);
-    at::Tensor t5;
     if (use_t5) {
       const auto t1 = Clock::now();
-      const auto tokens = tokenizer_3->encode(prompt, max_sequence_length);
+      const auto text = syntax == job::PromptSyntax::A1111 ? text::plain_text(text::parse_prompt_attention(prompt)) : prompt;
+      const auto tokens = tokenizer_3->encode(text, max_sequence_length);
       t.tokenize_ms += ms_since(t1);
       if (tokens.dropped > 0)
         log::get("pipeline").warn(log::str("prompt is ", tokens.dropped, " tokens over T5's ", max_sequence_length,
                                            "-token limit: the end was cut off ('", prompt.substr(0, 40), "...')"));
       const auto t2 = Clock::now();
       const auto ids = at::tensor(at::ArrayRef<int>(tokens.ids), at::kLong).unsqueeze(0).to(device);
-      t5 = text_encoder_3->forward(ids).last_hidden_state.to(clip.scalar_type());  // d_model == joint, checked at load
+      e.t5 = text_encoder_3->forward(ids).last_hidden_state.to(e.clip.scalar_type());  // d_model == joint, checked at load
       t.text_encode_ms += ms_since(t2);
     } else {
-      t5 = at::zeros({1, max_sequence_length, joint}, clip.options());
+      e.t5 = at::zeros({1, max_sequence_length, joint}, e.clip.options());
     }
-    return {at::cat({clip, t5}, -2), pooled};
+    return e;
   }
 
   at::Tensor decode_latents(const at::Tensor& latents) {
@@ -381,20 +395,26 @@ std::unique_ptr<StableDiffusion3> StableDiffusion3::load(const fs::path& model, 
 
 StableDiffusion3::Conditioning StableDiffusion3::encode_prompt(const std::string& prompt, const std::string& negative,
                                                                int batch, bool cfg, job::StageTimings* timings,
-                                                               bool drop_t5) {
+                                                               bool drop_t5, job::PromptSyntax syntax) {
   at::NoGradGuard no_grad;
   job::StageTimings scratch;
   auto& t = timings ? *timings : scratch;
   Conditioning c;
   const bool use_t5 = impl_->text_encoder_3 && !drop_t5;
-  std::tie(c.prompt_embeds, c.pooled) = impl_->encode_one(prompt, t, use_t5);
-  c.prompt_embeds = c.prompt_embeds.repeat({batch, 1, 1});
-  c.pooled = c.pooled.repeat({batch, 1});
+  auto pos = impl_->encode_one(prompt, syntax, t, use_t5);
   if (cfg) {
-    std::tie(c.negative_prompt_embeds, c.negative_pooled) = impl_->encode_one(negative, t, use_t5);
-    c.negative_prompt_embeds = c.negative_prompt_embeds.repeat({batch, 1, 1});
-    c.negative_pooled = c.negative_pooled.repeat({batch, 1});
+    auto neg = impl_->encode_one(negative, syntax, t, use_t5);
+    if (pos.clip.size(1) != neg.clip.size(1)) {
+      const auto empty = impl_->encode_one("", syntax, t, false).clip;
+      auto& shorter = pos.clip.size(1) < neg.clip.size(1) ? pos.clip : neg.clip;
+      const auto missing = std::abs(pos.clip.size(1) - neg.clip.size(1)) / empty.size(1);
+      shorter = at::cat({shorter, empty.repeat({1, missing, 1})}, 1);
+    }
+    c.negative_prompt_embeds = at::cat({neg.clip, neg.t5}, -2).repeat({batch, 1, 1});
+    c.negative_pooled = neg.pooled.repeat({batch, 1});
   }
+  c.prompt_embeds = at::cat({pos.clip, pos.t5}, -2).repeat({batch, 1, 1});
+  c.pooled = pos.pooled.repeat({batch, 1});
   return c;
 }
 
@@ -425,6 +445,15 @@ std::string StableDiffusion3::a1111_sampler(schedulers::SamplerKind) const { ret
 std::string StableDiffusion3::taesd_hint() const { return "taesd3"; }
 std::string StableDiffusion3::nan_hint() const { return "try fp32"; }
 
+std::vector<adapters::LoraComponent> StableDiffusion3::lora_components() {
+  auto& p = *impl_;
+  return {{"transformer", p.transformer.get(), false},
+          {"text_encoder", p.text_encoder.get(), true},
+          {"text_encoder_2", p.text_encoder_2.get(), true}};
+}
+
+void StableDiffusion3::weights_changed() { impl_->replicas.clear(); }
+
 job::GenerationResult StableDiffusion3::generate(const job::GenerationRequest& request, const job::JobObserver& observer,
                                                  const job::CancelToken& cancel, const at::Tensor& initial_latents) {
   JobInputs inputs;
@@ -453,7 +482,9 @@ schedulers::SchedulerConfig StableDiffusion3::scheduler_config(schedulers::Sampl
 void StableDiffusion3::encode(JobContext& job) {
   auto& p = *impl_;
   const auto& req = job.req;
-  const auto c = encode_prompt(req.prompt, req.negative_prompt, req.batch, job.cfg, &job.timings, req.drop_t5);
+  if (!req.controlnets.empty())
+    throw Error("ControlNets run with SD 1.x / 2.x / XL models; SD3's ControlNets are not supported yet");
+  const auto c = encode_prompt(req.prompt, req.negative_prompt, req.batch, job.cfg, &job.timings, req.drop_t5, req.prompt_syntax);
   SD3JobConditioning j;
   j.t5 = p.text_encoder_3 && !req.drop_t5 ? "used" : p.text_encoder_3 || p.t5_dropped ? "dropped" : "absent";
   j.context = (job.cfg ? at::cat({c.negative_prompt_embeds, c.prompt_embeds}) : c.prompt_embeds).to(p.dtype);

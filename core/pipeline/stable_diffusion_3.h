@@ -59,11 +59,15 @@ class StableDiffusion3 : public Pipeline {
   // gives: [batch, 77 + max_sequence_length, joint_attention_dim] and [batch,
   // pooled_projection_dim]; the negative pair only with `cfg` (an empty negative encodes "", as
   // diffusers' SD3 pipeline always does). T5's part is zeros without T5 or with `drop_t5`.
+  // With A1111's syntax the CLIP part is 77 tokens a chunk, weighted; T5 reads the text without
+  // the syntax; a prompt and a negative of different chunk counts have the shorter one padded
+  // with the empty prompt's chunk (A1111's "pad prompt/negative prompt to be same length").
   struct Conditioning {
     at::Tensor prompt_embeds, pooled, negative_prompt_embeds, negative_pooled;
   };
   Conditioning encode_prompt(const std::string& prompt, const std::string& negative, int batch, bool cfg,
-                             job::StageTimings* timings = nullptr, bool drop_t5 = false);
+                             job::StageTimings* timings = nullptr, bool drop_t5 = false,
+                             job::PromptSyntax syntax = job::PromptSyntax::A1111);
 
   using Pipeline::generate;
   // A job from given initial latents [batch, 16, height / 8, width / 8] (the request's seed

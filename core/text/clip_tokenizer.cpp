@@ -478,6 +478,17 @@ std::vector<int> CLIPTokenizer::encode(const std::string& text) const {
   return ids;
 }
 
+std::vector<int> CLIPTokenizer::tokens(const std::string& text) const {
+  std::vector<int> ids;
+  encode_text(text, ids);
+  return ids;
+}
+
+int CLIPTokenizer::token_id(const std::string& entry) const {
+  const auto it = vocab_.find(entry);
+  return it == vocab_.end() ? -1 : it->second;
+}
+
 TokenizedPrompt CLIPTokenizer::tokenize(const std::string& text) const {
   TokenizedPrompt t;
   t.ids = encode(text);

@@ -47,6 +47,10 @@ class CLIPTokenizer {
 
   // bos + tokens + eos, untruncated.
   std::vector<int> encode(const std::string& text) const;
+  // The text's tokens alone (no bos / eos), untruncated.
+  std::vector<int> tokens(const std::string& text) const;
+  // The id of a vocabulary entry (",</w>"), or -1.
+  int token_id(const std::string& entry) const;
   // Truncated to max_length (bos + first max_length-2 tokens + eos) and padded.
   TokenizedPrompt tokenize(const std::string& text) const;
 

@@ -91,8 +91,11 @@ UNet2DConditionConfig UNet2DConditionConfig::sdxl_base() {
 }
 
 UNet2DConditionConfig UNet2DConditionConfig::from_json(const std::filesystem::path& path) {
-  const auto j = io::JsonFile::read(path);
-  const std::string where = path.string();
+  return from_json(io::JsonFile::read(path));
+}
+
+UNet2DConditionConfig UNet2DConditionConfig::from_json(const io::JsonFile& j) {
+  const std::string where = j.path().string();
   auto unsupported = [&](const std::string& key, const std::string& why) {
     throw Error(where + ": '" + key + "' = " + j.json()[key].dump() + " is not supported (" + why + ")");
   };
@@ -572,22 +575,25 @@ std::vector<std::vector<std::int64_t>> UNet2DConditionModelImpl::stage_shapes(in
   return skips;
 }
 
-at::Tensor UNet2DConditionModelImpl::embed_time(const at::Tensor& timesteps, const UNetConditioning& cond,
-                                                c10::ScalarType dtype) {
-  const auto ch0 = config.block_out_channels.front();
-  auto emb = time_embedding->forward(
-      timestep_embedding(timesteps, ch0, config.flip_sin_to_cos, config.freq_shift).to(dtype));
-  if (add_embedding) {
+at::Tensor time_embedding_of(const UNet2DConditionConfig& c, TimestepEmbeddingImpl& time, TimestepEmbeddingImpl* add,
+                             const at::Tensor& timesteps, const UNetConditioning& cond, c10::ScalarType dtype) {
+  auto emb = time.forward(timestep_embedding(timesteps, c.block_out_channels.front(), c.flip_sin_to_cos, c.freq_shift).to(dtype));
+  if (add) {
     TORCH_CHECK(cond.text_embeds.defined() && cond.time_ids.defined(),
-                "this UNet (text_time conditioning) needs text_embeds and time_ids");
+                "text_time conditioning (SDXL) needs text_embeds and time_ids");
     const auto b = cond.time_ids.size(0);
-    auto time_embeds = timestep_embedding(cond.time_ids.flatten(), config.addition_time_embed_dim,
-                                          config.flip_sin_to_cos, config.freq_shift)
+    auto time_embeds = timestep_embedding(cond.time_ids.flatten(), c.addition_time_embed_dim, c.flip_sin_to_cos,
+                                          c.freq_shift)
                            .reshape({b, -1});
     auto added = at::cat({cond.text_embeds, time_embeds.to(cond.text_embeds.dtype())}, -1).to(dtype);
-    emb = emb + add_embedding->forward(added);
+    emb = emb + add->forward(added);
   }
   return emb;
+}
+
+at::Tensor UNet2DConditionModelImpl::embed_time(const at::Tensor& timesteps, const UNetConditioning& cond,
+                                                c10::ScalarType dtype) {
+  return time_embedding_of(config, *time_embedding, add_embedding ? add_embedding.get() : nullptr, timesteps, cond, dtype);
 }
 
 // Runs the up path from `from` (inclusive) to `to` (exclusive; an upsampler belongs to the
@@ -621,7 +627,13 @@ at::Tensor UNet2DConditionModelImpl::forward(const at::Tensor& sample, const at:
   auto x = conv_in->forward(sample);
   std::vector<at::Tensor> skips = {x};
   for (const auto& block : *down_blocks) x = block->as<DownBlock>()->forward(x, temb, context, skips);
+  if (!cond.down_residuals.empty()) {
+    TORCH_CHECK(cond.down_residuals.size() == skips.size(), "ControlNet residuals: ", cond.down_residuals.size(),
+                " for the UNet's ", skips.size(), " skip connections");
+    for (size_t i = 0; i < skips.size(); ++i) skips[i] = skips[i] + cond.down_residuals[i];
+  }
   x = mid_block->forward(x, temb, context);
+  if (cond.mid_residual.defined()) x = x + cond.mid_residual;
   x = run_up(x, temb, context, skips, {0, 0}, {up_blocks->size(), 0});
   return conv_out->forward(conv_norm_out->forward(x, {}, /*silu=*/true));
 }

@@ -16,6 +16,10 @@
 #include "core/models/common/layers.h"
 #include "core/models/common/resnet.h"
 
+namespace diffract::io {
+class JsonFile;
+}
+
 namespace diffract::models {
 
 // diffusers' UNet2DConditionModel config, with per-block lists resolved (a scalar in
@@ -50,6 +54,7 @@ struct UNet2DConditionConfig {
   static UNet2DConditionConfig sdxl_base();
   // diffusers' config.json; unsupported options are errors naming the file and key.
   static UNet2DConditionConfig from_json(const std::filesystem::path& config_json);
+  static UNet2DConditionConfig from_json(const io::JsonFile& config);
 };
 
 // Extra conditioning next to the text context: SDXL's pooled text embedding and
@@ -58,7 +63,17 @@ struct UNetConditioning {
   at::Tensor encoder_hidden_states;  // [B, S, C]
   at::Tensor text_embeds;            // [B, P]  (text_time only)
   at::Tensor time_ids;               // [B, 6]  (text_time only)
+  // ControlNets' additions (diffusers' down_block_additional_residuals and
+  // mid_block_additional_residual): one per skip connection in production order, one for the mid
+  // block's output. forward() only; empty: none.
+  std::vector<at::Tensor> down_residuals;
+  at::Tensor mid_residual;
 };
+
+// The time embedding of a UNet or of its ControlNet: the timesteps' sinusoidal embedding through
+// `time`, plus SDXL's added embedding (pooled text and time ids through `add`) when `add` is given.
+at::Tensor time_embedding_of(const UNet2DConditionConfig& c, TimestepEmbeddingImpl& time, TimestepEmbeddingImpl* add,
+                             const at::Tensor& timesteps, const UNetConditioning& cond, c10::ScalarType dtype);
 
 class BasicTransformerBlockImpl : public torch::nn::Module {
  public:

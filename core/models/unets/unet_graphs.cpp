@@ -21,11 +21,11 @@
 namespace diffract::models {
 
 namespace {
-using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, int, bool>;
+using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, int, bool, std::size_t>;
 
 Key key_of(const at::Tensor& x, const UNetConditioning& c) {
   return {x.size(0), x.size(1), x.size(2), x.size(3), c.encoder_hidden_states.size(1),
-          static_cast<int>(x.scalar_type()), c.text_embeds.defined()};
+          static_cast<int>(x.scalar_type()), c.text_embeds.defined(), c.down_residuals.size()};
 }
 }  // namespace
 
@@ -114,6 +114,8 @@ at::Tensor UNetGraphRunner::forward(const at::Tensor& sample, const at::Tensor& 
       e.cond.encoder_hidden_states = cond.encoder_hidden_states.clone();
       if (cond.text_embeds.defined()) e.cond.text_embeds = cond.text_embeds.clone();
       if (cond.time_ids.defined()) e.cond.time_ids = cond.time_ids.clone();
+      for (const auto& r : cond.down_residuals) e.cond.down_residuals.push_back(r.clone());
+      if (cond.mid_residual.defined()) e.cond.mid_residual = cond.mid_residual.clone();
       e.graph = std::make_unique<at::cuda::CUDAGraph>();
       const auto main = c10::cuda::getCurrentCUDAStream(index);
       auto side = c10::cuda::getStreamFromPool(false, index);
@@ -144,6 +146,8 @@ at::Tensor UNetGraphRunner::forward(const at::Tensor& sample, const at::Tensor& 
     it->cond.encoder_hidden_states.copy_(cond.encoder_hidden_states);
     if (cond.text_embeds.defined()) it->cond.text_embeds.copy_(cond.text_embeds);
     if (cond.time_ids.defined()) it->cond.time_ids.copy_(cond.time_ids);
+    for (size_t i = 0; i < cond.down_residuals.size(); ++i) it->cond.down_residuals[i].copy_(cond.down_residuals[i]);
+    if (cond.mid_residual.defined()) it->cond.mid_residual.copy_(cond.mid_residual);
     it->graph->replay();
     return it->out.clone(at::MemoryFormat::Contiguous);
   }

@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Reference oracle for ControlNet: tiny seeded ControlNets made from make_fixtures.py's tiny-sd /
+tiny-sdxl UNets (ControlNetModel.from_unet, the zero convolutions given seeded values so that they
+act), and diffusers' StableDiffusionControlNetPipeline / StableDiffusionXLControlNetPipeline images:
+one ControlNet, a guidance window (start / end), two at once, SDXL's; the control image of another
+size than the job's (diffusers resizes it with Lanczos).
+
+Writes into --out: cn-sd-a/, cn-sd-b/, cn-sdxl/ (ControlNetModel folders), edges.png (50x40),
+blobs.png (64x64), controlnet_cases.json and controlnet_cases.safetensors (images, float HWC).
+CPU, fp32, seconds.
+"""
+import argparse
+import json
+import os
+
+import torch
+from PIL import Image, ImageDraw
+from safetensors.torch import save_file
+
+torch.set_grad_enabled(False)
+
+
+def controlnet_for(unet, seed):
+    from diffusers import ControlNetModel
+    torch.manual_seed(seed)
+    # The tiny VAEs downscale by 2: one stride-2 stage in the conditioning embedding.
+    net = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 16))
+    g = torch.Generator().manual_seed(seed)
+    for name, p in net.named_parameters():
+        if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding")):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return net.eval()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--fixtures", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    from diffusers import (EulerDiscreteScheduler, StableDiffusionControlNetPipeline, StableDiffusionPipeline,
+                           StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline)
+    sd = StableDiffusionPipeline.from_pretrained(os.path.join(args.fixtures, "tiny-sd"))
+    xl = StableDiffusionXLPipeline.from_pretrained(os.path.join(args.fixtures, "tiny-sdxl"))
+    nets = {"cn-sd-a": controlnet_for(sd.unet, 91), "cn-sd-b": controlnet_for(sd.unet, 92),
+            "cn-sdxl": controlnet_for(xl.unet, 93)}
+    for name, net in nets.items():
+        net.save_pretrained(os.path.join(args.out, name))
+
+    edges = Image.new("RGB", (50, 40), 0)
+    d = ImageDraw.Draw(edges)
+    d.rectangle((8, 6, 40, 32), outline=(255, 255, 255), width=2)
+    d.line((0, 39, 49, 0), fill=(255, 255, 255), width=1)
+    edges.save(os.path.join(args.out, "edges.png"))
+    blobs = Image.new("RGB", (64, 64), (30, 30, 30))
+    ImageDraw.Draw(blobs).ellipse((10, 12, 50, 44), fill=(200, 120, 40))
+    blobs.save(os.path.join(args.out, "blobs.png"))
+    images = {"edges.png": edges, "blobs.png": blobs}
+
+    common = dict(prompt="a red apple", negative_prompt="blurry", num_inference_steps=4, guidance_scale=7.5,
+                  height=64, width=64, output_type="np")
+    cases, tensors = [], {}
+
+    def run(name, base, controls, seed):
+        sched = EulerDiscreteScheduler.from_config(base.scheduler.config)
+        parts = {k: v for k, v in base.components.items()}
+        parts["scheduler"] = sched
+        multi = len(controls) > 1
+        net = [nets[c["net"]] for c in controls] if multi else nets[controls[0]["net"]]
+        cls = StableDiffusionXLControlNetPipeline if base is xl else StableDiffusionControlNetPipeline
+        if cls is StableDiffusionControlNetPipeline:
+            parts.pop("image_encoder", None)
+            pipe = cls(**parts, controlnet=net)
+        else:
+            parts.pop("image_encoder", None)
+            parts.pop("feature_extractor", None)
+            pipe = cls(**parts, controlnet=net)
+        pipe.set_progress_bar_config(disable=True)
+        image = [images[c["image"]] for c in controls]
+        pick = (lambda k: [c[k] for c in controls]) if multi else (lambda k: controls[0][k])
+        out = pipe(image=image if multi else image[0], controlnet_conditioning_scale=pick("scale"),
+                   control_guidance_start=pick("start"), control_guidance_end=pick("end"),
+                   generator=torch.Generator().manual_seed(seed), **common).images
+        tensors[name] = torch.from_numpy(out).contiguous()
+        cases.append({"name": name, "model": "tiny-sdxl" if base is xl else "tiny-sd", "seed": seed,
+                      "prompt": common["prompt"], "negative_prompt": common["negative_prompt"], "steps": 4,
+                      "cfg": 7.5, "width": 64, "height": 64, "sampler": "euler", "controlnets": controls})
+
+    c = lambda net, image, scale=1.0, start=0.0, end=1.0: {"net": net, "image": image, "scale": scale,
+                                                            "start": start, "end": end}
+    run("sd.one", sd, [c("cn-sd-a", "edges.png", 0.8)], 101)
+    run("sd.window", sd, [c("cn-sd-a", "edges.png", 1.0, 0.25, 0.75)], 102)
+    run("sd.two", sd, [c("cn-sd-a", "edges.png", 0.6), c("cn-sd-b", "blobs.png", 0.5, 0.0, 0.5)], 103)
+    run("xl.one", xl, [c("cn-sdxl", "blobs.png", 0.9)], 104)
+    # The control must change the image, or the cases prove nothing.
+    plain = sd(generator=torch.Generator().manual_seed(101), **common).images
+    assert abs(torch.from_numpy(plain) - tensors["sd.one"]).max() > 0.05, "the ControlNet changes nothing"
+    save_file(tensors, os.path.join(args.out, "controlnet_cases.safetensors"))
+    with open(os.path.join(args.out, "controlnet_cases.json"), "w") as f:
+        json.dump(cases, f)
+
+
+if __name__ == "__main__":
+    main()

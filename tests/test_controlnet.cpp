@@ -1,0 +1,103 @@
+// ControlNet against diffusers (tests/reference/make_controlnet_fixtures.py): StableDiffusion(XL)
+// ControlNetPipeline on tiny seeded ControlNets, one, a guidance window, two at once, SDXL's; and
+// what a bad ControlNet or control image gets.
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/engine/engine.h"
+#include "core/io/image.h"
+#include "core/io/weights.h"
+#include "core/util/error.h"
+#include "diffusers_case.h"
+#include "test_util.h"
+
+using namespace diffract;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path dir() { return test::fixtures() / "controlnet"; }
+
+nlohmann::json cases() {
+  std::ifstream in(dir() / "controlnet_cases.json");
+  return nlohmann::json::parse(in);
+}
+
+job::GenerationRequest request_for(const nlohmann::json& c) {
+  auto r = test::request_from_case(c);
+  for (const auto& n : c["controlnets"]) {
+    job::ControlNetRef ref;
+    ref.path = (dir() / n["net"].get<std::string>()).string();
+    ref.image = io::read_image(dir() / n["image"].get<std::string>()).image;
+    ref.scale = n["scale"];
+    ref.start = n["start"];
+    ref.end = n["end"];
+    r.controlnets.push_back(ref);
+  }
+  return r;
+}
+
+}  // namespace
+
+class TestControlNet : public QObject {
+  Q_OBJECT
+ private slots:
+  void matchesDiffusers_data() {
+    QTest::addColumn<int>("index");
+    const auto all = cases();
+    for (std::size_t i = 0; i < all.size(); ++i) QTest::newRow(all[i]["name"].get<std::string>().c_str()) << static_cast<int>(i);
+    QCOMPARE(all.size(), std::size_t(4));
+  }
+
+  void matchesDiffusers() {
+    QFETCH(int, index);
+    const auto c = cases()[static_cast<std::size_t>(index)];
+    const std::string name = c["name"];
+    job::CancelToken never;
+    job::GenerationResult result;
+    try {
+      result = engine_.run(request_for(c), {}, never);
+    } catch (const std::exception& e) {
+      QFAIL(e.what());
+    }
+    const auto mismatch =
+        test::image_mismatch(result.images.front(), io::load_state_dict(dir() / "controlnet_cases.safetensors").at(name)[0], name);
+    QVERIFY2(mismatch.isEmpty(), qPrintable(mismatch));
+    const auto meta = nlohmann::json::parse(result.metadata_json);
+    QCOMPARE(meta["controlnets"].size(), c["controlnets"].size());
+  }
+
+  void badInputs() {
+    job::CancelToken never;
+    const auto base = request_for(cases()[0]);
+    auto r = base;
+    r.controlnets[0].image = {};
+    DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "ControlNet 1", "has no control image");
+    r = base;
+    r.controlnets[0].start = 0.8;
+    r.controlnets[0].end = 0.2;
+    DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "0 <= start < end <= 1");
+    r = base;
+    r.controlnets[0].path = (dir() / "cn-sdxl").string();  // SDXL's on SD 1.x
+    DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "cn-sdxl is for another model");
+    r = base;
+    r.controlnets[0].path = (dir() / "nothing").string();
+    DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "not a folder");
+    r = base;
+    r.controlnets[0].path = (test::fixtures() / "tiny-sd" / "unet").string();  // a UNet, not a ControlNet
+    DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "not a ControlNetModel");
+    r = base;
+    r.strategy.name = "cfg-parallel";
+    r.strategy.devices = 2;
+    DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "does not run ControlNets yet");
+    // After the errors the same job still gives diffusers' image.
+    QCOMPARE(engine_.run(base, {}, never).images.size(), std::size_t(1));
+  }
+
+ private:
+  engine::Engine engine_;
+};
+
+QTEST_GUILESS_MAIN(TestControlNet)
+#include "test_controlnet.moc"
