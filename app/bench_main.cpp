@@ -204,7 +204,10 @@ json controlnet_step(pipeline::StableDiffusion& sd, const job::GenerationRequest
     e2e.push_back(std::chrono::duration<double, std::milli>(clock() - t).count());
     step.push_back(mean(res.timings.step_ms));
   }
-  std::filesystem::remove_all(dir);
+  // File by file: the PyTorch wheel's libtorch.so exports a std::filesystem::remove_all of its own
+  // libstdc++, which interposes on ours and jumps to address 0 (seen on the GPU machine).
+  for (const char* f : {"config.json", "diffusion_pytorch_model.safetensors"}) std::filesystem::remove(dir / f);
+  std::filesystem::remove(dir);
   const double s = percentile(step, 0.5);
   return {{"step_ms", s}, {"plain_step_ms", plain_step_ms}, {"step_ratio", plain_step_ms > 0 ? s / plain_step_ms : 0.0},
           {"end_to_end_ms", percentile(e2e, 0.5)}};

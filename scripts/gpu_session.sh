@@ -13,6 +13,9 @@
 #           diffract-bench --lora-rank on sdxl-1024 (apply, switch, remove), and their ratios.
 #   controlnet one GPU: diffusers' SDXL ControlNet pipeline with one ControlNet made from the UNet
 #           (tests/gpu/diffusers_sdxl_controlnet.py), then diffract-bench --controlnet on sdxl-1024.
+#           CN_DEBUG=1 first runs diffract-bench --controlnet on the tiny config under cuda-gdb
+#           (a crash's caller and backtrace), then once per CN_VARIANTS entry (';'-separated
+#           environment settings); CN_ANCHOR=0 skips the anchor, CN_BENCH=0 the sdxl-1024 bench.
 #   ab      one GPU: SDXL 1024² with AB_VAR set to each of AB_VALUES, one after the other on the
 #           same GPU, after the checks matching CHECKS if set; AB_OPS=N lists each step's N
 #           largest kernels by the ATen op that launched them, AB_STRATEGIES adds strategy runs.
@@ -203,8 +206,28 @@ PY
 
 controlnet)
   export CUDA_VISIBLE_DEVICES=0
-  timeout 300 python3 tests/gpu/diffusers_sdxl_controlnet.py > "$logs/anchor_controlnet.log" 2>&1
-  echo "controlnet anchor rc $? at $(elapsed) s"
+  if [ "${CN_DEBUG:-0}" = 1 ]; then
+    # The caller of a jump to address 0 is the return address on top of the stack.
+    timeout 150 cuda-gdb -batch -ex "set pagination off" -ex run -ex "x/12a \$sp" -ex "info symbol *(long*)\$sp" \
+      -ex "thread apply 1 bt 30" --args "$bench" --device cuda:0 --config tiny --batch 1 --runs 1 --controlnet -v \
+      --scratch /tmp/diffract-bench-debug > "$logs/debug_controlnet.log" 2>&1
+    echo "debug rc $? at $(elapsed) s"
+    grep -E "SIGSEGV|signal|^#[0-9]+ |^0x|in section|No symbol" "$logs/debug_controlnet.log" | grep -v gomp | head -40
+    grep -v "New Thread\|exited\|gomp" "$logs/debug_controlnet.log" | grep "diffract\." | tail -8 | cut -c1-250
+    # CN_VARIANTS: ';'-separated environment settings, each a run of the tiny config without the debugger.
+    IFS=';' read -ra variants <<< "${CN_VARIANTS:-}"
+    for v in "${variants[@]}"; do
+      env $v timeout 120 "$bench" --device cuda:0 --config tiny --batch 1 --runs 1 --controlnet \
+        --scratch /tmp/diffract-bench-debug > "$logs/variant.json" 2> "$logs/variant.log"
+      echo "variant [$v] rc $? at $(elapsed) s"
+    done
+  fi
+  : > "$logs/anchor_controlnet.log"
+  if [ "${CN_ANCHOR:-1}" = 1 ]; then
+    timeout 300 python3 tests/gpu/diffusers_sdxl_controlnet.py > "$logs/anchor_controlnet.log" 2>&1
+    echo "controlnet anchor rc $? at $(elapsed) s"
+  fi
+  [ "${CN_BENCH:-1}" = 1 ] || exit 0
   timeout "$(left 3)" "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 3 --controlnet \
     --scratch /tmp/diffract-bench > "$logs/bench_controlnet.json" 2> "$logs/bench_controlnet.log"
   echo "controlnet bench rc $? at $(elapsed) s"

@@ -14,7 +14,10 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 -d .carry/whl diffusers==0.42.1 importlib_metadata peft==0.21.2 accelerate==1.15.0
 # The emoji atlas diffract-train needs (scripts/gpu_train.sh), from this machine's Debian fonts.
 if [[ ! -f .carry/emoji/atlas.json ]]; then
-  [[ -x build/default/app/diffract-dataset ]] || { echo "build diffract-dataset first (cmake --build build/default --target diffract-dataset)" >&2; exit 1; }
-  QT_QPA_PLATFORM=offscreen build/default/app/diffract-dataset --out .carry/emoji
+  if [[ -x build/default/app/diffract-dataset ]]; then
+    QT_QPA_PLATFORM=offscreen build/default/app/diffract-dataset --out .carry/emoji
+  else
+    echo "no emoji atlas: build diffract-dataset (cmake --build build/default --target diffract-dataset) for gpu_train.sh" >&2
+  fi
 fi
 du -sh .carry

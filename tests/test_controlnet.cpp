@@ -38,6 +38,10 @@ job::GenerationRequest request_for(const nlohmann::json& c) {
   return r;
 }
 
+at::Tensor latents(const job::GenerationResult& g) {
+  return at::from_blob(const_cast<float*>(g.latents.data()), g.latents_shape, at::kFloat).clone();
+}
+
 }  // namespace
 
 class TestControlNet : public QObject {
@@ -68,6 +72,37 @@ class TestControlNet : public QObject {
     QCOMPARE(meta["controlnets"].size(), c["controlnets"].size());
   }
 
+  // Every evaluation of the strategies that take ControlNets includes them: CFG-parallel (each
+  // branch on its own virtual device) and data-parallel (the batch split) give the one-device
+  // image exactly, DRiffusion's drafts stay close to it; the job without the ControlNet differs.
+  void strategiesRunTheControlNets() {
+    job::CancelToken never;
+    auto base = request_for(cases()[2]);  // two ControlNets, each with its own window
+    base.batch = 2;
+    const auto single = latents(engine_.run(base, {}, never));
+    auto plain = base;
+    plain.controlnets.clear();
+    QVERIFY((latents(engine_.run(plain, {}, never)) - single).abs().max().item<double>() > 1e-2);
+    for (const char* name : {"cfg-parallel", "data-parallel", "driffusion"}) {
+      auto r = base;
+      r.strategy.name = name;
+      r.strategy.devices = 2;
+      at::Tensor got;
+      try {
+        const auto result = engine_.run(r, {}, never);
+        QCOMPARE(nlohmann::json::parse(result.metadata_json)["strategy_name"].get<std::string>(), std::string(name));
+        got = latents(result);
+      } catch (const std::exception& e) {
+        QFAIL(qPrintable(QString("%1: %2").arg(name, e.what())));
+      }
+      const double diff = (got - single).abs().max().item<double>();
+      const double scale = single.abs().max().item<double>();
+      // DRiffusion's drafts are not exact (test_parallel bounds them the same way without ControlNets).
+      const double bound = std::string(name) == "driffusion" ? 0.05 * scale : 1e-4 * scale;
+      QVERIFY2(diff <= bound, qPrintable(QString("%1: max |diff| %2 (bound %3)").arg(name).arg(diff).arg(bound)));
+    }
+  }
+
   void badInputs() {
     job::CancelToken never;
     const auto base = request_for(cases()[0]);
@@ -88,9 +123,12 @@ class TestControlNet : public QObject {
     r.controlnets[0].path = (test::fixtures() / "tiny-sd" / "unet").string();  // a UNet, not a ControlNet
     DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "not a ControlNetModel");
     r = base;
-    r.strategy.name = "cfg-parallel";
+    r.strategy.name = "distrifusion";
     r.strategy.devices = 2;
-    DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "does not run ControlNets yet");
+    DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "distrifusion does not run ControlNets", "image bands");
+    r = base;
+    r.hires.scale = 2;
+    DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "hires fix with ControlNets");
     // After the errors the same job still gives diffusers' image.
     QCOMPARE(engine_.run(base, {}, never).images.size(), std::size_t(1));
   }

@@ -1,5 +1,7 @@
 #include "core/parallel/denoiser.h"
 
+#include <cmath>
+
 #include <ATen/ATen.h>
 
 #include "core/schedulers/sampler.h"
@@ -79,13 +81,43 @@ at::Tensor UNetDenoiser::eval(const at::Tensor& model_input, double timestep, Br
   const auto x = (both ? at::cat({model_input, model_input}) : model_input).to(device_, dtype_);
   const auto& cond = both ? both_ : branch == Branch::Uncond ? negative_ : positive_;
   auto t = at::full({x.size(0)}, timestep, at::TensorOptions().dtype(at::kFloat).device(device_));
+  if (!controls_.empty()) {
+    // The step whose timestep this is (the strategies evaluate steps in their own order).
+    std::size_t step = 0;
+    for (std::size_t i = 1; i < timesteps_.size(); ++i)
+      if (std::abs(timesteps_[i] - timestep) < std::abs(timesteps_[step] - timestep)) step = i;
+    auto units = controls_;
+    if (both)
+      for (auto& u : units) u.image = at::cat({u.image, u.image});
+    const auto with = models::add_controlnet_residuals(cond, units, x, t, static_cast<int>(step),
+                                                       static_cast<int>(timesteps_.size()));
+    auto out = unet_->forward(x, t, with);
+    if (!both) return out;
+    auto parts = out.chunk(2);
+    return combine_cfg(parts[0], parts[1], scale_);
+  }
   auto out = unet_->forward(x, t, cond);
   if (!both) return out;
   auto parts = out.chunk(2);
   return combine_cfg(parts[0], parts[1], scale_);
 }
 
+void UNetDenoiser::set_controlnets(std::vector<models::ControlNetUnit> units, std::vector<double> timesteps) {
+  for (const auto& u : units)
+    if (u.image.size(0) != batch())
+      throw Error("ControlNet: a control image of " + std::to_string(u.image.size(0)) + " rows for a batch of " +
+                  std::to_string(batch()));
+  controls_ = std::move(units);
+  timesteps_ = std::move(timesteps);
+}
+
+void UNetDenoiser::no_controlnets(const char* what) const {
+  if (!controls_.empty())
+    throw Error(std::string("ControlNets run in whole evaluations, not in ") + what + " (run the job on one device)");
+}
+
 const models::UNetConditioning& UNetDenoiser::branch_conditioning(Branch branch) const {
+  no_controlnets("a layer split");
   if (branch == Branch::Guided) throw Error("the layer-split stages run one branch (Cond or Uncond) at a time");
   if (branch == Branch::Uncond && !cfg_) throw Error("the unconditional branch was asked for without CFG");
   return branch == Branch::Uncond ? negative_ : positive_;
@@ -121,6 +153,7 @@ std::vector<models::UNetLayerInfo> UNetDenoiser::stage_layers(std::int64_t heigh
 }
 
 models::UNetStageState UNetDenoiser::stage_input(const at::Tensor& model_input, double, Branch branch) {
+  no_controlnets("sequential stages");
   conditioning(branch);  // checks the branch
   const bool both = branch == Branch::Guided && cfg_;
   models::UNetStageState s;
@@ -159,8 +192,14 @@ std::unique_ptr<Denoiser> UNetDenoiser::rows(std::int64_t begin, std::int64_t co
   if (begin < 0 || count < 1 || begin + count > batch())
     throw Error("conditioning rows " + std::to_string(begin) + "+" + std::to_string(count) + " are outside the batch of " +
                 std::to_string(batch()));
-  return std::make_unique<UNetDenoiser>(unet_, narrow(positive_, begin, count), narrow(negative_, begin, count), scale_,
-                                        dtype_, device_);
+  auto d = std::make_unique<UNetDenoiser>(unet_, narrow(positive_, begin, count), narrow(negative_, begin, count),
+                                          scale_, dtype_, device_);
+  if (!controls_.empty()) {
+    std::vector<models::ControlNetUnit> units;
+    for (const auto& u : controls_) units.push_back(u.rows(begin, count));
+    d->set_controlnets(std::move(units), timesteps_);
+  }
+  return d;
 }
 
 SD3Denoiser::SD3Denoiser(models::SD3Transformer2DModel model, SD3Conditioning positive, SD3Conditioning negative,

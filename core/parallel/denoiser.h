@@ -6,6 +6,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "core/models/controlnets/controlnet.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_2d_condition.h"
 #include "core/models/unets/unet_graphs.h"
@@ -103,7 +104,13 @@ class UNetDenoiser final : public Denoiser {
   std::vector<std::vector<std::int64_t>> stage_shapes(int layer, std::int64_t height, std::int64_t width,
                                                       Branch branch) const override;
 
+  // ControlNets in every eval(): units whose images have one branch's rows (batch()), and the
+  // run's timesteps, where a timestep's index is its step (the units' start / end). The split
+  // and stage calls refuse a denoiser with ControlNets (the registry keeps such strategies away).
+  void set_controlnets(std::vector<models::ControlNetUnit> units, std::vector<double> timesteps);
+
  private:
+  void no_controlnets(const char* what) const;
   const models::UNetConditioning& branch_conditioning(Branch branch) const;
   // Any branch: Guided is both_ with CFG, else the prompt.
   const models::UNetConditioning& conditioning(Branch branch) const;
@@ -114,6 +121,8 @@ class UNetDenoiser final : public Denoiser {
   bool cfg_;
   at::ScalarType dtype_;
   at::Device device_;
+  std::vector<models::ControlNetUnit> controls_;
+  std::vector<double> timesteps_;
 };
 
 // One branch's SD3 conditioning: prompt_embeds [B, S, joint_attention_dim], pooled [B, P].

@@ -86,9 +86,9 @@ constexpr std::string_view kTransformerOnly =
     "cfg-parallel, hybrid-cfg, driffusion or data-parallel)";
 
 const std::vector<StrategyInfo> kStrategies = {
-    {"single", "The plain loop on one device.", Level::Loop, true, true, "", false, true, {1, 1, 1}, {}, make_single, ""},
+    {"single", "The plain loop on one device.", Level::Loop, true, true, "", false, true, {1, 1, 1}, {}, make_single, "", ""},
     {"cfg-parallel", "Prompt and negative prompt on two devices at once; the same image.", Level::Evaluation, true,
-     true, "", true, true, {2, 2, 1}, {}, make_cfg_parallel, ""},
+     true, "", true, true, {2, 2, 1}, {}, make_cfg_parallel, "", ""},
     {"hybrid-cfg",
      "CFG-parallel, with a few layer-split steps a step stale where the two branches agree; small changes.",
      Level::Evaluation, true, false,
@@ -96,18 +96,18 @@ const std::vector<StrategyInfo> kStrategies = {
      "pipefusion for a split of the transformer's blocks",
      true, false, {2, 2, 1}, {}, make_hybrid_cfg},
     {"driffusion", "Drafts the next steps on the other devices from an exact anchor, then refines; small changes.",
-     Level::Loop, true, true, "", false, false, {0, 1, 1}, {Param::Devices}, make_driffusion},
+     Level::Loop, true, true, "", false, false, {0, 1, 1}, {Param::Devices}, make_driffusion, kNoImageInputs, ""},
     {"driffusion-aggressive",
      "Drafts and anchor in one round (one step per device per round); changes the image a little more.", Level::Loop,
-     true, true, "", false, false, {0, 1, 1}, {Param::Devices}, make_driffusion},
+     true, true, "", false, false, {0, 1, 1}, {Param::Devices}, make_driffusion, kNoImageInputs, ""},
     {"cfg-driffusion", "Conservative DRiffusion with each draft's two CFG branches on a pair of devices.",
-     Level::Loop, true, true, "", true, false, {0, 2, 2}, {Param::Devices}, make_driffusion},
+     Level::Loop, true, true, "", true, false, {0, 2, 2}, {Param::Devices}, make_driffusion, kNoImageInputs, ""},
     {"cfg-driffusion-aggressive", "Aggressive DRiffusion with each draft's two CFG branches on a pair of devices.",
-     Level::Loop, true, true, "", true, false, {0, 2, 2}, {Param::Devices}, make_driffusion},
+     Level::Loop, true, true, "", true, false, {0, 2, 2}, {Param::Devices}, make_driffusion, kNoImageInputs, ""},
     {"data-parallel", "A batch's images split over the devices; the same images.", Level::Evaluation, true, true,
-     "", false, true, {0, 1, 1}, {Param::Devices}, make_data_parallel, ""},
+     "", false, true, {0, 1, 1}, {Param::Devices}, make_data_parallel, "", ""},
     {"step-skip", "Evaluates every skip-th step on one device and jumps over the rest: the naive baseline.",
-     Level::Loop, true, true, "", false, false, {1, 1, 1}, {Param::Skip}, make_step_skip},
+     Level::Loop, true, true, "", false, false, {1, 1, 1}, {Param::Skip}, make_step_skip, kNoImageInputs, ""},
     {"pipefusion", "SD3: the transformer's blocks over the devices, the image in patches, a step stale.",
      Level::Model, false, true, kTransformerOnly, false, false, {0, 1, 1}, {Param::Devices, Param::Patches},
      make_pipefusion},
@@ -174,6 +174,12 @@ void check_image_inputs(std::string_view name, bool mask) {
   if (!s.image_refused_why.empty())
     throw Error(std::string(s.name) + " does not take an init image" + (mask ? " or a mask" : "") + ": " +
                 std::string(s.image_refused_why));
+}
+
+void check_controlnets(std::string_view name) {
+  const auto& s = strategy_info(name);
+  if (!s.controlnet_refused_why.empty())
+    throw Error(std::string(s.name) + " does not run ControlNets: " + std::string(s.controlnet_refused_why));
 }
 
 std::unique_ptr<Strategy> make_strategy(const job::StrategyParams& p) {

@@ -41,6 +41,11 @@ inline constexpr std::string_view kNoImageInputs =
     "inpainting start later in the schedule and blend the mask after every step; run image jobs on one device "
     "(single)";
 
+// Why a strategy refuses ControlNets unless its entry says otherwise.
+inline constexpr std::string_view kNoControlNets =
+    "it splits the UNet's evaluation (into layers, stages or image bands), and a ControlNet's residuals join whole "
+    "evaluations only; use single, cfg-parallel, data-parallel, step-skip or a driffusion variant";
+
 struct StrategyInfo {
   std::string_view name;
   std::string_view hint;      // one line in plain words, for --help and tooltips
@@ -54,6 +59,7 @@ struct StrategyInfo {
   std::vector<Param> params;  // the parameters it reads besides its name
   std::unique_ptr<Strategy> (*make)(const job::StrategyParams&) = nullptr;
   std::string_view image_refused_why = kNoImageInputs;  // empty: takes an init image and a mask
+  std::string_view controlnet_refused_why = kNoControlNets;  // empty: runs ControlNets
 
   bool takes(Param p) const;
   bool runs(job::ModelFamily family) const;
@@ -75,6 +81,8 @@ void check_strategy(const job::StrategyParams& params, job::ModelFamily family, 
 // Throws diffract::Error saying why when the strategy `name` cannot run a job with an init image
 // (and a mask, when `mask`).
 void check_image_inputs(std::string_view name, bool mask);
+// Throws diffract::Error saying why when the strategy `name` cannot run a job with ControlNets.
+void check_controlnets(std::string_view name);
 // The strategy, made and checked against `params` (not against a family or CFG).
 std::unique_ptr<Strategy> make_strategy(const job::StrategyParams& params);
 // Shorthand: `name` on `n` devices (step-skip: skip factor `n`; pipefusion: `patches` patches).

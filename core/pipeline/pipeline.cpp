@@ -378,8 +378,10 @@ job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, 
       throw Error(what + ": start " + format_number(c.start) + " and end " + format_number(c.end) +
                   " must satisfy 0 <= start < end <= 1 (fractions of the steps)");
   }
-  if (!req.controlnets.empty() && strategy)
-    throw Error("strategy " + strategy->name() + " does not run ControlNets yet: run the job on one device (single)");
+  if (!req.controlnets.empty() && strategy) parallel::check_controlnets(strategy->name());
+  if (!req.controlnets.empty() && req.hires.enabled())
+    throw Error("the hires fix with ControlNets is not supported yet (its second pass would need the control images "
+                "at the larger size): turn one of them off");
   if (!req.controlnets.empty() && inpaint_model)
     throw Error("ControlNets with an inpainting model (its " + std::to_string(denoiser_in_channels()) +
                 "-channel UNet) are not supported: use the base model, which inpaints by blending");
@@ -478,6 +480,7 @@ job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, 
     latents = start_point.latents;
 
     before_strategy = Clock::now();
+    job.run_timesteps.assign(sampler->timesteps().begin() + first_step, sampler->timesteps().end());
     if (strategy) {
       group = &s.groups.group_for(s.device, *strategy, req.gpus);
       prepare_ranks(job, *strategy, *group);
@@ -498,7 +501,6 @@ job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, 
       latents = run_strategy_loop(*strategy, *group, std::move(in), latents.to(s.dtype), warm_timestep(job, *sampler),
                                   req, observer, preview_fn, timings, strategy_stats);
     } else {
-      job.run_timesteps.assign(sampler->timesteps().begin() + first_step, sampler->timesteps().end());
       const auto model = with_mask_channels(denoiser(job), start_point.mask_channels);
       StepReporter reporter(s.device, req, observer, *sampler, preview_fn, timings, first_step, 0,
                             req.steps - first_step + hires_steps_run(req));

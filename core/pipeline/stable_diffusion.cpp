@@ -208,6 +208,8 @@ struct StableDiffusion::Impl : PipelineState {
 
   // ControlNets by folder, loaded on first use and kept for later jobs.
   std::map<std::string, models::ControlNetModel> controlnets;
+  // The plain loop's CUDA graphs of each loaded ControlNet (DIFFRACT_CUDA_GRAPHS), by folder.
+  std::map<std::string, std::shared_ptr<GraphCache>> controlnet_graphs;
   models::ControlNetModel controlnet(const std::string& path) {
     if (const auto it = controlnets.find(path); it != controlnets.end()) return it->second;
     auto net = models::load_controlnet(path);
@@ -225,8 +227,28 @@ struct StableDiffusion::Impl : PipelineState {
                   c10::str(at::IntArrayRef(u.cross_attention_dim)) + ")");
     net->eval();
     net->to(device, dtype);
+    if (device.is_cuda()) {
+      // As the UNet runs: self-attention's q, k, v in one GEMM, its layout.
+      if (models::fused_qkv_wanted()) models::fuse_attention_qkv(*net);
+      if (runner->options().channels_last) models::set_memory_format(*net, at::MemoryFormat::ChannelsLast);
+      if (options::flag(options::Id::CudaGraphs)) controlnet_graphs[path] = std::make_shared<GraphCache>(2);
+    }
     controlnets.emplace(path, net);
     return net;
+  }
+  // A loaded ControlNet on device `d` (a strategy's rank): ours, or a replica copied device to device.
+  std::map<std::pair<std::string, int>, models::ControlNetModel> controlnet_replicas;
+  models::ControlNetModel controlnet_on(const std::string& path, const c10::Device& d) {
+    auto net = controlnet(path);
+    if (d == device || d.is_cpu()) return net;
+    const auto key = std::make_pair(path, static_cast<int>(d.index()));
+    if (const auto it = controlnet_replicas.find(key); it != controlnet_replicas.end()) return it->second;
+    at::NoGradGuard no_grad;
+    models::ControlNetModel copy(net->config);
+    copy->eval();
+    copy_weights(*net, *copy, d);
+    controlnet_replicas.emplace(key, copy);
+    return copy;
   }
 
   struct Conditioning {
@@ -485,11 +507,10 @@ models::UNetConditioning to_device(const models::UNetConditioning& c, const c10:
 // One job's UNet conditioning: each branch alone (the strategies' ranks) and both as one batch,
 // [negative; prompt] (the plain loop).
 // A ControlNet as a job runs it: the control image at the job's size, for every row of the batch
-// the denoiser sees (both CFG halves).
+// the plain loop's denoiser sees (both CFG halves).
 struct SDControl {
-  models::ControlNetModel net{nullptr};
-  at::Tensor image;  // [rows, 3, H, W] in [0, 1], the model's device and dtype
-  job::ControlNetRef ref;
+  models::ControlNetUnit unit;
+  job::ControlNetRef ref;  // without its image
 };
 
 struct SDConditioning {
@@ -821,12 +842,19 @@ void StableDiffusion::encode(JobContext& job) {
     SDControl control;
     control.ref = ref;
     control.ref.image = {};
-    control.net = p.controlnet(ref.path);
+    control.unit.net = p.controlnet(ref.path);
+    control.unit.scale = ref.scale;
+    control.unit.start = ref.start;
+    control.unit.end = ref.end;
     // diffusers' control image: resized (Lanczos) to the job's size, in [0, 1], one per image, both CFG halves.
     const auto image = ref.image.width == req.width && ref.image.height == req.height
                            ? ref.image : resize_lanczos(ref.image, req.width, req.height);
     const auto x = (image_tensor(image) + 1.0) / 2.0;
-    control.image = x.repeat({req.batch * (job.cfg ? 2 : 1), 1, 1, 1}).to(p.device, p.dtype);
+    control.unit.image = x.repeat({req.batch * (job.cfg ? 2 : 1), 1, 1, 1}).to(p.device, p.dtype);
+    if (const auto it = p.controlnet_graphs.find(ref.path); it != p.controlnet_graphs.end()) {
+      control.unit.graphs = it->second;
+      if (p.runner->options().channels_last) control.unit.layout = at::MemoryFormat::ChannelsLast;
+    }
     c.controls.push_back(std::move(control));
   }
   job.conditioning = std::move(c);
@@ -838,44 +866,49 @@ std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> StableDiffusion:
   const auto cond = conditioning.batched;
   if (conditioning.controls.empty())
     return [&p, cond](const at::Tensor& x_in, const at::Tensor& t) { return p.runner->forward(x_in.to(p.dtype), t, cond); };
-  // With ControlNets: each one's residuals on the steps inside its [start, end] (diffusers'
-  // controlnet_keep: step i of n acts unless i / n < start or (i + 1) / n > end), summed, added
-  // to the UNet's. Every sampler here evaluates the denoiser once a step, so the calls count the steps.
+  // With ControlNets: each one's residuals on the steps inside its [start, end], summed, added to
+  // the UNet's. Every sampler here evaluates the denoiser once a step, so the calls count the steps.
+  std::vector<models::ControlNetUnit> units;
+  for (const auto& c : conditioning.controls) units.push_back(c.unit);
   auto step = std::make_shared<int>(0);
-  const auto n = static_cast<double>(job.run_timesteps.size());
-  return [&p, cond, controls = conditioning.controls, step, n](const at::Tensor& x_in, const at::Tensor& t) mutable {
+  const auto n = static_cast<int>(job.run_timesteps.size());
+  return [&p, cond, units, step, n](const at::Tensor& x_in, const at::Tensor& t) {
     const auto x = x_in.to(p.dtype);
-    auto c = cond;
-    const double i = (*step)++;
-    for (auto& control : controls) {
-      const auto& r = control.ref;
-      if (i / n < r.start || (i + 1) / n > r.end || r.scale == 0) continue;
-      auto out = control.net->forward(x, t, cond, control.image, r.scale);
-      if (c.down_residuals.empty()) {
-        c.down_residuals = std::move(out.down);
-        c.mid_residual = out.mid;
-      } else {
-        for (size_t k = 0; k < out.down.size(); ++k) c.down_residuals[k] = c.down_residuals[k] + out.down[k];
-        c.mid_residual = c.mid_residual + out.mid;
-      }
-    }
-    return p.runner->forward(x, t, c);
+    return p.runner->forward(x, t, models::add_controlnet_residuals(cond, units, x, t, (*step)++, n));
   };
 }
 
 // CPU virtual devices share the one loaded UNet (read-only in inference); GPUs get replicas
 // copied from ours, made here before the ranks start.
-void StableDiffusion::prepare_ranks(JobContext&, const parallel::Strategy&, parallel::DeviceGroup& group) {
-  for (int r = 0; r < group.size(); ++r) impl_->unet_on(group.device(r));
+void StableDiffusion::prepare_ranks(JobContext& job, const parallel::Strategy&, parallel::DeviceGroup& group) {
+  const auto& c = std::any_cast<const SDConditioning&>(job.conditioning);
+  for (int r = 0; r < group.size(); ++r) {
+    impl_->unet_on(group.device(r));
+    for (const auto& control : c.controls) impl_->controlnet_on(control.ref.path, group.device(r));
+  }
 }
 
 std::unique_ptr<parallel::Denoiser> StableDiffusion::rank_denoiser(const JobContext& job, const parallel::Strategy&,
                                                                    int, const c10::Device& d) {
   auto& p = *impl_;
   const auto& c = std::any_cast<const SDConditioning&>(job.conditioning);
-  return std::make_unique<parallel::UNetDenoiser>(p.unet_on(d), to_device(c.positive, d),
-                                                  job.cfg ? to_device(c.negative, d) : models::UNetConditioning{},
-                                                  job.req.cfg, p.dtype, d);
+  auto denoiser = std::make_unique<parallel::UNetDenoiser>(p.unet_on(d), to_device(c.positive, d),
+                                                           job.cfg ? to_device(c.negative, d) : models::UNetConditioning{},
+                                                           job.req.cfg, p.dtype, d);
+  if (!c.controls.empty()) {
+    // One branch's rows of each control image (the plain loop's hold both CFG halves).
+    std::vector<models::ControlNetUnit> units;
+    for (const auto& control : c.controls) {
+      auto u = control.unit.rows(0, job.req.batch);
+      u.net = p.controlnet_on(control.ref.path, d);
+      u.graphs.reset();  // the plain loop's, not to be shared between rank threads
+      u.layout.reset();
+      u.image = u.image.to(d);
+      units.push_back(std::move(u));
+    }
+    denoiser->set_controlnets(std::move(units), job.run_timesteps);
+  }
+  return denoiser;
 }
 
 double StableDiffusion::warm_timestep(const JobContext& job, const schedulers::Sampler&) const {

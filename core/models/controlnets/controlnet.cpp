@@ -105,6 +105,77 @@ ControlNetOutput ControlNetModelImpl::forward(const at::Tensor& sample, const at
   return out;
 }
 
+bool ControlNetUnit::acts(int step, int steps) const {
+  if (scale == 0 || steps <= 0) return false;
+  const double i = step, n = steps;
+  return !(i / n < start || (i + 1) / n > end);
+}
+
+ControlNetUnit ControlNetUnit::rows(int64_t begin, int64_t count) const {
+  auto u = *this;
+  u.image = image.narrow(0, begin, count);
+  return u;
+}
+
+namespace {
+
+// The unit's residuals for x at t: eager, or replayed from its graphs (the scale a device scalar
+// input, so that one graph serves every scale).
+ControlNetOutput run_unit(const ControlNetUnit& u, const UNetConditioning& cond, const at::Tensor& x, const at::Tensor& t) {
+  auto net = u.net;  // the holder shares the module; forward() is not const
+  if (!u.graphs || !x.is_cuda()) return net->forward(x, t, cond, u.image, u.scale);
+  const auto rows = t.to(x.device(), at::kFloat);
+  std::vector<at::Tensor> in = {x, rows.dim() == 0 ? rows.expand({x.size(0)}) : rows, cond.encoder_hidden_states, u.image};
+  const bool added = cond.text_embeds.defined();
+  if (added) {
+    in.push_back(cond.text_embeds);
+    in.push_back(cond.time_ids);
+  }
+  in.push_back(at::full({}, u.scale, x.options()));
+  const auto outs = u.graphs->run(
+      {added ? 1 : 0}, in,
+      [net, added](const std::vector<at::Tensor>& v) mutable {
+        UNetConditioning c;
+        c.encoder_hidden_states = v[2];
+        if (added) {
+          c.text_embeds = v[4];
+          c.time_ids = v[5];
+        }
+        auto o = net->forward(v[0], v[1], c, v[3], 1.0);
+        std::vector<at::Tensor> r;
+        for (auto& d : o.down) r.push_back(d * v.back());
+        r.push_back(o.mid * v.back());
+        return r;
+      },
+      u.layout);
+  ControlNetOutput o;
+  o.down.assign(outs.begin(), outs.end() - 1);
+  o.mid = outs.back();
+  return o;
+}
+
+}  // namespace
+
+UNetConditioning add_controlnet_residuals(const UNetConditioning& cond, const std::vector<ControlNetUnit>& units,
+                                          const at::Tensor& x, const at::Tensor& t, int step, int steps) {
+  auto c = cond;
+  for (const auto& u : units) {
+    if (!u.acts(step, steps)) continue;
+    if (u.image.size(0) != x.size(0))
+      throw Error("ControlNet: a control image of " + std::to_string(u.image.size(0)) + " rows for a UNet input of " +
+                  std::to_string(x.size(0)));
+    auto out = run_unit(u, cond, x, t);
+    if (c.down_residuals.empty()) {
+      c.down_residuals = std::move(out.down);
+      c.mid_residual = out.mid;
+    } else {
+      for (size_t k = 0; k < out.down.size(); ++k) c.down_residuals[k] = c.down_residuals[k] + out.down[k];
+      c.mid_residual = c.mid_residual + out.mid;
+    }
+  }
+  return c;
+}
+
 ControlNetModel load_controlnet(const std::filesystem::path& dir, const std::string& variant) {
   if (!std::filesystem::is_directory(dir))
     throw Error("ControlNet " + dir.string() + ": not a folder (a diffusers ControlNetModel folder: config.json and weights)");

@@ -4,6 +4,8 @@
 // zero-initialised 1x1 convolution per skip connection and for the mid block. Its outputs are
 // added to the UNet's skips and mid-block output (UNetConditioning::down_residuals / mid_residual).
 #include <filesystem>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -12,6 +14,7 @@
 #include "core/models/common/embeddings.h"
 #include "core/models/common/layers.h"
 #include "core/models/unets/unet_2d_condition.h"
+#include "core/util/graphed_function.h"
 
 namespace diffract::models {
 
@@ -58,6 +61,27 @@ class ControlNetModelImpl : public torch::nn::Module {
   Conv2d controlnet_mid_block{nullptr};
 };
 TORCH_MODULE(ControlNetModel);
+
+// A ControlNet as a job runs it: the control image for the rows the denoiser evaluates, and the
+// part of the schedule it acts on.
+struct ControlNetUnit {
+  ControlNetModel net{nullptr};
+  at::Tensor image;  // [rows, 3, H, W] in [0, 1], the model's device and dtype
+  double scale = 1.0, start = 0.0, end = 1.0;
+  // When set, the net's forward replays from CUDA graphs there (one caller thread at a time),
+  // its 4-D inputs in `layout`.
+  std::shared_ptr<GraphCache> graphs;
+  std::optional<at::MemoryFormat> layout;
+  // diffusers' controlnet_keep: step i of n acts unless i / n < start or (i + 1) / n > end.
+  bool acts(int step, int steps) const;
+  ControlNetUnit rows(int64_t begin, int64_t count) const;  // the image's rows [begin, begin + count)
+};
+
+// `cond` with the summed residuals of the units acting at step `step` of `steps` for the UNet
+// input x [rows, C, h, w] at timesteps t (the units' images having those rows); `cond` itself
+// when none acts.
+UNetConditioning add_controlnet_residuals(const UNetConditioning& cond, const std::vector<ControlNetUnit>& units,
+                                          const at::Tensor& x, const at::Tensor& t, int step, int steps);
 
 // A diffusers ControlNetModel folder (config.json + diffusion_pytorch_model[.variant].safetensors).
 ControlNetModel load_controlnet(const std::filesystem::path& dir, const std::string& variant = "");
