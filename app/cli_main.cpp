@@ -152,11 +152,17 @@ void add_controlnet_options(CLI::App* cmd, ControlNetOptions& o) {
   cmd->add_option("--control-end", o.ends, "the fraction of the steps after which it stops (default 1)")->allow_extra_args(false);
 }
 
-void apply_controlnet_options(job::GenerationRequest& req, const ControlNetOptions& o) {
-  const auto n = o.nets.size();
+// `preset` (may be empty): a preset's ControlNets, taken when no --controlnet is given; their
+// images still come from --control-image, and --control-scale / -start / -end override theirs.
+void apply_controlnet_options(job::GenerationRequest& req, const ControlNetOptions& o,
+                              const std::vector<engine::Preset::ControlNet>& preset = {}) {
+  const bool from_preset = o.nets.empty() && !preset.empty();
+  const auto n = from_preset ? preset.size() : o.nets.size();
   if (o.images.size() != n)
     throw Error("--control-image: " + std::to_string(o.images.size()) + " given for " + std::to_string(n) +
-                " --controlnet (one image per ControlNet, in order)");
+                (from_preset ? " ControlNet(s) of the preset (" + preset.front().model + (n > 1 ? ", ..." : "") + ")"
+                             : std::string(" --controlnet")) +
+                " (one image per ControlNet, in order)");
   const auto pick = [&](const std::vector<double>& v, std::size_t i, double fallback, const char* name) {
     if (v.empty()) return fallback;
     if (v.size() != 1 && v.size() != n)
@@ -165,12 +171,15 @@ void apply_controlnet_options(job::GenerationRequest& req, const ControlNetOptio
   };
   for (std::size_t i = 0; i < n; ++i) {
     job::ControlNetRef c;
-    c.path = o.nets[i];
+    c.path = from_preset ? preset[i].model : o.nets[i];
+    if (from_preset && preset[i].preprocessor != "none")
+      throw Error("the preset's ControlNet " + c.path + " makes its image with '" + preset[i].preprocessor +
+                  "' (the GUI's preprocessor): give --control-image the preprocessed image and --controlnet " + c.path);
     auto decoded = io::read_image(o.images[i]);
     c.image = decoded.image;
-    c.scale = pick(o.scales, i, 1.0, "--control-scale");
-    c.start = pick(o.starts, i, 0.0, "--control-start");
-    c.end = pick(o.ends, i, 1.0, "--control-end");
+    c.scale = pick(o.scales, i, from_preset ? preset[i].scale : 1.0, "--control-scale");
+    c.start = pick(o.starts, i, from_preset ? preset[i].start : 0.0, "--control-start");
+    c.end = pick(o.ends, i, from_preset ? preset[i].end : 1.0, "--control-end");
     req.controlnets.push_back(std::move(c));
   }
 }
@@ -463,7 +472,7 @@ std::vector<fs::path> preset_dirs() {
 }
 
 // The preset fills every setting the command line did not give; --prompt fills its {subject}.
-void apply_cli_preset(const CLI::App* cmd, const std::string& name, job::GenerationRequest& req) {
+engine::Preset apply_cli_preset(const CLI::App* cmd, const std::string& name, job::GenerationRequest& req) {
   const auto preset = engine::find_preset(name, preset_dirs());
   const auto given = [&](const char* option) { return cmd->get_option(option)->count() > 0; };
   job::GenerationRequest from = req;
@@ -478,7 +487,9 @@ void apply_cli_preset(const CLI::App* cmd, const std::string& name, job::Generat
   if (!given("--strategy")) req.strategy.name = from.strategy.name;
   if (!given("--devices")) req.strategy.devices = from.strategy.devices;
   if (!given("--skip")) req.strategy.skip = from.strategy.skip;
+  if (!given("--lora")) req.loras = from.loras;  // by name, found in the LoRA folders
   std::cout << "preset '" << preset.name << "': prompt '" << req.prompt << "'\n";
+  return preset;
 }
 
 int compare(job::GenerationRequest request, const fs::path& out_dir) {
@@ -583,10 +594,11 @@ int main(int argc, char** argv) {
     }
     if (gen_cmd->parsed() || cmp_cmd->parsed()) device_options.gpus = parse_gpus(gpus);
     if (gen_cmd->parsed()) {
-      if (!preset_name.empty()) apply_cli_preset(gen_cmd, preset_name, req);
+      engine::Preset preset;
+      if (!preset_name.empty()) preset = apply_cli_preset(gen_cmd, preset_name, req);
       apply_devices(req, device_options);
       apply_image_options(req, image_options);
-      apply_controlnet_options(req, controlnet_options);
+      apply_controlnet_options(req, controlnet_options, preset.controlnets);
       req.preview_max_side = parse_preview_size(preview_size);
       return generate(req, out_path, preview_dir);
     }

@@ -136,6 +136,13 @@ class TestLora : public QObject {
     missing.prompt += " <lora:sd-b-kohyaa>";
     missing.lora_dirs = {dir().string()};
     DIFFRACT_EXPECT_ERROR(engine_.run(missing, {}, never), "no LoRA named 'sd-b-kohyaa'", "nearest: sd-b-kohya");
+    // A preset's LoRA: a name without a path, found the same way.
+    auto by_name = tiny();
+    by_name.loras.push_back({"", 0.6, 0.6, "sd-b-kohya"});
+    by_name.lora_dirs = {dir().string()};
+    QVERIFY(engine_.run(by_name, {}, never).images.front().rgb == a.images.front().rgb);
+    by_name.loras[0].name = "sd-b-kohyaa";
+    DIFFRACT_EXPECT_ERROR(engine_.run(by_name, {}, never), "no LoRA named 'sd-b-kohyaa'");
   }
 
   // PEFT's LoHa and LoKr deltas (Linear and Conv2d) against ours from the same tensors in LyCORIS' names.

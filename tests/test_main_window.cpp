@@ -34,6 +34,7 @@
 #include "masked_change.h"
 #include "test_util.h"
 #include "ui/compare_view.h"
+#include "ui/controlnet_panel.h"
 #include "ui/gallery.h"
 #include "ui/image_view.h"
 #include "ui/input_panel.h"
@@ -823,6 +824,54 @@ class TestMainWindow : public QObject {
     QTest::mouseClick(child<QPushButton>(w, "useAsInputButton"), Qt::LeftButton);
     QCOMPARE(w.maskEditor()->inputImage().size(), QSize(64, 64));
     QVERIFY(w.inputPanel()->source().contains("result"));
+  }
+
+  // A ControlNet unit on the photo (canny edges) drives the job; the PNG keeps the control image,
+  // and dropping it on a fresh window brings the unit back with that image.
+  void controlNetUnitRunsSavesAndRestores() {
+    const QString nets = QString::fromStdString((test::fixtures() / "controlnet").string());
+    QString png;
+    QImage control;
+    {
+      MainWindow w;
+      setUpPhotoJob(w, "a red apple");
+      w.inputPanel()->clear();  // text-to-image, the photo only as the control image
+      auto* panel = w.controlNetPanel();
+      panel->setFolders({nets});
+      QCOMPARE(panel->addUnit(), 0);
+      ui::ControlNetPanel::Unit u;
+      u.model = nets + "/cn-sd-a";
+      u.preprocess = {QStringLiteral("canny"), 100, 200};
+      panel->setUnit(0, u);
+      // No image yet: the job does not start, and says why.
+      QTest::mouseClick(child<QPushButton>(w, "generateButton"), Qt::LeftButton);
+      QVERIFY(!w.bridge()->isRunning());
+      QVERIFY2(child<QLabel>(w, "errorLabel")->text().contains("no control image"),
+               qPrintable(child<QLabel>(w, "errorLabel")->text()));
+      QString error;
+      QVERIFY2(panel->loadImage(0, imageFixture("photo.png"), &error), qPrintable(error));
+      const QImage with = runJob(w);
+      control = panel->controlImage(0, QSize(64, 64));
+      png = w.results().back().savedPath;
+      QVERIFY(!png.isEmpty());
+      const auto meta = nlohmann::json::parse(w.results().back().metadataJson.toStdString());
+      QCOMPARE(meta["controlnets"].size(), std::size_t(1));
+      QCOMPARE(meta["controlnets"][0]["preprocessor"].get<std::string>(), std::string("canny"));
+      QVERIFY(QFileInfo::exists(QFileInfo(png).dir().filePath(QString::fromStdString(meta["controlnets"][0]["image_file"]))));
+      // The same job with the unit off is another image: the ControlNet acted.
+      auto off = panel->unit(0);
+      off.enabled = false;
+      panel->setUnit(0, off);
+      QVERIFY(runJob(w) != with);
+    }
+    MainWindow w;
+    QVERIFY(dropFile(w, png));
+    auto* panel = w.controlNetPanel();
+    QCOMPARE(panel->unitCount(), 1);
+    QCOMPARE(panel->unit(0).model, nets + "/cn-sd-a");
+    QVERIFY(panel->unit(0).enabled);
+    QCOMPARE(panel->controlImage(0).convertToFormat(QImage::Format_RGB888), control);
+    QVERIFY(child<QLabel>(w, "restoredLabel")->text().contains("ControlNet unit 1"));
   }
 
   void hiresFixDoublesTheImageInOneJob() {

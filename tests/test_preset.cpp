@@ -200,6 +200,61 @@ class TestPreset : public QObject {
     QTest::newRow("unknown strategy") << edit("\"single\"", "\"warp\"") << "field 'strategy': unknown strategy 'warp'";
     QTest::newRow("typo in a key") << edit("\"steps\"", "\"stpes\"") << "unknown field 'stpes'";
     QTest::newRow("prompt not text") << edit("\"blurry\"", "7") << "field 'negative_prompt' must be a string";
+    const auto adapters = [&](const char* json) { return edit("\"steps\": 20", (std::string("\"steps\": 20, ") + json).c_str()); };
+    QTest::newRow("loras not a list") << adapters(R"("loras": {"name": "a"})") << "field 'loras' must be a list";
+    QTest::newRow("lora without name") << adapters(R"("loras": [{"weight": 1}])") << "entry 1: missing field 'name'";
+    QTest::newRow("lora weight text") << adapters(R"("loras": [{"name": "a", "weight": "high"}])")
+                                      << "field 'weight' must be a number";
+    QTest::newRow("lora weight huge") << adapters(R"("loras": [{"name": "a", "weight": 50}])") << "outside -10..10";
+    QTest::newRow("lora tag as name") << adapters(R"("loras": [{"name": "<lora:a>"}])") << "holds one of < > :";
+    QTest::newRow("lora unknown key") << adapters(R"("loras": [{"name": "a", "wieght": 1}])") << "unknown field 'wieght'";
+    QTest::newRow("controlnet without model") << adapters(R"("controlnets": [{"scale": 1}])") << "missing field 'model'";
+    QTest::newRow("controlnet preprocessor") << adapters(R"("controlnets": [{"model": "m", "preprocessor": "hed"}])")
+                                             << "unknown preprocessor 'hed'";
+    QTest::newRow("controlnet thresholds") << adapters(R"("controlnets": [{"model": "m", "low": 300, "high": 100}])")
+                                           << "0 <= low <= high <= 1000";
+    QTest::newRow("controlnet window") << adapters(R"("controlnets": [{"model": "m", "start": 0.9, "end": 0.1}])")
+                                       << "0 <= start < end <= 1";
+    QTest::newRow("controlnet entry") << adapters(R"("controlnets": [3])") << "entry 1 must be an object";
+  }
+
+  void adaptersRoundTrip() {
+    engine::Preset p;
+    p.name = "Brand look";
+    p.loras = {{"brand-style", 0.8, 0.6}, {"product", 1.0, 1.0}};
+    engine::Preset::ControlNet c;
+    c.model = "/models/controlnet-canny";
+    c.preprocessor = "canny";
+    c.low = 50;
+    c.high = 150;
+    c.scale = 0.7;
+    c.start = 0.1;
+    c.end = 0.9;
+    p.controlnets = {c};
+    const auto back = engine::parse_preset(engine::preset_to_json(p), "brand.json");
+    QCOMPARE(back.loras.size(), std::size_t(2));
+    QCOMPARE(back.loras[0].name, std::string("brand-style"));
+    QCOMPARE(back.loras[0].weight, 0.8);
+    QCOMPARE(back.loras[0].text_encoder_weight, 0.6);
+    QCOMPARE(back.controlnets.size(), std::size_t(1));
+    QCOMPARE(back.controlnets[0].model, c.model);
+    QCOMPARE(back.controlnets[0].preprocessor, std::string("canny"));
+    QCOMPARE(back.controlnets[0].low, 50);
+    QCOMPARE(back.controlnets[0].high, 150);
+    QCOMPARE(back.controlnets[0].scale, 0.7);
+    QCOMPARE(back.controlnets[0].end, 0.9);
+    // Applied: the LoRAs by name (found in the LoRA folders when the job runs); ControlNets wait for an image.
+    job::GenerationRequest r;
+    engine::apply_preset(back, "a bottle", r);
+    QCOMPARE(r.loras.size(), std::size_t(2));
+    QVERIFY(r.loras[0].path.empty());
+    QCOMPARE(r.loras[1].name, std::string("product"));
+    QVERIFY(r.controlnets.empty());
+    // And back from the request: the LoRAs by name (a path's stem when unnamed).
+    r.loras[1] = {"/loras/Product Shot.safetensors", 0.5, 0.5, ""};
+    const auto again = engine::preset_from_request("again", "{subject}", r);
+    QCOMPARE(again.loras[1].name, std::string("Product Shot"));
+    QCOMPARE(again.loras[1].weight, 0.5);
   }
 
   void badFilesGiveNamedErrors() {

@@ -1,5 +1,7 @@
 #include "ui/engine_bridge.h"
 
+#include <QFileInfo>
+#include <QImageReader>
 #include <QMetaObject>
 #include <cstring>
 #include <exception>
@@ -28,6 +30,25 @@ io::Image toCoreImage(const QImage& image) {
   out.rgb.resize(row * out.height);
   for (int y = 0; y < out.height; ++y) std::memcpy(out.rgb.data() + row * y, rgb.constScanLine(y), row);
   return out;
+}
+
+QImage readImageFile(const QString& path, QString* error) {
+  QImageReader reader(path);
+  reader.setAutoTransform(true);
+  const QSize size = reader.size();
+  if (size.isValid() && (size.width() > io::kMaxImageSide || size.height() > io::kMaxImageSide ||
+                         static_cast<long long>(size.width()) * size.height() > io::kMaxImagePixels)) {
+    *error = QObject::tr("%1 is %2×%3: more than %4 pixels a side or %5 megapixels")
+                 .arg(QFileInfo(path).fileName())
+                 .arg(size.width())
+                 .arg(size.height())
+                 .arg(io::kMaxImageSide)
+                 .arg(io::kMaxImagePixels / (1024 * 1024));
+    return {};
+  }
+  QImage image = reader.read();
+  if (image.isNull()) *error = QObject::tr("Cannot read %1: %2").arg(QFileInfo(path).fileName(), reader.errorString());
+  return image;
 }
 
 namespace {

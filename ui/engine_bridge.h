@@ -31,6 +31,9 @@ struct JobTimings {
 QImage toQImage(const io::Image& image);
 // And back, for writing PNGs through the core (any QImage format).
 io::Image toCoreImage(const QImage& image);
+// An image file the user picked (any format Qt reads, EXIF orientation applied), refused above
+// the core's size limits before its pixels are read; a null image with `error` set otherwise.
+QImage readImageFile(const QString& path, QString* error);
 
 // Owns an engine::Engine (its worker thread) and turns each job's callbacks into queued
 // signals, so slots always run on the thread the bridge lives on (the GUI thread) and the

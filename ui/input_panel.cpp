@@ -9,7 +9,6 @@
 #include <QFormLayout>
 #include <QGroupBox>
 #include <QHBoxLayout>
-#include <QImageReader>
 #include <QLabel>
 #include <QMimeData>
 #include <QPushButton>
@@ -162,19 +161,9 @@ void InputPanel::setStrength(double s) {
 }
 
 bool InputPanel::loadFile(const QString& path, QString* error) {
-  QImageReader reader(path);
-  reader.setAutoTransform(true);
-  const QSize size = reader.size();
-  // The core's limits (core/io/image.h), checked before the pixels are read.
-  if (size.isValid() && (size.width() > io::kMaxImageSide || size.height() > io::kMaxImageSide ||
-                         static_cast<long long>(size.width()) * size.height() > io::kMaxImagePixels)) {
-    *error = tr("%1 is %2×%3: more than %4 pixels a side or %5 megapixels").arg(QFileInfo(path).fileName())
-                 .arg(size.width()).arg(size.height()).arg(io::kMaxImageSide).arg(io::kMaxImagePixels / (1024 * 1024));
-    return false;
-  }
-  const QImage image = reader.read();
+  const QImage image = readImageFile(path, error);
   if (image.isNull()) {
-    *error = tr("Cannot use %1 as input: %2").arg(QFileInfo(path).fileName(), reader.errorString());
+    *error = tr("Cannot use it as input: %1").arg(*error);
     return false;
   }
   setImage(image, QFileInfo(path).fileName());

@@ -200,6 +200,12 @@ void LoraPanel::fillRequest(job::GenerationRequest& req) const {
   }
 }
 
+void LoraPanel::applyPreset(const std::vector<engine::Preset::Lora>& loras, QStringList& missing) {
+  for (auto* r : m_rows) r->enabled->setChecked(false);
+  for (const auto& l : loras)
+    if (!enable(QString::fromStdString(l.name), true, l.weight)) missing << tr("LoRA %1").arg(QString::fromStdString(l.name));
+}
+
 QString LoraPanel::restore(const engine::PngParameters& p, QStringList& restored, QStringList& notRestored) {
   for (auto* r : m_rows) r->enabled->setChecked(false);
   QString prompt = p.prompt ? QString::fromStdString(*p.prompt) : QString();

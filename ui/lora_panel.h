@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/engine/png_parameters.h"
+#include "core/engine/preset.h"
 #include "core/job/request.h"
 
 class QLabel;
@@ -39,6 +40,9 @@ class LoraPanel : public QWidget {
   // (renamed since) and rewritten to that file's name, or listed as missing. Returns the prompt
   // to restore (p.prompt, with such tags rewritten).
   QString restore(const engine::PngParameters& p, QStringList& restored, QStringList& notRestored);
+  // A preset's LoRAs: those enabled at their weights, every other row off; `missing` lists the
+  // names no row has.
+  void applyPreset(const std::vector<engine::Preset::Lora>& loras, QStringList& missing);
 
  signals:
   void foldersChanged(const QStringList& folders);

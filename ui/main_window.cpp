@@ -49,6 +49,7 @@
 #include "ui/gallery.h"
 #include "ui/image_view.h"
 #include "ui/input_panel.h"
+#include "ui/controlnet_panel.h"
 #include "ui/lora_panel.h"
 #include "ui/mask_editor.h"
 #include "ui/preset_bar.h"
@@ -142,7 +143,14 @@ void MainWindow::buildUi() {
 
   m_presetBar = new PresetBar;
   formLayout->addWidget(m_presetBar);
-  connect(m_presetBar, &PresetBar::applied, this, [this](const engine::Preset& p) { m_settings->applyPreset(p); });
+  connect(m_presetBar, &PresetBar::applied, this, [this](const engine::Preset& p) {
+    m_settings->applyPreset(p);
+    // A preset that names adapters sets those panels; one that names none leaves them as they are.
+    QStringList missing;
+    if (!p.loras.empty()) m_loraPanel->applyPreset(p.loras, missing);
+    if (!p.controlnets.empty()) m_controlNetPanel->applyPreset(p.controlnets, missing);
+    if (!missing.isEmpty()) m_status->setText(tr("Preset %1: not found: %2").arg(QString::fromStdString(p.name), missing.join(QStringLiteral(", "))));
+  });
   connect(m_presetBar, &PresetBar::saveRequested, this, [this](const QString& name) {
     const QString error = savePreset(name);
     if (!error.isEmpty()) showError(error);
@@ -192,6 +200,16 @@ void MainWindow::buildUi() {
   connect(m_loraPanel, &LoraPanel::insertText, this, [this](const QString& text) {
     const QString now = m_prompt->toPlainText().trimmed();
     m_prompt->setPlainText(now.isEmpty() ? text : now + QStringLiteral(", ") + text);
+  });
+  m_controlNetPanel = new ControlNetPanel;
+  formLayout->addWidget(m_controlNetPanel);
+  connect(m_controlNetPanel, &ControlNetPanel::notice, this, [this](const QString& text) { m_status->setText(text); });
+  connect(m_controlNetPanel, &ControlNetPanel::inputImageWanted, this, [this](int unit) {
+    if (!m_inputPanel->hasImage()) {
+      m_status->setText(tr("There is no input image yet: open one in Input, or open the control image on the unit."));
+      return;
+    }
+    m_controlNetPanel->setImage(unit, m_maskPane->editor()->inputImage(), tr("the input image"));
   });
   m_maskPane->editor()->setAcceptDrops(true);
   m_maskPane->editor()->installEventFilter(this);
@@ -350,7 +368,7 @@ QStringList MainWindow::discoverHuggingFaceModels() {
   return models;
 }
 
-job::GenerationRequest MainWindow::requestFromFields() {
+job::GenerationRequest MainWindow::requestFromFields(QString* error) {
   job::GenerationRequest r = m_settings->request();
   r.prompt = engine::fill_prompt_template(m_presetBar->promptTemplate().toStdString(), r.prompt);
   const engine::DeviceChoice choice = deviceChoice();
@@ -360,6 +378,8 @@ job::GenerationRequest MainWindow::requestFromFields() {
   r.gpus = choice.gpus;
   m_inputPanel->fillRequest(r);
   m_loraPanel->fillRequest(r);
+  const QString controlError = m_controlNetPanel->fillRequest(r);
+  if (error) *error = controlError;
   return r;
 }
 
@@ -383,7 +403,13 @@ void MainWindow::generate() {
     showError(tr("Cannot start: %1.").arg(QString::fromStdString(choice.error)));
     return;
   }
-  const auto request = requestFromFields();
+  QString fieldError;
+  const auto request = requestFromFields(&fieldError);
+  if (!fieldError.isEmpty()) {
+    showError(fieldError);
+    return;
+  }
+  m_jobControlUnits = m_controlNetPanel->requestUnits();
   m_timings->reset(request.steps);
   m_stepsSeen = 0;
   m_stepMsSum = 0;
@@ -433,7 +459,9 @@ void MainWindow::onFinished(const QList<QImage>& images, const QString& metadata
     if (saveError.isEmpty()) {
       try {
         const auto file = engine::unused_output_file(dir.path().toStdString(), stamp, m_seed->text().toStdString(), i);
-        if (i == 0) metadata = engine::save_inputs_beside(file, m_jobRequest.input, metadata);
+        if (i == 0)
+          metadata = ControlNetPanel::addPreprocessors(
+              engine::save_inputs_beside(file, m_jobRequest.input, m_jobRequest.controlnets, metadata), m_jobControlUnits);
         r.metadataJson = QString::fromStdString(metadata);
         engine::save_image(file, toCoreImage(images[i]), parameters.toStdString(), metadata);
         const QString path = QString::fromStdString(file.string());
@@ -480,6 +508,7 @@ void MainWindow::loadSettings() {
   for (const QString& i : s.value(QStringLiteral("disabledGpus")).toStringList()) disabledGpus.insert(i.toInt());
   m_devicesPanel->setDisabledGpus(disabledGpus);
   m_loraPanel->setFolders(s.value(QStringLiteral("loraFolders")).toStringList());
+  m_controlNetPanel->setFolders(s.value(QStringLiteral("controlNetFolders")).toStringList());
   reloadPresets(s.value(QStringLiteral("preset")).toString());
   restoreGeometry(s.value(QStringLiteral("window/geometry")).toByteArray());
   restoreState(s.value(QStringLiteral("window/state")).toByteArray());
@@ -499,6 +528,7 @@ void MainWindow::saveSettings() const {
   for (const int i : disabled) disabledText << QString::number(i);
   s.setValue(QStringLiteral("disabledGpus"), disabledText);
   s.setValue(QStringLiteral("loraFolders"), m_loraPanel->folders());
+  s.setValue(QStringLiteral("controlNetFolders"), m_controlNetPanel->folders());
   s.setValue(QStringLiteral("preset"), m_presetBar->currentName());
   s.setValue(QStringLiteral("window/geometry"), saveGeometry());
   s.setValue(QStringLiteral("window/state"), saveState());
@@ -526,8 +556,11 @@ QString MainWindow::savePreset(const QString& name) {
   const bool promptIsTemplate = prompt.contains(QLatin1String(engine::kSubjectPlaceholder));
   QString file;
   try {
-    file = m_presetBar->save(engine::preset_from_request(
-        name.toStdString(), (promptIsTemplate ? prompt : m_presetBar->promptTemplate()).toStdString(), r));
+    auto preset = engine::preset_from_request(
+        name.toStdString(), (promptIsTemplate ? prompt : m_presetBar->promptTemplate()).toStdString(), r);
+    // The units as set, with or without their images (those belong to each job).
+    preset.controlnets = m_controlNetPanel->presetControlNets();
+    file = m_presetBar->save(preset);
   } catch (const std::exception& e) {
     return tr("The preset was not saved: %1").arg(QString::fromUtf8(e.what()));
   }
@@ -633,6 +666,7 @@ void MainWindow::applyRestored(const engine::PngParameters& p, const QString& fi
   m_settings->restoreStrategy(p, restored, notRestored);
   m_inputPanel->restore(p, QFileInfo(file).dir(), restored, notRestored);
   const QString prompt = m_loraPanel->restore(p, restored, notRestored);
+  m_controlNetPanel->restore(p, QFileInfo(file).dir(), restored, notRestored);
   if (p.prompt && prompt != m_prompt->toPlainText()) m_prompt->setPlainText(prompt);
   if (p.prompt_syntax && *p.prompt_syntax == "plain") notRestored << tr("prompt syntax: plain (the window reads A1111's)");
 

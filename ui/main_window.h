@@ -14,6 +14,7 @@
 #include "core/engine/preset.h"
 #include "core/parallel/registry.h"
 #include "ui/compare_view.h"
+#include "ui/controlnet_panel.h"
 #include "ui/engine_bridge.h"
 
 class QComboBox;
@@ -67,7 +68,9 @@ class MainWindow : public QMainWindow {
   // The newest madebyollin TAESD snapshot in that cache for a diffusers model folder's pipeline
   // (taesd, taesdxl, taesd3, taef1); empty when there is none or the folder is not diffusers'.
   static QString matchingTaesd(const QString& modelDir);
-  job::GenerationRequest requestFromFields();
+  // The job the form describes; `error` (when given) says what keeps it from running (a
+  // ControlNet unit without its image), empty when nothing does.
+  job::GenerationRequest requestFromFields(QString* error = nullptr);
   // The seed field as a number; std::nullopt when it is empty or past 64 bits.
   std::optional<std::uint64_t> seedValue() const;
 
@@ -82,6 +85,7 @@ class MainWindow : public QMainWindow {
   GalleryView* gallery() const { return m_gallery; }
   InputPanel* inputPanel() const { return m_inputPanel; }
   LoraPanel* loraPanel() const { return m_loraPanel; }
+  ControlNetPanel* controlNetPanel() const { return m_controlNetPanel; }
   MaskEditor* maskEditor() const;
   // Opens the compare window on session results a and b (indexes into results()).
   CompareView* compareResults(int a, int b);
@@ -152,9 +156,11 @@ class MainWindow : public QMainWindow {
   TimingsChart* m_timings = nullptr;
   InputPanel* m_inputPanel = nullptr;
   LoraPanel* m_loraPanel = nullptr;
+  ControlNetPanel* m_controlNetPanel = nullptr;
   MaskEditorPane* m_maskPane = nullptr;
   QTabWidget* m_viewTabs = nullptr;
   job::GenerationRequest m_jobRequest;  // the running (or last) job, for saving its inputs
+  std::vector<ControlNetPanel::Unit> m_jobControlUnits;  // how its control images were made
   QSplitter* m_mainSplitter = nullptr;
   QSplitter* m_viewSplitter = nullptr;
 

@@ -126,10 +126,13 @@ LoraFileInfo read_lora_info(const fs::path& file) {
 std::string lora_short_hash(const fs::path& file) { return io::lora_file_hash(file).substr(0, 12); }
 
 void resolve_lora_tags(job::GenerationRequest& request) {
-  if (request.prompt_syntax != job::PromptSyntax::A1111) return;
-  const auto tags = text::extract_extra_networks(request.prompt).tags;
-  if (tags.empty()) return;
+  std::vector<text::ExtraNetworkTag> tags;
+  if (request.prompt_syntax == job::PromptSyntax::A1111) tags = text::extract_extra_networks(request.prompt).tags;
+  const bool unnamed = std::any_of(request.loras.begin(), request.loras.end(), [](const job::LoraRef& l) { return l.path.empty(); });
+  if (tags.empty() && !unnamed) return;
   const auto files = find_lora_files(request.lora_dirs, hugging_face_hub());
+  for (auto& l : request.loras)
+    if (l.path.empty()) l.path = find_lora(l.name, files, request.lora_dirs).string();
   for (const auto& t : tags) {
     if (std::any_of(request.loras.begin(), request.loras.end(), [&](const job::LoraRef& l) { return l.name == t.name; }))
       continue;

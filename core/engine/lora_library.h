@@ -32,8 +32,9 @@ LoraFileInfo read_lora_info(const std::filesystem::path& file);
 // prefix), as its parameters text's "Lora hashes" carries it; "" without OpenSSL in this build.
 std::string lora_short_hash(const std::filesystem::path& file);
 
-// A LoraRef (named as the tag) for every <lora:NAME:WEIGHT> tag of the prompt that no LoraRef
-// names yet, found in request.lora_dirs and the Hugging Face cache. Plain-syntax prompts have no tags.
+// The file of every LoraRef given by name only (an empty path: a preset's LoRAs), and a LoraRef
+// (named as the tag) for every <lora:NAME:WEIGHT> tag of the prompt that no LoraRef names yet,
+// found in request.lora_dirs and the Hugging Face cache. Plain-syntax prompts have no tags.
 void resolve_lora_tags(job::GenerationRequest& request);
 
 }  // namespace diffract::engine

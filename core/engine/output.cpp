@@ -63,19 +63,30 @@ void save_image(const fs::path& path, const io::Image& image, const std::string&
   }
 }
 
-std::string save_inputs_beside(const fs::path& png, const job::ImageInputs& in, const std::string& metadata_json) {
-  if (!in.has_image()) return metadata_json;
+std::string save_inputs_beside(const fs::path& png, const job::ImageInputs& in,
+                               const std::vector<job::ControlNetRef>& controlnets, const std::string& metadata_json) {
+  if (!in.has_image() && controlnets.empty()) return metadata_json;
   auto meta = nlohmann::json::parse(metadata_json);
   const fs::path folder = png.parent_path() / "inputs";
   fs::create_directories(folder);
   const std::string stem = png.stem().string();
-  const auto write = [&](const io::Image& img, const char* suffix, const char* key) {
+  const auto write = [&](const io::Image& img, const std::string& suffix) {
     const fs::path file = folder / (stem + suffix);
     save_image(file, img, "", "{}");
-    meta["input"][key] = (fs::path("inputs") / file.filename()).generic_string();
+    return (fs::path("inputs") / file.filename()).generic_string();
   };
-  write(in.image, ".input.png", "input_file");
-  if (in.has_mask()) write(in.mask, ".mask.png", "mask_file");
+  if (in.has_image()) {
+    meta["input"]["input_file"] = write(in.image, ".input.png");
+    if (in.has_mask()) meta["input"]["mask_file"] = write(in.mask, ".mask.png");
+  }
+  for (std::size_t i = 0; i < controlnets.size(); ++i) {
+    const auto& c = controlnets[i];
+    if (c.image.rgb.empty()) continue;
+    auto& list = meta["controlnets"];
+    if (!list.is_array() || list.size() <= i)  // the pipeline wrote none (a failed job): the request's
+      list.push_back({{"path", c.path}, {"scale", c.scale}, {"start", c.start}, {"end", c.end}});
+    list[i]["image_file"] = write(c.image, ".control" + std::to_string(i + 1) + ".png");
+  }
   return meta.dump();
 }
 

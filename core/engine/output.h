@@ -34,10 +34,12 @@ void save_image(const std::filesystem::path& path, const io::Image& image, const
                 const std::string& metadata_json);
 
 // A job's init image and mask written beside the PNG it made, as <folder>/inputs/<stem>.input.png
-// and <stem>.mask.png (the gallery lists only the folder itself), so that restoring the PNG brings
-// them back. Returns `metadata_json` with their names, relative to the PNG's folder, added to its
-// "input" object (input_file, mask_file); unchanged for a job without an image.
+// and <stem>.mask.png (the gallery lists only the folder itself), and its ControlNets' control
+// images as <stem>.control<N>.png, so that restoring the PNG brings them back. Returns
+// `metadata_json` with their names, relative to the PNG's folder, added to its "input" object
+// (input_file, mask_file) and to each "controlnets" entry (image_file); unchanged for a job
+// without images.
 std::string save_inputs_beside(const std::filesystem::path& png, const job::ImageInputs& in,
-                               const std::string& metadata_json);
+                               const std::vector<job::ControlNetRef>& controlnets, const std::string& metadata_json);
 
 }  // namespace diffract::engine

@@ -103,6 +103,27 @@ PngParameters from_diffract(const std::string& text, const std::string& where) {
         p.loras.push_back(x);
       }
     }
+    else if (key == "controlnets" && v.is_array()) {
+      for (const auto& c : v) {
+        if (!c.is_object() || !c.contains("path") || !c["path"].is_string()) {
+          p.unmapped.push_back("ControlNet: " + c.dump() + " (no path)");
+          continue;
+        }
+        const auto number = [&](const char* k, double fallback) {
+          return c.contains(k) && c[k].is_number() ? c[k].get<double>() : fallback;
+        };
+        PngParameters::ControlNet x;
+        x.path = c["path"].get<std::string>();
+        x.scale = number("scale", 1.0);
+        x.start = number("start", 0.0);
+        x.end = number("end", 1.0);
+        if (c.contains("image_file") && c["image_file"].is_string()) x.image_file = c["image_file"].get<std::string>();
+        if (c.contains("preprocessor") && c["preprocessor"].is_string()) x.preprocessor = c["preprocessor"].get<std::string>();
+        x.low = static_cast<int>(number("low", 100));
+        x.high = static_cast<int>(number("high", 200));
+        p.controlnets.push_back(x);
+      }
+    }
     else if (key == "seed") v.is_number_unsigned() ? void(p.seed = v.get<std::uint64_t>()) : bad();
     else if (key == "diffract_version" || key == "family" || key == "timings_ms" || key == "strategy" ||
              key == "negative_conditioning" || key == "initial_latents" || key == "options" ||

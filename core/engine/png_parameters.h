@@ -34,6 +34,15 @@ struct PngParameters {
     double weight = 1.0, text_encoder_weight = 1.0;
   };
   std::vector<Lora> loras;
+  // diffract: the ControlNets, with the control image each was given (saved beside the PNG by the
+  // GUI, relative to its folder) and how the GUI made it from the user's image.
+  struct ControlNet {
+    std::string path, image_file;
+    std::string preprocessor = "none";
+    int low = 100, high = 200;
+    double scale = 1.0, start = 0.0, end = 1.0;
+  };
+  std::vector<ControlNet> controlnets;
   // A1111: "Lora hashes" (name -> its short hash), for finding a LoRA renamed since.
   std::vector<std::pair<std::string, std::string>> lora_hashes;
   // What the source holds that has no counterpart here, one readable line each

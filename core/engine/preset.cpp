@@ -22,7 +22,7 @@ namespace {
 
 const std::set<std::string> kKeys = {"name",    "description", "prompt_template", "negative_prompt", "width",
                                      "height",  "steps",       "sampler",         "cfg",             "strategy",
-                                     "devices", "skip"};
+                                     "devices", "skip",        "loras",           "controlnets"};
 
 std::string field(const std::string& where, const std::string& key) { return where + ": field '" + key + "'"; }
 
@@ -86,6 +86,30 @@ void validate_preset(const Preset& p, const std::string& where) {
   }
   if (p.devices < 1 || p.devices > 64)
     throw Error(field(where, "devices") + " is " + std::to_string(p.devices) + ": must be between 1 and 64");
+  for (std::size_t i = 0; i < p.loras.size(); ++i) {
+    const auto& l = p.loras[i];
+    const auto at = field(where, "loras") + " entry " + std::to_string(i + 1);
+    if (l.name.find_first_not_of(" \t") == std::string::npos) throw Error(at + ": the name is empty");
+    if (l.name.find_first_of("<>:") != std::string::npos)
+      throw Error(at + ": the name '" + l.name + "' holds one of < > : (a LoRA file's stem has none)");
+    for (const double w : {l.weight, l.text_encoder_weight})
+      if (!(w >= -10 && w <= 10)) throw Error(at + ": weight " + std::to_string(w) + " is outside -10..10");
+  }
+  for (std::size_t i = 0; i < p.controlnets.size(); ++i) {
+    const auto& c = p.controlnets[i];
+    const auto at = field(where, "controlnets") + " entry " + std::to_string(i + 1);
+    if (c.model.empty()) throw Error(at + ": the model is empty");
+    const auto& names = control_preprocessors();
+    if (std::find(names.begin(), names.end(), c.preprocessor) == names.end())
+      throw Error(at + ": unknown preprocessor '" + c.preprocessor + "' (valid: none, canny)");
+    if (c.low < 0 || c.high > 1000 || c.low > c.high)
+      throw Error(at + ": canny thresholds " + std::to_string(c.low) + " / " + std::to_string(c.high) +
+                  " must satisfy 0 <= low <= high <= 1000");
+    if (!(c.scale >= 0 && c.scale <= 5)) throw Error(at + ": scale " + std::to_string(c.scale) + " is outside 0..5");
+    if (!(c.start >= 0 && c.start < c.end && c.end <= 1))
+      throw Error(at + ": start " + std::to_string(c.start) + " and end " + std::to_string(c.end) +
+                  " must satisfy 0 <= start < end <= 1");
+  }
   try {
     parallel::make_strategy(job::StrategyParams{p.strategy, p.devices, p.skip, 0});
   } catch (const Error& e) {
@@ -126,6 +150,40 @@ Preset parse_preset(const std::string& json_text, const std::string& where) {
   } else {
     p.skip = int_field(j, where, "skip", false, 2);
   }
+  const auto list = [&](const char* key) {
+    if (!j.contains(key)) return json::array();
+    if (!j[key].is_array()) throw Error(field(where, key) + " must be a list, not " + j[key].dump());
+    return j[key];
+  };
+  const auto entry_keys = [&](const json& e, const std::string& at, const std::set<std::string>& known) {
+    if (!e.is_object()) throw Error(at + " must be an object, not " + e.dump());
+    for (const auto& [key, value] : e.items())
+      if (!known.count(key)) throw Error(at + ": unknown field '" + key + "'");
+  };
+  int n = 0;
+  for (const auto& e : list("loras")) {
+    const auto at = field(where, "loras") + " entry " + std::to_string(++n);
+    entry_keys(e, at, {"name", "weight", "text_encoder_weight"});
+    Preset::Lora l;
+    l.name = text_field(e, at, "name", true);
+    l.weight = number_field(e, at, "weight", false, 1.0);
+    l.text_encoder_weight = number_field(e, at, "text_encoder_weight", false, l.weight);
+    p.loras.push_back(l);
+  }
+  n = 0;
+  for (const auto& e : list("controlnets")) {
+    const auto at = field(where, "controlnets") + " entry " + std::to_string(++n);
+    entry_keys(e, at, {"model", "preprocessor", "low", "high", "scale", "start", "end"});
+    Preset::ControlNet c;
+    c.model = text_field(e, at, "model", true);
+    c.preprocessor = text_field(e, at, "preprocessor", false, "none");
+    c.low = int_field(e, at, "low", false, 100);
+    c.high = int_field(e, at, "high", false, 200);
+    c.scale = number_field(e, at, "scale", false, 1.0);
+    c.start = number_field(e, at, "start", false, 0.0);
+    c.end = number_field(e, at, "end", false, 1.0);
+    p.controlnets.push_back(c);
+  }
   validate_preset(p, where);
   return p;
 }
@@ -152,6 +210,16 @@ std::string preset_to_json(const Preset& p) {
   if (const auto* info = parallel::find_strategy(p.strategy); info && info->takes(parallel::Param::Skip))
     j["skip"] = p.skip;
   if (!p.description.empty()) j["description"] = p.description;
+  for (const auto& l : p.loras)
+    j["loras"].push_back({{"name", l.name}, {"weight", l.weight}, {"text_encoder_weight", l.text_encoder_weight}});
+  for (const auto& c : p.controlnets) {
+    json e = {{"model", c.model}, {"preprocessor", c.preprocessor}, {"scale", c.scale}, {"start", c.start}, {"end", c.end}};
+    if (c.preprocessor == "canny") {
+      e["low"] = c.low;
+      e["high"] = c.high;
+    }
+    j["controlnets"].push_back(e);
+  }
   return j.dump(2) + "\n";
 }
 
@@ -187,6 +255,13 @@ void apply_preset(const Preset& preset, const std::string& subject, job::Generat
   request.strategy.name = preset.strategy;
   request.strategy.devices = preset.devices;
   request.strategy.skip = preset.skip;
+  for (const auto& l : preset.loras) {
+    job::LoraRef ref;
+    ref.name = l.name;
+    ref.weight = l.weight;
+    ref.text_encoder_weight = l.text_encoder_weight;
+    request.loras.push_back(ref);
+  }
 }
 
 Preset preset_from_request(const std::string& name, const std::string& prompt_template,
@@ -206,6 +281,21 @@ Preset preset_from_request(const std::string& name, const std::string& prompt_te
     p.skip = request.strategy.skip;
   } else {
     p.devices = request.strategy.devices;
+  }
+  for (const auto& l : request.loras) {
+    Preset::Lora e;
+    e.name = l.name.empty() ? fs::path(l.path).stem().string() : l.name;
+    e.weight = l.weight;
+    e.text_encoder_weight = l.text_encoder_weight;
+    p.loras.push_back(e);
+  }
+  for (const auto& c : request.controlnets) {
+    Preset::ControlNet e;
+    e.model = c.path;
+    e.scale = c.scale;
+    e.start = c.start;
+    e.end = c.end;
+    p.controlnets.push_back(e);
   }
   return p;
 }

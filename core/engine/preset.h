@@ -19,6 +19,13 @@ namespace diffract::engine {
 // sampler the model's own; description, devices (default 1) and skip (step-skip; default 2) are
 // optional. Files that gave step-skip's skip factor as "devices" still read as before. Unknown
 // keys are errors, so a misspelt field is not silently ignored.
+// Optional adapters:
+//   "loras": [{"name": "brand-style", "weight": 0.8, "text_encoder_weight": 0.8}]
+//     by name (a file stem in the LoRA folders, as <lora:NAME> tags name them);
+//   "controlnets": [{"model": "/models/controlnet-canny-sdxl", "preprocessor": "canny",
+//     "low": 100, "high": 200, "scale": 0.7, "start": 0, "end": 1}]
+//     the model, how the GUI makes the control image (none / canny) and when it acts; the
+//     control image itself belongs to each job.
 struct Preset {
   std::string name;
   std::string description;
@@ -32,7 +39,24 @@ struct Preset {
   std::string strategy = "single";
   int devices = 1;
   int skip = 2;  // step-skip's skip factor
+  struct Lora {
+    std::string name;
+    double weight = 1.0, text_encoder_weight = 1.0;
+  };
+  std::vector<Lora> loras;
+  struct ControlNet {
+    std::string model;                 // a ControlNet folder or file
+    std::string preprocessor = "none";  // "none" (the image as given) or "canny"
+    int low = 100, high = 200;          // canny's hysteresis thresholds
+    double scale = 1.0, start = 0.0, end = 1.0;
+  };
+  std::vector<ControlNet> controlnets;
 };
+
+inline const std::vector<std::string>& control_preprocessors() {
+  static const std::vector<std::string> names = {"none", "canny"};
+  return names;
+}
 
 inline constexpr const char* kSubjectPlaceholder = "{subject}";
 
@@ -47,10 +71,12 @@ void validate_preset(const Preset& preset, const std::string& where);
 
 // The template with each {subject} replaced by `subject`.
 std::string fill_prompt_template(const std::string& prompt_template, const std::string& subject);
-// Fills the request's prompt (from `subject`), negative prompt, size, steps, sampler, CFG and strategy.
+// Fills the request's prompt (from `subject`), negative prompt, size, steps, sampler, CFG and
+// strategy, and adds the preset's LoRAs by name (LoraRef with an empty path: resolve_lora_tags
+// finds them). ControlNets need a control image: the caller pairs them with one.
 void apply_preset(const Preset& preset, const std::string& subject, job::GenerationRequest& request);
 // The reverse: a preset called `name` with `prompt_template` and the request's negative prompt,
-// size, steps, sampler, CFG and strategy. A strategy that takes a skip factor (step-skip) keeps
+// size, steps, sampler, CFG, strategy and LoRAs (by name). A strategy that takes a skip factor (step-skip) keeps
 // request.strategy.skip and one device; any other keeps request.strategy.devices and the
 // default skip. apply_preset of the result gives those fields back.
 Preset preset_from_request(const std::string& name, const std::string& prompt_template,
