@@ -142,7 +142,7 @@ struct ControlNetOptions {
 };
 
 void add_controlnet_options(CLI::App* cmd, ControlNetOptions& o) {
-  cmd->add_option("--controlnet", o.nets, "a diffusers ControlNetModel folder (repeatable; SD 1.x / 2.x / XL)")
+  cmd->add_option("--controlnet", o.nets, "a diffusers ControlNetModel folder or its .safetensors alone (repeatable; SD 1.x / 2.x / XL)")
       ->allow_extra_args(false);
   cmd->add_option("--control-image", o.images, "its control image (edges, depth, pose, ...): one per --controlnet")
       ->allow_extra_args(false);

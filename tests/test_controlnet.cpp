@@ -7,6 +7,7 @@
 
 #include "core/engine/engine.h"
 #include "core/io/image.h"
+#include "core/io/safetensors_writer.h"
 #include "core/io/weights.h"
 #include "core/util/error.h"
 #include "diffusers_case.h"
@@ -103,6 +104,31 @@ class TestControlNet : public QObject {
     }
   }
 
+  // A diffusers-layout ControlNet as one file (its folder's weights alone): the config from the
+  // shapes, the same image as the folder (32 norm groups, SD's, as a file without a config implies).
+  void singleFileControlNets() {
+    job::CancelToken never;
+    auto r = request_for(cases()[0]);
+    r.controlnets[0].path = (dir() / "cn-sd-g32").string();
+    const auto folder = engine_.run(r, {}, never);
+    r.controlnets[0].path = (dir() / "cn-sd-g32.safetensors").string();
+    job::GenerationResult file;
+    try {
+      file = engine_.run(r, {}, never);
+    } catch (const std::exception& e) {
+      QFAIL(e.what());
+    }
+    QVERIFY(file.images.front().rgb == folder.images.front().rgb);
+    // The original layout (lllyasviel's control_*.pth keys) is named, not guessed at.
+    QTemporaryDir tmp;
+    const auto ldm = fs::path(tmp.path().toStdString()) / "control_v11p_sd15_canny.safetensors";
+    io::write_safetensors(ldm, {{"control_model.zero_convs.0.0.weight", at::zeros({4, 4, 1, 1})},
+                                {"control_model.input_hint_block.0.weight", at::zeros({16, 3, 3, 3})}});
+    r.controlnets[0].path = ldm.string();
+    DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "control_v11p_sd15_canny.safetensors",
+                          "original (lllyasviel / ldm) layout");
+  }
+
   void badInputs() {
     job::CancelToken never;
     const auto base = request_for(cases()[0]);
@@ -118,7 +144,10 @@ class TestControlNet : public QObject {
     DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "cn-sdxl is for another model");
     r = base;
     r.controlnets[0].path = (dir() / "nothing").string();
-    DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "not a folder");
+    DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "not a folder or a file");
+    r = base;
+    r.controlnets[0].path = (test::fixtures() / "tiny-sd" / "unet" / "diffusion_pytorch_model.safetensors").string();
+    DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "not a ControlNet (no controlnet_cond_embedding");
     r = base;
     r.controlnets[0].path = (test::fixtures() / "tiny-sd" / "unet").string();  // a UNet, not a ControlNet
     DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "not a ControlNetModel");

@@ -87,11 +87,12 @@ class TestControlNetPanel : public QObject {
 
   void findsControlNetFolders() {
     const auto found = engine::find_controlnets({controlnets().toStdString()}, {});
-    QCOMPARE(found.size(), std::size_t(3));
+    QCOMPARE(found.size(), std::size_t(5));  // four folders and cn-sd-g32.safetensors
     QCOMPARE(found[0].name, std::string("cn-sd-a"));
     QCOMPARE(found[0].base, std::string());  // a tiny test model: no family's cross-attention width
-    QCOMPARE(found[2].name, std::string("cn-sdxl"));
-    QCOMPARE(found[2].base, std::string("SDXL"));
+    QCOMPARE(found[3].name, std::string("cn-sd-g32.safetensors"));
+    QCOMPARE(found[4].name, std::string("cn-sdxl"));
+    QCOMPARE(found[4].base, std::string("SDXL"));
     // The family from the config: SD 1.x's 768-wide and SD 2.x's 1024-wide cross-attention.
     QTemporaryDir tmp;
     for (const auto& [width, base] : {std::pair<int, const char*>{768, "SD 1.x"}, {1024, "SD 2.x"}}) {
@@ -110,7 +111,7 @@ class TestControlNetPanel : public QObject {
     QSignalSpy folders(&panel, &ui::ControlNetPanel::foldersChanged);
     panel.setFolders({controlnets()});
     QCOMPARE(folders.count(), 1);
-    QCOMPARE(panel.models().size(), 3);
+    QCOMPARE(panel.models().size(), 5);
     job::GenerationRequest r;
     r.width = 96;
     r.height = 64;

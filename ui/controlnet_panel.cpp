@@ -28,7 +28,11 @@ namespace diffract::ui {
 
 namespace {
 constexpr int kPreviewSide = 128;
+
+bool isControlNet(const std::string& path) {
+  return !engine::read_controlnet_info(path).path.empty() || !engine::read_controlnet_file_info(path).path.empty();
 }
+}  // namespace
 
 struct ControlNetPanel::Row {
   QWidget* widget = nullptr;
@@ -428,7 +432,7 @@ void ControlNetPanel::applyPreset(const std::vector<engine::Preset::ControlNet>&
     u.start = c.start;
     u.end = c.end;
     setUnit(static_cast<int>(i), u);
-    if (engine::read_controlnet_info(c.model).path.empty()) missing << tr("ControlNet %1 (not found)").arg(u.model);
+    if (!isControlNet(c.model)) missing << tr("ControlNet %1 (not found)").arg(u.model);
   }
 }
 
@@ -467,7 +471,7 @@ void ControlNetPanel::restore(const engine::PngParameters& p, const QDir& folder
     u.end = c.end;
     setUnit(i, u);  // the saved image is what the model saw: no preprocessor again
     const QString made = c.preprocessor == "canny" ? tr(", canny edges %1 / %2").arg(c.low).arg(c.high) : QString();
-    if (engine::read_controlnet_info(c.path).path.empty()) notRestored << tr("ControlNet %1 (not found)").arg(model);
+    if (!isControlNet(c.path)) notRestored << tr("ControlNet %1 (not found)").arg(model);
     QImage image;
     if (!c.image_file.empty()) image = QImage(folder.filePath(QString::fromStdString(c.image_file)));
     if (image.isNull()) {

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/engine/model_discovery.h"
+#include "core/io/safetensors.h"
 
 namespace diffract::engine {
 
@@ -29,6 +30,20 @@ ControlNetInfo read_controlnet_info(const fs::path& dir) {
   return info;
 }
 
+ControlNetInfo read_controlnet_file_info(const fs::path& file) {
+  try {
+    const auto archive = io::SafetensorsArchive::open(file);
+    if (!archive->find("controlnet_cond_embedding.conv_in.weight")) return {};
+    ControlNetInfo info;
+    info.path = file;
+    info.name = file.filename().string();
+    if (archive->find("add_embedding.linear_1.weight")) info.base = "SDXL";
+    return info;
+  } catch (const std::exception&) {
+    return {};  // not a safetensors file we can read: not listed
+  }
+}
+
 std::vector<ControlNetInfo> find_controlnets(const std::vector<std::string>& dirs, const fs::path& hub) {
   std::vector<ControlNetInfo> out;
   std::error_code ec;
@@ -38,7 +53,11 @@ std::vector<ControlNetInfo> find_controlnets(const std::vector<std::string>& dir
     if (auto info = read_controlnet_info(d); !info.path.empty()) here.push_back(info);
     for (auto it = fs::recursive_directory_iterator(d, fs::directory_options::skip_permission_denied, ec);
          !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
-      if (!it->is_directory(ec)) continue;
+      if (!it->is_directory(ec)) {
+        if (it->path().extension() == ".safetensors" && it->path().filename() != "diffusion_pytorch_model.safetensors")
+          if (auto info = read_controlnet_file_info(it->path()); !info.path.empty()) here.push_back(info);
+        continue;
+      }
       if (auto info = read_controlnet_info(it->path()); !info.path.empty()) {
         here.push_back(info);
         it.disable_recursion_pending();  // a model's own subfolders hold no other model

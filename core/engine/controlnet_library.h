@@ -1,6 +1,6 @@
 #pragma once
-// Where ControlNets are found: diffusers ControlNetModel folders (config.json + weights) under the
-// ControlNet folders the user keeps, and ControlNet snapshots in the Hugging Face cache. No torch
+// Where ControlNets are found: diffusers ControlNetModel folders (config.json + weights) and
+// diffusers-layout single files under the ControlNet folders the user keeps, and ControlNet snapshots in the Hugging Face cache. No torch
 // headers: the GUI lists these.
 #include <filesystem>
 #include <string>
@@ -9,7 +9,7 @@
 namespace diffract::engine {
 
 struct ControlNetInfo {
-  std::filesystem::path path;  // the folder
+  std::filesystem::path path;  // the folder, or the single file
   std::string name;            // the folder's name, or "org/name" for a Hugging Face snapshot
   std::string base;            // "SD 1.x", "SD 2.x", "SDXL" from its config; "" when it does not say
 };
@@ -18,8 +18,12 @@ struct ControlNetInfo {
 // ControlNetModel (no config, another class, unreadable JSON).
 ControlNetInfo read_controlnet_info(const std::filesystem::path& dir);
 
-// The ControlNet folders under each of `dirs` (the folder itself or below it, three levels at
-// most, in name order), then the newest snapshot of each ControlNet repository in `hub` (empty:
+// A diffusers-layout ControlNet saved as one .safetensors file (its header names
+// controlnet_cond_embedding.*); an empty path for any other file.
+ControlNetInfo read_controlnet_file_info(const std::filesystem::path& file);
+
+// The ControlNet folders and single files under each of `dirs` (the folder itself or below it,
+// three levels at most, in path order), then the newest snapshot of each ControlNet repository in `hub` (empty:
 // none).
 std::vector<ControlNetInfo> find_controlnets(const std::vector<std::string>& dirs, const std::filesystem::path& hub);
 

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cctype>
 #include <set>
 
@@ -109,15 +110,15 @@ void bind_strict(Model& model, const StateDict& weights, const std::string& what
 // --- shape inference ---------------------------------------------------------------------------
 
 models::UNet2DConditionConfig infer_unet_config(const StateDict& unet, SingleFileFamily family,
-                                                int64_t pooled_text_dim, const std::string& what) {
+                                                int64_t pooled_text_dim, const std::string& what, bool encoder_only) {
   const Shapes s(unet, what);
   models::UNet2DConditionConfig c;
   c.in_channels = s.dim("conv_in.weight", 1);
-  c.out_channels = s.dim("conv_out.weight", 0);
+  c.out_channels = encoder_only ? c.in_channels : s.dim("conv_out.weight", 0);
   c.sample_size = family == SingleFileFamily::SDXL ? 128 : family == SingleFileFamily::SD2 ? 96 : 64;
   const int64_t n = s.count("down_blocks.");
   if (n == 0) s.fail("no down_blocks");
-  if (s.count("up_blocks.") != n)
+  if (!encoder_only && s.count("up_blocks.") != n)
     s.fail(std::to_string(n) + " down blocks but " + std::to_string(s.count("up_blocks.")) + " up blocks");
 
   // One attention block's facts: depth, context width, projection kind.
@@ -172,7 +173,12 @@ models::UNet2DConditionConfig infer_unet_config(const StateDict& unet, SingleFil
   if (c.cross_attention_dim.back() != mid.context)
     s.fail("the mid block's context width differs from the last down block's (not supported)");
 
-  for (int64_t b = 0; b < n; ++b) {
+  for (int64_t b = 0; encoder_only && b < n; ++b) {  // the up blocks mirror the encoder (a ControlNet has none)
+    const auto rev = static_cast<std::size_t>(n - 1 - b);
+    c.up_block_types.push_back(c.down_block_types[rev] == "CrossAttnDownBlock2D" ? "CrossAttnUpBlock2D" : "UpBlock2D");
+    c.reverse_transformer_layers_per_block.push_back(c.transformer_layers_per_block[rev]);
+  }
+  for (int64_t b = 0; !encoder_only && b < n; ++b) {
     const std::string head = "up_blocks." + std::to_string(b) + ".";
     const auto rev = static_cast<std::size_t>(n - 1 - b);
     const int64_t layers = s.count(head + "resnets.");
@@ -215,6 +221,44 @@ models::UNet2DConditionConfig infer_unet_config(const StateDict& unet, SingleFil
     c.addition_time_embed_dim = times / 6;
   }
   return c;
+}
+
+models::ControlNetModel load_controlnet_file(const fs::path& file) {
+  const std::string what = file.string();
+  auto weights = io::load_state_dict(file);
+  const Shapes s(weights, what);
+  if (!s.has("controlnet_cond_embedding.conv_in.weight")) {
+    const bool original = std::any_of(weights.begin(), weights.end(), [](const auto& kv) {
+      return kv.first.find("zero_convs.") != std::string::npos || kv.first.find("input_hint_block.") != std::string::npos;
+    });
+    throw Error(what + (original ? ": a ControlNet in the original (lllyasviel / ldm) layout, which is not supported yet: "
+                                   "use its diffusers version (a folder, or its diffusion_pytorch_model.safetensors)"
+                                 : ": not a ControlNet (no controlnet_cond_embedding.conv_in.weight)"));
+  }
+  // The family decides the attention heads: SDXL (added embeddings) and SD 2.x (1024-wide
+  // context) use 64-wide heads, SD 1.x eight heads.
+  const bool xl = s.has("add_embedding.linear_1.weight");
+  int64_t context = 0;
+  for (const auto& [key, t] : weights)
+    if (ends_with(key, "attn2.to_k.weight")) {
+      context = t.size(1);
+      break;
+    }
+  const auto family = xl ? SingleFileFamily::SDXL : context == 1024 ? SingleFileFamily::SD2 : SingleFileFamily::SD1;
+  models::ControlNetConfig c;
+  c.unet = infer_unet_config(weights, family, xl ? 1280 : 0, what, /*encoder_only=*/true);
+  c.conditioning_channels = s.dim("controlnet_cond_embedding.conv_in.weight", 1);
+  c.conditioning_embedding_out_channels = {s.dim("controlnet_cond_embedding.conv_in.weight", 0)};
+  const int64_t blocks = s.count("controlnet_cond_embedding.blocks.");
+  if (blocks % 2 != 0) s.fail("controlnet_cond_embedding has an odd number of blocks (" + std::to_string(blocks) + ")");
+  for (int64_t i = 1; i < blocks; i += 2)
+    c.conditioning_embedding_out_channels.push_back(
+        s.dim("controlnet_cond_embedding.blocks." + std::to_string(i) + ".weight", 0));
+  models::ControlNetModel net(c);
+  bind_strict(net, weights, what);
+  log::get("pipeline").info(log::str(what, ": a diffusers-layout ControlNet (", io::single_file_family_name(family),
+                                     ", config from its shapes)"));
+  return net;
 }
 
 models::AutoencoderKLConfig infer_vae_config(const StateDict& vae, SingleFileFamily family, const std::string& what) {

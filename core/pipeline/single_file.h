@@ -6,6 +6,7 @@
 
 #include "core/io/single_file.h"
 #include "core/models/autoencoders/autoencoder_kl.h"
+#include "core/models/controlnets/controlnet.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/text_encoders/t5_encoder.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
@@ -58,8 +59,16 @@ SingleFileModels load_single_file(const std::filesystem::path& file, const Singl
 
 // Shape inference on a component's mapped state dict (our key layout, as io::map_* return it).
 // `pooled_text_dim` is SDXL's second text encoder's projection width (0 otherwise). Errors name `what`.
+// `encoder_only`: a ControlNet's (no up blocks or conv_out; the up-block fields mirror the encoder).
 models::UNet2DConditionConfig infer_unet_config(const io::StateDict& unet, io::SingleFileFamily family,
-                                                int64_t pooled_text_dim, const std::string& what);
+                                                int64_t pooled_text_dim, const std::string& what,
+                                                bool encoder_only = false);
+
+// A ControlNetModel saved in diffusers' layout as one .safetensors (or torch.save) file, as SDXL
+// ControlNets are often shared: its config inferred from the shapes (the family from its added
+// embeddings and context width: SDXL and SD 2.x with 64-wide heads, SD 1.x with 8). A file in the
+// original lllyasviel layout (zero_convs, input_hint_block) or of anything else is an error saying so.
+models::ControlNetModel load_controlnet_file(const std::filesystem::path& file);
 models::AutoencoderKLConfig infer_vae_config(const io::StateDict& vae, io::SingleFileFamily family,
                                              const std::string& what);
 models::CLIPTextConfig infer_clip_text_config(const io::StateDict& text_encoder, const std::string& hidden_act,

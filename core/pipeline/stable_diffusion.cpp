@@ -212,7 +212,8 @@ struct StableDiffusion::Impl : PipelineState {
   std::map<std::string, std::shared_ptr<GraphCache>> controlnet_graphs;
   models::ControlNetModel controlnet(const std::string& path) {
     if (const auto it = controlnets.find(path); it != controlnets.end()) return it->second;
-    auto net = models::load_controlnet(path);
+    std::error_code ec;
+    auto net = std::filesystem::is_regular_file(path, ec) ? load_controlnet_file(path) : models::load_controlnet(path);
     const auto& c = net->config.unet;
     const auto& u = unet->config;
     const auto fits = c.block_out_channels == u.block_out_channels && c.layers_per_block == u.layers_per_block &&

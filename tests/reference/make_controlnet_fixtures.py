@@ -5,7 +5,8 @@ act), and diffusers' StableDiffusionControlNetPipeline / StableDiffusionXLContro
 one ControlNet, a guidance window (start / end), two at once, SDXL's; the control image of another
 size than the job's (diffusers resizes it with Lanczos).
 
-Writes into --out: cn-sd-a/, cn-sd-b/, cn-sdxl/ (ControlNetModel folders), edges.png (50x40),
+Writes into --out: cn-sd-a/, cn-sd-b/, cn-sdxl/, cn-sd-g32/ (ControlNetModel folders; the last
+also as cn-sd-g32.safetensors, its weights alone), edges.png (50x40),
 blobs.png (64x64), controlnet_cases.json and controlnet_cases.safetensors (images, float HWC).
 CPU, fp32, seconds.
 """
@@ -46,6 +47,13 @@ def main():
             "cn-sdxl": controlnet_for(xl.unet, 93)}
     for name, net in nets.items():
         net.save_pretrained(os.path.join(args.out, name))
+    # A ControlNet with SD's 32 norm groups (what a config-less single file implies), as a folder
+    # and as its weights alone in one file: the loader infers the config from the shapes.
+    from diffusers import ControlNetModel
+    g32 = ControlNetModel.from_config(dict(nets["cn-sd-a"].config), norm_num_groups=32).eval()
+    g32.load_state_dict(nets["cn-sd-a"].state_dict())
+    g32.save_pretrained(os.path.join(args.out, "cn-sd-g32"))
+    save_file({k: v.contiguous() for k, v in g32.state_dict().items()}, os.path.join(args.out, "cn-sd-g32.safetensors"))
 
     edges = Image.new("RGB", (50, 40), 0)
     d = ImageDraw.Draw(edges)

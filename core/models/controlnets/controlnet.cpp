@@ -178,7 +178,8 @@ UNetConditioning add_controlnet_residuals(const UNetConditioning& cond, const st
 
 ControlNetModel load_controlnet(const std::filesystem::path& dir, const std::string& variant) {
   if (!std::filesystem::is_directory(dir))
-    throw Error("ControlNet " + dir.string() + ": not a folder (a diffusers ControlNetModel folder: config.json and weights)");
+    throw Error("ControlNet " + dir.string() +
+                ": not a folder or a file (a diffusers ControlNetModel folder, or its weights as one .safetensors file)");
   const auto config = ControlNetConfig::from_json(dir / "config.json");
   const auto weights = io::find_weights(dir, variant);
   if (!weights) throw Error(dir.string() + ": no weight file (diffusion_pytorch_model.safetensors, ...)");
