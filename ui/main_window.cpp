@@ -368,7 +368,7 @@ QStringList MainWindow::discoverHuggingFaceModels() {
   return models;
 }
 
-job::GenerationRequest MainWindow::requestFromFields(QString* error) {
+job::GenerationRequest MainWindow::requestFromFields() {
   job::GenerationRequest r = m_settings->request();
   r.prompt = engine::fill_prompt_template(m_presetBar->promptTemplate().toStdString(), r.prompt);
   const engine::DeviceChoice choice = deviceChoice();
@@ -378,8 +378,6 @@ job::GenerationRequest MainWindow::requestFromFields(QString* error) {
   r.gpus = choice.gpus;
   m_inputPanel->fillRequest(r);
   m_loraPanel->fillRequest(r);
-  const QString controlError = m_controlNetPanel->fillRequest(r);
-  if (error) *error = controlError;
   return r;
 }
 
@@ -403,10 +401,10 @@ void MainWindow::generate() {
     showError(tr("Cannot start: %1.").arg(QString::fromStdString(choice.error)));
     return;
   }
-  QString fieldError;
-  const auto request = requestFromFields(&fieldError);
-  if (!fieldError.isEmpty()) {
-    showError(fieldError);
+  auto request = requestFromFields();
+  // The control images are made here, for the job only (not for the background prepare or a preset).
+  if (const QString error = m_controlNetPanel->fillRequest(request); !error.isEmpty()) {
+    showError(error);
     return;
   }
   m_jobControlUnits = m_controlNetPanel->requestUnits();

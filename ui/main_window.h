@@ -68,9 +68,9 @@ class MainWindow : public QMainWindow {
   // The newest madebyollin TAESD snapshot in that cache for a diffusers model folder's pipeline
   // (taesd, taesdxl, taesd3, taef1); empty when there is none or the folder is not diffusers'.
   static QString matchingTaesd(const QString& modelDir);
-  // The job the form describes; `error` (when given) says what keeps it from running (a
-  // ControlNet unit without its image), empty when nothing does.
-  job::GenerationRequest requestFromFields(QString* error = nullptr);
+  // The job the form describes, without its ControlNets (generate() adds them: making their
+  // control images is the job's work).
+  job::GenerationRequest requestFromFields();
   // The seed field as a number; std::nullopt when it is empty or past 64 bits.
   std::optional<std::uint64_t> seedValue() const;
 

@@ -81,7 +81,10 @@ at::Tensor UNetDenoiser::eval(const at::Tensor& model_input, double timestep, Br
   const auto x = (both ? at::cat({model_input, model_input}) : model_input).to(device_, dtype_);
   const auto& cond = both ? both_ : branch == Branch::Uncond ? negative_ : positive_;
   auto t = at::full({x.size(0)}, timestep, at::TensorOptions().dtype(at::kFloat).device(device_));
-  if (!controls_.empty()) {
+  at::Tensor out;
+  if (controls_.empty()) {
+    out = unet_->forward(x, t, cond);
+  } else {
     // The step whose timestep this is (the strategies evaluate steps in their own order).
     std::size_t step = 0;
     for (std::size_t i = 1; i < timesteps_.size(); ++i)
@@ -89,14 +92,9 @@ at::Tensor UNetDenoiser::eval(const at::Tensor& model_input, double timestep, Br
     auto units = controls_;
     if (both)
       for (auto& u : units) u.image = at::cat({u.image, u.image});
-    const auto with = models::add_controlnet_residuals(cond, units, x, t, static_cast<int>(step),
-                                                       static_cast<int>(timesteps_.size()));
-    auto out = unet_->forward(x, t, with);
-    if (!both) return out;
-    auto parts = out.chunk(2);
-    return combine_cfg(parts[0], parts[1], scale_);
+    out = unet_->forward(x, t, models::add_controlnet_residuals(cond, units, x, t, static_cast<int>(step),
+                                                                static_cast<int>(timesteps_.size())));
   }
-  auto out = unet_->forward(x, t, cond);
   if (!both) return out;
   auto parts = out.chunk(2);
   return combine_cfg(parts[0], parts[1], scale_);

@@ -510,8 +510,8 @@ models::UNetConditioning to_device(const models::UNetConditioning& c, const c10:
 // A ControlNet as a job runs it: the control image at the job's size, for every row of the batch
 // the plain loop's denoiser sees (both CFG halves).
 struct SDControl {
-  models::ControlNetUnit unit;
-  job::ControlNetRef ref;  // without its image
+  models::ControlNetUnit unit;  // its scale, start and end are the request's
+  std::string path;
 };
 
 struct SDConditioning {
@@ -841,8 +841,7 @@ void StableDiffusion::encode(JobContext& job) {
   }
   for (const auto& ref : req.controlnets) {
     SDControl control;
-    control.ref = ref;
-    control.ref.image = {};
+    control.path = ref.path;
     control.unit.net = p.controlnet(ref.path);
     control.unit.scale = ref.scale;
     control.unit.start = ref.start;
@@ -885,7 +884,7 @@ void StableDiffusion::prepare_ranks(JobContext& job, const parallel::Strategy&, 
   const auto& c = std::any_cast<const SDConditioning&>(job.conditioning);
   for (int r = 0; r < group.size(); ++r) {
     impl_->unet_on(group.device(r));
-    for (const auto& control : c.controls) impl_->controlnet_on(control.ref.path, group.device(r));
+    for (const auto& control : c.controls) impl_->controlnet_on(control.path, group.device(r));
   }
 }
 
@@ -901,7 +900,7 @@ std::unique_ptr<parallel::Denoiser> StableDiffusion::rank_denoiser(const JobCont
     std::vector<models::ControlNetUnit> units;
     for (const auto& control : c.controls) {
       auto u = control.unit.rows(0, job.req.batch);
-      u.net = p.controlnet_on(control.ref.path, d);
+      u.net = p.controlnet_on(control.path, d);
       u.graphs.reset();  // the plain loop's, not to be shared between rank threads
       u.layout.reset();
       u.image = u.image.to(d);
@@ -931,7 +930,7 @@ void StableDiffusion::add_metadata(const JobContext& job, nlohmann::json& meta) 
   const auto& conditioning = std::any_cast<const SDConditioning&>(job.conditioning);
   meta["negative_conditioning"] = conditioning.negative_source;
   for (const auto& c : conditioning.controls)
-    meta["controlnets"].push_back({{"path", c.ref.path}, {"scale", c.ref.scale}, {"start", c.ref.start}, {"end", c.ref.end}});
+    meta["controlnets"].push_back({{"path", c.path}, {"scale", c.unit.scale}, {"start", c.unit.start}, {"end", c.unit.end}});
   if (meta.contains("strategy") && !p.tiny_vae) meta["vae_decode_devices"] = p.last_decode_ranks;
   if (p.device.is_cuda())
     meta["unet_graphs"] = {{"graphs", p.runner->graphs()},
