@@ -17,6 +17,8 @@
 #include "core/engine/preset.h"
 #include "core/io/diffusers_folder.h"
 #include "core/io/image.h"
+#include "core/io/pth.h"
+#include "core/io/read_file.h"
 #include "core/io/safetensors.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/parallel/registry.h"
@@ -42,8 +44,21 @@ text::CLIPTokenizer open_tokenizer(const fs::path& path) {
 }
 
 int inspect(const fs::path& path) {
-  if (fs::is_directory(path)) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
     std::cout << io::DiffusersFolder::open(path).summary() << "\n";
+    return 0;
+  }
+  // A torch.save archive is a zip ("PK"); anything else is read as safetensors, whose errors say
+  // what does not fit.
+  if (io::read_file_head(path, 2) == "PK") {
+    const auto weights = io::load_pth(path);
+    std::size_t bytes = 0;
+    for (const auto& [name, t] : weights) {
+      bytes += t.nbytes();
+      std::cout << name << "  " << c10::toString(t.scalar_type()) << " " << t.sizes() << "\n";
+    }
+    std::cout << weights.size() << " tensors, " << bytes / 1e6 << " MB (a torch.save archive)\n";
     return 0;
   }
   auto archive = io::SafetensorsArchive::open(path);

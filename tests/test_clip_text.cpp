@@ -85,7 +85,7 @@ class TestCLIPText : public QObject {
     write_config(dir / "c", [](auto& j) { j["num_attention_heads"] = 5; });
     DIFFRACT_EXPECT_ERROR(models::load_clip_text_model(dir / "c"), "not divisible by num_attention_heads 5");
     write_config(dir / "d", [](auto& j) { j["hidden_size"] = "wide"; });
-    DIFFRACT_EXPECT_ERROR(models::load_clip_text_model(dir / "d"), "key 'hidden_size' has the wrong type");
+    DIFFRACT_EXPECT_ERROR(models::load_clip_text_model(dir / "d"), "key 'hidden_size' must be");
     write_config(dir / "e", [](auto& j) { j["intermediate_size"] = 40; });
     DIFFRACT_EXPECT_ERROR(models::load_clip_text_model(dir / "e"), "model.safetensors", "shape mismatches (9)",
                           "text_model.encoder.layers.0.mlp.fc1.weight: checkpoint [37, 32] vs model [40, 32]");

@@ -1,6 +1,8 @@
 // Image-conditioned jobs against diffusers (tests/reference/make_image_fixtures.py): Pillow's
 // Lanczos resize, then img2img and inpainting (4-channel latent blending and 9 / 33-channel
 // inpainting models) for SD, SDXL and SD3, inputs of another size than the job's.
+#include <sys/stat.h>
+
 #include <fstream>
 #include <iterator>
 #include <random>
@@ -337,7 +339,10 @@ class TestImageInputs : public QObject {
       std::ofstream(tmp / "cut.png", std::ios::binary) << head;
     }
     QVERIFY(read_fails(tmp / "cut.png", "corrupt PNG"));
-    QVERIFY(read_fails(tmp / "missing.png", "cannot open"));
+    QVERIFY(read_fails(tmp / "missing.png", "missing"));
+    QVERIFY(read_fails(tmp, "a folder, not a file"));
+    QCOMPARE(::mkfifo((tmp / "fifo.png").c_str(), 0600), 0);
+    QVERIFY(read_fails(tmp / "fifo.png", "a FIFO, not a file"));  // at once: fopen() would wait for a writer
     fs::remove_all(tmp);
   }
 

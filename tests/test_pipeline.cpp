@@ -1,4 +1,6 @@
+#include <cmath>
 #include <fstream>
+#include <limits>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
@@ -244,7 +246,11 @@ class TestPipeline : public QObject {
     expect(q, "steps 1001");
     q = r;
     q.cfg = -1;
-    expect(q, "CFG scale -1 must be 0 or more");
+    expect(q, "CFG scale -1 must be a number from 0 to 1000");
+    q.cfg = std::numeric_limits<double>::infinity();  // the user's value, not blamed on the weights
+    expect(q, "CFG scale inf must be a number from 0 to 1000");
+    q.cfg = std::nan("");
+    expect(q, "must be a number from 0 to 1000");
     q = r;
     q.device = "tpu:0";
     expect(q, "device 'tpu:0'");

@@ -160,7 +160,7 @@ class TestPngParameters : public QObject {
     DIFFRACT_EXPECT_ERROR(engine::parse_png_parameters({}, "empty.png"), "empty.png: no generation parameters",
                           "no text chunks");
     DIFFRACT_EXPECT_ERROR(engine::parse_png_parameters({{"diffract", "{oops"}}, "bad.png"),
-                          "bad.png: the 'diffract' text chunk is not valid JSON");
+                          "bad.png: the 'diffract' text chunk: malformed JSON");
     DIFFRACT_EXPECT_ERROR(engine::parse_png_parameters({{"prompt", "[1]"}}, "c.png"), "c.png: the ComfyUI 'prompt'");
     DIFFRACT_EXPECT_ERROR(engine::parse_png_parameters({{"prompt", R"({"1": {"class_type": "SaveImage"}})"}}, "c.png"),
                           "no KSampler");

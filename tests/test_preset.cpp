@@ -1,4 +1,6 @@
 // Presets: JSON round trip, the shipped files, and errors that name the file and the field.
+#include <sys/stat.h>
+
 #include <QTemporaryDir>
 #include <cstdlib>
 #include <fstream>
@@ -185,7 +187,16 @@ class TestPreset : public QObject {
       s.replace(QString::fromUtf8(from), QString::fromUtf8(to));
       return s;
     };
-    QTest::newRow("not json") << "{\"name\": " << "not valid JSON";
+    QTest::newRow("not json") << "{\"name\": " << "malformed JSON";
+    // Hostile files: nesting that a recursive dump() of the value would overflow the stack on, a
+    // count that wraps to -1, a key of 100 000 characters (named, not echoed whole).
+    QTest::newRow("nested name") << edit("\"Test\"", (std::string(100000, '[') + std::string(100000, ']')).c_str())
+                                 << "nested deeper than 64 levels";
+    QTest::newRow("steps 2^64-1") << edit("20", "18446744073709551615")
+                                  << "field 'steps' must be a whole number of at most 2^30, not 18446744073709551615";
+    QTest::newRow("number overflow") << edit("5.5", "1e400") << "malformed JSON";
+    QTest::newRow("huge key") << edit("\"steps\"", ("\"" + std::string(100000, 'k') + "\"").c_str())
+                              << "(100000 characters) (known:";
     QTest::newRow("not an object") << "[1, 2]" << "must be a JSON object";
     QTest::newRow("missing name") << edit("\"name\": \"Test\", ", "") << "missing field 'name'";
     QTest::newRow("empty name") << edit("\"Test\"", "\" \"") << "field 'name' is empty";
@@ -198,7 +209,7 @@ class TestPreset : public QObject {
     QTest::newRow("cfg too high") << edit("5.5", "99") << "field 'cfg' is 99";
     QTest::newRow("unknown sampler") << edit("\"euler\"", "\"lms\"") << "field 'sampler': unknown sampler 'lms'";
     QTest::newRow("unknown strategy") << edit("\"single\"", "\"warp\"") << "field 'strategy': unknown strategy 'warp'";
-    QTest::newRow("typo in a key") << edit("\"steps\"", "\"stpes\"") << "unknown field 'stpes'";
+    QTest::newRow("typo in a key") << edit("\"steps\"", "\"stpes\"") << "unknown field \"stpes\"";
     QTest::newRow("prompt not text") << edit("\"blurry\"", "7") << "field 'negative_prompt' must be a string";
     const auto adapters = [&](const char* json) { return edit("\"steps\": 20", (std::string("\"steps\": 20, ") + json).c_str()); };
     QTest::newRow("loras not a list") << adapters(R"("loras": {"name": "a"})") << "field 'loras' must be a list";
@@ -207,7 +218,7 @@ class TestPreset : public QObject {
                                       << "field 'weight' must be a number";
     QTest::newRow("lora weight huge") << adapters(R"("loras": [{"name": "a", "weight": 50}])") << "outside -10..10";
     QTest::newRow("lora tag as name") << adapters(R"("loras": [{"name": "<lora:a>"}])") << "holds one of < > :";
-    QTest::newRow("lora unknown key") << adapters(R"("loras": [{"name": "a", "wieght": 1}])") << "unknown field 'wieght'";
+    QTest::newRow("lora unknown key") << adapters(R"("loras": [{"name": "a", "wieght": 1}])") << "unknown field \"wieght\"";
     QTest::newRow("controlnet without model") << adapters(R"("controlnets": [{"scale": 1}])") << "missing field 'model'";
     QTest::newRow("controlnet preprocessor") << adapters(R"("controlnets": [{"model": "m", "preprocessor": "hed"}])")
                                              << "unknown preprocessor 'hed'";
@@ -266,7 +277,10 @@ class TestPreset : public QObject {
   }
 
   void missingFileAndSaveOfInvalidPreset() {
-    DIFFRACT_EXPECT_ERROR(engine::load_preset(tmp("nope.json")), "nope.json: cannot open the preset");
+    DIFFRACT_EXPECT_ERROR(engine::load_preset(tmp("nope.json")), "nope.json: missing");
+    const auto fifo = tmp("fifo.json");
+    QCOMPARE(::mkfifo(fifo.c_str(), 0600), 0);
+    DIFFRACT_EXPECT_ERROR(engine::load_preset(fifo), "fifo.json: a FIFO, not a file");  // at once, not waiting
     engine::Preset p;
     p.name = "x";
     p.prompt_template = "no placeholder";

@@ -1,3 +1,5 @@
+#include <sys/stat.h>
+
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -88,14 +90,14 @@ class TestSafetensors : public QObject {
   void rejectsMalformedJson() {
     QTemporaryDir tmp;
     auto p = write_raw(tmp.path().toStdString(), "bad.safetensors", R"({"a": {"dtype": "F32", )", 0);
-    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "bad.safetensors", "malformed header JSON");
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "bad.safetensors", "header: malformed JSON");
   }
 
   void rejectsUnknownDtype() {
     QTemporaryDir tmp;
     auto p = write_raw(tmp.path().toStdString(), "dt.safetensors",
                        R"({"w": {"dtype": "F7", "shape": [2], "data_offsets": [0, 8]}})", 8);
-    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "dt.safetensors", "tensor 'w'", "unknown dtype 'F7'");
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "dt.safetensors", "tensor 'w'", "unknown dtype \"F7\"");
   }
 
   void rejectsDtypeShapeMismatch() {
@@ -122,6 +124,57 @@ class TestSafetensors : public QObject {
                            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})",
                        12);
     DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "ov.safetensors", "'a' and 'b' overlap");
+  }
+
+  // Hostile headers: errors naming the file, never a crash, a hang or a silently wrong archive.
+  void rejectsHostileHeaders() {
+    QTemporaryDir tmp;
+    const fs::path dir = tmp.path().toStdString();
+    // Nested 100 000 levels deep where a shape belongs: refused at parse time (dump() or a copy of
+    // such a value would recurse past the stack's end).
+    const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+    auto p = write_raw(dir, "deep.safetensors", R"({"w": {"dtype": "F32", "shape": )" + deep + R"(, "data_offsets": [0, 0]}})", 0);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "deep.safetensors", "nested deeper than 8 levels");
+    p = write_raw(dir, "deepoff.safetensors", R"({"w": {"dtype": "F32", "shape": [1], "data_offsets": )" + deep + "}}", 4);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "deepoff.safetensors", "nested deeper");
+    // 2^62 F32 with no bytes: numel x 4 overflows to 0 without the check.
+    p = write_raw(dir, "ovf.safetensors", R"({"w": {"dtype": "F32", "shape": [4611686018427387904], "data_offsets": [0, 0]}})", 0);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "ovf.safetensors", "tensor 'w'", "too large");
+    // A dimension above 2^63 would turn negative in an int64 shape.
+    p = write_raw(dir, "neg.safetensors", R"({"w": {"dtype": "U8", "shape": [9223372036854775808, 0], "data_offsets": [0, 0]}})", 0);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "neg.safetensors", "tensor 'w'", "too large");
+    p = write_raw(dir, "rank.safetensors", R"({"w": {"dtype": "U8", "shape": [1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1], "data_offsets": [0, 1]}})", 1);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "rank.safetensors", "17 dimensions");
+    // Bytes after the last tensor, or between two: the format forbids both.
+    p = write_raw(dir, "tail.safetensors", R"({"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}})", 6);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "tail.safetensors", "4 bytes after the last tensor");
+    p = write_raw(dir, "hole.safetensors", R"({"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+                                                "b": {"dtype": "U8", "shape": [2], "data_offsets": [4, 6]}})", 6);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "hole.safetensors", "2 bytes before tensor 'b'");
+    // The same name twice: nlohmann would keep the last silently.
+    p = write_raw(dir, "dup.safetensors", R"({"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+                                               "w": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}})", 2);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "dup.safetensors", "\"w\" appears twice");
+    // A number beyond double's range, a dtype of 100 000 characters: named, not echoed whole.
+    p = write_raw(dir, "big.safetensors", R"({"w": {"dtype": "F32", "shape": [1e400], "data_offsets": [0, 4]}})", 4);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(p), "big.safetensors", "malformed JSON", "1e400");
+    p = write_raw(dir, "dt.safetensors", R"({"w": {"dtype": ")" + std::string(100000, 'F') + R"(", "shape": [1], "data_offsets": [0, 4]}})", 4);
+    try {
+      io::SafetensorsArchive::open(p);
+      QFAIL("a 100 000-character dtype was accepted");
+    } catch (const Error& e) {
+      QVERIFY2(std::string(e.what()).find("100000 characters") != std::string::npos && std::string(e.what()).size() < 400,
+               e.what());
+    }
+    // A FIFO is refused at once (opening it for reading would wait for a writer).
+    const auto fifo = dir / "fifo.safetensors";
+    QCOMPARE(::mkfifo(fifo.c_str(), 0600), 0);
+    DIFFRACT_EXPECT_ERROR(io::SafetensorsArchive::open(fifo), "fifo.safetensors", "not a regular file");
+    DIFFRACT_EXPECT_ERROR(io::load_state_dict(fifo), "fifo.safetensors");
+    // A loop of symbolic links.
+    fs::create_symlink(dir / "loop_b.safetensors", dir / "loop_a.safetensors");
+    fs::create_symlink(dir / "loop_a.safetensors", dir / "loop_b.safetensors");
+    DIFFRACT_EXPECT_ERROR(io::load_state_dict(dir / "loop_a.safetensors"), "loop_a.safetensors", "symbolic links");
   }
 
   void rejectsBadShardIndexes() {

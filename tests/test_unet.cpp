@@ -67,6 +67,49 @@ class TestUNet : public QObject {
     test::copy_with_config(src, dir / "f", [](auto& j) { j["addition_embed_type"] = "text_image"; });
     DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "f"), "'addition_embed_type'", "only 'text_time'");
   }
+
+  // Configs a hostile or broken file gives: errors naming the file and the key before any module
+  // is built, never a division by zero, an allocator abort or a stack overflow.
+  void rejectsHostileConfigs() {
+    QTemporaryDir tmp;
+    const fs::path dir = tmp.path().toStdString();
+    const auto src = test::fixtures() / "tiny-sd" / "unet";
+    const auto expect = [&](const char* name, const std::function<void(nlohmann::json&)>& edit, const char* what,
+                            const char* why) {
+      test::copy_with_config(src, dir / name, edit);
+      DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / name), "config.json", what, why);
+    };
+    expect("groups", [](auto& j) { j["norm_num_groups"] = 0; }, "'norm_num_groups' = 0", "out of range");
+    expect("heads", [](auto& j) { j["attention_head_dim"] = 0; }, "'attention_head_dim'", "out of range");
+    expect("wide", [](auto& j) { j["block_out_channels"] = {1000000, 2000000}; }, "'block_out_channels' = 1000000",
+           "out of range");
+    expect("layers", [](auto& j) { j["layers_per_block"] = -1; }, "'layers_per_block' = -1", "out of range");
+    expect("size", [](auto& j) { j["sample_size"] = -4; }, "'sample_size'", "-4");
+    expect("type", [](auto& j) { j["in_channels"] = "four"; }, "'in_channels' must be a whole number", "\"four\"");
+    expect("wrap", [](auto& j) { j["in_channels"] = 18446744073709551615ULL; }, "'in_channels' must be a whole number from",
+           "not 18446744073709551615");  // 2^64 - 1, not -1
+    // Within every bound and still far beyond any machine: refused by its size, before building.
+    expect("huge", [](auto& j) {
+      j["block_out_channels"] = std::vector<int>(8, 8192);
+      j["down_block_types"] = std::vector<std::string>(8, "CrossAttnDownBlock2D");
+      j["up_block_types"] = std::vector<std::string>(8, "CrossAttnUpBlock2D");
+      j["layers_per_block"] = 16;
+      j["transformer_layers_per_block"] = 64;
+      j["cross_attention_dim"] = 8192;
+      j["norm_num_groups"] = 32;
+    }, "billion parameters", "GB, more than this machine's");
+    // Text where JSON nests 100 000 levels deep, and a number beyond double's range.
+    for (const auto& [name, value] : {std::pair<const char*, std::string>{"deep", std::string(100000, '[') + std::string(100000, ']')},
+                                      {"inf", "1e400"}}) {
+      test::copy_with_config(src, dir / name, [](auto&) {});
+      std::ifstream in(dir / name / "config.json");
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      text.replace(text.find('{'), 1, "{\"in_channels\": " + value + ",");
+      std::ofstream(dir / name / "config.json", std::ios::trunc) << text;
+    }
+    DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "deep"), "config.json", "nested deeper than 64 levels");
+    DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "inf"), "config.json", "malformed JSON", "1e400");
+  }
 };
 
 QTEST_GUILESS_MAIN(TestUNet)

@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/io/json_file.h"
 #include "core/util/environment.h"
 
 namespace fs = std::filesystem;
@@ -76,10 +77,12 @@ std::string hugging_face_repo_name(const fs::path& snapshot) {
 }
 
 fs::path matching_taesd(const fs::path& model_dir, const fs::path& hub) {
-  std::ifstream in(model_dir / "model_index.json", std::ios::binary);
-  if (!in) return {};
-  const auto index = nlohmann::json::parse(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(),
-                                           nullptr, /*allow_exceptions=*/false);
+  nlohmann::json index;
+  try {
+    index = io::read_json(model_dir / "model_index.json");
+  } catch (const Error&) {
+    return {};
+  }
   std::string pipeline;
   if (index.is_object() && index.contains("_class_name") && index["_class_name"].is_string())
     pipeline = index["_class_name"].get<std::string>();

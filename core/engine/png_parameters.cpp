@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/io/json_file.h"
 #include "core/util/error.h"
 
 namespace diffract::engine {
@@ -48,17 +49,14 @@ std::optional<double> real_number(const std::string& s) {
 // ---- Diffract's own JSON ----
 
 PngParameters from_diffract(const std::string& text, const std::string& where) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw Error(where + ": the 'diffract' text chunk is not valid JSON: " + e.what());
-  }
+  const json j = io::parse_json(text, where + ": the 'diffract' text chunk");
   if (!j.is_object()) throw Error(where + ": the 'diffract' text chunk is not a JSON object");
   PngParameters p;
   p.source = "diffract";
-  for (const auto& [key, v] : j.items()) {
-    auto bad = [&] { p.unmapped.push_back(key + ": " + v.dump() + " (unexpected type)"); };
+  for (const auto& item : j.items()) {
+    const std::string& key = item.key();
+    const json& v = item.value();
+    auto bad = [&] { p.unmapped.push_back(key + ": " + io::json_brief(v) + " (unexpected type)"); };
     auto text_to = [&](std::optional<std::string>& out) { v.is_string() ? void(out = v.get<std::string>()) : bad(); };
     auto int_to = [&](std::optional<int>& out) {
       v.is_number_integer() && v.get<long long>() >= 0 && v.get<long long>() < (1LL << 31) ? void(out = v.get<int>())
@@ -85,13 +83,13 @@ PngParameters from_diffract(const std::string& text, const std::string& where) {
       if (v.contains("mask_file") && v["mask_file"].is_string()) p.mask_file = v["mask_file"].get<std::string>();
       if (!p.input_file) p.unmapped.push_back("input image: " + v.value("image", std::string("?")) + " (not saved with the PNG)");
       if (v.contains("outpaint") && v["outpaint"].is_object())
-        p.unmapped.push_back("outpaint margins: " + v["outpaint"].value("margins", nlohmann::json::array()).dump());
+        p.unmapped.push_back("outpaint margins: " + io::json_brief(v["outpaint"].value("margins", nlohmann::json::array())));
     }
     else if (key == "prompt_syntax") text_to(p.prompt_syntax);
     else if (key == "loras" && v.is_array()) {
       for (const auto& l : v) {
         if (!l.is_object() || !l.contains("path") || !l["path"].is_string()) {
-          p.unmapped.push_back("LoRA: " + l.dump() + " (no path)");
+          p.unmapped.push_back("LoRA: " + io::json_brief(l) + " (no path)");
           continue;
         }
         PngParameters::Lora x;
@@ -106,7 +104,7 @@ PngParameters from_diffract(const std::string& text, const std::string& where) {
     else if (key == "controlnets" && v.is_array()) {
       for (const auto& c : v) {
         if (!c.is_object() || !c.contains("path") || !c["path"].is_string()) {
-          p.unmapped.push_back("ControlNet: " + c.dump() + " (no path)");
+          p.unmapped.push_back("ControlNet: " + io::json_brief(c) + " (no path)");
           continue;
         }
         const auto number = [&](const char* k, double fallback) {
@@ -129,17 +127,71 @@ PngParameters from_diffract(const std::string& text, const std::string& where) {
              key == "negative_conditioning" || key == "initial_latents" || key == "options" ||
              key == "loras_apply_ms")
       continue;  // about the run, not settings for the next one
-    else p.unmapped.push_back(key + ": " + v.dump());
+    else p.unmapped.push_back(key + ": " + io::json_brief(v));
   }
   return p;
 }
 
 // ---- AUTOMATIC1111 "parameters" ----
 
+bool word_char(char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; }
+bool space_char(char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; }
+
+// The "Key: value" pairs of a settings line, as A1111's re_param finds them,
+// \s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$) searched over the line, written out as a
+// loop: libstdc++'s regex recurses once per character of a match, so a long quoted value from
+// someone's PNG overflowed the stack.
+std::vector<std::pair<std::string, std::string>> settings_pairs(const std::string& line) {
+  std::vector<std::pair<std::string, std::string>> out;
+  const std::size_t n = line.size();
+  // The match starting at `at`, if any: [key, value) spans and its end.
+  const auto match_at = [&](std::size_t at, std::pair<std::string, std::string>& kv) -> std::size_t {
+    std::size_t i = at;
+    while (i < n && space_char(line[i])) ++i;
+    const std::size_t key = i;
+    if (i >= n || !word_char(line[i])) return std::string::npos;
+    ++i;
+    while (i < n && (word_char(line[i]) || line[i] == ' ' || line[i] == '-' || line[i] == '/')) ++i;
+    if (i - key < 2 || i >= n || line[i] != ':') return std::string::npos;
+    kv.first = trim(line.substr(key, i - key));
+    ++i;
+    while (i < n && space_char(line[i])) ++i;
+    if (i < n && line[i] == '"') {  // a quoted value, escapes kept, then a comma or the end
+      std::size_t j = i + 1, chars = 0;
+      while (j < n && line[j] != '"') {
+        if (line[j] == '\\') {
+          if (j + 1 >= n || line[j + 1] == '\n' || line[j + 1] == '\r') break;
+          j += 2;
+        } else {
+          ++j;
+        }
+        ++chars;
+      }
+      if (chars > 0 && j < n && line[j] == '"' && (j + 1 == n || line[j + 1] == ',')) {
+        kv.second = trim(line.substr(i, j + 1 - i));
+        return j + 1 == n ? n : j + 2;
+      }
+    }
+    const std::size_t comma = line.find(',', i);
+    kv.second = trim(line.substr(i, comma == std::string::npos ? std::string::npos : comma - i));
+    return comma == std::string::npos ? n : comma + 1;
+  };
+  for (std::size_t at = 0; at < n;) {
+    std::pair<std::string, std::string> kv;
+    const std::size_t end = match_at(at, kv);
+    if (end == std::string::npos) {
+      ++at;
+      continue;
+    }
+    out.push_back(std::move(kv));
+    at = end;
+  }
+  return out;
+}
+
 PngParameters from_a1111(const std::string& text, const std::string& where) {
   // As A1111's parse_generation_parameters: prompt lines, "Negative prompt:" lines, and a last
   // line of "Key: value" pairs (values may be JSON-quoted) when it has at least three.
-  static const std::regex kParam(R"re(\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$))re");
   std::vector<std::string> lines;
   {
     const std::string t = trim(text);
@@ -153,9 +205,7 @@ PngParameters from_a1111(const std::string& text, const std::string& where) {
   std::vector<std::pair<std::string, std::string>> pairs;
   {
     const std::string& last = lines.back();
-    std::vector<std::pair<std::string, std::string>> found;
-    for (std::sregex_iterator it(last.begin(), last.end(), kParam), end; it != end; ++it)
-      if (it->length(0) > 0) found.emplace_back(trim((*it)[1]), trim((*it)[2]));
+    auto found = settings_pairs(last);
     if (found.size() >= 3) {
       pairs = std::move(found);
       lines.pop_back();
@@ -183,8 +233,8 @@ PngParameters from_a1111(const std::string& text, const std::string& where) {
   for (auto [key, value] : pairs) {
     if (value.size() >= 2 && value.front() == '"') {
       try {
-        value = json::parse(value).get<std::string>();
-      } catch (const json::exception&) {
+        value = io::parse_json(value, "").get<std::string>();
+      } catch (const std::exception&) {  // not a JSON string: kept as written
       }
     }
     const std::string shown = key + ": " + value;
@@ -251,7 +301,7 @@ struct ComfyGraph {
   // The node a link ([id, slot]) points at, or nullptr.
   const json* linked(const json& input) const {
     if (!input.is_array() || input.size() != 2) return nullptr;
-    const std::string id = input[0].is_string() ? input[0].get<std::string>() : input[0].dump();
+    const std::string id = input[0].is_string() ? input[0].get<std::string>() : io::json_brief(input[0]);
     const auto it = nodes.find(id);
     return it != nodes.end() && it->is_object() ? &*it : nullptr;
   }
@@ -278,7 +328,7 @@ void comfy_text(const ComfyGraph& g, const json& sampler, const char* which, std
   else if (cls == "CLIPTextEncodeSDXL") {
     text = ComfyGraph::input(*node, "text_g");
     const json* l = ComfyGraph::input(*node, "text_l");
-    if (text && l && *l != *text) unmapped.push_back(std::string(which) + " text_l: " + l->dump() + " (differs from text_g)");
+    if (text && l && *l != *text) unmapped.push_back(std::string(which) + " text_l: " + io::json_brief(*l) + " (differs from text_g)");
   }
   if (text && text->is_string()) out = text->get<std::string>();
   else unmapped.push_back(std::string(which) + " prompt: from a " + cls + " node" + (text ? " input" : "") +
@@ -286,12 +336,7 @@ void comfy_text(const ComfyGraph& g, const json& sampler, const char* which, std
 }
 
 PngParameters from_comfyui(const std::string& text, const std::string& where) {
-  json nodes;
-  try {
-    nodes = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw Error(where + ": the ComfyUI 'prompt' text chunk is not valid JSON: " + e.what());
-  }
+  const json nodes = io::parse_json(text, where + ": the ComfyUI 'prompt' text chunk");
   if (!nodes.is_object()) throw Error(where + ": the ComfyUI 'prompt' text chunk is not a JSON object of nodes");
   const ComfyGraph g{nodes};
   std::vector<std::string> samplers;
@@ -314,7 +359,7 @@ PngParameters from_comfyui(const std::string& text, const std::string& where) {
   auto number = [&](const char* name) -> const json* {
     const json* v = ComfyGraph::input(ks, name);
     if (v && v->is_number()) return v;
-    if (v) p.unmapped.push_back(std::string(name) + ": " + v->dump() + " (not a number: a linked node?)");
+    if (v) p.unmapped.push_back(std::string(name) + ": " + io::json_brief(*v) + " (not a number: a linked node?)");
     return nullptr;
   };
   if (const json* v = number(advanced ? "noise_seed" : "seed"); v && v->is_number_unsigned()) p.seed = v->get<std::uint64_t>();
@@ -331,13 +376,13 @@ PngParameters from_comfyui(const std::string& text, const std::string& where) {
   }
   if (!advanced) {
     if (const json* d = ComfyGraph::input(ks, "denoise"); d && !(d->is_number() && d->get<double>() == 1.0))
-      p.unmapped.push_back("denoise: " + d->dump() + " (image to image)");
+      p.unmapped.push_back("denoise: " + io::json_brief(*d) + " (image to image)");
   } else {
     if (const json* s = ComfyGraph::input(ks, "start_at_step"); s && !(s->is_number() && s->get<double>() == 0))
-      p.unmapped.push_back("start_at_step: " + s->dump());
+      p.unmapped.push_back("start_at_step: " + io::json_brief(*s));
     if (const json* e = ComfyGraph::input(ks, "end_at_step");
         e && !(e->is_number() && p.steps && e->get<double>() >= *p.steps))
-      p.unmapped.push_back("end_at_step: " + e->dump());
+      p.unmapped.push_back("end_at_step: " + io::json_brief(*e));
   }
   comfy_text(g, ks, "positive", p.prompt, p.unmapped);
   comfy_text(g, ks, "negative", p.negative_prompt, p.unmapped);
@@ -349,7 +394,7 @@ PngParameters from_comfyui(const std::string& text, const std::string& where) {
     auto dim = [&](const char* name, std::optional<int>& out) {
       const json* v = ComfyGraph::input(*latent, name);
       if (v && v->is_number_integer() && v->get<long long>() > 0 && v->get<long long>() < 100000) out = v->get<int>();
-      else p.unmapped.push_back(std::string(name) + ": " + (v ? v->dump() : "missing"));
+      else p.unmapped.push_back(std::string(name) + ": " + (v ? io::json_brief(*v) : "missing"));
     };
     dim("width", p.width);
     dim("height", p.height);
@@ -372,7 +417,7 @@ PngParameters from_comfyui(const std::string& text, const std::string& where) {
       break;
     }
     if (const json* lora = ComfyGraph::input(*node, "lora_name"))
-      p.unmapped.push_back("LoRA: " + (lora->is_string() ? lora->get<std::string>() : lora->dump()));
+      p.unmapped.push_back("LoRA: " + (lora->is_string() ? lora->get<std::string>() : io::json_brief(*lora)));
     else
       p.unmapped.push_back("model patched by a " + ComfyGraph::class_of(*node) + " node");
     model_link = ComfyGraph::input(*node, "model");

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/io/json_file.h"
+#include "core/io/read_file.h"
 #include "core/parallel/registry.h"
 #include "core/parallel/strategy.h"
 #include "core/schedulers/sampler.h"
@@ -32,7 +34,7 @@ std::string text_field(const json& j, const std::string& where, const std::strin
     if (required) throw Error(where + ": missing field '" + key + "'");
     return fallback;
   }
-  if (!j[key].is_string()) throw Error(field(where, key) + " must be a string, not " + j[key].dump());
+  if (!j[key].is_string()) throw Error(field(where, key) + " must be a string, not " + io::json_brief(j[key]));
   return j[key].get<std::string>();
 }
 
@@ -42,8 +44,9 @@ int int_field(const json& j, const std::string& where, const std::string& key, b
     return fallback;
   }
   const auto& v = j[key];
-  if (!v.is_number_integer() || v.get<long long>() < -(1LL << 30) || v.get<long long>() > (1LL << 30))
-    throw Error(field(where, key) + " must be a whole number, not " + v.dump());
+  const bool in_range = v.is_number_unsigned() ? v.get<std::uint64_t>() <= (1ULL << 30)
+                        : v.is_number_integer() && v.get<std::int64_t>() >= -(1LL << 30);
+  if (!in_range) throw Error(field(where, key) + " must be a whole number of at most 2^30, not " + io::json_brief(v));
   return v.get<int>();
 }
 
@@ -52,7 +55,7 @@ double number_field(const json& j, const std::string& where, const std::string& 
     if (required) throw Error(where + ": missing field '" + key + "'");
     return fallback;
   }
-  if (!j[key].is_number()) throw Error(field(where, key) + " must be a number, not " + j[key].dump());
+  if (!j[key].is_number()) throw Error(field(where, key) + " must be a number, not " + io::json_brief(j[key]));
   return j[key].get<double>();
 }
 
@@ -118,18 +121,13 @@ void validate_preset(const Preset& p, const std::string& where) {
 }
 
 Preset parse_preset(const std::string& json_text, const std::string& where) {
-  json j;
-  try {
-    j = json::parse(json_text);
-  } catch (const json::parse_error& e) {
-    throw Error(where + ": not valid JSON: " + e.what());
-  }
+  const json j = io::parse_json(json_text, where);
   if (!j.is_object()) throw Error(where + ": a preset must be a JSON object, not " + std::string(j.type_name()));
   for (const auto& [key, value] : j.items())
     if (!kKeys.count(key)) {
       std::string known;
       for (const auto& k : kKeys) known += (known.empty() ? "" : ", ") + k;
-      throw Error(where + ": unknown field '" + key + "' (known: " + known + ")");
+      throw Error(where + ": unknown field " + io::json_brief(json(key)) + " (known: " + known + ")");
     }
   Preset p;
   p.name = text_field(j, where, "name", true);
@@ -152,13 +150,13 @@ Preset parse_preset(const std::string& json_text, const std::string& where) {
   }
   const auto list = [&](const char* key) {
     if (!j.contains(key)) return json::array();
-    if (!j[key].is_array()) throw Error(field(where, key) + " must be a list, not " + j[key].dump());
+    if (!j[key].is_array()) throw Error(field(where, key) + " must be a list, not " + io::json_brief(j[key]));
     return j[key];
   };
   const auto entry_keys = [&](const json& e, const std::string& at, const std::set<std::string>& known) {
-    if (!e.is_object()) throw Error(at + " must be an object, not " + e.dump());
+    if (!e.is_object()) throw Error(at + " must be an object, not " + io::json_brief(e));
     for (const auto& [key, value] : e.items())
-      if (!known.count(key)) throw Error(at + ": unknown field '" + key + "'");
+      if (!known.count(key)) throw Error(at + ": unknown field " + io::json_brief(json(key)));
   };
   int n = 0;
   for (const auto& e : list("loras")) {
@@ -189,11 +187,7 @@ Preset parse_preset(const std::string& json_text, const std::string& where) {
 }
 
 Preset load_preset(const fs::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw Error(file.string() + ": cannot open the preset");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return parse_preset(text.str(), file.string());
+  return parse_preset(io::read_file(file, 1 << 20, "preset"), file.string());
 }
 
 std::string preset_to_json(const Preset& p) {
@@ -228,11 +222,24 @@ void save_preset(const Preset& preset, const fs::path& file) {
   std::error_code ec;
   if (!file.parent_path().empty()) fs::create_directories(file.parent_path(), ec);
   if (ec) throw Error(file.parent_path().string() + ": cannot create the preset folder: " + ec.message());
-  std::ofstream out(file, std::ios::binary | std::ios::trunc);
-  if (!out) throw Error(file.string() + ": cannot open for writing");
-  out << preset_to_json(preset);
-  out.flush();
-  if (!out) throw Error(file.string() + ": write failed (disk full?)");
+  // Written beside and renamed over: a full disk or a crash mid-write leaves the old preset whole.
+  const fs::path temporary = file.parent_path() / ("." + file.filename().string() + ".tmp");
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    if (!out) throw Error(file.string() + ": cannot open for writing");
+    out << preset_to_json(preset);
+    out.flush();
+    if (!out) {
+      out.close();
+      fs::remove(temporary, ec);
+      throw Error(file.string() + ": write failed (disk full?); the file was left as it was");
+    }
+  }
+  fs::rename(temporary, file, ec);
+  if (ec) {
+    fs::remove(temporary, ec);
+    throw Error(file.string() + ": cannot replace the file: " + ec.message());
+  }
 }
 
 std::string fill_prompt_template(const std::string& prompt_template, const std::string& subject) {

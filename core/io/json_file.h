@@ -1,12 +1,39 @@
 #pragma once
+#include <cmath>
+#include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 #include <nlohmann/json.hpp>
 
 #include "core/util/error.h"
 
 namespace diffract::io {
+
+// What a JSON document from a file or a user may be. The parser itself does not recurse, but
+// dump(), comparisons and copies do: a document nested deeper than `max_depth` is an error at
+// parse time, before anything walks it.
+struct JsonLimits {
+  int max_depth = 64;
+  bool unique_keys = false;  // a key twice in one object is an error (else the last one wins)
+};
+
+// Parses untrusted JSON text; every failure (syntax, nesting, a number out of range, a duplicate
+// key under `limits`) is an Error naming `what`.
+nlohmann::json parse_json(std::string_view text, const std::string& what, const JsonLimits& limits = {});
+
+// The file's contents parsed as above (read_file.h: a missing file, a folder or a FIFO is an
+// Error naming it, nothing blocks; larger than `max_bytes` is refused).
+nlohmann::json read_json(const std::filesystem::path& path, const JsonLimits& limits = {},
+                         std::size_t max_bytes = std::size_t(256) << 20);
+
+// An untrusted value as an error message may show it: numbers, booleans and null as they are,
+// strings quoted and cut to `max_chars`, arrays and objects by their size ("an array of 3").
+// Never recursive.
+std::string json_brief(const nlohmann::json& v, std::size_t max_chars = 60);
 
 // A JSON object read from a file, whose accessors throw errors naming the file and the key.
 class JsonFile {
@@ -31,11 +58,43 @@ class JsonFile {
  private:
   template <typename T>
   T get(const std::string& key) const {
-    try {
-      return json_.at(key).get<T>();
-    } catch (const nlohmann::json::exception&) {
-      throw Error(path_.string() + ": key '" + key + "' has the wrong type (" + json_.at(key).dump() + ")");
+    const auto& v = json_.at(key);
+    // nlohmann converts between number kinds silently (-1 to 2^64 - 1, 1e300 to garbage): only
+    // values the type holds exactly are taken.
+    if constexpr (std::is_same_v<T, bool>) {
+      if (!v.is_boolean()) throw wrong_type(key, "true or false");
+    } else if constexpr (std::is_integral_v<T>) {
+      const std::string range = "a whole number from " + std::to_string(std::numeric_limits<T>::min()) + " to " +
+                                std::to_string(std::numeric_limits<T>::max());
+      if (v.is_number_float()) {  // 4.0 for 4
+        const double d = v.get<double>();
+        if (d != std::trunc(d) || d < static_cast<double>(std::numeric_limits<T>::min()) ||
+            !(d < static_cast<double>(std::numeric_limits<T>::max()) + 1.0))
+          throw wrong_type(key, range);
+        return static_cast<T>(d);
+      }
+      if (!v.is_number_integer()) throw wrong_type(key, "a whole number");
+      if (!fits<T>(v)) throw wrong_type(key, range);
+    } else if constexpr (std::is_floating_point_v<T>) {
+      if (!v.is_number()) throw wrong_type(key, "a number");
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      if (!v.is_string()) throw wrong_type(key, "a string");
     }
+    try {
+      return v.template get<T>();
+    } catch (const nlohmann::json::exception&) {
+      throw wrong_type(key, "another type");
+    }
+  }
+  template <typename T>
+  static bool fits(const nlohmann::json& v) {
+    if (v.is_number_unsigned()) return v.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<T>::max());
+    const auto i = v.get<std::int64_t>();
+    if constexpr (std::is_unsigned_v<T>) return i >= 0 && static_cast<std::uint64_t>(i) <= std::numeric_limits<T>::max();
+    else return i >= std::numeric_limits<T>::min() && i <= std::numeric_limits<T>::max();
+  }
+  Error wrong_type(const std::string& key, const std::string& want) const {
+    return Error(path_.string() + ": key '" + key + "' must be " + want + ", not " + json_brief(json_.at(key)));
   }
 
   std::filesystem::path path_;

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include "core/io/json_file.h"
 #include "core/io/safetensors.h"
 #include "core/util/error.h"
 
@@ -168,12 +169,7 @@ AlphaMetadata alpha_metadata(const SafetensorsArchive& archive, const std::strin
   AlphaMetadata m;
   const auto it = archive.metadata().find("lora_adapter_metadata");
   if (it == archive.metadata().end()) return m;
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(it->second);
-  } catch (const std::exception& e) {
-    throw Error(file + ": its lora_adapter_metadata is not JSON (" + e.what() + ")");
-  }
+  const auto j = parse_json(it->second, file + ": its lora_adapter_metadata");
   if (!j.is_object()) throw Error(file + ": its lora_adapter_metadata is not a JSON object");
   for (const auto& [key, value] : j.items()) {
     const auto dot = key.rfind('.');
@@ -189,15 +185,20 @@ AlphaMetadata alpha_metadata(const SafetensorsArchive& archive, const std::strin
 
 }  // namespace
 
+// No real module name comes near this; longer ones match nothing.
+constexpr std::size_t kMaxModuleName = 512;
+
 std::map<std::string, std::string> ldm_unet_module_names(const std::vector<std::string>& modules) {
   // The block structure: per down block its resnets and whether it downsamples, per up block
   // its resnets and whether it has attentions.
-  static const std::regex block(R"(^(down|up)_blocks\.(\d+)\.(resnets|attentions|downsamplers|upsamplers)\.(\d+)\.)");
+  // Bounded digits and names: libstdc++'s regex recurses per matched character, and a file's key
+  // can be 100 000 characters long.
+  static const std::regex block(R"(^(down|up)_blocks\.(\d{1,6})\.(resnets|attentions|downsamplers|upsamplers)\.(\d{1,6})\.)");
   std::map<int, int> down_res, up_res;
   std::set<int> down_sample, up_attn;
   std::smatch m;
   for (const auto& name : modules) {
-    if (!std::regex_search(name, m, block)) continue;
+    if (name.size() > kMaxModuleName || !std::regex_search(name, m, block)) continue;
     const bool down = m[1] == "down";
     const int b = std::stoi(m[2]), i = std::stoi(m[4]);
     if (m[3] == "resnets") (down ? down_res : up_res)[b] = std::max((down ? down_res : up_res)[b], i + 1);
@@ -230,14 +231,14 @@ std::map<std::string, std::string> ldm_unet_module_names(const std::vector<std::
     if (it == resnet_parts.end()) return "";
     return it->second + (dot == std::string::npos ? "" : rest.substr(dot));
   };
-  static const std::regex part(R"(^(down_blocks|up_blocks|mid_block)\.(?:(\d+)\.)?(resnets|attentions|downsamplers|upsamplers)\.(\d+)\.(.+)$)");
+  static const std::regex part(R"(^(down_blocks|up_blocks|mid_block)\.(?:(\d{1,6})\.)?(resnets|attentions|downsamplers|upsamplers)\.(\d{1,6})\.(.+)$)");
   std::map<std::string, std::string> out;
   for (const auto& name : modules) {
     if (const auto f = fixed.find(name); f != fixed.end()) {
       out[name] = f->second;
       continue;
     }
-    if (!std::regex_match(name, m, part)) continue;
+    if (name.size() > kMaxModuleName || !std::regex_match(name, m, part)) continue;
     const std::string where = m[1], kind = m[3], rest = m[5];
     const int b = m[2].matched ? std::stoi(m[2]) : 0, i = std::stoi(m[4]);
     std::string ldm;

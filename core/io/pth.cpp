@@ -1,5 +1,6 @@
 #include "core/io/pth.h"
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -9,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <caffe2/serialize/inline_container.h>
 
+#include "core/io/read_file.h"
 #include "core/util/error.h"
 
 namespace diffract::io {
@@ -39,7 +41,14 @@ struct Value {
   std::variant<std::monostate, bool, int64_t, double, std::string, Global, StorageRef, Tuple, Dict, at::Tensor, Mark,
                Opaque>
       v;
+  int depth = 0;  // containers inside containers: the shared_ptr tree is freed recursively
 };
+
+// A state dict nests a few levels (dict, tensor rebuild arguments, shape tuples); this leaves room
+// for metadata while keeping the recursive destruction of the tree far from the stack's end.
+constexpr int kMaxDepth = 256;
+// data.pkl of an SDXL checkpoint is under a megabyte.
+constexpr std::size_t kMaxPickleBytes = std::size_t(256) << 20;
 
 ValuePtr make(decltype(Value::v) v) { return std::make_shared<Value>(Value{std::move(v)}); }
 
@@ -98,33 +107,45 @@ class Unpickler {
         case 'h': push(memo(u8())); break;               // BINGET
         case 'j': push(memo(le<uint32_t>())); break;     // LONG_BINGET
         case ')': push(make(Tuple{})); break;            // EMPTY_TUPLE
-        case 0x85: push(make(Tuple{pop_n(1)})); break;   // TUPLE1
-        case 0x86: push(make(Tuple{pop_n(2)})); break;   // TUPLE2
-        case 0x87: push(make(Tuple{pop_n(3)})); break;   // TUPLE3
-        case 't': push(make(Tuple{pop_mark()})); break;  // TUPLE
+        case 0x85: push(tuple(pop_n(1))); break;         // TUPLE1
+        case 0x86: push(tuple(pop_n(2))); break;         // TUPLE2
+        case 0x87: push(tuple(pop_n(3))); break;         // TUPLE3
+        case 't': push(tuple(pop_mark())); break;        // TUPLE
         case ']': push(make(Tuple{})); break;            // EMPTY_LIST (lists are read as tuples)
-        case 'l': push(make(Tuple{pop_mark()})); break;  // LIST
+        case 'l': push(tuple(pop_mark())); break;        // LIST
         case 'a': {                                      // APPEND
           auto v = pop();
+          nest(top(), v);
           as<Tuple>(top(), "APPEND").items.push_back(v);
           break;
         }
         case 'e': {                                      // APPENDS
           auto items = pop_mark();
+          for (const auto& v : items) nest(top(), v);
           auto& list = as<Tuple>(top(), "APPENDS").items;
           list.insert(list.end(), items.begin(), items.end());
           break;
         }
         case '}': push(make(Dict{})); break;             // EMPTY_DICT
-        case 'd': push(make(dict_of(pop_mark()))); break;  // DICT
+        case 'd': {                                      // DICT
+          auto items = pop_mark();
+          auto d = make(dict_of(items));
+          for (const auto& v : items) nest(d, v);
+          push(d);
+          break;
+        }
         case 's': {                                      // SETITEM
           auto v = pop();
           auto k = pop();
+          nest(top(), k);
+          nest(top(), v);
           as<Dict>(top(), "SETITEM").items.emplace_back(k, v);
           break;
         }
         case 'u': {                                      // SETITEMS
-          auto kv = dict_of(pop_mark());
+          auto items = pop_mark();
+          for (const auto& v : items) nest(top(), v);
+          auto kv = dict_of(items);
           auto& d = as<Dict>(top(), "SETITEMS").items;
           d.insert(d.end(), kv.items.begin(), kv.items.end());
           break;
@@ -189,6 +210,17 @@ class Unpickler {
   }
 
   void push(ValuePtr v) { stack_.push_back(std::move(v)); }
+  // `outer` now holds `inner`: its depth, bounded.
+  void nest(const ValuePtr& outer, const ValuePtr& inner) {
+    outer->depth = std::max(outer->depth, inner->depth + 1);
+    if (outer->depth > kMaxDepth) corrupt("containers nested deeper than " + std::to_string(kMaxDepth) + " levels");
+  }
+  ValuePtr tuple(std::vector<ValuePtr> items) {
+    auto t = make(Tuple{});
+    for (const auto& v : items) nest(t, v);
+    std::get<Tuple>(t->v).items = std::move(items);
+    return t;
+  }
   ValuePtr pop() {
     if (stack_.empty()) corrupt("stack underflow");
     auto v = stack_.back();
@@ -255,13 +287,19 @@ class Unpickler {
     if (it != storages_.end()) return it->second;
     const std::string record = "data/" + s.key;
     if (!zip_.hasRecord(record)) throw Error(where_ + ": storage record '" + record + "' is missing");
-    auto [ptr, size] = zip_.getRecord(record);
-    const auto bytes_needed = static_cast<std::size_t>(s.numel) * c10::elementSize(s.dtype);
-    if (size != bytes_needed)
-      throw Error(where_ + ": storage '" + s.key + "' holds " + std::to_string(size) + " bytes, expected " +
+    // The entry's size as the archive claims it, against what the pickle says the storage holds,
+    // before anything is inflated; then inflated straight into the tensor.
+    const std::size_t elem = c10::elementSize(s.dtype);
+    if (s.numel < 0 || static_cast<uint64_t>(s.numel) > (uint64_t(1) << 62) / elem)
+      corrupt("storage '" + s.key + "' of " + std::to_string(s.numel) + " elements");
+    const auto bytes_needed = static_cast<std::size_t>(s.numel) * elem;
+    const std::size_t claimed = zip_.getRecordSize(record);
+    if (claimed != bytes_needed)
+      throw Error(where_ + ": storage '" + s.key + "' holds " + std::to_string(claimed) + " bytes, expected " +
                   std::to_string(bytes_needed));
     auto t = at::empty({s.numel}, at::TensorOptions().dtype(s.dtype));
-    std::memcpy(t.data_ptr(), ptr.get(), size);
+    if (bytes_needed > 0 && zip_.getRecord(record, t.data_ptr(), bytes_needed) != bytes_needed)
+      throw Error(where_ + ": storage '" + s.key + "' is shorter than its " + std::to_string(bytes_needed) + " bytes");
     storages_.emplace(s.key, t);
     return t;
   }
@@ -279,12 +317,20 @@ class Unpickler {
       auto storage = storage_tensor(*s);
       const auto offset = int_of(a[1]);
       const auto size = ints_of(a[2]), stride = ints_of(a[3]);
+      if (size.size() != stride.size() || size.size() > 16) corrupt("a tensor's size and stride do not match");
       int64_t extent = 1;  // the last element the view reaches, plus one
-      for (std::size_t i = 0; i < size.size(); ++i)
+      for (std::size_t i = 0; i < size.size(); ++i) {
+        if (size[i] < 0 || stride[i] < 0) corrupt("a negative tensor size or stride");
         if (size[i] == 0) extent = 0;
+      }
       if (extent) {
-        for (std::size_t i = 0; i < size.size(); ++i) extent += (size[i] - 1) * stride[i];
-        if (offset < 0 || offset + extent > s->numel) throw Error(where_ + ": a tensor reaches past its storage '" + s->key + "'");
+        for (std::size_t i = 0; i < size.size(); ++i) {
+          int64_t reach = 0;
+          if (__builtin_mul_overflow(size[i] - 1, stride[i], &reach) || __builtin_add_overflow(extent, reach, &extent))
+            corrupt("a tensor's size overflows");
+        }
+        if (offset < 0 || offset > s->numel || extent > s->numel - offset)
+          throw Error(where_ + ": a tensor reaches past its storage '" + s->key + "'");
       }
       return make(storage.as_strided(size, stride, offset));
     }
@@ -318,27 +364,37 @@ StateDict to_state_dict(const ValuePtr& root, const std::string& where, bool nes
   return out;
 }
 
+// LibTorch's zip reader words its errors for its own developers ("This is an internal error...");
+// the user gets the first sentence, which says what is wrong with the file.
+std::string zip_reason(const c10::Error& e) {
+  std::string why = e.what_without_backtrace();
+  for (const char* cut : {"\n", " This is an internal error", " Please report a bug"})
+    if (const auto p = why.find(cut); p != std::string::npos) why.resize(p);
+  return why;
+}
+
 }  // namespace
 
 StateDict load_pth(const std::filesystem::path& path) {
   const std::string where = path.string();
-  if (!std::filesystem::exists(path)) throw Error(where + ": no such file");
+  require_regular_file(path);
   {
-    std::ifstream in(path, std::ios::binary);
-    char magic[2] = {};
-    in.read(magic, 2);
-    if (magic[0] != 'P' || magic[1] != 'K')
+    const auto head = read_file_head(path, 2);
+    if (head != "PK")
       throw Error(where + ": not a torch.save zip archive (legacy pickled checkpoints are not supported; "
                   "re-save it with torch.save or convert it to safetensors)");
   }
   try {
     caffe2::serialize::PyTorchStreamReader zip(path.string());
     if (!zip.hasRecord("data.pkl")) throw Error(where + ": no data.pkl in the archive");
+    if (zip.getRecordSize("data.pkl") > kMaxPickleBytes)
+      throw Error(where + ": its data.pkl claims " + std::to_string(zip.getRecordSize("data.pkl")) +
+                  " bytes, more than a state dict's pickle can need");
     auto [ptr, size] = zip.getRecord("data.pkl");
     Unpickler unpickler(where, zip);
     return to_state_dict(unpickler.run(static_cast<const char*>(ptr.get()), size), where);
   } catch (const c10::Error& e) {
-    throw Error(where + ": cannot read the torch.save archive: " + e.what_without_backtrace());
+    throw Error(where + ": not a readable torch.save archive: " + zip_reason(e));
   }
 }
 

@@ -5,15 +5,20 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <csignal>
+
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <mutex>
 #include <set>
 
 #include <nlohmann/json.hpp>
 
+#include "core/io/json_file.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -22,11 +27,75 @@ namespace diffract::io {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
+namespace {
+
+// The mappings a SIGBUS may belong to, as [begin, end) address pairs; 0 marks a free slot. The
+// handler reads them without locks (async-signal-safe).
+constexpr int kMappingSlots = 4096;
+std::atomic<std::uintptr_t> g_mapping_begin[kMappingSlots], g_mapping_end[kMappingSlots];
+std::atomic<std::uint64_t> g_mapping_faults{0};
+struct sigaction g_previous_sigbus {};
+
+void on_sigbus(int sig, siginfo_t* info, void* context) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(info->si_addr);
+  for (int i = 0; i < kMappingSlots; ++i) {
+    const auto begin = g_mapping_begin[i].load(std::memory_order_acquire);
+    if (begin == 0 || addr < begin || addr >= g_mapping_end[i].load(std::memory_order_acquire)) continue;
+    // One of ours: zeros over the page past the end, counted; the read then goes on.
+    const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+    void* at = reinterpret_cast<void*>(addr & ~(page - 1));
+    if (::mmap(at, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED) {
+      g_mapping_faults.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    break;
+  }
+  // Not ours: what was there before, or the default action (the faulting access runs again).
+  if (g_previous_sigbus.sa_flags & SA_SIGINFO) {
+    if (g_previous_sigbus.sa_sigaction) return g_previous_sigbus.sa_sigaction(sig, info, context);
+  } else if (g_previous_sigbus.sa_handler != SIG_DFL && g_previous_sigbus.sa_handler != SIG_IGN) {
+    return g_previous_sigbus.sa_handler(sig);
+  }
+  ::signal(SIGBUS, SIG_DFL);
+}
+
+int register_mapping(const void* data, std::size_t size) {
+  static std::once_flag installed;
+  std::call_once(installed, [] {
+    struct sigaction sa {};
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGBUS, &sa, &g_previous_sigbus);
+  });
+  const auto begin = reinterpret_cast<std::uintptr_t>(data);
+  for (int i = 0; i < kMappingSlots; ++i) {
+    std::uintptr_t free = 0;
+    if (g_mapping_begin[i].load() == 0 && g_mapping_end[i].load() == 0 &&
+        g_mapping_end[i].compare_exchange_strong(free, begin + size)) {
+      g_mapping_begin[i].store(begin, std::memory_order_release);
+      return i;
+    }
+  }
+  return -1;  // more files mapped at once than slots: this one goes unguarded
+}
+
+void unregister_mapping(int slot) {
+  if (slot < 0) return;
+  g_mapping_begin[slot].store(0, std::memory_order_release);
+  g_mapping_end[slot].store(0, std::memory_order_release);
+}
+
+}  // namespace
+
+std::uint64_t mapping_faults() { return g_mapping_faults.load(std::memory_order_relaxed); }
+
 // A whole file mapped private (copy-on-write), so a tensor viewing it can never write back.
 class MappedFile {
  public:
   explicit MappedFile(const fs::path& path) : path_(path) {
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: a FIFO or a device opens at once (and is refused below) instead of waiting.
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) throw Error(path.string() + ": cannot open: " + std::strerror(errno));
     struct stat st {};
     if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -42,10 +111,12 @@ class MappedFile {
         throw Error(path.string() + ": cannot map: " + std::strerror(err));
       }
       data_ = static_cast<std::byte*>(p);
+      slot_ = register_mapping(data_, size_);
     }
     ::close(fd);
   }
   ~MappedFile() {
+    unregister_mapping(slot_);
     if (data_) ::munmap(data_, size_);
   }
   MappedFile(const MappedFile&) = delete;
@@ -59,6 +130,7 @@ class MappedFile {
   fs::path path_;
   std::byte* data_ = nullptr;
   std::size_t size_ = 0;
+  int slot_ = -1;
 };
 
 std::int64_t TensorInfo::numel() const {
@@ -70,6 +142,7 @@ std::int64_t TensorInfo::numel() const {
 namespace {
 
 constexpr std::uint64_t kMaxHeader = 100ull << 20;  // the format's own limit
+constexpr std::size_t kMaxRank = 16;
 
 std::string shape_str(const std::vector<std::int64_t>& shape) {
   std::string s = "[";
@@ -98,12 +171,9 @@ Parsed parse_header(const MappedFile& file) {
                 " bytes): the file is truncated or not safetensors");
 
   const char* hdr = reinterpret_cast<const char*>(file.data() + 8);
-  json j;
-  try {
-    j = json::parse(hdr, hdr + header_len);
-  } catch (const json::parse_error& e) {
-    throw Error(where + ": malformed header JSON: " + e.what());
-  }
+  // Names must be unique (a second entry would silently replace the first); no dtype, shape
+  // or offsets nest, so a few levels is all a header needs.
+  const json j = parse_json(std::string_view(hdr, header_len), where + ": header", {.max_depth = 8, .unique_keys = true});
   if (!j.is_object()) throw Error(where + ": header JSON is not an object");
 
   const std::size_t data_size = file.size() - 8 - header_len;
@@ -125,30 +195,41 @@ Parsed parse_header(const MappedFile& file) {
     const auto& jd = entry["dtype"];
     if (!jd.is_string()) throw Error(what + ": dtype is not a string");
     auto dtype = parse_dtype(jd.get<std::string>());
-    if (!dtype) throw Error(what + ": unknown dtype '" + jd.get<std::string>() + "'");
+    if (!dtype) throw Error(what + ": unknown dtype " + json_brief(jd));
 
     TensorInfo t;
     t.name = name;
     t.dtype = *dtype;
     const auto& js = entry["shape"];
     if (!js.is_array()) throw Error(what + ": shape is not an array");
+    if (js.size() > kMaxRank) throw Error(what + ": shape has " + std::to_string(js.size()) + " dimensions (at most " +
+                                          std::to_string(kMaxRank) + ")");
+    const auto shape_text = [&] {
+      std::string out = "[";
+      for (std::size_t i = 0; i < js.size(); ++i) out += (i ? ", " : "") + json_brief(js[i], 20);
+      return out + "]";
+    };
     std::uint64_t numel = 1;
     for (const auto& d : js) {
-      if (!d.is_number_unsigned()) throw Error(what + ": shape " + js.dump() + " has a non-natural dimension");
-      auto v = d.get<std::uint64_t>();
-      if (v > 0 && numel > std::numeric_limits<std::uint64_t>::max() / v)
-        throw Error(what + ": shape " + js.dump() + " overflows");
+      if (!d.is_number_unsigned()) throw Error(what + ": shape " + shape_text() + " has a dimension that is not a natural number");
+      const auto v = d.get<std::uint64_t>();
+      if (v > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) ||
+          (v > 0 && numel > std::numeric_limits<std::uint64_t>::max() / v))
+        throw Error(what + ": shape " + shape_text() + " is too large");
       numel *= v;
       t.shape.push_back(static_cast<std::int64_t>(v));
     }
     const auto& jo = entry["data_offsets"];
     if (!jo.is_array() || jo.size() != 2 || !jo[0].is_number_unsigned() || !jo[1].is_number_unsigned())
-      throw Error(what + ": data_offsets must be two natural numbers, got " + jo.dump());
+      throw Error(what + ": data_offsets must be two natural numbers, not " + json_brief(jo));
     const auto begin = jo[0].get<std::uint64_t>(), end = jo[1].get<std::uint64_t>();
-    if (begin > end) throw Error(what + ": data_offsets " + jo.dump() + " end before they begin");
+    const std::string offsets = "[" + std::to_string(begin) + ", " + std::to_string(end) + "]";
+    if (begin > end) throw Error(what + ": data_offsets " + offsets + " end before they begin");
     if (end > data_size)
-      throw Error(what + ": data_offsets " + jo.dump() + " lie outside the data area (" +
-                  std::to_string(data_size) + " bytes): the file is truncated or corrupt");
+      throw Error(what + ": data_offsets " + offsets + " lie outside the data area (" + std::to_string(data_size) +
+                  " bytes): the file is truncated or corrupt");
+    if (numel > std::numeric_limits<std::uint64_t>::max() / dtype_size(*dtype))
+      throw Error(what + ": shape " + shape_str(t.shape) + " of " + std::string(dtype_name(*dtype)) + " is too large");
     const std::uint64_t expected = numel * dtype_size(*dtype);
     if (expected != end - begin)
       throw Error(what + ": dtype " + std::string(dtype_name(*dtype)) + " x shape " + shape_str(t.shape) +
@@ -162,12 +243,24 @@ Parsed parse_header(const MappedFile& file) {
   std::vector<const TensorInfo*> by_offset;
   for (const auto& t : out.tensors) by_offset.push_back(&t);
   std::sort(by_offset.begin(), by_offset.end(), [](auto* a, auto* b) { return a->data < b->data; });
-  for (std::size_t i = 1; i < by_offset.size(); ++i) {
-    const auto* prev = by_offset[i - 1];
-    const auto* cur = by_offset[i];
-    if (prev->data + prev->nbytes > cur->data)
+  // As the format requires (and its reference reader checks): the tensors tile the data area,
+  // no holes, nothing after the last.
+  const std::byte* at = data_start;
+  const TensorInfo* prev = nullptr;
+  for (const auto* cur : by_offset) {
+    if (cur->data < at)
       throw Error(where + ": tensors '" + prev->name + "' and '" + cur->name + "' overlap in the data area");
+    if (cur->data > at && cur->nbytes > 0)
+      throw Error(where + ": " + std::to_string(cur->data - at) + " bytes before tensor '" + cur->name +
+                  "' belong to no tensor: the file is corrupt");
+    if (cur->data + cur->nbytes > at) {
+      at = cur->data + cur->nbytes;
+      prev = cur;
+    }
   }
+  if (at != data_start + data_size)
+    throw Error(where + ": " + std::to_string(data_start + data_size - at) +
+                " bytes after the last tensor belong to no tensor: the file is corrupt or not one safetensors file");
   return out;
 }
 
@@ -176,17 +269,12 @@ Parsed parse_header(const MappedFile& file) {
 std::shared_ptr<SafetensorsArchive> SafetensorsArchive::open(const fs::path& path) {
   auto archive = std::shared_ptr<SafetensorsArchive>(new SafetensorsArchive());
   archive->path_ = path;
-  if (!fs::exists(path)) throw Error(path.string() + ": no such file");
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw Error(path.string() + (ec ? ": cannot read: " + ec.message() : ": no such file"));
   const std::string name = path.filename().string();
   const std::string suffix = ".index.json";
   if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
-    json j;
-    try {
-      std::ifstream in(path);
-      j = json::parse(in);
-    } catch (const json::parse_error& e) {
-      throw Error(path.string() + ": malformed JSON: " + e.what());
-    }
+    const json j = read_json(path);
     if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
       throw Error(path.string() + ": no 'weight_map' object: not a sharded checkpoint index");
     std::map<std::string, std::string> wanted;  // tensor -> shard
@@ -201,7 +289,7 @@ std::shared_ptr<SafetensorsArchive> SafetensorsArchive::open(const fs::path& pat
     }
     for (const auto& s : shards) {
       const auto file = path.parent_path() / s;
-      if (!fs::exists(file)) throw Error(path.string() + ": shard '" + s + "' is missing");
+      if (!fs::exists(file, ec)) throw Error(path.string() + ": shard '" + s + "' is missing");
       archive->add_file(file);
     }
     archive->index();

@@ -23,6 +23,12 @@ struct TensorInfo {
   std::int64_t numel() const;
 };
 
+// How many times a page of a mapped file was touched past the file's end (another program
+// truncated or rewrote a file while it was being read): each would have been a SIGBUS, which a
+// handler answers by mapping zeros there. A reader compares the count before and after copying
+// and reports the file instead of using what it read.
+std::uint64_t mapping_faults();
+
 // A memory-mapped safetensors file (or a sharded set through `*.safetensors.index.json`).
 // The header is validated when opened: length within the file, well-formed JSON, known
 // dtypes, dtype × shape = byte length, offsets inside the data area and not overlapping.

@@ -107,12 +107,16 @@ BindReport bind(torch::nn::Module& module, const StateDict& weights, const std::
   }
   {
     at::NoGradGuard no_grad;
+    const auto faults = mapping_faults();
     if (auto* upload = ScopedPlacement::current()) {
       for (auto& [target, source] : copies) target.set_data(upload->upload(source));
       upload->finish();
     } else {
       for (auto& [target, source] : copies) target.copy_(source);
     }
+    if (mapping_faults() != faults)
+      throw Error(what + ": the file changed on disk while it was being read (truncated or rewritten by another "
+                         "program?): the load was abandoned; load it again");
   }
   report.bound = copies.size();
   if (bad)

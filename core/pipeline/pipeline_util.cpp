@@ -1,5 +1,7 @@
 #include "core/pipeline/pipeline_util.h"
 
+#include <cmath>
+
 #include <cstdlib>
 #include <optional>
 #include <sstream>
@@ -72,6 +74,13 @@ at::Tensor clip_token_ids(const text::CLIPTokenizer& tok, const std::string& pro
   return at::tensor(at::ArrayRef<int>(tokens.ids), at::kLong).unsqueeze(0).to(device);
 }
 
+void check_tokenizer_fits(const text::CLIPTokenizer& tokenizer, int64_t vocab_size, const std::string& what) {
+  if (tokenizer.max_id() >= vocab_size)
+    throw Error(what + ": the tokenizer has ids up to " + std::to_string(tokenizer.max_id()) +
+                " but its text encoder's vocabulary has " + std::to_string(vocab_size) +
+                " entries: the tokenizer and the text encoder do not belong together");
+}
+
 void check_request(job::GenerationRequest& req, int native, int multiple, const std::string& why) {
   if (req.width == 0) req.width = native;
   if (req.height == 0) req.height = native;
@@ -79,7 +88,8 @@ void check_request(job::GenerationRequest& req, int native, int multiple, const 
   if (req.width < multiple || req.height < multiple || req.width % multiple || req.height % multiple)
     throw Error("size " + size + " is not a positive multiple of " + std::to_string(multiple) + " (" + why + ")");
   if (req.width > 8192 || req.height > 8192) throw Error("size " + size + " is above 8192 pixels a side");
-  if (!(req.cfg >= 0)) throw Error("CFG scale " + format_number(req.cfg) + " must be 0 or more");
+  if (!(req.cfg >= 0) || !std::isfinite(req.cfg) || req.cfg > 1000)
+    throw Error("CFG scale " + format_number(req.cfg) + " must be a number from 0 to 1000");
   if (req.batch < 1 || req.batch > 64) throw Error("batch " + std::to_string(req.batch) + " must be between 1 and 64");
   if (req.preview_every < 0) throw Error("preview interval must be 0 (none) or more");
   if (req.preview_max_side < 0 && req.preview_max_side != job::GenerationRequest::kPreviewAuto)

@@ -55,6 +55,10 @@ std::string format_number(double v);
 at::Tensor clip_token_ids(const text::CLIPTokenizer& tokenizer, const std::string& prompt, const at::Device& device,
                           job::StageTimings& timings);
 
+// A tokenizer whose ids reach past the text encoder's embedding table (`vocab_size` rows) is
+// refused at load, naming both; the lookup would otherwise fail mid-job.
+void check_tokenizer_fits(const text::CLIPTokenizer& tokenizer, int64_t vocab_size, const std::string& what);
+
 // The checks every job gets before any work starts: a zero width or height becomes `native`;
 // the size must be a positive multiple of `multiple` (`why`: what that multiple is) and at most
 // 8192 a side; CFG scale, batch and preview settings in range.

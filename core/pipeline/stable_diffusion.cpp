@@ -346,11 +346,14 @@ void load_folder(StableDiffusion::Impl& p, const fs::path& model) {
     p.vae = models::load_autoencoder_kl(vae_c.dir, vae_c.variant);
   p.text_encoder = models::load_clip_text_model(te_c.dir, te_c.variant);
   p.tokenizer = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(tok_c.dir));
+  check_tokenizer_fits(*p.tokenizer, p.text_encoder->text_model->config.vocab_size, tok_c.dir.string());
   if (p.unet->config.addition_embed_type == "text_time") {
     p.family = job::ModelFamily::SDXL;
     const auto& te2 = folder.require("text_encoder_2");
     p.text_encoder_2 = models::load_clip_text_model_with_projection(te2.dir, te2.variant);
     p.tokenizer_2 = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(folder.require("tokenizer_2").dir));
+    check_tokenizer_fits(*p.tokenizer_2, p.text_encoder_2->text_model->config.vocab_size,
+                         folder.require("tokenizer_2").dir.string());
     const auto index = io::JsonFile::read(model / "model_index.json");
     p.force_zeros_for_empty_prompt = index.optional<bool>("force_zeros_for_empty_prompt", true);
   } else {

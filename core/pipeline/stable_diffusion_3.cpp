@@ -218,6 +218,8 @@ void load_folder(StableDiffusion3::Impl& p, const fs::path& model, const StableD
   p.text_encoder_2 = models::load_clip_text_model_with_projection(te2_c.dir, te2_c.variant);
   p.tokenizer = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(tok_c.dir));
   p.tokenizer_2 = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(tok2_c.dir));
+  check_tokenizer_fits(*p.tokenizer, p.text_encoder->text_model->config.vocab_size, tok_c.dir.string());
+  check_tokenizer_fits(*p.tokenizer_2, p.text_encoder_2->text_model->config.vocab_size, tok2_c.dir.string());
   check_components(p, model);
 }
 

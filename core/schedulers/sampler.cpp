@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include "core/io/json_file.h"
+#include "core/io/read_file.h"
 #include "core/schedulers/detail.h"
 #include "core/schedulers/schedule.h"
 #include "core/util/error.h"
@@ -42,12 +43,7 @@ class Unsupported : public Error {
 // diffusers writes float('-inf') defaults (lambda_min_clipped) as the bare tokens -Infinity,
 // Infinity and NaN, which strict JSON parsers reject; they are read as strings instead.
 nlohmann::json parse_lenient(const std::filesystem::path& path) {
-  if (!std::filesystem::exists(path)) throw Error(path.string() + ": missing");
-  std::ifstream in(path);
-  if (!in) throw Error(path.string() + ": cannot open");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::string text = ss.str();
+  const std::string text = io::read_file(path, 1 << 20);
   std::string fixed;
   bool in_string = false;
   for (size_t i = 0; i < text.size(); ++i) {
@@ -70,12 +66,7 @@ nlohmann::json parse_lenient(const std::filesystem::path& path) {
     }
     if (!replaced) fixed += c;
   }
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(fixed);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw Error(path.string() + ": malformed JSON: " + e.what());
-  }
+  auto j = io::parse_json(fixed, path.string());
   if (!j.is_object()) throw Error(path.string() + ": expected a JSON object");
   return j;
 }
@@ -131,7 +122,7 @@ SchedulerConfig resolve_flow(const io::JsonFile& j, const Reader& r) {
                           "use_beta_sigmas", "stochastic_sampling"})
     r.must_be_false(key);
   if (r.has("shift_terminal") && r.get<double>("shift_terminal", 0) != 0)
-    r.unsupported("shift_terminal", j.json()["shift_terminal"].dump());
+    r.unsupported("shift_terminal", io::json_brief(j.json()["shift_terminal"]));
   c.validate(j.path().string());
   return c;
 }
@@ -305,13 +296,7 @@ SchedulerConfig SchedulerConfig::from_json(const std::filesystem::path& path, Sa
 }
 
 SchedulerConfig SchedulerConfig::from_json_text(const std::string& text, SamplerKind kind, const std::string& where) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw Error(where + ": malformed JSON: " + e.what());
-  }
-  return resolve(io::JsonFile(where, std::move(j)), kind);
+  return resolve(io::JsonFile(where, io::parse_json(text, where)), kind);
 }
 
 void SchedulerConfig::validate(const std::string& where) const {

@@ -253,6 +253,14 @@ CLIPTokenizer::CLIPTokenizer(std::unordered_map<std::string, int> vocab,
     : vocab_(std::move(vocab)), options_(std::move(options)), specials_(std::move(specials)), source_(source) {
   if (options_.max_length < 2) throw Error(source_ + ": max length " + std::to_string(options_.max_length) + " is below 2");
   for (std::size_t r = 0; r < merges.size(); ++r) merge_rank_.emplace(merges[r].first + " " + merges[r].second, int(r));
+  for (const auto& [token, id] : vocab_) {
+    if (id < 0) throw Error(source_ + ": the vocabulary gives '" + token.substr(0, 40) + "' the negative id " + std::to_string(id));
+    max_id_ = std::max(max_id_, id);
+  }
+  for (const auto& s : specials_) {
+    if (s.id < 0) throw Error(source_ + ": the special token '" + s.content.substr(0, 40) + "' has a negative id");
+    max_id_ = std::max(max_id_, s.id);
+  }
   auto id_of = [&](const std::string& token, const char* role) {
     auto it = vocab_.find(token);
     if (it == vocab_.end()) throw Error(source_ + ": the " + std::string(role) + " token '" + token + "' is not in the vocabulary");
@@ -386,7 +394,7 @@ CLIPTokenizer CLIPTokenizer::from_folder(const fs::path& dir) {
         if (sp == std::string::npos) throw Error(tj.path().string() + ": malformed merge '" + s + "'");
         merges.emplace_back(s.substr(0, sp), s.substr(sp + 1));
       } else {
-        throw Error(tj.path().string() + ": malformed merge " + m.dump());
+        throw Error(tj.path().string() + ": malformed merge " + io::json_brief(m));
       }
     }
     if (j.contains("added_tokens") && j["added_tokens"].is_array())

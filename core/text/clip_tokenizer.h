@@ -59,6 +59,7 @@ class CLIPTokenizer {
   int pad_id() const { return pad_id_; }
   int max_length() const { return options_.max_length; }
   std::size_t vocab_size() const { return vocab_.size(); }
+  int max_id() const { return max_id_; }  // the largest id it can produce
   static bool has_unicode_support();
 
  private:
@@ -72,7 +73,7 @@ class CLIPTokenizer {
   CLIPTokenizerOptions options_;
   std::vector<SpecialToken> specials_;
   std::string source_;
-  int bos_id_ = 0, eos_id_ = 0, pad_id_ = 0, unk_id_ = 0;
+  int bos_id_ = 0, eos_id_ = 0, pad_id_ = 0, unk_id_ = 0, max_id_ = 0;
 };
 
 }  // namespace diffract::text

@@ -10,6 +10,7 @@
 #include <sentencepiece_processor.h>
 #endif
 
+#include "core/io/json_file.h"
 #include "core/util/error.h"
 
 namespace diffract::text {
@@ -115,9 +116,7 @@ T5Tokenizer T5Tokenizer::from_folder(const fs::path& dir) {
   int extra_ids = 100;
   const auto config = dir / "tokenizer_config.json";
   if (fs::is_regular_file(config)) {
-    std::ifstream in(config);
-    const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded()) throw Error(config.string() + ": not valid JSON");
+    const auto j = io::read_json(config);
     if (j.contains("extra_ids") && j["extra_ids"].is_number_integer()) extra_ids = j["extra_ids"].get<int>();
   }
   return from_model_file(model, extra_ids);

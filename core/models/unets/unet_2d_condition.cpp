@@ -10,6 +10,7 @@
 #include "core/io/weights.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/memory.h"
 
 namespace diffract::models {
 
@@ -39,13 +40,13 @@ std::vector<int64_t> per_block(const io::JsonFile& j, const std::string& key, si
     std::vector<int64_t> out;
     for (const auto& x : v) {
       if (!x.is_number_integer())
-        throw Error(j.path().string() + ": '" + key + "' must hold integers per block, got " + v.dump());
+        throw Error(j.path().string() + ": '" + key + "' must hold integers per block, got " + io::json_brief(x));
       out.push_back(x.get<int64_t>());
     }
     return out;
   }
   throw Error(j.path().string() + ": '" + key + "' must be an integer or a list of " + std::to_string(n) +
-              " (one per block), got " + v.dump());
+              " (one per block), got " + io::json_brief(v));
 }
 
 }  // namespace
@@ -97,7 +98,7 @@ UNet2DConditionConfig UNet2DConditionConfig::from_json(const std::filesystem::pa
 UNet2DConditionConfig UNet2DConditionConfig::from_json(const io::JsonFile& j) {
   const std::string where = j.path().string();
   auto unsupported = [&](const std::string& key, const std::string& why) {
-    throw Error(where + ": '" + key + "' = " + j.json()[key].dump() + " is not supported (" + why + ")");
+    throw Error(where + ": '" + key + "' = " + io::json_brief(j.json()[key]) + " is not supported (" + why + ")");
   };
   // Options that change the architecture beyond SD 1.x / 2.x / XL.
   for (const char* key : {"class_embed_type", "encoder_hid_dim", "encoder_hid_dim_type", "time_cond_proj_dim",
@@ -131,23 +132,23 @@ UNet2DConditionConfig UNet2DConditionConfig::from_json(const io::JsonFile& j) {
     throw Error(where + ": down_block_types, up_block_types and block_out_channels must have the same non-zero length");
   for (const auto& t : c.down_block_types)
     if (t != "DownBlock2D" && t != "CrossAttnDownBlock2D")
-      throw Error(where + ": down block type '" + t + "' is not supported (DownBlock2D, CrossAttnDownBlock2D)");
+      throw Error(where + ": down block type '" + t.substr(0, 60) + "' is not supported (DownBlock2D, CrossAttnDownBlock2D)");
   for (const auto& t : c.up_block_types)
     if (t != "UpBlock2D" && t != "CrossAttnUpBlock2D")
-      throw Error(where + ": up block type '" + t + "' is not supported (UpBlock2D, CrossAttnUpBlock2D)");
+      throw Error(where + ": up block type '" + t.substr(0, 60) + "' is not supported (UpBlock2D, CrossAttnUpBlock2D)");
   c.layers_per_block = per_block(j, "layers_per_block", n, 2);
   c.cross_attention_dim = per_block(j, "cross_attention_dim", n, 1280);
   c.transformer_layers_per_block = per_block(j, "transformer_layers_per_block", n, 1);
   if (j.has("reverse_transformer_layers_per_block")) {
     // Per up block, a list per resnet; SD-family checkpoints use one value per block.
-    for (const auto& v : j.json()["reverse_transformer_layers_per_block"]) {
-      if (v.is_array()) {
-        if (v.empty() || std::any_of(v.begin(), v.end(), [&](const auto& x) { return x != v[0]; }))
-          unsupported("reverse_transformer_layers_per_block", "only one depth per up block");
-        c.reverse_transformer_layers_per_block.push_back(v[0].get<int64_t>());
-      } else {
-        c.reverse_transformer_layers_per_block.push_back(v.get<int64_t>());
-      }
+    const auto& all = j.json()["reverse_transformer_layers_per_block"];
+    if (!all.is_array()) unsupported("reverse_transformer_layers_per_block", "needs a list");
+    for (const auto& v : all) {
+      const auto& depth = v.is_array() && !v.empty() ? v[0] : v;
+      if (v.is_array() && (v.empty() || std::any_of(v.begin(), v.end(), [&](const auto& x) { return x != v[0]; })))
+        unsupported("reverse_transformer_layers_per_block", "only one depth per up block");
+      if (!depth.is_number_integer()) unsupported("reverse_transformer_layers_per_block", "needs whole numbers");
+      c.reverse_transformer_layers_per_block.push_back(depth.get<int64_t>());
     }
     if (c.reverse_transformer_layers_per_block.size() != n)
       unsupported("reverse_transformer_layers_per_block", "needs one entry per up block");
@@ -157,8 +158,10 @@ UNet2DConditionConfig UNet2DConditionConfig::from_json(const io::JsonFile& j) {
   }
   // diffusers reads the head count from attention_head_dim when num_attention_heads is absent
   // (a naming mix-up it keeps for compatibility).
-  c.num_attention_heads = j.has("num_attention_heads") ? per_block(j, "num_attention_heads", n, 8)
-                                                       : per_block(j, "attention_head_dim", n, 8);
+  const std::string heads_key = j.has("num_attention_heads") ? "num_attention_heads" : "attention_head_dim";
+  c.num_attention_heads = per_block(j, heads_key, n, 8);
+  for (const auto h : c.num_attention_heads)
+    if (h < 1 || h > 1024) throw Error(where + ": '" + heads_key + "' = " + std::to_string(h) + " is out of range (1 to 1024)");
   c.downsample_padding = j.optional<int64_t>("downsample_padding", 1);
   c.mid_block_scale_factor = j.optional<double>("mid_block_scale_factor", 1.0);
   c.norm_num_groups = j.optional<int64_t>("norm_num_groups", 32);
@@ -171,6 +174,42 @@ UNet2DConditionConfig UNet2DConditionConfig::from_json(const io::JsonFile& j) {
   c.projection_class_embeddings_input_dim = j.optional<int64_t>("projection_class_embeddings_input_dim", 0);
   if (c.addition_embed_type == "text_time" && c.projection_class_embeddings_input_dim <= 0)
     throw Error(where + ": addition_embed_type 'text_time' needs projection_class_embeddings_input_dim");
+  c.validate(where);
+  return c;
+}
+
+void UNet2DConditionConfig::validate(const std::string& where) const {
+  const auto& c = *this;
+  const size_t n = c.block_out_channels.size();
+  if (n == 0 || n > 8) throw Error(where + ": " + std::to_string(n) + " blocks (a UNet has 1 to 8)");
+  const auto count = [&](const std::string& key, int64_t v, int64_t max) {
+    if (v < 1 || v > max)
+      throw Error(where + ": '" + key + "' = " + std::to_string(v) + " is out of range (1 to " + std::to_string(max) + ")");
+  };
+  const auto per_block = [&](const std::string& key, const std::vector<int64_t>& v, int64_t max) {
+    if (v.size() != n)
+      throw Error(where + ": '" + key + "' has " + std::to_string(v.size()) + " entries for " + std::to_string(n) + " blocks");
+    for (auto x : v) count(key, x, max);
+  };
+  if (c.down_block_types.size() != n || c.up_block_types.size() != n)
+    throw Error(where + ": down_block_types, up_block_types and block_out_channels must have the same length");
+  count("in_channels", c.in_channels, 64);
+  count("out_channels", c.out_channels, 64);
+  count("sample_size", c.sample_size, 1024);
+  per_block("block_out_channels", c.block_out_channels, 8192);
+  per_block("layers_per_block", c.layers_per_block, 16);
+  per_block("cross_attention_dim", c.cross_attention_dim, 16384);
+  per_block("transformer_layers_per_block", c.transformer_layers_per_block, 64);
+  per_block("reverse_transformer_layers_per_block", c.reverse_transformer_layers_per_block, 64);
+  per_block("num_attention_heads", c.num_attention_heads, 1024);
+  count("norm_num_groups", c.norm_num_groups, 1024);
+  if (!(c.norm_eps > 0 && c.norm_eps < 1)) throw Error(where + ": 'norm_eps' must lie between 0 and 1");
+  if (c.downsample_padding < 0 || c.downsample_padding > 1)
+    throw Error(where + ": 'downsample_padding' must be 0 or 1, not " + std::to_string(c.downsample_padding));
+  if (c.addition_embed_type == "text_time") {
+    count("addition_time_embed_dim", c.addition_time_embed_dim, 4096);
+    count("projection_class_embeddings_input_dim", c.projection_class_embeddings_input_dim, 65536);
+  }
   for (size_t i = 0; i < n; ++i) {
     if (c.block_out_channels[i] % c.norm_num_groups != 0)
       throw Error(where + ": block_out_channels " + std::to_string(c.block_out_channels[i]) +
@@ -179,7 +218,30 @@ UNet2DConditionConfig UNet2DConditionConfig::from_json(const io::JsonFile& j) {
       throw Error(where + ": block_out_channels " + std::to_string(c.block_out_channels[i]) +
                   " is not divisible by its " + std::to_string(c.num_attention_heads[i]) + " attention heads");
   }
-  return c;
+  check_fits_in_memory(c.parameter_count(), where + ": the UNet it describes");
+}
+
+int64_t UNet2DConditionConfig::parameter_count() const {
+  // A resnet: two 3x3 convolutions and its time projection; a transformer block: self- and
+  // cross-attention, GEGLU feed-forward (4x), proj_in / proj_out per transformer.
+  const int64_t temb = time_embed_dim();
+  const auto resnet = [&](int64_t in, int64_t out) { return 9 * in * out + 9 * out * out + temb * out + (in != out) * in * out; };
+  const auto block = [&](int64_t ch, int64_t ctx) { return 4 * ch * ch + 2 * ch * ctx + 2 * ch * ch + 12 * ch * ch; };
+  int64_t total = 9 * in_channels * block_out_channels[0] + 9 * block_out_channels[0] * out_channels + 4 * temb * temb;
+  for (size_t b = 0; b < block_out_channels.size(); ++b) {
+    const int64_t ch = block_out_channels[b], in = b ? block_out_channels[b - 1] : ch, ctx = cross_attention_dim[b];
+    const bool attn = down_block_types[b] == "CrossAttnDownBlock2D";
+    const bool up_attn = up_block_types[block_out_channels.size() - 1 - b] == "CrossAttnUpBlock2D";
+    total += resnet(in, ch) + (layers_per_block[b] - 1) * resnet(ch, ch) + 9 * ch * ch;  // + the downsampler
+    total += (layers_per_block[b] + 1) * (resnet(2 * ch, ch) + 9 * ch * ch / (layers_per_block[b] + 1));  // up path
+    if (attn) total += layers_per_block[b] * (transformer_layers_per_block[b] * block(ch, ctx) + 2 * ch * ch);
+    if (up_attn)
+      total += (layers_per_block[b] + 1) *
+               (reverse_transformer_layers_per_block[block_out_channels.size() - 1 - b] * block(ch, ctx) + 2 * ch * ch);
+  }
+  const int64_t mid = block_out_channels.back();
+  total += 2 * resnet(mid, mid) + transformer_layers_per_block.back() * block(mid, cross_attention_dim.back());
+  return total;
 }
 
 BasicTransformerBlockImpl::BasicTransformerBlockImpl(int64_t dim, int64_t heads, int64_t dim_head,
@@ -331,6 +393,7 @@ at::Tensor UpBlockImpl::forward_part(at::Tensor x, const at::Tensor& temb, const
 }
 
 UNet2DConditionModelImpl::UNet2DConditionModelImpl(const UNet2DConditionConfig& c) : config(c) {
+  c.validate("UNet config");
   const auto& ch = c.block_out_channels;
   const size_t n = ch.size();
   conv_in = register_module("conv_in", Conv2d(Conv2dOptions(c.in_channels, ch[0], 3).padding(1)));

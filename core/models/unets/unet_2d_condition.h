@@ -49,6 +49,14 @@ struct UNet2DConditionConfig {
 
   int64_t time_embed_dim() const { return block_out_channels.front() * 4; }
 
+  // Every count positive and within what a UNet of these families can have, the per-block lists
+  // as long as the blocks, channels divisible by the groups and heads, the model within this
+  // machine's memory: an Error naming `where` otherwise. The constructor calls it, so no module
+  // is built from a config that fails.
+  void validate(const std::string& where) const;
+  // About how many parameters the model has (from the shapes; within a few per cent).
+  int64_t parameter_count() const;
+
   static UNet2DConditionConfig sd15();
   static UNet2DConditionConfig sd21();        // v-prediction 768, linear projections, OpenCLIP-H context
   static UNet2DConditionConfig sdxl_base();

@@ -1,0 +1,86 @@
+#include "core/io/read_file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "core/util/error.h"
+
+namespace diffract::io {
+
+namespace {
+
+std::string kind_of(mode_t mode) {
+  if (S_ISDIR(mode)) return "a folder";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode) || S_ISBLK(mode)) return "a device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+std::string name_of(const std::filesystem::path& path, const std::string& what) {
+  return what.empty() ? path.string() : what + " " + path.string();
+}
+
+Error stat_error(const std::filesystem::path& path, const std::string& what, int err) {
+  if (err == ENOENT) return Error(name_of(path, what) + ": missing");
+  if (err == ELOOP) return Error(name_of(path, what) + ": a loop of symbolic links");
+  return Error(name_of(path, what) + ": cannot read: " + std::strerror(err));
+}
+
+}  // namespace
+
+void require_regular_file(const std::filesystem::path& path, const std::string& what) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw stat_error(path, what, errno);
+  if (!S_ISREG(st.st_mode)) throw Error(name_of(path, what) + ": " + kind_of(st.st_mode) + ", not a file");
+}
+
+namespace {
+
+// Reads at most `limit` bytes; more than `limit` in the file is an error when `whole`.
+std::string read_bytes(const std::filesystem::path& path, std::size_t limit, bool whole, const std::string& what) {
+  require_regular_file(path, what);
+  // O_NONBLOCK: should the file become a FIFO after the check, open() does not wait for a writer.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) throw stat_error(path, what, errno);
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw stat_error(path, what, errno);
+  if (!S_ISREG(st.st_mode)) throw Error(name_of(path, what) + ": " + kind_of(st.st_mode) + ", not a file");
+  const auto too_large = [&] {
+    return Error(name_of(path, what) + ": larger than the " + std::to_string(limit) + " bytes such a file may have");
+  };
+  if (whole && static_cast<std::uint64_t>(st.st_size) > limit) throw too_large();
+  std::string text;
+  text.reserve(std::min<std::size_t>(limit, static_cast<std::size_t>(st.st_size)));
+  char buf[1 << 16];
+  while (text.size() < limit || whole) {
+    const ssize_t n = ::read(fd, buf, std::min(sizeof buf, whole ? sizeof buf : limit - text.size()));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw Error(name_of(path, what) + ": cannot read: " + std::strerror(errno));
+    if (n == 0) break;
+    if (text.size() + static_cast<std::size_t>(n) > limit) throw too_large();
+    text.append(buf, static_cast<std::size_t>(n));
+  }
+  return text;
+}
+
+}  // namespace
+
+std::string read_file(const std::filesystem::path& path, std::size_t max_bytes, const std::string& what) {
+  return read_bytes(path, max_bytes, true, what);
+}
+
+std::string read_file_head(const std::filesystem::path& path, std::size_t n, const std::string& what) {
+  return read_bytes(path, n, false, what);
+}
+
+}  // namespace diffract::io

@@ -1,0 +1,20 @@
+#pragma once
+// Reading a file a user named: a missing file, a folder, a FIFO, a device or a symlink loop is an
+// Error naming it, and nothing waits on a FIFO's writer.
+#include <cstddef>
+#include <filesystem>
+#include <string>
+
+namespace diffract::io {
+
+// The path's file status if it is a regular file (following symlinks); else an Error naming the
+// path and what it is instead. `what` names the role ("the preset") in the message.
+void require_regular_file(const std::filesystem::path& path, const std::string& what = "");
+
+// The whole file, at most `max_bytes` (larger is an Error), opened without blocking.
+std::string read_file(const std::filesystem::path& path, std::size_t max_bytes, const std::string& what = "");
+
+// The file's first `n` bytes (fewer when it is shorter), with the same checks.
+std::string read_file_head(const std::filesystem::path& path, std::size_t n, const std::string& what = "");
+
+}  // namespace diffract::io
