@@ -17,6 +17,7 @@ packages=(
   build-essential cmake ninja-build ccache git pkg-config python3 python3-venv
   qt6-base-dev libgl-dev libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev libicu-dev
   zlib1g-dev libpng-dev libjpeg-dev libssl-dev libopencv-dev libsentencepiece-dev xvfb xauth fonts-noto-color-emoji unicode-data
+  clang libclang-rt-14-dev
 )
 missing=()
 for p in "${packages[@]}"; do
