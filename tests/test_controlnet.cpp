@@ -9,8 +9,11 @@
 #include "core/io/image.h"
 #include "core/io/safetensors_writer.h"
 #include "core/io/weights.h"
+#include "core/models/controlnets/controlnet.h"
+#include "core/pipeline/single_file.h"
 #include "core/util/error.h"
 #include "diffusers_case.h"
+#include "same_tensors.h"
 #include "test_util.h"
 
 using namespace diffract;
@@ -119,14 +122,54 @@ class TestControlNet : public QObject {
       QFAIL(e.what());
     }
     QVERIFY(file.images.front().rgb == folder.images.front().rgb);
-    // The original layout (lllyasviel's control_*.pth keys) is named, not guessed at.
+  }
+
+  // lllyasviel's original layout (fixtures: diffusers' from_single_file reads both files back to the
+  // cn-ldm folder's weights exactly): ControlNet 1.0's bundled file under control_model. beside a
+  // base model's tensors, and 1.1's bare .pth. Same tensors as the folder, and the residuals of one
+  // forward are diffusers'.
+  void originalLayoutControlNets() {
+    const auto folder = models::load_controlnet(dir() / "cn-ldm");
+    const auto want = io::load_state_dict(dir() / "controlnet_ldm_case.safetensors");
+    for (const char* name : {"control_tiny_sd15.safetensors", "control_tiny_v11.pth"}) {
+      models::ControlNetModel net{nullptr};
+      try {
+        net = pipeline::load_controlnet_file(dir() / name);
+      } catch (const std::exception& e) {
+        QFAIL(e.what());
+      }
+      EXPECT_SAME_TENSORS(net, folder);
+      net->eval();
+      models::UNetConditioning cond;
+      cond.encoder_hidden_states = want.at("encoder_hidden_states");
+      const auto out = net->forward(want.at("sample"), want.at("timestep"), cond, want.at("cond"), 0.7);
+      QCOMPARE(out.down.size(), std::size_t(6));
+      for (std::size_t i = 0; i <= out.down.size(); ++i) {
+        const std::string key = i < out.down.size() ? "down." + std::to_string(i) : "mid";
+        const auto& got = i < out.down.size() ? out.down[i] : out.mid;
+        const auto& ref = want.at(key);
+        const double diff = (got - ref).abs().max().item<double>(), scale = ref.abs().max().item<double>();
+        QVERIFY2(scale > 1e-3 && diff <= 1e-4 * scale,
+                 qPrintable(QString("%1 %2: max |diff| %3 of %4").arg(name, key.c_str()).arg(diff).arg(scale)));
+      }
+    }
+    // What is not a whole ControlNet is named.
     QTemporaryDir tmp;
-    const auto ldm = fs::path(tmp.path().toStdString()) / "control_v11p_sd15_canny.safetensors";
-    io::write_safetensors(ldm, {{"control_model.zero_convs.0.0.weight", at::zeros({4, 4, 1, 1})},
-                                {"control_model.input_hint_block.0.weight", at::zeros({16, 3, 3, 3})}});
-    r.controlnets[0].path = ldm.string();
-    DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "control_v11p_sd15_canny.safetensors",
-                          "original (lllyasviel / ldm) layout");
+    const auto part = fs::path(tmp.path().toStdString()) / "control_part.safetensors";
+    io::write_safetensors(part, {{"control_model.zero_convs.0.0.weight", at::zeros({4, 4, 1, 1})},
+                                 {"control_model.input_hint_block.0.weight", at::zeros({16, 3, 3, 3})}});
+    DIFFRACT_EXPECT_ERROR(pipeline::load_controlnet_file(part), "control_part.safetensors", "no UNet encoder tensors");
+    auto diff = io::load_state_dict(dir() / "control_tiny_sd15.safetensors");
+    diff.emplace("difference", at::zeros({}));
+    const auto diff_file = fs::path(tmp.path().toStdString()) / "control_sd15_canny_diff.safetensors";
+    io::write_safetensors(diff_file, {diff.begin(), diff.end()});
+    DIFFRACT_EXPECT_ERROR(pipeline::load_controlnet_file(diff_file), "control_sd15_canny_diff", "a difference ControlNet");
+    auto broken = io::load_state_dict(dir() / "control_tiny_sd15.safetensors");
+    broken.erase("control_model.middle_block_out.0.bias");
+    const auto broken_file = fs::path(tmp.path().toStdString()) / "control_broken.safetensors";
+    io::write_safetensors(broken_file, {broken.begin(), broken.end()});
+    DIFFRACT_EXPECT_ERROR(pipeline::load_controlnet_file(broken_file), "control_broken.safetensors",
+                          "controlnet_mid_block.bias");
   }
 
   void badInputs() {

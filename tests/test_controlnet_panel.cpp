@@ -87,12 +87,15 @@ class TestControlNetPanel : public QObject {
 
   void findsControlNetFolders() {
     const auto found = engine::find_controlnets({controlnets().toStdString()}, {});
-    QCOMPARE(found.size(), std::size_t(5));  // four folders and cn-sd-g32.safetensors
-    QCOMPARE(found[0].name, std::string("cn-sd-a"));
-    QCOMPARE(found[0].base, std::string());  // a tiny test model: no family's cross-attention width
-    QCOMPARE(found[3].name, std::string("cn-sd-g32.safetensors"));
-    QCOMPARE(found[4].name, std::string("cn-sdxl"));
-    QCOMPARE(found[4].base, std::string("SDXL"));
+    // Five folders, cn-sd-g32.safetensors, and lllyasviel's layout as .safetensors and .pth.
+    QCOMPARE(found.size(), std::size_t(8));
+    QCOMPARE(found[1].name, std::string("cn-sd-a"));
+    QCOMPARE(found[1].base, std::string());  // a tiny test model: no family's cross-attention width
+    QCOMPARE(found[4].name, std::string("cn-sd-g32.safetensors"));
+    QCOMPARE(found[5].name, std::string("cn-sdxl"));
+    QCOMPARE(found[5].base, std::string("SDXL"));
+    QCOMPARE(found[6].name, std::string("control_tiny_sd15.safetensors"));
+    QCOMPARE(found[7].name, std::string("control_tiny_v11.pth"));
     // The family from the config: SD 1.x's 768-wide and SD 2.x's 1024-wide cross-attention.
     QTemporaryDir tmp;
     for (const auto& [width, base] : {std::pair<int, const char*>{768, "SD 1.x"}, {1024, "SD 2.x"}}) {
@@ -111,7 +114,7 @@ class TestControlNetPanel : public QObject {
     QSignalSpy folders(&panel, &ui::ControlNetPanel::foldersChanged);
     panel.setFolders({controlnets()});
     QCOMPARE(folders.count(), 1);
-    QCOMPARE(panel.models().size(), 5);
+    QCOMPARE(panel.models().size(), 8);
     job::GenerationRequest r;
     r.width = 96;
     r.height = 64;

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/engine/model_discovery.h"
+#include "core/io/json_file.h"
 #include "core/io/safetensors.h"
 
 namespace diffract::engine {
@@ -16,8 +17,12 @@ ControlNetInfo read_controlnet_info(const fs::path& dir) {
   std::error_code ec;
   const auto config = dir / "config.json";
   if (!fs::is_regular_file(config, ec)) return {};
-  std::ifstream in(config, std::ios::binary);
-  const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  nlohmann::json j;
+  try {
+    j = io::read_json(config);
+  } catch (const Error&) {
+    return {};  // unreadable (or a FIFO, a folder): not listed
+  }
   if (!j.is_object() || j.value("_class_name", std::string()) != "ControlNetModel") return {};
   ControlNetInfo info;
   info.path = dir;
@@ -31,13 +36,28 @@ ControlNetInfo read_controlnet_info(const fs::path& dir) {
 }
 
 ControlNetInfo read_controlnet_file_info(const fs::path& file) {
+  ControlNetInfo info;
+  info.path = file;
+  info.name = file.filename().string();
+  const auto ext = file.extension().string();
+  if (ext == ".pth" || ext == ".ckpt") return info;  // a pickle: read when used, not to list it
   try {
     const auto archive = io::SafetensorsArchive::open(file);
-    if (!archive->find("controlnet_cond_embedding.conv_in.weight")) return {};
-    ControlNetInfo info;
-    info.path = file;
-    info.name = file.filename().string();
-    if (archive->find("add_embedding.linear_1.weight")) info.base = "SDXL";
+    const bool diffusers = archive->find("controlnet_cond_embedding.conv_in.weight");
+    const std::string ldm = archive->find("control_model.input_hint_block.0.weight") ? "control_model." : "";
+    if (!diffusers && !archive->find(ldm + "input_hint_block.0.weight")) return {};
+    if (archive->find(diffusers ? "add_embedding.linear_1.weight" : ldm + "label_emb.0.0.weight")) {
+      info.base = "SDXL";
+      return info;
+    }
+    for (const auto& t : archive->tensors()) {  // the cross-attention's context width
+      const auto& n = t.name;
+      if ((diffusers || n.rfind(ldm, 0) == 0) && n.size() > 17 && n.compare(n.size() - 17, 17, "attn2.to_k.weight") == 0 &&
+          t.shape.size() == 2) {
+        info.base = t.shape[1] == 768 ? "SD 1.x" : t.shape[1] == 1024 ? "SD 2.x" : "";
+        break;
+      }
+    }
     return info;
   } catch (const std::exception&) {
     return {};  // not a safetensors file we can read: not listed
@@ -54,7 +74,9 @@ std::vector<ControlNetInfo> find_controlnets(const std::vector<std::string>& dir
     for (auto it = fs::recursive_directory_iterator(d, fs::directory_options::skip_permission_denied, ec);
          !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
       if (!it->is_directory(ec)) {
-        if (it->path().extension() == ".safetensors" && it->path().filename() != "diffusion_pytorch_model.safetensors")
+        const auto ext = it->path().extension();
+        if ((ext == ".safetensors" || ext == ".pth" || ext == ".ckpt") &&
+            it->path().stem() != "diffusion_pytorch_model")
           if (auto info = read_controlnet_file_info(it->path()); !info.path.empty()) here.push_back(info);
         continue;
       }

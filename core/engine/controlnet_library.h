@@ -1,7 +1,7 @@
 #pragma once
 // Where ControlNets are found: diffusers ControlNetModel folders (config.json + weights) and
-// diffusers-layout single files under the ControlNet folders the user keeps, and ControlNet snapshots in the Hugging Face cache. No torch
-// headers: the GUI lists these.
+// single files (diffusers' or lllyasviel's layout) under the ControlNet folders the user keeps,
+// and ControlNet snapshots in the Hugging Face cache. No torch headers: the GUI lists these.
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -18,8 +18,9 @@ struct ControlNetInfo {
 // ControlNetModel (no config, another class, unreadable JSON).
 ControlNetInfo read_controlnet_info(const std::filesystem::path& dir);
 
-// A diffusers-layout ControlNet saved as one .safetensors file (its header names
-// controlnet_cond_embedding.*); an empty path for any other file.
+// A ControlNet saved as one file: a .safetensors whose header names controlnet_cond_embedding.*
+// (diffusers) or input_hint_block.* (lllyasviel's, bare or under control_model.), its base from
+// the shapes; a .pth / .ckpt as it is (a pickle is read when used). An empty path for any other file.
 ControlNetInfo read_controlnet_file_info(const std::filesystem::path& file);
 
 // The ControlNet folders and single files under each of `dirs` (the folder itself or below it,

@@ -2,7 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cctype>
+#include <iterator>
 #include <cmath>
 #include <tuple>
 #include <map>
@@ -365,6 +367,43 @@ StateDict map_ldm_unet(const StateDict& all, const std::string& prefix) {
     const auto mapped = map_key(key);
     out.emplace(mapped.empty() ? prefix + key : mapped, tensor);
   }
+  return out;
+}
+
+bool is_ldm_controlnet(const StateDict& all) {
+  return std::any_of(all.begin(), all.end(), [](const auto& kv) {
+    const auto& k = kv.first;
+    return k.find("zero_convs.") != std::string::npos || k.find("input_hint_block.") != std::string::npos;
+  });
+}
+
+StateDict map_ldm_controlnet(const StateDict& all, std::size_t* dropped) {
+  const std::string prefix = "control_model.";
+  const bool prefixed = all.lower_bound(prefix) != all.end() && starts_with(all.lower_bound(prefix)->first, prefix);
+  const StateDict ldm = prefixed ? strip(all, prefix) : all;
+  if (dropped) *dropped = all.size() - ldm.size();
+  const auto hint = indices(ldm, "input_hint_block.");
+  StateDict encoder, out;
+  for (const auto& [key, tensor] : ldm) {
+    int64_t i = 0;
+    std::string rest;
+    if (take_index(key, "zero_convs.", i, rest) && starts_with(rest, "0.")) {
+      out.emplace("controlnet_down_blocks." + std::to_string(i) + "." + rest.substr(2), tensor);
+    } else if (starts_with(key, "middle_block_out.0.")) {
+      out.emplace("controlnet_mid_block." + key.substr(19), tensor);
+    } else if (take_index(key, "input_hint_block.", i, rest)) {
+      const auto pos = std::distance(hint.begin(), hint.find(i));
+      const std::string head = "controlnet_cond_embedding.";
+      const std::string name = pos == 0 ? "conv_in."
+                               : i == *hint.rbegin() ? "conv_out."
+                                                     : "blocks." + std::to_string(pos - 1) + ".";
+      out.emplace(head + name + rest, tensor);
+    } else {
+      encoder.emplace(key, tensor);
+    }
+  }
+  if (encoder.empty()) throw Error("no UNet encoder tensors (input_blocks, middle_block, time_embed) in the ControlNet");
+  for (auto& kv : map_ldm_unet(encoder, "")) out.insert(std::move(kv));
   return out;
 }
 

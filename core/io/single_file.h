@@ -58,6 +58,14 @@ SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, con
 // a down block, an upsampler "conv" an up block), so per-block layer counts need no config.
 StateDict map_ldm_unet(const StateDict& all, const std::string& prefix = "model.diffusion_model.");
 
+// lllyasviel's ControlNet layout (ControlNet 1.0 / 1.1 files, A1111's extracted ones): the UNet
+// encoder's LDM keys plus zero_convs.N.0 (-> controlnet_down_blocks.N), middle_block_out.0
+// (-> controlnet_mid_block) and input_hint_block.{0, 2, ...} (the first -> conv_in, the last ->
+// conv_out, those between -> blocks.0, 1, ...), under "control_model." or bare. Tensors of a
+// bundled base model (outside "control_model.") are dropped; `dropped` counts them.
+bool is_ldm_controlnet(const StateDict& all);
+StateDict map_ldm_controlnet(const StateDict& all, std::size_t* dropped = nullptr);
+
 // LDM VAE (encoder.down.N.block.M, mid.block_1, mid.attn_1.{norm,q,k,v,proj_out} as 1x1 convs,
 // norm_out, decoder.up.N counted from the bottom) -> diffusers' AutoencoderKL. Training-only
 // "loss.*" keys are dropped.

@@ -226,15 +226,25 @@ models::UNet2DConditionConfig infer_unet_config(const StateDict& unet, SingleFil
 models::ControlNetModel load_controlnet_file(const fs::path& file) {
   const std::string what = file.string();
   auto weights = io::load_state_dict(file);
-  const Shapes s(weights, what);
-  if (!s.has("controlnet_cond_embedding.conv_in.weight")) {
-    const bool original = std::any_of(weights.begin(), weights.end(), [](const auto& kv) {
-      return kv.first.find("zero_convs.") != std::string::npos || kv.first.find("input_hint_block.") != std::string::npos;
-    });
-    throw Error(what + (original ? ": a ControlNet in the original (lllyasviel / ldm) layout, which is not supported yet: "
-                                   "use its diffusers version (a folder, or its diffusion_pytorch_model.safetensors)"
-                                 : ": not a ControlNet (no controlnet_cond_embedding.conv_in.weight)"));
+  std::string layout = "diffusers";
+  if (!weights.count("controlnet_cond_embedding.conv_in.weight")) {
+    if (!io::is_ldm_controlnet(weights))
+      throw Error(what + ": not a ControlNet (no controlnet_cond_embedding.conv_in.weight, zero_convs or input_hint_block)");
+    // ControlNet 1.0's "diff" files hold the difference to their base model, which A1111 adds back.
+    if (weights.count("difference") || weights.count("control_model.difference"))
+      throw Error(what + ": a difference ControlNet (weights relative to the model it was trained from), not "
+                         "supported: use its full version");
+    std::size_t dropped = 0;
+    try {
+      weights = io::map_ldm_controlnet(weights, &dropped);
+    } catch (const Error& e) {
+      throw Error(what + ": " + e.what());
+    }
+    layout = "original (lllyasviel)";
+    if (dropped)
+      log::get("pipeline").info(log::str(what, ": ", dropped, " tensors of a bundled base model left unused"));
   }
+  const Shapes s(weights, what);
   // The family decides the attention heads: SDXL (added embeddings) and SD 2.x (1024-wide
   // context) use 64-wide heads, SD 1.x eight heads.
   const bool xl = s.has("add_embedding.linear_1.weight");
@@ -256,7 +266,7 @@ models::ControlNetModel load_controlnet_file(const fs::path& file) {
         s.dim("controlnet_cond_embedding.blocks." + std::to_string(i) + ".weight", 0));
   models::ControlNetModel net(c);
   bind_strict(net, weights, what);
-  log::get("pipeline").info(log::str(what, ": a diffusers-layout ControlNet (", io::single_file_family_name(family),
+  log::get("pipeline").info(log::str(what, ": a ControlNet in the ", layout, " layout (", io::single_file_family_name(family),
                                      ", config from its shapes)"));
   return net;
 }

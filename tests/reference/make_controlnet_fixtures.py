@@ -8,6 +8,13 @@ size than the job's (diffusers resizes it with Lanczos).
 Writes into --out: cn-sd-a/, cn-sd-b/, cn-sdxl/, cn-sd-g32/ (ControlNetModel folders; the last
 also as cn-sd-g32.safetensors, its weights alone), edges.png (50x40),
 blobs.png (64x64), controlnet_cases.json and controlnet_cases.safetensors (images, float HWC).
+
+And lllyasviel's original layout: cn-ldm/ (a ControlNetModel folder with the original's eight-conv
+hint block), the same weights renamed to the ldm keys as control_tiny_sd15.safetensors (under
+`control_model.`, beside tensors of a bundled base model, as ControlNet 1.0's files) and
+control_tiny_v11.pth (bare keys, as 1.1's); diffusers' from_single_file must read both back to
+the folder's weights exactly. controlnet_ldm_case.safetensors: one forward's inputs and its
+residuals (down.N, mid) from diffusers.
 CPU, fp32, seconds.
 """
 import argparse
@@ -33,6 +40,71 @@ def controlnet_for(unet, seed):
     return net.eval()
 
 
+RESNET_TO_LDM = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
+                 "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
+
+
+def to_ldm_key(key, layers):
+    """A diffusers ControlNetModel key -> lllyasviel's (cldm) key."""
+    parts = key.split(".")
+    head = {"conv_in": "input_blocks.0.0", "time_embedding.linear_1": "time_embed.0",
+            "time_embedding.linear_2": "time_embed.2", "controlnet_mid_block": "middle_block_out.0",
+            "controlnet_cond_embedding.conv_in": "input_hint_block.0",
+            "controlnet_cond_embedding.conv_out": "input_hint_block.14"}
+    for k in sorted(head, key=len, reverse=True):
+        if key.startswith(k + "."):
+            return head[k] + key[len(k):]
+    if parts[0] == "controlnet_cond_embedding":  # blocks.k
+        return f"input_hint_block.{2 * int(parts[2]) + 2}." + ".".join(parts[3:])
+    if parts[0] == "controlnet_down_blocks":
+        return f"zero_convs.{parts[1]}.0." + ".".join(parts[2:])
+    if parts[0] == "down_blocks":
+        b, kind, l, rest = int(parts[1]), parts[2], int(parts[3]), parts[4:]
+        block = 1 + b * (layers + 1) + l
+        if kind == "resnets":
+            return f"input_blocks.{block}.0.{RESNET_TO_LDM.get(rest[0], rest[0])}." + ".".join(rest[1:])
+        if kind == "attentions":
+            return f"input_blocks.{block}.1." + ".".join(rest)
+        return f"input_blocks.{1 + b * (layers + 1) + layers}.0.op." + ".".join(rest[1:])  # downsamplers.0.conv
+    if parts[0] == "mid_block":
+        kind, l, rest = parts[1], int(parts[2]), parts[3:]
+        if kind == "attentions":
+            return "middle_block.1." + ".".join(rest)
+        return f"middle_block.{2 * l}.{RESNET_TO_LDM.get(rest[0], rest[0])}." + ".".join(rest[1:])
+    raise KeyError(key)
+
+
+def write_ldm_controlnet(base_net, out):
+    """cn-ldm/ and its two original-layout files; returns the diffusers net."""
+    from diffusers import ControlNetModel
+    # The original's hint block has eight convolutions (three stride-2 pairs, 8x down): diffusers'
+    # converter reads conv_out at input_hint_block.14 only. The rest of the net is base_net's.
+    net = ControlNetModel.from_config(dict(base_net.config), conditioning_embedding_out_channels=(4, 8, 8, 16)).eval()
+    weights = {k: v for k, v in base_net.state_dict().items() if not k.startswith("controlnet_cond_embedding.")}
+    g = torch.Generator().manual_seed(95)
+    for name, p in net.controlnet_cond_embedding.named_parameters():
+        weights["controlnet_cond_embedding." + name] = torch.randn(p.shape, generator=g) * 0.2
+    net.load_state_dict(weights)
+    folder = os.path.join(out, "cn-ldm")
+    net.save_pretrained(folder)
+    layers = net.config.layers_per_block
+    ldm = {to_ldm_key(k, layers): v.contiguous() for k, v in net.state_dict().items()}
+    assert len(ldm) == len(net.state_dict())
+    bundled = {"control_model." + k: v for k, v in ldm.items()}
+    bundled["model.diffusion_model.input_blocks.0.0.weight"] = torch.zeros(32, 4, 3, 3)
+    bundled["first_stage_model.decoder.conv_in.weight"] = torch.zeros(8, 4, 3, 3)
+    save_file(bundled, os.path.join(out, "control_tiny_sd15.safetensors"))
+    torch.save(ldm, os.path.join(out, "control_tiny_v11.pth"))
+    want = net.state_dict()
+    for name in ("control_tiny_sd15.safetensors", "control_tiny_v11.pth"):
+        back = ControlNetModel.from_single_file(os.path.join(out, name), config=folder, local_files_only=True)
+        got = back.state_dict()
+        assert set(got) == set(want), (name, set(got) ^ set(want))
+        for k in want:
+            assert torch.equal(got[k], want[k]), (name, k)
+    return net
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--fixtures", required=True)
@@ -54,6 +126,17 @@ def main():
     g32.load_state_dict(nets["cn-sd-a"].state_dict())
     g32.save_pretrained(os.path.join(args.out, "cn-sd-g32"))
     save_file({k: v.contiguous() for k, v in g32.state_dict().items()}, os.path.join(args.out, "cn-sd-g32.safetensors"))
+    ldm_net = write_ldm_controlnet(g32, args.out)
+    g = torch.Generator().manual_seed(96)
+    inputs = {"sample": torch.randn(2, 4, 8, 8, generator=g), "timestep": torch.tensor([700.0, 300.0]),
+              "encoder_hidden_states": torch.randn(2, 7, 32, generator=g),
+              "cond": torch.rand(2, 3, 64, 64, generator=g)}
+    down, mid = ldm_net(inputs["sample"], inputs["timestep"], inputs["encoder_hidden_states"], inputs["cond"],
+                        conditioning_scale=0.7, return_dict=False)
+    assert mid.abs().max() > 1e-3
+    ldm_case = dict(inputs, mid=mid)
+    ldm_case.update({f"down.{i}": d for i, d in enumerate(down)})
+    save_file({k: v.contiguous() for k, v in ldm_case.items()}, os.path.join(args.out, "controlnet_ldm_case.safetensors"))
 
     edges = Image.new("RGB", (50, 40), 0)
     d = ImageDraw.Draw(edges)

@@ -1,5 +1,7 @@
 #include "core/models/controlnets/controlnet.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 
 #include "core/io/diffusers_folder.h"
@@ -63,6 +65,11 @@ at::Tensor ControlNetConditioningEmbeddingImpl::forward(const at::Tensor& cond) 
 
 ControlNetModelImpl::ControlNetModelImpl(const ControlNetConfig& cfg) : config(cfg) {
   const auto& c = cfg.unet;
+  c.validate("ControlNet config");
+  if (cfg.conditioning_channels < 1 || cfg.conditioning_channels > 64 || cfg.conditioning_embedding_out_channels.empty() ||
+      std::any_of(cfg.conditioning_embedding_out_channels.begin(), cfg.conditioning_embedding_out_channels.end(),
+                  [](int64_t ch) { return ch < 1 || ch > 8192; }))
+    throw Error("ControlNet config: conditioning_channels or conditioning_embedding_out_channels out of range");
   const auto& ch = c.block_out_channels;
   const size_t n = ch.size();
   conv_in = register_module("conv_in", Conv2d(Conv2dOptions(c.in_channels, ch[0], 3).padding(1)));
@@ -179,7 +186,8 @@ UNetConditioning add_controlnet_residuals(const UNetConditioning& cond, const st
 ControlNetModel load_controlnet(const std::filesystem::path& dir, const std::string& variant) {
   if (!std::filesystem::is_directory(dir))
     throw Error("ControlNet " + dir.string() +
-                ": not a folder or a file (a diffusers ControlNetModel folder, or its weights as one .safetensors file)");
+                ": not a folder or a file (a diffusers ControlNetModel folder, or one file: its .safetensors, or "
+                "lllyasviel's original .pth / .safetensors)");
   const auto config = ControlNetConfig::from_json(dir / "config.json");
   const auto weights = io::find_weights(dir, variant);
   if (!weights) throw Error(dir.string() + ": no weight file (diffusion_pytorch_model.safetensors, ...)");
