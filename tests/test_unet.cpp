@@ -86,6 +86,9 @@ class TestUNet : public QObject {
     expect("layers", [](auto& j) { j["layers_per_block"] = -1; }, "'layers_per_block' = -1", "out of range");
     expect("size", [](auto& j) { j["sample_size"] = -4; }, "'sample_size'", "-4");
     expect("type", [](auto& j) { j["in_channels"] = "four"; }, "'in_channels' must be a whole number", "\"four\"");
+    // 1e30 in a list of integers: nlohmann's own conversion would be undefined (found by fuzz_json).
+    expect("float", [](auto& j) { j["block_out_channels"] = {1e30, 64.0}; }, "'block_out_channels' must be a whole number",
+           "(each entry), not 1e+30");
     expect("wrap", [](auto& j) { j["in_channels"] = 18446744073709551615ULL; }, "'in_channels' must be a whole number from",
            "not 18446744073709551615");  // 2^64 - 1, not -1
     // Within every bound and still far beyond any machine: refused by its size, before building.

@@ -6,6 +6,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -57,12 +58,32 @@ class JsonFile {
 
  private:
   template <typename T>
+  struct is_vector : std::false_type {};
+  template <typename U>
+  struct is_vector<std::vector<U>> : std::true_type {};
+
+  template <typename T>
   T get(const std::string& key) const {
     const auto& v = json_.at(key);
-    // nlohmann converts between number kinds silently (-1 to 2^64 - 1, 1e300 to garbage): only
-    // values the type holds exactly are taken.
+    if constexpr (is_vector<T>::value) {  // each element as a value of its own
+      if (!v.is_array())
+        throw Error(path_.string() + ": key '" + key + "' must be a list, not " + json_brief(v));
+      T out;
+      for (const auto& x : v) out.push_back(convert<typename T::value_type>(x, key, " (each entry)"));
+      return out;
+    } else {
+      return convert<T>(v, key, "");
+    }
+  }
+  // nlohmann converts between number kinds silently (-1 to 2^64 - 1, 1e30 to whatever the
+  // float-to-int conversion gives): only values the type holds exactly are taken.
+  template <typename T>
+  T convert(const nlohmann::json& v, const std::string& key, const char* entry) const {
+    const auto wrong_type = [&](const std::string& want) {
+      return Error(path_.string() + ": key '" + key + "' must be " + want + entry + ", not " + json_brief(v));
+    };
     if constexpr (std::is_same_v<T, bool>) {
-      if (!v.is_boolean()) throw wrong_type(key, "true or false");
+      if (!v.is_boolean()) throw wrong_type("true or false");
     } else if constexpr (std::is_integral_v<T>) {
       const std::string range = "a whole number from " + std::to_string(std::numeric_limits<T>::min()) + " to " +
                                 std::to_string(std::numeric_limits<T>::max());
@@ -70,20 +91,20 @@ class JsonFile {
         const double d = v.get<double>();
         if (d != std::trunc(d) || d < static_cast<double>(std::numeric_limits<T>::min()) ||
             !(d < static_cast<double>(std::numeric_limits<T>::max()) + 1.0))
-          throw wrong_type(key, range);
+          throw wrong_type(range);
         return static_cast<T>(d);
       }
-      if (!v.is_number_integer()) throw wrong_type(key, "a whole number");
-      if (!fits<T>(v)) throw wrong_type(key, range);
+      if (!v.is_number_integer()) throw wrong_type("a whole number");
+      if (!fits<T>(v)) throw wrong_type(range);
     } else if constexpr (std::is_floating_point_v<T>) {
-      if (!v.is_number()) throw wrong_type(key, "a number");
+      if (!v.is_number()) throw wrong_type("a number");
     } else if constexpr (std::is_same_v<T, std::string>) {
-      if (!v.is_string()) throw wrong_type(key, "a string");
+      if (!v.is_string()) throw wrong_type("a string");
     }
     try {
       return v.template get<T>();
     } catch (const nlohmann::json::exception&) {
-      throw wrong_type(key, "another type");
+      throw wrong_type("another type");
     }
   }
   template <typename T>
@@ -92,9 +113,6 @@ class JsonFile {
     const auto i = v.get<std::int64_t>();
     if constexpr (std::is_unsigned_v<T>) return i >= 0 && static_cast<std::uint64_t>(i) <= std::numeric_limits<T>::max();
     else return i >= std::numeric_limits<T>::min() && i <= std::numeric_limits<T>::max();
-  }
-  Error wrong_type(const std::string& key, const std::string& want) const {
-    return Error(path_.string() + ": key '" + key + "' must be " + want + ", not " + json_brief(json_.at(key)));
   }
 
   std::filesystem::path path_;
