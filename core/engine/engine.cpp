@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "core/pipeline/factory.h"
+#include "core/util/device_work.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -35,6 +36,7 @@ struct Engine::Impl {
     if (!model || model->path() != r.model || model->device() != r.device || model_config != r.model_config ||
         (model_without_t5 && !r.drop_t5)) {
       model.reset();  // free the old one first: two SDXL models may not fit
+      release_cached_memory();  // and its blocks, which a CUDA graph's private pool cannot reuse
       model = pipeline::load_pipeline(r.model, r.device, r.model_config, r.drop_t5);
       model_config = r.model_config;
       model_without_t5 = r.drop_t5;

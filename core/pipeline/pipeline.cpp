@@ -15,6 +15,7 @@
 #include "core/pipeline/image_processor.h"
 #include "core/text/prompt_syntax.h"
 #include "core/util/build_info.h"
+#include "core/util/device_work.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 #include "core/util/options.h"
@@ -285,6 +286,37 @@ at::Tensor Pipeline::hires_pass(JobContext& job, const at::Tensor& latents, at::
 
 job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, const job::JobObserver& observer,
                                          const job::CancelToken& cancel, const JobInputs& inputs) {
+  // Where the job was should memory run out: the last stage it finished, the steps it made.
+  std::string stage = "before its first stage";
+  int steps = 0;
+  auto watched = observer;
+  watched.on_stage = [&stage, inner = observer.on_stage](const std::string& name, double ms) {
+    stage = "after " + name;
+    if (inner) inner(name, ms);
+  };
+  watched.on_step = [&steps, inner = observer.on_step](const job::StepEvent& e) {
+    ++steps;
+    if (inner) inner(e);
+  };
+  try {
+    return run_job(request, watched, cancel, inputs);
+  } catch (const c10::OutOfMemoryError& e) {
+    release_cached_memory();
+    std::string why = e.what_without_backtrace();
+    if (const auto nl = why.find('\n'); nl != std::string::npos) why.resize(nl);
+    if (why.size() > 300) why.resize(300);
+    const std::string size = request.width && request.height
+                                 ? std::to_string(request.width) + "x" + std::to_string(request.height)
+                                 : "native size";
+    throw Error("out of memory on " + request.device + " (" + stage +
+                (steps ? ", " + std::to_string(steps) + " steps done" : std::string()) + "; " + size + ", batch " +
+                std::to_string(request.batch) + (request.strategy.name.empty() ? "" : ", " + request.strategy.name) +
+                "): " + why + ". What the job held is freed; try a smaller size or batch, or another device");
+  }
+}
+
+job::GenerationResult Pipeline::run_job(const job::GenerationRequest& request, const job::JobObserver& observer,
+                                        const job::CancelToken& cancel, const JobInputs& inputs) {
   auto& s = state();
   const auto start = Clock::now();
   job::GenerationResult result;

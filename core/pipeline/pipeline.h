@@ -116,7 +116,9 @@ class Pipeline {
   double prepare(const job::GenerationRequest& request);
 
   // Runs one job on the calling thread. Throws diffract::Error with a readable message, or
-  // job::Cancelled when `cancel` fires (checked between steps).
+  // job::Cancelled when `cancel` fires (checked between steps). Running out of memory is such an
+  // Error, naming the device, where the job was and its size; the allocator's cached blocks are
+  // handed back, so the next job starts from what the models hold.
   job::GenerationResult generate(const job::GenerationRequest& request, const job::JobObserver& observer,
                                  const job::CancelToken& cancel);
   job::GenerationResult generate(const job::GenerationRequest& request, const job::JobObserver& observer,
@@ -177,6 +179,8 @@ class Pipeline {
   at::Tensor taesd_preview(const at::Tensor& x0, int vae_factor, int max_side);
 
  private:
+  job::GenerationResult run_job(const job::GenerationRequest& request, const job::JobObserver& observer,
+                                const job::CancelToken& cancel, const JobInputs& inputs);
   // The hires fix's second pass on the first pass's final latents (job.req's size becomes the
   // upscaled one); its steps and previews go to `observer` as a second run of steps.
   at::Tensor hires_pass(JobContext& job, const at::Tensor& latents, at::Generator& gen, bool inpaint_model,

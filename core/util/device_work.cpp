@@ -198,6 +198,12 @@ void reset_peak_memory(const c10::Device& device) {
 #endif
 }
 
+void release_cached_memory() {
+#ifdef DIFFRACT_HAS_CUDA
+  if (c10::cuda::device_count() > 0) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+}
+
 std::int64_t peak_memory(const c10::Device& device) {
 #ifdef DIFFRACT_HAS_CUDA
   if (device.is_cuda()) {

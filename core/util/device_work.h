@@ -66,6 +66,9 @@ class SideStreamTask {
 // The caching allocator's peak of memory allocated on a CUDA device since the last reset (0 on
 // the CPU): what a job's ranks report as their memory per GPU.
 void reset_peak_memory(const c10::Device& device);
+// Hands the blocks the caching allocator keeps back to every CUDA device (after a job ran out of
+// memory, so the next one starts from what the models hold). Nothing without CUDA.
+void release_cached_memory();
 std::int64_t peak_memory(const c10::Device& device);
 
 }  // namespace diffract

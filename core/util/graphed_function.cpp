@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <list>
+#include <map>
+#include <mutex>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -69,6 +71,36 @@ void GraphCache::set_max_graphs(int n) {
 #endif
 }
 
+#ifdef DIFFRACT_HAS_CUDA
+c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  std::lock_guard lock(mutex);
+  auto it = streams.find(device);
+  if (it == streams.end()) it = streams.emplace(device, c10::cuda::getStreamFromPool(false, device)).first;
+  return it->second;
+}
+#endif
+
+void capture_graph(at::cuda::CUDAGraph& graph, const std::function<void()>& f) {
+#ifdef DIFFRACT_HAS_CUDA
+  graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+  try {
+    f();
+  } catch (...) {
+    try {
+      graph.capture_end();
+    } catch (...) {  // an invalidated capture: ending it is all that matters
+    }
+    throw;
+  }
+  graph.capture_end();
+#else
+  (void)graph;
+  f();
+#endif
+}
+
 void GraphCache::clear() {
 #ifdef DIFFRACT_HAS_CUDA
   while (!cache_->entries.empty()) cache_->drop_last();
@@ -107,7 +139,7 @@ std::vector<at::Tensor> GraphCache::run(const std::vector<std::int64_t>& tag, co
         e.inputs.push_back(layout && t.dim() == 4 ? t.clone(*layout) : t.clone());
       e.graph = std::make_unique<at::cuda::CUDAGraph>();
       // Captures need a stream other than the legacy default one; the caller's may be either.
-      auto capture = c10::cuda::getStreamFromPool(false, index);
+      auto capture = capture_stream(index);
       at::cuda::CUDAEvent behind;
       behind.record(current);
       behind.block(capture);
@@ -115,9 +147,7 @@ std::vector<at::Tensor> GraphCache::run(const std::vector<std::int64_t>& tag, co
         c10::cuda::CUDAStreamGuard stream_guard(capture);
         for (int i = 0; i < 2; ++i) f(e.inputs);  // cuDNN / cuBLAS plans and workspaces
         // Thread-local capture: other threads (ranks) keep launching work on their own devices.
-        e.graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
-        e.outputs = f(e.inputs);
-        e.graph->capture_end();
+        capture_graph(*e.graph, [&] { e.outputs = f(e.inputs); });
       }
       at::cuda::CUDAEvent captured;
       captured.record(capture);

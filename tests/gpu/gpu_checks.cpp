@@ -21,6 +21,7 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <nlohmann/json.hpp>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/cuda.h>
@@ -1361,6 +1362,68 @@ void check_cancel() {
   expect(ok, "the group runs the next job after a cancel");
 }
 
+std::int64_t cuda_allocated(int device) {
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+  return stats.allocated_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
+}
+
+// A job that does not fit beside what else holds the GPU (another model, here a filler tensor
+// leaving 1.5 GB free): an Error naming out of memory, the device, where the job was and its
+// size; a second failure holds no more memory than the first (the graphs and buffers a first
+// attempt caches for the new shape stay, nothing grows); once the memory is there, the same
+// pipeline runs the same job. With and without CUDA graphs.
+void check_oom() {
+  need_gpus(1);
+  for (const bool graphs : {true, false}) {
+    auto sd = tiny_sdxl(graphs);
+    job::CancelToken never;
+    auto big = request(4);
+    big.width = big.height = 4096;
+    big.batch = 8;
+    sd->generate(request(4), {}, never);  // loaded, warm
+    release_cached_memory();               // what earlier pipelines left is not counted as free
+    const auto before = cuda_allocated(0);
+    std::size_t free = 0, total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    auto filler = at::empty({static_cast<std::int64_t>(free) - (std::int64_t(3) << 29)},
+                            at::TensorOptions().dtype(at::kByte).device(at::kCUDA, 0));
+    std::vector<std::string> errors;
+    std::vector<std::int64_t> held;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      std::string error;
+      try {
+        sd->generate(big, {}, never);
+      } catch (const Error& e) {
+        error = e.what();
+      } catch (const std::exception& e) {
+        error = std::string("not a diffract::Error: ") + e.what();
+      }
+      errors.push_back(error);
+      held.push_back(cuda_allocated(0) - filler.nbytes());
+    }
+    filler.reset();
+    release_cached_memory();  // as the engine does when it drops a model for another
+    std::cout << "  graphs " << (graphs ? "on" : "off") << ": " << errors[0].substr(0, 600) << "\n";
+    const bool named = std::all_of(errors.begin(), errors.end(), [](const std::string& e) {
+      return e.find("out of memory on cuda:0") != std::string::npos && e.find("4096x4096, batch 8") != std::string::npos;
+    });
+    expect(named, std::string("a job too large for what is free is an error naming it, twice (graphs ") +
+                      (graphs ? "on)" : "off)"));
+    std::cout << "  allocated before " << before / 1e6 << " MB, after one failed job " << held[0] / 1e6
+              << " MB, after two " << held[1] / 1e6 << " MB\n";
+    expect(held[1] <= held[0] + (std::int64_t(8) << 20), "a second failure holds no more than the first");
+    bool ok = true;
+    try {
+      const auto r = sd->generate(big, {}, never);
+      ok = r.images.size() == 8;
+    } catch (const std::exception& e) {
+      ok = false;
+      std::cout << "  " << e.what() << "\n";
+    }
+    expect(ok, "the same pipeline runs the job once the memory is there");
+  }
+}
+
 // x -> 0.1 x, failing on one rank at one step.
 class Scaled final : public parallel::Denoiser {
  public:
@@ -1740,7 +1803,7 @@ int main(int argc, char** argv) {
       {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"layernorm", check_layernorm}, {"conv_bias", check_conv_bias}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
-      {"cfg_pipefusion", check_cfg_pipefusion}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}, {"gemm", check_gemm}};
+      {"cfg_pipefusion", check_cfg_pipefusion}, {"oom", check_oom}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}, {"gemm", check_gemm}};
   bool usage = argc < 2;
   for (int i = 1; i < argc; ++i) usage = usage || !checks.count(argv[i]);
   if (usage) {

@@ -118,7 +118,7 @@ at::Tensor UNetGraphRunner::forward(const at::Tensor& sample, const at::Tensor& 
       if (cond.mid_residual.defined()) e.cond.mid_residual = cond.mid_residual.clone();
       e.graph = std::make_unique<at::cuda::CUDAGraph>();
       const auto main = c10::cuda::getCurrentCUDAStream(index);
-      auto side = c10::cuda::getStreamFromPool(false, index);
+      auto side = capture_stream(index);
       at::cuda::CUDAEvent behind;
       behind.record(main);
       behind.block(side);
@@ -126,9 +126,7 @@ at::Tensor UNetGraphRunner::forward(const at::Tensor& sample, const at::Tensor& 
         c10::cuda::CUDAStreamGuard stream_guard(side);
         for (int i = 0; i < 2; ++i) unet_->forward(e.x, e.t, e.cond);  // cuDNN / cuBLAS plans and workspaces
         // Thread-local capture: other ranks' threads keep launching work on their own devices.
-        e.graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
-        e.out = unet_->forward(e.x, e.t, e.cond);
-        e.graph->capture_end();
+        capture_graph(*e.graph, [&] { e.out = unet_->forward(e.x, e.t, e.cond); });
       }
       at::cuda::CUDAEvent captured;
       captured.record(side);
