@@ -1,6 +1,12 @@
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <random>
+#include <thread>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
@@ -197,6 +203,59 @@ class TestPipeline : public QObject {
     r.steps = 2;
     job::CancelToken fresh;
     QCOMPARE(engine_.run(r, {}, fresh).images.size(), std::size_t(1));
+  }
+
+  // Cancel at any moment, 200 times in a row (during the load, text encoding, a step, a preview,
+  // the decode, or after the end): every job ends, cancelled or done, none fails, the engine
+  // runs the next, and the process's memory stays where it was after the first 20.
+  void cancelAtAnyMomentTwoHundredTimes() {
+    job::GenerationRequest r;
+    r.model = (test::fixtures() / "tiny-sd").string();
+    r.prompt = "a red apple";
+    r.steps = 4;
+    r.width = r.height = 32;
+    r.preview_every = 1;
+    const auto rss = [] {
+      std::ifstream statm("/proc/self/statm");
+      long pages = 0, resident = 0;
+      statm >> pages >> resident;
+      return static_cast<std::int64_t>(resident) * ::sysconf(_SC_PAGESIZE);
+    };
+    engine::Engine engine;
+    std::mt19937 rng(7);
+    std::atomic<int> cancelled{0}, finished{0};
+    std::int64_t settled = 0;
+    for (int i = 0; i < 200; ++i) {
+      std::atomic<bool> ended{false};
+      std::string error;
+      job::JobObserver o;
+      o.on_preview = [](const job::PreviewEvent&) {};
+      o.on_done = [&](const job::GenerationResult&) {
+        ++finished;
+        ended = true;
+      };
+      o.on_cancelled = [&] {
+        ++cancelled;
+        ended = true;
+      };
+      o.on_error = [&](const std::string& m) {
+        error = m;
+        ended = true;
+      };
+      auto job = engine.submit(r, o);
+      // Mostly early (inside the job), every fourth late enough for some jobs to have finished.
+      std::this_thread::sleep_for(std::chrono::microseconds(rng() % (i == 0 ? 400000 : i % 4 ? 40000 : 400000)));
+      job->cancel();
+      for (int waited = 0; !ended.load() && waited < 60000; ++waited) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      QVERIFY(ended.load());
+      QVERIFY2(error.empty(), error.c_str());
+      if (i == 19) settled = rss();
+    }
+    const auto growth = rss() - settled;
+    qInfo("cancelled %d, finished %d; RSS after 20 jobs %.1f MB, after 200 %+.1f MB", cancelled.load(), finished.load(),
+          settled / 1e6, growth / 1e6);
+    QVERIFY(cancelled.load() > 0);
+    QVERIFY2(growth < (std::int64_t(64) << 20), "memory grows with cancelled jobs");
   }
 
   void workerThreadReportsOutcomes() {
