@@ -28,6 +28,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/engine/devices.h"
+#include "core/engine/png_parameters.h"
 #include "core/engine/preset.h"
 #include "core/io/image.h"
 #include "core/pipeline/image_processor.h"
@@ -810,6 +811,37 @@ class TestMainWindow : public QObject {
     QVERIFY(editor->hasMask());
     QCOMPARE(editor->mask().pixelColor(37, 30).value(), 255);
     QVERIFY(child<QLabel>(w, "restoredLabel")->text().contains("input image"));
+  }
+
+  // Saving to the output folder fails (here the "folder" is a file): the error says the image was
+  // made but not saved, the image stays in the session, and Save as writes it with its metadata.
+  void failedSaveKeepsTheImageForSaveAs() {
+    const QByteArray kept = qgetenv("DIFFRACT_OUTPUT_DIR");
+    const QString blocked = m_tmp.filePath("not-a-folder");
+    {
+      QFile f(blocked);
+      QVERIFY(f.open(QIODevice::WriteOnly));
+      f.write("x");
+    }
+    qputenv("DIFFRACT_OUTPUT_DIR", blocked.toLocal8Bit());
+    MainWindow w;
+    setUpJob(w, 2);
+    w.findChild<QPlainTextEdit*>("promptEdit")->setPlainText("a red apple");
+    const QImage out = runJob(w);
+    qputenv("DIFFRACT_OUTPUT_DIR", kept);
+    const QString error = child<QLabel>(w, "errorLabel")->text();
+    QVERIFY2(error.contains("made but not saved"), qPrintable(error));
+    QCOMPARE(w.results().size(), 1);
+    QVERIFY(w.results()[0].savedPath.isEmpty());
+    QVERIFY(child<QPushButton>(w, "saveResultAsButton")->isEnabled());
+    const QString to = m_tmp.filePath("saved-as.png");
+    QCOMPARE(w.saveResultAs(0, to), QString());
+    QCOMPARE(w.results()[0].savedPath, to);
+    QCOMPARE(engine::read_png_parameters(to.toStdString()).prompt.value_or(""), std::string("a red apple"));
+    QVERIFY(io::read_png(to.toStdString()).rgb == ui::toCoreImage(out).rgb);
+    // Where it cannot write: said, and the image is still there for another try.
+    QVERIFY(w.saveResultAs(0, m_tmp.filePath("no/such/folder/x.png")).contains("not saved"));
+    QCOMPARE(w.results().size(), 1);
   }
 
   void imageToImageAtStrengthZeroReturnsTheInput() {

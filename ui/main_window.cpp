@@ -13,6 +13,7 @@
 #include <QFutureWatcher>
 #include <QMimeData>
 #include <QtConcurrent/QtConcurrentRun>
+#include <QFileDialog>
 #include <QFileInfo>
 #include <QGroupBox>
 #include <QHBoxLayout>
@@ -284,6 +285,19 @@ void MainWindow::buildUi() {
   m_compare->setToolTip(tr("The last two images of this session side by side, their difference and PSNR / SSIM "
                            "(or select two in the gallery)"));
   statusRow->addWidget(m_compare);
+  m_saveAs = new QPushButton(tr("Save as…"));
+  m_saveAs->setObjectName(QStringLiteral("saveResultAsButton"));
+  m_saveAs->setToolTip(tr("Write the last result to a file of your choice (also when saving it to the output folder failed)"));
+  statusRow->addWidget(m_saveAs);
+  connect(m_saveAs, &QPushButton::clicked, this, [this] {
+    if (m_results.isEmpty()) return;
+    const QString path = QFileDialog::getSaveFileName(this, tr("Save image as"), QStringLiteral("diffract.png"),
+                                                      tr("PNG images (*.png)"));
+    if (path.isEmpty()) return;
+    const QString error = saveResultAs(static_cast<int>(m_results.size()) - 1, path);
+    if (!error.isEmpty()) showError(error);
+    else m_status->setText(tr("Saved %1").arg(QDir::toNativeSeparators(path)));
+  });
   auto* useAsInput = new QPushButton(tr("Use as input"));
   useAsInput->setObjectName(QStringLiteral("useAsInputButton"));
   useAsInput->setToolTip(tr("Vary this result: it becomes the input image (paint a mask to repaint part of it)"));
@@ -480,6 +494,18 @@ void MainWindow::onFinished(const QList<QImage>& images, const QString& metadata
   updateControls();
 }
 
+QString MainWindow::saveResultAs(int index, const QString& path) {
+  if (index < 0 || index >= m_results.size()) return tr("no result %1 to save").arg(index + 1);
+  auto& r = m_results[index];
+  try {
+    engine::save_image(path.toStdString(), toCoreImage(r.image), r.parameters.toStdString(), r.metadataJson.toStdString());
+  } catch (const std::exception& e) {
+    return tr("The image was not saved: %1").arg(QString::fromUtf8(e.what()));
+  }
+  r.savedPath = path;
+  return {};
+}
+
 void MainWindow::showError(const QString& message) {
   m_error->setText(message);
   m_error->show();
@@ -490,6 +516,7 @@ void MainWindow::updateControls() {
   const bool haveModel = !m_model->text().trimmed().isEmpty();
   m_cancel->setEnabled(running);
   m_compare->setEnabled(m_results.size() >= 2);
+  m_saveAs->setEnabled(!m_results.isEmpty());
   m_generate->setText(running ? tr("Restart") : tr("Generate"));
   m_hint->setVisible(!haveModel);
   m_view->setPlaceholder(haveModel ? tr("Press Generate (Ctrl+Enter) to see every step here.") : noModelHint());

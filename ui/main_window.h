@@ -87,6 +87,10 @@ class MainWindow : public QMainWindow {
   LoraPanel* loraPanel() const { return m_loraPanel; }
   ControlNetPanel* controlNetPanel() const { return m_controlNetPanel; }
   MaskEditor* maskEditor() const;
+  // Writes session result `index` (an index into results()) to `path` as the output folder would
+  // (PNG, its parameters and metadata): the way out when the automatic save failed (a full
+  // disk, a missing folder). Empty on success, else why not.
+  QString saveResultAs(int index, const QString& path);
   // Opens the compare window on session results a and b (indexes into results()).
   CompareView* compareResults(int a, int b);
   // Reads two PNGs off the GUI thread, then opens the compare window on them.
@@ -146,6 +150,7 @@ class MainWindow : public QMainWindow {
   PresetBar* m_presetBar = nullptr;
   QLabel* m_restored = nullptr;
   QPushButton* m_compare = nullptr;
+  QPushButton* m_saveAs = nullptr;
   GalleryView* m_gallery = nullptr;
   QPushButton* m_generate = nullptr;
   QPushButton* m_cancel = nullptr;
