@@ -69,6 +69,16 @@ c10::ScalarType storage_dtype(const std::string& name, const std::string& where)
 class Unpickler {
  public:
   Unpickler(const std::string& where, caffe2::serialize::PyTorchStreamReader& zip) : where_(where), zip_(zip) {}
+  // A pickle can make a list or dict hold itself (through the memo): the shared_ptr cycles would
+  // never be freed, so every container is emptied here (found by tests/fuzz/fuzz_pth).
+  ~Unpickler() {
+    for (auto& c : containers_) {
+      if (auto* t = std::get_if<Tuple>(&c->v)) t->items.clear();
+      if (auto* d = std::get_if<Dict>(&c->v)) d->items.clear();
+    }
+  }
+  Unpickler(const Unpickler&) = delete;
+  Unpickler& operator=(const Unpickler&) = delete;
 
   ValuePtr run(const char* data, std::size_t size) {
     p_ = data;
@@ -106,12 +116,12 @@ class Unpickler {
         case 0x94: memo_[memo_.size()] = top(); break;   // MEMOIZE
         case 'h': push(memo(u8())); break;               // BINGET
         case 'j': push(memo(le<uint32_t>())); break;     // LONG_BINGET
-        case ')': push(make(Tuple{})); break;            // EMPTY_TUPLE
+        case ')': push(container(Tuple{})); break;       // EMPTY_TUPLE
         case 0x85: push(tuple(pop_n(1))); break;         // TUPLE1
         case 0x86: push(tuple(pop_n(2))); break;         // TUPLE2
         case 0x87: push(tuple(pop_n(3))); break;         // TUPLE3
         case 't': push(tuple(pop_mark())); break;        // TUPLE
-        case ']': push(make(Tuple{})); break;            // EMPTY_LIST (lists are read as tuples)
+        case ']': push(container(Tuple{})); break;       // EMPTY_LIST (lists are read as tuples)
         case 'l': push(tuple(pop_mark())); break;        // LIST
         case 'a': {                                      // APPEND
           auto v = pop();
@@ -126,10 +136,10 @@ class Unpickler {
           list.insert(list.end(), items.begin(), items.end());
           break;
         }
-        case '}': push(make(Dict{})); break;             // EMPTY_DICT
+        case '}': push(container(Dict{})); break;        // EMPTY_DICT
         case 'd': {                                      // DICT
           auto items = pop_mark();
-          auto d = make(dict_of(items));
+          auto d = container(dict_of(items));
           for (const auto& v : items) nest(d, v);
           push(d);
           break;
@@ -210,13 +220,18 @@ class Unpickler {
   }
 
   void push(ValuePtr v) { stack_.push_back(std::move(v)); }
+  ValuePtr container(decltype(Value::v) v) {
+    auto c = make(std::move(v));
+    containers_.push_back(c);
+    return c;
+  }
   // `outer` now holds `inner`: its depth, bounded.
   void nest(const ValuePtr& outer, const ValuePtr& inner) {
     outer->depth = std::max(outer->depth, inner->depth + 1);
     if (outer->depth > kMaxDepth) corrupt("containers nested deeper than " + std::to_string(kMaxDepth) + " levels");
   }
   ValuePtr tuple(std::vector<ValuePtr> items) {
-    auto t = make(Tuple{});
+    auto t = container(Tuple{});
     for (const auto& v : items) nest(t, v);
     std::get<Tuple>(t->v).items = std::move(items);
     return t;
@@ -307,7 +322,7 @@ class Unpickler {
   ValuePtr reduce(const ValuePtr& fn, const ValuePtr& args) {
     const auto* g = std::get_if<Global>(&fn->v);
     if (!g) return make(Opaque{});
-    if (g->module == "collections" && (g->name == "OrderedDict" || g->name == "defaultdict")) return make(Dict{});
+    if (g->module == "collections" && (g->name == "OrderedDict" || g->name == "defaultdict")) return container(Dict{});
     const auto& a = as<Tuple>(args, "REDUCE").items;
     if (g->module == "torch._utils" && g->name == "_rebuild_tensor_v2") {
       // (storage, storage_offset, size, stride, requires_grad, backward_hooks[, metadata])
@@ -346,6 +361,7 @@ class Unpickler {
   const char* p_ = nullptr;
   const char* end_ = nullptr;
   std::vector<ValuePtr> stack_;
+  std::vector<ValuePtr> containers_;  // every tuple, list and dict made, emptied at the end
   std::map<uint32_t, ValuePtr> memo_;
   std::map<std::string, at::Tensor> storages_;
 };
