@@ -79,6 +79,21 @@ def main():
                            "\\(literal\\) (a:1.5 [b] c)", "x " * 120, "日本語 emoji 🍎 (café:0.9)"]):
         put(args.out, "prompt", f"p{i}", p)
 
+    if args.fixtures:  # every checkpoint's names and shapes, as fuzz_single_file reads them
+        from safetensors import safe_open
+        for path in glob.glob(os.path.join(args.fixtures, "**", "*.safetensors"), recursive=True):
+            try:
+                with safe_open(path, "pt") as f:
+                    lines = [" ".join([k] + [str(d) for d in f.get_slice(k).get_shape()]) for k in f.keys()]
+            except Exception:
+                continue
+            text = "\n".join(lines)
+            if len(text) <= 65536:
+                put(args.out, "single_file", os.path.relpath(path, args.fixtures).replace(os.sep, "_") + ".txt", text)
+    put(args.out, "single_file", "sd1-head.txt", "model.diffusion_model.input_blocks.0.0.weight 320 4 3 3\n"
+        "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight 320 768\n"
+        "first_stage_model.decoder.conv_in.weight 512 4 3 3\n"
+        "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight 49408 768\n")
     if args.fixtures:  # the reference scripts' small files
         for path in glob.glob(os.path.join(args.fixtures, "**", "*"), recursive=True):
             if not os.path.isfile(path) or os.path.getsize(path) > 65536:
