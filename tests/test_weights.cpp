@@ -101,6 +101,9 @@ class TestWeights : public QObject {
     DIFFRACT_EXPECT_ERROR(io::load_state_dict(dir / "past.pth"), "past.pth", "reaches past its storage");
     write_pth(dir / "huge.pth", tensor_pickle(4, 0, 4611686018427387903LL), {{"0", std::string(16, '\0')}});
     DIFFRACT_EXPECT_ERROR(io::load_state_dict(dir / "huge.pth"), "huge.pth");
+    // Millions of one-byte pushes (gigabytes of values for a few megabytes of pickle).
+    write_pth(dir / "pushes.pth", proto + std::string((std::size_t(4) << 20) + 1, 'N') + ".", {});
+    DIFFRACT_EXPECT_ERROR(io::load_state_dict(dir / "pushes.pth"), "pushes.pth", "values on the stack");
     const auto fifo = dir / "fifo.pth";
     QCOMPARE(::mkfifo(fifo.c_str(), 0600), 0);
     DIFFRACT_EXPECT_ERROR(io::load_state_dict(fifo), "fifo.pth", "a FIFO");

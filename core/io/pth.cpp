@@ -49,6 +49,9 @@ struct Value {
 constexpr int kMaxDepth = 256;
 // data.pkl of an SDXL checkpoint is under a megabyte.
 constexpr std::size_t kMaxPickleBytes = std::size_t(256) << 20;
+// Values on the stack and memo entries: a state dict of 10 000 tensors uses about 50 000 memo
+// entries; millions of one-byte opcodes would otherwise hold gigabytes of values.
+constexpr std::size_t kMaxEntries = std::size_t(4) << 20;
 
 ValuePtr make(decltype(Value::v) v) { return std::make_shared<Value>(Value{std::move(v)}); }
 
@@ -111,9 +114,9 @@ class Unpickler {
           push(make(Global{module, name}));
           break;
         }
-        case 'q': memo_[u8()] = top(); break;            // BINPUT
-        case 'r': memo_[le<uint32_t>()] = top(); break;  // LONG_BINPUT
-        case 0x94: memo_[memo_.size()] = top(); break;   // MEMOIZE
+        case 'q': put(u8()); break;                      // BINPUT
+        case 'r': put(le<uint32_t>()); break;            // LONG_BINPUT
+        case 0x94: put(static_cast<uint32_t>(memo_.size())); break;  // MEMOIZE
         case 'h': push(memo(u8())); break;               // BINGET
         case 'j': push(memo(le<uint32_t>())); break;     // LONG_BINGET
         case ')': push(container(Tuple{})); break;       // EMPTY_TUPLE
@@ -219,7 +222,15 @@ class Unpickler {
     return s;
   }
 
-  void push(ValuePtr v) { stack_.push_back(std::move(v)); }
+  void push(ValuePtr v) {
+    if (stack_.size() >= kMaxEntries) corrupt("more than " + std::to_string(kMaxEntries) + " values on the stack");
+    stack_.push_back(std::move(v));
+  }
+  void put(uint32_t index) {
+    if (memo_.size() >= kMaxEntries && !memo_.count(index))
+      corrupt("more than " + std::to_string(kMaxEntries) + " memo entries");
+    memo_[index] = top();
+  }
   ValuePtr container(decltype(Value::v) v) {
     auto c = make(std::move(v));
     containers_.push_back(c);
