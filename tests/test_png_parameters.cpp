@@ -85,6 +85,18 @@ class TestPngParameters : public QObject {
     QCOMPARE(p.unmapped.size(), std::size_t(2));
   }
 
+  // Someone's settings line with a million characters and no colon before the settings, and a
+  // quoted value as long: read as A1111 reads it (searching from every position was quadratic,
+  // and libstdc++'s regex overflowed the stack on the quoted value).
+  void a1111LongSettingsLine() {
+    const std::string line = std::string(1000000, 'a') + ", Steps: 20, Sampler: Euler, CFG scale: 7, Note: \"" +
+                             std::string(1000000, 'q') + "\"";
+    const auto p = engine::parse_png_parameters({{"parameters", "an apple\n" + line}}, "long.png");
+    QCOMPARE(*p.steps, 20);
+    QCOMPARE(*p.cfg, 7.0);
+    QCOMPARE(*p.prompt, std::string("an apple"));
+  }
+
   void a1111Samplers_data() {
     QTest::addColumn<QString>("sampler");
     QTest::addColumn<QString>("schedule");

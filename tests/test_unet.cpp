@@ -1,3 +1,4 @@
+#include <cmath>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -66,6 +67,16 @@ class TestUNet : public QObject {
     DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "e"), "shape mismatches", "attn2.to_k.weight");
     test::copy_with_config(src, dir / "f", [](auto& j) { j["addition_embed_type"] = "text_image"; });
     DIFFRACT_EXPECT_ERROR(models::load_unet_2d_condition(dir / "f"), "'addition_embed_type'", "only 'text_time'");
+  }
+
+  // The size estimate behind "needs N GB" against diffusers' own count of SD 1.5's and SDXL's
+  // UNet parameters (UNet2DConditionModel built on the meta device: 859 520 964 and 2 567 463 684).
+  void parameterCountIsWithinAFewPerCent() {
+    const auto near = [](int64_t estimate, double diffusers) { return std::abs(estimate / diffusers - 1.0) < 0.05; };
+    QVERIFY2(near(models::UNet2DConditionConfig::sd15().parameter_count(), 859520964.0),
+             qPrintable(QString::number(models::UNet2DConditionConfig::sd15().parameter_count())));
+    QVERIFY2(near(models::UNet2DConditionConfig::sdxl_base().parameter_count(), 2567463684.0),
+             qPrintable(QString::number(models::UNet2DConditionConfig::sdxl_base().parameter_count())));
   }
 
   // Configs a hostile or broken file gives: errors naming the file and the key before any module

@@ -144,14 +144,19 @@ bool space_char(char c) { return std::isspace(static_cast<unsigned char>(c)) != 
 std::vector<std::pair<std::string, std::string>> settings_pairs(const std::string& line) {
   std::vector<std::pair<std::string, std::string>> out;
   const std::size_t n = line.size();
-  // The match starting at `at`, if any: [key, value) spans and its end.
+  // The match starting at `at`, if any, and its end; else npos, with `resume` where the next
+  // match can start: no start inside a key-like run that is not followed by ':' can match
+  // (searching one position further each time was quadratic on a long line without colons).
+  std::size_t resume = 0;
   const auto match_at = [&](std::size_t at, std::pair<std::string, std::string>& kv) -> std::size_t {
     std::size_t i = at;
+    resume = at + 1;
     while (i < n && space_char(line[i])) ++i;
     const std::size_t key = i;
     if (i >= n || !word_char(line[i])) return std::string::npos;
     ++i;
     while (i < n && (word_char(line[i]) || line[i] == ' ' || line[i] == '-' || line[i] == '/')) ++i;
+    resume = std::max(resume, i);
     if (i - key < 2 || i >= n || line[i] != ':') return std::string::npos;
     kv.first = trim(line.substr(key, i - key));
     ++i;
@@ -180,7 +185,7 @@ std::vector<std::pair<std::string, std::string>> settings_pairs(const std::strin
     std::pair<std::string, std::string> kv;
     const std::size_t end = match_at(at, kv);
     if (end == std::string::npos) {
-      ++at;
+      at = resume;
       continue;
     }
     out.push_back(std::move(kv));

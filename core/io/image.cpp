@@ -234,14 +234,11 @@ DecodedImage read_jpeg(const std::filesystem::path& path) {
 }  // namespace
 
 DecodedImage read_image(const std::filesystem::path& path) {
-  require_regular_file(path);  // a FIFO or a device would block fopen()
+  // read_file_head refuses a FIFO or a device at once (fopen() would block on them).
+  const std::string head = read_file_head(path, 8);
+  if (head.empty()) throw Error(path.string() + ": the file is empty");
   unsigned char sig[8] = {};
-  {
-    File file{std::fopen(path.c_str(), "rb")};
-    if (!file.f) throw Error(path.string() + ": cannot open");
-    const std::size_t n = std::fread(sig, 1, 8, file.f);
-    if (n == 0) throw Error(path.string() + ": the file is empty");
-  }
+  std::copy(head.begin(), head.end(), sig);
   if (png_sig_cmp(sig, 0, 8) == 0) {
     DecodedImage out;
     out.format = "png";

@@ -404,9 +404,8 @@ std::string zip_reason(const c10::Error& e) {
 
 StateDict load_pth(const std::filesystem::path& path) {
   const std::string where = path.string();
-  require_regular_file(path);
   {
-    const auto head = read_file_head(path, 2);
+    const auto head = read_file_head(path, 2);  // a FIFO, a folder, a missing file: an Error here
     if (head != "PK")
       throw Error(where + ": not a torch.save zip archive (legacy pickled checkpoints are not supported; "
                   "re-save it with torch.save or convert it to safetensors)");
@@ -414,8 +413,8 @@ StateDict load_pth(const std::filesystem::path& path) {
   try {
     caffe2::serialize::PyTorchStreamReader zip(path.string());
     if (!zip.hasRecord("data.pkl")) throw Error(where + ": no data.pkl in the archive");
-    if (zip.getRecordSize("data.pkl") > kMaxPickleBytes)
-      throw Error(where + ": its data.pkl claims " + std::to_string(zip.getRecordSize("data.pkl")) +
+    if (const auto claimed = zip.getRecordSize("data.pkl"); claimed > kMaxPickleBytes)
+      throw Error(where + ": its data.pkl claims " + std::to_string(claimed) +
                   " bytes, more than a state dict's pickle can need");
     auto [ptr, size] = zip.getRecord("data.pkl");
     Unpickler unpickler(where, zip);

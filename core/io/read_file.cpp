@@ -44,8 +44,7 @@ namespace {
 
 // Reads at most `limit` bytes; more than `limit` in the file is an error when `whole`.
 std::string read_bytes(const std::filesystem::path& path, std::size_t limit, bool whole, const std::string& what) {
-  require_regular_file(path, what);
-  // O_NONBLOCK: should the file become a FIFO after the check, open() does not wait for a writer.
+  // O_NONBLOCK: a FIFO opens at once instead of waiting for a writer; fstat then refuses it.
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) throw stat_error(path, what, errno);
   struct Closer {

@@ -7,8 +7,9 @@
 
 namespace diffract::io {
 
-// The path's file status if it is a regular file (following symlinks); else an Error naming the
-// path and what it is instead. `what` names the role ("the preset") in the message.
+// Nothing when the path is a regular file (following symlinks); else an Error naming the path
+// and what it is instead (missing, a folder, a FIFO, a device, a symlink loop). `what` names
+// the role ("preset") in the message.
 void require_regular_file(const std::filesystem::path& path, const std::string& what = "");
 
 // The whole file, at most `max_bytes` (larger is an Error), opened without blocking.

@@ -35,6 +35,7 @@ constexpr int kMappingSlots = 4096;
 std::atomic<std::uintptr_t> g_mapping_begin[kMappingSlots], g_mapping_end[kMappingSlots];
 std::atomic<std::uint64_t> g_mapping_faults{0};
 struct sigaction g_previous_sigbus {};
+std::uintptr_t g_page_size = 4096;  // set before the handler is installed (sysconf is not signal-safe)
 
 void on_sigbus(int sig, siginfo_t* info, void* context) {
   const auto addr = reinterpret_cast<std::uintptr_t>(info->si_addr);
@@ -42,9 +43,8 @@ void on_sigbus(int sig, siginfo_t* info, void* context) {
     const auto begin = g_mapping_begin[i].load(std::memory_order_acquire);
     if (begin == 0 || addr < begin || addr >= g_mapping_end[i].load(std::memory_order_acquire)) continue;
     // One of ours: zeros over the page past the end, counted; the read then goes on.
-    const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
-    void* at = reinterpret_cast<void*>(addr & ~(page - 1));
-    if (::mmap(at, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED) {
+    void* at = reinterpret_cast<void*>(addr & ~(g_page_size - 1));
+    if (::mmap(at, g_page_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED) {
       g_mapping_faults.fetch_add(1, std::memory_order_relaxed);
       return;
     }
@@ -62,6 +62,7 @@ void on_sigbus(int sig, siginfo_t* info, void* context) {
 int register_mapping(const void* data, std::size_t size) {
   static std::once_flag installed;
   std::call_once(installed, [] {
+    g_page_size = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
     struct sigaction sa {};
     sa.sa_sigaction = on_sigbus;
     sa.sa_flags = SA_SIGINFO | SA_RESTART;

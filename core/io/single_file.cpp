@@ -379,7 +379,8 @@ bool is_ldm_controlnet(const StateDict& all) {
 
 StateDict map_ldm_controlnet(const StateDict& all, std::size_t* dropped) {
   const std::string prefix = "control_model.";
-  const bool prefixed = all.lower_bound(prefix) != all.end() && starts_with(all.lower_bound(prefix)->first, prefix);
+  const auto first = all.lower_bound(prefix);
+  const bool prefixed = first != all.end() && starts_with(first->first, prefix);
   const StateDict ldm = prefixed ? strip(all, prefix) : all;
   if (dropped) *dropped = all.size() - ldm.size();
   const auto hint = indices(ldm, "input_hint_block.");

@@ -1,5 +1,7 @@
 #include "core/pipeline/factory.h"
 
+#include <optional>
+
 #include "core/io/json_file.h"
 #include "core/pipeline/single_file.h"
 #include "core/pipeline/stable_diffusion.h"
@@ -9,10 +11,17 @@ namespace diffract::pipeline {
 
 namespace fs = std::filesystem;
 
-bool is_sd3_folder(const fs::path& model) {
+namespace {
+
+// A diffusers folder's model_index.json, or nothing for anything else (a single file).
+std::optional<io::JsonFile> model_index(const fs::path& model) {
+  std::error_code ec;
   const auto index_path = model / "model_index.json";
-  if (!fs::is_directory(model) || !fs::is_regular_file(index_path)) return false;
-  const auto index = io::JsonFile::read(index_path);
+  if (!fs::is_directory(model, ec) || !fs::is_regular_file(index_path, ec)) return std::nullopt;
+  return io::JsonFile::read(index_path);
+}
+
+bool is_sd3_index(const io::JsonFile& index) {
   const auto cls = index.optional<std::string>("_class_name", "");
   if (cls.rfind("StableDiffusion3", 0) == 0) return true;
   const auto& j = index.json();
@@ -21,28 +30,29 @@ bool is_sd3_folder(const fs::path& model) {
          (*it)[1].get<std::string>() == "SD3Transformer2DModel";
 }
 
-namespace {
-
-// A diffusers folder of a pipeline these loaders do not run is refused by its class name before
-// anything is read as an SD UNet.
-void check_pipeline_class(const fs::path& model) {
-  std::error_code ec;
-  const auto index_path = model / "model_index.json";
-  if (!fs::is_directory(model, ec) || !fs::is_regular_file(index_path, ec)) return;
-  const auto cls = io::JsonFile::read(index_path).optional<std::string>("_class_name", "");
+// A folder of a pipeline these loaders do not run is refused by its class name before anything
+// is read as an SD UNet.
+void check_pipeline_class(const io::JsonFile& index) {
+  const auto cls = index.optional<std::string>("_class_name", "");
   const bool sd = cls.rfind("StableDiffusion", 0) == 0 && cls.find("Upscale") == std::string::npos &&
                   cls.find("Video") == std::string::npos && cls.find("Cascade") == std::string::npos;
   if (cls.empty() || sd) return;
-  throw Error(index_path.string() + ": a " + io::json_brief(nlohmann::json(cls)) +
+  throw Error(index.path().string() + ": a " + io::json_brief(nlohmann::json(cls)) +
               ", which Diffract does not run (it runs StableDiffusion, StableDiffusionXL and StableDiffusion3 pipelines)");
 }
 
 }  // namespace
 
+bool is_sd3_folder(const fs::path& model) {
+  const auto index = model_index(model);
+  return index && is_sd3_index(*index);
+}
+
 std::unique_ptr<Pipeline> load_pipeline(const fs::path& model, const std::string& device, const fs::path& config_dir,
                                         bool drop_t5) {
-  check_pipeline_class(model);
-  if (is_sd3_folder(model) || is_sd3_single_file(model)) {
+  const auto index = model_index(model);
+  if (index) check_pipeline_class(*index);
+  if (index ? is_sd3_index(*index) : is_sd3_single_file(model)) {
     StableDiffusion3::LoadOptions options;
     options.drop_t5 = drop_t5;
     options.config_dir = config_dir;

@@ -1,7 +1,6 @@
 #include "core/pipeline/pipeline_util.h"
 
 #include <cmath>
-
 #include <cstdlib>
 #include <optional>
 #include <sstream>
