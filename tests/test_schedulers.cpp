@@ -238,6 +238,34 @@ class TestSchedulers : public QObject {
     QCOMPARE(c.num_train_timesteps, 1000);
   }
 
+  // Flux's schedules: the pipeline's linspace sigmas with the resolution-dependent shift (dev, and
+  // its linear variant), without it (schnell), and the training schedule under a time shift.
+  void fluxSchedulesMatch() {
+    const auto& sw = tensors("flow_sweep.safetensors");
+    std::ifstream in(dir() / "flux_schedules.json");
+    const auto cases = nlohmann::json::parse(in);
+    QVERIFY(cases.size() >= 90);
+    for (const auto& k : cases) {
+      const auto key = k.at("key").get<std::string>();
+      auto cfg = SchedulerConfig::from_json_text(k.at("config").dump(), SamplerKind::FlowMatchEuler, key);
+      cfg.linear_sigmas = k.at("linear_sigmas").get<bool>();
+      if (!k.at("mu").is_null()) {
+        QVERIFY(cfg.use_dynamic_shifting);
+        const double mu = cfg.flow_mu(k.at("image_seq_len").get<int64_t>());
+        QVERIFY2(std::abs(mu - k.at("mu").get<double>()) < 1e-12, key.c_str());
+        cfg.mu = mu;
+      }
+      const auto s = Sampler::create(SamplerKind::FlowMatchEuler, cfg, k.at("steps").get<int>());
+      EXPECT_MATCH(s->timesteps(), sw.at(key + ".timesteps"), 0, key + " timesteps");
+      EXPECT_MATCH(s->sigmas(), sw.at(key + ".sigmas"), 0, key + " sigmas");
+    }
+    auto dev = SchedulerConfig::from_json_text(cases.at(0).at("config").dump(), SamplerKind::FlowMatchEuler, "dev");
+    DIFFRACT_EXPECT_ERROR(Sampler::create(SamplerKind::FlowMatchEuler, dev, 4), "use_dynamic_shifting",
+                          "gave no mu");
+    dev.mu = 1e6;
+    DIFFRACT_EXPECT_ERROR(Sampler::create(SamplerKind::FlowMatchEuler, dev, 4), "mu", "out of range");
+  }
+
   // Flow Euler's jump is the straight line along v, from any step to any later one.
   void flowJumpIsLinearInSigma() {
     const auto& t = tensors("trajectories.safetensors");
@@ -481,10 +509,12 @@ class TestSchedulers : public QObject {
       return d / ("flow_" + key) / "scheduler_config.json";
     };
     const auto flow = SamplerKind::FlowMatchEuler;
-    DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(flow_with("use_dynamic_shifting", true), flow),
-                          "scheduler_config.json", "key 'use_dynamic_shifting'",
-                          "not supported by the flow-euler sampler");
-    QVERIFY(!native_sampler(flow_with("use_dynamic_shifting", true)));
+    QVERIFY(SchedulerConfig::from_json(flow_with("use_dynamic_shifting", true), flow).use_dynamic_shifting);
+    QVERIFY(native_sampler(flow_with("use_dynamic_shifting", true)) == flow);
+    DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(flow_with("time_shift_type", "cubic"), flow),
+                          "key 'time_shift_type'", "unknown value 'cubic'");
+    DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(flow_with("invert_sigmas", true), flow),
+                          "key 'invert_sigmas'", "not supported by the flow-euler sampler");
     DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(flow_with("shift", -1.0), flow),
                           "scheduler_config.json", "shift must be positive");
     DIFFRACT_EXPECT_ERROR(SchedulerConfig::from_json(flow_with("shift", "three"), flow),

@@ -34,20 +34,6 @@ struct Tolerance {
   double out = 5e-6;
 };
 
-std::string mismatch(const at::Tensor& got, const at::Tensor& want, double rtol) {
-  if (got.sizes() != want.sizes()) return "shape " + c10::str(got.sizes()) + " vs " + c10::str(want.sizes());
-  const double scale = std::max(1.0, want.abs().max().item<double>());
-  const double d = test::max_abs_diff(got, want);
-  if (d <= rtol * scale) return "";
-  return "max |diff| " + std::to_string(d) + " > " + std::to_string(rtol * scale);
-}
-
-#define EXPECT_CLOSE(got, want, rtol, what)                                                    \
-  do {                                                                                         \
-    const std::string _m = mismatch((got), (want), (rtol));                                    \
-    QVERIFY2(_m.empty(), qPrintable(QString::fromStdString(std::string(what) + ": " + _m)));    \
-  } while (0)
-
 void run_case(models::SD3Transformer2DModel& model, const std::string& key) {
   at::NoGradGuard no_grad;
   const auto& e = cases();
@@ -58,21 +44,21 @@ void run_case(models::SD3Transformer2DModel& model, const std::string& key) {
   const auto& t = e.at(key + ".in.t");
   // Layer by layer: the embeddings, each block's two streams, the output.
   auto s = model->embed(x, ctx, pooled, t);
-  EXPECT_CLOSE(s.x, e.at(key + ".embed.x"), tol.embed, key + " embed.x");
-  EXPECT_CLOSE(s.temb, e.at(key + ".embed.temb"), tol.embed, key + " embed.temb");
-  EXPECT_CLOSE(s.context, e.at(key + ".embed.context"), tol.embed, key + " embed.context");
+  DIFFRACT_EXPECT_CLOSE(s.x, e.at(key + ".embed.x"), tol.embed, key + " embed.x");
+  DIFFRACT_EXPECT_CLOSE(s.temb, e.at(key + ".embed.temb"), tol.embed, key + " embed.temb");
+  DIFFRACT_EXPECT_CLOSE(s.context, e.at(key + ".embed.context"), tol.embed, key + " embed.context");
   const size_t n = model->transformer_blocks->size();
   for (size_t i = 0; i < n; ++i) {
     model->run_block(i, s);
     const auto b = key + ".block" + std::to_string(i);
     const double rtol = tol.embed + tol.per_block * static_cast<double>(i + 1);
-    EXPECT_CLOSE(s.x, e.at(b + ".x"), rtol, b + ".x");
-    if (i + 1 < n) EXPECT_CLOSE(s.context, e.at(b + ".context"), rtol, b + ".context");
+    DIFFRACT_EXPECT_CLOSE(s.x, e.at(b + ".x"), rtol, b + ".x");
+    if (i + 1 < n) DIFFRACT_EXPECT_CLOSE(s.context, e.at(b + ".context"), rtol, b + ".context");
     else QVERIFY2(!s.context.defined() && !e.count(b + ".context"), "the last block is context_pre_only");
   }
-  EXPECT_CLOSE(model->unpatchify_output(s), e.at(key + ".out"), tol.out, key + " out");
+  DIFFRACT_EXPECT_CLOSE(model->unpatchify_output(s), e.at(key + ".out"), tol.out, key + " out");
   // The whole forward, from the diffusers inputs alone.
-  EXPECT_CLOSE(model->forward(x, ctx, pooled, t), e.at(key + ".out"), tol.out, key + " forward");
+  DIFFRACT_EXPECT_CLOSE(model->forward(x, ctx, pooled, t), e.at(key + ".out"), tol.out, key + " forward");
 }
 
 }  // namespace
@@ -119,7 +105,7 @@ class TestSD3Transformer : public QObject {
       const auto folder = dir() / name / "transformer";
       models::SD3Transformer2DModel fresh(models::SD3Transformer2DConfig::from_json(folder / "config.json"));
       const auto stored = io::load_state_dict(folder / "diffusion_pytorch_model.safetensors").at("pos_embed.pos_embed");
-      EXPECT_CLOSE(fresh->pos_embed->pos_embed, stored, 1e-6, std::string(name) + " pos_embed");
+      DIFFRACT_EXPECT_CLOSE(fresh->pos_embed->pos_embed, stored, 1e-6, std::string(name) + " pos_embed");
     }
   }
 

@@ -27,6 +27,16 @@ inline double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
 }
 
+// "" when got ≈ want within rtol of want's magnitude (at least 1), else what differs: the
+// layer-by-layer checks against diffusers (llm.c style, a tolerance per tensor).
+inline std::string scaled_mismatch(const at::Tensor& got, const at::Tensor& want, double rtol) {
+  if (got.sizes() != want.sizes()) return "shape " + c10::str(got.sizes()) + " vs " + c10::str(want.sizes());
+  const double scale = std::max(1.0, want.abs().max().item<double>());
+  const double d = max_abs_diff(got, want);
+  if (d <= rtol * scale) return "";
+  return "max |diff| " + std::to_string(d) + " > " + std::to_string(rtol * scale);
+}
+
 // A copy of the model folder `src` (config.json + diffusion_pytorch_model.safetensors) in `dst`
 // with its config edited: for the bad-config error tests.
 inline void copy_with_config(const std::filesystem::path& src, const std::filesystem::path& dst,
@@ -50,6 +60,13 @@ inline void copy_with_config(const std::filesystem::path& src, const std::filesy
              qPrintable(QString("shape %1 vs %2").arg(c10::str(_a.sizes()).c_str(), c10::str(_b.sizes()).c_str()))); \
     const double _d = diffract::test::max_abs_diff(_a, _b);                                                 \
     QVERIFY2(_d <= (atol), qPrintable(QString("%1: max |diff| %2 > %3").arg(#a).arg(_d).arg(atol)));        \
+  } while (0)
+
+// Fails the test naming `what` unless got ≈ want within rtol of want's magnitude (scaled_mismatch).
+#define DIFFRACT_EXPECT_CLOSE(got, want, rtol, what)                                                        \
+  do {                                                                                                      \
+    const std::string _m = diffract::test::scaled_mismatch((got), (want), (rtol));                          \
+    QVERIFY2(_m.empty(), qPrintable(QString::fromStdString(std::string(what) + ": " + _m)));                 \
   } while (0)
 
 // Runs `expr`, which must throw diffract::Error whose message contains every fragment.

@@ -1,11 +1,12 @@
-// Flow-matching Euler, as diffusers' FlowMatchEulerDiscreteScheduler (static shift, no
-// dynamic shifting, deterministic).
+// Flow-matching Euler, as diffusers' FlowMatchEulerDiscreteScheduler (static or
+// resolution-dependent shift, deterministic).
 #include "core/schedulers/flow_match.h"
 
 #include <ATen/ATen.h>
 
 #include "core/schedulers/detail.h"
 #include "core/schedulers/schedule.h"
+#include "core/util/error.h"
 
 namespace diffract::schedulers {
 
@@ -24,7 +25,13 @@ namespace {
 class FlowMatchEulerSampler final : public Sampler {
  public:
   FlowMatchEulerSampler(const SchedulerConfig& c, int n) : Sampler(SamplerKind::FlowMatchEuler, c) {
-    sigmas_ = flow_match_sigmas(c.num_train_timesteps, n, c.shift);
+    std::optional<FlowTimeShift> time_shift;
+    if (c.use_dynamic_shifting) {
+      if (!c.mu) throw Error("flow-euler sampler: the scheduler shifts by resolution (use_dynamic_shifting), but the "
+                             "pipeline gave no mu for the image's size");
+      time_shift = FlowTimeShift{*c.mu, c.time_shift_type == "linear"};
+    }
+    sigmas_ = flow_match_sigmas(c.num_train_timesteps, n, c.shift, time_shift, c.linear_sigmas);
     for (double s : sigmas_) timesteps_.push_back(f32(s * c.num_train_timesteps));
     sigmas_.push_back(0.0);
     init_noise_sigma_ = 1.0;

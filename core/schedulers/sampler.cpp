@@ -111,14 +111,22 @@ double read_number_or_infinity(const Reader& r, const io::JsonFile& j, const std
   return r.get<double>(key, fallback);
 }
 
-// FlowMatchEulerDiscreteScheduler's keys: a static shift; the schedule variants it also offers
-// (dynamic / terminal shifting, inverted, Karras / exponential / beta sigmas, stochastic
-// sampling) are not implemented.
+// FlowMatchEulerDiscreteScheduler's keys: a static shift or resolution-dependent shifting; the
+// schedule variants it also offers (terminal shifting, inverted, Karras / exponential / beta
+// sigmas, stochastic sampling) are not implemented.
 SchedulerConfig resolve_flow(const io::JsonFile& j, const Reader& r) {
   SchedulerConfig c = SchedulerConfig::defaults(SamplerKind::FlowMatchEuler);
   c.num_train_timesteps = r.get<int>("num_train_timesteps", c.num_train_timesteps);
   c.shift = r.get<double>("shift", c.shift);
-  for (const char* key : {"use_dynamic_shifting", "invert_sigmas", "use_karras_sigmas", "use_exponential_sigmas",
+  c.use_dynamic_shifting = r.get<bool>("use_dynamic_shifting", false);
+  c.base_shift = r.get<double>("base_shift", c.base_shift);
+  c.max_shift = r.get<double>("max_shift", c.max_shift);
+  c.base_image_seq_len = r.get<int>("base_image_seq_len", c.base_image_seq_len);
+  c.max_image_seq_len = r.get<int>("max_image_seq_len", c.max_image_seq_len);
+  c.time_shift_type = r.get<std::string>("time_shift_type", c.time_shift_type);
+  if (c.time_shift_type != "exponential" && c.time_shift_type != "linear")
+    r.unknown("time_shift_type", c.time_shift_type, "exponential or linear");
+  for (const char* key : {"invert_sigmas", "use_karras_sigmas", "use_exponential_sigmas",
                           "use_beta_sigmas", "stochastic_sampling"})
     r.must_be_false(key);
   if (r.has("shift_terminal") && r.get<double>("shift_terminal", 0) != 0)
@@ -327,6 +335,21 @@ void SchedulerConfig::validate(const std::string& where) const {
   for (auto [name, v] : {std::pair{"sigma_min", sigma_min}, {"sigma_max", sigma_max}})
     if (v && !(*v > 0)) fail(std::string(name) + " must be positive, got " + std::to_string(*v));
   if (!(shift > 0)) fail("shift must be positive, got " + std::to_string(shift));
+  if (use_dynamic_shifting) {
+    if (!(std::isfinite(base_shift) && std::isfinite(max_shift) && std::abs(base_shift) < 100 && std::abs(max_shift) < 100))
+      fail("base_shift and max_shift must be numbers between -100 and 100");
+    if (base_image_seq_len <= 0 || max_image_seq_len <= base_image_seq_len)
+      fail("base_image_seq_len " + std::to_string(base_image_seq_len) + " and max_image_seq_len " +
+           std::to_string(max_image_seq_len) + " must satisfy 0 < base < max");
+    if (mu && !(std::isfinite(*mu) && (time_shift_type == "exponential" ? std::abs(*mu) < 50 : *mu > 0)))
+      fail("the dynamic shift mu " + std::to_string(*mu) + " is out of range for a " + time_shift_type + " time shift");
+  }
+}
+
+double SchedulerConfig::flow_mu(int64_t image_seq_len) const {
+  const double m = (max_shift - base_shift) / (max_image_seq_len - base_image_seq_len);
+  const double b = base_shift - m * base_image_seq_len;
+  return static_cast<double>(image_seq_len) * m + b;
 }
 
 std::optional<SamplerKind> native_sampler(const std::filesystem::path& path) {

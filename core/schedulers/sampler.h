@@ -64,6 +64,18 @@ struct SchedulerConfig {
   // Flow matching (FlowMatchEulerDiscreteScheduler): the static sigma shift (SD3: 3.0). Only
   // num_train_timesteps and shift apply to it; beta, spacing and prediction settings do not.
   double shift = 1.0;
+  // Resolution-dependent shifting (Flux): instead of `shift`, sigma -> e^mu / (e^mu + 1 / sigma - 1)
+  // ("exponential"; "linear": mu in place of e^mu), mu set for the job's image by the pipeline
+  // (flow_mu) from its token count between base_image_seq_len / base_shift and
+  // max_image_seq_len / max_shift, as diffusers' calculate_shift.
+  bool use_dynamic_shifting = false;
+  std::string time_shift_type = "exponential";
+  double base_shift = 0.5, max_shift = 1.15;
+  int base_image_seq_len = 256, max_image_seq_len = 4096;
+  std::optional<double> mu;
+  // The pipeline's sigmas before shifting: false, the training schedule's (SD3); true, Flux's
+  // np.linspace(1, 1 / n, n).
+  bool linear_sigmas = false;
 
   // Reads scheduler_config.json: every key that `kind`'s diffusers class takes is read, and an
   // absent one takes that class's default, as XScheduler.from_config(json) does in diffusers
@@ -75,6 +87,9 @@ struct SchedulerConfig {
   // The same from JSON text (a built-in config, for single-file checkpoints); `where` names it in errors.
   static SchedulerConfig from_json_text(const std::string& json_text, SamplerKind kind, const std::string& where);
   static SchedulerConfig defaults(SamplerKind kind);
+  // diffusers' calculate_shift: mu for an image of `image_seq_len` tokens, linear through
+  // (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift).
+  double flow_mu(int64_t image_seq_len) const;
   // Throws an error starting with `where` for a value no sampler can run with.
   void validate(const std::string& where) const;
 };

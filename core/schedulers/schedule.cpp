@@ -185,6 +185,28 @@ std::vector<double> flow_match_sigmas(int T, int n, double shift) {
   return out;
 }
 
+std::vector<double> flow_match_sigmas(int T, int n, double shift, const std::optional<FlowTimeShift>& time_shift,
+                                      bool linear_sigmas) {
+  if (!time_shift && !linear_sigmas) return flow_match_sigmas(T, n, shift);
+  std::vector<double> base;
+  for (int k = 0; k < n; ++k)
+    base.push_back(linear_sigmas ? f32(linspace_at(1.0, 1.0 / n, n, k)) : linspace_at(T, f32(1.0 / T) * T, n, k) / T);
+  // numpy's float32 arithmetic (a Python float operand is converted to float32 first) or float64.
+  const auto r = [linear_sigmas](double x) { return linear_sigmas ? f32(x) : x; };
+  std::vector<double> out;
+  for (double s : base) {
+    double v;
+    if (time_shift) {
+      const double a = r(time_shift->linear ? time_shift->mu : std::exp(time_shift->mu));
+      v = r(a / r(a + r(r(1.0 / s) - 1.0)));
+    } else {
+      v = r(r(shift * s) / r(1.0 + r(r(shift - 1.0) * s)));
+    }
+    out.push_back(f32(v));
+  }
+  return out;
+}
+
 double sigma_to_t(double sigma, const std::vector<double>& log_sigmas) {
   const double log_sigma = std::log(std::max(sigma, 1e-10));
   const auto size = static_cast<int64_t>(log_sigmas.size());

@@ -3,6 +3,7 @@
 // numpy float64 arrays by turns; each function returns the values diffusers ends up with
 // (float32 ones stored exactly in doubles), so that samplers reproduce it step for step.
 #include <string>
+#include <optional>
 #include <vector>
 
 #include "core/schedulers/sampler.h"
@@ -52,6 +53,19 @@ double flow_shift(double sigma, double shift);
 // shifted again in float64, as diffusers does (the shift is applied twice, by design of its
 // implementation). The timesteps are these sigmas * T in float32.
 std::vector<double> flow_match_sigmas(int num_train_timesteps, int n, double shift);
+// Resolution-dependent shifting (Flux): sigma -> e^mu / (e^mu + (1 / sigma - 1)), or with
+// `linear` mu / (mu + (1 / sigma - 1)).
+struct FlowTimeShift {
+  double mu = 0;
+  bool linear = false;
+};
+// The n sigmas diffusers' FlowMatchEulerDiscreteScheduler.set_timesteps(sigmas=..., mu=...)
+// ends with (float32, descending, without the final 0). Before shifting: with `linear_sigmas`
+// the pipeline's np.linspace(1, 1 / n, n) as float32 (Flux), else the training schedule's
+// evenly spaced timesteps / T in float64 (its ends unshifted under a time shift). Then the time
+// shift when given, else the static shift, in the precision of those sigmas.
+std::vector<double> flow_match_sigmas(int num_train_timesteps, int n, double shift,
+                                      const std::optional<FlowTimeShift>& time_shift, bool linear_sigmas);
 
 // x rounded to float32, as a double.
 inline double f32(double x) { return static_cast<double>(static_cast<float>(x)); }

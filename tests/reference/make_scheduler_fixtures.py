@@ -12,6 +12,7 @@ import json
 import math
 import os
 
+import numpy as np
 import torch
 from diffusers import (DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
                        EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler)
@@ -168,6 +169,19 @@ SD3_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_v
                  "num_train_timesteps": 1000, "shift": 3.0}
 
 
+FLUX_DEV_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256,
+                      "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15, "num_train_timesteps": 1000,
+                      "shift": 3.0, "use_dynamic_shifting": True}
+FLUX_SCHNELL_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000,
+                          "shift": 1.0, "use_dynamic_shifting": False}
+
+
+def calculate_shift(seq, base_seq_len=256, max_seq_len=4096, base_shift=0.5, max_shift=1.15):
+    """diffusers' FluxPipeline calculate_shift, with the scheduler config's defaults."""
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return seq * m + base_shift - m * base_seq_len
+
+
 def flow_model(x, t):
     return 0.3 * x + 0.05 * (float(t) / 1000.0)
 
@@ -210,6 +224,29 @@ def make_flow(out, cases, tensors):
             sched.set_timesteps(n)
             st[f"flow-euler.{shift}.{n}.timesteps"] = sched.timesteps.double()
             st[f"flow-euler.{shift}.{n}.sigmas"] = sched.sigmas.float().contiguous()
+    # Flux: the pipeline's np.linspace(1, 1/n, n) sigmas with the resolution-dependent shift (dev)
+    # or without (schnell, shift 1), and SD3's training schedule under a time shift.
+    flux = []
+    for n in [1, 2, 4, 20, 28, 50]:
+        for seq in [256, 1024, 4096, 6144, 64]:
+            sigmas = np.linspace(1.0, 1 / n, n)
+            for name, cfg, given in (("dev", FLUX_DEV_SCHEDULER, True), ("schnell", FLUX_SCHNELL_SCHEDULER, True),
+                                     ("linear", dict(FLUX_DEV_SCHEDULER, time_shift_type="linear"), True),
+                                     ("training", FLUX_DEV_SCHEDULER, False)):
+                if name == "schnell" and seq != 1024:
+                    continue
+                sched = FlowMatchEulerDiscreteScheduler.from_config(cfg)
+                mu = calculate_shift(seq) if cfg.get("use_dynamic_shifting") else None
+                if given:
+                    sched.set_timesteps(sigmas=sigmas, mu=mu)
+                else:
+                    sched.set_timesteps(n, mu=mu)
+                key = f"flux.{name}.{n}.{seq}"
+                st[key + ".timesteps"] = sched.timesteps.double()
+                st[key + ".sigmas"] = sched.sigmas.float().contiguous()
+                flux.append({"key": key, "config": cfg, "steps": n, "image_seq_len": seq, "linear_sigmas": given,
+                             "mu": mu})
+    write_json(os.path.join(out, "flux_schedules.json"), flux)
     save_file(st, os.path.join(out, "flow_sweep.safetensors"))
     d = os.path.join(out, "real", "sd3")
     os.makedirs(d, exist_ok=True)

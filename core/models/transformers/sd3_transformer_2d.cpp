@@ -22,8 +22,6 @@ namespace {
 
 constexpr double kEps = 1e-6;  // every norm of the model
 
-at::Tensor layer_norm(const at::Tensor& x) { return at::layer_norm(x, {x.size(-1)}, {}, {}, kEps); }
-
 // diffusers' get_2d_sincos_pos_embed(dim, grid, base_size): per token (row i, column j) the 1-D
 // sincos embedding of the column coordinate, then of the row coordinate, coordinates scaled by
 // base_size / grid. Float64 like diffusers, returned as float32 [1, grid*grid, dim].
@@ -197,49 +195,6 @@ SD3Transformer2DConfig SD3Transformer2DConfig::from_shapes(const std::vector<io:
 
 // --- blocks ------------------------------------------------------------------------------------
 
-RMSNormImpl::RMSNormImpl(int64_t dim, double e) : eps(e) { weight = register_parameter("weight", at::ones({dim})); }
-
-at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
-  // [..., dim] -> [..., dim]
-  // As diffusers' RMSNorm: statistics in float32, the scale applied in the weight's dtype when
-  // that is half precision.
-  const auto xf = x.to(at::kFloat);
-  auto y = xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps);
-  if (weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kBFloat16) y = y.to(weight.scalar_type());
-  return (y * weight).to(x.scalar_type());
-}
-
-AdaLayerNormZeroImpl::AdaLayerNormZeroImpl(int64_t dim, bool d) : dual(d) {
-  linear = register_module("linear", Linear(dim, (dual ? 9 : 6) * dim));
-}
-
-AdaNormZeroOut AdaLayerNormZeroImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
-  // x [B, T, D], temb [B, D] -> modulated x [B, T, D] (and x2), gates / shifts / scales [B, D]
-  const auto m = linear->forward(at::silu(temb)).chunk(dual ? 9 : 6, 1);
-  const auto n = layer_norm(x);
-  AdaNormZeroOut o;
-  o.x = n * (1 + m[1].unsqueeze(1)) + m[0].unsqueeze(1);
-  o.gate_msa = m[2];
-  o.shift_mlp = m[3];
-  o.scale_mlp = m[4];
-  o.gate_mlp = m[5];
-  if (dual) {
-    o.x2 = n * (1 + m[7].unsqueeze(1)) + m[6].unsqueeze(1);
-    o.gate_msa2 = m[8];
-  }
-  return o;
-}
-
-AdaLayerNormContinuousImpl::AdaLayerNormContinuousImpl(int64_t dim, int64_t conditioning_dim) {
-  linear = register_module("linear", Linear(conditioning_dim, 2 * dim));
-}
-
-at::Tensor AdaLayerNormContinuousImpl::forward(const at::Tensor& x, const at::Tensor& cond) {
-  // x [B, T, D], cond [B, C] -> [B, T, D]
-  const auto m = linear->forward(at::silu(cond).to(x.scalar_type())).chunk(2, 1);  // scale, shift
-  return layer_norm(x) * (1 + m[0].unsqueeze(1)) + m[1].unsqueeze(1);
-}
-
 JointAttentionImpl::JointAttentionImpl(const JointAttentionOptions& o) : options(o) {
   const int64_t inner = o.heads * o.head_dim;
   to_q = register_module("to_q", Linear(o.dim, inner));
@@ -336,12 +291,12 @@ std::pair<at::Tensor, at::Tensor> JointTransformerBlockImpl::forward(const at::T
   auto [attn_out, context_attn_out] = attn->forward(n.x, c.x, cache, begin);
   auto h = x + n.gate_msa.unsqueeze(1) * attn_out;
   if (dual_attention) h = h + n.gate_msa2.unsqueeze(1) * attn2->forward(n.x2, {}, cache2, begin).first;
-  const auto nh = layer_norm(h) * (1 + n.scale_mlp.unsqueeze(1)) + n.shift_mlp.unsqueeze(1);
+  const auto nh = plain_layer_norm(h) * (1 + n.scale_mlp.unsqueeze(1)) + n.shift_mlp.unsqueeze(1);
   h = h + n.gate_mlp.unsqueeze(1) * ff->forward(nh);
   if (context_pre_only) return {at::Tensor(), h};
 
   auto ctx = context + c.gate_msa.unsqueeze(1) * context_attn_out;
-  const auto nc = layer_norm(ctx) * (1 + c.scale_mlp.unsqueeze(1)) + c.shift_mlp.unsqueeze(1);
+  const auto nc = plain_layer_norm(ctx) * (1 + c.scale_mlp.unsqueeze(1)) + c.shift_mlp.unsqueeze(1);
   ctx = ctx + c.gate_mlp.unsqueeze(1) * ff_context->forward(nc);
   return {ctx, h};
 }

@@ -14,6 +14,7 @@
 #include "core/models/common/attention.h"
 #include "core/models/common/embeddings.h"
 #include "core/models/common/layers.h"
+#include "core/models/common/normalization.h"
 
 namespace diffract::models {
 
@@ -50,44 +51,6 @@ struct SD3Transformer2DConfig {
   // Throws an error starting with `where` for sizes the model cannot be built with.
   void validate(const std::string& where) const;
 };
-
-// RMSNorm over the last dimension with a learned scale ("weight"), computed in float32.
-class RMSNormImpl : public torch::nn::Module {
- public:
-  RMSNormImpl(int64_t dim, double eps);
-  at::Tensor forward(const at::Tensor& x);  // [..., dim] -> [..., dim]
-  double eps;
-  at::Tensor weight;
-};
-TORCH_MODULE(RMSNorm);
-
-// diffusers' AdaLayerNormZero (6 chunks) and SD35AdaLayerNormZeroX (9 chunks, the second
-// attention's shift / scale / gate): "linear" maps SiLU(temb) to the modulation; the LayerNorm
-// has no parameters.
-struct AdaNormZeroOut {
-  at::Tensor x;                                  // norm(x) * (1 + scale_msa) + shift_msa
-  at::Tensor gate_msa, shift_mlp, scale_mlp, gate_mlp;
-  at::Tensor x2, gate_msa2;                      // SD35AdaLayerNormZeroX only
-};
-
-class AdaLayerNormZeroImpl : public torch::nn::Module {
- public:
-  AdaLayerNormZeroImpl(int64_t dim, bool dual);
-  AdaNormZeroOut forward(const at::Tensor& x, const at::Tensor& temb);  // x [B, T, D], temb [B, D]
-  bool dual;
-  Linear linear{nullptr};
-};
-TORCH_MODULE(AdaLayerNormZero);
-
-// diffusers' AdaLayerNormContinuous (layer norm without affine): "linear" maps SiLU(cond) to
-// (scale, shift), in that order.
-class AdaLayerNormContinuousImpl : public torch::nn::Module {
- public:
-  AdaLayerNormContinuousImpl(int64_t dim, int64_t conditioning_dim);
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cond);  // x [B, T, D], cond [B, C] -> [B, T, D]
-  Linear linear{nullptr};
-};
-TORCH_MODULE(AdaLayerNormContinuous);
 
 // One attention's image-token keys and values for the whole image, [B, N, H*D] each (after the
 // qk norm): PipeFusion's per-layer cache. A pass over a patch writes the patch's rows and attends
