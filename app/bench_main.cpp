@@ -31,6 +31,7 @@
 #include "core/metrics/metrics.h"
 #include "core/models/unets/unet_2d_condition.h"
 #include "core/parallel/registry.h"
+#include "core/pipeline/flux.h"
 #include "core/pipeline/stable_diffusion.h"
 #include "core/pipeline/stable_diffusion_3.h"
 #include "core/util/build_info.h"
@@ -51,6 +52,7 @@ struct BenchConfig {
   int size;
   int steps;
   double cfg;
+  bool schnell = false;  // Flux: schnell's transformer (no guidance embedding)
 };
 
 const std::vector<BenchConfig>& configs() {
@@ -62,6 +64,10 @@ const std::vector<BenchConfig>& configs() {
       {"sd3-1024", job::ModelFamily::SD3, false, 1024, 28, 7.0},
       {"tiny", job::ModelFamily::SDXL, true, 64, 4, 7.0},  // CI: the same code path in seconds on CPU
       {"tiny-sd3", job::ModelFamily::SD3, true, 64, 4, 7.0},
+      // Flux without a negative prompt: the distilled guidance, one evaluation per step.
+      {"flux-1024", job::ModelFamily::Flux, false, 1024, 28, 1.0},
+      {"flux-schnell-1024", job::ModelFamily::Flux, false, 1024, 4, 1.0, true},
+      {"tiny-flux", job::ModelFamily::Flux, true, 64, 4, 1.0},
   };
   return all;
 }
@@ -269,8 +275,13 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
 #endif
   std::unique_ptr<pipeline::Pipeline> sd;
   pipeline::StableDiffusion* unet_pipeline = nullptr;  // the UNet profile is SD / SDXL only
-  if ((c.family == job::ModelFamily::SD3)) {
+  pipeline::Flux* flux_pipeline = nullptr;
+  if (c.family == job::ModelFamily::SD3) {
     sd = pipeline::StableDiffusion3::random(c.tiny, device);
+  } else if (c.family == job::ModelFamily::Flux) {
+    auto m = pipeline::Flux::random(c.tiny, c.schnell, device);
+    flux_pipeline = m.get();
+    sd = std::move(m);
   } else {
     auto m = pipeline::StableDiffusion::random(c.family, c.tiny, device);
     unet_pipeline = m.get();
@@ -285,7 +296,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   req.cfg = c.cfg;
   req.batch = batch;
   req.device = device;
-  req.sampler = (c.family == job::ModelFamily::SD3) ? "flow-euler" : "euler";
+  req.sampler = job::has_unet(c.family) ? "euler" : "flow-euler";
   req.preview_every = 0;
   job::CancelToken never;
   const auto clock = [] { return std::chrono::steady_clock::now(); };
@@ -393,6 +404,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
     j["gpu"] = at::cuda::getDeviceProperties(index)->name;
   }
 #endif
+  if (cuda && flux_pipeline) j["transformer_step_profile"] = json::parse(flux_pipeline->profile_transformer_step(c.size, 5));
   // Strategies: the same job run by each, against the single-device result of this run.
   const double base_e2e = percentile(e2e, 0.5), base_denoise = denoise;
   for (const auto& spec : strategies) {
@@ -439,7 +451,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
 
 // The full-size UNet of an sdxl or sd15 config, for the modes that time the UNet alone.
 models::UNet2DConditionConfig full_size_unet(const BenchConfig& c, const std::string& mode) {
-  if (c.tiny || (c.family == job::ModelFamily::SD3)) throw Error(mode + " times the full-size UNets: pick an sdxl or sd15 config");
+  if (c.tiny || !job::has_unet(c.family)) throw Error(mode + " times the full-size UNets: pick an sdxl or sd15 config");
   return c.family == job::ModelFamily::SDXL ? models::UNet2DConditionConfig::sdxl_base()
                                             : models::UNet2DConditionConfig::sd15();
 }

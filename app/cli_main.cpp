@@ -421,12 +421,14 @@ job::LoraRef parse_lora(const std::string& text) {
 
 void add_generation_options(CLI::App* cmd, job::GenerationRequest& req, bool with_strategy = true) {
   cmd->add_option("--model", req.model,
-                  "diffusers folder (SD 1.x / 2.x / XL, SD3 without T5) or single-file checkpoint (default: the embedded diffract-emoji model)");
+                  "diffusers folder (SD 1.x / 2.x / XL, SD3, Flux.1) or single-file checkpoint (default: the embedded diffract-emoji model)");
   cmd->add_option("--config", req.model_config, "single files: diffusers folder describing the components");
   cmd->add_option("--prompt", req.prompt, "text")->required();
   cmd->add_option("--negative", req.negative_prompt, "negative prompt");
   cmd->add_option("--steps", req.steps, "denoising steps")->capture_default_str();
   cmd->add_option("--cfg", req.cfg, "classifier-free guidance scale (<= 1: off)")->capture_default_str();
+  cmd->add_option("--guidance", req.guidance, "Flux.1-dev: distilled guidance the transformer embeds (others ignore it)")
+      ->capture_default_str();
   cmd->add_option("--seed", req.seed, "noise seed")->capture_default_str();
   cmd->add_option("--width", req.width, "pixels (default: the model's native size)");
   cmd->add_option("--height", req.height, "pixels (default: the model's native size)");
@@ -498,6 +500,7 @@ engine::Preset apply_cli_preset(const CLI::App* cmd, const std::string& name, jo
   if (!given("--height")) req.height = from.height;
   if (!given("--steps")) req.steps = from.steps;
   if (!given("--cfg")) req.cfg = from.cfg;
+  if (!given("--guidance")) req.guidance = from.guidance;
   if (!given("--scheduler")) req.sampler = from.sampler;
   if (!given("--strategy")) req.strategy.name = from.strategy.name;
   if (!given("--devices")) req.strategy.devices = from.strategy.devices;

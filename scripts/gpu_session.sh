@@ -3,8 +3,9 @@
 # diffract-gpu-checks against the machine's PyTorch), then runs one plan (PLAN, default checks):
 #   checks  any GPUs: the GPU checks, all of `ctest -L gpu` or those matching CHECKS (a ctest -R
 #           pattern); the lines matching GREP are printed besides the verdicts.
-#   lean    one GPU: the diffusers anchor, then diffract-bench (LEAN_CONFIGS, default sdxl-1024)
-#           on the same GPU, one after the other, and their ratios: a side-by-side of one run.
+#   lean    one GPU: the diffusers anchor (ANCHOR, default diffusers_sdxl_sd3.py; diffusers_flux.py
+#           for the flux configs), then diffract-bench (LEAN_CONFIGS, default sdxl-1024) on the
+#           same GPU, one after the other, and their ratios: a side-by-side of one run.
 #   image   one GPU: diffusers' SDXL text-to-image, img2img and inpaint pipelines
 #           (tests/gpu/diffusers_sdxl_image_inputs.py, img2img at STRENGTH, default 0.6), then
 #           diffract-bench --image-inputs on sdxl-1024, and their ratios.
@@ -115,6 +116,10 @@ for r in ours["results"]:
                  ("peak VRAM (GiB)", r.get("peak_vram_gib", 0), anchor.get("pipe_mem_GiB"))]
     if r["config"] == "sd3-1024":
         rows.append(("SD3 transformer step batch 2 (ms)", step, anchor.get("sd3_step_b2_ms")))
+    if r["config"] == "flux-1024":
+        rows += [("Flux-dev step batch 1 vs eager (ms)", step, anchor.get("flux_b1_eager_ms")),
+                 ("Flux-dev step batch 1 vs CUDA graph (ms)", step, anchor.get("flux_b1_graph_ms")),
+                 ("Flux-dev step batch 1 vs compiled (ms)", step, anchor.get("flux_b1_compiled_ms"))]
 print(f"{'figure':40s} {'ours':>10s} {'diffusers':>10s} {'ratio':>7s}")
 for name, a, b in rows:
     if isinstance(b, float) and b:
@@ -171,7 +176,7 @@ checks)
 
 lean)
   export CUDA_VISIBLE_DEVICES=0
-  timeout 150 python3 .carry/diffusers_sdxl_sd3.py > "$logs/anchor.log" 2>&1
+  timeout "${ANCHOR_S:-150}" python3 ".carry/${ANCHOR:-diffusers_sdxl_sd3.py}" > "$logs/anchor.log" 2>&1
   echo "anchor rc $? at $(elapsed) s"
   timeout "$(left 3)" "$bench" --device cuda:0 --config "${LEAN_CONFIGS:-sdxl-1024}" --batch 1 --runs 2 \
     > "$logs/bench_single.json" 2> "$logs/bench_single.log"

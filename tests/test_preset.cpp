@@ -48,6 +48,7 @@ class TestPreset : public QObject {
     p.steps = 42;
     p.sampler = "dpmpp-2m-karras";
     p.cfg = 6.25;
+    p.guidance = 2.75;
     p.strategy = "step-skip";
     p.skip = 3;
     const fs::path file = tmp("user/presets/round-trip.json");
@@ -62,6 +63,7 @@ class TestPreset : public QObject {
     QCOMPARE(q.steps, 42);
     QCOMPARE(q.sampler, p.sampler);
     QCOMPARE(q.cfg, 6.25);
+    QCOMPARE(q.guidance, 2.75);
     QCOMPARE(q.strategy, p.strategy);
     QCOMPARE(q.skip, 3);
     QCOMPARE(q.devices, 1);
@@ -207,6 +209,9 @@ class TestPreset : public QObject {
     QTest::newRow("one side zero") << edit("512", "0") << "field 'width' is 0 but the other side is not";
     QTest::newRow("zero steps") << edit("20", "0") << "field 'steps' is 0";
     QTest::newRow("cfg too high") << edit("5.5", "99") << "field 'cfg' is 99";
+    QTest::newRow("guidance negative") << edit("\"cfg\": 5.5", "\"cfg\": 5.5, \"guidance\": -1") << "field 'guidance' is -1";
+    QTest::newRow("guidance text") << edit("\"cfg\": 5.5", "\"cfg\": 5.5, \"guidance\": \"3\"")
+                                   << "field 'guidance' must be a number";
     QTest::newRow("unknown sampler") << edit("\"euler\"", "\"lms\"") << "field 'sampler': unknown sampler 'lms'";
     QTest::newRow("unknown strategy") << edit("\"single\"", "\"warp\"") << "field 'strategy': unknown strategy 'warp'";
     QTest::newRow("typo in a key") << edit("\"steps\"", "\"stpes\"") << "unknown field \"stpes\"";

@@ -24,7 +24,7 @@ namespace {
 
 const std::set<std::string> kKeys = {"name",    "description", "prompt_template", "negative_prompt", "width",
                                      "height",  "steps",       "sampler",         "cfg",             "strategy",
-                                     "devices", "skip",        "loras",           "controlnets"};
+                                     "guidance", "devices", "skip",        "loras",           "controlnets"};
 
 std::string field(const std::string& where, const std::string& key) { return where + ": field '" + key + "'"; }
 
@@ -81,6 +81,8 @@ void validate_preset(const Preset& p, const std::string& where) {
     throw Error(field(where, "steps") + " is " + std::to_string(p.steps) + ": must be between 1 and 1000");
   if (!(p.cfg >= 0 && p.cfg <= 30))
     throw Error(field(where, "cfg") + " is " + std::to_string(p.cfg) + ": must be between 0 and 30");
+  if (!(p.guidance >= 0 && p.guidance <= 100))
+    throw Error(field(where, "guidance") + " is " + std::to_string(p.guidance) + ": must be between 0 and 100");
   if (!p.sampler.empty() && !schedulers::parse_sampler(p.sampler)) {
     std::string valid;
     for (const auto& n : schedulers::sampler_names()) valid += (valid.empty() ? "" : ", ") + n;
@@ -139,6 +141,7 @@ Preset parse_preset(const std::string& json_text, const std::string& where) {
   p.steps = int_field(j, where, "steps", true, 30);
   p.sampler = text_field(j, where, "sampler", true);
   p.cfg = number_field(j, where, "cfg", true, 7.0);
+  p.guidance = number_field(j, where, "guidance", false, 3.5);
   p.strategy = text_field(j, where, "strategy", false, "single");
   p.devices = int_field(j, where, "devices", false, 1);
   const auto* info = parallel::find_strategy(p.strategy);
@@ -199,6 +202,7 @@ std::string preset_to_json(const Preset& p) {
             {"steps", p.steps},
             {"sampler", p.sampler},
             {"cfg", p.cfg},
+            {"guidance", p.guidance},
             {"strategy", p.strategy.empty() ? "single" : p.strategy},
             {"devices", p.devices}};
   if (const auto* info = parallel::find_strategy(p.strategy); info && info->takes(parallel::Param::Skip))
@@ -259,6 +263,7 @@ void apply_preset(const Preset& preset, const std::string& subject, job::Generat
   request.steps = preset.steps;
   request.sampler = preset.sampler;
   request.cfg = preset.cfg;
+  request.guidance = preset.guidance;
   request.strategy.name = preset.strategy;
   request.strategy.devices = preset.devices;
   request.strategy.skip = preset.skip;
@@ -282,6 +287,7 @@ Preset preset_from_request(const std::string& name, const std::string& prompt_te
   p.steps = request.steps;
   p.sampler = request.sampler;
   p.cfg = request.cfg;
+  p.guidance = request.guidance;
   p.strategy = request.strategy.display_name();
   const auto* info = parallel::find_strategy(p.strategy);
   if (info && info->takes(parallel::Param::Skip)) {

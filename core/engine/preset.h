@@ -16,7 +16,7 @@ namespace diffract::engine {
 //    "sampler": "dpmpp-2m-karras", "cfg": 6.5, "strategy": "single", "devices": 1}
 // Every occurrence of {subject} in prompt_template is replaced by the user's prompt; the
 // template must hold at least one. width / height 0 mean the model's native size, an empty
-// sampler the model's own; description, devices (default 1) and skip (step-skip; default 2) are
+// sampler the model's own; description, guidance (Flux.1-dev; default 3.5), devices (default 1) and skip (step-skip; default 2) are
 // optional. Files that gave step-skip's skip factor as "devices" still read as before. Unknown
 // keys are errors, so a misspelt field is not silently ignored.
 // Optional adapters:
@@ -36,6 +36,7 @@ struct Preset {
   int steps = 30;
   std::string sampler;
   double cfg = 7.0;
+  double guidance = 3.5;  // Flux.1-dev's distilled guidance (optional in the file)
   std::string strategy = "single";
   int devices = 1;
   int skip = 2;  // step-skip's skip factor

@@ -8,6 +8,7 @@ std::string_view family_name(ModelFamily family) {
     case ModelFamily::SD2: return "sd2";
     case ModelFamily::SDXL: return "sdxl";
     case ModelFamily::SD3: return "sd3";
+    case ModelFamily::Flux: return "flux";
   }
   return "";
 }

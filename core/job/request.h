@@ -88,7 +88,8 @@ struct GenerationRequest {
   int width = 0;                 // 0: the model's native size
   int height = 0;
   int steps = 30;
-  double cfg = 7.0;              // <= 1 disables classifier-free guidance
+  double cfg = 7.0;              // <= 1 disables classifier-free guidance (Flux: true CFG, with a negative prompt)
+  double guidance = 3.5;         // Flux.1-dev: the distilled guidance the transformer embeds (others ignore it)
   std::uint64_t seed = 0;
   std::string sampler;           // "euler", "dpmpp-2m", ...; empty: the model's own where supported
   std::string device = "cpu";    // "cpu" or "cuda:N": where the model lives (a strategy's first device)

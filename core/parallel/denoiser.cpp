@@ -238,4 +238,49 @@ std::unique_ptr<Denoiser> SD3Denoiser::rows(std::int64_t begin, std::int64_t cou
   return std::make_unique<SD3Denoiser>(model_, slice(positive_), slice(negative_), scale_, dtype_, device_);
 }
 
+at::Tensor flux_velocity(models::FluxTransformer2DModel& model, const at::Tensor& latents, const at::Tensor& context,
+                         const at::Tensor& pooled, double timestep, double guidance) {
+  const int64_t b = latents.size(0), h = latents.size(2), w = latents.size(3);
+  const auto dt = latents.scalar_type();
+  const auto opts = at::TensorOptions().device(latents.device());
+  const auto t = at::full({b}, timestep, opts.dtype(dt)) / 1000;
+  const auto g = model->config.guidance_embeds ? at::full({b}, guidance, opts.dtype(at::kFloat)) : at::Tensor();
+  const auto rope = model->rope(at::zeros({context.size(1), 3}, opts.dtype(dt)), models::latent_image_ids(h, w, opts.dtype(dt)));
+  const auto v = model->forward(models::pack_latents(latents), context, pooled, t, g, rope);
+  return models::unpack_latents(v, h, w);
+}
+
+FluxDenoiser::FluxDenoiser(models::FluxTransformer2DModel model, FluxConditioning positive, FluxConditioning negative,
+                           double scale, double guidance, at::ScalarType dtype, at::Device device)
+    : model_(std::move(model)), positive_(std::move(positive)), negative_(std::move(negative)), scale_(scale),
+      guidance_(guidance), cfg_(scale > 1.0 && negative_.context.defined()), dtype_(dtype), device_(device) {
+  positive_ = {positive_.context.to(device_, dtype_), positive_.pooled.to(device_, dtype_)};
+  if (cfg_) {
+    negative_ = {negative_.context.to(device_, dtype_), negative_.pooled.to(device_, dtype_)};
+    both_ = {at::cat({negative_.context, positive_.context}), at::cat({negative_.pooled, positive_.pooled})};
+  }
+}
+
+at::Tensor FluxDenoiser::eval(const at::Tensor& model_input, double timestep, Branch branch) {
+  if (branch == Branch::Uncond && !cfg_) throw Error("the unconditional branch was asked for without CFG");
+  const bool both = branch == Branch::Guided && cfg_;
+  const auto& c = both ? both_ : branch == Branch::Uncond ? negative_ : positive_;
+  const auto x = (both ? at::cat({model_input, model_input}) : model_input).to(device_, dtype_);
+  auto out = flux_velocity(model_, x, c.context, c.pooled, timestep, guidance_);
+  if (!both) return out;
+  auto parts = out.chunk(2);
+  return combine_cfg(parts[0], parts[1], scale_);
+}
+
+std::unique_ptr<Denoiser> FluxDenoiser::rows(std::int64_t begin, std::int64_t count) const {
+  if (begin < 0 || count < 1 || begin + count > batch())
+    throw Error("conditioning rows " + std::to_string(begin) + "+" + std::to_string(count) + " are outside the batch of " +
+                std::to_string(batch()));
+  const auto slice = [&](const FluxConditioning& c) {
+    if (!c.context.defined()) return FluxConditioning{};
+    return FluxConditioning{c.context.narrow(0, begin, count), c.pooled.narrow(0, begin, count)};
+  };
+  return std::make_unique<FluxDenoiser>(model_, slice(positive_), slice(negative_), scale_, guidance_, dtype_, device_);
+}
+
 }  // namespace diffract::parallel

@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "core/models/controlnets/controlnet.h"
+#include "core/models/transformers/flux_transformer_2d.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_2d_condition.h"
 #include "core/models/unets/unet_graphs.h"
@@ -159,5 +160,39 @@ class SD3Denoiser final : public Denoiser {
   at::ScalarType dtype_;
   at::Device device_;
 };
+
+// One branch's Flux conditioning: T5's prompt_embeds [B, S, 4096], CLIP's pooled [B, 768].
+struct FluxConditioning {
+  at::Tensor context, pooled;
+};
+
+// Flux's transformer (eager) on unpacked latents [B, 16, h, w] as the Flux pipeline's loop calls
+// it: packed, with the distilled `guidance` when the model embeds it, unpacked again. True CFG
+// when `negative` is given and scale > 1. The module may be shared between CPU ranks.
+class FluxDenoiser final : public Denoiser {
+ public:
+  FluxDenoiser(models::FluxTransformer2DModel model, FluxConditioning positive, FluxConditioning negative,
+               double scale, double guidance, at::ScalarType dtype, at::Device device);
+  at::Tensor eval(const at::Tensor& model_input, double timestep, Branch branch) override;
+  bool cfg() const override { return cfg_; }
+  double guidance_scale() const override { return scale_; }
+  std::int64_t batch() const override { return positive_.context.size(0); }
+  at::ScalarType output_dtype() const override { return dtype_; }
+  std::unique_ptr<Denoiser> rows(std::int64_t begin, std::int64_t count) const override;
+
+ private:
+  models::FluxTransformer2DModel model_;
+  FluxConditioning positive_, negative_, both_;
+  double scale_, guidance_;
+  bool cfg_;
+  at::ScalarType dtype_;
+  at::Device device_;
+};
+
+// The transformer's call on packed latents for one step, as diffusers' FluxPipeline makes it:
+// timestep = t (0..1000) in the latents' dtype / 1000, guidance [B] in float32 (or undefined
+// when the model has no guidance embedding), the rope of zero text ids and the image's ids.
+at::Tensor flux_velocity(models::FluxTransformer2DModel& model, const at::Tensor& latents, const at::Tensor& context,
+                         const at::Tensor& pooled, double timestep, double guidance);
 
 }  // namespace diffract::parallel

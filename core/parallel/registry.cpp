@@ -80,7 +80,8 @@ std::unique_ptr<Strategy> make_distrifusion(const StrategyParams& p) {
 }
 
 constexpr std::string_view kUNetOnly =
-    "it splits a UNet's layers, and SD3's MMDiT is a transformer (use cfg-parallel, pipefusion or driffusion)";
+    "it splits a UNet's layers, and SD3's and Flux's denoisers are transformers (use cfg-parallel, pipefusion or "
+    "driffusion)";
 constexpr std::string_view kTransformerOnly =
     "it splits a transformer's joint blocks into stages: it runs SD3 only, and SD 1.x / 2.x / XL have a UNet (use "
     "cfg-parallel, hybrid-cfg, driffusion or data-parallel)";
@@ -137,7 +138,20 @@ std::string DeviceRule::describe() const {
 
 bool StrategyInfo::takes(Param p) const { return std::find(params.begin(), params.end(), p) != params.end(); }
 
-bool StrategyInfo::runs(job::ModelFamily family) const { return job::has_unet(family) ? unet : transformer; }
+namespace {
+// Flux runs the transformer strategies that evaluate whole steps (parallel::FluxDenoiser).
+std::string_view flux_refused_why(std::string_view name) {
+  if (name == "pipefusion" || name == "cfg-pipefusion")
+    return "its stages are written for SD3's joint blocks, and Flux's double- and single-stream blocks are not "
+           "split into stages yet (use driffusion, data-parallel, or cfg-parallel with true CFG)";
+  return "";
+}
+}  // namespace
+
+bool StrategyInfo::runs(job::ModelFamily family) const {
+  if (family == job::ModelFamily::Flux) return transformer && flux_refused_why(name).empty();
+  return job::has_unet(family) ? unet : transformer;
+}
 
 const std::vector<StrategyInfo>& strategies() { return kStrategies; }
 
@@ -162,9 +176,11 @@ const StrategyInfo& strategy_info(std::string_view name) {
 
 void check_strategy(const job::StrategyParams& p, job::ModelFamily family, bool cfg) {
   const auto& s = strategy_info(p.name);
-  if (!s.runs(family))
+  if (!s.runs(family)) {
+    const auto why = family == job::ModelFamily::Flux && s.transformer ? flux_refused_why(s.name) : s.refused_why;
     throw Error(std::string(s.name) + " does not run " + std::string(job::family_name(family)) + " models: " +
-                std::string(s.refused_why));
+                std::string(why));
+  }
   if (s.needs_cfg && !cfg)
     throw Error(std::string(s.name) + " needs classifier-free guidance (a CFG scale above 1)");
 }

@@ -51,7 +51,7 @@ struct StrategyInfo {
   std::string_view hint;      // one line in plain words, for --help and tooltips
   Level level;
   bool unet = true;           // runs SD 1.x / 2.x / XL (a UNet)
-  bool transformer = true;    // runs SD3 (an MMDiT)
+  bool transformer = true;    // runs SD3 (an MMDiT) and, unless registry.cpp says why not, Flux.1
   std::string_view refused_why;  // why the other families are refused
   bool needs_cfg = false;     // needs classifier-free guidance (a CFG scale above 1)
   bool exact = true;          // the same result as one device (up to rounding)

@@ -3,6 +3,7 @@
 #include <optional>
 
 #include "core/io/json_file.h"
+#include "core/pipeline/flux.h"
 #include "core/pipeline/single_file.h"
 #include "core/pipeline/stable_diffusion.h"
 #include "core/pipeline/stable_diffusion_3.h"
@@ -36,9 +37,9 @@ void check_pipeline_class(const io::JsonFile& index) {
   const auto cls = index.optional<std::string>("_class_name", "");
   const bool sd = cls.rfind("StableDiffusion", 0) == 0 && cls.find("Upscale") == std::string::npos &&
                   cls.find("Video") == std::string::npos && cls.find("Cascade") == std::string::npos;
-  if (cls.empty() || sd) return;
+  if (cls.empty() || sd || cls == "FluxPipeline") return;
   throw Error(index.path().string() + ": a " + io::json_brief(nlohmann::json(cls)) +
-              ", which Diffract does not run (it runs StableDiffusion, StableDiffusionXL and StableDiffusion3 pipelines)");
+              ", which Diffract does not run (it runs StableDiffusion, StableDiffusionXL, StableDiffusion3 and Flux pipelines)");
 }
 
 }  // namespace
@@ -52,6 +53,7 @@ std::unique_ptr<Pipeline> load_pipeline(const fs::path& model, const std::string
                                         bool drop_t5) {
   const auto index = model_index(model);
   if (index) check_pipeline_class(*index);
+  if (index && index->optional<std::string>("_class_name", "") == "FluxPipeline") return Flux::load(model, device);
   if (index ? is_sd3_index(*index) : is_sd3_single_file(model)) {
     StableDiffusion3::LoadOptions options;
     options.drop_t5 = drop_t5;

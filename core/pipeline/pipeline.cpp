@@ -56,6 +56,7 @@ std::string Pipeline::family_label() const {
     case job::ModelFamily::SD2: return "SD 2.x";
     case job::ModelFamily::SDXL: return "SDXL";
     case job::ModelFamily::SD3: return "SD3";
+    case job::ModelFamily::Flux: return "Flux.1";
   }
   return "";
 }
@@ -267,6 +268,7 @@ at::Tensor Pipeline::hires_pass(JobContext& job, const at::Tensor& latents, at::
   req.width = w;
   req.height = ht;
   encode(job);  // conditioning that depends on the size (SDXL's time ids)
+  fit_schedule(job.config, w, ht);
   const int steps = hires_schedule(req);
   auto sampler = schedulers::Sampler::create(job.kind, job.config, steps);
   const int first = steps - hires_steps_run(req);
@@ -331,7 +333,12 @@ job::GenerationResult Pipeline::run_job(const job::GenerationRequest& request, c
   // Everything a user can get wrong is checked before any work starts; the model's load time
   // goes to the first job that gets past the checks. The registry checks the family; each
   // strategy's validate() says best why it needs CFG or more devices.
-  const bool cfg = req.cfg > 1.0;
+  const bool cfg = guided(req);
+  if (!cfg && req.cfg > 1.0) {
+    log::get("pipeline").info("CFG " + format_number(req.cfg) + " asked, but " + family_label() +
+                              " runs true CFG only with a negative prompt: this job runs without CFG");
+    req.cfg = 1.0;
+  }
   const bool image_job = req.input.has_image();
   if (req.input.has_mask() && !image_job) throw Error("a mask needs an init image to inpaint");
   nlohmann::json outpaint;
@@ -391,7 +398,8 @@ job::GenerationResult Pipeline::run_job(const job::GenerationRequest& request, c
   }
   const auto kind = choose_sampler(req.sampler);
   req.sampler = std::string(schedulers::sampler_name(kind));
-  const auto config = scheduler_config(kind);
+  auto config = scheduler_config(kind);
+  fit_schedule(config, req.width, req.height);
   check_steps(req, config.num_train_timesteps);
   auto sampler = schedulers::Sampler::create(kind, config, req.steps);
   // diffusers' get_timesteps: the last int(steps * strength) steps run.
@@ -575,7 +583,7 @@ job::GenerationResult Pipeline::run_job(const job::GenerationRequest& request, c
                                                  : std::string()) +
                             (req.input.has_mask() && req.input.mask_blur > 0
                                  ? ", Mask blur: " + std::to_string(req.input.mask_blur) : std::string()) +
-                            lora_hashes(s.loras.applied()) +
+                            a1111_extra(job) + lora_hashes(s.loras.applied()) +
                             ", Version: Diffract " + build_info().diffract_version;
   nlohmann::json meta = {
       {"diffract_version", build_info().diffract_version},

@@ -2,7 +2,7 @@
 // The one job skeleton every model family runs (docs/DESIGN.md): request checks, sampler choice,
 // the TAESD cache, initial latents, the plain loop or a strategy's loop, previews, finite checks,
 // the decode, metadata and the A1111 text are written here once. A family (stable_diffusion.cpp:
-// SD 1.x / 2.x / XL; stable_diffusion_3.cpp: SD3) supplies the hooks below: what it encodes, its
+// SD 1.x / 2.x / XL; stable_diffusion_3.cpp: SD3; flux.cpp: Flux.1) supplies the hooks below: what it encodes, its
 // denoiser call, its latents and its decode. factory.h picks the family for a model.
 #include <any>
 #include <filesystem>
@@ -174,6 +174,13 @@ class Pipeline {
   virtual void weights_changed() = 0;
   // Before the warm-up job (the SD UNet's memory-format measurement).
   virtual void before_warm_up() {}
+  // Whether the job runs classifier-free guidance: a scale above 1 (Flux: and a negative prompt).
+  // A job that asks for a scale but is not guided runs, and is recorded, with CFG 1.
+  virtual bool guided(const job::GenerationRequest& request) const { return request.cfg > 1.0; }
+  // The job's schedule for its size (Flux: the resolution-dependent shift's mu).
+  virtual void fit_schedule(schedulers::SchedulerConfig& config, int width, int height) const {}
+  // Settings of the family's own for the A1111 parameters text (", Distilled CFG Scale: 3.5").
+  virtual std::string a1111_extra(const JobContext& job) const { return ""; }
 
   // The shared TAESD preview: latents area-averaged down to max_side, then the decoder.
   at::Tensor taesd_preview(const at::Tensor& x0, int vae_factor, int max_side);

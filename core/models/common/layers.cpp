@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -259,8 +260,8 @@ namespace {
 
 // Fills `p` from `fill` applied to an fp32 CPU tensor of its shape (or to p itself when it is one).
 template <class Fill>
-void draw(at::Tensor& p, Fill fill) {
-  if (p.device().is_cpu() && p.scalar_type() == at::kFloat) {
+void draw(at::Tensor& p, Fill fill, const at::Generator& gen) {
+  if ((p.device().is_cpu() && p.scalar_type() == at::kFloat) || (p.device().is_cuda() && gen.device() == p.device())) {
     fill(p);
   } else {
     auto host = at::empty(p.sizes(), at::TensorOptions().dtype(at::kFloat));
@@ -278,10 +279,10 @@ void kaiming_pair(at::Tensor& w, at::Tensor& b, at::Generator& gen) {
   const double gain = std::sqrt(2.0 / (1 + std::pow(a, 2)));
   const double stddev = gain / std::sqrt(fan_in);
   const double bound = std::sqrt(3.0) * stddev;
-  draw(w, [&](at::Tensor& t) { t.uniform_(-bound, bound, gen); });
+  draw(w, [&](at::Tensor& t) { t.uniform_(-bound, bound, gen); }, gen);
   if (b.defined()) {
     const auto bias_bound = 1 / std::sqrt(fan_in);
-    draw(b, [&](at::Tensor& t) { t.uniform_(-bias_bound, bias_bound, gen); });
+    draw(b, [&](at::Tensor& t) { t.uniform_(-bias_bound, bias_bound, gen); }, gen);
   }
 }
 
@@ -303,9 +304,26 @@ void init_random(torch::nn::Module& module, at::Generator generator) {
     } else if (auto* c = m->as<Conv2dImpl>()) {
       kaiming_pair(c->weight, c->bias, generator);
     } else if (auto* e = m->as<EmbeddingImpl>()) {
-      draw(e->weight, [&](at::Tensor& t) { t.normal_(0, 1, generator); });
+      draw(e->weight, [&](at::Tensor& t) { t.normal_(0, 1, generator); }, generator);
     }
   }
+}
+
+void empty_parameters_on(torch::nn::Module& module, const at::Device& device, at::ScalarType dtype) {
+  at::NoGradGuard no_grad;
+  std::set<const c10::TensorImpl*> layer_tensors;
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    const auto add = [&](const at::Tensor& t) {
+      if (t.defined()) layer_tensors.insert(t.unsafeGetTensorImpl());
+    };
+    if (auto* l = m->as<LinearImpl>()) add(l->weight), add(l->bias);
+    else if (auto* c = m->as<Conv2dImpl>()) add(c->weight), add(c->bias);
+    else if (auto* e = m->as<EmbeddingImpl>()) add(e->weight);
+  }
+  const auto opts = at::TensorOptions().device(device).dtype(dtype);
+  for (auto& p : module.parameters(/*recurse=*/true))
+    p.set_data(layer_tensors.count(p.unsafeGetTensorImpl()) ? at::empty(p.sizes(), opts) : p.to(opts));
+  for (auto& b : module.buffers(/*recurse=*/true)) b.set_data(b.to(device));
 }
 
 void init_random(torch::nn::Module& module, uint64_t seed) {

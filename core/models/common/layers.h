@@ -147,8 +147,14 @@ void set_memory_format(torch::nn::Module& module, at::MemoryFormat format);
 // before net.0), so a model built after at::manual_seed(s) and then given init_random(model)
 // holds the values the torch::nn layers gave it, and the generator ends where theirs did.
 // Draws come from the CPU `generator` (default: the global one) in fp32 and are copied to
-// parameters that live elsewhere or in another dtype. Norm layers keep their ones / zeros.
+// parameters that live elsewhere or in another dtype; a CUDA generator draws in place on its
+// GPU in the parameters' dtype (other values, much faster for billions of weights). Norm layers
+// keep their ones / zeros.
 void init_random(torch::nn::Module& module, at::Generator generator = {});
+// `module` moved to `device` in `dtype` with its Linear, Conv2d and Embedding weights and biases
+// left uninitialised there instead of copied (norms and buffers are copied): a large model
+// built for init_random without a host copy of its weights.
+void empty_parameters_on(torch::nn::Module& module, const at::Device& device, at::ScalarType dtype);
 // The same from a generator seeded with `seed` (as at::manual_seed(seed) seeds the global one).
 void init_random(torch::nn::Module& module, uint64_t seed);
 

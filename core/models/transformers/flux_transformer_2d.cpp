@@ -162,15 +162,6 @@ FluxRope flux_rope(const at::Tensor& ids, const std::vector<int64_t>& axes_dims,
   return {at::cat(cos, -1), at::cat(sin, -1)};
 }
 
-at::Tensor apply_rope(const at::Tensor& x, const FluxRope& rope) {
-  // x [B, S, H, D]; cos / sin [S, D]
-  const auto xf = x.to(at::kFloat);
-  const auto pairs = xf.unflatten(-1, {-1, 2});  // [B, S, H, D/2, 2]
-  const auto rotated = at::stack({-pairs.select(-1, 1), pairs.select(-1, 0)}, -1).flatten(3);
-  const auto cos = rope.cos.unsqueeze(0).unsqueeze(2), sin = rope.sin.unsqueeze(0).unsqueeze(2);
-  return (xf * cos + rotated * sin).to(x.scalar_type());
-}
-
 // --- blocks ------------------------------------------------------------------------------------
 
 FluxAttentionImpl::FluxAttentionImpl(const FluxAttentionOptions& o) : options(o) {
@@ -193,20 +184,40 @@ FluxAttentionImpl::FluxAttentionImpl(const FluxAttentionOptions& o) : options(o)
 
 std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context,
                                                              const FluxRope& rope) {
-  const int64_t b = x.size(0), h = options.heads, d = options.head_dim;
-  const auto heads = [&](const at::Tensor& t) { return t.view({b, t.size(1), h, d}); };
-  auto q = norm_q->forward(heads(to_q->forward(x)));
-  auto k = norm_k->forward(heads(to_k->forward(x)));
-  auto v = heads(to_v->forward(x));
+  if (qkv_ && qkv_->intact()) {
+    const auto qkv = qkv_->project(x);
+    return attend(qkv_->part(qkv, this, 0), qkv_->part(qkv, this, 1), qkv_->part(qkv, this, 2), context, rope);
+  }
+  return attend(to_q->forward(x), to_k->forward(x), to_v->forward(x), context, rope);
+}
+
+std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::attend(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                            const at::Tensor& v_in, const at::Tensor& context,
+                                                            const FluxRope& rope) {
+  const int64_t b = q_in.size(0), h = options.heads, d = options.head_dim;
+  const auto heads = [&](const at::Tensor& t) { return t.unflatten(-1, {h, d}); };
   const bool joint = options.joint;
   TORCH_CHECK(joint == context.defined(), "Flux attention: the double-stream blocks take the text tokens, the single-stream ones do not");
+  const int64_t s0 = joint ? context.size(1) : 0;  // the text tokens come first
+  auto q = at::empty({b, s0 + q_in.size(1), h, d}, q_in.options());
+  auto k = at::empty_like(q);
+  at::Tensor v;
+  rms_norm_rope_into(*norm_q, heads(q_in), rope, q, s0);
+  rms_norm_rope_into(*norm_k, heads(k_in), rope, k, s0);
   if (joint) {
-    q = at::cat({norm_added_q->forward(heads(add_q_proj->forward(context))), q}, 1);
-    k = at::cat({norm_added_k->forward(heads(add_k_proj->forward(context))), k}, 1);
-    v = at::cat({heads(add_v_proj->forward(context)), v}, 1);
+    at::Tensor cq, ck, cv;
+    if (added_qkv_ && added_qkv_->intact()) {
+      const auto qkv = added_qkv_->project(context);
+      cq = added_qkv_->part(qkv, this, 0), ck = added_qkv_->part(qkv, this, 1), cv = added_qkv_->part(qkv, this, 2);
+    } else {
+      cq = add_q_proj->forward(context), ck = add_k_proj->forward(context), cv = add_v_proj->forward(context);
+    }
+    rms_norm_rope_into(*norm_added_q, heads(cq), rope, q, 0);
+    rms_norm_rope_into(*norm_added_k, heads(ck), rope, k, 0);
+    v = at::cat({heads(cv), heads(v_in)}, 1);
+  } else {
+    v = heads(v_in);
   }
-  q = apply_rope(q, rope);
-  k = apply_rope(k, rope);
   const int64_t t = q.size(1);
   auto out = multi_head_attention(q.reshape({b, t, h * d}), k.reshape({b, t, h * d}), v.reshape({b, t, h * d}), h);
   if (!joint) return {out, at::Tensor()};
@@ -214,6 +225,11 @@ std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::forward(const at::Tensor& x
   auto text = to_add_out->forward(out.slice(1, 0, s));
   auto image = to_out[0]->as<Linear>()->forward(out.slice(1, s));
   return {image, text};
+}
+
+void FluxAttentionImpl::fuse_projections() {
+  qkv_ = FusedLinears::fuse({{this, {to_q.get(), to_k.get(), to_v.get()}}});
+  if (options.joint) added_qkv_ = FusedLinears::fuse({{this, {add_q_proj.get(), add_k_proj.get(), add_v_proj.get()}}});
 }
 
 FluxTransformerBlockImpl::FluxTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim) {
@@ -258,11 +274,27 @@ FluxSingleTransformerBlockImpl::FluxSingleTransformerBlockImpl(int64_t dim, int6
 
 at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& temb, const FluxRope& rope) {
   const auto n = norm->forward(x, temb);
-  const auto mlp = at::gelu(proj_mlp->forward(n.x), "tanh");
-  const auto attn_out = attn->forward(n.x, {}, rope).first;
-  auto out = x + n.gate.unsqueeze(1) * proj_out->forward(at::cat({attn_out, mlp}, 2));
+  const int64_t dim = x.size(2), hidden = proj_mlp->weight.size(0);
+  // proj_out reads [attention, GELU(mlp)]: both written into one buffer, no concatenation.
+  auto joined = at::empty({x.size(0), x.size(1), dim + hidden}, x.options());
+  auto mlp = joined.narrow(2, dim, hidden);
+  at::Tensor attn_out;
+  if (in_ && in_->intact()) {
+    const auto p = in_->project(n.x);
+    at::gelu_out(mlp, in_->part(p, this, 3), "tanh");
+    attn_out = attn->attend(in_->part(p, this, 0), in_->part(p, this, 1), in_->part(p, this, 2), {}, rope).first;
+  } else {
+    at::gelu_out(mlp, proj_mlp->forward(n.x), "tanh");
+    attn_out = attn->forward(n.x, {}, rope).first;
+  }
+  joined.narrow(2, 0, dim).copy_(attn_out);
+  auto out = x + n.gate.unsqueeze(1) * proj_out->forward(joined);
   if (out.scalar_type() == at::kHalf) out = out.clamp(-65504, 65504);
   return out;
+}
+
+void FluxSingleTransformerBlockImpl::fuse_projections() {
+  in_ = FusedLinears::fuse({{this, {attn->to_q.get(), attn->to_k.get(), attn->to_v.get(), proj_mlp.get()}}});
 }
 
 FluxTimeTextEmbeddingsImpl::FluxTimeTextEmbeddingsImpl(int64_t dim, int64_t pooled_dim, bool guidance) {
@@ -304,6 +336,11 @@ FluxTransformer2DModelImpl::FluxTransformer2DModelImpl(const FluxTransformer2DCo
     single_transformer_blocks->push_back(FluxSingleTransformerBlock(dim, c.num_attention_heads, c.attention_head_dim));
   norm_out = register_module("norm_out", AdaLayerNormContinuous(dim, dim));
   proj_out = register_module("proj_out", Linear(dim, c.patch_size * c.patch_size * c.out_channels));
+}
+
+void FluxTransformer2DModelImpl::fuse_projections() {
+  for (const auto& b : *transformer_blocks) b->as<FluxTransformerBlock>()->attn->fuse_projections();
+  for (const auto& b : *single_transformer_blocks) b->as<FluxSingleTransformerBlock>()->fuse_projections();
 }
 
 FluxRope FluxTransformer2DModelImpl::rope(const at::Tensor& txt_ids, const at::Tensor& img_ids) const {

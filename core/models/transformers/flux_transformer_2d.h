@@ -6,6 +6,7 @@
 // guidance embedding. It works on packed latents: 2x2 patches of the 16-channel latent as 64
 // features a token (the pipeline packs and unpacks). Module names are diffusers' state-dict keys.
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,8 +18,10 @@
 #include "core/io/single_file.h"
 #include "core/models/common/attention.h"
 #include "core/models/common/embeddings.h"
+#include "core/models/common/fused_linears.h"
 #include "core/models/common/layers.h"
 #include "core/models/common/normalization.h"
+#include "core/models/common/rotary.h"
 
 namespace diffract::models {
 
@@ -52,16 +55,11 @@ struct FluxTransformer2DConfig {
 
 // The rotary embedding of a joint sequence: per token its cos and sin, [S, head_dim] float32,
 // each frequency twice in a row (diffusers' repeat_interleave_real).
-struct FluxRope {
-  at::Tensor cos, sin;
-};
+using FluxRope = Rope;
 
 // diffusers' FluxPosEmbed (theta 10000): ids [S, axes] (positions per axis: Flux's are 0 for
 // text, (0, row, column) for image tokens) -> the rope over axes_dims, in float64 then float32.
 FluxRope flux_rope(const at::Tensor& ids, const std::vector<int64_t>& axes_dims, double theta = 10000.0);
-
-// x [B, S, H, D] -> the rotated x, float32 arithmetic, x's dtype (diffusers' apply_rotary_emb, use_real).
-at::Tensor apply_rope(const at::Tensor& x, const FluxRope& rope);
 
 // diffusers' FluxAttention with FluxAttnProcessor: q/k/v with bias, per-head RMS norms (norm_q,
 // norm_k), rope on the joint sequence, SDPA. With `joint` the text stream has its own projections
@@ -81,12 +79,20 @@ class FluxAttentionImpl : public torch::nn::Module {
   // joint: x [B, N, D] (image), context [B, S, D] (text), rope over S + N -> {image [B, N, D], text [B, S, D]}.
   // not joint: x [B, T, D] -> {[B, T, H*D], undefined}.
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context, const FluxRope& rope);
+  // forward() from the image (or joint) stream's projections q, k, v [B, T, H*D] already made.
+  std::pair<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& context, const FluxRope& rope);
+  // to_q, to_k, to_v as one GEMM, and add_q_proj, add_k_proj, add_v_proj as another (fused_linears.h).
+  void fuse_projections();
   FluxAttentionOptions options;
   Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
   RMSNorm norm_q{nullptr}, norm_k{nullptr};
   Linear add_q_proj{nullptr}, add_k_proj{nullptr}, add_v_proj{nullptr}, to_add_out{nullptr};
   RMSNorm norm_added_q{nullptr}, norm_added_k{nullptr};
   torch::nn::ModuleList to_out{nullptr};
+
+ private:
+  std::shared_ptr<FusedLinears> qkv_, added_qkv_;
 };
 TORCH_MODULE(FluxAttention);
 
@@ -110,9 +116,14 @@ class FluxSingleTransformerBlockImpl : public torch::nn::Module {
   FluxSingleTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim);
   // x [B, S + N, D] (text first), temb [B, D] -> [B, S + N, D]
   at::Tensor forward(const at::Tensor& x, const at::Tensor& temb, const FluxRope& rope);
+  // attn's to_q, to_k, to_v and proj_mlp, which read the same norm, as one GEMM (BFL's linear1).
+  void fuse_projections();
   AdaLayerNormZeroSingle norm{nullptr};
   Linear proj_mlp{nullptr}, proj_out{nullptr};
   FluxAttention attn{nullptr};
+
+ private:
+  std::shared_ptr<FusedLinears> in_;
 };
 TORCH_MODULE(FluxSingleTransformerBlock);
 
@@ -159,6 +170,9 @@ class FluxTransformer2DModelImpl : public torch::nn::Module {
   size_t num_blocks() const;
   void run_block(size_t index, FluxState& state);
   at::Tensor output(const FluxState& state);  // norm_out, proj_out on the image tokens -> [B, N, out]
+  // The blocks' projections that read one input as fewer, wider GEMMs, once the weights are in
+  // place (a later move or dtype change undoes it: the layers then run apart until called again).
+  void fuse_projections();
 
   FluxTransformer2DConfig config;
   FluxTimeTextEmbeddings time_text_embed{nullptr};

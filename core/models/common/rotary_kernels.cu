@@ -1,0 +1,75 @@
+#include "core/models/common/rotary_kernels.h"
+
+#include <algorithm>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "core/models/common/kernel_types.cuh"
+
+namespace diffract::models::kernels {
+namespace {
+
+constexpr int kWarps = 8;        // rows per block, one warp each
+constexpr int kMaxPairs = 8;     // per lane: dim up to 2 * 32 * 8 = 512
+
+template <typename T>
+__device__ __forceinline__ float rounded(float v) { return to_float(from_float<T>(v)); }
+
+template <typename T>
+__global__ void rms_norm_rope(RmsNormRopeArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const int64_t rows = a.batch * a.tokens * a.heads;
+  if (row >= rows) return;
+  const int64_t h = row % a.heads, t = (row / a.heads) % a.tokens, b = row / (a.heads * a.tokens);
+  const T* x = static_cast<const T*>(a.x) + b * a.x_stride_b + t * a.x_stride_t + h * a.x_stride_h;
+  const T* w = static_cast<const T*>(a.weight);
+  T* out = static_cast<T*>(a.out) + b * a.out_stride_b + t * a.out_stride_t + h * a.dim;
+  const int64_t pairs = a.dim / 2;
+  float v0[kMaxPairs], v1[kMaxPairs];
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxPairs; ++i) {
+    const int64_t p = lane + 32 * i;
+    v0[i] = v1[i] = 0.f;
+    if (p < pairs) {
+      v0[i] = to_float(x[2 * p]);
+      v1[i] = to_float(x[2 * p + 1]);
+      ss += v0[i] * v0[i] + v1[i] * v1[i];
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float r = rsqrtf(ss / static_cast<float>(a.dim) + a.eps);
+  const float* cs = a.cos + t * a.dim;
+  const float* sn = a.sin + t * a.dim;
+#pragma unroll
+  for (int i = 0; i < kMaxPairs; ++i) {
+    const int64_t p = lane + 32 * i;
+    if (p >= pairs) continue;
+    const float y0 = rounded<T>(__fmul_rn(rounded<T>(__fmul_rn(v0[i], r)), to_float(w[2 * p])));
+    const float y1 = rounded<T>(__fmul_rn(rounded<T>(__fmul_rn(v1[i], r)), to_float(w[2 * p + 1])));
+    out[2 * p] = from_float<T>(__fadd_rn(__fmul_rn(y0, cs[2 * p]), __fmul_rn(-y1, sn[2 * p])));
+    out[2 * p + 1] = from_float<T>(__fadd_rn(__fmul_rn(y1, cs[2 * p + 1]), __fmul_rn(y0, sn[2 * p + 1])));
+  }
+}
+
+}  // namespace
+
+bool rms_norm_rope_supported(int64_t dim) { return dim > 0 && dim % 2 == 0 && dim <= 2 * 32 * kMaxPairs; }
+
+int rms_norm_rope_forward(const RmsNormRopeArgs& a, CUstream_st* stream) {
+  if (!rms_norm_rope_supported(a.dim)) return static_cast<int>(cudaErrorInvalidValue);
+  const int64_t rows = a.batch * a.tokens * a.heads;
+  if (rows <= 0) return 0;
+  const auto blocks = static_cast<unsigned>((rows + kWarps - 1) / kWarps);
+  return with_element_type(a.dtype, [&](auto v) {
+    rms_norm_rope<decltype(v)><<<blocks, kWarps * 32, 0, stream>>>(a);
+    return static_cast<int>(cudaGetLastError());
+  });
+}
+
+}  // namespace diffract::models::kernels

@@ -1,0 +1,14 @@
+#pragma once
+// Where the device time of a function goes: its CUDA kernels under the Kineto profiler, summed by
+// kernel name, by a rough family (attention, matmul, normalisation, ...) and by the ATen op (with
+// its input shapes) that launched them, in ms per call. Kernel names are the libraries' own.
+#include <functional>
+
+#include <nlohmann/json.hpp>
+
+namespace diffract::pipeline {
+
+// Runs `f` once to warm up, then `reps` times under the profiler on CUDA device `device`.
+nlohmann::json kernel_profile(int reps, const std::function<void()>& f, int device);
+
+}  // namespace diffract::pipeline
