@@ -438,6 +438,9 @@ void add_generation_options(CLI::App* cmd, job::GenerationRequest& req, bool wit
   cmd->add_option("--taesd", req.taesd, "TAESD for previews (folder or .pth pair)");
   cmd->add_option("--batch", req.batch, "images per prompt")->capture_default_str();
   cmd->add_flag("--no-t5", req.drop_t5, "SD3: run without the T5 encoder (its part of the prompt embedding zeros)");
+  cmd->add_option("--t5", req.t5_placement,
+                  "Flux: where T5-XXL lives: cpu (runs there), cuda:N (another GPU), offload (host memory between "
+                  "prompts, the model's GPU to encode); default: with the model");
   cmd->add_option_function<std::string>(
          "--prompt-syntax",
          [&req](const std::string& v) {

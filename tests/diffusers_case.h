@@ -29,6 +29,30 @@ inline job::GenerationRequest request_from_case(const nlohmann::json& c) {
   return r;
 }
 
+// A job from a diffusers pipeline call's keyword arguments (prompt, negative_prompt,
+// num_inference_steps, guidance_scale, width, height, seed, num_images_per_prompt) on `model`.
+// `distilled`: guidance_scale is Flux's embedded guidance and true_cfg_scale the CFG scale (1 when
+// absent); otherwise guidance_scale is the CFG scale.
+inline job::GenerationRequest request_from_call(const nlohmann::json& c, const std::string& model, bool distilled) {
+  job::GenerationRequest r;
+  r.model = model;
+  r.prompt = c["prompt"];
+  r.negative_prompt = c.value("negative_prompt", "");
+  r.steps = c["num_inference_steps"];
+  if (distilled) {
+    r.cfg = c.value("true_cfg_scale", 1.0);
+    r.guidance = c["guidance_scale"];
+  } else {
+    r.cfg = c["guidance_scale"];
+  }
+  r.width = c["width"];
+  r.height = c["height"];
+  r.seed = c["seed"];
+  r.batch = c.value("num_images_per_prompt", 1);
+  r.preview_every = 0;
+  return r;
+}
+
 inline at::Tensor image_levels(const io::Image& img) {
   return at::from_blob(const_cast<std::uint8_t*>(img.rgb.data()), {img.height, img.width, 3}, at::kByte).to(at::kInt);
 }

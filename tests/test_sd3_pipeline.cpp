@@ -13,6 +13,7 @@
 #include "core/text/t5_tokenizer.h"
 #include "core/util/error.h"
 #include "strategy_job.h"
+#include "diffusers_case.h"
 #include "test_util.h"
 
 using namespace diffract;
@@ -36,18 +37,7 @@ nlohmann::json cases() {
 }
 
 job::GenerationRequest request_for(const nlohmann::json& c) {
-  job::GenerationRequest r;
-  r.model = model().string();
-  r.prompt = c["prompt"];
-  r.negative_prompt = c["negative_prompt"];
-  r.steps = c["num_inference_steps"];
-  r.cfg = c["guidance_scale"];
-  r.width = c["width"];
-  r.height = c["height"];
-  r.seed = c["seed"];
-  r.batch = c.value("num_images_per_prompt", 1);
-  r.preview_every = 0;
-  return r;
+  return test::request_from_call(c, model().string(), /*distilled=*/false);
 }
 
 // The same fp32 operations as diffusers (text encoders, 3-4 transformer steps

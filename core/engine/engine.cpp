@@ -29,17 +29,20 @@ struct Engine::Impl {
   std::unique_ptr<pipeline::Pipeline> model;  // chosen from the folder: SD 1.x / 2.x / XL or SD3
   std::string model_config;
   bool model_without_t5 = false;  // loaded with drop_t5: a job that wants T5 needs a reload
+  std::string model_t5_placement;
   std::thread worker;
 
   pipeline::Pipeline& model_for(const job::GenerationRequest& r) {
     if (r.model.empty()) throw Error("no model chosen");
     if (!model || model->path() != r.model || model->device() != r.device || model_config != r.model_config ||
-        (model_without_t5 && !r.drop_t5)) {
+        (model_without_t5 && !r.drop_t5) ||
+        (model->family() == job::ModelFamily::Flux && model_t5_placement != r.t5_placement)) {
       model.reset();  // free the old one first: two SDXL models may not fit
       release_cached_memory();  // and its blocks, which a CUDA graph's private pool cannot reuse
-      model = pipeline::load_pipeline(r.model, r.device, r.model_config, r.drop_t5);
+      model = pipeline::load_pipeline(r.model, r.device, r.model_config, r.drop_t5, r.t5_placement);
       model_config = r.model_config;
       model_without_t5 = r.drop_t5;
+      model_t5_placement = r.t5_placement;
       // On a GPU the first job would otherwise pay for cuDNN plans and graph captures.
       if (r.device.rfind("cuda", 0) == 0) model->warm_up();
     }

@@ -33,6 +33,13 @@ std::optional<fs::path> find_weights(const fs::path& dir, const std::string& var
   return std::nullopt;
 }
 
+std::filesystem::path require_weights(const fs::path& dir, const std::string& variant) {
+  if (auto w = find_weights(dir, variant)) return *w;
+  const std::string v = variant.empty() ? "" : "." + variant;
+  throw Error(dir.string() + ": no weight file (diffusion_pytorch_model" + v + ".safetensors, model" + v +
+              ".safetensors, their sharded indexes or .bin files" + (variant.empty() ? ", or the fp16 variants" : "") + ")");
+}
+
 namespace {
 
 Component::Kind kind_of(const std::string& name, const std::string& class_name) {

@@ -49,5 +49,7 @@ class DiffusersFolder {
 // shard indexes, and `variant`. Empty when none is there.
 std::optional<std::filesystem::path> find_weights(const std::filesystem::path& dir, const std::string& variant,
                                                   std::string* chosen_variant = nullptr);
+// find_weights, or an error naming the folder and the file names looked for.
+std::filesystem::path require_weights(const std::filesystem::path& dir, const std::string& variant);
 
 }  // namespace diffract::io

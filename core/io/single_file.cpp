@@ -118,14 +118,17 @@ std::string single_file_family_name(SingleFileFamily family) {
 std::vector<TensorShape> tensor_shapes(const SafetensorsArchive& archive) {
   std::vector<TensorShape> out;
   out.reserve(archive.tensors().size());
-  for (const auto& t : archive.tensors()) out.push_back({t.name, t.shape});
+  for (const auto& t : archive.tensors())
+    out.push_back({t.name, t.shape, t.dtype == DType::F8_E4M3 || t.dtype == DType::F8_E5M2});
   return out;
 }
 
 std::vector<TensorShape> tensor_shapes(const StateDict& weights) {
   std::vector<TensorShape> out;
   out.reserve(weights.size());
-  for (const auto& [name, t] : weights) out.push_back({name, t.sizes().vec()});
+  for (const auto& [name, t] : weights)
+    out.push_back({name, t.sizes().vec(),
+                   t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2});
   return out;
 }
 
@@ -155,11 +158,13 @@ SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, con
   if (auto k = any_contains("joint_blocks."); !k.empty())
     throw Error(what + ": an SD3 / SD3.5 (MMDiT) checkpoint (found '" + k + "'), not an SD 1.x / 2.x / SDXL one" +
                 sd3_hint);
+  if (auto k = any_contains("double_blocks."); !k.empty())
+    throw Error(what + ": a FLUX checkpoint (found '" + k + "'), not an SD 1.x / 2.x / SDXL one; FLUX single files "
+                "load as .safetensors through the Flux pipeline (which load_pipeline picks)");
   if (auto k = index.first_with_prefix("text_encoders."); !k.empty())
     throw Error(what + ": an SD3-style checkpoint with text_encoders.* (found '" + k + "') but no MMDiT " +
-                "(joint_blocks.*); only Stable Diffusion 1.x, 2.x, SDXL base and SD3 / SD3.5 single files are supported");
-  if (auto k = any_contains("double_blocks."); !k.empty())
-    unsupported("a FLUX-style checkpoint (found '" + k + "')");
+                "(joint_blocks.*); only Stable Diffusion 1.x, 2.x, SDXL base, SD3 / SD3.5 and FLUX.1 single files are "
+                "supported");
   if (auto k = index.first_with_prefix("control_model."); !k.empty()) unsupported("a ControlNet (found '" + k + "')");
   if (index.has("edm_mean") || index.has("edm_std")) unsupported("a Playground v2.5 (EDM) checkpoint (found 'edm_mean')");
   if (index.has("conditioner.embedders.0.model.token_embedding.weight") && !index.has("conditioner.embedders.1.model.token_embedding.weight"))
@@ -762,6 +767,280 @@ StateDict map_sd3_t5(const StateDict& all, const std::string& prefix) {
   StateDict out = strip(all, prefix);
   if (out.empty()) throw Error("no T5 text encoder tensors under '" + prefix + "'");
   return map_t5_encoder_keys(std::move(out));
+}
+
+// --- FLUX.1 ----------------------------------------------------------------------------------------
+
+namespace {
+
+const char* const kFluxPrefixes[] = {"model.diffusion_model.", ""};
+
+bool flux_scale_key(const std::string& key) {
+  return ends_with(key, ".scale_weight") || ends_with(key, ".weight_scale");
+}
+bool flux_activation_scale_key(const std::string& key) {
+  return key == "scaled_fp8" || ends_with(key, ".scaled_fp8") || ends_with(key, ".scale_input") || ends_with(key, ".input_scale");
+}
+
+}  // namespace
+
+bool is_flux_single_file(const std::vector<TensorShape>& tensors) {
+  for (const auto& t : tensors)
+    for (const char* prefix : kFluxPrefixes)
+      if (starts_with(t.name, std::string(prefix) + "double_blocks.") && t.name.find(".img_attn.") != std::string::npos)
+        return true;
+  return false;
+}
+
+FluxSingleFileLayout detect_flux_single_file(const std::vector<TensorShape>& tensors, const std::string& what) {
+  std::map<std::string, const TensorShape*> by_name;
+  for (const auto& t : tensors) by_name.emplace(t.name, &t);
+  FluxSingleFileLayout l;
+  bool found = false;
+  for (const char* prefix : kFluxPrefixes) {
+    const std::string head = std::string(prefix) + "double_blocks.";
+    for (auto it = by_name.lower_bound(head); it != by_name.end() && starts_with(it->first, head); ++it)
+      if (it->first.find(".img_attn.") != std::string::npos) found = true;
+    if (found) {
+      l.transformer_prefix = prefix;
+      break;
+    }
+  }
+  if (!found) throw Error(what + ": no FLUX transformer tensors (double_blocks.N.img_attn.*)");
+  const std::string& p = l.transformer_prefix;
+  const std::string where = what + " (transformer at " + (p.empty() ? std::string("the top level") : p + "*") + ")";
+  if (by_name.count(p + "double_stream_modulation_img.lin.weight") || by_name.count(p + "single_stream_modulation.lin.weight"))
+    throw Error(where + ": a FLUX.2 transformer (shared stream modulations), which Diffract does not run; it runs FLUX.1");
+  const auto shape = [&](const std::string& key, std::size_t rank) -> const std::vector<int64_t>& {
+    const auto it = by_name.find(p + key);
+    if (it == by_name.end()) throw Error(where + ": incomplete FLUX.1 transformer: no tensor '" + p + key + "'");
+    if (it->second->shape.size() != rank)
+      throw Error(where + ": '" + p + key + "' is " + shape_str(it->second->shape) + ", expected " + std::to_string(rank) +
+                  " dimensions");
+    return it->second->shape;
+  };
+  const auto expect = [&](const std::string& key, const std::vector<int64_t>& want) {
+    const auto& got = shape(key, want.size());
+    if (got != want)
+      throw Error(where + ": '" + p + key + "' is " + shape_str(got) + ", expected " + shape_str(want) +
+                  " for a width of " + std::to_string(l.hidden_size));
+  };
+  const auto& img_in = shape("img_in.weight", 2);
+  l.hidden_size = img_in[0];
+  l.in_channels = img_in[1];
+  const int64_t d = l.hidden_size;
+  l.joint_attention_dim = shape("txt_in.weight", 2)[1];
+  l.pooled_projection_dim = shape("vector_in.in_layer.weight", 2)[1];
+  expect("txt_in.weight", {d, l.joint_attention_dim});
+  expect("time_in.out_layer.weight", {d, d});
+  expect("vector_in.out_layer.weight", {d, d});
+  shape("time_in.in_layer.weight", 2);
+  l.guidance = by_name.count(p + "guidance_in.in_layer.weight") > 0;
+  if (l.guidance) expect("guidance_in.out_layer.weight", {d, d});
+  const auto& final_linear = shape("final_layer.linear.weight", 2);
+  expect("final_layer.adaLN_modulation.1.weight", {2 * d, d});
+  if (final_linear[1] != d) expect("final_layer.linear.weight", {final_linear[0], d});
+  if (final_linear[0] != l.in_channels)
+    throw Error(where + ": the transformer takes " + std::to_string(l.in_channels) + " input channels and gives " +
+                std::to_string(final_linear[0]) + ": an image-conditioned FLUX.1 (Fill, Depth or Canny), which "
+                "Diffract does not run yet; it runs text-to-image FLUX.1 (dev, schnell and their fine-tunes)");
+
+  const auto numbered = [&](const std::string& head) {
+    std::set<int64_t> ids;
+    int64_t n = 0;
+    std::string rest;
+    for (auto it = by_name.lower_bound(p + head); it != by_name.end() && starts_with(it->first, p + head); ++it)
+      if (take_index(it->first.substr(p.size()), head, n, rest)) ids.insert(n);
+    if (!ids.empty() && (*ids.begin() != 0 || *ids.rbegin() != static_cast<int64_t>(ids.size()) - 1))
+      throw Error(where + ": " + head + "N are not numbered 0.." + std::to_string(ids.size() - 1) + " (found up to " +
+                  std::to_string(*ids.rbegin()) + ")");
+    return static_cast<int64_t>(ids.size());
+  };
+  l.double_blocks = numbered("double_blocks.");
+  l.single_blocks = numbered("single_blocks.");
+  const std::string first_norm = l.double_blocks > 0 ? "double_blocks.0.img_attn.norm.query_norm.scale"
+                                                     : "single_blocks.0.norm.query_norm.scale";
+  l.head_dim = shape(first_norm, 1)[0];
+  if (l.head_dim <= 0 || d % l.head_dim != 0)
+    throw Error(where + ": width " + std::to_string(d) + " is not a multiple of the head width " +
+                std::to_string(l.head_dim) + " ('" + p + first_norm + "')");
+  for (int64_t b = 0; b < l.double_blocks; ++b) {
+    const std::string k = "double_blocks." + std::to_string(b) + ".";
+    for (const std::string stream : {"img", "txt"}) {
+      expect(k + stream + "_mod.lin.weight", {6 * d, d});
+      expect(k + stream + "_attn.qkv.weight", {3 * d, d});
+      expect(k + stream + "_attn.proj.weight", {d, d});
+      expect(k + stream + "_attn.norm.query_norm.scale", {l.head_dim});
+      expect(k + stream + "_attn.norm.key_norm.scale", {l.head_dim});
+      const auto& mlp0 = shape(k + stream + "_mlp.0.weight", 2);
+      expect(k + stream + "_mlp.0.weight", {mlp0[0], d});
+      expect(k + stream + "_mlp.2.weight", {d, mlp0[0]});
+    }
+  }
+  for (int64_t b = 0; b < l.single_blocks; ++b) {
+    const std::string k = "single_blocks." + std::to_string(b) + ".";
+    expect(k + "modulation.lin.weight", {3 * d, d});
+    const auto& linear1 = shape(k + "linear1.weight", 2);
+    if (linear1[0] <= 3 * d || linear1[1] != d)
+      throw Error(where + ": '" + p + k + "linear1.weight' is " + shape_str(linear1) + "; it must hold q, k, v (" +
+                  std::to_string(3 * d) + " rows) and the MLP input for a width of " + std::to_string(d));
+    expect(k + "linear2.weight", {d, linear1[0] - 2 * d});
+    expect(k + "norm.query_norm.scale", {l.head_dim});
+    expect(k + "norm.key_norm.scale", {l.head_dim});
+  }
+  for (const auto& t : tensors) {
+    if (!starts_with(t.name, p)) continue;
+    if (t.fp8) l.fp8 = true;
+    if (flux_scale_key(t.name)) l.fp8_scaled = true;
+  }
+
+  const auto has = [&](const std::string& key) { return by_name.count(key) > 0; };
+  for (const std::string vae : {"vae.", "first_stage_model."})
+    if (has(vae + "decoder.conv_in.weight")) {
+      l.vae_prefix = vae;
+      const int64_t z = by_name.at(vae + "decoder.conv_in.weight")->shape.at(1);
+      if (z * 4 != l.in_channels)
+        throw Error(what + ": the VAE (" + vae + "*) has " + std::to_string(z) + " latent channels; the transformer takes " +
+                    std::to_string(l.in_channels) + " (4 x the latent channels, packed 2x2)");
+      break;
+    }
+  if (has("text_encoders.clip_l.transformer.text_model.embeddings.token_embedding.weight"))
+    l.clip_l_prefix = "text_encoders.clip_l.transformer.";
+  if (has("text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight"))
+    l.t5_prefix = "text_encoders.t5xxl.transformer.";
+  const bool full = d == 3072 && l.head_dim == 128 && l.double_blocks == 19 && l.single_blocks == 38 &&
+                    l.in_channels == 64 && l.joint_attention_dim == 4096 && l.pooled_projection_dim == 768;
+  l.variant = !full ? "FLUX-like" : l.guidance ? "FLUX.1-dev" : "FLUX.1-schnell";
+  return l;
+}
+
+StateDict dequantize_fp8(const StateDict& all, at::ScalarType dtype, const std::string& what, std::size_t* scaled) {
+  StateDict out;
+  std::size_t n = 0;
+  std::set<std::string> folded;
+  for (const auto& [key, scale] : all) {
+    if (!flux_scale_key(key)) continue;
+    const std::string base = key.substr(0, key.size() - std::string(".scale_weight").size());
+    const auto it = all.find(base + ".weight");
+    if (it == all.end()) throw Error(what + ": weight scale '" + key + "' has no '" + base + ".weight' beside it");
+    const auto& w = it->second;
+    at::Tensor s = scale.to(at::kFloat);
+    if (s.numel() == 1) {
+      s = s.reshape({});
+    } else if (w.dim() >= 1 && s.numel() == w.size(0) && (s.dim() == 1 || (s.dim() == 2 && s.size(1) == 1))) {
+      std::vector<int64_t> shape(static_cast<std::size_t>(w.dim()), 1);
+      shape[0] = w.size(0);
+      s = s.reshape(shape);
+    } else {
+      throw Error(what + ": weight scale '" + key + "' is " + shape_str(scale.sizes().vec()) + "; for '" + base +
+                  ".weight' " + shape_str(w.sizes().vec()) + " it must be one value or one per output channel");
+    }
+    if (!at::isFloatingType(w.scalar_type()))
+      throw Error(what + ": '" + base + ".weight' is " + std::string(c10::toString(w.scalar_type())) +
+                  ", which a weight scale cannot apply to");
+    out.emplace(base + ".weight", (w.to(at::kFloat) * s).to(dtype));
+    folded.insert(base + ".weight");
+    ++n;
+  }
+  for (const auto& [key, t] : all)
+    if (!flux_scale_key(key) && !flux_activation_scale_key(key) && !folded.count(key)) out.emplace(key, t);
+  if (scaled) *scaled = n;
+  return out;
+}
+
+StateDict map_flux_transformer(const StateDict& all, const std::string& prefix) {
+  const StateDict bfl = strip(all, prefix);
+  if (bfl.empty() || indices(bfl, "double_blocks.").empty())
+    throw Error("no FLUX transformer tensors (double_blocks.*) under '" + prefix + "'");
+  const auto img_in = bfl.find("img_in.weight");
+  if (img_in == bfl.end()) throw Error("no FLUX transformer input projection ('" + prefix + "img_in.weight')");
+  const int64_t d = img_in->second.size(0);
+  static const std::pair<const char*, const char*> fixed[] = {
+      {"img_in.", "x_embedder."},
+      {"txt_in.", "context_embedder."},
+      {"time_in.in_layer.", "time_text_embed.timestep_embedder.linear_1."},
+      {"time_in.out_layer.", "time_text_embed.timestep_embedder.linear_2."},
+      {"vector_in.in_layer.", "time_text_embed.text_embedder.linear_1."},
+      {"vector_in.out_layer.", "time_text_embed.text_embedder.linear_2."},
+      {"guidance_in.in_layer.", "time_text_embed.guidance_embedder.linear_1."},
+      {"guidance_in.out_layer.", "time_text_embed.guidance_embedder.linear_2."},
+      {"final_layer.linear.", "proj_out."}};
+  static const std::pair<const char*, const char*> double_names[] = {
+      {"img_mod.lin.", "norm1.linear."},
+      {"txt_mod.lin.", "norm1_context.linear."},
+      {"img_attn.norm.query_norm.scale", "attn.norm_q.weight"},
+      {"img_attn.norm.key_norm.scale", "attn.norm_k.weight"},
+      {"txt_attn.norm.query_norm.scale", "attn.norm_added_q.weight"},
+      {"txt_attn.norm.key_norm.scale", "attn.norm_added_k.weight"},
+      {"img_attn.proj.", "attn.to_out.0."},
+      {"txt_attn.proj.", "attn.to_add_out."},
+      {"img_mlp.0.", "ff.net.0.proj."},
+      {"img_mlp.2.", "ff.net.2."},
+      {"txt_mlp.0.", "ff_context.net.0.proj."},
+      {"txt_mlp.2.", "ff_context.net.2."}};
+  static const std::pair<const char*, const char*> single_names[] = {
+      {"modulation.lin.", "norm.linear."},
+      {"norm.query_norm.scale", "attn.norm_q.weight"},
+      {"norm.key_norm.scale", "attn.norm_k.weight"},
+      {"linear2.", "proj_out."}};
+
+  StateDict out;
+  const auto put = [&](const std::string& key, const at::Tensor& t) {
+    if (!out.emplace(key, t).second) throw Error(prefix + ": two tensors map to '" + key + "'");
+  };
+  const auto rename = [](const std::string& rest, const auto& names, const std::string& head) -> std::string {
+    for (const auto& [from, to] : names)
+      if (starts_with(rest, from)) return head + to + rest.substr(std::string(from).size());
+    return {};
+  };
+  for (const auto& [key, tensor] : bfl) {
+    if (prefix.empty() && (starts_with(key, "vae.") || starts_with(key, "first_stage_model.") ||
+                           starts_with(key, "text_encoders.")))
+      continue;  // the other components of a file whose transformer has no prefix
+    if (starts_with(key, "final_layer.adaLN_modulation.1.")) {
+      if (tensor.dim() < 1 || tensor.size(0) % 2 != 0)
+        throw Error(prefix + key + ": " + shape_str(tensor.sizes().vec()) + " cannot be split into shift and scale");
+      const auto h = tensor.chunk(2, 0);  // (shift, scale) -> diffusers' (scale, shift)
+      put("norm_out.linear." + key.substr(31), at::cat({h[1], h[0]}, 0));
+      continue;
+    }
+    std::string mapped;
+    for (const auto& [from, to] : fixed)
+      if (mapped.empty() && starts_with(key, from)) mapped = to + key.substr(std::string(from).size());
+    int64_t b = 0;
+    std::string rest;
+    if (mapped.empty() && take_index(key, "double_blocks.", b, rest)) {
+      const std::string block = "transformer_blocks." + std::to_string(b) + ".";
+      const bool img = starts_with(rest, "img_attn.qkv."), txt = starts_with(rest, "txt_attn.qkv.");
+      if (img || txt) {
+        const std::string kind = rest.substr(13);
+        if (tensor.dim() < 1 || tensor.size(0) != 3 * d)
+          throw Error(prefix + key + ": qkv of " + shape_str(tensor.sizes().vec()) + " is not 3 x the width " +
+                      std::to_string(d));
+        const auto parts = tensor.chunk(3, 0);
+        static const char* const self[3] = {"attn.to_q.", "attn.to_k.", "attn.to_v."};
+        static const char* const added[3] = {"attn.add_q_proj.", "attn.add_k_proj.", "attn.add_v_proj."};
+        for (int i = 0; i < 3; ++i) put(block + (img ? self : added)[i] + kind, parts[static_cast<std::size_t>(i)]);
+        continue;
+      }
+      mapped = rename(rest, double_names, block);
+    } else if (mapped.empty() && take_index(key, "single_blocks.", b, rest)) {
+      const std::string block = "single_transformer_blocks." + std::to_string(b) + ".";
+      if (starts_with(rest, "linear1.")) {
+        const std::string kind = rest.substr(8);
+        if (tensor.dim() < 1 || tensor.size(0) <= 3 * d)
+          throw Error(prefix + key + ": " + shape_str(tensor.sizes().vec()) + " does not hold q, k, v (" +
+                      std::to_string(d) + " rows each) and the MLP input");
+        const auto parts = tensor.split_with_sizes({d, d, d, tensor.size(0) - 3 * d}, 0);
+        static const char* const names[4] = {"attn.to_q.", "attn.to_k.", "attn.to_v.", "proj_mlp."};
+        for (int i = 0; i < 4; ++i) put(block + names[i] + kind, parts[static_cast<std::size_t>(i)]);
+        continue;
+      }
+      mapped = rename(rest, single_names, block);
+    }
+    put(mapped.empty() ? prefix + key : mapped, tensor);  // unknown: kept, so a strict bind names it
+  }
+  return out;
 }
 
 }  // namespace diffract::io

@@ -3,6 +3,8 @@
 #include <string>
 #include <vector>
 
+#include <c10/core/ScalarType.h>
+
 #include "core/io/weights.h"
 
 namespace diffract::io {
@@ -21,6 +23,7 @@ std::string single_file_family_name(SingleFileFamily family);  // "SD 1.x", "SD 
 struct TensorShape {
   std::string name;
   std::vector<int64_t> shape;
+  bool fp8 = false;  // stored as an 8-bit float (e4m3 / e5m2)
 };
 std::vector<TensorShape> tensor_shapes(const SafetensorsArchive& archive);
 std::vector<TensorShape> tensor_shapes(const StateDict& weights);
@@ -139,5 +142,60 @@ StateDict map_sd3_clip(const StateDict& all, const std::string& prefix);
 // SD3's T5 (transformers' T5EncoderModel keys under `prefix`) -> our T5Encoder's (shared.weight,
 // encoder.*; the tied encoder.embed_tokens folded in as map_t5_encoder_keys does).
 StateDict map_sd3_t5(const StateDict& all, const std::string& prefix);
+
+// --- FLUX.1 ---------------------------------------------------------------------------------------
+// Black Forest Labs' files (flux1-dev.safetensors, flux1-schnell.safetensors: the transformer alone,
+// bare keys), the same under model.diffusion_model. (ComfyUI's UNet / diffusion_models files), and
+// ComfyUI's all-in-one checkpoints, which add
+//   text_encoders.clip_l.transformer.*   CLIP-L, transformers' keys (text_model.*)
+//   text_encoders.t5xxl.transformer.*    T5-XXL encoder, transformers' keys
+//   vae.* or first_stage_model.*         the 16-channel LDM VAE (BFL's ae.safetensors keys)
+// Transformer weights may be float8 (e4m3 / e5m2), with or without per-tensor or per-channel scales
+// (`X.scale_weight` or `X.weight_scale` beside `X.weight`; ComfyUI's "scaled" files).
+
+// True when the tensors hold a FLUX.1 transformer (double_blocks.N.img_attn.*, with or without
+// model.diffusion_model.).
+bool is_flux_single_file(const std::vector<TensorShape>& tensors);
+
+struct FluxSingleFileLayout {
+  std::string transformer_prefix;  // "" (BFL) or "model.diffusion_model."
+  // Empty when the file lacks the component.
+  std::string vae_prefix, clip_l_prefix, t5_prefix;
+  int64_t double_blocks = 0, single_blocks = 0;
+  int64_t hidden_size = 0;   // img_in's output width
+  int64_t head_dim = 0;      // the query norm's width
+  int64_t in_channels = 0;   // packed latent channels (4 x the VAE's)
+  int64_t joint_attention_dim = 0, pooled_projection_dim = 0;
+  bool guidance = false;     // guidance_in: dev-style distilled guidance
+  bool fp8 = false;          // some tensors are float8
+  bool fp8_scaled = false;   // ... with scales beside them
+  std::string variant;       // "FLUX.1-dev", "FLUX.1-schnell" or "FLUX-like" (other sizes)
+};
+
+// Decides the layout from names and shapes (never the data). The transformer must be complete:
+// every fixed tensor, double and single blocks numbered 0..N-1 with their projections, consistent
+// widths; errors name `what` and the tensor. FLUX.2 and the image-conditioned FLUX.1 (Fill, Depth,
+// Canny: more input than output channels) are refused by name. Missing text encoders or VAE are not errors here.
+FluxSingleFileLayout detect_flux_single_file(const std::vector<TensorShape>& tensors, const std::string& what);
+
+// BFL's transformer keys -> diffusers' FluxTransformer2DModel, as diffusers'
+// convert_flux_transformer_checkpoint_to_diffusers: img_in / txt_in -> x_embedder / context_embedder,
+// time_in / vector_in / guidance_in {in,out}_layer -> time_text_embed.{timestep,text,guidance}_embedder
+// .linear_{1,2}, double_blocks.N.{img,txt}_mod.lin -> norm1(_context).linear, {img,txt}_attn.qkv split
+// into to_q/k/v and add_{q,k,v}_proj, their norm.{query,key}_norm.scale -> norm_q/k (norm_added_q/k),
+// {img,txt}_attn.proj -> to_out.0 / to_add_out, {img,txt}_mlp.{0,2} -> ff(_context).net.{0.proj,2},
+// single_blocks.N.linear1 split into to_q, to_k, to_v (the width each) and proj_mlp (the rest),
+// linear2 -> proj_out, modulation.lin -> norm.linear, final_layer.linear -> proj_out and
+// final_layer.adaLN_modulation.1 -> norm_out.linear with its (shift, scale) halves swapped (a copy;
+// everything else is a view). Weight scales must have been folded in (dequantize_fp8).
+StateDict map_flux_transformer(const StateDict& all, const std::string& prefix = "");
+
+// Folds float8 weight scales into their weights: every `X.scale_weight` / `X.weight_scale` (a
+// scalar, [out] or [out, 1]) multiplies `X.weight` (computed in float32, stored as `dtype`), and
+// is removed with the activation scales (`scale_input`, `input_scale`) and ComfyUI's "scaled_fp8"
+// marker (under any prefix). Unscaled float8 tensors stay as they are (binding converts them exactly: e4m3 and e5m2
+// values are bf16 / fp32 values). `scaled` counts the weights scaled. Errors name `what` and the key.
+StateDict dequantize_fp8(const StateDict& all, at::ScalarType dtype, const std::string& what,
+                         std::size_t* scaled = nullptr);
 
 }  // namespace diffract::io

@@ -137,4 +137,7 @@ const UploadStats& ScopedPlacement::stats() const { return uploader_->stats(); }
 
 Uploader* ScopedPlacement::current() { return t_current; }
 
+SuspendedPlacement::SuspendedPlacement() : previous_(t_current) { t_current = nullptr; }
+SuspendedPlacement::~SuspendedPlacement() { t_current = previous_; }
+
 }  // namespace diffract::io

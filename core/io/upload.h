@@ -67,4 +67,17 @@ class ScopedPlacement {
   Uploader* previous_;
 };
 
+// While one is alive on a thread, bind() there copies into the module's own tensors again, whatever
+// placement is active (a model part that lives elsewhere: Flux's T5 on the CPU).
+class SuspendedPlacement {
+ public:
+  SuspendedPlacement();
+  ~SuspendedPlacement();
+  SuspendedPlacement(const SuspendedPlacement&) = delete;
+  SuspendedPlacement& operator=(const SuspendedPlacement&) = delete;
+
+ private:
+  Uploader* previous_;
+};
+
 }  // namespace diffract::io

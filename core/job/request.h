@@ -109,6 +109,9 @@ struct GenerationRequest {
   bool lora_lenient = false;     // keys a LoRA has that match nothing: a warning instead of an error
   std::vector<std::string> lora_dirs;  // where <lora:NAME> is looked up (then the Hugging Face cache)
   bool drop_t5 = false;          // SD3: run without the T5 encoder (its part of the prompt embedding zeros)
+  // Flux: where T5-XXL (9.5 GB in bf16) lives: "" with the model; "cpu" (runs there, fp32);
+  // "cuda:N" (another GPU); "offload" (host memory between prompts, the model's GPU to encode).
+  std::string t5_placement;
   // Job-scope runtime options (core/util/options.h) this job sets for itself, by name.
   std::map<std::string, std::string> options;
 

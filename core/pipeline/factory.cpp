@@ -50,10 +50,15 @@ bool is_sd3_folder(const fs::path& model) {
 }
 
 std::unique_ptr<Pipeline> load_pipeline(const fs::path& model, const std::string& device, const fs::path& config_dir,
-                                        bool drop_t5) {
+                                        bool drop_t5, const std::string& t5_placement) {
   const auto index = model_index(model);
   if (index) check_pipeline_class(*index);
-  if (index && index->optional<std::string>("_class_name", "") == "FluxPipeline") return Flux::load(model, device);
+  if (index ? index->optional<std::string>("_class_name", "") == "FluxPipeline" : is_flux_single_file(model)) {
+    Flux::LoadOptions options;
+    options.config_dir = config_dir;
+    options.t5_placement = t5_placement;
+    return Flux::load(model, device, options);
+  }
   if (index ? is_sd3_index(*index) : is_sd3_single_file(model)) {
     StableDiffusion3::LoadOptions options;
     options.drop_t5 = drop_t5;

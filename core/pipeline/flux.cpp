@@ -82,10 +82,13 @@ struct Flux::Impl : PipelineState {
                                     },
                                     2};
   models::AutoencoderKL vae{nullptr};
-  fs::path scheduler_json;
-  std::string scheduler_text;  // random(): the scheduler's config itself, no file
-  std::optional<schedulers::SamplerKind> native_sampler;
+  FlowMatchingScheduler scheduler;
   int max_sequence_length = 512;
+  // Where T5 runs (FluxLoadOptions::t5_placement); with t5_offload it waits in host memory.
+  at::Device t5_device{at::kCPU};
+  at::ScalarType t5_dtype = at::kFloat;
+  bool t5_offload = false;
+  bool t5_apart() const { return t5_offload || t5_device != device; }
   // The last prompts' encodings (T5 [1, S, D], pooled [1, P]), newest first.
   std::list<std::tuple<std::string, job::PromptSyntax, at::Tensor, at::Tensor>> prompt_cache;
   // Multi-GPU jobs: a transformer replica on each of the group's other GPUs.
@@ -128,8 +131,10 @@ struct Flux::Impl : PipelineState {
         log::get("pipeline").warn(log::str("prompt is ", tokens.dropped, " tokens over T5's ", max_sequence_length,
                                            "-token limit: the end was cut off ('", prompt.substr(0, 40), "...')"));
       const auto t2 = Clock::now();
-      const auto ids = at::tensor(at::ArrayRef<int>(tokens.ids), at::kLong).unsqueeze(0).to(device);
-      t5 = text_encoder_2->forward(ids).last_hidden_state.to(dtype);
+      const auto ids = at::tensor(at::ArrayRef<int>(tokens.ids), at::kLong).unsqueeze(0).to(t5_device);
+      if (t5_offload) text_encoder_2->to(t5_device);
+      t5 = text_encoder_2->forward(ids).last_hidden_state.to(device, dtype);
+      if (t5_offload) text_encoder_2->to(at::kCPU);
       t.text_encode_ms += ms_since(t2);
     } else {
       t5 = at::zeros({1, max_sequence_length, transformer->config.joint_attention_dim},
@@ -190,16 +195,61 @@ void load_folder(Flux::Impl& p, const fs::path& model) {
   if (!text::T5Tokenizer::available())
     throw Error(model.string() + ": Flux reads the prompt with T5, whose tokenizer needs SentencePiece, and this build "
                 "of Diffract has none (build with Debian's libsentencepiece-dev)");
-  p.scheduler_json = sched_c.config;
-  p.native_sampler = schedulers::native_sampler(sched_c.config);
+  p.scheduler.set_file(sched_c.config);
   p.transformer = models::load_flux_transformer(tr_c.dir, tr_c.variant);
   p.vae = models::load_autoencoder_kl(vae_c.dir, vae_c.variant);
   p.text_encoder = models::load_clip_text_model(te_c.dir, te_c.variant);
   p.tokenizer = std::make_unique<text::CLIPTokenizer>(text::CLIPTokenizer::from_folder(tok_c.dir));
   check_tokenizer_fits(*p.tokenizer, p.text_encoder->text_model->config.vocab_size, tok_c.dir.string());
   p.tokenizer_2 = std::make_unique<text::T5Tokenizer>(text::T5Tokenizer::from_folder(tok2_c.dir));
-  p.text_encoder_2 = models::load_t5_encoder(te2_c.dir, te2_c.variant);
+  {
+    std::optional<io::SuspendedPlacement> apart;
+    if (p.t5_apart()) apart.emplace();  // never on the model's GPU at load
+    p.text_encoder_2 = models::load_t5_encoder(te2_c.dir, te2_c.variant);
+  }
   check_components(p, model);
+}
+
+void set_t5_placement(Flux::Impl& p, const std::string& placement) {
+  p.t5_device = p.device;
+  p.t5_dtype = p.dtype;
+  p.t5_offload = false;
+  if (placement.empty()) return;
+  if (placement == "offload") {
+    if (!p.device.is_cuda())
+      throw Error("T5 placement 'offload' keeps T5 in host memory and moves it to the model's GPU to encode; this "
+                  "model runs on " + p.device_name + " (use cpu, or leave the placement empty)");
+    p.t5_offload = true;
+    return;
+  }
+  try {
+    p.t5_device = parse_device(placement);
+  } catch (const Error& e) {
+    throw Error("T5 placement '" + placement + "': " + e.what() + " (use cpu, cuda:N, offload or leave it empty)");
+  }
+  p.t5_dtype = p.t5_device.is_cuda() ? at::kBFloat16 : at::kFloat;
+}
+
+void load_single(Flux::Impl& p, const fs::path& file, const fs::path& config_dir) {
+  if (!text::T5Tokenizer::available())
+    throw Error(file.string() + ": Flux reads the prompt with T5, whose tokenizer needs SentencePiece, and this build "
+                "of Diffract has none (build with Debian's libsentencepiece-dev)");
+  SingleFileOptions sf;
+  sf.config_dir = config_dir;
+  sf.t5_on_cpu = p.t5_apart();
+  auto m = load_flux_single_file(file, sf, p.dtype);
+  p.transformer = m.transformer;
+  p.vae = m.vae;
+  p.text_encoder = m.text_encoder;
+  p.text_encoder_2 = m.text_encoder_2;
+  p.tokenizer = std::make_unique<text::CLIPTokenizer>(m.clip_tokenizer_dir.empty()
+                                                          ? make_clip_tokenizer(m.tokenizer)
+                                                          : text::CLIPTokenizer::from_folder(m.clip_tokenizer_dir));
+  check_tokenizer_fits(*p.tokenizer, p.text_encoder->text_model->config.vocab_size, file.string());
+  p.tokenizer_2 = std::make_unique<text::T5Tokenizer>(text::T5Tokenizer::from_folder(m.t5_tokenizer_dir));
+  if (!m.scheduler_json.empty()) p.scheduler.set_file(m.scheduler_json);
+  else p.scheduler.set_text(m.scheduler_text);
+  check_components(p, file);
 }
 
 void move_to_device(Flux::Impl& p) {
@@ -211,7 +261,10 @@ void move_to_device(Flux::Impl& p) {
     m->to(p.device, p.dtype);
   }
   // bf16 on CUDA, never fp16: see T5EncoderImpl.
-  if (p.text_encoder_2) p.text_encoder_2->to(p.device, p.dtype);
+  if (p.text_encoder_2) {
+    p.text_encoder_2->eval();
+    p.text_encoder_2->to(p.t5_offload ? at::Device(at::kCPU) : p.t5_device, p.t5_dtype);
+  }
   if (p.taesd) {
     p.taesd->eval();
     p.taesd->to(p.device, p.dtype);
@@ -236,17 +289,27 @@ Flux::~Flux() = default;
 int Flux::native_size() const { return 1024; }
 bool Flux::guidance_embedded() const { return impl_->transformer->config.guidance_embeds; }
 int Flux::max_sequence_length() const { return impl_->max_sequence_length; }
+std::string Flux::t5_placement() const {
+  return impl_->t5_offload ? "cpu (offload)" : impl_->t5_device.str();
+}
 
 std::unique_ptr<Flux> Flux::load(const fs::path& model, const std::string& device, const LoadOptions& options) {
   const auto t0 = Clock::now();
   auto p = std::make_unique<Impl>();
   p->open(model, device);
+  set_t5_placement(*p, options.t5_placement);
   {
     const auto placement = placement_for(p->device, p->dtype);
-    if (!fs::is_directory(model))
-      throw Error(model.string() + ": Flux models load from a diffusers FluxPipeline folder (single files are not "
-                  "supported yet)");
-    load_folder(*p, model);
+    if (fs::is_directory(model)) {
+      if (!options.config_dir.empty())
+        log::get("pipeline").warn("a config folder applies to single-file checkpoints; ignored for the Flux folder " +
+                                  model.string());
+      load_folder(*p, model);
+    } else if (fs::is_regular_file(model)) {
+      load_single(*p, model, options.config_dir);
+    } else {
+      throw Error(model.string() + ": no such Flux model folder or single file");
+    }
     log_placement(placement.get(), model.string());
   }
   if (options.max_sequence_length < 0 || options.max_sequence_length > 512)
@@ -299,11 +362,7 @@ std::unique_ptr<Flux> Flux::random(bool tiny, bool schnell, const std::string& d
     for (auto* m : modules) models::init_random(*m, gen);
   }
   p->tokenizer = std::make_unique<text::CLIPTokenizer>(make_clip_tokenizer({}));
-  p->scheduler_text = schnell ? R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 1.0})"
-                              : R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256,
-                                    "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15, "shift": 3.0,
-                                    "use_dynamic_shifting": true})";
-  p->native_sampler = schedulers::SamplerKind::FlowMatchEuler;
+  p->scheduler.set_text(flux_scheduler_config(!schnell));
   move_to_device(*p);
   p->load_ms = ms_since(t0);
   return std::unique_ptr<Flux>(new Flux(std::move(p)));
@@ -365,21 +424,11 @@ void Flux::weights_changed() {
 }
 
 schedulers::SamplerKind Flux::choose_sampler(const std::string& requested) const {
-  const auto& p = *impl_;
-  schedulers::SamplerKind kind = schedulers::SamplerKind::FlowMatchEuler;
-  if (!requested.empty()) kind = schedulers::parse_sampler_or_throw(requested);
-  else if (!p.native_sampler || *p.native_sampler != kind)
-    log::get("pipeline").info("the model's own scheduler is not flow-euler's; using flow-euler with its settings");
-  if (!schedulers::is_flow_matching(kind))
-    throw Error("Flux is a flow-matching model: the " + std::string(schedulers::sampler_name(kind)) +
-                " sampler does not apply to it (use flow-euler)");
-  return kind;
+  return impl_->scheduler.choose(requested, "Flux");
 }
 
 schedulers::SchedulerConfig Flux::scheduler_config(schedulers::SamplerKind kind) const {
-  const auto& p = *impl_;
-  return p.scheduler_text.empty() ? schedulers::SchedulerConfig::from_json(p.scheduler_json, kind)
-                                  : schedulers::SchedulerConfig::from_json_text(p.scheduler_text, kind, p.path.string());
+  return impl_->scheduler.config(kind, impl_->path.string());
 }
 
 void Flux::encode(JobContext& job) {
@@ -441,14 +490,7 @@ std::string Flux::profile_transformer_step(int size, int reps) {
   const auto rope = p.transformer->rope(at::zeros({context.size(1), 3}, opts), models::latent_image_ids(h, w, opts));
   const auto g = c.guidance_embeds ? guidance : at::Tensor();
   const auto eager = [&] { p.transformer->forward(x, context, pooled, sigma, g, rope); };
-  const auto time_ms = [&](const std::function<void()>& f) {
-    f();
-    torch::cuda::synchronize(p.device.index());
-    const auto t0 = Clock::now();
-    for (int i = 0; i < reps; ++i) f();
-    torch::cuda::synchronize(p.device.index());
-    return ms_since(t0) / reps;
-  };
+  const auto time_ms = [&](const std::function<void()>& f) { return mean_cuda_ms(reps, f, p.device.index()); };
   nlohmann::json j;
   j["size"] = size;
   j["tokens"] = x.size(1) + context.size(1);
@@ -488,6 +530,7 @@ void Flux::add_metadata(const JobContext& job, nlohmann::json& meta) const {
   if (guidance_embedded()) meta["guidance"] = job.req.guidance;
   meta["true_cfg"] = job.cfg;
   meta["t5"] = p.text_encoder_2 ? "used" : "absent";
+  if (p.text_encoder_2) meta["t5_placement"] = t5_placement();
   meta["max_sequence_length"] = p.max_sequence_length;
   if (job.config.mu) meta["mu"] = *job.config.mu;
   if (!p.replicas.empty()) meta["replicas_ms"] = p.replica_ms;

@@ -28,14 +28,23 @@ struct FluxLoadOptions {
   // T5's tokens: 0 takes the model's (512 with the guidance embedding, as Flux.1-dev; 256
   // without, as schnell was trained).
   int max_sequence_length = 0;
+  // Single files: a diffusers FLUX.1 folder for the components and configs the file lacks
+  // (load_flux_single_file). Ignored, with a warning, for a folder.
+  std::filesystem::path config_dir;
+  // Where T5 lives (job::GenerationRequest::t5_placement): "" with the model; "cpu" (it runs there
+  // in fp32, loaded there: the GPU never holds it); "cuda:N" (another GPU, bf16); "offload" (bf16 in
+  // host memory between prompts, moved to the model's GPU for an encoding: the GPU holds it only
+  // while a new prompt is encoded). Prompt embeddings are cached per prompt in every placement.
+  std::string t5_placement;
 };
 
 class Flux : public Pipeline {
  public:
   using LoadOptions = FluxLoadOptions;
   // A diffusers FluxPipeline folder: transformer, vae, text_encoder (CLIP-L), tokenizer,
-  // text_encoder_2 (T5), tokenizer_2 (with spiece.model) and scheduler. Errors name the missing or
-  // mismatched component.
+  // text_encoder_2 (T5), tokenizer_2 (with spiece.model) and scheduler; or a FLUX.1 single file
+  // (BFL's, ComfyUI's, float8 ones: core/pipeline/single_file.h) with options.config_dir for what it
+  // lacks. Errors name the missing or mismatched component.
   static std::unique_ptr<Flux> load(const std::filesystem::path& model, const std::string& device,
                                     const LoadOptions& options = {});
   // Flux.1-dev's (or schnell's) transformer and VAE, or a few-channel `tiny` pair, with random
@@ -49,6 +58,7 @@ class Flux : public Pipeline {
   int native_size() const override;
   bool guidance_embedded() const;  // dev: the transformer takes request.guidance
   int max_sequence_length() const;
+  std::string t5_placement() const;  // where T5 is now: "cpu", "cuda:0", ... ("offload": "cpu (offload)")
 
   // What diffusers' encode_prompt(prompt, num_images_per_prompt=batch, max_sequence_length=...)
   // gives: T5's [batch, max_sequence_length, 4096] and CLIP's pooled [batch, 768]. Cached per

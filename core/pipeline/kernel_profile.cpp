@@ -1,6 +1,7 @@
 #include "core/pipeline/kernel_profile.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cctype>
 #include <cstdint>
 #include <map>
@@ -12,6 +13,15 @@
 #include <torch/cuda.h>
 
 namespace diffract::pipeline {
+
+double mean_cuda_ms(int reps, const std::function<void()>& f, int device, int warmups) {
+  for (int i = 0; i < warmups; ++i) f();
+  torch::cuda::synchronize(device);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) f();
+  torch::cuda::synchronize(device);
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / std::max(reps, 1);
+}
 
 nlohmann::json kernel_profile(int reps, const std::function<void()>& f, int device) {
   namespace prof = torch::autograd::profiler;

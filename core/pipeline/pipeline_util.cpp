@@ -307,3 +307,35 @@ void log_placement(const io::ScopedPlacement* placement, const std::string& what
 }
 
 }  // namespace diffract::pipeline::detail
+
+namespace diffract::pipeline::detail {
+
+void FlowMatchingScheduler::set_file(const std::filesystem::path& scheduler_config_json) {
+  json = scheduler_config_json;
+  text.clear();
+  native = schedulers::native_sampler(json);
+}
+
+void FlowMatchingScheduler::set_text(std::string config_text) {
+  json.clear();
+  text = std::move(config_text);
+  native = schedulers::SamplerKind::FlowMatchEuler;
+}
+
+schedulers::SamplerKind FlowMatchingScheduler::choose(const std::string& requested, const std::string& family) const {
+  schedulers::SamplerKind kind = schedulers::SamplerKind::FlowMatchEuler;
+  if (!requested.empty()) kind = schedulers::parse_sampler_or_throw(requested);
+  else if (!native || *native != kind)
+    log::get("pipeline").info("the model's own scheduler is not flow-euler's; using flow-euler with its settings");
+  if (!schedulers::is_flow_matching(kind))
+    throw Error(family + " is a flow-matching model: the " + std::string(schedulers::sampler_name(kind)) +
+                " sampler does not apply to it (use flow-euler)");
+  return kind;
+}
+
+schedulers::SchedulerConfig FlowMatchingScheduler::config(schedulers::SamplerKind kind, const std::string& what) const {
+  return text.empty() ? schedulers::SchedulerConfig::from_json(json, kind)
+                      : schedulers::SchedulerConfig::from_json_text(text, kind, what);
+}
+
+}  // namespace diffract::pipeline::detail

@@ -2,8 +2,10 @@
 // Pieces the text-to-image pipelines share: device names, image conversion, and the reporter of a
 // denoising loop's steps and previews.
 #include <chrono>
+#include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,6 +15,7 @@
 
 #include "core/job/job.h"
 #include "core/io/image.h"
+#include "core/schedulers/sampler.h"
 #include "core/util/device_work.h"
 
 namespace diffract::schedulers {
@@ -72,6 +75,21 @@ void check_steps(const job::GenerationRequest& req, int train_timesteps);
 std::unique_ptr<io::ScopedPlacement> placement_for(const at::Device& device, at::ScalarType dtype);
 // Logs what a placement moved.
 void log_placement(const io::ScopedPlacement* placement, const std::string& what);
+
+// A flow-matching model's scheduler (SD3, Flux): its scheduler_config.json, or, without a file
+// (single files, random models), the config itself as JSON text.
+struct FlowMatchingScheduler {
+  std::filesystem::path json;
+  std::string text;
+  std::optional<schedulers::SamplerKind> native;  // what the config's class runs, when known
+  void set_file(const std::filesystem::path& scheduler_config_json);
+  void set_text(std::string config_text);  // a FlowMatchEulerDiscreteScheduler's config
+  // flow-euler, or `requested` when it names a flow-matching sampler; any other is an error
+  // naming `family` ("SD3", "Flux").
+  schedulers::SamplerKind choose(const std::string& requested, const std::string& family) const;
+  // `what`: where the text came from, for its errors.
+  schedulers::SchedulerConfig config(schedulers::SamplerKind kind, const std::string& what) const;
+};
 
 // A 2-step job with a preview every step through `run`, so that graphs, cuDNN plans and the
 // previews' stream exist before the first real job; logs and returns its ms.

@@ -9,6 +9,7 @@
 #include "core/io/diffusers_folder.h"
 #include "core/io/json_file.h"
 #include "core/io/safetensors.h"
+#include "core/io/upload.h"
 #include "core/io/weights.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
@@ -88,6 +89,38 @@ std::optional<fs::path> component_config(const SingleFileOptions& options, const
   const auto p = options.config_dir / name / "config.json";
   if (fs::exists(p)) return p;
   return std::nullopt;
+}
+
+// A whole component of config_dir (config.json and weights), for what a single file lacks.
+std::optional<fs::path> config_component(const SingleFileOptions& options, const std::string& name) {
+  if (options.config_dir.empty()) return std::nullopt;
+  const auto dir = options.config_dir / name;
+  if (!fs::is_regular_file(dir / "config.json")) return std::nullopt;
+  if (io::find_weights(dir, "") || io::find_weights(dir, "fp16")) return dir;
+  return std::nullopt;
+}
+const char* folder_variant(const fs::path& dir) { return io::find_weights(dir, "") ? "" : "fp16"; }
+
+// A single file's tensors (views of the mapping for .safetensors) and their shapes, read from the
+// header alone for .safetensors.
+StateDict read_single_file(const fs::path& file, std::vector<io::TensorShape>& shapes) {
+  StateDict all;
+  if (ends_with(file.filename().string(), ".safetensors")) {
+    std::shared_ptr<const io::SafetensorsArchive> archive = io::SafetensorsArchive::open(file);
+    shapes = io::tensor_shapes(*archive);
+    for (const auto& t : archive->tensors()) all.emplace(t.name, io::to_tensor(archive, t));
+  } else {
+    all = io::load_state_dict(file);
+    shapes = io::tensor_shapes(all);
+  }
+  return all;
+}
+
+// "a, b and c"
+std::string listing(const std::vector<std::string>& items) {
+  std::string out;
+  for (std::size_t i = 0; i < items.size(); ++i) out += (i ? (i + 1 == items.size() ? " and " : ", ") : "") + items[i];
+  return out;
 }
 
 // Resblock count of an OpenCLIP encoder under `prefix`.
@@ -459,30 +492,16 @@ SD3SingleFileModels load_sd3_single_file(const fs::path& file, const SingleFileO
   if (!options.config_dir.empty() && !fs::is_directory(options.config_dir))
     throw Error(options.config_dir.string() + ": config folder for " + what + " does not exist");
 
-  StateDict all;
   SD3SingleFileModels m;
   m.path = file;
-  if (ends_with(file.filename().string(), ".safetensors")) {
-    std::shared_ptr<const io::SafetensorsArchive> archive = io::SafetensorsArchive::open(file);
-    m.layout = io::detect_sd3_single_file(io::tensor_shapes(*archive), what);  // header only
-    for (const auto& t : archive->tensors()) all.emplace(t.name, io::to_tensor(archive, t));
-  } else {
-    all = io::load_state_dict(file);
-    m.layout = io::detect_sd3_single_file(io::tensor_shapes(all), what);
-  }
+  std::vector<io::TensorShape> shapes;
+  const StateDict all = read_single_file(file, shapes);
+  m.layout = io::detect_sd3_single_file(shapes, what);
   const auto& layout = m.layout;
   const auto part = [&](const std::string& name, const std::string& prefix) {
     return what + " (" + name + " at " + prefix + "*)";
   };
-  // A whole component of config_dir (config.json and weights), for what the file lacks.
-  const auto folder_component = [&](const std::string& name) -> std::optional<fs::path> {
-    if (options.config_dir.empty()) return std::nullopt;
-    const auto dir = options.config_dir / name;
-    if (!fs::is_regular_file(dir / "config.json")) return std::nullopt;
-    if (io::find_weights(dir, "") || io::find_weights(dir, "fp16")) return dir;
-    return std::nullopt;
-  };
-  const auto folder_variant = [](const fs::path& dir) { return io::find_weights(dir, "") ? "" : "fp16"; };
+  const auto folder_component = [&](const std::string& name) { return config_component(options, name); };
 
   {
     std::vector<std::string> missing;
@@ -492,9 +511,7 @@ SD3SingleFileModels load_sd3_single_file(const fs::path& file, const SingleFileO
     if (layout.clip_g_prefix.empty() && !folder_component("text_encoder_2"))
       missing.push_back("the CLIP-G text encoder (text_encoders.clip_g.transformer.*)");
     if (!missing.empty()) {
-      std::string msg = what + ": incomplete " + layout.variant + " single file: it lacks ";
-      for (std::size_t i = 0; i < missing.size(); ++i)
-        msg += (i ? (i + 1 == missing.size() ? " and " : ", ") : "") + missing[i];
+      std::string msg = what + ": incomplete " + layout.variant + " single file: it lacks " + listing(missing);
       msg += ". Give a diffusers SD3 folder holding " + std::string(missing.size() > 1 ? "them" : "it") +
              " as the config folder (--config; its vae/, text_encoder/, text_encoder_2/ weights are used), or use a "
              "file that includes the text encoders (sd3_medium_incl_clips*.safetensors)";
@@ -593,6 +610,169 @@ SD3SingleFileModels load_sd3_single_file(const fs::path& file, const SingleFileO
   }
   log::get("pipeline").info(log::str(what, ": ", layout.variant, " single file, ", all.size(), " tensors, ",
                                      layout.depth, " blocks, T5 ", m.t5, extra));
+  return m;
+}
+
+// --- FLUX.1 ----------------------------------------------------------------------------------------
+
+std::string flux_scheduler_config(bool dev) {
+  return std::string(R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256, "base_shift": 0.5,
+    "max_image_seq_len": 4096, "max_shift": 1.15, "num_train_timesteps": 1000, )") +
+         (dev ? R"("shift": 3.0, "use_dynamic_shifting": true})" : R"("shift": 1.0, "use_dynamic_shifting": false})");
+}
+
+bool is_flux_single_file(const fs::path& file) {
+  std::error_code ec;
+  if (!ends_with(file.filename().string(), ".safetensors") || !fs::is_regular_file(file, ec)) return false;
+  try {
+    return io::is_flux_single_file(io::tensor_shapes(*io::SafetensorsArchive::open(file)));
+  } catch (const Error&) {
+    return false;  // unreadable: the SD loader reports it
+  }
+}
+
+FluxSingleFileModels load_flux_single_file(const fs::path& file, const SingleFileOptions& options,
+                                           at::ScalarType dtype) {
+  const std::string what = file.string();
+  if (!fs::is_regular_file(file)) throw Error(what + ": no such checkpoint file");
+  if (!options.config_dir.empty() && !fs::is_directory(options.config_dir))
+    throw Error(options.config_dir.string() + ": config folder for " + what + " does not exist");
+  FluxSingleFileModels m;
+  m.path = file;
+  std::vector<io::TensorShape> shapes;
+  StateDict all = read_single_file(file, shapes);
+  m.layout = io::detect_flux_single_file(shapes, what);
+  const auto& layout = m.layout;
+  const auto part = [&](const std::string& name, const std::string& prefix) {
+    return what + " (" + name + " at " + (prefix.empty() ? std::string("the top level") : prefix + "*") + ")";
+  };
+  const auto folder = [&](const std::string& name) { return config_component(options, name); };
+  const auto dir_of = [&](const std::string& name) -> fs::path {
+    if (options.config_dir.empty()) return {};
+    const auto d = options.config_dir / name;
+    return fs::is_directory(d) ? d : fs::path();
+  };
+  m.t5_tokenizer_dir = dir_of("tokenizer_2");
+  if (m.t5_tokenizer_dir.empty() || !fs::exists(m.t5_tokenizer_dir / "spiece.model")) m.t5_tokenizer_dir = dir_of("tokenizer_3");
+  {
+    std::vector<std::string> missing;
+    if (layout.vae_prefix.empty() && !folder("vae")) missing.push_back("the VAE (vae.* or first_stage_model.*)");
+    if (layout.clip_l_prefix.empty() && !folder("text_encoder"))
+      missing.push_back("the CLIP-L text encoder (text_encoders.clip_l.transformer.*)");
+    if (layout.t5_prefix.empty() && !folder("text_encoder_2"))
+      missing.push_back("the T5 text encoder (text_encoders.t5xxl.transformer.*)");
+    if (m.t5_tokenizer_dir.empty()) missing.push_back("T5's tokenizer (single files carry none)");
+    if (!missing.empty()) {
+      std::string msg = what + ": " + layout.variant + " single file" +
+                        (layout.vae_prefix.empty() && layout.clip_l_prefix.empty() && layout.t5_prefix.empty()
+                             ? " holding the transformer alone"
+                             : "") +
+                        ": it lacks " + listing(missing) +
+                        ". Give a diffusers FLUX.1 folder (FLUX.1-dev or FLUX.1-schnell) as the config folder (--config; "
+                        "its vae/, text_encoder/, text_encoder_2/ and tokenizer_2/ are used)";
+      if (!options.config_dir.empty()) msg += "; " + options.config_dir.string() + " has no weights or tokenizer for it";
+      throw Error(msg);
+    }
+  }
+  if (layout.fp8_scaled || layout.fp8) {
+    all = io::dequantize_fp8(all, dtype, what, &m.fp8_scaled);
+    if (layout.fp8)
+      log::get("pipeline").info(log::str(what, ": float8 weights (", m.fp8_scaled, " with scales) dequantised to ",
+                                         c10::toString(dtype), " at load; fp8 compute is not used yet"));
+  }
+
+  bool guidance_agrees = true;
+  {
+    const std::string where = part("transformer", layout.transformer_prefix);
+    auto sd = io::map_flux_transformer(all, layout.transformer_prefix);
+    const auto inferred = models::FluxTransformer2DConfig::from_shapes(io::tensor_shapes(sd), where);
+    auto config = inferred;
+    if (const auto json = component_config(options, "transformer")) {
+      const auto folder_config = models::FluxTransformer2DConfig::from_json(*json);
+      guidance_agrees = folder_config.guidance_embeds == inferred.guidance_embeds;
+      if (guidance_agrees) {
+        config = folder_config;
+        m.configured.push_back("transformer");
+      } else {
+        log::get("pipeline").info(log::str(what, ": the file's transformer is ", layout.guidance ? "dev" : "schnell",
+                                           "-style, the config folder's is not; the file's shapes and its own schedule are used"));
+      }
+    }
+    m.transformer = models::FluxTransformer2DModel(config);
+    bind_strict(m.transformer, sd, where);
+  }
+  if (!layout.vae_prefix.empty()) {
+    const std::string where = part("vae", layout.vae_prefix);
+    const auto json = component_config(options, "vae");
+    auto vae = io::map_ldm_vae(all, layout.vae_prefix);
+    models::AutoencoderKLConfig config;
+    if (json) {
+      config = models::AutoencoderKLConfig::from_json(*json);
+      m.configured.push_back("vae");
+    } else {
+      config = infer_vae_config(vae, SingleFileFamily::SDXL, where);
+      const auto flux = models::AutoencoderKLConfig::flux();
+      config.scaling_factor = flux.scaling_factor;
+      config.shift_factor = flux.shift_factor;
+      config.sample_size = flux.sample_size;
+    }
+    m.vae = models::AutoencoderKL(config);
+    bind_strict(m.vae, vae, where);
+  } else {
+    const auto dir = *folder("vae");
+    m.vae = models::load_autoencoder_kl(dir, folder_variant(dir));
+    m.from_config_dir.push_back("vae");
+  }
+  if (!layout.clip_l_prefix.empty()) {
+    const std::string where = part("text_encoder", layout.clip_l_prefix);
+    const auto json = component_config(options, "text_encoder");
+    auto te = io::map_sd_clip(all, layout.clip_l_prefix);
+    te.erase("text_projection.weight");  // FLUX takes CLIP-L's pooled output itself
+    const auto config = json ? models::CLIPTextConfig::from_json(*json) : infer_clip_text_config(te, "quick_gelu", where);
+    if (json) m.configured.push_back("text_encoder");
+    m.text_encoder = models::CLIPTextModel(config);
+    bind_strict(m.text_encoder, te, where);
+  } else {
+    const auto dir = *folder("text_encoder");
+    m.text_encoder = models::load_clip_text_model(dir, folder_variant(dir));
+    m.from_config_dir.push_back("text_encoder");
+  }
+  m.tokenizer.max_length = static_cast<int>(m.text_encoder->text_model->config.max_position_embeddings);
+  if (const auto tok = dir_of("tokenizer");
+      !tok.empty() && (fs::exists(tok / "vocab.json") || fs::exists(tok / "tokenizer.json")))
+    m.clip_tokenizer_dir = tok;
+  if (!layout.t5_prefix.empty()) {
+    const std::string where = part("text_encoder_2", layout.t5_prefix);
+    const auto json = component_config(options, "text_encoder_2");
+    auto t5 = io::map_sd3_t5(all, layout.t5_prefix);
+    const auto config = json ? models::T5EncoderOptions::from_json(*json) : infer_t5_config(t5, where);
+    if (json) m.configured.push_back("text_encoder_2");
+    m.text_encoder_2 = models::T5Encoder(config);
+    std::optional<io::SuspendedPlacement> on_cpu;
+    if (options.t5_on_cpu) on_cpu.emplace();
+    bind_strict(m.text_encoder_2, t5, where);
+  } else {
+    const auto dir = *folder("text_encoder_2");
+    std::optional<io::SuspendedPlacement> on_cpu;
+    if (options.t5_on_cpu) on_cpu.emplace();
+    m.text_encoder_2 = models::load_t5_encoder(dir, folder_variant(dir));
+    m.from_config_dir.push_back("text_encoder_2");
+  }
+
+  m.scheduler_text = flux_scheduler_config(layout.guidance);
+  if (!options.config_dir.empty() && guidance_agrees) {
+    const auto sched = options.config_dir / "scheduler" / "scheduler_config.json";
+    if (fs::exists(sched)) {
+      m.scheduler_json = sched;
+      m.configured.push_back("scheduler");
+    }
+  }
+  std::string extra;
+  if (!m.configured.empty()) extra += ", configs from " + options.config_dir.string();
+  if (!m.from_config_dir.empty()) extra += ", from the config folder: " + listing(m.from_config_dir);
+  log::get("pipeline").info(log::str(what, ": ", layout.variant, " single file, ", all.size(), " tensors, ",
+                                     layout.double_blocks, " + ", layout.single_blocks, " blocks",
+                                     layout.fp8 ? ", float8" : "", extra));
   return m;
 }
 

@@ -9,6 +9,7 @@
 #include "core/models/controlnets/controlnet.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/text_encoders/t5_encoder.h"
+#include "core/models/transformers/flux_transformer_2d.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_2d_condition.h"
 #include "core/text/clip_tokenizer.h"
@@ -31,6 +32,9 @@ struct SingleFileOptions {
   // scheduler/scheduler_config.json gives the prediction type. Components without a config.json
   // there are inferred.
   std::filesystem::path config_dir;
+  // FLUX.1: T5 is bound into CPU tensors (fp32) whatever placement is active (the caller puts it
+  // where it runs).
+  bool t5_on_cpu = false;
 };
 
 struct SingleFileModels {
@@ -124,6 +128,53 @@ SD3SingleFileModels load_sd3_single_file(const std::filesystem::path& file, cons
 
 // Shape inference on a mapped state dict (our keys, as io::map_sd3_t5 returns it).
 models::T5EncoderOptions infer_t5_config(const io::StateDict& t5, const std::string& what);
+
+// --- FLUX.1 ---------------------------------------------------------------------------------------
+// Models from a FLUX.1 single file (io::detect_flux_single_file for the layouts): BFL's transformer-
+// only files, ComfyUI's diffusion-model files and its all-in-one checkpoints, in bf16 / fp16 / fp32 or
+// float8 (scaled or not). Configs inferred from shapes:
+//   transformer: FluxTransformer2DConfig::from_shapes on the mapped keys (guidance embedding = dev).
+//   vae:         the 16-channel AutoencoderKLConfig::flux() conventions (scaling 0.3611, shift 0.1159),
+//                block widths from shapes.
+//   CLIP-L:      64-wide heads, quick_gelu. T5: every size from shapes.
+//   scheduler:   FLUX.1-dev's (dynamic shifting) with the guidance embedding, else schnell's (shift 1).
+// `options.config_dir` (a diffusers FLUX.1 folder) replaces any config with its transformer/, vae/,
+// text_encoder/, text_encoder_2/ config.json and scheduler/scheduler_config.json (the scheduler only
+// when its transformer config agrees on the guidance embedding: schnell's file with dev's folder keeps
+// schnell's schedule), and supplies what the file lacks: VAE, CLIP-L and T5 weights, the T5
+// tokenizer (tokenizer_2/, or an SD3 folder's tokenizer_3/: single files carry none) and CLIP's
+// (tokenizer/; else the shipped BPE).
+// Float8 weights: scales are folded in and the tensors become `dtype` when bound
+// (io::dequantize_fp8): the model runs in bf16 on the GPU, in fp32 on the CPU.
+struct FluxSingleFileModels {
+  std::filesystem::path path;
+  io::FluxSingleFileLayout layout;
+  // Strictly bound (on a placement's device when one is active, else fp32 on the CPU).
+  models::FluxTransformer2DModel transformer{nullptr};
+  models::AutoencoderKL vae{nullptr};
+  models::CLIPTextModel text_encoder{nullptr};
+  models::T5Encoder text_encoder_2{nullptr};
+  std::filesystem::path clip_tokenizer_dir;  // config_dir/tokenizer, or empty: the shipped BPE
+  text::CLIPTokenizerOptions tokenizer;      // for the shipped BPE
+  std::filesystem::path t5_tokenizer_dir;    // config_dir/tokenizer_2 or tokenizer_3
+  std::filesystem::path scheduler_json;      // config_dir's scheduler config, or empty: scheduler_text
+  std::string scheduler_text;
+  std::size_t fp8_scaled = 0;                // weights whose float8 scales were folded in
+  std::vector<std::string> configured;       // components whose config came from config_dir
+  std::vector<std::string> from_config_dir;  // components whose weights came from config_dir
+};
+
+// True for a .safetensors file whose tensor names hold a FLUX transformer. Never throws for a
+// readable file.
+bool is_flux_single_file(const std::filesystem::path& file);
+
+// Detects, maps, builds and binds. Errors (diffract::Error) name the file and the component; a file
+// without VAE, CLIP-L or T5 (BFL's) and no config folder holding them says what to give.
+FluxSingleFileModels load_flux_single_file(const std::filesystem::path& file, const SingleFileOptions& options,
+                                           at::ScalarType dtype);
+
+// FLUX.1-dev's (`dev`) or schnell's scheduler_config.json as their diffusers folders ship it.
+std::string flux_scheduler_config(bool dev);
 
 // The shipped CLIP BPE vocabulary, resources/clip/bpe_simple_vocab_16e6.txt.gz. An explicit `bpe_gz`
 // must exist. Otherwise searched next to the executable and in every folder above it (also under

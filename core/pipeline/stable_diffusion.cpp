@@ -541,15 +541,7 @@ std::string StableDiffusion::profile_unet_step(int size, int rows, int reps) {
     cond.time_ids = at::tensor({double(size), double(size), 0.0, 0.0, double(size), double(size)}, at::kFloat)
                         .view({1, 6}).repeat({rows, 1}).to(opts);
   }
-  auto time_ms = [&](const std::function<void()>& f) {
-    f();
-    f();
-    torch::cuda::synchronize(p.device.index());
-    const auto t0 = Clock::now();
-    for (int i = 0; i < reps; ++i) f();
-    torch::cuda::synchronize(p.device.index());
-    return ms_since(t0) / reps;
-  };
+  auto time_ms = [&](const std::function<void()>& f) { return mean_cuda_ms(reps, f, p.device.index(), 2); };
   nlohmann::json j;
   j["rows"] = rows;
   j["size"] = size;

@@ -83,9 +83,7 @@ struct StableDiffusion3::Impl : PipelineState {
   GraphedFunction transformer_graph{
       [this](const std::vector<at::Tensor>& in) { return transformer->forward(in[0], in[1], in[2], in[3]); }, 2};
   models::AutoencoderKL vae{nullptr};
-  fs::path scheduler_json;
-  std::string scheduler_text;  // random(): the scheduler's config itself, no file
-  std::optional<schedulers::SamplerKind> native_sampler;
+  FlowMatchingScheduler scheduler;
   bool t5_dropped = false;
   int max_sequence_length = 256;
   // Multi-GPU jobs: a transformer replica on each of the group's other GPUs (whole, or one
@@ -210,8 +208,7 @@ void load_folder(StableDiffusion3::Impl& p, const fs::path& model, const StableD
     p.tokenizer_3 = std::make_unique<text::T5Tokenizer>(text::T5Tokenizer::from_folder(tok3_c.dir));
     p.text_encoder_3 = models::load_t5_encoder(te3_c.dir, te3_c.variant);
   }
-  p.scheduler_json = sched_c.config;
-  p.native_sampler = schedulers::native_sampler(sched_c.config);
+  p.scheduler.set_file(sched_c.config);
   p.transformer = models::load_sd3_transformer(tr_c.dir, tr_c.variant);
   p.vae = models::load_autoencoder_kl(vae_c.dir, vae_c.variant);
   p.text_encoder = models::load_clip_text_model_with_projection(te_c.dir, te_c.variant);
@@ -285,13 +282,8 @@ void load_single(StableDiffusion3::Impl& p, const fs::path& file, const StableDi
   p.text_encoder_2 = m.text_encoder_2;
   p.tokenizer = std::make_unique<text::CLIPTokenizer>(make_clip_tokenizer(m.tokenizer));
   p.tokenizer_2 = std::make_unique<text::CLIPTokenizer>(make_clip_tokenizer(m.tokenizer_2));
-  if (!m.scheduler_json.empty()) {
-    p.scheduler_json = m.scheduler_json;
-    p.native_sampler = schedulers::native_sampler(m.scheduler_json);
-  } else {
-    p.scheduler_text = m.scheduler_text;
-    p.native_sampler = schedulers::SamplerKind::FlowMatchEuler;
-  }
+  if (!m.scheduler_json.empty()) p.scheduler.set_file(m.scheduler_json);
+  else p.scheduler.set_text(m.scheduler_text);
   check_components(p, file);
 }
 
@@ -340,8 +332,7 @@ std::unique_ptr<StableDiffusion3> StableDiffusion3::random(bool tiny, const std:
   text::CLIPTokenizerOptions bang;
   bang.pad_token = "!";
   p->tokenizer_2 = std::make_unique<text::CLIPTokenizer>(make_clip_tokenizer(bang));
-  p->scheduler_text = R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})";
-  p->native_sampler = schedulers::SamplerKind::FlowMatchEuler;
+  p->scheduler.set_text(R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})");
   {
     at::NoGradGuard no_grad;
     for (auto* m : modules) {
@@ -464,21 +455,11 @@ job::GenerationResult StableDiffusion3::generate(const job::GenerationRequest& r
 }
 
 schedulers::SamplerKind StableDiffusion3::choose_sampler(const std::string& requested) const {
-  const auto& p = *impl_;
-  schedulers::SamplerKind kind = schedulers::SamplerKind::FlowMatchEuler;
-  if (!requested.empty()) kind = schedulers::parse_sampler_or_throw(requested);
-  else if (!p.native_sampler || *p.native_sampler != kind)
-    log::get("pipeline").info("the model's own scheduler is not flow-euler's; using flow-euler with its settings");
-  if (!schedulers::is_flow_matching(kind))
-    throw Error("SD3 is a flow-matching model: the " + std::string(schedulers::sampler_name(kind)) +
-                " sampler does not apply to it (use flow-euler)");
-  return kind;
+  return impl_->scheduler.choose(requested, "SD3");
 }
 
 schedulers::SchedulerConfig StableDiffusion3::scheduler_config(schedulers::SamplerKind kind) const {
-  const auto& p = *impl_;
-  return p.scheduler_text.empty() ? schedulers::SchedulerConfig::from_json(p.scheduler_json, kind)
-                                  : schedulers::SchedulerConfig::from_json_text(p.scheduler_text, kind, p.path.string());
+  return impl_->scheduler.config(kind, impl_->path.string());
 }
 
 void StableDiffusion3::encode(JobContext& job) {

@@ -394,13 +394,10 @@ at::Tensor AutoencoderKLImpl::unscale_latents(const at::Tensor& x) const {
 
 AutoencoderKL load_autoencoder_kl(const std::filesystem::path& dir, const std::string& variant) {
   const auto config = AutoencoderKLConfig::from_json(dir / "config.json");
-  const auto weights = io::find_weights(dir, variant);
-  if (!weights)
-    throw Error(dir.string() + ": no weight file (diffusion_pytorch_model.safetensors, "
-                "diffusion_pytorch_model.fp16.safetensors, ...)");
+  const auto weights = io::require_weights(dir, variant);
   AutoencoderKL model(config);
   model->eval();
-  io::bind(*model, io::load_state_dict(*weights), weights->string());
+  io::bind(*model, io::load_state_dict(weights), weights.string());
   log::get("models").debug(log::str(dir.string(), ": AutoencoderKL, ", config.latent_channels, " latent channels, ",
                                     config.block_out_channels.size(), " blocks, scaling ", config.scaling_factor));
   return model;

@@ -412,9 +412,8 @@ TAESD build(const TAESDConfig& config, const io::StateDict& weights, const std::
 
 TAESD load_diffusers_folder(const fs::path& dir) {
   auto config = TAESDConfig::from_json(dir / "config.json");
-  const auto weights = io::find_weights(dir, "");
-  if (!weights) throw Error(dir.string() + ": no weight file (diffusion_pytorch_model.safetensors, ...)");
-  auto w = io::load_state_dict(*weights);
+  const auto weights = io::require_weights(dir, "");
+  auto w = io::load_state_dict(weights);
   config.midblock_group_norm = has_pool(w);
   const TAESDConfig standard;
   const bool standard_arch = config.encoder_block_out_channels == standard.encoder_block_out_channels &&
@@ -425,7 +424,7 @@ TAESD load_diffusers_folder(const fs::path& dir) {
   config.variant = standard_arch ? name_variant(config.latent_channels, config.midblock_group_norm,
                                                 fs::absolute(dir).lexically_normal().string())
                                  : "";
-  return build(config, w, weights->string());
+  return build(config, w, weights.string());
 }
 
 }  // namespace

@@ -189,11 +189,10 @@ ControlNetModel load_controlnet(const std::filesystem::path& dir, const std::str
                 ": not a folder or a file (a diffusers ControlNetModel folder, or one file: its .safetensors, or "
                 "lllyasviel's original .pth / .safetensors)");
   const auto config = ControlNetConfig::from_json(dir / "config.json");
-  const auto weights = io::find_weights(dir, variant);
-  if (!weights) throw Error(dir.string() + ": no weight file (diffusion_pytorch_model.safetensors, ...)");
+  const auto weights = io::require_weights(dir, variant);
   ControlNetModel model(config);
   model->eval();
-  io::bind(*model, io::load_state_dict(*weights), weights->string());
+  io::bind(*model, io::load_state_dict(weights), weights.string());
   return model;
 }
 

@@ -164,13 +164,12 @@ namespace {
 template <typename Model>
 Model load(const std::filesystem::path& dir, const std::string& variant) {
   const auto config = CLIPTextConfig::from_json(dir / "config.json");
-  const auto weights = io::find_weights(dir, variant);
-  if (!weights) throw Error(dir.string() + ": no weight file (model.safetensors, model.fp16.safetensors, ...)");
+  const auto weights = io::require_weights(dir, variant);
   Model model(config);
   model->eval();
   io::BindOptions options;
   options.ignore_unexpected = {"text_model.embeddings.position_ids"};  // a non-persistent buffer in older exports
-  io::bind(*model, io::map_clip_text_keys(io::load_state_dict(*weights)), weights->string(), options);
+  io::bind(*model, io::map_clip_text_keys(io::load_state_dict(weights)), weights.string(), options);
   log::get("models").debug(log::str(dir.string(), ": CLIP text model, ", config.num_hidden_layers, " layers, hidden ",
                                     config.hidden_size));
   return model;

@@ -212,11 +212,10 @@ T5EncoderOutput T5EncoderImpl::forward(const at::Tensor& input_ids, const at::Te
 
 T5Encoder load_t5_encoder(const std::filesystem::path& dir, const std::string& variant) {
   const auto options = T5EncoderOptions::from_json(dir / "config.json");
-  const auto weights = io::find_weights(dir, variant);
-  if (!weights) throw Error(dir.string() + ": no weight file (model.safetensors, model.fp16.safetensors, ...)");
+  const auto weights = io::require_weights(dir, variant);
   T5Encoder model(options);
   model->eval();
-  io::bind(*model, io::map_t5_encoder_keys(io::load_state_dict(*weights)), weights->string());
+  io::bind(*model, io::map_t5_encoder_keys(io::load_state_dict(weights)), weights.string());
   log::get("models").debug(log::str(dir.string(), ": T5 encoder, ", options.num_layers, " layers, d_model ",
                                     options.d_model, ", ", options.feed_forward_proj));
   return model;

@@ -418,11 +418,10 @@ at::Tensor SD3Transformer2DModelImpl::forward(const at::Tensor& hidden_states, c
 
 SD3Transformer2DModel load_sd3_transformer(const std::filesystem::path& dir, const std::string& variant) {
   const auto config = SD3Transformer2DConfig::from_json(dir / "config.json");
-  const auto weights = io::find_weights(dir, variant);
-  if (!weights) throw Error(dir.string() + ": no weight file (diffusion_pytorch_model.safetensors, ...)");
+  const auto weights = io::require_weights(dir, variant);
   SD3Transformer2DModel model(config);
   model->eval();
-  io::bind(*model, io::load_state_dict(*weights), weights->string());
+  io::bind(*model, io::load_state_dict(weights), weights.string());
   log::get("models").debug(log::str(dir.string(), ": SD3 transformer with ", config.num_layers, " blocks, ",
                                     config.num_attention_heads, " heads"));
   return model;

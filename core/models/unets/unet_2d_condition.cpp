@@ -772,11 +772,10 @@ at::Tensor UNet2DConditionModelImpl::forward_outer_up(UNetOuterState state, cons
 
 UNet2DConditionModel load_unet_2d_condition(const std::filesystem::path& dir, const std::string& variant) {
   const auto config = UNet2DConditionConfig::from_json(dir / "config.json");
-  const auto weights = io::find_weights(dir, variant);
-  if (!weights) throw Error(dir.string() + ": no weight file (diffusion_pytorch_model.safetensors, ...)");
+  const auto weights = io::require_weights(dir, variant);
   UNet2DConditionModel model(config);
   model->eval();
-  io::bind(*model, io::load_state_dict(*weights), weights->string());
+  io::bind(*model, io::load_state_dict(weights), weights.string());
   log::get("models").debug(log::str(dir.string(), ": UNet with ", config.block_out_channels.size(), " blocks"));
   return model;
 }
