@@ -11,6 +11,7 @@
 #include "core/pipeline/flux.h"
 #include "core/util/error.h"
 #include "strategy_job.h"
+#include "diffusers_case.h"
 #include "test_util.h"
 
 using namespace diffract;
@@ -32,19 +33,7 @@ const io::StateDict& expected() {
 }
 
 job::GenerationRequest request_for(const nlohmann::json& c) {
-  job::GenerationRequest r;
-  r.model = model(c["model"]).string();
-  r.prompt = c["prompt"];
-  r.negative_prompt = c.value("negative_prompt", "");
-  r.steps = c["num_inference_steps"];
-  r.cfg = c.value("true_cfg_scale", 1.0);
-  r.guidance = c["guidance_scale"];
-  r.width = c["width"];
-  r.height = c["height"];
-  r.seed = c["seed"];
-  r.batch = c.value("num_images_per_prompt", 1);
-  r.preview_every = 0;
-  return r;
+  return test::request_from_call(c, model(c["model"]).string(), /*distilled=*/true);
 }
 
 // fp32 on both sides, the same operations: differences are summation order.
@@ -201,8 +190,41 @@ class TestFluxPipeline : public QObject {
     const auto base2 = test::latents_tensor(dev_->generate(batch2, {}, never));
     DIFFRACT_COMPARE_TENSORS(run("data-parallel", 2, 2).first, base2, 1e-4);
     QVERIFY(rel(run("step-skip", 2).first) > 0);
+    // Ulysses: every device a share of the image tokens, the same job up to rounding, CFG batched.
+    const auto [sp, sp_strategy] = run("sequence-parallel", 2);
+    DIFFRACT_COMPARE_TENSORS(sp, base, 1e-4);
+    qInfo("sequence-parallel n=2: max |diff| to one device %.3g, %lld bytes sent", test::max_abs_diff(sp, base),
+          sp_strategy["bytes_sent"].get<long long>());
+    QCOMPARE(steps, 3);
+    QCOMPARE(sp_strategy["evaluations"].get<int>(), 3);
+    // Per step and block the q, k, v and image-output all-to-alls and the text all-gather: more than
+    // the latents' worth.
+    QVERIFY(sp_strategy["bytes_sent"].get<long long>() > 3 * (int64_t)base.numel() * 4);
+    DIFFRACT_COMPARE_TENSORS(run("sequence-parallel", 1).first, base, 1e-6);
+    DIFFRACT_COMPARE_TENSORS(run("sequence-parallel", 2, 2).first, base2, 1e-4);
+    DIFFRACT_EXPECT_ERROR(run("sequence-parallel", 4), "2 attention heads do not split over 4 devices");
     r.negative_prompt.clear();
     DIFFRACT_EXPECT_ERROR(run("cfg-parallel", 2), "needs classifier-free guidance");
+  }
+
+  // T5 placed apart from the model: the same job; placements the machine cannot serve are named.
+  void t5PlacementKeepsTheJob() {
+    pipeline::Flux::LoadOptions o;
+    o.t5_placement = "cpu";
+    const auto apart = pipeline::Flux::load(model("dev"), "cpu", o);
+    QCOMPARE(apart->t5_placement(), std::string("cpu"));
+    const auto r = request_for(cases()[0]);
+    const auto a = apart->generate(r, {}, job::CancelToken{});
+    QVERIFY(at::equal(test::latents_tensor(a), test::latents_tensor(dev_->generate(r, {}, job::CancelToken{}))));
+    QCOMPARE(nlohmann::json::parse(a.metadata_json)["t5_placement"].get<std::string>(), std::string("cpu"));
+    o.t5_placement = "offload";
+    DIFFRACT_EXPECT_ERROR(pipeline::Flux::load(model("dev"), "cpu", o), "'offload'", "model's GPU", "runs on cpu");
+    o.t5_placement = "cuda:7";
+    DIFFRACT_EXPECT_ERROR(pipeline::Flux::load(model("dev"), "cpu", o), "T5 placement 'cuda:7'", "use cpu, cuda:N, offload");
+    o.t5_placement = "gpu";
+    DIFFRACT_EXPECT_ERROR(pipeline::Flux::load(model("dev"), "cpu", o), "T5 placement 'gpu'");
+    // The factory passes it on.
+    DIFFRACT_EXPECT_ERROR(pipeline::load_pipeline(model("dev"), "cpu", {}, false, "gpu"), "T5 placement 'gpu'");
   }
 
   void missingComponentIsNamed() {

@@ -69,6 +69,15 @@ class TestRegistry : public QObject {
     check_strategy(p, job::ModelFamily::SD2, true);
     p.name = "asyncdiff";
     DIFFRACT_EXPECT_ERROR(check_strategy(p, job::ModelFamily::SD3, true), "asyncdiff does not run sd3");
+    // Written for one transformer family each.
+    p.name = "sequence-parallel";
+    check_strategy(p, job::ModelFamily::Flux, false);
+    DIFFRACT_EXPECT_ERROR(check_strategy(p, job::ModelFamily::SD3, true), "sequence-parallel does not run sd3",
+                          "Flux's blocks");
+    DIFFRACT_EXPECT_ERROR(check_strategy(p, job::ModelFamily::SDXL, true), "sequence-parallel does not run sdxl", "UNet");
+    p.name = "pipefusion";
+    DIFFRACT_EXPECT_ERROR(check_strategy(p, job::ModelFamily::Flux, true), "pipefusion does not run flux",
+                          "sequence-parallel");
     p.name = "warp-drive";
     DIFFRACT_EXPECT_ERROR(check_strategy(p, job::ModelFamily::SD1, true), "unknown strategy 'warp-drive'", "cfg-parallel",
                           "distrifusion");

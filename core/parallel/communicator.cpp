@@ -46,6 +46,17 @@ void detail::check_gather_buffer(const at::Tensor& t, const at::Tensor& out, int
                 std::to_string(size) + " ranks' " + c10::toString(t.scalar_type()) + " " + c10::str(t.sizes()));
 }
 
+std::vector<at::Tensor> Communicator::all_to_all(const std::vector<at::Tensor>& chunks) {
+  if (static_cast<int>(chunks.size()) != size())
+    throw Error("all_to_all: " + std::to_string(chunks.size()) + " chunks for " + std::to_string(size()) + " ranks");
+  std::vector<at::Tensor> mine;
+  for (int d = 0; d < size(); ++d) {
+    auto gathered = all_gather(chunks[static_cast<std::size_t>(d)]);
+    if (d == rank()) mine = std::move(gathered);
+  }
+  return mine;
+}
+
 void Communicator::all_gather_into(const at::Tensor& t, const at::Tensor& out) {
   detail::check_gather_buffer(t, out, size());
   auto parts = all_gather(t);

@@ -65,6 +65,11 @@ class Communicator {
   // stream then waits for; the default runs all_gather and copies. Throws diffract::Error
   // naming the mismatch for any other `out`.
   virtual void all_gather_into(const at::Tensor& t, const at::Tensor& out);
+  // chunks[d] to rank d (size() chunks; for each d one shape on every rank, as NCCL needs);
+  // returns the chunk each rank sent to this one, by rank. Default: one all_gather per
+  // destination, which moves size() times a native all-to-all's bytes (sequence parallelism's
+  // exchange; a grouped NCCL send / recv is the cheaper way, not written yet).
+  virtual std::vector<at::Tensor> all_to_all(const std::vector<at::Tensor>& chunks);
   // Root's tensor on every rank (others pass anything, e.g. an undefined tensor).
   virtual at::Tensor broadcast(const at::Tensor& t, int root) = 0;
   // Point to point. recv fills `out`, which must have the sent tensor's shape and dtype (as

@@ -35,6 +35,10 @@ std::vector<std::vector<std::int64_t>> Denoiser::stage_shapes(int, std::int64_t,
   no_sequential_stages();
 }
 
+at::Tensor Denoiser::eval_sequence_parallel(const at::Tensor&, double, Branch, models::SequenceExchange&) {
+  throw Error("this denoiser has no sequence-parallel attention (Flux's transformer has)");
+}
+
 at::Tensor combine_cfg(const at::Tensor& uncond, const at::Tensor& cond, double scale) {
   return uncond + scale * (cond - uncond);
 }
@@ -200,9 +204,9 @@ std::unique_ptr<Denoiser> UNetDenoiser::rows(std::int64_t begin, std::int64_t co
   return d;
 }
 
-SD3Denoiser::SD3Denoiser(models::SD3Transformer2DModel model, SD3Conditioning positive, SD3Conditioning negative,
-                         double scale, at::ScalarType dtype, at::Device device)
-    : model_(std::move(model)), positive_(std::move(positive)), negative_(std::move(negative)), scale_(scale),
+TransformerDenoiser::TransformerDenoiser(TextConditioning positive, TextConditioning negative, double scale,
+                                         at::ScalarType dtype, at::Device device)
+    : positive_(std::move(positive)), negative_(std::move(negative)), scale_(scale),
       cfg_(scale > 1.0 && negative_.context.defined()), dtype_(dtype), device_(device) {
   positive_ = {positive_.context.to(device_, dtype_), positive_.pooled.to(device_, dtype_)};
   if (cfg_) {
@@ -211,76 +215,91 @@ SD3Denoiser::SD3Denoiser(models::SD3Transformer2DModel model, SD3Conditioning po
   }
 }
 
-const SD3Conditioning& SD3Denoiser::conditioning(Branch branch) const {
+const TextConditioning& TransformerDenoiser::conditioning(Branch branch) const {
   if (branch == Branch::Uncond && !cfg_) throw Error("the unconditional branch was asked for without CFG");
   return branch == Branch::Guided ? (cfg_ ? both_ : positive_) : branch == Branch::Uncond ? negative_ : positive_;
 }
 
-at::Tensor SD3Denoiser::eval(const at::Tensor& model_input, double timestep, Branch branch) {
+at::Tensor TransformerDenoiser::eval(const at::Tensor& model_input, double timestep, Branch branch) {
+  return evaluate(model_input, timestep, branch, nullptr);
+}
+
+at::Tensor TransformerDenoiser::eval_sequence_parallel(const at::Tensor& model_input, double timestep, Branch branch,
+                                                       models::SequenceExchange& exchange) {
+  if (!sequence_parallel()) throw Error("this model has no sequence-parallel attention (Flux has)");
+  return evaluate(model_input, timestep, branch, &exchange);
+}
+
+at::Tensor TransformerDenoiser::evaluate(const at::Tensor& model_input, double timestep, Branch branch,
+                                         models::SequenceExchange* exchange) {
   const bool both = branch == Branch::Guided && cfg_;
   const auto& c = conditioning(branch);
   const auto x = (both ? at::cat({model_input, model_input}) : model_input).to(device_, dtype_);
-  const auto t = at::full({x.size(0)}, timestep, at::TensorOptions().dtype(at::kFloat).device(device_));
-  auto out = model_->forward(x, c.context, c.pooled, t);
+  auto out = velocity(x, c, timestep, exchange);
   if (!both) return out;
   auto parts = out.chunk(2);
   return combine_cfg(parts[0], parts[1], scale_);
 }
 
-std::unique_ptr<Denoiser> SD3Denoiser::rows(std::int64_t begin, std::int64_t count) const {
+std::unique_ptr<Denoiser> TransformerDenoiser::rows(std::int64_t begin, std::int64_t count) const {
   if (begin < 0 || count < 1 || begin + count > batch())
     throw Error("conditioning rows " + std::to_string(begin) + "+" + std::to_string(count) + " are outside the batch of " +
                 std::to_string(batch()));
-  const auto slice = [&](const SD3Conditioning& c) {
-    if (!c.context.defined()) return SD3Conditioning{};
-    return SD3Conditioning{c.context.narrow(0, begin, count), c.pooled.narrow(0, begin, count)};
+  const auto slice = [&](const TextConditioning& c) {
+    if (!c.context.defined()) return TextConditioning{};
+    return TextConditioning{c.context.narrow(0, begin, count), c.pooled.narrow(0, begin, count)};
   };
-  return std::make_unique<SD3Denoiser>(model_, slice(positive_), slice(negative_), scale_, dtype_, device_);
+  return with(slice(positive_), slice(negative_));
+}
+
+SD3Denoiser::SD3Denoiser(models::SD3Transformer2DModel model, SD3Conditioning positive, SD3Conditioning negative,
+                         double scale, at::ScalarType dtype, at::Device device)
+    : TransformerDenoiser(std::move(positive), std::move(negative), scale, dtype, device), model_(std::move(model)) {}
+
+at::Tensor SD3Denoiser::velocity(const at::Tensor& x, const TextConditioning& c, double timestep,
+                                 models::SequenceExchange*) {
+  const auto t = at::full({x.size(0)}, timestep, at::TensorOptions().dtype(at::kFloat).device(x.device()));
+  return model_->forward(x, c.context, c.pooled, t);
+}
+
+std::unique_ptr<Denoiser> SD3Denoiser::with(TextConditioning positive, TextConditioning negative) const {
+  return std::make_unique<SD3Denoiser>(model_, std::move(positive), std::move(negative), scale(), dtype(), device());
 }
 
 at::Tensor flux_velocity(models::FluxTransformer2DModel& model, const at::Tensor& latents, const at::Tensor& context,
-                         const at::Tensor& pooled, double timestep, double guidance) {
-  const int64_t b = latents.size(0), h = latents.size(2), w = latents.size(3);
+                         const at::Tensor& pooled, double timestep, double guidance, models::SequenceExchange* exchange) {
+  const int64_t b = latents.size(0), h = latents.size(2), w = latents.size(3), s = context.size(1);
   const auto dt = latents.scalar_type();
   const auto opts = at::TensorOptions().device(latents.device());
   const auto t = at::full({b}, timestep, opts.dtype(dt)) / 1000;
   const auto g = model->config.guidance_embeds ? at::full({b}, guidance, opts.dtype(at::kFloat)) : at::Tensor();
-  const auto rope = model->rope(at::zeros({context.size(1), 3}, opts.dtype(dt)), models::latent_image_ids(h, w, opts.dtype(dt)));
-  const auto v = model->forward(models::pack_latents(latents), context, pooled, t, g, rope);
-  return models::unpack_latents(v, h, w);
+  const auto rope = model->rope(at::zeros({s, 3}, opts.dtype(dt)), models::latent_image_ids(h, w, opts.dtype(dt)));
+  const auto tokens = models::pack_latents(latents);
+  if (!exchange) return models::unpack_latents(model->forward(tokens, context, pooled, t, g, rope), h, w);
+  const auto shard = models::SequenceShard::even(*exchange, s, tokens.size(1));
+  const auto rows = [&](const at::Tensor& r) {  // the text's rows and this rank's image rows
+    return at::cat({r.narrow(0, 0, s), r.narrow(0, s + shard.image_begin, shard.image_tokens)});
+  };
+  const auto mine = model->forward(tokens.narrow(1, shard.image_begin, shard.image_tokens).contiguous(), context, pooled,
+                                   t, g, {rows(rope.cos), rows(rope.sin)}, &shard);
+  auto parts = exchange->all_gather(mine.contiguous());
+  for (auto& p : parts) p = p.to(latents.device());
+  return models::unpack_latents(at::cat(parts, 1), h, w);
 }
 
 FluxDenoiser::FluxDenoiser(models::FluxTransformer2DModel model, FluxConditioning positive, FluxConditioning negative,
                            double scale, double guidance, at::ScalarType dtype, at::Device device)
-    : model_(std::move(model)), positive_(std::move(positive)), negative_(std::move(negative)), scale_(scale),
-      guidance_(guidance), cfg_(scale > 1.0 && negative_.context.defined()), dtype_(dtype), device_(device) {
-  positive_ = {positive_.context.to(device_, dtype_), positive_.pooled.to(device_, dtype_)};
-  if (cfg_) {
-    negative_ = {negative_.context.to(device_, dtype_), negative_.pooled.to(device_, dtype_)};
-    both_ = {at::cat({negative_.context, positive_.context}), at::cat({negative_.pooled, positive_.pooled})};
-  }
+    : TransformerDenoiser(std::move(positive), std::move(negative), scale, dtype, device),
+      model_(std::move(model)), guidance_(guidance) {}
+
+at::Tensor FluxDenoiser::velocity(const at::Tensor& x, const TextConditioning& c, double timestep,
+                                  models::SequenceExchange* exchange) {
+  return flux_velocity(model_, x, c.context, c.pooled, timestep, guidance_, exchange);
 }
 
-at::Tensor FluxDenoiser::eval(const at::Tensor& model_input, double timestep, Branch branch) {
-  if (branch == Branch::Uncond && !cfg_) throw Error("the unconditional branch was asked for without CFG");
-  const bool both = branch == Branch::Guided && cfg_;
-  const auto& c = both ? both_ : branch == Branch::Uncond ? negative_ : positive_;
-  const auto x = (both ? at::cat({model_input, model_input}) : model_input).to(device_, dtype_);
-  auto out = flux_velocity(model_, x, c.context, c.pooled, timestep, guidance_);
-  if (!both) return out;
-  auto parts = out.chunk(2);
-  return combine_cfg(parts[0], parts[1], scale_);
-}
-
-std::unique_ptr<Denoiser> FluxDenoiser::rows(std::int64_t begin, std::int64_t count) const {
-  if (begin < 0 || count < 1 || begin + count > batch())
-    throw Error("conditioning rows " + std::to_string(begin) + "+" + std::to_string(count) + " are outside the batch of " +
-                std::to_string(batch()));
-  const auto slice = [&](const FluxConditioning& c) {
-    if (!c.context.defined()) return FluxConditioning{};
-    return FluxConditioning{c.context.narrow(0, begin, count), c.pooled.narrow(0, begin, count)};
-  };
-  return std::make_unique<FluxDenoiser>(model_, slice(positive_), slice(negative_), scale_, guidance_, dtype_, device_);
+std::unique_ptr<Denoiser> FluxDenoiser::with(TextConditioning positive, TextConditioning negative) const {
+  return std::make_unique<FluxDenoiser>(model_, std::move(positive), std::move(negative), scale(), guidance_, dtype(),
+                                        device());
 }
 
 }  // namespace diffract::parallel

@@ -38,6 +38,14 @@ class Denoiser {
   // The same denoiser over conditioning rows [begin, begin + count) (data-parallel batches).
   virtual std::unique_ptr<Denoiser> rows(std::int64_t begin, std::int64_t count) const = 0;
 
+  // Sequence parallelism (Ulysses, models/common/sequence_parallel.h): eval() from this rank's
+  // share of the image tokens, the attention trading tokens for heads through `exchange`; every
+  // rank of the exchange calls it in step with the same arguments and gets the whole output.
+  // sequence_parallel(): whether this denoiser can (else eval_sequence_parallel throws).
+  virtual bool sequence_parallel() const { return false; }
+  virtual at::Tensor eval_sequence_parallel(const at::Tensor& model_input, double timestep, Branch branch,
+                                            models::SequenceExchange& exchange);
+
   // Hybrid CFG's layer split (UNet2DConditionModelImpl::forward_outer_down, the "U split" at
   // down block `split`), one branch (Cond or Uncond) per call. splits(): the largest valid
   // split (valid ones are 1..splits()), 0 when this denoiser cannot split; the stage calls of
@@ -126,73 +134,97 @@ class UNetDenoiser final : public Denoiser {
   std::vector<double> timesteps_;
 };
 
-// One branch's SD3 conditioning: prompt_embeds [B, S, joint_attention_dim], pooled [B, P].
-struct SD3Conditioning {
+// One branch's text conditioning for the transformer families: the text sequence [B, S, D] and the
+// pooled vector [B, P] (SD3: CLIP-L + G pooled and the joint CLIP / T5 sequence; Flux: T5's
+// prompt_embeds and CLIP-L's pooled output).
+struct TextConditioning {
   at::Tensor context, pooled;
 };
+using SD3Conditioning = TextConditioning;
+using FluxConditioning = TextConditioning;
 
-// SD3's MMDiT (eager: no CUDA graphs) with per-branch conditioning, as the SD3 pipeline's loop
-// calls it. No layer split (splits() = 0): hybrid-cfg's U split has no MMDiT counterpart; the
-// model-level strategy for it is PipeFusion, which drives the blocks through model() and
-// conditioning(). The module may be shared between CPU ranks (no state per call).
-class SD3Denoiser final : public Denoiser {
+// What the transformer families' denoisers share: per-branch conditioning moved to the device,
+// CFG as one batch of [negative; positive] combined with the scale, and row slicing. A family
+// says how one batch is evaluated (velocity()) and how it is rebuilt over other rows (with()).
+// CFG needs `negative` given and scale > 1. The module may be shared between CPU ranks (no state
+// per call).
+class TransformerDenoiser : public Denoiser {
  public:
-  SD3Denoiser(models::SD3Transformer2DModel model, SD3Conditioning positive, SD3Conditioning negative, double scale,
-              at::ScalarType dtype, at::Device device);
-  at::Tensor eval(const at::Tensor& model_input, double timestep, Branch branch) override;
-  bool cfg() const override { return cfg_; }
-  double guidance_scale() const override { return scale_; }
-  std::int64_t batch() const override { return positive_.context.size(0); }
-  at::ScalarType output_dtype() const override { return dtype_; }
-  std::unique_ptr<Denoiser> rows(std::int64_t begin, std::int64_t count) const override;
+  at::Tensor eval(const at::Tensor& model_input, double timestep, Branch branch) final;
+  at::Tensor eval_sequence_parallel(const at::Tensor& model_input, double timestep, Branch branch,
+                                    models::SequenceExchange& exchange) final;
+  bool cfg() const final { return cfg_; }
+  double guidance_scale() const final { return scale_; }
+  std::int64_t batch() const final { return positive_.context.size(0); }
+  at::ScalarType output_dtype() const final { return dtype_; }
+  std::unique_ptr<Denoiser> rows(std::int64_t begin, std::int64_t count) const final;
 
-  models::SD3Transformer2DModel& model() { return model_; }
   // Guided: [negative; positive] with CFG (the batch order eval() combines), else the prompt.
-  const SD3Conditioning& conditioning(Branch branch) const;
+  const TextConditioning& conditioning(Branch branch) const;
   at::ScalarType dtype() const { return dtype_; }
   const at::Device& device() const { return device_; }
 
+ protected:
+  TransformerDenoiser(TextConditioning positive, TextConditioning negative, double scale, at::ScalarType dtype,
+                      at::Device device);
+  // The model's output for `x` (on the device, in dtype) with conditioning rows matching x's;
+  // with `exchange`, sequence-parallel (only where sequence_parallel() says so).
+  virtual at::Tensor velocity(const at::Tensor& x, const TextConditioning& c, double timestep,
+                              models::SequenceExchange* exchange) = 0;
+  virtual std::unique_ptr<Denoiser> with(TextConditioning positive, TextConditioning negative) const = 0;
+  double scale() const { return scale_; }
+
  private:
-  models::SD3Transformer2DModel model_;
-  SD3Conditioning positive_, negative_, both_;
+  at::Tensor evaluate(const at::Tensor& model_input, double timestep, Branch branch, models::SequenceExchange* exchange);
+  TextConditioning positive_, negative_, both_;
   double scale_;
   bool cfg_;
   at::ScalarType dtype_;
   at::Device device_;
 };
 
-// One branch's Flux conditioning: T5's prompt_embeds [B, S, 4096], CLIP's pooled [B, 768].
-struct FluxConditioning {
-  at::Tensor context, pooled;
+// SD3's MMDiT (eager: no CUDA graphs) as the SD3 pipeline's loop calls it. No layer split
+// (splits() = 0): hybrid-cfg's U split has no MMDiT counterpart; the model-level strategy for it
+// is PipeFusion, which drives the blocks through model() and conditioning().
+class SD3Denoiser final : public TransformerDenoiser {
+ public:
+  SD3Denoiser(models::SD3Transformer2DModel model, SD3Conditioning positive, SD3Conditioning negative, double scale,
+              at::ScalarType dtype, at::Device device);
+  models::SD3Transformer2DModel& model() { return model_; }
+
+ private:
+  at::Tensor velocity(const at::Tensor& x, const TextConditioning& c, double timestep,
+                      models::SequenceExchange* exchange) override;
+  std::unique_ptr<Denoiser> with(TextConditioning positive, TextConditioning negative) const override;
+  models::SD3Transformer2DModel model_;
 };
 
 // Flux's transformer (eager) on unpacked latents [B, 16, h, w] as the Flux pipeline's loop calls
 // it: packed, with the distilled `guidance` when the model embeds it, unpacked again. True CFG
-// when `negative` is given and scale > 1. The module may be shared between CPU ranks.
-class FluxDenoiser final : public Denoiser {
+// when `negative` is given and scale > 1. Sequence-parallel (Ulysses over the image tokens).
+class FluxDenoiser final : public TransformerDenoiser {
  public:
   FluxDenoiser(models::FluxTransformer2DModel model, FluxConditioning positive, FluxConditioning negative,
                double scale, double guidance, at::ScalarType dtype, at::Device device);
-  at::Tensor eval(const at::Tensor& model_input, double timestep, Branch branch) override;
-  bool cfg() const override { return cfg_; }
-  double guidance_scale() const override { return scale_; }
-  std::int64_t batch() const override { return positive_.context.size(0); }
-  at::ScalarType output_dtype() const override { return dtype_; }
-  std::unique_ptr<Denoiser> rows(std::int64_t begin, std::int64_t count) const override;
+  models::FluxTransformer2DModel& model() { return model_; }
+  double guidance() const { return guidance_; }
+  bool sequence_parallel() const override { return true; }
 
  private:
+  at::Tensor velocity(const at::Tensor& x, const TextConditioning& c, double timestep,
+                      models::SequenceExchange* exchange) override;
+  std::unique_ptr<Denoiser> with(TextConditioning positive, TextConditioning negative) const override;
   models::FluxTransformer2DModel model_;
-  FluxConditioning positive_, negative_, both_;
-  double scale_, guidance_;
-  bool cfg_;
-  at::ScalarType dtype_;
-  at::Device device_;
+  double guidance_;
 };
 
 // The transformer's call on packed latents for one step, as diffusers' FluxPipeline makes it:
 // timestep = t (0..1000) in the latents' dtype / 1000, guidance [B] in float32 (or undefined
 // when the model has no guidance embedding), the rope of zero text ids and the image's ids.
+// With `exchange` each rank runs its even share of the image tokens (SequenceShard::even) and
+// all-gathers the outputs: the same result on every rank.
 at::Tensor flux_velocity(models::FluxTransformer2DModel& model, const at::Tensor& latents, const at::Tensor& context,
-                         const at::Tensor& pooled, double timestep, double guidance);
+                         const at::Tensor& pooled, double timestep, double guidance,
+                         models::SequenceExchange* exchange = nullptr);
 
 }  // namespace diffract::parallel

@@ -35,6 +35,12 @@ std::unique_ptr<Strategy> make_data_parallel(const StrategyParams& p) {
   return s;
 }
 
+std::unique_ptr<Strategy> make_sequence_parallel(const StrategyParams& p) {
+  auto s = std::make_unique<SequenceParallel>();
+  s->n = p.devices;
+  return s;
+}
+
 std::unique_ptr<Strategy> make_step_skip(const StrategyParams& p) {
   auto s = std::make_unique<StepSkipping>();
   s->skip = p.skip;
@@ -86,6 +92,10 @@ constexpr std::string_view kTransformerOnly =
     "it splits a transformer's joint blocks into stages: it runs SD3 only, and SD 1.x / 2.x / XL have a UNet (use "
     "cfg-parallel, hybrid-cfg, driffusion or data-parallel)";
 
+constexpr std::string_view kFluxOnly =
+    "it shards a transformer's attention over the image tokens: it runs Flux, and SD 1.x / 2.x / XL have a UNet "
+    "(use cfg-parallel, driffusion or data-parallel)";
+
 const std::vector<StrategyInfo> kStrategies = {
     {"single", "The plain loop on one device.", Level::Loop, true, true, "", false, true, {1, 1, 1}, {}, make_single, "", ""},
     {"cfg-parallel", "Prompt and negative prompt on two devices at once; the same image.", Level::Evaluation, true,
@@ -109,6 +119,9 @@ const std::vector<StrategyInfo> kStrategies = {
      "", false, true, {0, 1, 1}, {Param::Devices}, make_data_parallel, "", ""},
     {"step-skip", "Evaluates every skip-th step on one device and jumps over the rest: the naive baseline.",
      Level::Loop, true, true, "", false, false, {1, 1, 1}, {Param::Skip}, make_step_skip, kNoImageInputs, ""},
+    {"sequence-parallel",
+     "Flux: each device a share of the image tokens, attention trading tokens for heads (Ulysses); the same image.",
+     Level::Model, false, true, kFluxOnly, false, true, {0, 1, 1}, {Param::Devices}, make_sequence_parallel},
     {"pipefusion", "SD3: the transformer's blocks over the devices, the image in patches, a step stale.",
      Level::Model, false, true, kTransformerOnly, false, false, {0, 1, 1}, {Param::Devices, Param::Patches},
      make_pipefusion},
@@ -139,17 +152,21 @@ std::string DeviceRule::describe() const {
 bool StrategyInfo::takes(Param p) const { return std::find(params.begin(), params.end(), p) != params.end(); }
 
 namespace {
-// Flux runs the transformer strategies that evaluate whole steps (parallel::FluxDenoiser).
-std::string_view flux_refused_why(std::string_view name) {
-  if (name == "pipefusion" || name == "cfg-pipefusion")
+// The transformer families run the transformer strategies but these, which are written for one
+// of them only.
+std::string_view transformer_refused_why(std::string_view name, job::ModelFamily family) {
+  if (family == job::ModelFamily::Flux && (name == "pipefusion" || name == "cfg-pipefusion"))
     return "its stages are written for SD3's joint blocks, and Flux's double- and single-stream blocks are not "
-           "split into stages yet (use driffusion, data-parallel, or cfg-parallel with true CFG)";
+           "split into stages yet (use sequence-parallel, driffusion, data-parallel, or cfg-parallel with true CFG)";
+  if (family == job::ModelFamily::SD3 && name == "sequence-parallel")
+    return "its sharded attention is written for Flux's blocks, and SD3's joint blocks are not sharded yet (use "
+           "cfg-parallel or pipefusion)";
   return "";
 }
 }  // namespace
 
 bool StrategyInfo::runs(job::ModelFamily family) const {
-  if (family == job::ModelFamily::Flux) return transformer && flux_refused_why(name).empty();
+  if (!job::has_unet(family)) return transformer && transformer_refused_why(name, family).empty();
   return job::has_unet(family) ? unet : transformer;
 }
 
@@ -177,7 +194,7 @@ const StrategyInfo& strategy_info(std::string_view name) {
 void check_strategy(const job::StrategyParams& p, job::ModelFamily family, bool cfg) {
   const auto& s = strategy_info(p.name);
   if (!s.runs(family)) {
-    const auto why = family == job::ModelFamily::Flux && s.transformer ? flux_refused_why(s.name) : s.refused_why;
+    const auto why = !job::has_unet(family) && s.transformer ? transformer_refused_why(s.name, family) : s.refused_why;
     throw Error(std::string(s.name) + " does not run " + std::string(job::family_name(family)) + " models: " +
                 std::string(why));
   }

@@ -50,6 +50,7 @@
 #include "core/parallel/pipefusion.h"
 #include "core/parallel/strategies.h"
 #include "core/pipeline/clip_graph.h"
+#include "core/pipeline/flux.h"
 #include "core/pipeline/stable_diffusion.h"
 #include "core/schedulers/sampler.h"
 #include "core/util/device_work.h"
@@ -1880,12 +1881,81 @@ void check_vae_bands() {
 }
 }  // namespace
 
+// FLUX.1 files on the GPU (DIFFRACT_FLUX_FILES: the Flux fixtures' tiny-flux-dev/ and the
+// single-file fixtures' *.safetensors, carried over): the BFL and all-in-one files give the
+// folder's job bit for bit (the same bf16 weights); the float8 files run, their difference to the
+// folder said; T5 offloaded gives the same job and leaves the GPU without T5 between prompts; T5
+// on the CPU (fp32) is close; sequence-parallel over the GPUs there are is the one-GPU job.
+void check_flux_files() {
+  need_gpus(1);
+  const char* env = std::getenv("DIFFRACT_FLUX_FILES");
+  if (!env || !std::filesystem::is_directory(std::filesystem::path(env) / "tiny-flux-dev"))
+    throw Skip{"DIFFRACT_FLUX_FILES (the tiny Flux folder and files) not given"};
+  const std::filesystem::path dir(env), folder = dir / "tiny-flux-dev";
+  job::CancelToken never;
+  auto req = request(4);
+  req.negative_prompt.clear();
+  req.cfg = 1.0;
+  req.sampler.clear();
+  req.width = req.height = 64;
+  const auto load = [&](const std::filesystem::path& model, const std::string& t5 = {}) {
+    pipeline::Flux::LoadOptions o;
+    if (!std::filesystem::is_directory(model)) o.config_dir = folder;
+    o.t5_placement = t5;
+    return pipeline::Flux::load(model, "cuda:0", o);
+  };
+  const auto run = [&](pipeline::Flux& f) {
+    auto r = req;
+    r.model = f.path().string();
+    return f.generate(r, {}, never);
+  };
+  auto base_pipe = load(folder);
+  const auto base = run(*base_pipe);
+  for (const char* name : {"tiny-flux-dev-bfl", "tiny-flux-dev-aio"}) {
+    if (!std::filesystem::exists(dir / (std::string(name) + ".safetensors"))) continue;  // not carried
+    auto f = load(dir / (std::string(name) + ".safetensors"));
+    expect(rel_l2(run(*f), base) == 0.0, std::string(name) + " on cuda gives the folder's job bit for bit");
+  }
+  for (const char* name : {"tiny-flux-dev-fp8", "tiny-flux-dev-fp8-scaled"}) {
+    auto f = load(dir / (std::string(name) + ".safetensors"));
+    const double d = rel_l2(run(*f), base);
+    std::cout << "  " << name << " vs the bf16 folder: latents rel-L2 " << d << "\n";
+    expect(std::isfinite(d) && d < 0.5, std::string(name) + " dequantised on the GPU runs (finite, near the folder's job)");
+  }
+  base_pipe.reset();
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  const auto allocated = [] { return c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current; };
+  auto on_gpu = load(folder);
+  const auto with_t5 = allocated();
+  on_gpu.reset();
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  auto offload = load(folder, "offload");
+  const auto without_t5 = allocated();
+  std::cout << "  allocated after load: T5 on the GPU " << with_t5 << " B, offloaded " << without_t5 << " B\n";
+  expect(without_t5 < with_t5, "offloaded T5 is not on the GPU after load");
+  expect(rel_l2(run(*offload), base) == 0.0, "T5 offloaded gives the same job");
+  std::cout << "  allocated after an offloaded job: " << allocated() << " B\n";
+  auto cpu_t5 = load(folder, "cpu");
+  const double d = rel_l2(run(*cpu_t5), base);
+  std::cout << "  T5 on the CPU (fp32) vs on the GPU (bf16): latents rel-L2 " << d << "\n";
+  expect(d < 5e-2, "T5 on the CPU gives nearly the same job");
+  for (int n = 1; n <= static_cast<int>(torch::cuda::device_count()) && n <= 2; ++n) {
+    auto r = req;
+    r.model = cpu_t5->path().string();
+    r.strategy.name = "sequence-parallel";
+    r.strategy.devices = n;
+    const double e = rel_l2(cpu_t5->generate(r, {}, never), run(*cpu_t5));
+    std::cout << "  sequence-parallel on " << n << " GPU(s) vs one: latents rel-L2 " << e << "\n";
+    expect(e < 1e-2, "sequence-parallel on " + std::to_string(n) + " GPU(s) gives the one-GPU job");
+  }
+}
+
 int main(int argc, char** argv) {
   const std::map<std::string, std::function<void()>> checks = {
       {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"layernorm", check_layernorm}, {"conv_bias", check_conv_bias}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
-      {"cfg_pipefusion", check_cfg_pipefusion}, {"oom", check_oom}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}, {"gemm", check_gemm}, {"flux", check_flux}};
+      {"cfg_pipefusion", check_cfg_pipefusion}, {"oom", check_oom}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}, {"gemm", check_gemm}, {"flux", check_flux}, {"flux_files", check_flux_files}};
   bool usage = argc < 2;
   for (int i = 1; i < argc; ++i) usage = usage || !checks.count(argv[i]);
   if (usage) {

@@ -183,17 +183,17 @@ FluxAttentionImpl::FluxAttentionImpl(const FluxAttentionOptions& o) : options(o)
 }
 
 std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context,
-                                                             const FluxRope& rope) {
+                                                             const FluxRope& rope, const SequenceShard* shard) {
   if (qkv_ && qkv_->intact()) {
     const auto qkv = qkv_->project(x);
-    return attend(qkv_->part(qkv, this, 0), qkv_->part(qkv, this, 1), qkv_->part(qkv, this, 2), context, rope);
+    return attend(qkv_->part(qkv, this, 0), qkv_->part(qkv, this, 1), qkv_->part(qkv, this, 2), context, rope, shard);
   }
-  return attend(to_q->forward(x), to_k->forward(x), to_v->forward(x), context, rope);
+  return attend(to_q->forward(x), to_k->forward(x), to_v->forward(x), context, rope, shard);
 }
 
 std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::attend(const at::Tensor& q_in, const at::Tensor& k_in,
                                                             const at::Tensor& v_in, const at::Tensor& context,
-                                                            const FluxRope& rope) {
+                                                            const FluxRope& rope, const SequenceShard* shard) {
   const int64_t b = q_in.size(0), h = options.heads, d = options.head_dim;
   const auto heads = [&](const at::Tensor& t) { return t.unflatten(-1, {h, d}); };
   const bool joint = options.joint;
@@ -219,7 +219,8 @@ std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::attend(const at::Tensor& q_
     v = heads(v_in);
   }
   const int64_t t = q.size(1);
-  auto out = multi_head_attention(q.reshape({b, t, h * d}), k.reshape({b, t, h * d}), v.reshape({b, t, h * d}), h);
+  auto out = shard ? ulysses_attention(q, k, v, *shard)
+                   : multi_head_attention(q.reshape({b, t, h * d}), k.reshape({b, t, h * d}), v.reshape({b, t, h * d}), h);
   if (!joint) return {out, at::Tensor()};
   const int64_t s = context.size(1);
   auto text = to_add_out->forward(out.slice(1, 0, s));
@@ -245,10 +246,11 @@ FluxTransformerBlockImpl::FluxTransformerBlockImpl(int64_t dim, int64_t heads, i
 }
 
 std::pair<at::Tensor, at::Tensor> FluxTransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& context,
-                                                                    const at::Tensor& temb, const FluxRope& rope) {
+                                                                    const at::Tensor& temb, const FluxRope& rope,
+                                                                    const SequenceShard* shard) {
   const auto n = norm1->forward(x, temb);
   const auto c = norm1_context->forward(context, temb);
-  const auto [attn_out, context_attn_out] = attn->forward(n.x, c.x, rope);
+  const auto [attn_out, context_attn_out] = attn->forward(n.x, c.x, rope, shard);
   auto h = x + n.gate_msa.unsqueeze(1) * attn_out;
   h = h + n.gate_mlp.unsqueeze(1) *
               ff->forward(plain_layer_norm(h) * (1 + n.scale_mlp.unsqueeze(1)) + n.shift_mlp.unsqueeze(1));
@@ -272,7 +274,8 @@ FluxSingleTransformerBlockImpl::FluxSingleTransformerBlockImpl(int64_t dim, int6
   attn = register_module("attn", FluxAttention(o));
 }
 
-at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& temb, const FluxRope& rope) {
+at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& temb, const FluxRope& rope,
+                                                   const SequenceShard* shard) {
   const auto n = norm->forward(x, temb);
   const int64_t dim = x.size(2), hidden = proj_mlp->weight.size(0);
   // proj_out reads [attention, GELU(mlp)]: both written into one buffer, no concatenation.
@@ -282,10 +285,10 @@ at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& x, const at
   if (in_ && in_->intact()) {
     const auto p = in_->project(n.x);
     at::gelu_out(mlp, in_->part(p, this, 3), "tanh");
-    attn_out = attn->attend(in_->part(p, this, 0), in_->part(p, this, 1), in_->part(p, this, 2), {}, rope).first;
+    attn_out = attn->attend(in_->part(p, this, 0), in_->part(p, this, 1), in_->part(p, this, 2), {}, rope, shard).first;
   } else {
     at::gelu_out(mlp, proj_mlp->forward(n.x), "tanh");
-    attn_out = attn->forward(n.x, {}, rope).first;
+    attn_out = attn->forward(n.x, {}, rope, shard).first;
   }
   joined.narrow(2, 0, dim).copy_(attn_out);
   auto out = x + n.gate.unsqueeze(1) * proj_out->forward(joined);
@@ -377,7 +380,8 @@ void FluxTransformer2DModelImpl::run_block(size_t index, FluxState& s) {
   const size_t doubles = transformer_blocks->size();
   if (index < doubles) {
     TORCH_CHECK(!s.joined, "Flux transformer: a double-stream block after the streams were joined");
-    auto [context, x] = transformer_blocks[index]->as<FluxTransformerBlock>()->forward(s.x, s.context, s.temb, s.rope);
+    auto [context, x] =
+        transformer_blocks[index]->as<FluxTransformerBlock>()->forward(s.x, s.context, s.temb, s.rope, s.shard);
     s.context = context;
     s.x = x;
     return;
@@ -387,7 +391,8 @@ void FluxTransformer2DModelImpl::run_block(size_t index, FluxState& s) {
     s.context = at::Tensor();
     s.joined = true;
   }
-  s.x = single_transformer_blocks[index - doubles]->as<FluxSingleTransformerBlock>()->forward(s.x, s.temb, s.rope);
+  s.x = single_transformer_blocks[index - doubles]->as<FluxSingleTransformerBlock>()->forward(s.x, s.temb, s.rope,
+                                                                                               s.shard);
 }
 
 at::Tensor FluxTransformer2DModelImpl::output(const FluxState& s) {
@@ -397,19 +402,25 @@ at::Tensor FluxTransformer2DModelImpl::output(const FluxState& s) {
 
 at::Tensor FluxTransformer2DModelImpl::forward(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
                                                const at::Tensor& pooled_projections, const at::Tensor& timestep,
-                                               const at::Tensor& guidance, const FluxRope& rope) {
+                                               const at::Tensor& guidance, const FluxRope& rope,
+                                               const SequenceShard* shard) {
   auto s = embed(hidden_states, encoder_hidden_states, pooled_projections, timestep, guidance, rope);
+  if (shard) {
+    TORCH_CHECK(shard->image_tokens == hidden_states.size(1) && shard->text_tokens == encoder_hidden_states.size(1),
+                "Flux transformer: a sequence shard of ", shard->text_tokens, " text and ", shard->image_tokens,
+                " image tokens for inputs of ", encoder_hidden_states.size(1), " and ", hidden_states.size(1));
+    s.shard = shard;
+  }
   for (size_t i = 0; i < num_blocks(); ++i) run_block(i, s);
   return output(s);
 }
 
 FluxTransformer2DModel load_flux_transformer(const std::filesystem::path& dir, const std::string& variant) {
   const auto config = FluxTransformer2DConfig::from_json(dir / "config.json");
-  const auto weights = io::find_weights(dir, variant);
-  if (!weights) throw Error(dir.string() + ": no weight file (diffusion_pytorch_model.safetensors, ...)");
+  const auto weights = io::require_weights(dir, variant);
   FluxTransformer2DModel model(config);
   model->eval();
-  io::bind(*model, io::load_state_dict(*weights), weights->string());
+  io::bind(*model, io::load_state_dict(weights), weights.string());
   log::get("models").debug(log::str(dir.string(), ": Flux transformer with ", config.num_layers, " + ",
                                     config.num_single_layers, " blocks, ", config.num_attention_heads, " heads"));
   return model;

@@ -22,6 +22,7 @@
 #include "core/models/common/layers.h"
 #include "core/models/common/normalization.h"
 #include "core/models/common/rotary.h"
+#include "core/models/common/sequence_parallel.h"
 
 namespace diffract::models {
 
@@ -78,10 +79,14 @@ class FluxAttentionImpl : public torch::nn::Module {
   explicit FluxAttentionImpl(const FluxAttentionOptions& o);
   // joint: x [B, N, D] (image), context [B, S, D] (text), rope over S + N -> {image [B, N, D], text [B, S, D]}.
   // not joint: x [B, T, D] -> {[B, T, H*D], undefined}.
-  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context, const FluxRope& rope);
+  // With `shard` the image tokens are this rank's share and the attention is Ulysses'
+  // (sequence_parallel.h): every rank calls it in step; the rope is that of the rows given.
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context, const FluxRope& rope,
+                                            const SequenceShard* shard = nullptr);
   // forward() from the image (or joint) stream's projections q, k, v [B, T, H*D] already made.
   std::pair<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                           const at::Tensor& context, const FluxRope& rope);
+                                           const at::Tensor& context, const FluxRope& rope,
+                                           const SequenceShard* shard = nullptr);
   // to_q, to_k, to_v as one GEMM, and add_q_proj, add_k_proj, add_v_proj as another (fused_linears.h).
   void fuse_projections();
   FluxAttentionOptions options;
@@ -102,7 +107,7 @@ class FluxTransformerBlockImpl : public torch::nn::Module {
   FluxTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim);
   // x [B, N, D], context [B, S, D], temb [B, D] -> {context' [B, S, D], x' [B, N, D]}, in diffusers' order.
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context, const at::Tensor& temb,
-                                            const FluxRope& rope);
+                                            const FluxRope& rope, const SequenceShard* shard = nullptr);
   AdaLayerNormZero norm1{nullptr}, norm1_context{nullptr};
   FluxAttention attn{nullptr};
   FeedForward ff{nullptr}, ff_context{nullptr};
@@ -115,7 +120,8 @@ class FluxSingleTransformerBlockImpl : public torch::nn::Module {
  public:
   FluxSingleTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim);
   // x [B, S + N, D] (text first), temb [B, D] -> [B, S + N, D]
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& temb, const FluxRope& rope);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& temb, const FluxRope& rope,
+                     const SequenceShard* shard = nullptr);
   // attn's to_q, to_k, to_v and proj_mlp, which read the same norm, as one GEMM (BFL's linear1).
   void fuse_projections();
   AdaLayerNormZeroSingle norm{nullptr};
@@ -149,6 +155,7 @@ struct FluxState {
   FluxRope rope;
   int64_t text_tokens = 0;
   bool joined = false;
+  const SequenceShard* shard = nullptr;  // sequence parallelism: x holds this rank's image tokens
 };
 
 class FluxTransformer2DModelImpl : public torch::nn::Module {
@@ -158,9 +165,11 @@ class FluxTransformer2DModelImpl : public torch::nn::Module {
   // joint_attention_dim], pooled_projections [B, pooled_projection_dim], timestep [B] or a
   // scalar (sigma: the pipeline's t / 1000), guidance [B] or undefined (dev: the distilled
   // guidance scale), rope of the ids [S + N, 3] (text first) -> [B, N, out_channels].
+  // With `shard` (sequence parallelism) hidden_states and the rope's image rows are this rank's
+  // share of the image tokens, and so is the output; every rank of the exchange calls it in step.
   at::Tensor forward(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
                      const at::Tensor& pooled_projections, const at::Tensor& timestep, const at::Tensor& guidance,
-                     const FluxRope& rope);
+                     const FluxRope& rope, const SequenceShard* shard = nullptr);
   // The rope of txt_ids [S, 3] and img_ids [N, 3], as forward() takes it.
   FluxRope rope(const at::Tensor& txt_ids, const at::Tensor& img_ids) const;
   // forward in parts: embed, then blocks 0 .. num_blocks() - 1 (double, then single), then the output.
