@@ -230,6 +230,34 @@ class TestMainWindow : public QObject {
     QCOMPARE(MainWindow::matchingTaesd(m_tmp.filePath("nowhere")), QString());
   }
 
+  // Flux.1-dev's distilled guidance: a field of its own, enabled for Flux models, in the request.
+  void guidanceFieldFollowsTheModel() {
+    const auto folder = [&](const QString& name, const QByteArray& pipeline) {
+      const QString dir = m_tmp.filePath(name);
+      QDir().mkpath(dir);
+      QFile index(dir + "/model_index.json");
+      index.open(QIODevice::WriteOnly);
+      index.write("{\"_class_name\": \"" + pipeline + "\"}");
+      return dir;
+    };
+    MainWindow w;
+    auto* model = child<QLineEdit>(w, "modelEdit");
+    auto* guidance = child<QDoubleSpinBox>(w, "guidanceSpin");
+    model->setText(folder("guidance/flux", "FluxPipeline"));
+    QVERIFY(guidance->isEnabled());
+    guidance->setValue(5.0);
+    QCOMPARE(w.requestFromFields().guidance, 5.0);
+    auto* t5 = child<QComboBox>(w, "t5PlacementCombo");
+    QVERIFY(t5->isEnabled());
+    t5->setCurrentIndex(t5->findData(QStringLiteral("offload")));
+    QCOMPARE(w.requestFromFields().t5_placement, std::string("offload"));
+    t5->setCurrentIndex(0);
+    model->setText(folder("guidance/sdxl", "StableDiffusionXLPipeline"));
+    QVERIFY(!guidance->isEnabled());
+    QVERIFY(!t5->isEnabled());
+    QVERIFY(guidance->toolTip().contains("Flux.1-dev"));
+  }
+
   void discoversTheHuggingFaceCache() {
     const QStringList found = MainWindow::discoverHuggingFaceModels();
     QCOMPARE(found.size(), 1);

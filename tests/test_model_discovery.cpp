@@ -6,7 +6,10 @@
 #include <fstream>
 #include <string>
 
+#include <ATen/ATen.h>
+
 #include "core/engine/model_discovery.h"
+#include "core/io/safetensors_writer.h"
 
 using namespace diffract;
 namespace fs = std::filesystem;
@@ -90,6 +93,26 @@ class TestModelDiscovery : public QObject {
     const fs::path broken = model("broken", "x");
     writeText(broken / "model_index.json", "{not json");
     QCOMPARE(engine::matching_taesd(broken, m_hub), fs::path());
+  }
+
+  // Single files by their tensor names; TAEF1 as the original decoder file.
+  void matchesTheTaesdToASingleFile() {
+    writeText(m_hub / "models--madebyollin--taef1/snapshots/f1/taef1_decoder.pth", "x");
+    const fs::path dir = fs::path(m_tmp.filePath("files").toStdString());
+    fs::create_directories(dir);
+    const auto file = [&](const std::string& name, const std::string& key) {
+      io::write_safetensors(dir / name, {{key, at::zeros({1})}});
+      return dir / name;
+    };
+    QCOMPARE(engine::matching_taesd(file("flux1-dev.safetensors", "double_blocks.0.img_attn.qkv.weight"), m_hub),
+             m_hub / "models--madebyollin--taef1" / "snapshots" / "f1");
+    QCOMPARE(engine::matching_taesd(file("sd3.safetensors", "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight"),
+                                    m_hub),
+             m_hub / "models--madebyollin--taesd3" / "snapshots" / "s3");
+    // An unreadable file and one of no known family have none.
+    writeText(dir / "junk.safetensors", "not a safetensors file");
+    QCOMPARE(engine::matching_taesd(dir / "junk.safetensors", m_hub), fs::path());
+    QCOMPARE(engine::matching_taesd(file("other.safetensors", "weight"), m_hub), fs::path());
   }
 };
 

@@ -131,6 +131,17 @@ class TestPngParameters : public QObject {
     QVERIFY(mentions(p.unmapped, "Denoising strength: 0.4"));
   }
 
+  // Forge / A1111's Flux field.
+  void a1111DistilledGuidance() {
+    const auto p = engine::parse_png_parameters(
+        {{"parameters", "cat\nSteps: 20, Sampler: Euler, CFG scale: 1, Distilled CFG Scale: 3.5, Seed: 5"}}, "x.png");
+    QCOMPARE(*p.guidance, 3.5);
+    QCOMPARE(*p.cfg, 1.0);
+    const auto bad = engine::parse_png_parameters({{"parameters", "cat\nSteps: 20, Sampler: Euler, Distilled CFG Scale: lots"}}, "x.png");
+    QVERIFY(!bad.guidance);
+    QVERIFY(mentions(bad.unmapped, "Distilled CFG Scale: lots (not a number)"));
+  }
+
   void comfyui() {
     const auto p = engine::read_png_parameters(pngFixtures() / "comfyui.png");
     QCOMPARE(p.source, std::string("comfyui"));

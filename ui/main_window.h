@@ -65,8 +65,8 @@ class MainWindow : public QMainWindow {
   static QString outputDir();
   // Diffusers models in the Hugging Face cache ($HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub).
   static QStringList discoverHuggingFaceModels();
-  // The newest madebyollin TAESD snapshot in that cache for a diffusers model folder's pipeline
-  // (taesd, taesdxl, taesd3, taef1); empty when there is none or the folder is not diffusers'.
+  // The newest madebyollin TAESD snapshot in that cache for a model's family (a diffusers folder's
+  // pipeline or a single file's tensor names: taesd, taesdxl, taesd3, taef1); empty when there is none.
   static QString matchingTaesd(const QString& modelDir);
   // The job the form describes, without its ControlNets (generate() adds them: making their
   // control images is the job's work).

@@ -195,6 +195,24 @@ SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
   m_cfg->setToolTip(tr("Classifier-free guidance; 1 or less turns it off"));
   fields->addRow(tr("CFG"), m_cfg);
 
+  // Flux.1-dev embeds its guidance in the transformer; CFG above 1 with a negative prompt is true
+  // CFG there (two evaluations a step).
+  m_guidance = new QDoubleSpinBox;
+  m_guidance->setObjectName(QStringLiteral("guidanceSpin"));
+  m_guidance->setRange(0, 100);
+  m_guidance->setSingleStep(0.5);
+  m_guidance->setDecimals(1);
+  m_guidance->setValue(3.5);
+  fields->addRow(tr("Guidance"), m_guidance);
+  m_t5 = new QComboBox;
+  m_t5->setObjectName(QStringLiteral("t5PlacementCombo"));
+  m_t5->addItem(tr("with the model"), QString());
+  m_t5->addItem(tr("CPU (slower prompts, no GPU memory)"), QStringLiteral("cpu"));
+  m_t5->addItem(tr("offload (on the GPU only to encode a new prompt)"), QStringLiteral("offload"));
+  fields->addRow(tr("T5"), m_t5);
+  connect(m_model, &QLineEdit::textChanged, this, &SettingsPanel::updateGuidanceField);
+  updateGuidanceField();
+
   // The hires fix: off at ×1.
   auto* hiresRow = new QHBoxLayout;
   m_hiresScale = new QDoubleSpinBox;
@@ -310,6 +328,20 @@ void SettingsPanel::fitSizeTo(const QSize& canvas) {
   m_height->setValue(round64(canvas.height() * scale));
 }
 
+void SettingsPanel::updateGuidanceField() {
+  const std::string path = m_model->text().trimmed().toStdString();
+  const bool flux = !path.empty() && engine::guess_model_family(path) == "Flux";
+  m_guidance->setEnabled(flux);
+  m_t5->setEnabled(flux);
+  m_t5->setToolTip(flux ? tr("Where Flux's T5-XXL text encoder (9.5 GB in bf16) lives; prompt encodings are cached, "
+                             "so it only runs for a new prompt")
+                        : tr("T5 placement: for Flux models only"));
+  m_guidance->setToolTip(flux ? tr("Flux.1-dev's distilled guidance, embedded in the model (3.5 is its default; "
+                                   "schnell has none). CFG above 1 with a negative prompt adds true CFG at twice "
+                                   "the cost per step")
+                              : tr("Distilled guidance: for Flux.1-dev models only"));
+}
+
 job::GenerationRequest SettingsPanel::request() const {
   job::GenerationRequest r;
   r.model = m_model->text().trimmed().toStdString();
@@ -320,6 +352,8 @@ job::GenerationRequest SettingsPanel::request() const {
   r.height = m_height->value();
   r.steps = m_steps->value();
   r.cfg = m_cfg->value();
+  r.guidance = m_guidance->value();
+  r.t5_placement = m_t5->currentData().toString().toStdString();
   r.seed = seedValue().value_or(0);
   r.sampler = m_sampler->currentData().toString().toStdString();
   r.batch = m_batch->value();
@@ -369,6 +403,8 @@ void SettingsPanel::loadSettings(const QSettings& s) {
   m_height->setValue(s.value(QStringLiteral("height"), 0).toInt());
   m_steps->setValue(s.value(QStringLiteral("steps"), 30).toInt());
   m_cfg->setValue(s.value(QStringLiteral("cfg"), 7.0).toDouble());
+  m_guidance->setValue(s.value(QStringLiteral("guidance"), 3.5).toDouble());
+  m_t5->setCurrentIndex(std::max(0, m_t5->findData(s.value(QStringLiteral("t5Placement")).toString())));
   m_seed->setText(QString::number(s.value(QStringLiteral("seed"), 0).toULongLong()));
   m_randomSeed->setChecked(s.value(QStringLiteral("randomSeed"), true).toBool());
   m_sampler->setCurrentIndex(std::max(0, m_sampler->findData(s.value(QStringLiteral("sampler")).toString())));
@@ -388,6 +424,8 @@ void SettingsPanel::saveSettings(QSettings& s) const {
   s.setValue(QStringLiteral("height"), m_height->value());
   s.setValue(QStringLiteral("steps"), m_steps->value());
   s.setValue(QStringLiteral("cfg"), m_cfg->value());
+  s.setValue(QStringLiteral("guidance"), m_guidance->value());
+  s.setValue(QStringLiteral("t5Placement"), m_t5->currentData().toString());
   s.setValue(QStringLiteral("seed"), QVariant::fromValue<qulonglong>(seedValue().value_or(0)));
   s.setValue(QStringLiteral("randomSeed"), m_randomSeed->isChecked());
   s.setValue(QStringLiteral("sampler"), m_sampler->currentData().toString());
@@ -404,6 +442,7 @@ void SettingsPanel::applyPreset(const engine::Preset& p) {
   m_height->setValue(p.height);
   m_steps->setValue(p.steps);
   m_cfg->setValue(p.cfg);
+  m_guidance->setValue(p.guidance);
   m_sampler->setCurrentIndex(std::max(0, m_sampler->findData(QString::fromStdString(p.sampler))));
   m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(QString::fromStdString(p.strategy))));
   m_devices->setValue(strategyInfo().takes(parallel::Param::Skip) ? p.skip : p.devices);
@@ -436,6 +475,10 @@ void SettingsPanel::restoreFields(const engine::PngParameters& p, QStringList& r
   if (p.cfg) {
     m_cfg->setValue(*p.cfg);
     restored << tr("CFG");
+  }
+  if (p.guidance) {
+    m_guidance->setValue(*p.guidance);
+    restored << tr("guidance");
   }
   if (p.seed) {
     m_seed->setText(QString::number(*p.seed));

@@ -31,10 +31,11 @@ namespace diffract::ui {
 class PromptHighlighter;
 
 // The generation settings form: prompt and negative prompt, the model (path, browse buttons, the
-// Hugging Face cache's models) and its TAESD, size (with its presets), steps, CFG, seed, sampler,
-// batch, preview size and the strategy row. It owns the widgets and keeps the rules inside the
-// form (a size no preset has shows Custom; patches only for strategies that take them); the
-// window reads and fills the widgets and reacts to their signals.
+// Hugging Face cache's models) and its TAESD, size (with its presets), steps, CFG, Flux.1-dev's
+// guidance and Flux's T5 placement (enabled for Flux models), seed, sampler, batch, preview size
+// and the strategy row. It owns the widgets and keeps the rules inside the form (a size no preset
+// has shows Custom; patches only for strategies that take them); the window reads and fills the
+// widgets and reacts to their signals.
 class SettingsPanel : public QWidget {
   Q_OBJECT
  public:
@@ -52,6 +53,10 @@ class SettingsPanel : public QWidget {
   QSpinBox* heightSpin() const { return m_height; }
   QSpinBox* steps() const { return m_steps; }
   QDoubleSpinBox* cfg() const { return m_cfg; }
+  // Flux.1-dev's distilled guidance; enabled while the model is a Flux one.
+  QDoubleSpinBox* guidance() const { return m_guidance; }
+  // Flux's T5 placement (job::GenerationRequest::t5_placement); enabled with the guidance.
+  QComboBox* t5Placement() const { return m_t5; }
   QLineEdit* seed() const { return m_seed; }
   QCheckBox* randomSeed() const { return m_randomSeed; }
   QComboBox* sampler() const { return m_sampler; }
@@ -88,6 +93,7 @@ class SettingsPanel : public QWidget {
  private:
   void applySizePreset(int index);
   void updatePromptTokens();
+  void updateGuidanceField();
 
   QPlainTextEdit* m_prompt = nullptr;
   QPlainTextEdit* m_negative = nullptr;
@@ -104,6 +110,8 @@ class SettingsPanel : public QWidget {
   QSpinBox* m_height = nullptr;
   QSpinBox* m_steps = nullptr;
   QDoubleSpinBox* m_cfg = nullptr;
+  QDoubleSpinBox* m_guidance = nullptr;
+  QComboBox* m_t5 = nullptr;
   QLineEdit* m_seed = nullptr;
   QCheckBox* m_randomSeed = nullptr;
   QComboBox* m_sampler = nullptr;

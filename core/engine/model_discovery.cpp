@@ -9,6 +9,9 @@
 #include <nlohmann/json.hpp>
 
 #include "core/io/json_file.h"
+#include "core/io/safetensors.h"
+#include "core/io/single_file.h"
+#include "core/util/error.h"
 #include "core/util/environment.h"
 
 namespace fs = std::filesystem;
@@ -76,25 +79,45 @@ std::string hugging_face_repo_name(const fs::path& snapshot) {
   return out;
 }
 
-fs::path matching_taesd(const fs::path& model_dir, const fs::path& hub) {
+std::string guess_model_family(const fs::path& model) {
+  std::error_code ec;
+  if (fs::is_regular_file(model, ec)) {
+    try {
+      const auto shapes = io::tensor_shapes(*io::SafetensorsArchive::open(model));
+      if (io::is_flux_single_file(shapes)) return "Flux";
+      if (io::is_sd3_single_file(shapes)) return "SD3";
+      return io::detect_single_file(shapes, model.string()).family == io::SingleFileFamily::SDXL ? "SDXL" : "SD";
+    } catch (const Error&) {
+      return {};
+    }
+  }
   nlohmann::json index;
   try {
-    index = io::read_json(model_dir / "model_index.json");
+    index = io::read_json(model / "model_index.json");
   } catch (const Error&) {
     return {};
   }
   std::string pipeline;
   if (index.is_object() && index.contains("_class_name") && index["_class_name"].is_string())
     pipeline = index["_class_name"].get<std::string>();
-  // madebyollin's TAESD repositories, by the latent space of the pipeline.
-  const char* repo = starts_with(pipeline, "StableDiffusionXL")  ? "taesdxl"
-                     : starts_with(pipeline, "StableDiffusion3") ? "taesd3"
-                     : starts_with(pipeline, "Flux")             ? "taef1"
-                     : starts_with(pipeline, "StableDiffusion")  ? "taesd"
-                                                                 : nullptr;
-  if (!repo) return {};
-  for (const auto& snap : subfolders_newest_first(hub / ("models--madebyollin--" + std::string(repo)) / "snapshots"))
-    if (present(snap / "config.json")) return snap;
+  return starts_with(pipeline, "StableDiffusionXL")  ? "SDXL"
+         : starts_with(pipeline, "StableDiffusion3") ? "SD3"
+         : starts_with(pipeline, "Flux")             ? "Flux"
+         : starts_with(pipeline, "StableDiffusion")  ? "SD"
+                                                     : "";
+}
+
+fs::path matching_taesd(const fs::path& model, const fs::path& hub) {
+  // madebyollin's repositories, by the family's latent space.
+  const std::string family = guess_model_family(model);
+  const std::string repo = family == "SDXL" ? "taesdxl" : family == "SD3" ? "taesd3" : family == "Flux" ? "taef1"
+                           : family == "SD" ? "taesd" : "";
+  if (repo.empty()) return {};
+  // A diffusers AutoencoderTiny snapshot (config.json), or the original files (<name>_decoder.pth).
+  for (const auto& snap : subfolders_newest_first(hub / ("models--madebyollin--" + repo) / "snapshots"))
+    if (present(snap / "config.json") || present(snap / (repo + "_decoder.pth")) ||
+        present(snap / (repo + "_decoder.safetensors")))
+      return snap;
   return {};
 }
 

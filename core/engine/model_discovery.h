@@ -20,11 +20,18 @@ inline std::vector<std::filesystem::path> discover_hugging_face_models() {
 // "org/name" for a snapshot folder models--org--name/snapshots/<hash>; "" for any other path.
 std::string hugging_face_repo_name(const std::filesystem::path& snapshot);
 
-// The newest madebyollin TAESD snapshot in `hub` for a diffusers model folder's pipeline
-// (taesd, taesdxl, taesd3, taef1); empty when there is none or the folder is not diffusers'.
-std::filesystem::path matching_taesd(const std::filesystem::path& model_dir, const std::filesystem::path& hub);
-inline std::filesystem::path matching_taesd(const std::filesystem::path& model_dir) {
-  return matching_taesd(model_dir, hugging_face_hub());
+// A model's family from its files alone, without loading it: "SD" (1.x / 2.x), "SDXL", "SD3" or
+// "Flux", from a diffusers folder's pipeline class or a .safetensors single file's tensor names.
+// Empty when unknown or unreadable.
+std::string guess_model_family(const std::filesystem::path& model);
+
+// The newest madebyollin TAESD snapshot in `hub` (taesd, taesdxl, taesd3, taef1: a diffusers
+// AutoencoderTiny folder or the original <name>_decoder.pth) for a model's latent space: a diffusers
+// folder's pipeline class, or a .safetensors single file's family from its tensor names. Empty when
+// there is none or the model cannot be read.
+std::filesystem::path matching_taesd(const std::filesystem::path& model, const std::filesystem::path& hub);
+inline std::filesystem::path matching_taesd(const std::filesystem::path& model) {
+  return matching_taesd(model, hugging_face_hub());
 }
 
 }  // namespace diffract::engine

@@ -76,6 +76,7 @@ PngParameters from_diffract(const std::string& text, const std::string& where) {
     else if (key == "devices") int_to(p.devices);
     else if (key == "skip") int_to(p.skip);
     else if (key == "cfg") v.is_number() ? void(p.cfg = v.get<double>()) : bad();
+    else if (key == "guidance") v.is_number() ? void(p.guidance = v.get<double>()) : bad();
     else if (key == "input" && v.is_object()) {
       // The image inputs: their files (written beside the PNG by the GUI) and strength.
       if (v.contains("strength") && v["strength"].is_number()) p.strength = v["strength"].get<double>();
@@ -249,6 +250,9 @@ PngParameters from_a1111(const std::string& text, const std::string& where) {
     } else if (key == "CFG scale") {
       const auto v = real_number(value);
       v ? void(p.cfg = *v) : p.unmapped.push_back(shown + " (not a number)");
+    } else if (key == "Distilled CFG Scale") {
+      const auto v = real_number(value);
+      v ? void(p.guidance = *v) : p.unmapped.push_back(shown + " (not a number)");
     } else if (key == "Seed") {
       const auto n = whole_number(value);
       n && *n >= 0 ? void(p.seed = static_cast<std::uint64_t>(*n)) : p.unmapped.push_back(shown + " (not a seed)");
