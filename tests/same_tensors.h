@@ -8,6 +8,8 @@
 #include <QtTest>
 #include <torch/nn/module.h>
 
+#include "core/job/job.h"
+
 namespace diffract::test {
 
 // Every parameter and buffer, by name.
@@ -30,7 +32,28 @@ inline std::string same_tensors(const torch::nn::Module& a, const torch::nn::Mod
   return {};
 }
 
+// Empty when two jobs' final latents and images are bitwise equal (a single file's job against its
+// folder's); else what differs.
+inline std::string same_generation(const job::GenerationResult& a, const job::GenerationResult& b) {
+  const auto latents = [](const job::GenerationResult& r) {
+    return at::from_blob(const_cast<float*>(r.latents.data()), r.latents_shape, at::kFloat);
+  };
+  const auto la = latents(a), lb = latents(b);
+  if (la.sizes() != lb.sizes()) return "final latents " + c10::str(la.sizes()) + " vs " + c10::str(lb.sizes());
+  if (!at::equal(la, lb)) return "final latents differ, max " + std::to_string((la - lb).abs().max().item<double>());
+  if (a.images.size() != b.images.size()) return std::to_string(a.images.size()) + " vs " + std::to_string(b.images.size()) + " images";
+  for (std::size_t i = 0; i < a.images.size(); ++i)
+    if (a.images[i].rgb != b.images[i].rgb) return "image " + std::to_string(i) + " differs";
+  return {};
+}
+
 }  // namespace diffract::test
+
+#define EXPECT_SAME_GENERATION(a, b)                                                    \
+  do {                                                                                  \
+    const std::string _why = diffract::test::same_generation((a), (b));                 \
+    QVERIFY2(_why.empty(), _why.c_str());                                               \
+  } while (0)
 
 #define EXPECT_SAME_TENSORS(a, b)                                                       \
   do {                                                                                  \

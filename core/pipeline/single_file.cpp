@@ -450,6 +450,41 @@ SingleFileModels load_single_file(const fs::path& file, const SingleFileOptions&
 
 // --- SD3 / SD3.5 ---------------------------------------------------------------------------------
 
+namespace {
+
+// The 16-channel VAE of an SD3 / FLUX single file, under `prefix` (LDM keys), its config from
+// config_dir's vae/ or inferred with `conventions`' scaling, shift and sample size; without one in
+// the file (empty prefix), config_dir's whole vae/ component. Names what it took in `configured` /
+// `from_config_dir`.
+models::AutoencoderKL load_latent_vae(const StateDict& all, const std::string& prefix, const SingleFileOptions& options,
+                                      const models::AutoencoderKLConfig& conventions, const std::string& where,
+                                      std::vector<std::string>& configured, std::vector<std::string>& from_config_dir) {
+  if (prefix.empty()) {
+    const auto dir = config_component(options, "vae");
+    if (!dir) throw Error(where + ": no VAE in the file or the config folder");
+    from_config_dir.push_back("vae");
+    return models::load_autoencoder_kl(*dir, folder_variant(*dir));
+  }
+  const auto json = component_config(options, "vae");
+  auto vae = io::map_ldm_vae(all, prefix);
+  models::AutoencoderKLConfig config;
+  if (json) {
+    config = models::AutoencoderKLConfig::from_json(*json);
+    configured.push_back("vae");
+  } else {
+    config = infer_vae_config(vae, SingleFileFamily::SDXL, where);
+    config.scaling_factor = conventions.scaling_factor;
+    config.shift_factor = conventions.shift_factor;
+    config.sample_size = conventions.sample_size;
+  }
+  models::AutoencoderKL model(config);
+  bind_strict(model, vae, where);
+  return model;
+}
+
+}  // namespace
+
+
 models::T5EncoderOptions infer_t5_config(const StateDict& t5, const std::string& what) {
   const Shapes s(t5, what);
   models::T5EncoderOptions o;
@@ -530,28 +565,8 @@ SD3SingleFileModels load_sd3_single_file(const fs::path& file, const SingleFileO
     m.transformer = models::SD3Transformer2DModel(config);
     bind_strict(m.transformer, sd, where);
   }
-  if (!layout.vae_prefix.empty()) {
-    const std::string where = part("vae", layout.vae_prefix);
-    const auto json = component_config(options, "vae");
-    auto vae = io::map_ldm_vae(all, layout.vae_prefix);
-    models::AutoencoderKLConfig config;
-    if (json) {
-      config = models::AutoencoderKLConfig::from_json(*json);
-      m.configured.push_back("vae");
-    } else {
-      config = infer_vae_config(vae, SingleFileFamily::SDXL, where);
-      const auto sd3 = models::AutoencoderKLConfig::sd3();
-      config.scaling_factor = sd3.scaling_factor;
-      config.shift_factor = sd3.shift_factor;
-      config.sample_size = sd3.sample_size;
-    }
-    m.vae = models::AutoencoderKL(config);
-    bind_strict(m.vae, vae, where);
-  } else {
-    const auto dir = *folder_component("vae");
-    m.vae = models::load_autoencoder_kl(dir, folder_variant(dir));
-    m.from_config_dir.push_back("vae");
-  }
+  m.vae = load_latent_vae(all, layout.vae_prefix, options, models::AutoencoderKLConfig::sd3(),
+                          part("vae", layout.vae_prefix), m.configured, m.from_config_dir);
   const auto clip = [&](const std::string& name, const std::string& prefix, const char* act) {
     if (prefix.empty()) {
       const auto dir = *folder_component(name);
@@ -701,28 +716,8 @@ FluxSingleFileModels load_flux_single_file(const fs::path& file, const SingleFil
     m.transformer = models::FluxTransformer2DModel(config);
     bind_strict(m.transformer, sd, where);
   }
-  if (!layout.vae_prefix.empty()) {
-    const std::string where = part("vae", layout.vae_prefix);
-    const auto json = component_config(options, "vae");
-    auto vae = io::map_ldm_vae(all, layout.vae_prefix);
-    models::AutoencoderKLConfig config;
-    if (json) {
-      config = models::AutoencoderKLConfig::from_json(*json);
-      m.configured.push_back("vae");
-    } else {
-      config = infer_vae_config(vae, SingleFileFamily::SDXL, where);
-      const auto flux = models::AutoencoderKLConfig::flux();
-      config.scaling_factor = flux.scaling_factor;
-      config.shift_factor = flux.shift_factor;
-      config.sample_size = flux.sample_size;
-    }
-    m.vae = models::AutoencoderKL(config);
-    bind_strict(m.vae, vae, where);
-  } else {
-    const auto dir = *folder("vae");
-    m.vae = models::load_autoencoder_kl(dir, folder_variant(dir));
-    m.from_config_dir.push_back("vae");
-  }
+  m.vae = load_latent_vae(all, layout.vae_prefix, options, models::AutoencoderKLConfig::flux(),
+                          part("vae", layout.vae_prefix), m.configured, m.from_config_dir);
   if (!layout.clip_l_prefix.empty()) {
     const std::string where = part("text_encoder", layout.clip_l_prefix);
     const auto json = component_config(options, "text_encoder");
