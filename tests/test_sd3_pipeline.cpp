@@ -256,6 +256,16 @@ class TestSD3Pipeline : public QObject {
     QCOMPARE(skip_stats["rounds"].get<int>(), 2);
     QVERIFY(rel(skipped) > 0);
 
+    // Ulysses: each device a share of the image tokens; the same job up to rounding, CFG batched.
+    auto [sp, sp_stats] = run("sequence-parallel", 2);
+    qInfo("sequence-parallel n=2: max |diff| to one device %.3g, %lld bytes sent", test::max_abs_diff(sp, base),
+          sp_stats["bytes_sent"].get<long long>());
+    DIFFRACT_COMPARE_TENSORS(sp, base, 1e-4);
+    QVERIFY(sp_stats["bytes_sent"].get<long long>() > 0);
+    QCOMPARE(steps, 4);
+    QCOMPARE(previews, 2);
+    DIFFRACT_COMPARE_TENSORS(run("sequence-parallel", 2, 2).first, base2, 1e-4);
+
     auto [piped, pf_stats] = run("pipefusion", 2, 1, 4);  // 2 blocks, 8 rows of tokens in 4 patches
     qInfo("pipefusion 2x4: relative L2 to one device %.3g", rel(piped));
     QVERIFY(rel(piped) > 0 && rel(piped) < 0.2);

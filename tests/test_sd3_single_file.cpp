@@ -18,6 +18,7 @@
 #include "core/text/t5_tokenizer.h"
 #include "core/util/error.h"
 #include "same_tensors.h"
+#include "strategy_job.h"
 #include "test_util.h"
 
 using namespace diffract;
@@ -185,6 +186,16 @@ class TestSD3SingleFile : public QObject {
   }
 
   // The MMDiT's config from shapes alone (qk-norm weights show the 16-wide heads), the T5's too.
+  // SD3.5 medium's qk norms and image-only attn2 under sequence parallelism: one device's job.
+  void sd35mRunsSequenceParallel() {
+    auto pipe = pipeline::StableDiffusion3::load(folder_of("tiny-sd35m"), "cpu");
+    const auto r = request(pipe->path().string());
+    const auto base = test::latents_tensor(pipe->generate(r, {}, job::CancelToken{}));
+    const auto sp = test::strategy_job(*pipe, r, "sequence-parallel", 2, 1, 0, {}).first;
+    qInfo("tiny-sd35m sequence-parallel n=2: max |diff| %.3g", test::max_abs_diff(sp, base));
+    DIFFRACT_COMPARE_TENSORS(sp, base, 1e-4);
+  }
+
   void infersConfigs() {
     QTemporaryDir tmp;
     const auto folder = folder_of("tiny-sd35m");

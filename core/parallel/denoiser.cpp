@@ -36,7 +36,7 @@ std::vector<std::vector<std::int64_t>> Denoiser::stage_shapes(int, std::int64_t,
 }
 
 at::Tensor Denoiser::eval_sequence_parallel(const at::Tensor&, double, Branch, models::SequenceExchange&) {
-  throw Error("this denoiser has no sequence-parallel attention (Flux's transformer has)");
+  throw Error("this denoiser has no sequence-parallel attention (Flux's and SD3's transformers have)");
 }
 
 at::Tensor combine_cfg(const at::Tensor& uncond, const at::Tensor& cond, double scale) {
@@ -226,7 +226,7 @@ at::Tensor TransformerDenoiser::eval(const at::Tensor& model_input, double times
 
 at::Tensor TransformerDenoiser::eval_sequence_parallel(const at::Tensor& model_input, double timestep, Branch branch,
                                                        models::SequenceExchange& exchange) {
-  if (!sequence_parallel()) throw Error("this model has no sequence-parallel attention (Flux has)");
+  if (!sequence_parallel()) throw Error("this model has no sequence-parallel attention (Flux and SD3 have)");
   return evaluate(model_input, timestep, branch, &exchange);
 }
 
@@ -257,9 +257,12 @@ SD3Denoiser::SD3Denoiser(models::SD3Transformer2DModel model, SD3Conditioning po
     : TransformerDenoiser(std::move(positive), std::move(negative), scale, dtype, device), model_(std::move(model)) {}
 
 at::Tensor SD3Denoiser::velocity(const at::Tensor& x, const TextConditioning& c, double timestep,
-                                 models::SequenceExchange*) {
+                                 models::SequenceExchange* exchange) {
   const auto t = at::full({x.size(0)}, timestep, at::TensorOptions().dtype(at::kFloat).device(x.device()));
-  return model_->forward(x, c.context, c.pooled, t);
+  if (!exchange) return model_->forward(x, c.context, c.pooled, t);
+  const int64_t p = model_->config.patch_size;
+  const auto shard = models::SequenceShard::even(*exchange, c.context.size(1), (x.size(2) / p) * (x.size(3) / p));
+  return model_->forward(x, c.context, c.pooled, t, &shard);
 }
 
 std::unique_ptr<Denoiser> SD3Denoiser::with(TextConditioning positive, TextConditioning negative) const {

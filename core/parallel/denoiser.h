@@ -183,7 +183,8 @@ class TransformerDenoiser : public Denoiser {
   at::Device device_;
 };
 
-// SD3's MMDiT (eager: no CUDA graphs) as the SD3 pipeline's loop calls it. No layer split
+// SD3's MMDiT (eager: no CUDA graphs) as the SD3 pipeline's loop calls it; sequence-parallel
+// (Ulysses over the image tokens). No layer split
 // (splits() = 0): hybrid-cfg's U split has no MMDiT counterpart; the model-level strategy for it
 // is PipeFusion, which drives the blocks through model() and conditioning().
 class SD3Denoiser final : public TransformerDenoiser {
@@ -191,6 +192,7 @@ class SD3Denoiser final : public TransformerDenoiser {
   SD3Denoiser(models::SD3Transformer2DModel model, SD3Conditioning positive, SD3Conditioning negative, double scale,
               at::ScalarType dtype, at::Device device);
   models::SD3Transformer2DModel& model() { return model_; }
+  bool sequence_parallel() const override { return true; }
 
  private:
   at::Tensor velocity(const at::Tensor& x, const TextConditioning& c, double timestep,

@@ -92,9 +92,9 @@ constexpr std::string_view kTransformerOnly =
     "it splits a transformer's joint blocks into stages: it runs SD3 only, and SD 1.x / 2.x / XL have a UNet (use "
     "cfg-parallel, hybrid-cfg, driffusion or data-parallel)";
 
-constexpr std::string_view kFluxOnly =
-    "it shards a transformer's attention over the image tokens: it runs Flux, and SD 1.x / 2.x / XL have a UNet "
-    "(use cfg-parallel, driffusion or data-parallel)";
+constexpr std::string_view kTransformersOnly =
+    "it shards a transformer's attention over the image tokens: it runs Flux and SD3, and SD 1.x / 2.x / XL have a "
+    "UNet (use cfg-parallel, driffusion or data-parallel)";
 
 const std::vector<StrategyInfo> kStrategies = {
     {"single", "The plain loop on one device.", Level::Loop, true, true, "", false, true, {1, 1, 1}, {}, make_single, "", ""},
@@ -120,8 +120,9 @@ const std::vector<StrategyInfo> kStrategies = {
     {"step-skip", "Evaluates every skip-th step on one device and jumps over the rest: the naive baseline.",
      Level::Loop, true, true, "", false, false, {1, 1, 1}, {Param::Skip}, make_step_skip, kNoImageInputs, ""},
     {"sequence-parallel",
-     "Flux: each device a share of the image tokens, attention trading tokens for heads (Ulysses); the same image.",
-     Level::Model, false, true, kFluxOnly, false, true, {0, 1, 1}, {Param::Devices}, make_sequence_parallel},
+     "Flux, SD3: each device a share of the image tokens, attention trading tokens for heads (Ulysses); the same "
+     "image.",
+     Level::Model, false, true, kTransformersOnly, false, true, {0, 1, 1}, {Param::Devices}, make_sequence_parallel},
     {"pipefusion", "SD3: the transformer's blocks over the devices, the image in patches, a step stale.",
      Level::Model, false, true, kTransformerOnly, false, false, {0, 1, 1}, {Param::Devices, Param::Patches},
      make_pipefusion},
@@ -158,9 +159,6 @@ std::string_view transformer_refused_why(std::string_view name, job::ModelFamily
   if (family == job::ModelFamily::Flux && (name == "pipefusion" || name == "cfg-pipefusion"))
     return "its stages are written for SD3's joint blocks, and Flux's double- and single-stream blocks are not "
            "split into stages yet (use sequence-parallel, driffusion, data-parallel, or cfg-parallel with true CFG)";
-  if (family == job::ModelFamily::SD3 && name == "sequence-parallel")
-    return "its sharded attention is written for Flux's blocks, and SD3's joint blocks are not sharded yet (use "
-           "cfg-parallel or pipefusion)";
   return "";
 }
 }  // namespace

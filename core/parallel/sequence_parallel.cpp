@@ -38,7 +38,7 @@ void SequenceParallel::warm(Denoiser&, const at::Tensor&, double) const {}
 LoopOutput SequenceParallel::run(DeviceGroup& g, const LoopInputs& in) const {
   auto ranks = prepare(*this, g, in);
   if (!ranks.front().den->sequence_parallel())
-    throw Error("sequence-parallel runs Flux models: this model's attention cannot be split by sequence");
+    throw Error("sequence-parallel runs Flux and SD3 models: this model's attention cannot be split by sequence");
   std::atomic<int> evals{0};
   std::atomic<std::int64_t> bytes{0};
   at::Tensor result;

@@ -218,7 +218,7 @@ JointAttentionImpl::JointAttentionImpl(const JointAttentionOptions& o) : options
 }
 
 std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context,
-                                                              ImageKV* cache, int64_t begin) {
+                                                              ImageKV* cache, int64_t begin, const SequenceShard* shard) {
   // x [B, N, D], context [B, S, D] (joint) -> {[B, N, D], [B, S, D] (joint) or undefined}
   const int64_t b = x.size(0), n = x.size(1), h = options.heads, d = options.head_dim;
   // Per-head RMS norm on packed [B, T, H*D] projections.
@@ -243,6 +243,28 @@ std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& 
   }
   const bool joint = options.joint && context.defined();
   TORCH_CHECK(joint == options.joint, "joint attention needs the text tokens");
+  if (shard) {
+    // Ulysses takes the text first; without a mask or positions the order of the keys does not
+    // change what each query gets.
+    TORCH_CHECK(!cache, "SD3 attention: sequence parallelism with an image K/V cache");
+    const int64_t s = joint ? context.size(1) : 0;
+    const auto rows = [&](const at::Tensor& image, const at::Tensor& text) {
+      return (joint ? at::cat({text, image}, 1) : image).view({b, s + n, h, d});
+    };
+    auto mine = *shard;
+    mine.text_tokens = s;
+    const auto out = ulysses_attention(
+        rows(q, joint ? per_head(norm_added_q, add_q_proj->forward(context)) : at::Tensor()),
+        rows(k, joint ? per_head(norm_added_k, add_k_proj->forward(context)) : at::Tensor()),
+        rows(v, joint ? add_v_proj->forward(context) : at::Tensor()), mine);
+    auto image = to_out[0]->as<Linear>()->forward(out.slice(1, s));
+    at::Tensor text;
+    if (joint) {
+      text = out.slice(1, 0, s);
+      if (to_add_out) text = to_add_out->forward(text);
+    }
+    return {image, text};
+  }
   if (joint) {
     q = at::cat({q, per_head(norm_added_q, add_q_proj->forward(context))}, 1);
     k = at::cat({k, per_head(norm_added_k, add_k_proj->forward(context))}, 1);
@@ -281,16 +303,17 @@ JointTransformerBlockImpl::JointTransformerBlockImpl(int64_t dim, int64_t heads,
 
 std::pair<at::Tensor, at::Tensor> JointTransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& context,
                                                                      const at::Tensor& temb, ImageKV* cache,
-                                                                     ImageKV* cache2, int64_t begin) {
+                                                                     ImageKV* cache2, int64_t begin,
+                                                                     const SequenceShard* shard) {
   // x [B, N, D], context [B, S, D], temb [B, D] -> {context' [B, S, D] or undefined, x' [B, N, D]}
   const auto n = norm1->forward(x, temb);
   AdaNormZeroOut c;
   if (context_pre_only) c.x = norm1_context_continuous->forward(context, temb);
   else c = norm1_context_zero->forward(context, temb);
 
-  auto [attn_out, context_attn_out] = attn->forward(n.x, c.x, cache, begin);
+  auto [attn_out, context_attn_out] = attn->forward(n.x, c.x, cache, begin, shard);
   auto h = x + n.gate_msa.unsqueeze(1) * attn_out;
-  if (dual_attention) h = h + n.gate_msa2.unsqueeze(1) * attn2->forward(n.x2, {}, cache2, begin).first;
+  if (dual_attention) h = h + n.gate_msa2.unsqueeze(1) * attn2->forward(n.x2, {}, cache2, begin, shard).first;
   const auto nh = plain_layer_norm(h) * (1 + n.scale_mlp.unsqueeze(1)) + n.shift_mlp.unsqueeze(1);
   h = h + n.gate_mlp.unsqueeze(1) * ff->forward(nh);
   if (context_pre_only) return {at::Tensor(), h};
@@ -387,7 +410,8 @@ SD3State SD3Transformer2DModelImpl::embed(const at::Tensor& hidden_states, const
 }
 
 void SD3Transformer2DModelImpl::run_block(size_t index, SD3State& s) {
-  auto [context, x] = transformer_blocks[index]->as<JointTransformerBlock>()->forward(s.x, s.context, s.temb);
+  auto [context, x] = transformer_blocks[index]->as<JointTransformerBlock>()->forward(s.x, s.context, s.temb, nullptr,
+                                                                                     nullptr, 0, s.shard);
   s.context = context;
   s.x = x;
 }
@@ -408,11 +432,24 @@ at::Tensor SD3Transformer2DModelImpl::unpatchify_output(const SD3State& s) {
 }
 
 at::Tensor SD3Transformer2DModelImpl::forward(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
-                                              const at::Tensor& pooled_projections, const at::Tensor& timestep) {
+                                              const at::Tensor& pooled_projections, const at::Tensor& timestep,
+                                              const SequenceShard* shard) {
   // hidden_states [B, Cin, H, W], encoder_hidden_states [B, S, joint_attention_dim],
   // pooled_projections [B, pooled_projection_dim], timestep [B] or [] -> [B, Cout, H, W]
   auto s = embed(hidden_states, encoder_hidden_states, pooled_projections, timestep);
+  if (shard) {
+    TORCH_CHECK(shard->image_total == s.x.size(1), "SD3 transformer: a sequence shard of ", shard->image_total,
+                " image tokens for ", s.x.size(1));
+    s.x = s.x.narrow(1, shard->image_begin, shard->image_tokens).contiguous();
+    s.shard = shard;
+  }
   for (size_t i = 0; i < transformer_blocks->size(); ++i) run_block(i, s);
+  if (shard) {
+    auto parts = shard->exchange->all_gather(s.x.contiguous());
+    for (auto& p : parts) p = p.to(s.x.device());
+    s.x = at::cat(parts, 1);
+    s.shard = nullptr;
+  }
   return unpatchify_output(s);
 }
 

@@ -15,6 +15,7 @@
 #include "core/models/common/embeddings.h"
 #include "core/models/common/layers.h"
 #include "core/models/common/normalization.h"
+#include "core/models/common/sequence_parallel.h"
 
 namespace diffract::models {
 
@@ -79,9 +80,11 @@ class JointAttentionImpl : public torch::nn::Module {
   // x [B, N, D], context [B, S, D] (joint) -> {x' [B, N, D], context' [B, S, D] or undefined}.
   // With `cache`, x holds image tokens [begin, begin + N) of the image the cache covers: their
   // keys and values go into the cache (which an undefined cache takes whole when x is the whole
-  // image), and the image keys and values attended over are the cache's.
+  // image), and the image keys and values attended over are the cache's. With `shard` (no cache)
+  // x holds this rank's share of the image tokens and the attention is Ulysses' (sequence_parallel.h).
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context = {},
-                                            ImageKV* cache = nullptr, int64_t begin = 0);
+                                            ImageKV* cache = nullptr, int64_t begin = 0,
+                                            const SequenceShard* shard = nullptr);
   JointAttentionOptions options;
   Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
   Linear add_q_proj{nullptr}, add_k_proj{nullptr}, add_v_proj{nullptr}, to_add_out{nullptr};
@@ -100,7 +103,8 @@ class JointTransformerBlockImpl : public torch::nn::Module {
   // context_pre_only), x' [B, N, D]}, in diffusers' order. `cache` / `begin`: the attentions'
   // image K/V caches (attn, attn2) when x is a patch of the image (JointAttention::forward).
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context, const at::Tensor& temb,
-                                            ImageKV* cache = nullptr, ImageKV* cache2 = nullptr, int64_t begin = 0);
+                                            ImageKV* cache = nullptr, ImageKV* cache2 = nullptr, int64_t begin = 0,
+                                            const SequenceShard* shard = nullptr);
   bool context_pre_only, dual_attention;
   AdaLayerNormZero norm1{nullptr}, norm1_context_zero{nullptr};  // the latter registered as "norm1_context"
   AdaLayerNormContinuous norm1_context_continuous{nullptr};       // "norm1_context" of the last block
@@ -147,6 +151,7 @@ struct SD3State {
   at::Tensor context;  // text tokens [B, S, D] (undefined after the last block)
   at::Tensor temb;     // [B, D]
   int64_t height = 0, width = 0;  // latent size
+  const SequenceShard* shard = nullptr;  // sequence parallelism: x holds this rank's image tokens
 };
 
 class SD3Transformer2DModelImpl : public torch::nn::Module {
@@ -155,8 +160,12 @@ class SD3Transformer2DModelImpl : public torch::nn::Module {
   // hidden_states [B, Cin, H, W] (H, W multiples of patch_size), encoder_hidden_states [B, S,
   // joint_attention_dim], pooled_projections [B, pooled_projection_dim], timestep [B] or a scalar
   // (sigma * 1000, float) -> the velocity [B, Cout, H, W].
+  // With `shard` (sequence parallelism: every rank of its exchange calls in step with the whole
+  // latents) each rank runs its share of the image tokens through the blocks, and the outputs are
+  // all-gathered before the unpatchify: the whole velocity on every rank.
   at::Tensor forward(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
-                     const at::Tensor& pooled_projections, const at::Tensor& timestep);
+                     const at::Tensor& pooled_projections, const at::Tensor& timestep,
+                     const SequenceShard* shard = nullptr);
   // forward in three parts, for strategies that run blocks separately:
   SD3State embed(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
                  const at::Tensor& pooled_projections, const at::Tensor& timestep);
