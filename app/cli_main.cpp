@@ -464,6 +464,10 @@ void add_generation_options(CLI::App* cmd, job::GenerationRequest& req, bool wit
   cmd->add_option("--lora-dir", req.lora_dirs, "folder where <lora:NAME> in the prompt is looked up (repeatable)");
   cmd->add_flag("--lora-lenient", req.lora_lenient, "apply a LoRA whose some layers match nothing (warn instead of failing)");
   if (with_strategy) cmd->add_option("--strategy", req.strategy.name, "multi-device strategy (default: the plain loop; listed below)");
+  cmd->add_option("--cache-threshold", req.strategy.cache_threshold,
+                  "fbcache (SD3, Flux): reuse the other blocks while the first block's output moved less than this "
+                  "(relative; 0: never)")
+      ->capture_default_str();
   cmd->add_option("--patches", req.strategy.patches,
                   "pipefusion, cfg-pipefusion (SD3): latent row patches (default: one per stage)");
   cmd->footer(strategy_help());

@@ -15,6 +15,9 @@ struct StrategyParams {
   int devices = 1;   // devices it runs on: GPUs, or CPU virtual devices for a model on the CPU
   int skip = 2;      // step-skip: evaluate every skip-th step and jump over the others
   int patches = 0;   // pipefusion / cfg-pipefusion: latent row patches, at least one per stage; 0: one per stage
+  // fbcache: the rest of the model is reused while the first block's residual moved less than
+  // this (relative mean |change|) since the last full step; 0 reuses nothing.
+  double cache_threshold = 0.12;
   bool single() const { return name.empty() || name == "single"; }
   std::string display_name() const { return single() ? "single" : name; }
 };

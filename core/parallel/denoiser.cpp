@@ -39,6 +39,10 @@ at::Tensor Denoiser::eval_sequence_parallel(const at::Tensor&, double, Branch, m
   throw Error("this denoiser has no sequence-parallel attention (Flux's and SD3's transformers have)");
 }
 
+at::Tensor Denoiser::eval_block_cached(const at::Tensor&, double, Branch, models::FirstBlockCache&) {
+  throw Error("this denoiser has no first-block cache (the SD3 and Flux transformers have)");
+}
+
 at::Tensor combine_cfg(const at::Tensor& uncond, const at::Tensor& cond, double scale) {
   return uncond + scale * (cond - uncond);
 }
@@ -221,21 +225,26 @@ const TextConditioning& TransformerDenoiser::conditioning(Branch branch) const {
 }
 
 at::Tensor TransformerDenoiser::eval(const at::Tensor& model_input, double timestep, Branch branch) {
-  return evaluate(model_input, timestep, branch, nullptr);
+  return evaluate(model_input, timestep, branch, nullptr, nullptr);
+}
+
+at::Tensor TransformerDenoiser::eval_block_cached(const at::Tensor& model_input, double timestep, Branch branch,
+                                                  models::FirstBlockCache& cache) {
+  return evaluate(model_input, timestep, branch, nullptr, &cache);
 }
 
 at::Tensor TransformerDenoiser::eval_sequence_parallel(const at::Tensor& model_input, double timestep, Branch branch,
                                                        models::SequenceExchange& exchange) {
   if (!sequence_parallel()) throw Error("this model has no sequence-parallel attention (Flux and SD3 have)");
-  return evaluate(model_input, timestep, branch, &exchange);
+  return evaluate(model_input, timestep, branch, &exchange, nullptr);
 }
 
 at::Tensor TransformerDenoiser::evaluate(const at::Tensor& model_input, double timestep, Branch branch,
-                                         models::SequenceExchange* exchange) {
+                                         models::SequenceExchange* exchange, models::FirstBlockCache* cache) {
   const bool both = branch == Branch::Guided && cfg_;
   const auto& c = conditioning(branch);
   const auto x = (both ? at::cat({model_input, model_input}) : model_input).to(device_, dtype_);
-  auto out = velocity(x, c, timestep, exchange);
+  auto out = velocity(x, c, timestep, exchange, cache);
   if (!both) return out;
   auto parts = out.chunk(2);
   return combine_cfg(parts[0], parts[1], scale_);
@@ -257,8 +266,9 @@ SD3Denoiser::SD3Denoiser(models::SD3Transformer2DModel model, SD3Conditioning po
     : TransformerDenoiser(std::move(positive), std::move(negative), scale, dtype, device), model_(std::move(model)) {}
 
 at::Tensor SD3Denoiser::velocity(const at::Tensor& x, const TextConditioning& c, double timestep,
-                                 models::SequenceExchange* exchange) {
+                                 models::SequenceExchange* exchange, models::FirstBlockCache* cache) {
   const auto t = at::full({x.size(0)}, timestep, at::TensorOptions().dtype(at::kFloat).device(x.device()));
+  if (cache) return model_->forward_cached(x, c.context, c.pooled, t, *cache);
   if (!exchange) return model_->forward(x, c.context, c.pooled, t);
   const int64_t p = model_->config.patch_size;
   const auto shard = models::SequenceShard::even(*exchange, c.context.size(1), (x.size(2) / p) * (x.size(3) / p));
@@ -270,7 +280,8 @@ std::unique_ptr<Denoiser> SD3Denoiser::with(TextConditioning positive, TextCondi
 }
 
 at::Tensor flux_velocity(models::FluxTransformer2DModel& model, const at::Tensor& latents, const at::Tensor& context,
-                         const at::Tensor& pooled, double timestep, double guidance, models::SequenceExchange* exchange) {
+                         const at::Tensor& pooled, double timestep, double guidance, models::SequenceExchange* exchange,
+                         models::FirstBlockCache* cache) {
   const int64_t b = latents.size(0), h = latents.size(2), w = latents.size(3), s = context.size(1);
   const auto dt = latents.scalar_type();
   const auto opts = at::TensorOptions().device(latents.device());
@@ -278,6 +289,7 @@ at::Tensor flux_velocity(models::FluxTransformer2DModel& model, const at::Tensor
   const auto g = model->config.guidance_embeds ? at::full({b}, guidance, opts.dtype(at::kFloat)) : at::Tensor();
   const auto rope = model->rope(at::zeros({s, 3}, opts.dtype(dt)), models::latent_image_ids(h, w, opts.dtype(dt)));
   const auto tokens = models::pack_latents(latents);
+  if (cache) return models::unpack_latents(model->forward_cached(tokens, context, pooled, t, g, rope, *cache), h, w);
   if (!exchange) return models::unpack_latents(model->forward(tokens, context, pooled, t, g, rope), h, w);
   const auto shard = models::SequenceShard::even(*exchange, s, tokens.size(1));
   const auto rows = [&](const at::Tensor& r) {  // the text's rows and this rank's image rows
@@ -296,8 +308,8 @@ FluxDenoiser::FluxDenoiser(models::FluxTransformer2DModel model, FluxConditionin
       model_(std::move(model)), guidance_(guidance) {}
 
 at::Tensor FluxDenoiser::velocity(const at::Tensor& x, const TextConditioning& c, double timestep,
-                                  models::SequenceExchange* exchange) {
-  return flux_velocity(model_, x, c.context, c.pooled, timestep, guidance_, exchange);
+                                  models::SequenceExchange* exchange, models::FirstBlockCache* cache) {
+  return flux_velocity(model_, x, c.context, c.pooled, timestep, guidance_, exchange, cache);
 }
 
 std::unique_ptr<Denoiser> FluxDenoiser::with(TextConditioning positive, TextConditioning negative) const {

@@ -45,6 +45,12 @@ class Denoiser {
   virtual bool sequence_parallel() const { return false; }
   virtual at::Tensor eval_sequence_parallel(const at::Tensor& model_input, double timestep, Branch branch,
                                             models::SequenceExchange& exchange);
+  // First-Block Cache (models/common/block_cache.h): eval() through `cache`, which the caller keeps
+  // between steps (cache.reused: whether this call reused the other blocks' residual).
+  // block_cache(): whether this denoiser can (else eval_block_cached throws).
+  virtual bool block_cache() const { return false; }
+  virtual at::Tensor eval_block_cached(const at::Tensor& model_input, double timestep, Branch branch,
+                                       models::FirstBlockCache& cache);
 
   // Hybrid CFG's layer split (UNet2DConditionModelImpl::forward_outer_down, the "U split" at
   // down block `split`), one branch (Cond or Uncond) per call. splits(): the largest valid
@@ -153,6 +159,9 @@ class TransformerDenoiser : public Denoiser {
   at::Tensor eval(const at::Tensor& model_input, double timestep, Branch branch) final;
   at::Tensor eval_sequence_parallel(const at::Tensor& model_input, double timestep, Branch branch,
                                     models::SequenceExchange& exchange) final;
+  bool block_cache() const final { return true; }
+  at::Tensor eval_block_cached(const at::Tensor& model_input, double timestep, Branch branch,
+                               models::FirstBlockCache& cache) final;
   bool cfg() const final { return cfg_; }
   double guidance_scale() const final { return scale_; }
   std::int64_t batch() const final { return positive_.context.size(0); }
@@ -168,14 +177,16 @@ class TransformerDenoiser : public Denoiser {
   TransformerDenoiser(TextConditioning positive, TextConditioning negative, double scale, at::ScalarType dtype,
                       at::Device device);
   // The model's output for `x` (on the device, in dtype) with conditioning rows matching x's;
-  // with `exchange`, sequence-parallel (only where sequence_parallel() says so).
+  // with `exchange`, sequence-parallel (only where sequence_parallel() says so); with `cache`,
+  // through the First-Block Cache (one of the two at most).
   virtual at::Tensor velocity(const at::Tensor& x, const TextConditioning& c, double timestep,
-                              models::SequenceExchange* exchange) = 0;
+                              models::SequenceExchange* exchange, models::FirstBlockCache* cache) = 0;
   virtual std::unique_ptr<Denoiser> with(TextConditioning positive, TextConditioning negative) const = 0;
   double scale() const { return scale_; }
 
  private:
-  at::Tensor evaluate(const at::Tensor& model_input, double timestep, Branch branch, models::SequenceExchange* exchange);
+  at::Tensor evaluate(const at::Tensor& model_input, double timestep, Branch branch, models::SequenceExchange* exchange,
+                      models::FirstBlockCache* cache);
   TextConditioning positive_, negative_, both_;
   double scale_;
   bool cfg_;
@@ -196,7 +207,7 @@ class SD3Denoiser final : public TransformerDenoiser {
 
  private:
   at::Tensor velocity(const at::Tensor& x, const TextConditioning& c, double timestep,
-                      models::SequenceExchange* exchange) override;
+                      models::SequenceExchange* exchange, models::FirstBlockCache* cache) override;
   std::unique_ptr<Denoiser> with(TextConditioning positive, TextConditioning negative) const override;
   models::SD3Transformer2DModel model_;
 };
@@ -214,7 +225,7 @@ class FluxDenoiser final : public TransformerDenoiser {
 
  private:
   at::Tensor velocity(const at::Tensor& x, const TextConditioning& c, double timestep,
-                      models::SequenceExchange* exchange) override;
+                      models::SequenceExchange* exchange, models::FirstBlockCache* cache) override;
   std::unique_ptr<Denoiser> with(TextConditioning positive, TextConditioning negative) const override;
   models::FluxTransformer2DModel model_;
   double guidance_;
@@ -225,8 +236,9 @@ class FluxDenoiser final : public TransformerDenoiser {
 // when the model has no guidance embedding), the rope of zero text ids and the image's ids.
 // With `exchange` each rank runs its even share of the image tokens (SequenceShard::even) and
 // all-gathers the outputs: the same result on every rank.
+// With `cache` the transformer runs through the First-Block Cache (FluxTransformer2DModel::forward_cached).
 at::Tensor flux_velocity(models::FluxTransformer2DModel& model, const at::Tensor& latents, const at::Tensor& context,
                          const at::Tensor& pooled, double timestep, double guidance,
-                         models::SequenceExchange* exchange = nullptr);
+                         models::SequenceExchange* exchange = nullptr, models::FirstBlockCache* cache = nullptr);
 
 }  // namespace diffract::parallel

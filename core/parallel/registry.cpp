@@ -41,6 +41,12 @@ std::unique_ptr<Strategy> make_sequence_parallel(const StrategyParams& p) {
   return s;
 }
 
+std::unique_ptr<Strategy> make_first_block_cache(const StrategyParams& p) {
+  auto s = std::make_unique<FirstBlockCaching>();
+  s->threshold = p.cache_threshold;
+  return s;
+}
+
 std::unique_ptr<Strategy> make_step_skip(const StrategyParams& p) {
   auto s = std::make_unique<StepSkipping>();
   s->skip = p.skip;
@@ -119,6 +125,13 @@ const std::vector<StrategyInfo> kStrategies = {
      "", false, true, {0, 1, 1}, {Param::Devices}, make_data_parallel, "", ""},
     {"step-skip", "Evaluates every skip-th step on one device and jumps over the rest: the naive baseline.",
      Level::Loop, true, true, "", false, false, {1, 1, 1}, {Param::Skip}, make_step_skip, kNoImageInputs, ""},
+    {"fbcache",
+     "SD3, Flux: the first block every step, the rest only when its output moved more than the threshold; one "
+     "device, changes the image a little.",
+     Level::Evaluation, false, true,
+     "it caches a transformer's blocks (SD3, Flux); the UNet analogue (the first down block, DeepCache) is not "
+     "written yet (use step-skip or driffusion)",
+     false, false, {1, 1, 1}, {Param::CacheThreshold}, make_first_block_cache, kNoImageInputs, ""},
     {"sequence-parallel",
      "Flux, SD3: each device a share of the image tokens, attention trading tokens for heads (Ulysses); the same "
      "image.",
@@ -220,6 +233,9 @@ std::unique_ptr<Strategy> make_strategy(const job::StrategyParams& p) {
     throw Error("strategy " + p.display_name() + ": devices " + std::to_string(p.devices) + " must be 64 or fewer");
   if (s.takes(Param::Skip) && (p.skip < 1 || p.skip > 1000))
     throw Error("step skipping needs a skip of 1 or more, not " + std::to_string(p.skip));
+  if (s.takes(Param::CacheThreshold) && !(p.cache_threshold >= 0 && p.cache_threshold <= 10))
+    throw Error("strategy " + p.display_name() + ": cache threshold " + std::to_string(p.cache_threshold) +
+                " must be between 0 (never reuse) and 10");
   if (s.takes(Param::Patches) && (p.patches < 0 || p.patches > 4096))
     throw Error("strategy " + p.display_name() + ": patches " + std::to_string(p.patches) + " must be 0 (one per stage) or more");
   auto named = p;

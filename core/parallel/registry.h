@@ -19,7 +19,7 @@ class Strategy;
 enum class Level { Loop, Evaluation, Model };
 
 // The typed parameters a strategy takes (job::StrategyParams' fields).
-enum class Param { Devices, Skip, Patches };
+enum class Param { Devices, Skip, Patches, CacheThreshold };
 
 // How many devices a strategy runs on: exactly `fixed` (when above 0), else at least `min` and a
 // multiple of `multiple`.

@@ -53,6 +53,9 @@ struct LoopStats {
   // PipeFusion: point-to-point messages and their bytes per step (by the step whose work they
   // carry), and the weights (parameters and buffers) each rank's stage uses.
   std::vector<std::int64_t> messages_per_step, bytes_per_step, weights_per_rank;
+  // Step caches: the threshold (negative: none) and the steps that reused cached blocks.
+  double cache_threshold = -1;
+  std::vector<int> reused_steps;
   std::string note;
   // Where a job's time goes around the loop, set by the pipeline (ms; negative: not measured):
   // the ranks' warm-up, the loop itself, set-up before it, the step reporter's finish after it

@@ -415,6 +415,26 @@ at::Tensor FluxTransformer2DModelImpl::forward(const at::Tensor& hidden_states, 
   return output(s);
 }
 
+at::Tensor FluxTransformer2DModelImpl::forward_cached(const at::Tensor& hidden_states,
+                                                      const at::Tensor& encoder_hidden_states,
+                                                      const at::Tensor& pooled_projections, const at::Tensor& timestep,
+                                                      const at::Tensor& guidance, const FluxRope& rope,
+                                                      FirstBlockCache& cache) {
+  auto s = embed(hidden_states, encoder_hidden_states, pooled_projections, timestep, guidance, rope);
+  const auto image = [](const FluxState& st) { return st.joined ? st.x.slice(1, st.text_tokens) : st.x; };
+  const auto before = image(s);
+  run_block(0, s);
+  const auto after_first = image(s);
+  const auto first = after_first - before;
+  cache.reused = cache.can_reuse(first);
+  if (cache.reused) return proj_out->forward(norm_out->forward(after_first + cache.rest_residual, s.temb));
+  for (size_t i = 1; i < num_blocks(); ++i) run_block(i, s);
+  const auto out = image(s);
+  cache.first_residual = first;
+  cache.rest_residual = out - after_first;
+  return proj_out->forward(norm_out->forward(out, s.temb));
+}
+
 FluxTransformer2DModel load_flux_transformer(const std::filesystem::path& dir, const std::string& variant) {
   const auto config = FluxTransformer2DConfig::from_json(dir / "config.json");
   const auto weights = io::require_weights(dir, variant);

@@ -17,6 +17,7 @@
 
 #include "core/io/single_file.h"
 #include "core/models/common/attention.h"
+#include "core/models/common/block_cache.h"
 #include "core/models/common/embeddings.h"
 #include "core/models/common/fused_linears.h"
 #include "core/models/common/layers.h"
@@ -170,6 +171,12 @@ class FluxTransformer2DModelImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
                      const at::Tensor& pooled_projections, const at::Tensor& timestep, const at::Tensor& guidance,
                      const FluxRope& rope, const SequenceShard* shard = nullptr);
+  // forward() with a First-Block Cache (block_cache.h): the first block always, the others only
+  // when `cache` says the first block's residual moved enough since they last ran (cache.reused
+  // says which); the cache keeps the image stream's residuals.
+  at::Tensor forward_cached(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
+                            const at::Tensor& pooled_projections, const at::Tensor& timestep, const at::Tensor& guidance,
+                            const FluxRope& rope, FirstBlockCache& cache);
   // The rope of txt_ids [S, 3] and img_ids [N, 3], as forward() takes it.
   FluxRope rope(const at::Tensor& txt_ids, const at::Tensor& img_ids) const;
   // forward in parts: embed, then blocks 0 .. num_blocks() - 1 (double, then single), then the output.

@@ -453,6 +453,26 @@ at::Tensor SD3Transformer2DModelImpl::forward(const at::Tensor& hidden_states, c
   return unpatchify_output(s);
 }
 
+at::Tensor SD3Transformer2DModelImpl::forward_cached(const at::Tensor& hidden_states,
+                                                     const at::Tensor& encoder_hidden_states,
+                                                     const at::Tensor& pooled_projections, const at::Tensor& timestep,
+                                                     FirstBlockCache& cache) {
+  auto s = embed(hidden_states, encoder_hidden_states, pooled_projections, timestep);
+  const auto before = s.x;
+  run_block(0, s);
+  const auto after_first = s.x;
+  const auto first = after_first - before;
+  cache.reused = cache.can_reuse(first);
+  if (cache.reused) {
+    s.x = after_first + cache.rest_residual;
+    return unpatchify_output(s);
+  }
+  for (size_t i = 1; i < transformer_blocks->size(); ++i) run_block(i, s);
+  cache.first_residual = first;
+  cache.rest_residual = s.x - after_first;
+  return unpatchify_output(s);
+}
+
 SD3Transformer2DModel load_sd3_transformer(const std::filesystem::path& dir, const std::string& variant) {
   const auto config = SD3Transformer2DConfig::from_json(dir / "config.json");
   const auto weights = io::require_weights(dir, variant);

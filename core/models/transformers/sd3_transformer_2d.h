@@ -15,6 +15,7 @@
 #include "core/models/common/embeddings.h"
 #include "core/models/common/layers.h"
 #include "core/models/common/normalization.h"
+#include "core/models/common/block_cache.h"
 #include "core/models/common/sequence_parallel.h"
 
 namespace diffract::models {
@@ -166,6 +167,10 @@ class SD3Transformer2DModelImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
                      const at::Tensor& pooled_projections, const at::Tensor& timestep,
                      const SequenceShard* shard = nullptr);
+  // forward() with a First-Block Cache (block_cache.h): the first joint block always, the others
+  // only when `cache` says its image residual moved enough since they last ran.
+  at::Tensor forward_cached(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
+                            const at::Tensor& pooled_projections, const at::Tensor& timestep, FirstBlockCache& cache);
   // forward in three parts, for strategies that run blocks separately:
   SD3State embed(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
                  const at::Tensor& pooled_projections, const at::Tensor& timestep);
