@@ -255,6 +255,15 @@ class TestMainWindow : public QObject {
     model->setText(folder("guidance/sdxl", "StableDiffusionXLPipeline"));
     QVERIFY(!guidance->isEnabled());
     QVERIFY(!t5->isEnabled());
+    // The First-Block Cache's threshold shows with its strategy and goes into the request.
+    auto* strategy = child<QComboBox>(w, "strategyCombo");
+    auto* threshold = child<QDoubleSpinBox>(w, "cacheThresholdSpin");
+    strategy->setCurrentIndex(strategy->findData(QStringLiteral("fbcache")));
+    QVERIFY(!threshold->isHidden());
+    threshold->setValue(0.2);
+    QCOMPARE(w.requestFromFields().strategy.cache_threshold, 0.2);
+    strategy->setCurrentIndex(0);
+    QVERIFY(threshold->isHidden());
     QVERIFY(guidance->toolTip().contains("Flux.1-dev"));
   }
 

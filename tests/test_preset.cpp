@@ -67,6 +67,11 @@ class TestPreset : public QObject {
     QCOMPARE(q.strategy, p.strategy);
     QCOMPARE(q.skip, 3);
     QCOMPARE(q.devices, 1);
+    // fbcache's threshold, written for it only.
+    p.strategy = "fbcache";
+    p.cache_threshold = 0.2;
+    engine::save_preset(p, file);
+    QCOMPARE(engine::load_preset(file).cache_threshold, 0.2);
     QCOMPARE(engine::preset_file_name(p.name), std::string("round-trip.json"));
     QCOMPARE(engine::preset_file_name("  Hero   Banner 16:9 "), std::string("hero-banner-16-9.json"));
     QCOMPARE(engine::preset_file_name("!!!"), std::string("preset.json"));
@@ -209,6 +214,9 @@ class TestPreset : public QObject {
     QTest::newRow("one side zero") << edit("512", "0") << "field 'width' is 0 but the other side is not";
     QTest::newRow("zero steps") << edit("20", "0") << "field 'steps' is 0";
     QTest::newRow("cfg too high") << edit("5.5", "99") << "field 'cfg' is 99";
+    QTest::newRow("cache threshold negative")
+        << edit("\"strategy\": \"single\"", "\"strategy\": \"fbcache\", \"cache_threshold\": -1")
+        << "cache threshold";
     QTest::newRow("guidance negative") << edit("\"cfg\": 5.5", "\"cfg\": 5.5, \"guidance\": -1") << "field 'guidance' is -1";
     QTest::newRow("guidance text") << edit("\"cfg\": 5.5", "\"cfg\": 5.5, \"guidance\": \"3\"")
                                    << "field 'guidance' must be a number";

@@ -295,12 +295,24 @@ SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
   m_patches->setPrefix(tr("patches "));
   m_patches->setToolTip(tr("PipeFusion: the latent's row patches streaming through the stages, at least one per "
                            "stage; auto: one per stage"));
+  m_cacheThreshold = new QDoubleSpinBox;
+  m_cacheThreshold->setObjectName(QStringLiteral("cacheThresholdSpin"));
+  m_cacheThreshold->setRange(0, 10);
+  m_cacheThreshold->setSingleStep(0.02);
+  m_cacheThreshold->setDecimals(2);
+  m_cacheThreshold->setValue(job::StrategyParams{}.cache_threshold);
+  m_cacheThreshold->setPrefix(tr("threshold "));
+  m_cacheThreshold->setToolTip(tr("First-Block Cache: the other blocks are reused while the first block's output "
+                                  "moved less than this since they last ran (higher: faster, further from the "
+                                  "plain loop; 0: never)"));
   strategyRow->addWidget(m_strategy, 1);
   strategyRow->addWidget(m_devices);
   strategyRow->addWidget(m_patches);
+  strategyRow->addWidget(m_cacheThreshold);
   fields->addRow(tr("Strategy"), strategyRow);
   const auto patchesApply = [this] {
     m_patches->setEnabled(strategyInfo().takes(parallel::Param::Patches));
+    m_cacheThreshold->setVisible(strategyInfo().takes(parallel::Param::CacheThreshold));
   };
   connect(m_strategy, &QComboBox::currentIndexChanged, this, patchesApply);
   patchesApply();
@@ -361,6 +373,7 @@ job::GenerationRequest SettingsPanel::request() const {
   r.preview_max_side = m_previewSize->currentData().toInt();
   r.strategy.name = m_strategy->currentData().toString().toStdString();
   r.strategy.patches = m_patches->isEnabled() ? m_patches->value() : 0;
+  r.strategy.cache_threshold = m_cacheThreshold->value();
   if (m_hiresScale->value() > 1.0) {
     r.hires.scale = m_hiresScale->value();
     r.hires.strength = m_hiresStrength->value();
@@ -414,6 +427,7 @@ void SettingsPanel::loadSettings(const QSettings& s) {
   m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(s.value(QStringLiteral("strategy")).toString())));
   m_devices->setValue(s.value(QStringLiteral("devices"), 1).toInt());
   m_patches->setValue(s.value(QStringLiteral("patches"), 0).toInt());
+  m_cacheThreshold->setValue(s.value(QStringLiteral("cacheThreshold"), job::StrategyParams{}.cache_threshold).toDouble());
 }
 
 void SettingsPanel::saveSettings(QSettings& s) const {
@@ -434,6 +448,7 @@ void SettingsPanel::saveSettings(QSettings& s) const {
   s.setValue(QStringLiteral("strategy"), m_strategy->currentData().toString());
   s.setValue(QStringLiteral("devices"), m_devices->value());
   s.setValue(QStringLiteral("patches"), m_patches->value());
+  s.setValue(QStringLiteral("cacheThreshold"), m_cacheThreshold->value());
 }
 
 void SettingsPanel::applyPreset(const engine::Preset& p) {
@@ -446,6 +461,7 @@ void SettingsPanel::applyPreset(const engine::Preset& p) {
   m_sampler->setCurrentIndex(std::max(0, m_sampler->findData(QString::fromStdString(p.sampler))));
   m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(QString::fromStdString(p.strategy))));
   m_devices->setValue(strategyInfo().takes(parallel::Param::Skip) ? p.skip : p.devices);
+  m_cacheThreshold->setValue(p.cache_threshold);
 }
 
 namespace {
@@ -526,6 +542,7 @@ void SettingsPanel::restoreStrategy(const engine::PngParameters& p, QStringList&
   }
   if (strategyInfo().takes(parallel::Param::Skip) && p.skip) m_devices->setValue(*p.skip);
   else if (p.devices) m_devices->setValue(*p.devices);
+  if (p.cache_threshold) m_cacheThreshold->setValue(*p.cache_threshold);
 }
 
 }  // namespace diffract::ui

@@ -65,6 +65,7 @@ class SettingsPanel : public QWidget {
   QComboBox* strategy() const { return m_strategy; }
   QSpinBox* devices() const { return m_devices; }
   QSpinBox* patches() const { return m_patches; }
+  QDoubleSpinBox* cacheThreshold() const { return m_cacheThreshold; }  // shown for the step caches
   const parallel::StrategyInfo& strategyInfo() const;  // the registry entry chosen
   // The request the fields make: the prompt as typed (the window fills a preset's template with
   // it), the strategy without its devices (the window's device choice gives them).
@@ -120,6 +121,7 @@ class SettingsPanel : public QWidget {
   QComboBox* m_strategy = nullptr;
   QSpinBox* m_devices = nullptr;
   QSpinBox* m_patches = nullptr;
+  QDoubleSpinBox* m_cacheThreshold = nullptr;
   QDoubleSpinBox* m_hiresScale = nullptr;
   QDoubleSpinBox* m_hiresStrength = nullptr;
   QComboBox* m_hiresUpscaler = nullptr;  // pipefusion / cfg-pipefusion: latent row patches (0: one per stage)

@@ -77,6 +77,7 @@ PngParameters from_diffract(const std::string& text, const std::string& where) {
     else if (key == "skip") int_to(p.skip);
     else if (key == "cfg") v.is_number() ? void(p.cfg = v.get<double>()) : bad();
     else if (key == "guidance") v.is_number() ? void(p.guidance = v.get<double>()) : bad();
+    else if (key == "cache_threshold") v.is_number() ? void(p.cache_threshold = v.get<double>()) : bad();
     else if (key == "input" && v.is_object()) {
       // The image inputs: their files (written beside the PNG by the GUI) and strength.
       if (v.contains("strength") && v["strength"].is_number()) p.strength = v["strength"].get<double>();

@@ -24,7 +24,8 @@ namespace {
 
 const std::set<std::string> kKeys = {"name",    "description", "prompt_template", "negative_prompt", "width",
                                      "height",  "steps",       "sampler",         "cfg",             "strategy",
-                                     "guidance", "devices", "skip",        "loras",           "controlnets"};
+                                     "guidance", "devices", "skip",        "cache_threshold", "loras",
+                                     "controlnets"};
 
 std::string field(const std::string& where, const std::string& key) { return where + ": field '" + key + "'"; }
 
@@ -116,7 +117,9 @@ void validate_preset(const Preset& p, const std::string& where) {
                   " must satisfy 0 <= start < end <= 1");
   }
   try {
-    parallel::make_strategy(job::StrategyParams{p.strategy, p.devices, p.skip, 0});
+    job::StrategyParams sp{p.strategy, p.devices, p.skip, 0};
+    sp.cache_threshold = p.cache_threshold;
+    parallel::make_strategy(sp);
   } catch (const Error& e) {
     throw Error(field(where, "strategy") + ": " + e.what());
   }
@@ -151,6 +154,7 @@ Preset parse_preset(const std::string& json_text, const std::string& where) {
   } else {
     p.skip = int_field(j, where, "skip", false, 2);
   }
+  p.cache_threshold = number_field(j, where, "cache_threshold", false, job::StrategyParams{}.cache_threshold);
   const auto list = [&](const char* key) {
     if (!j.contains(key)) return json::array();
     if (!j[key].is_array()) throw Error(field(where, key) + " must be a list, not " + io::json_brief(j[key]));
@@ -207,6 +211,8 @@ std::string preset_to_json(const Preset& p) {
             {"devices", p.devices}};
   if (const auto* info = parallel::find_strategy(p.strategy); info && info->takes(parallel::Param::Skip))
     j["skip"] = p.skip;
+  if (const auto* info = parallel::find_strategy(p.strategy); info && info->takes(parallel::Param::CacheThreshold))
+    j["cache_threshold"] = p.cache_threshold;
   if (!p.description.empty()) j["description"] = p.description;
   for (const auto& l : p.loras)
     j["loras"].push_back({{"name", l.name}, {"weight", l.weight}, {"text_encoder_weight", l.text_encoder_weight}});
@@ -267,6 +273,7 @@ void apply_preset(const Preset& preset, const std::string& subject, job::Generat
   request.strategy.name = preset.strategy;
   request.strategy.devices = preset.devices;
   request.strategy.skip = preset.skip;
+  request.strategy.cache_threshold = preset.cache_threshold;
   for (const auto& l : preset.loras) {
     job::LoraRef ref;
     ref.name = l.name;
@@ -295,6 +302,7 @@ Preset preset_from_request(const std::string& name, const std::string& prompt_te
   } else {
     p.devices = request.strategy.devices;
   }
+  p.cache_threshold = request.strategy.cache_threshold;
   for (const auto& l : request.loras) {
     Preset::Lora e;
     e.name = l.name.empty() ? fs::path(l.path).stem().string() : l.name;
