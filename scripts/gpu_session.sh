@@ -24,6 +24,8 @@
 #           (SD3_STRATEGIES; empty skips it) against our one GPU in the same run.
 #   wide    four or eight GPUs: the link map, the checks over all GPUs, then the SDXL strategies
 #           (WIDE_STRATEGIES), a batch of 8 data-parallel, SD3's strategies and SDXL 2048².
+#   solo    one GPU: diffract-bench's plain job and each one-device strategy of SOLO_STRATEGIES
+#           (default fbcache) on each config of SOLO_CONFIGS (default flux-1024,sd3-1024), in one run.
 #   tree    one GPU: another tree's diffract-bench (TREE, default .ab/old: an older commit's
 #           sources, `git archive COMMIT CMakeLists.txt CMakePresets.json cmake core app tests/gpu
 #           presets packaging`) against this tree's, taking turns on the same GPU (TREE_CONFIGS,
@@ -182,6 +184,13 @@ lean)
     > "$logs/bench_single.json" 2> "$logs/bench_single.log"
   echo "single-GPU bench rc $? at $(elapsed) s"
   ratios
+  ;;
+
+solo)
+  export CUDA_VISIBLE_DEVICES=0
+  for c in $(echo "${SOLO_CONFIGS:-flux-1024,sd3-1024}" | tr ',' ' '); do
+    strategy_bench "solo_$c" "$c" 1 "${SOLO_STRATEGIES:-fbcache}"
+  done
   ;;
 
 lora)

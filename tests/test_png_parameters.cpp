@@ -40,7 +40,8 @@ class TestPngParameters : public QObject {
                                  {"width", 1024}, {"height", 768}, {"steps", 25}, {"cfg", 6.5},
                                  {"seed", 18446744073709551615ull}, {"sampler", "dpmpp-2m-karras"},
                                  {"device", "cuda:0"}, {"batch", 2}, {"taesd", ""}, {"strategy_name", "single"},
-                                 {"devices", 1}, {"timings_ms", {{"total", 12.5}}}, {"lora", "x"}};
+                                 {"devices", 1}, {"timings_ms", {{"total", 12.5}}}, {"lora", "x"},
+                                 {"guidance", 2.5}, {"cache_threshold", 0.2}};
     io::Image img{16, 8, std::vector<std::uint8_t>(16 * 8 * 3, 90)};
     const fs::path path = m_tmp.filePath("ours.png").toStdString();
     io::write_png(path, img, {{"parameters", "a red apple\nSteps: 3, Sampler: Euler, CFG scale: 1, Seed: 1"},
@@ -53,6 +54,8 @@ class TestPngParameters : public QObject {
     QCOMPARE(*p.height, 768);
     QCOMPARE(*p.steps, 25);
     QCOMPARE(*p.cfg, 6.5);
+    QCOMPARE(*p.guidance, 2.5);
+    QCOMPARE(*p.cache_threshold, 0.2);
     QCOMPARE(*p.seed, std::uint64_t(18446744073709551615ull));
     QCOMPARE(*p.sampler, std::string("dpmpp-2m-karras"));
     QCOMPARE(*p.model, std::string("/models/sdxl"));
