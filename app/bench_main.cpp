@@ -98,6 +98,7 @@ struct StrategySpec {
   std::string name;
   int n = 2;
   options::Overrides options;
+  std::optional<double> threshold;  // @threshold=X: the step caches' threshold (fbcache)
 };
 
 StrategySpec parse_strategy(const std::string& spec) {
@@ -109,7 +110,15 @@ StrategySpec parse_strategy(const std::string& spec) {
     const auto eq = setting.find('=');
     if (eq == std::string::npos || eq == 0)
       throw Error("strategy '" + spec + "': '" + setting + "' is not VAR=VALUE (expected NAME[:N][@VAR=VALUE...])");
-    s.options[setting.substr(0, eq)] = setting.substr(eq + 1);
+    if (setting.substr(0, eq) == "threshold") {
+      try {
+        s.threshold = std::stod(setting.substr(eq + 1));
+      } catch (const std::exception&) {
+        throw Error("strategy '" + spec + "': threshold '" + setting.substr(eq + 1) + "' is not a number");
+      }
+    } else {
+      s.options[setting.substr(0, eq)] = setting.substr(eq + 1);
+    }
     at = next;
   }
   try {
@@ -416,6 +425,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
     if (parallel::strategy_info(name).takes(parallel::Param::Skip)) sreq.strategy.skip = n;
     else sreq.strategy.devices = n;
     sreq.options = sp.options;
+    if (sp.threshold) sreq.strategy.cache_threshold = *sp.threshold;
     sd->generate(sreq, {}, never);  // replicas, communicators, graphs on the other devices
     std::vector<double> se2e, sden;
     job::GenerationResult sres;
@@ -561,7 +571,8 @@ int main(int argc, char** argv) {
   app.add_option("--runs", runs, "timed runs after the warm-up")->capture_default_str();
   app.add_option("--strategies", strategies,
                  "also run each strategy (NAME[:N][@VAR=VALUE...], e.g. cfg-parallel,driffusion-aggressive:2, "
-                 "driffusion-aggressive:2@DIFFRACT_DRIFFUSION_PAIRS=0, with the job-scope options diffract-cli info lists) "
+                 "driffusion-aggressive:2@DIFFRACT_DRIFFUSION_PAIRS=0, with the job-scope options diffract-cli info lists, "
+                 "fbcache@threshold=0.3 for a step cache's threshold) "
                  "and compare it with the single-device result: "
                  "speed-up, PSNR, SSIM, latent rel-L2")
       ->delimiter(',');
