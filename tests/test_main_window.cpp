@@ -963,6 +963,29 @@ class TestMainWindow : public QObject {
     QVERIFY(w.results().back().parameters.contains("Hires upscale: 2"));
   }
 
+  // A step cache's reused steps are marked in the chart, live and once the job is done.
+  void stepCacheShowsInTheChart() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    setUpJob(w, 3, QString::fromStdString((test::fixtures() / "sd3_pipeline" / "tiny-sd3").string()));
+    child<QSpinBox>(w, "widthSpin")->setValue(32);
+    child<QSpinBox>(w, "heightSpin")->setValue(32);
+    child<QPlainTextEdit>(w, "promptEdit")->setPlainText("a red apple");
+    auto* strategy = child<QComboBox>(w, "strategyCombo");
+    strategy->setCurrentIndex(strategy->findData(QStringLiteral("fbcache")));
+    child<QDoubleSpinBox>(w, "cacheThresholdSpin")->setValue(10);  // every step after the first
+    QSignalSpy steps(w.bridge(), &EngineBridge::stepDone);
+    runJob(w);
+    QCOMPARE(steps.count(), 3);
+    QCOMPARE(steps[0][4].toBool(), false);
+    QCOMPARE(steps[2][4].toBool(), true);
+    auto* chart = child<ui::TimingsChart>(w, "timingsChart");
+    QCOMPARE(chart->cachedCount(), 2);
+    QVERIFY2(chart->rows().join('\n').contains("2 from the cache"), qPrintable(chart->rows().join('\n')));
+    strategy->setCurrentIndex(0);
+  }
+
   void generateStaysInSightAndTheWheelScrollsPastFields() {
     MainWindow w;
     w.resize(1280, 720);

@@ -59,6 +59,7 @@ JobTimings toJobTimings(const job::StageTimings& t) {
   j.tokenizeMs = t.tokenize_ms;
   j.textEncodeMs = t.text_encode_ms;
   j.stepMs = QVector<double>(t.step_ms.begin(), t.step_ms.end());
+  j.cachedSteps = QVector<int>(t.cached_steps.begin(), t.cached_steps.end());
   j.previewMs = QVector<double>(t.preview_ms.begin(), t.preview_ms.end());
   j.vaeDecodeMs = t.vae_decode_ms;
   j.totalMs = t.total_ms;
@@ -104,7 +105,7 @@ quint64 EngineBridge::start(const job::GenerationRequest& request) {
   o.on_step = [this, id](const job::StepEvent& e) {
     QMetaObject::invokeMethod(
         this, [this, id, e] {
-          if (isCurrent(id)) emit stepDone(e.index, e.total, e.timestep, e.step_ms);
+          if (isCurrent(id)) emit stepDone(e.index, e.total, e.timestep, e.step_ms, e.cached);
         },
         Qt::QueuedConnection);
   };

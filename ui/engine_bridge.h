@@ -22,6 +22,7 @@ struct JobTimings {
   double tokenizeMs = 0;
   double textEncodeMs = 0;
   QVector<double> stepMs;
+  QVector<int> cachedSteps;  // indices into stepMs a step cache served
   QVector<double> previewMs;
   double vaeDecodeMs = 0;
   double totalMs = 0;
@@ -58,7 +59,7 @@ class EngineBridge : public QObject {
  signals:
   void started(quint64 job);
   void stageTimed(const QString& stage, double ms);
-  void stepDone(int index, int total, double timestep, double ms);
+  void stepDone(int index, int total, double timestep, double ms, bool cached);
   void previewReady(int index, const QImage& image, double decodeMs);
   void finished(const QList<QImage>& images, const QString& metadataJson, const QString& parameters,
                 const diffract::ui::JobTimings& timings);

@@ -441,8 +441,8 @@ void MainWindow::cancel() {
   m_status->setText(tr("Cancelling…"));
 }
 
-void MainWindow::onStep(int index, int total, double, double ms) {
-  m_timings->setStep(index, total, ms);
+void MainWindow::onStep(int index, int total, double, double ms, bool cached) {
+  m_timings->setStep(index, total, ms, cached);
   ++m_stepsSeen;
   m_stepMsSum += ms;
   const double perStep = m_stepMsSum / m_stepsSeen;

@@ -132,7 +132,7 @@ class MainWindow : public QMainWindow {
   void showError(const QString& message);
   void reloadPresets(const QString& select = QString());
   void applyRestored(const engine::PngParameters& p, const QString& file);
-  void onStep(int index, int total, double timestep, double ms);
+  void onStep(int index, int total, double timestep, double ms, bool cached);
   void onFinished(const QList<QImage>& images, const QString& metadataJson, const QString& parameters,
                   const JobTimings& timings);
 

@@ -23,16 +23,21 @@ TimingsChart::TimingsChart(QWidget* parent) : QWidget(parent) {
 
 void TimingsChart::reset(int totalSteps) {
   m_steps = QVector<double>(std::max(0, totalSteps), -1.0);
+  m_cached = QVector<bool>(m_steps.size(), false);
   m_textEncodeMs = m_vaeDecodeMs = m_totalMs = m_loadMs = -1;
   m_previewMs = 0;
   m_previews = 0;
   update();
 }
 
-void TimingsChart::setStep(int index, int total, double ms) {
+void TimingsChart::setStep(int index, int total, double ms, bool cached) {
   // The job's own count wins over the request's steps (image-to-image runs fewer, the hires fix more).
   if (total != m_steps.size()) m_steps.resize(std::max(0, total), -1.0);
-  if (index >= 0 && index < m_steps.size()) m_steps[index] = ms;
+  m_cached.resize(m_steps.size(), false);
+  if (index >= 0 && index < m_steps.size()) {
+    m_steps[index] = ms;
+    m_cached[index] = cached;
+  }
   update();
 }
 
@@ -53,6 +58,9 @@ void TimingsChart::addPreviewDecode(double ms) {
 
 void TimingsChart::setTimings(const JobTimings& t) {
   m_steps = t.stepMs;
+  m_cached = QVector<bool>(m_steps.size(), false);
+  for (int i : t.cachedSteps)
+    if (i >= 0 && i < m_cached.size()) m_cached[i] = true;
   m_textEncodeMs = t.textEncodeMs;
   m_previewMs = 0;
   for (double ms : t.previewMs) m_previewMs += ms;
@@ -74,7 +82,8 @@ QStringList TimingsChart::rows() const {
   QStringList r;
   if (m_loadMs > 0) r << QStringLiteral("model load: %1").arg(formatMs(m_loadMs));
   r << QStringLiteral("text encode: %1").arg(formatMs(m_textEncodeMs));
-  r << QStringLiteral("steps: %1 (%2/%3)").arg(formatMs(barCount() ? stepSum : -1)).arg(barCount()).arg(m_steps.size());
+  r << QStringLiteral("steps: %1 (%2/%3)").arg(formatMs(barCount() ? stepSum : -1)).arg(barCount()).arg(m_steps.size()) +
+           (cachedCount() ? QStringLiteral(", %1 from the cache").arg(cachedCount()) : QString());
   r << QStringLiteral("preview decode: %1 (%2)").arg(formatMs(m_previews ? m_previewMs : -1)).arg(m_previews);
   r << QStringLiteral("VAE decode: %1").arg(formatMs(m_vaeDecodeMs));
   r << QStringLiteral("total: %1").arg(formatMs(m_totalMs));
@@ -99,7 +108,8 @@ void TimingsChart::paintEvent(QPaintEvent*) {
       const QRectF cell(chart.left() + i * slot, chart.top(), std::max(1.0, slot - gap), chart.height());
       if (m_steps[i] < 0) continue;
       const double h = std::max(1.0, chart.height() * m_steps[i] / maxMs);
-      p.fillRect(QRectF(cell.left(), cell.bottom() - h, cell.width(), h), bar);
+      const bool cached = i < m_cached.size() && m_cached[i];
+      p.fillRect(QRectF(cell.left(), cell.bottom() - h, cell.width(), h), cached ? palette().mid().color() : bar);
     }
     p.setPen(palette().mid().color());
     p.drawLine(chart.bottomLeft(), chart.bottomRight());

@@ -15,7 +15,8 @@ class TimingsChart : public QWidget {
   explicit TimingsChart(QWidget* parent = nullptr);
 
   void reset(int totalSteps);                  // a new job: empty bars, no stage times
-  void setStep(int index, int total, double ms);
+  // `cached`: a step cache reused most of the model (drawn in the palette's mid tone, counted).
+  void setStep(int index, int total, double ms, bool cached = false);
   void setStage(const QString& stage, double ms);  // core stage names: text_encode, vae_decode, total, ...
   void addPreviewDecode(double ms);
   void setTimings(const JobTimings& timings);  // a finished job's (or a kept image's) timings
@@ -23,6 +24,7 @@ class TimingsChart : public QWidget {
   int barCount() const;                        // steps with a time so far
   int totalSteps() const { return m_steps.size(); }
   const QVector<double>& stepMs() const { return m_steps; }
+  int cachedCount() const { return static_cast<int>(m_cached.count(true)); }
   QStringList rows() const;                    // the text rows as shown
 
   QSize sizeHint() const override { return {320, 180}; }
@@ -33,6 +35,7 @@ class TimingsChart : public QWidget {
 
  private:
   QVector<double> m_steps;  // < 0: not run yet
+  QVector<bool> m_cached;   // per step: reused cached blocks
   double m_textEncodeMs = -1;
   double m_previewMs = 0;
   int m_previews = 0;

@@ -15,6 +15,7 @@ struct StageTimings {
   double tokenize_ms = 0;
   double text_encode_ms = 0;
   std::vector<double> step_ms;   // each denoising step
+  std::vector<int> cached_steps; // the steps (indices into step_ms) a step cache served
   std::vector<double> preview_ms;  // each preview decode (device time on its own stream)
   int previews_dropped = 0;      // skipped because the previous preview was still decoding
   double vae_encode_ms = 0;      // image inputs' VAE encodes (their enqueueing on a GPU)
@@ -27,6 +28,7 @@ struct StepEvent {
   int total = 0;
   double timestep = 0;
   double step_ms = 0;
+  bool cached = false;           // a step cache (fbcache) reused most of the model this step
 };
 
 struct PreviewEvent {

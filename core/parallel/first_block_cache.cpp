@@ -31,8 +31,12 @@ LoopOutput FirstBlockCaching::run(DeviceGroup& g, const LoopInputs& in) const {
       const auto out = k.den->eval_block_cached(k.sampler->scale_model_input(k.x, i),
                                                 k.sampler->timesteps().at(static_cast<std::size_t>(i)), Branch::Guided,
                                                 cache);
-      if (cache.reused) reused.push_back(i);
-      else ++evals;
+      if (cache.reused) {
+        reused.push_back(i);
+        if (in.on_cached) in.on_cached(i);
+      } else {
+        ++evals;
+      }
       k.x = refine(k, rank, in, out, i, k.x);
     }
     result = k.x;

@@ -33,6 +33,8 @@ struct LoopInputs {
   // On rank 0's thread after each refined step i: the output it used, the state before, after.
   std::function<void(int step, const at::Tensor& model_output, const at::Tensor& before, const at::Tensor& after)> on_step;
   const job::CancelToken* cancel = nullptr;
+  // On rank 0's thread before on_step of a step whose model evaluation reused cached blocks.
+  std::function<void(int step)> on_cached;
   // Image inputs (strategies whose registry entry takes them): the loop starts at `first_step`;
   // with a blend mask, after each step the latents outside it become the image's latents noised
   // to the next step's level (4-channel inpainting, as pipeline::detail::LoopImage).

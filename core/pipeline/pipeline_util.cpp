@@ -155,9 +155,11 @@ void StepReporter::drain() {
   while (auto d = previews_.poll()) previews.push_back(std::move(*d));
   for (double ms : clock_.finished()) {
     const int i = reported_++;
+    const bool cached = cached_.count(i + first_) > 0;
+    if (cached) timings_.cached_steps.push_back(static_cast<int>(timings_.step_ms.size()));
     timings_.step_ms.push_back(ms);
     if (observer_.on_step)
-      observer_.on_step({i + offset_, total_, sampler_.timesteps()[static_cast<std::size_t>(i + first_)], ms});
+      observer_.on_step({i + offset_, total_, sampler_.timesteps()[static_cast<std::size_t>(i + first_)], ms, cached});
   }
   for (const auto& d : previews) deliver(d);
 }
@@ -276,6 +278,7 @@ at::Tensor run_strategy_loop(const parallel::Strategy& strategy, parallel::Devic
   in.on_step = [&](int i, const at::Tensor& out, const at::Tensor& before, const at::Tensor&) {
     reporter.stepped(i, out, before);  // on rank 0's thread
   };
+  in.on_cached = [&](int i) { reporter.cached(i); };
   for (int r = 0; r < group.size(); ++r) reset_peak_memory(group.device(r));
   const auto t1 = Clock::now();
   auto out = strategy.run(group, in);

@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -112,6 +113,7 @@ class StepReporter {
 
   // After step i's work is enqueued: its model output and the state it started from.
   void stepped(int i, const at::Tensor& out, const at::Tensor& before);
+  void cached(int i) { cached_.insert(i); }  // step i's evaluation reused cached blocks (before stepped)
   void finish();
 
  private:
@@ -128,6 +130,7 @@ class StepReporter {
   StepClock clock_;
   SideStreamTask previews_;
   int reported_ = 0;
+  std::set<int> cached_;
 };
 
 // Where an image-conditioned loop starts, and what 4-channel inpainting keeps outside its mask.
