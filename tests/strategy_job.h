@@ -1,9 +1,11 @@
 #pragma once
 // A pipeline job under a multi-device strategy (test_sd3_pipeline, test_cfg_pipefusion): the
 // request with the strategy, device count, batch and patches set, run through the pipeline,
-// and its metadata checked to name that strategy.
+// and its metadata checked to name that strategy; and the step caches' checks the transformer
+// families share.
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -12,6 +14,7 @@
 #include "core/parallel/registry.h"
 #include "core/pipeline/pipeline.h"
 #include "core/util/error.h"
+#include "test_util.h"
 
 namespace diffract::test {
 
@@ -37,6 +40,35 @@ inline std::pair<at::Tensor, nlohmann::json> strategy_job(pipeline::Pipeline& pi
       meta["strategy"]["strategy"].get<std::string>() != name)
     throw Error("metadata names the wrong strategy: " + result.metadata_json);
   return {latents_tensor(result), meta["strategy"]};
+}
+
+// The First-Block Cache on `r` (a job of `steps` steps whose plain loop gave `base`): threshold 0
+// is the plain loop; above any change every step after the first reuses the other blocks; in
+// between, the same decisions every run; a negative threshold is refused.
+inline void check_first_block_cache(pipeline::Pipeline& pipe, job::GenerationRequest r, const at::Tensor& base,
+                                    int steps) {
+  const auto rel = [&](const at::Tensor& a) { return ((a - base).norm() / base.norm()).item<double>(); };
+  r.strategy.cache_threshold = 0;
+  const auto [exact, exact_stats] = strategy_job(pipe, r, "fbcache", 1, 1, 0, {});
+  DIFFRACT_COMPARE_TENSORS(exact, base, 1e-6);
+  QVERIFY(exact_stats["reused_steps"].empty());
+  QCOMPARE(exact_stats["evaluations"].get<int>(), steps);
+  r.strategy.cache_threshold = 10;
+  const auto [reuse, reuse_stats] = strategy_job(pipe, r, "fbcache", 1, 1, 0, {});
+  std::vector<int> after_first;
+  for (int i = 1; i < steps; ++i) after_first.push_back(i);
+  QCOMPARE(reuse_stats["reused_steps"].get<std::vector<int>>(), after_first);
+  QCOMPARE(reuse_stats["evaluations"].get<int>(), 1);
+  QVERIFY(at::isfinite(reuse).all().item<bool>() && rel(reuse) > 0);
+  qInfo("fbcache threshold 10: relative L2 to one device %.3g", rel(reuse));
+  r.strategy.cache_threshold = 0.5;
+  const auto [mid, mid_stats] = strategy_job(pipe, r, "fbcache", 1, 1, 0, {});
+  const auto [again, again_stats] = strategy_job(pipe, r, "fbcache", 1, 1, 0, {});
+  QVERIFY(at::equal(mid, again));
+  QCOMPARE(mid_stats["reused_steps"], again_stats["reused_steps"]);
+  qInfo("fbcache threshold 0.5: reused %s, relative L2 %.3g", mid_stats["reused_steps"].dump().c_str(), rel(mid));
+  r.strategy.cache_threshold = -1;
+  DIFFRACT_EXPECT_ERROR(strategy_job(pipe, r, "fbcache", 1, 1, 0, {}), "cache threshold");
 }
 
 }  // namespace diffract::test

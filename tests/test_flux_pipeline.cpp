@@ -190,32 +190,7 @@ class TestFluxPipeline : public QObject {
     const auto base2 = test::latents_tensor(dev_->generate(batch2, {}, never));
     DIFFRACT_COMPARE_TENSORS(run("data-parallel", 2, 2).first, base2, 1e-4);
     QVERIFY(rel(run("step-skip", 2).first) > 0);
-    // First-Block Cache: threshold 0 is the plain loop; above any change every step after the first
-    // reuses the other blocks; in between, the same decisions every run.
-    {
-      auto cached = r;
-      cached.strategy.cache_threshold = 0;
-      const auto [exact, exact_stats] = test::strategy_job(*dev_, cached, "fbcache", 1, 1, 0, {});
-      DIFFRACT_COMPARE_TENSORS(exact, base, 1e-6);
-      QVERIFY(exact_stats["reused_steps"].empty());
-      QCOMPARE(exact_stats["evaluations"].get<int>(), 3);
-      cached.strategy.cache_threshold = 10;
-      const auto [reuse, reuse_stats] = test::strategy_job(*dev_, cached, "fbcache", 1, 1, 0, {});
-      std::vector<int> after_first;
-      for (int i = 1; i < 3; ++i) after_first.push_back(i);
-      QCOMPARE(reuse_stats["reused_steps"].get<std::vector<int>>(), after_first);
-      QCOMPARE(reuse_stats["evaluations"].get<int>(), 1);
-      QVERIFY(at::isfinite(reuse).all().item<bool>() && rel(reuse) > 0);
-      qInfo("fbcache threshold 10: relative L2 to one device %.3g", rel(reuse));
-      cached.strategy.cache_threshold = 0.5;
-      const auto [mid, mid_stats] = test::strategy_job(*dev_, cached, "fbcache", 1, 1, 0, {});
-      const auto [again, again_stats] = test::strategy_job(*dev_, cached, "fbcache", 1, 1, 0, {});
-      QVERIFY(at::equal(mid, again));
-      QCOMPARE(mid_stats["reused_steps"], again_stats["reused_steps"]);
-      qInfo("fbcache threshold 0.5: reused %s, relative L2 %.3g", mid_stats["reused_steps"].dump().c_str(), rel(mid));
-      cached.strategy.cache_threshold = -1;
-      DIFFRACT_EXPECT_ERROR(test::strategy_job(*dev_, cached, "fbcache", 1, 1, 0, {}), "cache threshold");
-    }
+    test::check_first_block_cache(*dev_, r, base, 3);
     // Ulysses: every device a share of the image tokens, the same job up to rounding, CFG batched.
     const auto [sp, sp_strategy] = run("sequence-parallel", 2);
     DIFFRACT_COMPARE_TENSORS(sp, base, 1e-4);
