@@ -152,6 +152,13 @@ class TestFluxSingleFile : public QObject {
     QCOMPARE(dev.variant, std::string("FLUX.1-dev"));
     QVERIFY(dev.fp8);  // the float8 flags above
     QCOMPARE(io::detect_flux_single_file(flux1(false), "schnell").variant, std::string("FLUX.1-schnell"));
+    // Hostile shapes: named errors, never an arithmetic overflow or an out-of-range read.
+    auto huge = flux1(true);
+    huge[0].shape = {int64_t(1) << 62, 64};
+    DIFFRACT_EXPECT_ERROR(io::detect_flux_single_file(huge, "h"), "not a transformer's input projection");
+    auto flat_vae = flux1(true);
+    flat_vae.push_back({"vae.decoder.conv_in.weight", {512}});
+    DIFFRACT_EXPECT_ERROR(io::detect_flux_single_file(flat_vae, "v"), "vae.decoder.conv_in.weight", "not a convolution");
   }
 
   // --- weights -------------------------------------------------------------------------------------

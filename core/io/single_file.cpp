@@ -829,6 +829,8 @@ FluxSingleFileLayout detect_flux_single_file(const std::vector<TensorShape>& ten
   l.hidden_size = img_in[0];
   l.in_channels = img_in[1];
   const int64_t d = l.hidden_size;
+  if (d <= 0 || d > (int64_t(1) << 20) || l.in_channels <= 0 || l.in_channels > (int64_t(1) << 20))
+    throw Error(where + ": '" + p + "img_in.weight' is " + shape_str(img_in) + ", not a transformer's input projection");
   l.joint_attention_dim = shape("txt_in.weight", 2)[1];
   l.pooled_projection_dim = shape("vector_in.in_layer.weight", 2)[1];
   expect("txt_in.weight", {d, l.joint_attention_dim});
@@ -898,7 +900,10 @@ FluxSingleFileLayout detect_flux_single_file(const std::vector<TensorShape>& ten
   for (const std::string vae : {"vae.", "first_stage_model."})
     if (has(vae + "decoder.conv_in.weight")) {
       l.vae_prefix = vae;
-      const int64_t z = by_name.at(vae + "decoder.conv_in.weight")->shape.at(1);
+      const auto& conv_in = by_name.at(vae + "decoder.conv_in.weight")->shape;
+      if (conv_in.size() != 4)
+        throw Error(what + ": '" + vae + "decoder.conv_in.weight' is " + shape_str(conv_in) + ", not a convolution");
+      const int64_t z = conv_in[1];
       if (z * 4 != l.in_channels)
         throw Error(what + ": the VAE (" + vae + "*) has " + std::to_string(z) + " latent channels; the transformer takes " +
                     std::to_string(l.in_channels) + " (4 x the latent channels, packed 2x2)");
