@@ -3,9 +3,12 @@
 // scaled), and has already checked with diffusers' own conversions that each maps back to the
 // folder's tensors. Here: our loader binds the folder's tensors bit for bit (the float8 ones as the
 // script dequantised them), infers the configs, and generates what the folder generates.
+#include <QTemporaryDir>
+
 #include <ATen/ATen.h>
 
 #include "core/io/safetensors.h"
+#include "core/io/safetensors_writer.h"
 #include "core/io/single_file.h"
 #include "core/io/weights.h"
 #include "core/job/job.h"
@@ -215,6 +218,24 @@ class TestFluxSingleFile : public QObject {
     auto pipe = flux(file("tiny-flux-dev-" + n), folder("dev"));
     const auto r = pipe->generate(request(pipe->path()), {}, job::CancelToken{});
     QVERIFY(at::isfinite(test::latents_tensor(r)).all().item<bool>());
+  }
+
+  // A weight scale outside the transformer (an all-in-one file's scaled T5) is folded in too.
+  void scalesTheOtherComponents() {
+    QTemporaryDir tmp;
+    const fs::path out = fs::path(tmp.path().toStdString()) / "aio-scaled-t5.safetensors";
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const auto& [k, v] : io::load_state_dict(file("tiny-flux-dev-aio"))) tensors.emplace_back(k, v);
+    const std::string q = "text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.";
+    tensors.emplace_back(q + "scale_weight", at::tensor({2.0f}));
+    io::write_safetensors(out, tensors);
+    const auto m = pipeline::load_flux_single_file(out, with_config(dir() / "flux-configs"), at::kFloat);
+    QVERIFY(m.layout.fp8_scaled);
+    const auto folder_t5 = models::load_t5_encoder(folder("dev") / "text_encoder_2");
+    const auto ours = test::tensors_of(*m.text_encoder_2), theirs = test::tensors_of(*folder_t5);
+    const std::string key = "encoder.block.0.layer.0.SelfAttention.q.weight";
+    QVERIFY(ours.count(key));
+    QVERIFY(at::equal(ours.at(key), theirs.at(key) * 2));
   }
 
   // Scales in bf16 when the pipeline runs in bf16: computed in float32, rounded once.

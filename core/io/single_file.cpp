@@ -890,8 +890,7 @@ FluxSingleFileLayout detect_flux_single_file(const std::vector<TensorShape>& ten
     expect(k + "norm.query_norm.scale", {l.head_dim});
     expect(k + "norm.key_norm.scale", {l.head_dim});
   }
-  for (const auto& t : tensors) {
-    if (!starts_with(t.name, p)) continue;
+  for (const auto& t : tensors) {  // the whole file: an all-in-one's T5 may be scaled float8 too
     if (t.fp8) l.fp8 = true;
     if (flux_scale_key(t.name)) l.fp8_scaled = true;
   }

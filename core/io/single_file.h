@@ -167,7 +167,7 @@ struct FluxSingleFileLayout {
   int64_t in_channels = 0;   // packed latent channels (4 x the VAE's)
   int64_t joint_attention_dim = 0, pooled_projection_dim = 0;
   bool guidance = false;     // guidance_in: dev-style distilled guidance
-  bool fp8 = false;          // some tensors are float8
+  bool fp8 = false;          // some tensors of the file are float8 (any component)
   bool fp8_scaled = false;   // ... with scales beside them
   std::string variant;       // "FLUX.1-dev", "FLUX.1-schnell" or "FLUX-like" (other sizes)
 };

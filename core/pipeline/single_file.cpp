@@ -91,6 +91,14 @@ std::optional<fs::path> component_config(const SingleFileOptions& options, const
   return std::nullopt;
 }
 
+// config_dir's scheduler/scheduler_config.json, when there is one.
+std::optional<fs::path> scheduler_config(const SingleFileOptions& options) {
+  if (options.config_dir.empty()) return std::nullopt;
+  const auto p = options.config_dir / "scheduler" / "scheduler_config.json";
+  if (fs::exists(p)) return p;
+  return std::nullopt;
+}
+
 // A whole component of config_dir (config.json and weights), for what a single file lacks.
 std::optional<fs::path> config_component(const SingleFileOptions& options, const std::string& name) {
   if (options.config_dir.empty()) return std::nullopt;
@@ -120,6 +128,15 @@ StateDict read_single_file(const fs::path& file, std::vector<io::TensorShape>& s
 std::string listing(const std::vector<std::string>& items) {
   std::string out;
   for (std::size_t i = 0; i < items.size(); ++i) out += (i ? (i + 1 == items.size() ? " and " : ", ") : "") + items[i];
+  return out;
+}
+
+// What a loader took from config_dir, for its log line: ", configs from DIR, from the config folder: a and b".
+std::string config_dir_summary(const SingleFileOptions& options, const std::vector<std::string>& configured,
+                               const std::vector<std::string>& from_config_dir) {
+  std::string out;
+  if (!configured.empty()) out += ", configs from " + options.config_dir.string();
+  if (!from_config_dir.empty()) out += ", from the config folder: " + listing(from_config_dir);
   return out;
 }
 
@@ -435,12 +452,9 @@ SingleFileModels load_single_file(const fs::path& file, const SingleFileOptions&
   }
 
   m.prediction_type = layout.v_prediction_hint || layout.family == SingleFileFamily::SD2 ? "v_prediction" : "epsilon";
-  if (!options.config_dir.empty()) {
-    const auto sched = options.config_dir / "scheduler" / "scheduler_config.json";
-    if (fs::exists(sched)) {
-      m.prediction_type = io::JsonFile::read(sched).optional<std::string>("prediction_type", "epsilon");
-      m.configured.push_back("scheduler");
-    }
+  if (const auto sched = scheduler_config(options)) {
+    m.prediction_type = io::JsonFile::read(*sched).optional<std::string>("prediction_type", "epsilon");
+    m.configured.push_back("scheduler");
   }
   log::get("pipeline").info(log::str(what, ": ", io::single_file_family_name(m.family), " single file, ",
                                      all.size(), " tensors, prediction ", m.prediction_type,
@@ -610,21 +624,13 @@ SD3SingleFileModels load_sd3_single_file(const fs::path& file, const SingleFileO
   }
 
   m.scheduler_text = R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})";
-  if (!options.config_dir.empty()) {
-    const auto sched = options.config_dir / "scheduler" / "scheduler_config.json";
-    if (fs::exists(sched)) {
-      m.scheduler_json = sched;
-      m.configured.push_back("scheduler");
-    }
-  }
-  std::string extra;
-  if (!m.configured.empty()) extra += ", configs from " + options.config_dir.string();
-  if (!m.from_config_dir.empty()) {
-    extra += ", from the config folder:";
-    for (const auto& c : m.from_config_dir) extra += " " + c;
+  if (const auto sched = scheduler_config(options)) {
+    m.scheduler_json = *sched;
+    m.configured.push_back("scheduler");
   }
   log::get("pipeline").info(log::str(what, ": ", layout.variant, " single file, ", all.size(), " tensors, ",
-                                     layout.depth, " blocks, T5 ", m.t5, extra));
+                                     layout.depth, " blocks, T5 ", m.t5,
+                                     config_dir_summary(options, m.configured, m.from_config_dir)));
   return m;
 }
 
@@ -736,6 +742,8 @@ FluxSingleFileModels load_flux_single_file(const fs::path& file, const SingleFil
   if (const auto tok = dir_of("tokenizer");
       !tok.empty() && (fs::exists(tok / "vocab.json") || fs::exists(tok / "tokenizer.json")))
     m.clip_tokenizer_dir = tok;
+  std::optional<io::SuspendedPlacement> t5_on_cpu;  // the caller places T5 itself
+  if (options.t5_on_cpu) t5_on_cpu.emplace();
   if (!layout.t5_prefix.empty()) {
     const std::string where = part("text_encoder_2", layout.t5_prefix);
     const auto json = component_config(options, "text_encoder_2");
@@ -743,31 +751,23 @@ FluxSingleFileModels load_flux_single_file(const fs::path& file, const SingleFil
     const auto config = json ? models::T5EncoderOptions::from_json(*json) : infer_t5_config(t5, where);
     if (json) m.configured.push_back("text_encoder_2");
     m.text_encoder_2 = models::T5Encoder(config);
-    std::optional<io::SuspendedPlacement> on_cpu;
-    if (options.t5_on_cpu) on_cpu.emplace();
     bind_strict(m.text_encoder_2, t5, where);
   } else {
     const auto dir = *folder("text_encoder_2");
-    std::optional<io::SuspendedPlacement> on_cpu;
-    if (options.t5_on_cpu) on_cpu.emplace();
     m.text_encoder_2 = models::load_t5_encoder(dir, folder_variant(dir));
     m.from_config_dir.push_back("text_encoder_2");
   }
+  t5_on_cpu.reset();
 
   m.scheduler_text = flux_scheduler_config(layout.guidance);
-  if (!options.config_dir.empty() && guidance_agrees) {
-    const auto sched = options.config_dir / "scheduler" / "scheduler_config.json";
-    if (fs::exists(sched)) {
-      m.scheduler_json = sched;
-      m.configured.push_back("scheduler");
-    }
+  if (const auto sched = scheduler_config(options); sched && guidance_agrees) {
+    m.scheduler_json = *sched;
+    m.configured.push_back("scheduler");
   }
-  std::string extra;
-  if (!m.configured.empty()) extra += ", configs from " + options.config_dir.string();
-  if (!m.from_config_dir.empty()) extra += ", from the config folder: " + listing(m.from_config_dir);
   log::get("pipeline").info(log::str(what, ": ", layout.variant, " single file, ", all.size(), " tensors, ",
                                      layout.double_blocks, " + ", layout.single_blocks, " blocks",
-                                     layout.fp8 ? ", float8" : "", extra));
+                                     layout.fp8 ? ", float8" : "",
+                                     config_dir_summary(options, m.configured, m.from_config_dir)));
   return m;
 }
 
