@@ -543,6 +543,59 @@ int compare(job::GenerationRequest request, const fs::path& out_dir) {
   return 0;
 }
 
+// A lanes file, or the name or file stem of a lane setup in the preset folders' lanes/.
+engine::LaneSet find_lane_set(const std::string& name_or_file) {
+  if (fs::path(name_or_file).extension() == ".json" || name_or_file.find('/') != std::string::npos)
+    return engine::load_lane_set(name_or_file);
+  std::vector<fs::path> dirs;
+  for (const auto& d : preset_dirs()) dirs.push_back(d / "lanes");
+  const auto sets = engine::list_lane_sets(dirs);
+  const auto lower = [](std::string t) {
+    for (auto& c : t) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return t;
+  };
+  std::string known;
+  for (const auto& set : sets) {
+    if (lower(set.name) == lower(name_or_file) || set.file.stem().string() == name_or_file) return set;
+    known += (known.empty() ? "" : ", ") + set.file.stem().string();
+  }
+  throw Error("no lane setup '" + name_or_file.substr(0, 80) + "' (a .json file, or one of: " +
+              (known.empty() ? "none found" : known) + ")");
+}
+
+int lanes(const std::string& setup, job::GenerationRequest request, const std::vector<int>& gpus, const fs::path& out_dir) {
+  const auto set = find_lane_set(setup);
+  std::vector<int> enabled = gpus;
+  const bool cuda = request.device.rfind("cuda", 0) == 0;
+  if (cuda && enabled.empty()) {
+    const int first = request.device == "cuda" ? 0 : std::stoi(request.device.substr(5));
+    for (const auto& g : engine::list_devices())
+      if (g.index >= first) enabled.push_back(g.index);
+    if (enabled.empty()) throw Error("device '" + request.device + "': no such CUDA device");
+  } else if (!cuda && !enabled.empty()) {
+    throw Error("--gpus lists GPUs but --device is " + request.device);
+  }
+  request.preview_every = 0;
+  const auto plans = engine::plan_lanes(request, set, enabled);
+  std::cout << "lanes '" << set.name << "': " << set.lanes.size() << " lanes\n";
+  for (const auto& line : engine::describe_sharing(plans)) std::cout << "note: " << line << "\n";
+  engine::Engine eng;
+  job::CancelToken never;
+  engine::LaneGroupObserver observer;
+  observer.on_lane_started = [&](int lane) {
+    std::cerr << "lane " << lane + 1 << " (" << engine::lane_title(set.lanes[static_cast<std::size_t>(lane)])
+              << ") started\n";
+  };
+  const auto result = eng.run_lanes(request, set, enabled, observer, never);
+  const auto file = engine::save_lane_group(result, out_dir);
+  std::cout << engine::lane_table(result);
+  if (!cuda) std::cout << "note: CPU virtual devices share this machine's cores; their speed-up says nothing about GPUs\n";
+  std::cout << "wrote " << file.string() << "\n";
+  int failed = 0;
+  for (const auto& o : result.lanes) failed += o.state != engine::LaneOutcome::State::Done;
+  return failed > 0 ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -598,6 +651,14 @@ int main(int argc, char** argv) {
   add_device_options(cmp_cmd, device_options, gpus);
   cmp_cmd->add_option("--out-dir", out_dir, "folder for baseline.png, <strategy>.png and heatmap.png")->required();
 
+  std::string lanes_setup;
+  auto* lanes_cmd = app.add_subcommand(
+      "lanes", "One prompt and seed through several lanes (strategy, steps, sampler each), compared with the baseline lane");
+  lanes_cmd->add_option("setup", lanes_setup, "lanes .json file, or a shipped lane setup's name (presets/lanes)")->required();
+  add_generation_options(lanes_cmd, req, /*with_strategy=*/false);
+  lanes_cmd->add_option("--gpus", gpus, "the GPUs the lanes may use, e.g. 0,2 (default: every GPU from --device on)");
+  lanes_cmd->add_option("--out-dir", out_dir, "folder for lane-<N>.png, lane-<N>-heatmap.png and lanes.json")->required();
+
   CLI11_PARSE(app, argc, argv);
   log::set_verbose(verbose);
   try {
@@ -612,12 +673,13 @@ int main(int argc, char** argv) {
     if (inspect_cmd->parsed()) return inspect(inspect_path);
     if (tok_cmd->parsed()) return tokenize(tok_path, prompt);
     if (enc_cmd->parsed()) return encode(model_path, component, prompt);
-    if ((gen_cmd->parsed() || cmp_cmd->parsed()) && req.model.empty()) {
+    if ((gen_cmd->parsed() || cmp_cmd->parsed() || lanes_cmd->parsed()) && req.model.empty()) {
       req.model = embedded_model_dir().string();
       if (req.model.empty())
         throw Error("no --model given and no embedded model (resources/models/diffract-emoji) found");
     }
-    if (gen_cmd->parsed() || cmp_cmd->parsed()) device_options.gpus = parse_gpus(gpus);
+    if (gen_cmd->parsed() || cmp_cmd->parsed() || lanes_cmd->parsed()) device_options.gpus = parse_gpus(gpus);
+    if (lanes_cmd->parsed()) return lanes(lanes_setup, req, device_options.gpus, out_dir);
     if (gen_cmd->parsed()) {
       engine::Preset preset;
       if (!preset_name.empty()) preset = apply_cli_preset(gen_cmd, preset_name, req);

@@ -21,6 +21,30 @@ double latents_rel_l2(const job::GenerationResult& a, const job::GenerationResul
   return metrics::relative_l2(latents_of(a), latents_of(b));
 }
 
+Measures measure(const job::GenerationResult& other, const job::GenerationResult& baseline) {
+  if (other.images.empty() || baseline.images.empty()) throw Error("compare: a job without images");
+  const auto& a = other.images.front();
+  const auto& b = baseline.images.front();
+  if (a.width != b.width || a.height != b.height)
+    throw Error("compare: images of " + std::to_string(a.width) + "x" + std::to_string(a.height) + " and " +
+                std::to_string(b.width) + "x" + std::to_string(b.height) + " pixels");
+  Measures m;
+  m.speedup = generation_ms(baseline) / std::max(generation_ms(other), 1e-9);
+  m.psnr = metrics::psnr(a, b);
+  m.ssim = metrics::ssim(a, b);
+  if (!baseline.latents.empty() && other.latents_shape == baseline.latents_shape) m.latents_rel_l2 = latents_rel_l2(other, baseline);
+  auto diff = metrics::abs_diff_map(a, b);
+  const double peak = std::max(diff.max().item<double>(), 1e-12);
+  // Black (equal) through red and yellow to white (the largest difference).
+  auto t = (diff / peak).clamp(0, 1);
+  auto rgb = at::stack({(t * 3).clamp(0, 1), (t * 3 - 1).clamp(0, 1), (t * 3 - 2).clamp(0, 1)}, -1);
+  auto u8 = (rgb * 255).round().to(at::kByte).contiguous();
+  m.heatmap.width = static_cast<int>(u8.size(1));
+  m.heatmap.height = static_cast<int>(u8.size(0));
+  m.heatmap.rgb.assign(u8.data_ptr<std::uint8_t>(), u8.data_ptr<std::uint8_t>() + u8.numel());
+  return m;
+}
+
 Comparison compare(Engine& engine, job::GenerationRequest request, const job::StrategyParams& strategy,
                    const job::JobObserver& observer, const job::CancelToken& cancel) {
   if (strategy.single()) throw Error("compare needs a strategy other than 'single'");
@@ -35,21 +59,7 @@ Comparison compare(Engine& engine, job::GenerationRequest request, const job::St
   c.baseline = engine.run(baseline, observer, cancel);
   request.strategy = strategy;
   c.accelerated = engine.run(request, observer, cancel);
-  c.speedup = generation_ms(c.baseline) / generation_ms(c.accelerated);
-  const auto& a = c.accelerated.images.front();
-  const auto& b = c.baseline.images.front();
-  c.psnr = metrics::psnr(a, b);
-  c.ssim = metrics::ssim(a, b);
-  c.latents_rel_l2 = latents_rel_l2(c.accelerated, c.baseline);
-  auto diff = metrics::abs_diff_map(a, b);
-  const double peak = std::max(diff.max().item<double>(), 1e-12);
-  // Black (equal) through red and yellow to white (the largest difference).
-  auto t = (diff / peak).clamp(0, 1);
-  auto rgb = at::stack({(t * 3).clamp(0, 1), (t * 3 - 1).clamp(0, 1), (t * 3 - 2).clamp(0, 1)}, -1);
-  auto u8 = (rgb * 255).round().to(at::kByte).contiguous();
-  c.heatmap.width = static_cast<int>(u8.size(1));
-  c.heatmap.height = static_cast<int>(u8.size(0));
-  c.heatmap.rgb.assign(u8.data_ptr<std::uint8_t>(), u8.data_ptr<std::uint8_t>() + u8.numel());
+  static_cast<Measures&>(c) = measure(c.accelerated, c.baseline);
   return c;
 }
 

@@ -2,18 +2,14 @@
 #include <string>
 
 #include "core/engine/engine.h"
+#include "core/engine/measures.h"
 
 namespace diffract::engine {
 
 // A strategy against the plain single-device loop, same request and seed.
-struct Comparison {
+struct Comparison : Measures {
   job::GenerationResult baseline;
   job::GenerationResult accelerated;
-  double speedup = 0;          // baseline / accelerated time, text encode to decoded image (model load excluded)
-  double psnr = 0;             // first images, dB (infinite when identical)
-  double ssim = 0;
-  double latents_rel_l2 = 0;   // ||a - b|| / ||b|| of the final latents, b the baseline
-  io::Image heatmap;           // |difference| per pixel, scaled so the largest is white
 };
 
 // metrics::relative_l2 of two jobs' final latents, `b` the baseline.

@@ -3,6 +3,9 @@
 
 #include <condition_variable>
 #include <deque>
+#include <map>
+#include <optional>
+#include <set>
 #include <mutex>
 #include <thread>
 
@@ -21,63 +24,130 @@ struct Engine::Impl {
     job::GenerationRequest request;
     job::JobObserver observer;
     bool load_only = false;
+    std::optional<LaneSet> lanes;  // a lane group
+    std::vector<int> enabled_gpus;
+    LaneGroupObserver lane_observer;
+    LaneGroupEnd lane_end;
   };
   std::deque<Queued> queue;
   std::shared_ptr<Job> running;
   bool stopping = false;
-  std::mutex model_mutex;         // one job at a time uses the model
-  std::unique_ptr<pipeline::Pipeline> model;  // chosen from the folder: SD 1.x / 2.x / XL or SD3
-  std::string model_config;
-  bool model_without_t5 = false;  // loaded with drop_t5: a job that wants T5 needs a reload
-  std::string model_t5_placement;
+
+  // The model loaded on one device (a strategy's first device); one job at a time uses it.
+  struct Slot {
+    std::mutex use;
+    std::unique_ptr<pipeline::Pipeline> model;  // chosen from the folder: SD 1.x / 2.x / XL, SD3 or Flux
+    std::string config;
+    bool without_t5 = false;  // loaded with drop_t5: a job that wants T5 needs a reload
+    std::string t5_placement;
+  };
+  std::mutex slots_mutex;  // guards slots (not what they hold)
+  std::map<std::string, std::shared_ptr<Slot>> slots;  // by device
   std::thread worker;
 
-  pipeline::Pipeline& model_for(const job::GenerationRequest& r) {
-    if (r.model.empty()) throw Error("no model chosen");
-    if (!model || model->path() != r.model || model->device() != r.device || model_config != r.model_config ||
-        (model_without_t5 && !r.drop_t5) ||
-        (model->family() == job::ModelFamily::Flux && model_t5_placement != r.t5_placement)) {
-      model.reset();  // free the old one first: two SDXL models may not fit
-      release_cached_memory();  // and its blocks, which a CUDA graph's private pool cannot reuse
-      model = pipeline::load_pipeline(r.model, r.device, r.model_config, r.drop_t5, r.t5_placement);
-      model_config = r.model_config;
-      model_without_t5 = r.drop_t5;
-      model_t5_placement = r.t5_placement;
-      // On a GPU the first job would otherwise pay for cuDNN plans and graph captures.
-      if (r.device.rfind("cuda", 0) == 0) model->warm_up();
+  std::shared_ptr<Slot> slot(const std::string& device) {
+    std::lock_guard lock(slots_mutex);
+    auto& s = slots[device];
+    if (!s) s = std::make_shared<Slot>();
+    return s;
+  }
+
+  // Frees the models on devices not in `keep` (a job on another device would otherwise hold two
+  // models' memory: a strategy's model keeps replicas on the devices after its first).
+  void keep_only(const std::set<std::string>& keep) {
+    std::vector<std::shared_ptr<Slot>> dropped;
+    {
+      std::lock_guard lock(slots_mutex);
+      for (auto it = slots.begin(); it != slots.end();)
+        if (!keep.count(it->first)) {
+          dropped.push_back(it->second);
+          it = slots.erase(it);
+        } else {
+          ++it;
+        }
     }
-    return *model;
+    bool freed = false;
+    for (auto& s : dropped) {
+      std::lock_guard use(s->use);
+      freed |= s->model != nullptr;
+      s->model.reset();
+    }
+    if (freed) release_cached_memory();
+  }
+
+  pipeline::Pipeline& model_in(Slot& s, const job::GenerationRequest& r) {
+    if (r.model.empty()) throw Error("no model chosen");
+    if (!s.model || s.model->path() != r.model || s.model->device() != r.device || s.config != r.model_config ||
+        (s.without_t5 && !r.drop_t5) ||
+        (s.model->family() == job::ModelFamily::Flux && s.t5_placement != r.t5_placement)) {
+      s.model.reset();  // free the old one first: two SDXL models may not fit
+      release_cached_memory();  // and its blocks, which a CUDA graph's private pool cannot reuse
+      s.model = pipeline::load_pipeline(r.model, r.device, r.model_config, r.drop_t5, r.t5_placement);
+      s.config = r.model_config;
+      s.without_t5 = r.drop_t5;
+      s.t5_placement = r.t5_placement;
+      // On a GPU the first job would otherwise pay for cuDNN plans and graph captures.
+      if (r.device.rfind("cuda", 0) == 0) s.model->warm_up();
+    }
+    return *s.model;
   }
 
   job::GenerationResult run(const job::GenerationRequest& r, const job::JobObserver& o, const job::CancelToken& c) {
-    std::lock_guard lock(model_mutex);
     auto resolved = r;
     resolve_lora_tags(resolved);
-    return model_for(resolved).generate(resolved, o, c);
+    const auto s = slot(r.device);
+    std::lock_guard lock(s->use);
+    return model_in(*s, resolved).generate(resolved, o, c);
+  }
+
+  LaneGroupResult run_lanes(const job::GenerationRequest& r, const LaneSet& set, const std::vector<int>& enabled_gpus,
+                            const LaneGroupObserver& o, const job::CancelToken& c) {
+    auto plans = plan_lanes(r, set, enabled_gpus);
+    std::set<std::string> devices;
+    for (const auto& p : plans)
+      if (p.error.empty()) devices.insert(p.request.device);
+    keep_only(devices);
+    return run_lane_group(
+        set, std::move(plans),
+        [this](const job::GenerationRequest& q, const job::JobObserver& jo, const job::CancelToken& jc) {
+          return run(q, jo, jc);
+        },
+        o, c);
   }
 
   void loop() {
     while (true) {
-      std::shared_ptr<Job> job;
-      job::GenerationRequest request;
-      job::JobObserver observer;
-      bool load_only = false;
+      Queued q;
       {
         std::unique_lock lock(mutex);
         wake.wait(lock, [&] { return stopping || !queue.empty(); });
         if (stopping && queue.empty()) return;
-        job = queue.front().job;
-        request = std::move(queue.front().request);
-        observer = std::move(queue.front().observer);
-        load_only = queue.front().load_only;
+        q = std::move(queue.front());
         queue.pop_front();
-        running = job;
+        running = q.job;
+      }
+      const auto& job = q.job;
+      const auto& request = q.request;
+      const auto& observer = q.observer;
+      if (q.lanes) {
+        try {
+          auto result = run_lanes(request, *q.lanes, q.enabled_gpus, q.lane_observer, job->token());
+          if (q.lane_end.on_done) q.lane_end.on_done(result);
+        } catch (const std::exception& e) {
+          log::get("engine").error(e.what());
+          if (q.lane_end.on_error) q.lane_end.on_error(e.what());
+        }
+        std::lock_guard lock(mutex);
+        running.reset();
+        continue;
       }
       try {
         if (job->token().cancelled()) throw job::Cancelled{};
-        if (load_only) {
-          std::lock_guard model_lock(model_mutex);
-          const double prepared_ms = model_for(request).prepare(request);
+        keep_only({request.device});
+        if (q.load_only) {
+          const auto s = slot(request.device);
+          std::lock_guard use(s->use);
+          const double prepared_ms = model_in(*s, request).prepare(request);
           if (observer.on_stage) observer.on_stage("loaded", prepared_ms);
         } else {
           auto result = run(request, observer, job->token());
@@ -121,6 +191,22 @@ std::shared_ptr<Job> Engine::submit(job::GenerationRequest request, job::JobObse
   return job;
 }
 
+std::shared_ptr<Job> Engine::submit_lanes(job::GenerationRequest request, LaneSet lanes, std::vector<int> enabled_gpus,
+                                          LaneGroupObserver observer, LaneGroupEnd end) {
+  auto job = std::make_shared<Job>();
+  {
+    std::lock_guard lock(impl_->mutex);
+    Impl::Queued q{job, std::move(request), {}, false};
+    q.lanes = std::move(lanes);
+    q.enabled_gpus = std::move(enabled_gpus);
+    q.lane_observer = std::move(observer);
+    q.lane_end = std::move(end);
+    impl_->queue.push_back(std::move(q));
+  }
+  impl_->wake.notify_one();
+  return job;
+}
+
 std::shared_ptr<Job> Engine::preload(job::GenerationRequest request, job::JobObserver observer) {
   auto job = std::make_shared<Job>();
   {
@@ -133,6 +219,12 @@ std::shared_ptr<Job> Engine::preload(job::GenerationRequest request, job::JobObs
 
 job::GenerationResult Engine::run(const job::GenerationRequest& request, const job::JobObserver& observer, const job::CancelToken& cancel) {
   return impl_->run(request, observer, cancel);
+}
+
+LaneGroupResult Engine::run_lanes(const job::GenerationRequest& request, const LaneSet& lanes,
+                                  const std::vector<int>& enabled_gpus, const LaneGroupObserver& observer,
+                                  const job::CancelToken& cancel) {
+  return impl_->run_lanes(request, lanes, enabled_gpus, observer, cancel);
 }
 
 }  // namespace diffract::engine

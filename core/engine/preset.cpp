@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/io/json_fields.h"
 #include "core/io/json_file.h"
 #include "core/io/read_file.h"
 #include "core/parallel/registry.h"
@@ -28,37 +29,6 @@ const std::set<std::string> kKeys = {"name",    "description", "prompt_template"
                                      "controlnets"};
 
 std::string field(const std::string& where, const std::string& key) { return where + ": field '" + key + "'"; }
-
-std::string text_field(const json& j, const std::string& where, const std::string& key, bool required,
-                       std::string fallback = {}) {
-  if (!j.contains(key)) {
-    if (required) throw Error(where + ": missing field '" + key + "'");
-    return fallback;
-  }
-  if (!j[key].is_string()) throw Error(field(where, key) + " must be a string, not " + io::json_brief(j[key]));
-  return j[key].get<std::string>();
-}
-
-int int_field(const json& j, const std::string& where, const std::string& key, bool required, int fallback) {
-  if (!j.contains(key)) {
-    if (required) throw Error(where + ": missing field '" + key + "'");
-    return fallback;
-  }
-  const auto& v = j[key];
-  const bool in_range = v.is_number_unsigned() ? v.get<std::uint64_t>() <= (1ULL << 30)
-                        : v.is_number_integer() && v.get<std::int64_t>() >= -(1LL << 30);
-  if (!in_range) throw Error(field(where, key) + " must be a whole number of at most 2^30, not " + io::json_brief(v));
-  return v.get<int>();
-}
-
-double number_field(const json& j, const std::string& where, const std::string& key, bool required, double fallback) {
-  if (!j.contains(key)) {
-    if (required) throw Error(where + ": missing field '" + key + "'");
-    return fallback;
-  }
-  if (!j[key].is_number()) throw Error(field(where, key) + " must be a number, not " + io::json_brief(j[key]));
-  return j[key].get<double>();
-}
 
 std::string lower(std::string s) {
   std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
@@ -128,65 +98,56 @@ void validate_preset(const Preset& p, const std::string& where) {
 Preset parse_preset(const std::string& json_text, const std::string& where) {
   const json j = io::parse_json(json_text, where);
   if (!j.is_object()) throw Error(where + ": a preset must be a JSON object, not " + std::string(j.type_name()));
-  for (const auto& [key, value] : j.items())
-    if (!kKeys.count(key)) {
-      std::string known;
-      for (const auto& k : kKeys) known += (known.empty() ? "" : ", ") + k;
-      throw Error(where + ": unknown field " + io::json_brief(json(key)) + " (known: " + known + ")");
-    }
+  const io::JsonFields f(j, where);
+  f.only(kKeys);
   Preset p;
-  p.name = text_field(j, where, "name", true);
-  p.description = text_field(j, where, "description", false);
-  p.prompt_template = text_field(j, where, "prompt_template", true);
-  p.negative_prompt = text_field(j, where, "negative_prompt", false);
-  p.width = int_field(j, where, "width", true, 0);
-  p.height = int_field(j, where, "height", true, 0);
-  p.steps = int_field(j, where, "steps", true, 30);
-  p.sampler = text_field(j, where, "sampler", true);
-  p.cfg = number_field(j, where, "cfg", true, 7.0);
-  p.guidance = number_field(j, where, "guidance", false, 3.5);
-  p.strategy = text_field(j, where, "strategy", false, "single");
-  p.devices = int_field(j, where, "devices", false, 1);
+  p.name = f.text("name", true);
+  p.description = f.text("description", false);
+  p.prompt_template = f.text("prompt_template", true);
+  p.negative_prompt = f.text("negative_prompt", false);
+  p.width = f.integer("width", true, 0);
+  p.height = f.integer("height", true, 0);
+  p.steps = f.integer("steps", true, 30);
+  p.sampler = f.text("sampler", true);
+  p.cfg = f.number("cfg", true, 7.0);
+  p.guidance = f.number("guidance", false, 3.5);
+  p.strategy = f.text("strategy", false, "single");
+  p.devices = f.integer("devices", false, 1);
   const auto* info = parallel::find_strategy(p.strategy);
-  if (info && info->takes(parallel::Param::Skip) && !j.contains("skip") && p.devices > 1) {
+  if (info && info->takes(parallel::Param::Skip) && !f.has("skip") && p.devices > 1) {
     p.skip = p.devices;  // written before step-skip had a skip field of its own
     p.devices = 1;
   } else {
-    p.skip = int_field(j, where, "skip", false, 2);
+    p.skip = f.integer("skip", false, 2);
   }
-  p.cache_threshold = number_field(j, where, "cache_threshold", false, job::StrategyParams{}.cache_threshold);
-  const auto list = [&](const char* key) {
-    if (!j.contains(key)) return json::array();
-    if (!j[key].is_array()) throw Error(field(where, key) + " must be a list, not " + io::json_brief(j[key]));
-    return j[key];
-  };
-  const auto entry_keys = [&](const json& e, const std::string& at, const std::set<std::string>& known) {
+  p.cache_threshold = f.number("cache_threshold", false, job::StrategyParams{}.cache_threshold);
+  const auto entry = [&](const json& e, const char* list, int n, const std::set<std::string>& known) {
+    const auto at = field(where, list) + " entry " + std::to_string(n);
     if (!e.is_object()) throw Error(at + " must be an object, not " + io::json_brief(e));
-    for (const auto& [key, value] : e.items())
-      if (!known.count(key)) throw Error(at + ": unknown field " + io::json_brief(json(key)));
+    io::JsonFields fields(e, at);
+    fields.only(known);
+    return fields;
   };
   int n = 0;
-  for (const auto& e : list("loras")) {
-    const auto at = field(where, "loras") + " entry " + std::to_string(++n);
-    entry_keys(e, at, {"name", "weight", "text_encoder_weight"});
+  for (const auto& e : f.list("loras")) {
+    const auto l_f = entry(e, "loras", ++n, {"name", "weight", "text_encoder_weight"});
     Preset::Lora l;
-    l.name = text_field(e, at, "name", true);
-    l.weight = number_field(e, at, "weight", false, 1.0);
-    l.text_encoder_weight = number_field(e, at, "text_encoder_weight", false, l.weight);
+    l.name = l_f.text("name", true);
+    l.weight = l_f.number("weight", false, 1.0);
+    l.text_encoder_weight = l_f.number("text_encoder_weight", false, l.weight);
     p.loras.push_back(l);
   }
   n = 0;
-  for (const auto& e : list("controlnets")) {
-    const auto at = field(where, "controlnets") + " entry " + std::to_string(++n);
-    entry_keys(e, at, {"model", "preprocessor", "low", "high", "scale", "start", "end"});
+  for (const auto& e : f.list("controlnets")) {
+    const auto c_f = entry(e, "controlnets", ++n, {"model", "preprocessor", "low", "high", "scale", "start", "end"});
     Preset::ControlNet c;
-    c.model = text_field(e, at, "model", true);
-    c.preprocessor = text_field(e, at, "preprocessor", false, "none");
-    c.low = int_field(e, at, "low", false, 100);
-    c.high = int_field(e, at, "high", false, 200);
-    c.scale = number_field(e, at, "scale", false, 1.0);
-    c.start = number_field(e, at, "start", false, 0.0);
-    c.end = number_field(e, at, "end", false, 1.0);
+    c.model = c_f.text("model", true);
+    c.preprocessor = c_f.text("preprocessor", false, "none");
+    c.low = c_f.integer("low", false, 100);
+    c.high = c_f.integer("high", false, 200);
+    c.scale = c_f.number("scale", false, 1.0);
+    c.start = c_f.number("start", false, 0.0);
+    c.end = c_f.number("end", false, 1.0);
     p.controlnets.push_back(c);
   }
   validate_preset(p, where);
@@ -229,27 +190,7 @@ std::string preset_to_json(const Preset& p) {
 
 void save_preset(const Preset& preset, const fs::path& file) {
   validate_preset(preset, file.string());
-  std::error_code ec;
-  if (!file.parent_path().empty()) fs::create_directories(file.parent_path(), ec);
-  if (ec) throw Error(file.parent_path().string() + ": cannot create the preset folder: " + ec.message());
-  // Written beside and renamed over: a full disk or a crash mid-write leaves the old preset whole.
-  const fs::path temporary = file.parent_path() / ("." + file.filename().string() + ".tmp");
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    if (!out) throw Error(file.string() + ": cannot open for writing");
-    out << preset_to_json(preset);
-    out.flush();
-    if (!out) {
-      out.close();
-      fs::remove(temporary, ec);
-      throw Error(file.string() + ": write failed (disk full?); the file was left as it was");
-    }
-  }
-  fs::rename(temporary, file, ec);
-  if (ec) {
-    fs::remove(temporary, ec);
-    throw Error(file.string() + ": cannot replace the file: " + ec.message());
-  }
+  io::write_file_atomically(file, preset_to_json(preset));
 }
 
 std::string fill_prompt_template(const std::string& prompt_template, const std::string& subject) {

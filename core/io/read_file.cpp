@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 
 #include "core/util/error.h"
 
@@ -80,6 +81,35 @@ std::string read_file(const std::filesystem::path& path, std::size_t max_bytes, 
 
 std::string read_file_head(const std::filesystem::path& path, std::size_t n, const std::string& what) {
   return read_bytes(path, n, false, what);
+}
+
+}  // namespace diffract::io
+
+namespace diffract::io {
+
+void write_file_atomically(const std::filesystem::path& path, const std::string& bytes, const std::string& what) {
+  namespace fs = std::filesystem;
+  const std::string name = what.empty() ? path.string() : what + " " + path.string();
+  std::error_code ec;
+  if (!path.parent_path().empty()) fs::create_directories(path.parent_path(), ec);
+  if (ec) throw Error(name + ": cannot create its folder: " + ec.message());
+  const fs::path temporary = path.parent_path() / ("." + path.filename().string() + ".tmp");
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    if (!out) throw Error(name + ": cannot open for writing");
+    out << bytes;
+    out.flush();
+    if (!out) {
+      out.close();
+      fs::remove(temporary, ec);
+      throw Error(name + ": write failed (disk full?); the file was left as it was");
+    }
+  }
+  fs::rename(temporary, path, ec);
+  if (ec) {
+    fs::remove(temporary, ec);
+    throw Error(name + ": cannot replace the file: " + ec.message());
+  }
 }
 
 }  // namespace diffract::io

@@ -19,3 +19,12 @@ std::string read_file(const std::filesystem::path& path, std::size_t max_bytes, 
 std::string read_file_head(const std::filesystem::path& path, std::size_t n, const std::string& what = "");
 
 }  // namespace diffract::io
+
+namespace diffract::io {
+
+// Writes `bytes` to a hidden temporary file beside `path`, then renames it over `path`: a full
+// disk or a crash mid-write leaves any earlier file whole. Creates the folder. Throws an Error
+// naming `path` (and `what`, the role).
+void write_file_atomically(const std::filesystem::path& path, const std::string& bytes, const std::string& what = "");
+
+}  // namespace diffract::io
