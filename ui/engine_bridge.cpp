@@ -3,6 +3,7 @@
 #include <QFileInfo>
 #include <QImageReader>
 #include <QMetaObject>
+#include <algorithm>
 #include <cstring>
 #include <exception>
 
@@ -70,6 +71,7 @@ JobTimings toJobTimings(const job::StageTimings& t) {
 
 EngineBridge::EngineBridge(QObject* parent) : QObject(parent), m_engine(std::make_unique<engine::Engine>()) {
   qRegisterMetaType<diffract::ui::JobTimings>();
+  qRegisterMetaType<diffract::ui::LaneRow>();
 }
 
 EngineBridge::~EngineBridge() {
@@ -161,6 +163,104 @@ quint64 EngineBridge::start(const job::GenerationRequest& request) {
         },
         Qt::QueuedConnection);
   }
+  emit started(id);
+  return id;
+}
+
+quint64 EngineBridge::startLanes(const job::GenerationRequest& request, const engine::LaneSet& lanes,
+                                 const std::vector<int>& enabledGpus, const QString& saveDir) {
+  if (m_job) m_job->cancel();
+  const quint64 id = ++m_currentJob;
+  m_running = true;
+  // Each lane's callbacks run on that lane's thread: convert there, post, return.
+  const auto post = [this, id](auto f) {
+    QMetaObject::invokeMethod(
+        this, [this, id, f = std::move(f)] {
+          if (isCurrent(id)) f();
+        },
+        Qt::QueuedConnection);
+  };
+  engine::LaneGroupObserver o;
+  o.on_lane_started = [post, this](int lane) { post([this, lane] { emit laneStarted(lane); }); };
+  o.lane = [post, this](int lane) {
+    job::JobObserver j;
+    j.on_step = [post, this, lane](const job::StepEvent& e) {
+      post([this, lane, e] { emit laneStep(lane, e.index, e.total, e.step_ms, e.cached); });
+    };
+    j.on_preview = [post, this, lane](const job::PreviewEvent& e) {
+      post([this, lane, image = toQImage(e.image)] { emit lanePreview(lane, image); });
+    };
+    j.on_done = [post, this, lane](const job::GenerationResult& r) {
+      QList<QImage> images;
+      for (const auto& image : r.images) images.append(toQImage(image));
+      post([this, lane, images, meta = QString::fromStdString(r.metadata_json),
+            params = QString::fromStdString(r.a1111_parameters), timings = toJobTimings(r.timings)] {
+        emit laneFinished(lane, images, meta, params, timings);
+      });
+    };
+    j.on_error = [post, this, lane](const std::string& m) {
+      post([this, lane, m = QString::fromStdString(m)] { emit laneFailed(lane, m); });
+    };
+    j.on_cancelled = [post, this, lane] { post([this, lane] { emit laneCancelled(lane); }); };
+    return j;
+  };
+  engine::Engine::LaneGroupEnd end;
+  const std::string dir = saveDir.toStdString();
+  const auto finish = [this, id](QList<LaneRow> rows, bool cancelled, QString file, QString error) {
+    QMetaObject::invokeMethod(
+        this, [this, id, rows, cancelled, file, error] {
+          if (!isCurrent(id)) return;
+          m_running = false;
+          m_job.reset();
+          emit lanesFinished(rows, cancelled, file, error);
+        },
+        Qt::QueuedConnection);
+  };
+  end.on_done = [finish, dir](const engine::LaneGroupResult& r) {
+    QList<LaneRow> rows;
+    for (std::size_t i = 0; i < r.lanes.size(); ++i) {
+      const auto& o = r.lanes[i];
+      LaneRow row;
+      row.title = QString::fromStdString(engine::lane_title(r.set.lanes[i]));
+      row.state = o.state == engine::LaneOutcome::State::Done     ? QStringLiteral("done")
+                  : o.state == engine::LaneOutcome::State::Failed ? QStringLiteral("failed")
+                                                                  : QStringLiteral("cancelled");
+      row.error = QString::fromStdString(o.error);
+      QStringList devices;
+      for (const auto& d : r.plans[i].devices) devices << QString::fromStdString(d);
+      row.devices = devices.join(QLatin1Char(','));
+      if (o.state == engine::LaneOutcome::State::Done) row.timeMs = o.result.timings.total_ms - o.result.timings.load_ms;
+      row.compared = o.compared;
+      row.speedup = o.against_baseline.speedup;
+      row.psnr = o.against_baseline.psnr;
+      row.ssim = o.against_baseline.ssim;
+      row.latentsRelL2 = o.against_baseline.latents_rel_l2;
+      for (const auto& d : o.differences) row.differences << QString::fromStdString(d);
+      rows << row;
+    }
+    QString file, error;
+    const bool any = std::any_of(r.lanes.begin(), r.lanes.end(),
+                                 [](const auto& o) { return o.state == engine::LaneOutcome::State::Done; });
+    if (!dir.empty() && any) {
+      try {
+        file = QString::fromStdString(engine::save_lane_group(r, dir).string());
+      } catch (const std::exception& e) {
+        error = QString::fromUtf8(e.what());
+      }
+    }
+    finish(rows, r.cancelled, file, error);
+  };
+  end.on_error = [this, id](const std::string& message) {
+    QMetaObject::invokeMethod(
+        this, [this, id, m = QString::fromStdString(message)] {
+          if (!isCurrent(id)) return;
+          m_running = false;
+          m_job.reset();
+          emit failed(m);
+        },
+        Qt::QueuedConnection);
+  };
+  m_job = m_engine->submit_lanes(request, lanes, enabledGpus, std::move(o), std::move(end));
   emit started(id);
   return id;
 }

@@ -7,6 +7,7 @@
 #include <QVector>
 #include <memory>
 
+#include "core/engine/lanes.h"
 #include "core/job/job.h"
 
 namespace diffract::engine {
@@ -26,6 +27,18 @@ struct JobTimings {
   QVector<double> previewMs;
   double vaeDecodeMs = 0;
   double totalMs = 0;
+};
+
+// A finished lane group's row per lane (the core's LaneOutcome, Qt side).
+struct LaneRow {
+  QString title;
+  QString state;  // "done", "failed", "cancelled"
+  QString error;
+  QString devices;  // "cuda:1,cuda:2", "cpu"
+  double timeMs = 0;  // text encode to decoded image
+  bool compared = false;  // against the baseline lane (not the baseline itself)
+  double speedup = 0, psnr = 0, ssim = 0, latentsRelL2 = 0;
+  QStringList differences;
 };
 
 // Deep copy of an RGB8 core image.
@@ -48,6 +61,12 @@ class EngineBridge : public QObject {
 
   // Starts a job (cancelling the current one) and returns its id (1, 2, ...).
   quint64 start(const job::GenerationRequest& request);
+  // Starts a lane group (cancelling the current job): `request` through every lane of `lanes`
+  // on the devices engine::plan_lanes gives them out of `enabledGpus`. Lane events arrive as
+  // the lane* signals, the end as lanesFinished; the results and lanes.json are written to
+  // `saveDir` (empty: not written) before it.
+  quint64 startLanes(const job::GenerationRequest& request, const engine::LaneSet& lanes,
+                     const std::vector<int>& enabledGpus, const QString& saveDir);
   void cancel();
   // On a GPU, loads the request's model and prepares its size, batch and previews in the
   // background (engine::Engine::preload), replacing a preparation still queued; silent.
@@ -65,6 +84,16 @@ class EngineBridge : public QObject {
                 const diffract::ui::JobTimings& timings);
   void failed(const QString& message);
   void cancelled();
+  void laneStarted(int lane);
+  void laneStep(int lane, int index, int total, double ms, bool cached);
+  void lanePreview(int lane, const QImage& image);
+  void laneFinished(int lane, const QList<QImage>& images, const QString& metadataJson, const QString& parameters,
+                    const diffract::ui::JobTimings& timings);
+  void laneFailed(int lane, const QString& message);
+  void laneCancelled(int lane);
+  // The group's end: a row per lane; `savedFile` the lanes.json written, or `saveError` why not.
+  void lanesFinished(const QList<diffract::ui::LaneRow>& rows, bool cancelled, const QString& savedFile,
+                     const QString& saveError);
 
  private:
   bool isCurrent(quint64 job) const { return m_running && job == m_currentJob; }
@@ -79,3 +108,4 @@ class EngineBridge : public QObject {
 }  // namespace diffract::ui
 
 Q_DECLARE_METATYPE(diffract::ui::JobTimings)
+Q_DECLARE_METATYPE(diffract::ui::LaneRow)

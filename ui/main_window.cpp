@@ -1,4 +1,6 @@
 #include "ui/main_window.h"
+#include "ui/lane_grid.h"
+#include "ui/lanes_panel.h"
 
 #include <QApplication>
 #include <QCheckBox>
@@ -86,11 +88,6 @@ QString noModelHint() {
       "Then write a prompt and press Generate (Ctrl+Enter).");
 }
 
-QString formatSeconds(double s) {
-  if (s < 60) return QStringLiteral("%1 s").arg(s, 0, 'f', 1);
-  return QStringLiteral("%1 min %2 s").arg(static_cast<int>(s) / 60).arg(static_cast<int>(s) % 60);
-}
-
 }  // namespace
 
 MainWindow::MainWindow(QWidget* parent) : QMainWindow(parent), m_bridge(new EngineBridge(this)) {
@@ -125,6 +122,19 @@ MainWindow::MainWindow(QWidget* parent) : QMainWindow(parent), m_bridge(new Engi
     m_status->setText(tr("Cancelled after %1 of %2 steps").arg(m_stepsSeen).arg(m_timings->totalSteps()));
     updateControls();
   });
+  connect(m_bridge, &EngineBridge::laneStarted, m_laneGrid, &LaneGrid::setStarted);
+  connect(m_bridge, &EngineBridge::laneStep, m_laneGrid, &LaneGrid::setStep);
+  connect(m_bridge, &EngineBridge::lanePreview, m_laneGrid, &LaneGrid::setPreview);
+  connect(m_bridge, &EngineBridge::laneFinished, this,
+          [this](int lane, const QList<QImage>& images, const QString& meta, const QString& params, const JobTimings& t) {
+            m_laneGrid->setFinished(lane, images.isEmpty() ? QImage() : images.first(), t);
+            if (lane >= 0 && lane < m_laneImages.size() && !images.isEmpty())
+              m_laneImages[lane] = RenderedImage{images.first(), params, meta, t, QString()};
+          });
+  connect(m_bridge, &EngineBridge::laneFailed, m_laneGrid, &LaneGrid::setFailed);
+  connect(m_bridge, &EngineBridge::laneCancelled, m_laneGrid, &LaneGrid::setCancelled);
+  connect(m_bridge, &EngineBridge::lanesFinished, this, &MainWindow::onLanesFinished);
+  connect(m_laneGrid, &LaneGrid::compareRequested, this, [this](int lane) { compareLane(lane); });
   updateControls();
 }
 
@@ -220,6 +230,11 @@ void MainWindow::buildUi() {
   connect(m_devicesPanel, &DevicesPanel::gpusChanged, this, &MainWindow::updateDeviceSummary);
   m_devicesPanel->refresh();
 
+  m_lanesPanel = new LanesPanel;
+  formLayout->addWidget(m_lanesPanel);
+  connect(m_lanesPanel, &LanesPanel::changed, this, &MainWindow::updateLanePlan);
+  connect(m_devicesPanel, &DevicesPanel::gpusChanged, this, &MainWindow::updateLanePlan);
+
   auto* buttons = new QHBoxLayout;
   m_generate = new QPushButton(tr("Generate"));
   m_generate->setObjectName(QStringLiteral("generateButton"));
@@ -313,6 +328,8 @@ void MainWindow::buildUi() {
   m_viewTabs->setObjectName(QStringLiteral("viewTabs"));
   m_viewTabs->addTab(viewPane, tr("Render"));
   m_viewTabs->addTab(m_maskPane, tr("Input && mask"));
+  m_laneGrid = new LaneGrid;
+  m_viewTabs->addTab(m_laneGrid, tr("Lanes"));
   m_viewSplitter = new QSplitter(Qt::Vertical);
   m_viewSplitter->setObjectName(QStringLiteral("viewSplitter"));
   m_viewSplitter->addWidget(m_viewTabs);
@@ -410,8 +427,13 @@ void MainWindow::generate() {
                   .arg(std::numeric_limits<std::uint64_t>::max()));
     return;
   }
-  const engine::DeviceChoice choice = deviceChoice();
-  if (!choice.error.empty()) {
+  const bool lanes = m_lanesPanel->lanesEnabled();
+  if (lanes) {
+    if (const QString problem = m_lanesPanel->problem(); !problem.isEmpty()) {
+      showError(tr("Cannot start the lanes: %1").arg(problem));
+      return;
+    }
+  } else if (const engine::DeviceChoice choice = deviceChoice(); !choice.error.empty()) {
     showError(tr("Cannot start: %1.").arg(QString::fromStdString(choice.error)));
     return;
   }
@@ -422,6 +444,10 @@ void MainWindow::generate() {
     return;
   }
   m_jobControlUnits = m_controlNetPanel->requestUnits();
+  if (lanes) {
+    generateLanes(request);
+    return;
+  }
   m_timings->reset(request.steps);
   m_stepsSeen = 0;
   m_stepMsSum = 0;
@@ -433,6 +459,94 @@ void MainWindow::generate() {
   m_bridge->start(request);
   saveSettings();
   updateControls();
+}
+
+void MainWindow::generateLanes(const job::GenerationRequest& request) {
+  m_jobLanes = m_lanesPanel->laneSet();
+  const auto plans = engine::plan_lanes(request, m_jobLanes, enabledGpus());
+  QStringList titles, waiting;
+  QList<int> steps;
+  for (std::size_t i = 0; i < plans.size(); ++i) {
+    titles << QString::fromStdString(engine::lane_title(m_jobLanes.lanes[i]));
+    steps << plans[i].request.steps;
+    QStringList after;
+    for (int j : plans[i].after) after << QString::number(j + 1);
+    waiting << (after.isEmpty() ? QString() : tr("Waits for lane %1 (a shared device)").arg(after.join(QStringLiteral(", "))));
+  }
+  m_laneGrid->reset(titles, steps, waiting, m_jobLanes.baseline);
+  m_laneImages = QList<RenderedImage>(static_cast<int>(plans.size()));
+  m_laneResults.clear();
+  m_stepsSeen = 0;
+  m_stepMsSum = 0;
+  m_jobClock.start();
+  m_jobRequest = request;
+  const std::string stamp = engine::output_stamp(std::time(nullptr));
+  m_laneDir = QDir(outputDir()).filePath(QStringLiteral("lanes-%1-%2").arg(QString::fromStdString(stamp), m_seed->text()));
+  m_status->setText(tr("Running %1 lanes…").arg(plans.size()));
+  m_viewTabs->setCurrentWidget(m_laneGrid);
+  m_bridge->startLanes(request, m_jobLanes, enabledGpus(), m_laneDir);
+  saveSettings();
+  updateControls();
+}
+
+void MainWindow::onLanesFinished(const QList<LaneRow>& rows, bool cancelled, const QString& savedFile,
+                                 const QString& saveError) {
+  m_laneGrid->setRows(rows);
+  m_laneResults.clear();
+  int done = 0;
+  for (int i = 0; i < m_laneImages.size(); ++i) {
+    if (m_laneImages[i].image.isNull()) {
+      m_laneResults << -1;
+      continue;
+    }
+    ++done;
+    auto r = m_laneImages[i];
+    if (!savedFile.isEmpty()) r.savedPath = QDir(m_laneDir).filePath(QStringLiteral("lane-%1.png").arg(i + 1));
+    m_laneResults << static_cast<int>(m_results.size());
+    m_results.append(r);
+  }
+  if (!saveError.isEmpty()) showError(tr("The lanes ran but were not saved: %1").arg(saveError));
+  const QString took = formatSeconds(m_jobClock.elapsed() / 1000.0);
+  if (cancelled) m_status->setText(tr("Lanes cancelled after %1 (%2 of %3 finished)").arg(took).arg(done).arg(rows.size()));
+  else
+    m_status->setText(tr("%1 of %2 lanes done in %3 · saved %4")
+                          .arg(done)
+                          .arg(rows.size())
+                          .arg(took)
+                          .arg(savedFile.isEmpty() ? tr("nothing") : QDir::toNativeSeparators(savedFile)));
+  updateControls();
+  // The comparison opens on the baseline against the first other lane that finished.
+  if (cancelled) return;
+  for (int i = 0; i < m_laneResults.size(); ++i)
+    if (i != m_jobLanes.baseline && m_laneResults[i] >= 0) {
+      compareLane(i);
+      break;
+    }
+}
+
+CompareView* MainWindow::compareLane(int lane) {
+  const int baseline = m_jobLanes.baseline;
+  if (lane < 0 || lane >= m_laneResults.size() || baseline >= m_laneResults.size() || m_laneResults[lane] < 0 ||
+      m_laneResults[baseline] < 0)
+    return nullptr;
+  QList<CompareView::Item> items;
+  int a = -1, b = -1;
+  for (int i = 0; i < m_laneResults.size(); ++i) {
+    if (m_laneResults[i] < 0) continue;
+    const auto& r = m_results[m_laneResults[i]];
+    if (i == baseline) a = static_cast<int>(items.size());
+    if (i == lane) b = static_cast<int>(items.size());
+    items.append({tr("Lane %1: %2").arg(i + 1).arg(QString::fromStdString(engine::lane_title(m_jobLanes.lanes[static_cast<std::size_t>(i)]))),
+                  r.image, r.metadataJson});
+  }
+  auto* view = CompareView::openWindow(items, a, b, this);
+  emit compareOpened(view);
+  return view;
+}
+
+void MainWindow::updateLanePlan() {
+  if (!m_lanesPanel || !m_devicesPanel) return;
+  m_lanesPanel->showPlan(requestFromFields(), enabledGpus());
 }
 
 void MainWindow::cancel() {

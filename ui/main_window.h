@@ -32,6 +32,8 @@ class QTabWidget;
 namespace diffract::ui {
 
 class DevicesPanel;
+class LaneGrid;
+class LanesPanel;
 class InputPanel;
 class LoraPanel;
 class MaskEditor;
@@ -86,6 +88,13 @@ class MainWindow : public QMainWindow {
   InputPanel* inputPanel() const { return m_inputPanel; }
   LoraPanel* loraPanel() const { return m_loraPanel; }
   ControlNetPanel* controlNetPanel() const { return m_controlNetPanel; }
+  LanesPanel* lanesPanel() const { return m_lanesPanel; }
+  LaneGrid* laneGrid() const { return m_laneGrid; }
+  // Session results (indexes into results()) of the last lane group, per lane; -1 where a lane
+  // made no image.
+  const QList<int>& laneResults() const { return m_laneResults; }
+  // Opens the compare window on the last lane group's baseline lane against `lane`.
+  CompareView* compareLane(int lane);
   MaskEditor* maskEditor() const;
   // Writes session result `index` (an index into results()) to `path` as the output folder would
   // (PNG, its parameters and metadata): the way out when the automatic save failed (a full
@@ -133,6 +142,9 @@ class MainWindow : public QMainWindow {
   void reloadPresets(const QString& select = QString());
   void applyRestored(const engine::PngParameters& p, const QString& file);
   void onStep(int index, int total, double timestep, double ms, bool cached);
+  void generateLanes(const job::GenerationRequest& request);
+  void onLanesFinished(const QList<LaneRow>& rows, bool cancelled, const QString& savedFile, const QString& saveError);
+  void updateLanePlan();
   void onFinished(const QList<QImage>& images, const QString& metadataJson, const QString& parameters,
                   const JobTimings& timings);
 
@@ -168,6 +180,13 @@ class MainWindow : public QMainWindow {
   std::vector<ControlNetPanel::Unit> m_jobControlUnits;  // how its control images were made
   QSplitter* m_mainSplitter = nullptr;
   QSplitter* m_viewSplitter = nullptr;
+
+  LanesPanel* m_lanesPanel = nullptr;
+  LaneGrid* m_laneGrid = nullptr;
+  engine::LaneSet m_jobLanes;  // the running (or last) lane group
+  QList<RenderedImage> m_laneImages;  // its lanes' first images as they finish (null: none yet)
+  QList<int> m_laneResults;
+  QString m_laneDir;
 
   QList<RenderedImage> m_results;
   QElapsedTimer m_jobClock;

@@ -5,6 +5,11 @@
 
 namespace diffract::ui {
 
+QString formatSeconds(double s) {
+  if (s < 60) return QStringLiteral("%1 s").arg(s, 0, 'f', 1);
+  return QStringLiteral("%1 min %2 s").arg(static_cast<int>(s) / 60).arg(static_cast<int>(s) % 60);
+}
+
 namespace {
 
 QString formatMs(double ms) {

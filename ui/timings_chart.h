@@ -9,6 +9,9 @@
 
 namespace diffract::ui {
 
+// "12.3 s", "2 min 5 s": a duration as the status lines show it.
+QString formatSeconds(double s);
+
 class TimingsChart : public QWidget {
   Q_OBJECT
  public:
