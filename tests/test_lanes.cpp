@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <random>
 #include <set>
 #include <thread>
 
@@ -132,6 +133,38 @@ class TestLanes : public QObject {
       QVERIFY2(contains(e.what(), expected.toStdString()), e.what());
       QVERIFY2(contains(e.what(), "x.json"), e.what());
     }
+  }
+
+  // Damaged lanes files (bytes flipped, cut, spliced): each one parses or is a diffract::Error;
+  // nothing else escapes (a std::exception from nlohmann, a crash).
+  void damagedFilesAreErrors() {
+    const std::string valid = kThree;
+    std::mt19937 rng(11);
+    const std::string alphabet = "{}[]\":,0123456789-.eE ntrufalse\\";
+    int parsed = 0, refused = 0;
+    for (int i = 0; i < 3000; ++i) {
+      std::string text = valid;
+      const int edits = 1 + static_cast<int>(rng() % 4);
+      for (int e = 0; e < edits && !text.empty(); ++e) {
+        const auto at = rng() % text.size();
+        switch (rng() % 4) {
+          case 0: text[at] = alphabet[rng() % alphabet.size()]; break;
+          case 1: text.erase(at, 1 + rng() % 8); break;
+          case 2: text.insert(at, valid.substr(rng() % valid.size(), 1 + rng() % 20)); break;
+          default: text.resize(at); break;
+        }
+      }
+      try {
+        engine::parse_lane_set(text, "x.json");
+        ++parsed;
+      } catch (const Error&) {
+        ++refused;
+      } catch (const std::exception& e) {
+        QFAIL(qPrintable(QString("not a diffract::Error: %1 for %2").arg(e.what(), QString::fromStdString(text))));
+      }
+    }
+    qInfo("%d parsed, %d refused", parsed, refused);
+    QVERIFY(parsed > 0 && refused > 0);
   }
 
   void plansOnTheCpu() {

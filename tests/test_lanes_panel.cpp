@@ -162,6 +162,20 @@ class TestLanesPanel : public QObject {
     QVERIFY(problems[0].contains("broken.json"));
   }
 
+  void windowKeepsTheLanesBetweenSessions() {
+    {
+      MainWindow w;
+      w.lanesPanel()->setChecked(true);
+      w.lanesPanel()->setLaneSet(lanes({{"single", 0}, {"step-skip", 12}}));
+    }  // the window saves its settings when it goes
+    MainWindow again;
+    QVERIFY(again.lanesPanel()->lanesEnabled());
+    const auto set = again.lanesPanel()->laneSet();
+    QCOMPARE(set.lanes.size(), std::size_t(2));
+    QCOMPARE(set.lanes[1].strategy.name, std::string("step-skip"));
+    QCOMPARE(set.lanes[1].steps, 12);
+  }
+
   // Two lanes from the window: each lane's previews and chart, both results saved with
   // lanes.json, and the compare window on the baseline against lane 2.
   void twoLanesRunFromTheWindow() {

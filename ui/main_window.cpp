@@ -649,6 +649,14 @@ void MainWindow::loadSettings() {
   m_loraPanel->setFolders(s.value(QStringLiteral("loraFolders")).toStringList());
   m_controlNetPanel->setFolders(s.value(QStringLiteral("controlNetFolders")).toStringList());
   reloadPresets(s.value(QStringLiteral("preset")).toString());
+  if (const QString lanes = s.value(QStringLiteral("lanes/set")).toString(); !lanes.isEmpty()) {
+    try {
+      m_lanesPanel->setLaneSet(engine::parse_lane_set(lanes.toStdString(), "the saved lanes"));
+    } catch (const std::exception& e) {
+      m_status->setText(tr("The lanes of the last session were not restored: %1").arg(QString::fromUtf8(e.what())));
+    }
+  }
+  m_lanesPanel->setChecked(s.value(QStringLiteral("lanes/enabled"), false).toBool());
   restoreGeometry(s.value(QStringLiteral("window/geometry")).toByteArray());
   restoreState(s.value(QStringLiteral("window/state")).toByteArray());
   m_mainSplitter->restoreState(s.value(QStringLiteral("window/mainSplitter")).toByteArray());
@@ -669,6 +677,9 @@ void MainWindow::saveSettings() const {
   s.setValue(QStringLiteral("loraFolders"), m_loraPanel->folders());
   s.setValue(QStringLiteral("controlNetFolders"), m_controlNetPanel->folders());
   s.setValue(QStringLiteral("preset"), m_presetBar->currentName());
+  s.setValue(QStringLiteral("lanes/enabled"), m_lanesPanel->lanesEnabled());
+  if (m_lanesPanel->problem().isEmpty())
+    s.setValue(QStringLiteral("lanes/set"), QString::fromStdString(engine::lane_set_to_json(m_lanesPanel->laneSet())));
   s.setValue(QStringLiteral("window/geometry"), saveGeometry());
   s.setValue(QStringLiteral("window/state"), saveState());
   s.setValue(QStringLiteral("window/mainSplitter"), m_mainSplitter->saveState());
