@@ -1,5 +1,6 @@
 #include "ui/main_window.h"
 #include "ui/lane_grid.h"
+#include "ui/job_queue.h"
 #include "ui/lanes_panel.h"
 
 #include <QApplication>
@@ -134,6 +135,11 @@ MainWindow::MainWindow(QWidget* parent) : QMainWindow(parent), m_bridge(new Engi
   connect(m_bridge, &EngineBridge::laneFailed, m_laneGrid, &LaneGrid::setFailed);
   connect(m_bridge, &EngineBridge::laneCancelled, m_laneGrid, &LaneGrid::setCancelled);
   connect(m_bridge, &EngineBridge::lanesFinished, this, &MainWindow::onLanesFinished);
+  // Whatever ended the job, the next one waiting starts (after the slots above have run).
+  connect(m_bridge, &EngineBridge::failed, this, [this] { QTimer::singleShot(0, this, &MainWindow::startNextQueued); });
+  connect(m_bridge, &EngineBridge::cancelled, this, [this] { QTimer::singleShot(0, this, &MainWindow::startNextQueued); });
+  connect(m_bridge, &EngineBridge::finished, this, [this] { QTimer::singleShot(0, this, &MainWindow::startNextQueued); });
+  connect(m_bridge, &EngineBridge::lanesFinished, this, [this] { QTimer::singleShot(0, this, &MainWindow::startNextQueued); });
   connect(m_laneGrid, &LaneGrid::compareRequested, this, [this](int lane) { compareLane(lane); });
   updateControls();
 }
@@ -234,6 +240,9 @@ void MainWindow::buildUi() {
   formLayout->addWidget(m_lanesPanel);
   connect(m_lanesPanel, &LanesPanel::changed, this, &MainWindow::updateLanePlan);
   connect(m_devicesPanel, &DevicesPanel::gpusChanged, this, &MainWindow::updateLanePlan);
+  m_queuePanel = new JobQueuePanel;
+  formLayout->addWidget(m_queuePanel);
+  connect(m_queuePanel, &JobQueuePanel::variationsRequested, this, &MainWindow::queueVariations);
 
   auto* buttons = new QHBoxLayout;
   m_generate = new QPushButton(tr("Generate"));
@@ -412,40 +421,78 @@ job::GenerationRequest MainWindow::requestFromFields() {
   return r;
 }
 
-void MainWindow::generate() {
+std::optional<QueuedJob> MainWindow::jobFromFields() {
   m_error->hide();
   m_error->clear();
   m_restored->hide();
   if (m_model->text().trimmed().isEmpty()) {
     showError(tr("Choose a model first: a diffusers folder or a .safetensors / .ckpt checkpoint (Model, above)."));
-    return;
+    return std::nullopt;
   }
   if (m_settings->randomSeed()->isChecked()) m_seed->setText(QString::number(QRandomGenerator::global()->generate()));
   if (!seedValue()) {
     showError(tr("Seed '%1' is not a whole number from 0 to %2.")
                   .arg(m_seed->text())
                   .arg(std::numeric_limits<std::uint64_t>::max()));
-    return;
+    return std::nullopt;
   }
   const bool lanes = m_lanesPanel->lanesEnabled();
   if (lanes) {
     if (const QString problem = m_lanesPanel->problem(); !problem.isEmpty()) {
       showError(tr("Cannot start the lanes: %1").arg(problem));
-      return;
+      return std::nullopt;
     }
   } else if (const engine::DeviceChoice choice = deviceChoice(); !choice.error.empty()) {
     showError(tr("Cannot start: %1.").arg(QString::fromStdString(choice.error)));
-    return;
+    return std::nullopt;
   }
   auto request = requestFromFields();
   // The control images are made here, for the job only (not for the background prepare or a preset).
   if (const QString error = m_controlNetPanel->fillRequest(request); !error.isEmpty()) {
     showError(error);
+    return std::nullopt;
+  }
+  QueuedJob job{request, m_controlNetPanel->requestUnits(), std::nullopt, {}};
+  if (lanes) job.lanes = m_lanesPanel->laneSet();
+  return job;
+}
+
+void MainWindow::generate() {
+  auto job = jobFromFields();
+  if (!job) return;
+  saveSettings();
+  if (m_bridge->isRunning()) {
+    m_queuePanel->add(std::move(*job));
+    m_status->setText(tr("Added to the queue (%n waiting)", nullptr, m_queuePanel->count()));
     return;
   }
-  m_jobControlUnits = m_controlNetPanel->requestUnits();
-  if (lanes) {
-    generateLanes(request);
+  startJob(std::move(*job));
+}
+
+void MainWindow::queueVariations(int count) {
+  auto job = jobFromFields();
+  if (!job) return;
+  saveSettings();
+  for (int i = 0; i < count; ++i) {
+    QueuedJob v = *job;
+    v.request.seed = job->request.seed + static_cast<std::uint64_t>(i);
+    v.label.clear();
+    m_queuePanel->add(std::move(v));
+  }
+  m_status->setText(tr("Queued %1 seeds from %2").arg(count).arg(job->request.seed));
+  startNextQueued();
+}
+
+void MainWindow::startNextQueued() {
+  if (m_bridge->isRunning()) return;
+  if (auto next = m_queuePanel->takeNext()) startJob(std::move(*next));
+}
+
+void MainWindow::startJob(QueuedJob job) {
+  const auto& request = job.request;
+  m_jobControlUnits = job.controlUnits;
+  if (job.lanes) {
+    generateLanes(request, *job.lanes);
     return;
   }
   m_timings->reset(request.steps);
@@ -457,12 +504,11 @@ void MainWindow::generate() {
   m_jobRequest = request;
   m_viewTabs->setCurrentIndex(0);
   m_bridge->start(request);
-  saveSettings();
   updateControls();
 }
 
-void MainWindow::generateLanes(const job::GenerationRequest& request) {
-  m_jobLanes = m_lanesPanel->laneSet();
+void MainWindow::generateLanes(const job::GenerationRequest& request, const engine::LaneSet& lanes) {
+  m_jobLanes = lanes;
   const auto plans = engine::plan_lanes(request, m_jobLanes, enabledGpus());
   QStringList titles, waiting;
   QList<int> steps;
@@ -485,7 +531,6 @@ void MainWindow::generateLanes(const job::GenerationRequest& request) {
   m_status->setText(tr("Running %1 lanes…").arg(plans.size()));
   m_viewTabs->setCurrentWidget(m_laneGrid);
   m_bridge->startLanes(request, m_jobLanes, enabledGpus(), m_laneDir);
-  saveSettings();
   updateControls();
 }
 
@@ -572,6 +617,12 @@ void MainWindow::onStep(int index, int total, double, double ms, bool cached) {
 void MainWindow::onFinished(const QList<QImage>& images, const QString& metadataJson, const QString& parameters,
                             const JobTimings& timings) {
   m_timings->setTimings(timings);
+  if (!images.isEmpty() && !timings.stepMs.isEmpty()) {
+    double sum = 0;
+    for (double ms : timings.stepMs) sum += ms;
+    const double megapixels = double(images.first().width()) * images.first().height() * images.size() / 1e6;
+    if (megapixels > 0) m_queuePanel->setStepCost(sum / timings.stepMs.size() / megapixels);
+  }
   if (!images.isEmpty()) m_view->setImage(images.first(), true);
 
   const QDir dir(outputDir());
@@ -631,7 +682,9 @@ void MainWindow::updateControls() {
   m_cancel->setEnabled(running);
   m_compare->setEnabled(m_results.size() >= 2);
   m_saveAs->setEnabled(!m_results.isEmpty());
-  m_generate->setText(running ? tr("Restart") : tr("Generate"));
+  m_generate->setText(running ? tr("Add to queue") : tr("Generate"));
+  m_generate->setToolTip(running ? tr("Ctrl+Enter: this job runs after the running one (and those queued before it)")
+                                 : tr("Ctrl+Enter"));
   m_hint->setVisible(!haveModel);
   m_view->setPlaceholder(haveModel ? tr("Press Generate (Ctrl+Enter) to see every step here.") : noModelHint());
 }

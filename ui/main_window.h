@@ -16,6 +16,7 @@
 #include "ui/compare_view.h"
 #include "ui/controlnet_panel.h"
 #include "ui/engine_bridge.h"
+#include "ui/job_queue.h"
 
 class QComboBox;
 class QDragEnterEvent;
@@ -32,6 +33,7 @@ class QTabWidget;
 namespace diffract::ui {
 
 class DevicesPanel;
+class JobQueuePanel;
 class LaneGrid;
 class LanesPanel;
 class InputPanel;
@@ -89,6 +91,7 @@ class MainWindow : public QMainWindow {
   LoraPanel* loraPanel() const { return m_loraPanel; }
   ControlNetPanel* controlNetPanel() const { return m_controlNetPanel; }
   LanesPanel* lanesPanel() const { return m_lanesPanel; }
+  JobQueuePanel* queuePanel() const { return m_queuePanel; }
   LaneGrid* laneGrid() const { return m_laneGrid; }
   // Session results (indexes into results()) of the last lane group, per lane; -1 where a lane
   // made no image.
@@ -142,7 +145,12 @@ class MainWindow : public QMainWindow {
   void reloadPresets(const QString& select = QString());
   void applyRestored(const engine::PngParameters& p, const QString& file);
   void onStep(int index, int total, double timestep, double ms, bool cached);
-  void generateLanes(const job::GenerationRequest& request);
+  // The job the form describes, checked, control images made; nothing (an error shown) when it cannot run.
+  std::optional<QueuedJob> jobFromFields();
+  void startJob(QueuedJob job);
+  void startNextQueued();
+  void queueVariations(int count);
+  void generateLanes(const job::GenerationRequest& request, const engine::LaneSet& lanes);
   void onLanesFinished(const QList<LaneRow>& rows, bool cancelled, const QString& savedFile, const QString& saveError);
   void updateLanePlan();
   void onFinished(const QList<QImage>& images, const QString& metadataJson, const QString& parameters,
@@ -182,6 +190,7 @@ class MainWindow : public QMainWindow {
   QSplitter* m_viewSplitter = nullptr;
 
   LanesPanel* m_lanesPanel = nullptr;
+  JobQueuePanel* m_queuePanel = nullptr;
   LaneGrid* m_laneGrid = nullptr;
   engine::LaneSet m_jobLanes;  // the running (or last) lane group
   QList<RenderedImage> m_laneImages;  // its lanes' first images as they finish (null: none yet)
