@@ -26,6 +26,9 @@
 #           (WIDE_STRATEGIES), a batch of 8 data-parallel, SD3's strategies and SDXL 2048².
 #   solo    one GPU: diffract-bench's plain job and each one-device strategy of SOLO_STRATEGIES
 #           (default fbcache) on each config of SOLO_CONFIGS (default flux-1024,sd3-1024), in one run.
+#   lanes   one GPU: diffract-cli lanes with the embedded model on cuda:0 for each shipped setup of
+#           LANE_SETUPS (default steps-30-20-12, samplers-at-20-steps and the DRiffusion one, whose
+#           2-GPU lane cannot run on one) at LANE_SIZE (default 256) px: the table of each.
 #   tree    one GPU: another tree's diffract-bench (TREE, default .ab/old: an older commit's
 #           sources, `git archive COMMIT CMakeLists.txt CMakePresets.json cmake core app tests/gpu
 #           presets packaging`) against this tree's, taking turns on the same GPU (TREE_CONFIGS,
@@ -73,6 +76,7 @@ if [ "$plan" = tree ]; then
 fi
 targets="diffract-bench diffract-gpu-checks"
 [ "$plan" = tree ] && targets=diffract-bench
+[ "$plan" = lanes ] && targets=diffract-cli
 gpu_build "$logs" $targets || exit 1
 echo "built at $(elapsed) s"
 bench=build/gpu/app/diffract-bench
@@ -354,6 +358,18 @@ wide)
   fi
   ;;
 
+lanes)
+  export CUDA_VISIBLE_DEVICES=0
+  size="${LANE_SIZE:-256}"
+  for setup in $(echo "${LANE_SETUPS:-steps-30-20-12,samplers-at-20-steps,baseline-vs-driffusion-vs-step-skip}" | tr ',' ' '); do
+    timeout "$(left 5)" build/gpu/app/diffract-cli lanes "$setup" --device cuda:0 --model resources/models/diffract-emoji \
+      --prompt "${LANE_PROMPT:-a red apple on a light blue background}" --seed 3 --width "$size" --height "$size" \
+      --out-dir "$logs/lanes_$setup" > "$logs/lanes_$setup.log" 2>&1
+    echo "lanes $setup rc $? at $(elapsed) s"
+    grep -vE "^\[|\) started$" "$logs/lanes_$setup.log" | cut -c1-200 | head -20
+  done
+  ;;
+
 tree)
   wait "$tree_build" || { echo "the other tree did not build:"; grep -m20 -A5 error "$logs/tree_build.log" "$logs/tree_configure.log"; exit 1; }
   echo "other tree built at $(elapsed) s"
@@ -380,5 +396,5 @@ PY
   done
   ;;
 
-*) echo "unknown PLAN=$plan (checks, lean, image, lora, controlnet, ab, pair, wide, tree)" >&2; exit 2 ;;
+*) echo "unknown PLAN=$plan (checks, lean, image, lora, controlnet, ab, pair, wide, solo, lanes, tree)" >&2; exit 2 ;;
 esac
