@@ -3,8 +3,11 @@
 #include <QtTest>
 
 #include <cstdlib>
+#include <mutex>
 #include <set>
 
+#include "core/parallel/communicator.h"
+#include "core/parallel/device_group.h"
 #include "core/util/error.h"
 #include "core/util/options.h"
 #include "test_util.h"
@@ -65,6 +68,27 @@ class TestOptions : public QObject {
     QVERIFY(!opt::is_set(opt::Id::BatchVae));
     ::unsetenv("DIFFRACT_BATCH_VAE");
     QCOMPARE(opt::value(opt::Id::ParallelVae), std::string());
+  }
+
+  // A strategy's ranks run on threads of their own (rank 0 on the caller's): each sees the job's values.
+  void jobOptionsReachEveryRank() {
+    const auto group = parallel::DeviceGroup::virtual_cpu(3);
+    std::mutex mutex;
+    std::vector<std::string> seen(3);
+    const opt::Overrides mine = {{"DIFFRACT_BATCH_VAE", "1"}};
+    {
+      const opt::JobOptionsScope scope(mine);
+      group->run([&](int rank, parallel::Communicator&) {
+        std::lock_guard lock(mutex);
+        seen[static_cast<std::size_t>(rank)] = opt::value(opt::Id::BatchVae);
+      });
+    }
+    QCOMPARE(seen, (std::vector<std::string>{"1", "1", "1"}));
+    group->run([&](int rank, parallel::Communicator&) {
+      std::lock_guard lock(mutex);
+      seen[static_cast<std::size_t>(rank)] = opt::is_set(opt::Id::BatchVae) ? "set" : "unset";
+    });
+    if (!std::getenv("DIFFRACT_BATCH_VAE")) QCOMPARE(seen, (std::vector<std::string>{"unset", "unset", "unset"}));
   }
 
   void overridesNameJobScopeOptionsWithValidValues() {

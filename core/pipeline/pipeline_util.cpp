@@ -208,7 +208,7 @@ parallel::DeviceGroup& StrategyGroups::group_for(const c10::Device& model_device
                                                  const std::vector<int>& gpus) {
   const int n = strategy.devices();
   if (model_device.is_cpu()) {
-    virtual_ = parallel::DeviceGroup::virtual_cpu(n);
+    if (!virtual_ || virtual_->size() != n) virtual_ = parallel::DeviceGroup::virtual_cpu(n);
     return *virtual_;
   }
   const int count = static_cast<int>(torch::cuda::device_count());

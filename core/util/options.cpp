@@ -184,6 +184,8 @@ void check_overrides(const Overrides& overrides) {
   }
 }
 
+const Overrides* current_overrides() { return t_job; }
+
 JobOptionsScope::JobOptionsScope(const Overrides& overrides) : previous_(t_job) { t_job = &overrides; }
 JobOptionsScope::~JobOptionsScope() { t_job = previous_; }
 

@@ -77,6 +77,10 @@ using Overrides = std::map<std::string, std::string>;
 // jobs of one process) or an invalid value.
 void check_overrides(const Overrides& overrides);
 
+// The job-scope values in force on the calling thread (null outside a JobOptionsScope), for
+// threads that work for the same job (a strategy's ranks) to take on.
+const Overrides* current_overrides();
+
 // Makes `overrides` the job-scope values on the calling thread for its lifetime.
 class JobOptionsScope {
  public:
