@@ -243,7 +243,7 @@ class TestLanes : public QObject {
     const engine::RunJob run = [&](const job::GenerationRequest& r, const job::JobObserver&, const job::CancelToken&) {
       {
         std::lock_guard lock(mutex);
-        if (r.steps == 1) ++warm_ups[r.device];
+        if (r.steps <= 2) ++warm_ups[r.device];
         if (++busy[r.device] > 1) overlapped_on_a_device = true;
         most_at_once = std::max(most_at_once, ++running);
       }
@@ -286,6 +286,24 @@ class TestLanes : public QObject {
     QVERIFY(result.lanes[3].compared);
     QVERIFY(!std::isinf(result.lanes[3].against_baseline.psnr));
     QVERIFY(contains(engine::lane_table(result), "broken on purpose"));
+  }
+
+  // Each device gets one plain warm-up, each strategy one of its own there; the lanes' jobs follow.
+  void warmsEachStrategyOnce() {
+    auto set = set_of({lane("single"), lane("step-skip"), lane("step-skip"), lane("driffusion", 2)});
+    set.lanes[2].strategy.skip = 3;
+    const auto plans = engine::plan_lanes(tiny_request(), set, {});
+    std::vector<std::string> ran;
+    const engine::RunJob run = [&](const job::GenerationRequest& r, const job::JobObserver&, const job::CancelToken&) {
+      ran.push_back(r.strategy.display_name() + ":" + std::to_string(r.steps));
+      job::GenerationResult g;
+      g.images.push_back(io::Image{16, 16, std::vector<std::uint8_t>(16 * 16 * 3, 9)});
+      return g;
+    };
+    job::CancelToken never;
+    engine::run_lane_group(set, plans, run, {}, never);  // every lane shares cpu: one after another
+    QCOMPARE(ran, (std::vector<std::string>{"single:1", "single:6", "step-skip:2", "step-skip:6", "step-skip:2",
+                                            "step-skip:6", "driffusion:2", "driffusion:6"}));
   }
 
   // The real thing on CPU virtual devices: each lane's previews and steps arrive, the baseline lane

@@ -52,12 +52,22 @@ Comparison compare(Engine& engine, job::GenerationRequest request, const job::St
   auto baseline = request;
   baseline.strategy = {};
   baseline.gpus.clear();
-  // A one-step run first loads the model and pays every first-use cost outside the timing.
+  // Short runs first load the model and pay every first-use cost outside the timings: the plain
+  // loop's and the strategy's (its replicas, its ranks' graphs and plans).
   auto warm_up = baseline;
   warm_up.steps = 1;
+  warm_up.preview_every = 0;
   engine.run(warm_up, {}, cancel);
-  c.baseline = engine.run(baseline, observer, cancel);
   request.strategy = strategy;
+  auto warm_strategy = request;
+  warm_strategy.steps = std::min(request.steps, 2);
+  warm_strategy.preview_every = 0;
+  try {
+    engine.run(warm_strategy, {}, cancel);
+  } catch (const Error&) {
+    // A strategy that cannot run two steps says so in the timed run below.
+  }
+  c.baseline = engine.run(baseline, observer, cancel);
   c.accelerated = engine.run(request, observer, cancel);
   static_cast<Measures&>(c) = measure(c.accelerated, c.baseline);
   return c;

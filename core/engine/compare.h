@@ -15,7 +15,7 @@ struct Comparison : Measures {
 // metrics::relative_l2 of two jobs' final latents, `b` the baseline.
 double latents_rel_l2(const job::GenerationResult& a, const job::GenerationResult& b);
 
-// Runs a one-step warm-up, then `request` with strategy "single" and with `strategy`.
+// Runs short warm-up jobs (the plain loop, then the strategy), then `request` with strategy "single" and with `strategy`.
 Comparison compare(Engine& engine, job::GenerationRequest request, const job::StrategyParams& strategy,
                    const job::JobObserver& observer, const job::CancelToken& cancel);
 

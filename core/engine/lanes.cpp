@@ -357,19 +357,28 @@ LaneGroupResult run_lane_group(const LaneSet& set, std::vector<LanePlan> plans, 
       if (!plan.error.empty()) throw Error(plan.error);
       if (cancel.cancelled()) throw job::Cancelled{};
       if (observer.on_lane_started) observer.on_lane_started(static_cast<int>(i));
-      bool warm = false;
+      // Loads the model and pays the first-use costs (cuDNN plans, graph captures, a
+      // strategy's replicas and its rank's graphs) outside the lane's time: a one-step plain job
+      // on each device, then a two-step job of each strategy the first time it runs there.
+      auto plain = plan.request;
+      plain.strategy = {};
+      plain.gpus.clear();
+      plain.steps = 1;
+      plain.preview_every = 0;
+      plain.hires = {};
+      auto own = plan.request;
+      own.steps = std::min(own.steps, 2);
+      own.preview_every = 0;
+      own.hires = {};
+      std::vector<job::GenerationRequest> warm_ups;
       {
         std::lock_guard lock(mutex);
-        warm = warmed.insert(plan.request.device).second;
+        if (warmed.insert(plan.request.device).second) warm_ups.push_back(plain);
+        if (!plan.request.strategy.single() &&
+            warmed.insert(plan.request.device + " " + strategy_label(plan.request.strategy)).second)
+          warm_ups.push_back(own);
       }
-      if (warm) {
-        // Loads the model and pays the device's first-use costs outside the lane's time.
-        auto w = plan.request;
-        w.strategy = {};
-        w.gpus.clear();
-        w.steps = 1;
-        w.preview_every = 0;
-        w.hires = {};
+      for (const auto& w : warm_ups) {
         try {
           run(w, {}, cancel);
         } catch (const Error& e) {

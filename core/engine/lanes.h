@@ -104,8 +104,9 @@ using RunJob = std::function<job::GenerationResult(const job::GenerationRequest&
                                                    const job::CancelToken&)>;
 
 // Runs the planned lanes, each on a thread of its own once the lanes it waits for have ended,
-// after a one-step warm-up job on each lane's first device, so that no lane's time holds a
-// device's first-use costs. A failing lane fails alone. Returns when every lane has ended;
+// after warm-up jobs (a one-step plain job on each lane's first device, a two-step job of each
+// strategy the first time it runs there), so that no lane's time holds a device's or a
+// strategy's first-use costs. A failing lane fails alone. Returns when every lane has ended;
 // the group's cancel token cancels them all.
 LaneGroupResult run_lane_group(const LaneSet& set, std::vector<LanePlan> plans, const RunJob& run,
                                const LaneGroupObserver& observer, const job::CancelToken& cancel);
