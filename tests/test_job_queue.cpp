@@ -18,26 +18,17 @@
 #include "ui/job_queue.h"
 #include "ui/main_window.h"
 #include "test_util.h"
+#include "window_test_util.h"
 
 using namespace diffract;
 using namespace diffract::ui;
 
 namespace {
 
-template <typename T>
-T* child(const QWidget& w, const char* name) {
-  auto* c = w.findChild<T*>(QString::fromLatin1(name));
-  if (!c) qFatal("no child %s", name);
-  return c;
-}
+using test::child;
 
 void setUpJob(MainWindow& w, int steps, const char* seed) {
-  child<QLineEdit>(w, "modelEdit")->setText(QString::fromStdString((test::fixtures() / "tiny-sd").string()));
-  child<QSpinBox>(w, "widthSpin")->setValue(64);
-  child<QSpinBox>(w, "heightSpin")->setValue(64);
-  child<QSpinBox>(w, "stepsSpin")->setValue(steps);
-  child<QCheckBox>(w, "randomSeedCheck")->setChecked(false);
-  child<QLineEdit>(w, "seedEdit")->setText(seed);
+  test::setUpJob(w, steps, test::tinyModel(), QString::fromLatin1(seed));
   w.findChild<QPlainTextEdit*>("promptEdit")->setPlainText("a red apple");
 }
 

@@ -28,26 +28,17 @@
 #include "ui/main_window.h"
 #include "ui/timings_chart.h"
 #include "test_util.h"
+#include "window_test_util.h"
 
 using namespace diffract;
 using namespace diffract::ui;
 
 namespace {
 
-template <typename T>
-T* child(const QWidget& w, const char* name) {
-  auto* c = w.findChild<T*>(QString::fromLatin1(name));
-  if (!c) qFatal("no child %s", name);
-  return c;
-}
+using test::child;
 
 void setUpJob(MainWindow& w, int steps) {
-  child<QLineEdit>(w, "modelEdit")->setText(QString::fromStdString((test::fixtures() / "tiny-sd").string()));
-  child<QSpinBox>(w, "widthSpin")->setValue(64);
-  child<QSpinBox>(w, "heightSpin")->setValue(64);
-  child<QSpinBox>(w, "stepsSpin")->setValue(steps);
-  child<QCheckBox>(w, "randomSeedCheck")->setChecked(false);
-  child<QLineEdit>(w, "seedEdit")->setText("5");
+  test::setUpJob(w, steps);
   w.findChild<QPlainTextEdit*>("promptEdit")->setPlainText("a red apple");
 }
 
@@ -235,22 +226,11 @@ class TestLanesPanel : public QObject {
     QSignalSpy steps(w.bridge(), &EngineBridge::laneStep);
     QSignalSpy finished(w.bridge(), &EngineBridge::lanesFinished);
     QSignalSpy cancelledLanes(w.bridge(), &EngineBridge::laneCancelled);
-    QElapsedTimer clock;
-    qint64 last = 0, maxGap = 0, ticks = 0;
-    QTimer timer;
-    timer.setInterval(10);
-    timer.setTimerType(Qt::PreciseTimer);
-    connect(&timer, &QTimer::timeout, this, [&] {
-      const qint64 now = clock.elapsed();
-      if (ticks > 0 && steps.count() > 0 && w.bridge()->isRunning()) maxGap = std::max(maxGap, now - last);
-      last = now;
-      ++ticks;
-    });
+    test::StallMeter meter([&] { return steps.count() > 0 && w.bridge()->isRunning(); });
     QTest::mouseClick(child<QPushButton>(w, "generateButton"), Qt::LeftButton);
-    clock.start();
-    timer.start();
+    meter.start();
     QTRY_VERIFY_WITH_TIMEOUT(steps.count() >= 25, 120000);
-    timer.stop();
+    meter.stop();
     QVERIFY2(w.laneGrid()->statusText(1).contains("Waits for lane 1"), qPrintable(w.laneGrid()->statusText(1)));
     QTest::mouseClick(child<QPushButton>(w, "cancelButton"), Qt::LeftButton);
     QTRY_VERIFY_WITH_TIMEOUT(finished.count() == 1, 60000);
@@ -258,8 +238,8 @@ class TestLanesPanel : public QObject {
     QCOMPARE(cancelledLanes.count(), 3);
     QVERIFY(!w.bridge()->isRunning());
     QVERIFY(child<QLabel>(w, "statusLabel")->text().contains("cancelled"));
-    qInfo("largest GUI-thread gap %lld ms over %lld ticks", maxGap, ticks);
-    QVERIFY2(maxGap < 50, qPrintable(QString("the GUI thread stalled for %1 ms").arg(maxGap)));
+    qInfo("largest GUI-thread gap %lld ms over %lld ticks", meter.maxGap(), meter.ticks());
+    QVERIFY2(meter.maxGap() < 50, qPrintable(QString("the GUI thread stalled for %1 ms").arg(meter.maxGap())));
     // The next group runs to its end.
     child<QSpinBox>(w, "stepsSpin")->setValue(3);
     QTest::mouseClick(child<QPushButton>(w, "generateButton"), Qt::LeftButton);

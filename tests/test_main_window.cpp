@@ -34,6 +34,7 @@
 #include "core/pipeline/image_processor.h"
 #include "masked_change.h"
 #include "test_util.h"
+#include "window_test_util.h"
 #include "ui/compare_view.h"
 #include "ui/controlnet_panel.h"
 #include "ui/gallery.h"
@@ -49,24 +50,9 @@ using diffract::ui::MainWindow;
 
 namespace {
 
-template <typename T>
-T* child(const MainWindow& w, const char* name) {
-  auto* c = w.findChild<T*>(QString::fromLatin1(name));
-  if (!c) qFatal("no child %s", name);
-  return c;
-}
-
-QString tinyModel() { return QString::fromStdString((test::fixtures() / "tiny-sd").string()); }
-
-// Fills the fields for a small, fast job on the tiny model.
-void setUpJob(MainWindow& w, int steps, const QString& model = tinyModel()) {
-  child<QLineEdit>(w, "modelEdit")->setText(model);
-  child<QSpinBox>(w, "widthSpin")->setValue(64);
-  child<QSpinBox>(w, "heightSpin")->setValue(64);
-  child<QSpinBox>(w, "stepsSpin")->setValue(steps);
-  child<QCheckBox>(w, "randomSeedCheck")->setChecked(false);
-  child<QLineEdit>(w, "seedEdit")->setText("5");
-}
+using test::child;
+using test::setUpJob;
+using test::tinyModel;
 
 std::filesystem::path shippedPresets() {
   const char* d = std::getenv("DIFFRACT_PRESETS_DIR");
@@ -518,29 +504,19 @@ class TestMainWindow : public QObject {
     QSignalSpy ended(w.bridge(), &EngineBridge::finished);
     QSignalSpy cancelled(w.bridge(), &EngineBridge::cancelled);
 
-    QElapsedTimer clock;
-    qint64 last = 0, maxGap = 0, ticks = 0;
-    QTimer timer;
-    timer.setInterval(10);
-    timer.setTimerType(Qt::PreciseTimer);
-    connect(&timer, &QTimer::timeout, this, [&] {
-      const qint64 now = clock.elapsed();
-      if (ticks > 0 && steps.count() > 0 && w.bridge()->isRunning()) maxGap = std::max(maxGap, now - last);
-      last = now;
-      ++ticks;
-    });
+    test::StallMeter meter([&] { return steps.count() > 0 && w.bridge()->isRunning(); });
     QTest::mouseClick(child<QPushButton>(w, "generateButton"), Qt::LeftButton);
-    clock.start();
-    timer.start();
+    meter.start();
     // Measure over 25 steps of the running job (previews and repaints included), then stop it.
     QTRY_VERIFY_WITH_TIMEOUT(steps.count() >= 25 || !w.bridge()->isRunning(), 180000);
     const qint64 stepsMeasured = steps.count();
-    timer.stop();
+    meter.stop();
     QTest::mouseClick(child<QPushButton>(w, "cancelButton"), Qt::LeftButton);
     QTRY_VERIFY_WITH_TIMEOUT(!w.bridge()->isRunning(), 60000);
     double stepMs = 0;
     for (const auto& s : steps) stepMs += s[3].toDouble();
-    qInfo("largest GUI-thread gap %lld ms over %lld ticks and %lld steps (mean step %.1f ms)", maxGap, ticks,
+    const qint64 maxGap = meter.maxGap();
+    qInfo("largest GUI-thread gap %lld ms over %lld ticks and %lld steps (mean step %.1f ms)", maxGap, meter.ticks(),
           stepsMeasured, steps.isEmpty() ? 0.0 : stepMs / steps.count());
     QVERIFY(stepsMeasured >= 25);
     QVERIFY2(maxGap < 50, qPrintable(QString("the GUI thread stalled for %1 ms").arg(maxGap)));

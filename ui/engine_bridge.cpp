@@ -89,6 +89,17 @@ bool EngineBridge::prepare(const job::GenerationRequest& request) {
   return true;
 }
 
+void EngineBridge::endJob(quint64 job, std::function<void()> emitEnd) {
+  QMetaObject::invokeMethod(
+      this, [this, job, emitEnd = std::move(emitEnd)] {
+        if (!isCurrent(job)) return;
+        m_running = false;
+        m_job.reset();
+        emitEnd();
+      },
+      Qt::QueuedConnection);
+}
+
 quint64 EngineBridge::start(const job::GenerationRequest& request) {
   if (m_job) m_job->cancel();  // its remaining events are stale from here on
   const quint64 id = ++m_currentJob;
@@ -121,37 +132,15 @@ quint64 EngineBridge::start(const job::GenerationRequest& request) {
   o.on_done = [this, id](const job::GenerationResult& r) {
     QList<QImage> images;
     for (const auto& image : r.images) images.append(toQImage(image));
-    QMetaObject::invokeMethod(
-        this,
-        [this, id, images, meta = QString::fromStdString(r.metadata_json),
-         params = QString::fromStdString(r.a1111_parameters), timings = toJobTimings(r.timings)] {
-          if (!isCurrent(id)) return;
-          m_running = false;
-          m_job.reset();
-          emit finished(images, meta, params, timings);
-        },
-        Qt::QueuedConnection);
+    endJob(id, [this, images, meta = QString::fromStdString(r.metadata_json),
+                params = QString::fromStdString(r.a1111_parameters), timings = toJobTimings(r.timings)] {
+      emit finished(images, meta, params, timings);
+    });
   };
   o.on_error = [this, id](const std::string& message) {
-    QMetaObject::invokeMethod(
-        this, [this, id, m = QString::fromStdString(message)] {
-          if (!isCurrent(id)) return;
-          m_running = false;
-          m_job.reset();
-          emit failed(m);
-        },
-        Qt::QueuedConnection);
+    endJob(id, [this, m = QString::fromStdString(message)] { emit failed(m); });
   };
-  o.on_cancelled = [this, id] {
-    QMetaObject::invokeMethod(
-        this, [this, id] {
-          if (!isCurrent(id)) return;
-          m_running = false;
-          m_job.reset();
-          emit cancelled();
-        },
-        Qt::QueuedConnection);
-  };
+  o.on_cancelled = [this, id] { endJob(id, [this] { emit cancelled(); }); };
   try {
     m_job = m_engine->submit(request, std::move(o));
   } catch (const std::exception& e) {  // submit only queues; keep the promise of a signal anyway
@@ -207,14 +196,7 @@ quint64 EngineBridge::startLanes(const job::GenerationRequest& request, const en
   engine::Engine::LaneGroupEnd end;
   const std::string dir = saveDir.toStdString();
   const auto finish = [this, id](QList<LaneRow> rows, bool cancelled, QString file, QString error) {
-    QMetaObject::invokeMethod(
-        this, [this, id, rows, cancelled, file, error] {
-          if (!isCurrent(id)) return;
-          m_running = false;
-          m_job.reset();
-          emit lanesFinished(rows, cancelled, file, error);
-        },
-        Qt::QueuedConnection);
+    endJob(id, [this, rows, cancelled, file, error] { emit lanesFinished(rows, cancelled, file, error); });
   };
   end.on_done = [finish, dir](const engine::LaneGroupResult& r) {
     QList<LaneRow> rows;
@@ -251,14 +233,7 @@ quint64 EngineBridge::startLanes(const job::GenerationRequest& request, const en
     finish(rows, r.cancelled, file, error);
   };
   end.on_error = [this, id](const std::string& message) {
-    QMetaObject::invokeMethod(
-        this, [this, id, m = QString::fromStdString(message)] {
-          if (!isCurrent(id)) return;
-          m_running = false;
-          m_job.reset();
-          emit failed(m);
-        },
-        Qt::QueuedConnection);
+    endJob(id, [this, m = QString::fromStdString(message)] { emit failed(m); });
   };
   m_job = m_engine->submit_lanes(request, lanes, enabledGpus, std::move(o), std::move(end));
   emit started(id);

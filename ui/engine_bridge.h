@@ -5,6 +5,7 @@
 #include <QObject>
 #include <QString>
 #include <QVector>
+#include <functional>
 #include <memory>
 
 #include "core/engine/lanes.h"
@@ -97,6 +98,9 @@ class EngineBridge : public QObject {
 
  private:
   bool isCurrent(quint64 job) const { return m_running && job == m_currentJob; }
+  // From any thread: on the bridge's thread, if `job` is still the current one, marks it ended
+  // and runs `emitEnd` (which emits its last signal).
+  void endJob(quint64 job, std::function<void()> emitEnd);
 
   std::unique_ptr<engine::Engine> m_engine;
   std::shared_ptr<engine::Job> m_job;

@@ -213,13 +213,7 @@ std::vector<LaneSet> list_lane_sets(const std::vector<fs::path>& dirs) {
   std::vector<LaneSet> out;
   std::set<std::string> names;
   for (const auto& dir : dirs) {
-    std::error_code ec;
-    if (!fs::is_directory(dir, ec)) continue;
-    std::vector<fs::path> files;
-    for (const auto& e : fs::directory_iterator(dir, ec))
-      if (e.path().extension() == ".json") files.push_back(e.path());
-    std::sort(files.begin(), files.end());
-    for (const auto& file : files) {
+    for (const auto& file : io::files_in(dir, ".json")) {
       try {
         auto set = load_lane_set(file);
         if (names.insert(set.name).second) out.push_back(std::move(set));

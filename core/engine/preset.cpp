@@ -282,13 +282,7 @@ Preset find_preset(const std::string& name_or_file, const std::vector<fs::path>&
   std::string available;
   std::vector<fs::path> seen;
   for (const auto& dir : dirs) {
-    std::error_code ec;
-    if (!fs::is_directory(dir, ec)) continue;
-    std::vector<fs::path> files;
-    for (const auto& e : fs::directory_iterator(dir, ec))
-      if (e.path().extension() == ".json") files.push_back(e.path());
-    std::sort(files.begin(), files.end());
-    for (const auto& f : files) {
+    for (const auto& f : io::files_in(dir, ".json")) {
       const bool stem_matches = lower(f.stem().string()) == wanted;
       Preset p;
       try {

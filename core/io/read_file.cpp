@@ -87,6 +87,17 @@ std::string read_file_head(const std::filesystem::path& path, std::size_t n, con
 
 namespace diffract::io {
 
+std::vector<std::filesystem::path> files_in(const std::filesystem::path& dir, const std::string& extension) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> files;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return files;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.path().extension() == extension) files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
 void write_file_atomically(const std::filesystem::path& path, const std::string& bytes, const std::string& what) {
   namespace fs = std::filesystem;
   const std::string name = what.empty() ? path.string() : what + " " + path.string();

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 namespace diffract::io {
 
@@ -21,6 +22,9 @@ std::string read_file_head(const std::filesystem::path& path, std::size_t n, con
 }  // namespace diffract::io
 
 namespace diffract::io {
+
+// The files in `dir` whose names end in `extension` (".json"), sorted; none when `dir` is no folder.
+std::vector<std::filesystem::path> files_in(const std::filesystem::path& dir, const std::string& extension);
 
 // Writes `bytes` to a hidden temporary file beside `path`, then renames it over `path`: a full
 // disk or a crash mid-write leaves any earlier file whole. Creates the folder. Throws an Error
