@@ -347,6 +347,20 @@ struct DeviceOptions {
   std::vector<int> gpus;
 };
 
+// The GPUs a job may use: --gpus, else every GPU from --device's on; none on the CPU.
+std::vector<int> enabled_gpus(const std::string& device, std::vector<int> gpus) {
+  const bool cuda = device.rfind("cuda", 0) == 0;
+  if (cuda && gpus.empty()) {
+    const int first = device == "cuda" ? 0 : std::stoi(device.substr(5));
+    for (const auto& g : engine::list_devices())
+      if (g.index >= first) gpus.push_back(g.index);
+    if (gpus.empty()) throw Error("device '" + device + "': no such CUDA device");
+  } else if (!cuda && !gpus.empty()) {
+    throw Error("--gpus lists GPUs but --device is " + device);
+  }
+  return gpus;
+}
+
 // The same rule as the GUI's (engine::choose_devices): the GPUs are --gpus, else every GPU from
 // --device's on; the strategy takes its fixed count or --devices of them (or, without --devices,
 // as many as its rule allows).
@@ -362,16 +376,8 @@ void apply_devices(job::GenerationRequest& req, const DeviceOptions& d) {
     throw Error("--skip applies to step-skip, not to " + req.strategy.display_name());
   }
   if (req.strategy.single() && d.devices <= 1 && d.gpus.empty()) return;
-  std::vector<int> enabled = d.gpus;
+  const std::vector<int> enabled = enabled_gpus(req.device, d.gpus);
   const bool cuda = req.device.rfind("cuda", 0) == 0;
-  if (cuda && enabled.empty()) {
-    const int first = req.device == "cuda" ? 0 : std::stoi(req.device.substr(5));
-    for (const auto& g : engine::list_devices())
-      if (g.index >= first) enabled.push_back(g.index);
-    if (enabled.empty()) throw Error("device '" + req.device + "': no such CUDA device");
-  } else if (!cuda && !enabled.empty()) {
-    throw Error("--gpus lists GPUs but --device is " + req.device);
-  }
   const int count = info.takes(parallel::Param::Skip) ? 1 : d.devices > 0 ? d.devices : req.strategy.devices;
   const auto c = engine::choose_devices(enabled, std::string(info.name), count, cuda ? (d.devices > 0 ? count : 0) : 0);
   if (!c.error.empty()) throw Error(c.error);
@@ -565,16 +571,8 @@ engine::LaneSet find_lane_set(const std::string& name_or_file) {
 
 int lanes(const std::string& setup, job::GenerationRequest request, const std::vector<int>& gpus, const fs::path& out_dir) {
   const auto set = find_lane_set(setup);
-  std::vector<int> enabled = gpus;
+  const std::vector<int> enabled = enabled_gpus(request.device, gpus);
   const bool cuda = request.device.rfind("cuda", 0) == 0;
-  if (cuda && enabled.empty()) {
-    const int first = request.device == "cuda" ? 0 : std::stoi(request.device.substr(5));
-    for (const auto& g : engine::list_devices())
-      if (g.index >= first) enabled.push_back(g.index);
-    if (enabled.empty()) throw Error("device '" + request.device + "': no such CUDA device");
-  } else if (!cuda && !enabled.empty()) {
-    throw Error("--gpus lists GPUs but --device is " + request.device);
-  }
   request.preview_every = 0;
   const auto plans = engine::plan_lanes(request, set, enabled);
   std::cout << "lanes '" << set.name << "': " << set.lanes.size() << " lanes\n";
