@@ -84,11 +84,7 @@ LanesPanel::LanesPanel(QWidget* parent) : QGroupBox(tr("Lanes"), parent) {
   layout->addWidget(m_plan);
 
   connect(this, &QGroupBox::toggled, this, [this] { emit changed(); });
-  connect(add, &QPushButton::clicked, this, [this] {
-    engine::Lane lane;
-    if (laneCount() >= engine::kMaxLanes) return;
-    addLane(lane);
-  });
+  connect(add, &QPushButton::clicked, this, [this] { addLane(engine::Lane{}); });
   connect(m_remove, &QPushButton::clicked, this, [this] {
     const int row = m_table->currentRow();
     removeLane(row >= 0 ? row : laneCount() - 1);
@@ -311,15 +307,10 @@ QStringList LanesPanel::reloadSetups(const QString& select) {
       problems << QString::fromUtf8(e.what());
     }
   }
-  const QDir user(userLaneDir());
-  for (const QFileInfo& fi : user.entryInfoList({QStringLiteral("*.json")}, QDir::Files, QDir::Name)) {
-    try {
-      auto set = engine::load_lane_set(fi.filePath().toStdString());
-      if (names.insert(set.name).second) m_sets.push_back(std::move(set));
-    } catch (const std::exception& e) {
-      problems << QString::fromUtf8(e.what());
-    }
-  }
+  std::vector<std::string> unread;
+  for (auto& set : engine::list_lane_sets({userLaneDir().toStdString()}, &unread))
+    if (names.insert(set.name).second) m_sets.push_back(std::move(set));
+  for (const auto& p : unread) problems << QString::fromStdString(p);
   const bool was = m_filling;
   m_filling = true;
   m_setups->clear();

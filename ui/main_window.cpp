@@ -136,10 +136,11 @@ MainWindow::MainWindow(QWidget* parent) : QMainWindow(parent), m_bridge(new Engi
   connect(m_bridge, &EngineBridge::laneCancelled, m_laneGrid, &LaneGrid::setCancelled);
   connect(m_bridge, &EngineBridge::lanesFinished, this, &MainWindow::onLanesFinished);
   // Whatever ended the job, the next one waiting starts (after the slots above have run).
-  connect(m_bridge, &EngineBridge::failed, this, [this] { QTimer::singleShot(0, this, &MainWindow::startNextQueued); });
-  connect(m_bridge, &EngineBridge::cancelled, this, [this] { QTimer::singleShot(0, this, &MainWindow::startNextQueued); });
-  connect(m_bridge, &EngineBridge::finished, this, [this] { QTimer::singleShot(0, this, &MainWindow::startNextQueued); });
-  connect(m_bridge, &EngineBridge::lanesFinished, this, [this] { QTimer::singleShot(0, this, &MainWindow::startNextQueued); });
+  const auto next = [this] { QTimer::singleShot(0, this, &MainWindow::startNextQueued); };
+  connect(m_bridge, &EngineBridge::failed, this, next);
+  connect(m_bridge, &EngineBridge::cancelled, this, next);
+  connect(m_bridge, &EngineBridge::finished, this, next);
+  connect(m_bridge, &EngineBridge::lanesFinished, this, next);
   connect(m_laneGrid, &LaneGrid::compareRequested, this, [this](int lane) { compareLane(lane); });
   updateControls();
 }
@@ -546,7 +547,7 @@ void MainWindow::onLanesFinished(const QList<LaneRow>& rows, bool cancelled, con
     }
     ++done;
     auto r = m_laneImages[i];
-    if (!savedFile.isEmpty()) r.savedPath = QDir(m_laneDir).filePath(QStringLiteral("lane-%1.png").arg(i + 1));
+    if (!savedFile.isEmpty()) r.savedPath = QDir(m_laneDir).filePath(QString::fromStdString(engine::lane_file(i)));
     m_laneResults << static_cast<int>(m_results.size());
     m_results.append(r);
   }

@@ -21,6 +21,18 @@ double latents_rel_l2(const job::GenerationResult& a, const job::GenerationResul
   return metrics::relative_l2(latents_of(a), latents_of(b));
 }
 
+job::GenerationRequest warm_up_job(const job::GenerationRequest& request, bool with_strategy) {
+  auto w = request;
+  if (!with_strategy) {
+    w.strategy = {};
+    w.gpus.clear();
+  }
+  w.steps = std::min(request.steps, with_strategy ? 2 : 1);
+  w.preview_every = 0;
+  w.hires = {};
+  return w;
+}
+
 Measures measure(const job::GenerationResult& other, const job::GenerationResult& baseline) {
   if (other.images.empty() || baseline.images.empty()) throw Error("compare: a job without images");
   const auto& a = other.images.front();
@@ -54,16 +66,10 @@ Comparison compare(Engine& engine, job::GenerationRequest request, const job::St
   baseline.gpus.clear();
   // Short runs first load the model and pay every first-use cost outside the timings: the plain
   // loop's and the strategy's (its replicas, its ranks' graphs and plans).
-  auto warm_up = baseline;
-  warm_up.steps = 1;
-  warm_up.preview_every = 0;
-  engine.run(warm_up, {}, cancel);
+  engine.run(warm_up_job(baseline, false), {}, cancel);
   request.strategy = strategy;
-  auto warm_strategy = request;
-  warm_strategy.steps = std::min(request.steps, 2);
-  warm_strategy.preview_every = 0;
   try {
-    engine.run(warm_strategy, {}, cancel);
+    engine.run(warm_up_job(request, true), {}, cancel);
   } catch (const Error&) {
     // A strategy that cannot run two steps says so in the timed run below.
   }

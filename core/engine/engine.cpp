@@ -93,10 +93,10 @@ struct Engine::Impl {
   std::shared_ptr<Job> running;
   bool stopping = false;
 
-  // The model loaded on one device (a strategy's first device); one job at a time uses it.
+  // The model loaded on one device (a strategy's first device). Only its thread touches it, so
+  // one job at a time uses it.
   struct Slot {
     DeviceThread thread;  // runs every job on the device
-    std::mutex use;
     std::unique_ptr<pipeline::Pipeline> model;  // chosen from the folder: SD 1.x / 2.x / XL, SD3 or Flux
     std::string config;
     bool without_t5 = false;  // loaded with drop_t5: a job that wants T5 needs a reload
@@ -128,11 +128,12 @@ struct Engine::Impl {
         }
     }
     bool freed = false;
-    for (auto& s : dropped) {
-      std::lock_guard use(s->use);
-      freed |= s->model != nullptr;
-      s->model.reset();
-    }
+    for (auto& s : dropped)
+      freed |= s->thread.run([&] {
+        const bool had = s->model != nullptr;
+        s->model.reset();
+        return had;
+      });
     if (freed) release_cached_memory();
   }
 
@@ -157,10 +158,7 @@ struct Engine::Impl {
     auto resolved = r;
     resolve_lora_tags(resolved);
     const auto s = slot(r.device);
-    return s->thread.run([&] {
-      std::lock_guard lock(s->use);
-      return model_in(*s, resolved).generate(resolved, o, c);
-    });
+    return s->thread.run([&] { return model_in(*s, resolved).generate(resolved, o, c); });
   }
 
   LaneGroupResult run_lanes(const job::GenerationRequest& r, const LaneSet& set, const std::vector<int>& enabled_gpus,
@@ -209,10 +207,7 @@ struct Engine::Impl {
         keep_only({request.device});
         if (q.load_only) {
           const auto s = slot(request.device);
-          const double prepared_ms = s->thread.run([&] {
-            std::lock_guard use(s->use);
-            return model_in(*s, request).prepare(request);
-          });
+          const double prepared_ms = s->thread.run([&] { return model_in(*s, request).prepare(request); });
           if (observer.on_stage) observer.on_stage("loaded", prepared_ms);
         } else {
           auto result = run(request, observer, job->token());

@@ -209,7 +209,7 @@ void save_lane_set(const LaneSet& set, const fs::path& file) {
   io::write_file_atomically(file, lane_set_to_json(set), "lanes file");
 }
 
-std::vector<LaneSet> list_lane_sets(const std::vector<fs::path>& dirs) {
+std::vector<LaneSet> list_lane_sets(const std::vector<fs::path>& dirs, std::vector<std::string>* problems) {
   std::vector<LaneSet> out;
   std::set<std::string> names;
   for (const auto& dir : dirs) {
@@ -218,7 +218,8 @@ std::vector<LaneSet> list_lane_sets(const std::vector<fs::path>& dirs) {
         auto set = load_lane_set(file);
         if (names.insert(set.name).second) out.push_back(std::move(set));
       } catch (const Error& e) {
-        log::get("lanes").warn(e.what());
+        if (problems) problems->push_back(e.what());
+        else log::get("lanes").warn(e.what());
       }
     }
   }
@@ -354,23 +355,13 @@ LaneGroupResult run_lane_group(const LaneSet& set, std::vector<LanePlan> plans, 
       // Loads the model and pays the first-use costs (cuDNN plans, graph captures, a
       // strategy's replicas and its rank's graphs) outside the lane's time: a one-step plain job
       // on each device, then a two-step job of each strategy the first time it runs there.
-      auto plain = plan.request;
-      plain.strategy = {};
-      plain.gpus.clear();
-      plain.steps = 1;
-      plain.preview_every = 0;
-      plain.hires = {};
-      auto own = plan.request;
-      own.steps = std::min(own.steps, 2);
-      own.preview_every = 0;
-      own.hires = {};
       std::vector<job::GenerationRequest> warm_ups;
       {
         std::lock_guard lock(mutex);
-        if (warmed.insert(plan.request.device).second) warm_ups.push_back(plain);
+        if (warmed.insert(plan.request.device).second) warm_ups.push_back(warm_up_job(plan.request, false));
         if (!plan.request.strategy.single() &&
             warmed.insert(plan.request.device + " " + strategy_label(plan.request.strategy)).second)
-          warm_ups.push_back(own);
+          warm_ups.push_back(warm_up_job(plan.request, true));
       }
       for (const auto& w : warm_ups) {
         try {
@@ -420,6 +411,8 @@ LaneGroupResult run_lane_group(const LaneSet& set, std::vector<LanePlan> plans, 
   return result;
 }
 
+std::string lane_file(int lane) { return "lane-" + std::to_string(lane + 1) + ".png"; }
+
 fs::path save_lane_group(const LaneGroupResult& result, const fs::path& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -428,7 +421,8 @@ fs::path save_lane_group(const LaneGroupResult& result, const fs::path& dir) {
   for (std::size_t i = 0; i < result.lanes.size(); ++i) {
     const auto& out = result.lanes[i];
     const auto& plan = result.plans[i];
-    const auto stem = "lane-" + std::to_string(i + 1);
+    const auto png = lane_file(static_cast<int>(i));
+    const auto stem = fs::path(png).stem().string();
     json e = {{"name", lane_title(result.set.lanes[i])},
               {"label", lane_label(result.set.lanes[i])},
               {"state", state_name(out.state)},
@@ -441,7 +435,7 @@ fs::path save_lane_group(const LaneGroupResult& result, const fs::path& dir) {
     if (out.state == LaneOutcome::State::Done) {
       const auto& r = out.result;
       json files = json::array();
-      const fs::path first = dir / (stem + ".png");
+      const fs::path first = dir / png;
       const int count = static_cast<int>(r.images.size());
       for (int k = 0; k < count; ++k) {
         const auto path = batch_file(first, k, count);

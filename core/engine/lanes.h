@@ -50,8 +50,10 @@ std::string lane_set_to_json(const LaneSet& set);
 // Validates, then writes beside and renames over (a failed write leaves the old file whole).
 void save_lane_set(const LaneSet& set, const std::filesystem::path& file);
 void validate_lane_set(const LaneSet& set, const std::string& where);
-// Lane setups shipped or saved in `dirs` (files holding "lanes"), each once, in folder order.
-std::vector<LaneSet> list_lane_sets(const std::vector<std::filesystem::path>& dirs);
+// Lane setups saved in `dirs`, each name once, in folder order; a file that does not parse is
+// skipped, its error added to `problems` (when given) or logged.
+std::vector<LaneSet> list_lane_sets(const std::vector<std::filesystem::path>& dirs,
+                                    std::vector<std::string>* problems = nullptr);
 
 // How one lane runs.
 struct LanePlan {
@@ -110,6 +112,9 @@ using RunJob = std::function<job::GenerationResult(const job::GenerationRequest&
 // the group's cancel token cancels them all.
 LaneGroupResult run_lane_group(const LaneSet& set, std::vector<LanePlan> plans, const RunJob& run,
                                const LaneGroupObserver& observer, const job::CancelToken& cancel);
+
+// The file save_lane_group writes lane `lane`'s (0-based) first image to: "lane-<lane + 1>.png".
+std::string lane_file(int lane);
 
 // Writes lane-<i>.png per finished lane (its parameters and metadata inside),
 // lane-<i>-heatmap.png against the baseline, and lanes.json (the set, each lane's file, timings,

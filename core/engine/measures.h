@@ -14,6 +14,11 @@ struct Measures {
   io::Image heatmap;           // |difference| per pixel, scaled so the largest is white
 };
 
+// A short job that pays `request`'s first-use costs (model load, cuDNN plans, graph captures;
+// with `with_strategy` also its strategy's replicas and ranks) before a timed run: one step of
+// the plain loop, or two of the strategy; no previews, no hires pass.
+job::GenerationRequest warm_up_job(const job::GenerationRequest& request, bool with_strategy);
+
 // Throws diffract::Error when the two jobs' first images differ in size.
 Measures measure(const job::GenerationResult& other, const job::GenerationResult& baseline);
 

@@ -21,7 +21,6 @@
 
 namespace diffract::parallel {
 
-// One thread per rank, bound to its device, running the tasks run_all() hands out.
 // Rank 0 runs on the calling thread (the job's, whose OpenMP team, cuDNN handles and tuned
 // plans are warm: a second OpenMP team on a worker made a one-device strategy's UNet steps 2.3x
 // slower on a 2-core CPU); one thread per further rank, bound to its device, runs the tasks
