@@ -334,7 +334,7 @@ std::string strategy_help() {
   for (const auto& s : parallel::strategies()) {
     out += "  " + std::string(s.name) + std::string(s.name.size() < 26 ? 26 - s.name.size() : 1, ' ') +
            std::string(s.hint) + " [" + s.devices.describe() + (s.exact ? "" : ", approximate") +
-           (s.needs_cfg ? ", needs CFG" : "") + (!s.unet ? ", SD3 only" : !s.transformer ? ", SD / SDXL only" : "") +
+           (s.needs_cfg ? ", needs CFG" : "") + (!s.unet ? ", SD3 / Flux only" : !s.transformer ? ", SD / SDXL only" : "") +
            "]\n";
   }
   return out;
@@ -373,7 +373,7 @@ void apply_devices(job::GenerationRequest& req, const DeviceOptions& d) {
       log::get("cli").warn(log::str(info.name, " runs on one device: --devices ", d.devices,
                                     " taken as its skip factor (say --skip ", d.devices, ")"));
   } else if (d.skip > 0) {
-    throw Error("--skip applies to step-skip, not to " + req.strategy.display_name());
+    throw Error("--skip applies to step-skip and deepcache, not to " + req.strategy.display_name());
   }
   if (req.strategy.single() && d.devices <= 1 && d.gpus.empty()) return;
   const std::vector<int> enabled = enabled_gpus(req.device, d.gpus);
@@ -471,17 +471,17 @@ void add_generation_options(CLI::App* cmd, job::GenerationRequest& req, bool wit
   cmd->add_flag("--lora-lenient", req.lora_lenient, "apply a LoRA whose some layers match nothing (warn instead of failing)");
   if (with_strategy) cmd->add_option("--strategy", req.strategy.name, "multi-device strategy (default: the plain loop; listed below)");
   cmd->add_option("--cache-threshold", req.strategy.cache_threshold,
-                  "fbcache (SD3, Flux): reuse the other blocks while the first block's output moved less than this "
-                  "(relative; 0: never)")
-      ->capture_default_str();
+                  "fbcache: reuse the rest while the first block's (a UNet's first down layer's) output moved less "
+                  "than this (relative); teacache: skip every block while the rescaled changes summed stay under "
+                  "this; 0: never reuse (default: fbcache 0.12, teacache 0.4)");
   cmd->add_option("--patches", req.strategy.patches,
-                  "pipefusion, cfg-pipefusion (SD3): latent row patches (default: one per stage)");
+                  "pipefusion, cfg-pipefusion (SD3, Flux): latent row patches (default: one per stage)");
   cmd->footer(strategy_help());
 }
 
 void add_device_options(CLI::App* cmd, DeviceOptions& d, std::string& gpus) {
   cmd->add_option("--devices", d.devices, "devices the strategy runs on (default: its fixed count, or every GPU from --device)");
-  cmd->add_option("--skip", d.skip, "step-skip: evaluate every N-th step (default 2)");
+  cmd->add_option("--skip", d.skip, "step-skip: evaluate every N-th step; deepcache: the deep layers every N-th step (default 2; DeepCache's own 3)");
   cmd->add_option("--gpus", gpus, "the GPUs a strategy may use, e.g. 0,2 (default: every GPU from --device on)");
 }
 

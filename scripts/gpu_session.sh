@@ -25,7 +25,8 @@
 #   wide    four or eight GPUs: the link map, the checks over all GPUs, then the SDXL strategies
 #           (WIDE_STRATEGIES), a batch of 8 data-parallel, SD3's strategies and SDXL 2048².
 #   solo    one GPU: diffract-bench's plain job and each one-device strategy of SOLO_STRATEGIES
-#           (default fbcache) on each config of SOLO_CONFIGS (default flux-1024,sd3-1024), in one run.
+#           (default fbcache) on each config of SOLO_CONFIGS (default flux-1024,sd3-1024), in one run;
+#           or SOLO_PLAN="CONFIG=STRATEGIES;..." (each config its own list, e.g. the step caches).
 #   lanes   one GPU: diffract-cli lanes with the embedded model on cuda:0 for each shipped setup of
 #           LANE_SETUPS (default steps-30-20-12, samplers-at-20-steps and the DRiffusion one, whose
 #           2-GPU lane cannot run on one) at LANE_SIZE (default 256) px: the table of each.
@@ -192,8 +193,17 @@ lean)
 
 solo)
   export CUDA_VISIBLE_DEVICES=0
-  for c in $(echo "${SOLO_CONFIGS:-flux-1024,sd3-1024}" | tr ',' ' '); do
-    strategy_bench "solo_$c" "$c" 1 "${SOLO_STRATEGIES:-fbcache}"
+  # SOLO_PLAN="CONFIG=STRATEGIES;CONFIG=STRATEGIES...": each config its own strategies.
+  plan_entries="${SOLO_PLAN:-}"
+  if [ -z "$plan_entries" ]; then
+    for c in $(echo "${SOLO_CONFIGS:-flux-1024,sd3-1024}" | tr ',' ' '); do
+      plan_entries="$plan_entries;$c=${SOLO_STRATEGIES:-fbcache}"
+    done
+  fi
+  IFS=';' read -ra entries <<< "$plan_entries"
+  for e in "${entries[@]}"; do
+    [ -n "$e" ] || continue
+    strategy_bench "solo_${e%%=*}" "${e%%=*}" 1 "${e#*=}"
   done
   ;;
 

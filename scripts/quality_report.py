@@ -1,7 +1,9 @@
-"""What each multi-device strategy costs in quality on the real embedded model (diffract-emoji):
-`diffract-cli compare` for every strategy over held-out prompts (CPU virtual devices: the images
-are what GPUs would make, the timings mean nothing), summarised in docs/quality-emoji.md with a
-sheet of one prompt's images (docs/quality-emoji.png).
+"""What each approximate strategy costs in quality on the real embedded model (diffract-emoji):
+`diffract-cli compare` for every multi-device strategy and step cache over held-out prompts (CPU
+virtual devices: the images are what GPUs would make, the timings mean nothing), summarised in
+docs/quality-emoji.md with a sheet of one prompt's images (docs/quality-emoji.png). The step caches
+run at settings whose model work matches step skipping's and DRiffusion's speed-ups (1.5x, 2x,
+3x), so that each is compared at equal speed.
 
   .venv/bin/python scripts/quality_report.py [--cli build/default/app/diffract-cli] [--prompts 12]
 """
@@ -15,9 +17,15 @@ import tempfile
 
 from PIL import Image, ImageDraw
 
+# (strategy, devices / skip / threshold): the value is the strategy's --devices, --skip for the
+# ones that skip (step-skip, deepcache), --cache-threshold for the threshold caches.
 STRATEGIES = [("cfg-parallel", 2), ("hybrid-cfg", 2), ("driffusion", 2), ("driffusion-aggressive", 2),
               ("driffusion", 4), ("driffusion-aggressive", 4), ("cfg-driffusion-aggressive", 4), ("asyncdiff", 2),
-              ("asyncdiff", 3), ("distrifusion", 2), ("step-skip", 2), ("step-skip", 4)]
+              ("asyncdiff", 3), ("distrifusion", 2), ("step-skip", 2), ("step-skip", 3), ("step-skip", 4),
+              ("deepcache", 2), ("deepcache", 3), ("deepcache", 4), ("fbcache", 0.05), ("fbcache", 0.1),
+              ("fbcache", 0.2)]
+SKIPS = {"step-skip", "deepcache"}
+THRESHOLDS = {"fbcache", "teacache"}
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--cli", default="build/default/app/diffract-cli")
@@ -44,12 +52,16 @@ with tempfile.TemporaryDirectory() as tmp:
         prompt = caption(r)
         for name, n in STRATEGIES:
             out = os.path.join(tmp, f"{i}-{name}-{n}")
+            flag = "--skip" if name in SKIPS else "--cache-threshold" if name in THRESHOLDS else "--devices"
             text = subprocess.run([args.cli, "compare", "--prompt", prompt, "--steps", str(args.steps), "--cfg",
-                                   str(args.cfg), "--seed", str(1000 + i), "--strategy", name, "--devices", str(n),
+                                   str(args.cfg), "--seed", str(1000 + i), "--strategy", name, flag, str(n),
                                    "--out-dir", out], check=True, capture_output=True, text=True).stdout
             m = re.search(r"PSNR ([\d.inf]+) dB, SSIM ([\d.]+), latents relative L2 ([\d.e-]+)", text)
-            rounds = re.search(r'"rounds":(\d+)', text)
-            results[(name, n)].append((float(m.group(1)), float(m.group(2)), float(m.group(3)), int(rounds.group(1))))
+            rounds = int(re.search(r'"rounds":(\d+)', text).group(1))
+            # The denoiser's speed-up: steps over sequential rounds, or over a step cache's model work.
+            work = re.search(r'"model_work":([\d.e+-]+)', text)
+            speedup = args.steps / (float(work.group(1)) if work else rounds)
+            results[(name, n)].append((float(m.group(1)), float(m.group(2)), float(m.group(3)), rounds, speedup))
             if i == 0:
                 if not sheet:
                     sheet.append(("baseline", Image.open(os.path.join(out, "baseline.png")).convert("RGB")))
@@ -62,14 +74,21 @@ lines = ["# Strategy quality on diffract-emoji", "",
          "one-device baseline of the same seed. CPU virtual devices: the images are the ones GPUs would make (up to "
          "rounding); speed is measured on GPUs in `docs/benchmarks.md`. A round is one sequential model evaluation; "
          "AsyncDiff's are one UNet component each (about 1/n of the UNet), so its 30 rounds cost about 30 / n "
-         "evaluations.", "",
-         "| strategy | rounds (of 30) | PSNR mean / min (dB) | SSIM mean / min | latent rel-L2 mean / max |",
-         "| --- | --- | --- | --- | --- |"]
+         "evaluations. The step caches run on one device: their speed-up is the steps over the model work they "
+         "ran (`model_work`: full evaluations' worth, a reused step counted at the share of the UNet's estimated "
+         "multiply-adds it still ran), the others' the steps over their rounds; step-skip:N, deepcache:N take "
+         "--skip N, fbcache:X --cache-threshold X (the first down layer and DeepCache's shallow path every step, "
+         "the deep layers refreshed when that layer's output moved more than X).", "",
+         "| strategy | rounds (of 30) | denoiser speed-up mean (min..max) | PSNR mean / min (dB) | SSIM mean / min | "
+         "latent rel-L2 mean / max |",
+         "| --- | --- | --- | --- | --- | --- |"]
 for (name, n), v in results.items():
     ps = [x[0] for x in v]
     ss = [x[1] for x in v]
     ls = [x[2] for x in v]
-    lines.append(f"| {name}:{n} | {v[0][3]} | {statistics.mean(ps):.1f} / {min(ps):.1f} | {statistics.mean(ss):.4f} / "
+    us = [x[4] for x in v]
+    lines.append(f"| {name}:{n} | {v[0][3]} | {statistics.mean(us):.2f}x ({min(us):.2f}..{max(us):.2f}) | "
+                 f"{statistics.mean(ps):.1f} / {min(ps):.1f} | {statistics.mean(ss):.4f} / "
                  f"{min(ss):.4f} | {statistics.mean(ls):.4f} / {max(ls):.4f} |")
 lines += ["", f"First prompt (`{caption(rows[0])}`), baseline then each strategy:", "", "![strategies](quality-emoji.png)", ""]
 open(os.path.join(args.docs, "quality-emoji.md"), "w").write("\n".join(lines))

@@ -1,11 +1,12 @@
 #pragma once
 // The inputs of a strategy's denoising loop over tiny seeded models (test_parallel,
-// test_distrifusion, test_cfg_pipefusion): random text conditioning, a scheduler and initial
-// noise, all from one seeded generator.
+// test_distrifusion, test_cfg_pipefusion, test_flux_pipefusion): random text conditioning, a
+// scheduler and initial noise, all from one seeded generator.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "core/models/unets/unet_2d_condition.h"
+#include "core/models/transformers/flux_transformer_2d.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
 #include "core/models/unets/unet_graphs.h"
 #include "core/parallel/denoiser.h"
@@ -51,6 +52,15 @@ inline UNetLoopInputs unet_loop_inputs(schedulers::SamplerKind kind, int steps, 
   return r;
 }
 
+// Flow-matching Euler (shift 3) for `steps` steps: the transformer families' loops.
+inline void flow_match_loop(parallel::LoopInputs& in, int steps) {
+  in.kind = schedulers::SamplerKind::FlowMatchEuler;
+  in.config = schedulers::SchedulerConfig::from_json_text(
+      R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})", in.kind,
+      "test flow scheduler");
+  in.steps = steps;
+}
+
 // A tiny random MMDiT (fp32, CPU): `sd35` adds SD3.5's qk-norm and dual attention in blocks 0, 1.
 inline models::SD3Transformer2DModel tiny_sd3(int layers, bool sd35) {
   models::SD3Transformer2DConfig c;
@@ -87,15 +97,54 @@ inline SD3LoopInputs sd3_loop_inputs(const models::SD3Transformer2DModel& model,
   r.pos = {at::randn({batch, 6, c.joint_attention_dim}, g), at::randn({batch, c.pooled_projection_dim}, g)};
   r.neg = {at::randn({batch, 6, c.joint_attention_dim}, g), at::randn({batch, c.pooled_projection_dim}, g)};
   auto& in = r.in;
-  in.kind = schedulers::SamplerKind::FlowMatchEuler;
-  in.config = schedulers::SchedulerConfig::from_json_text(
-      R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})", in.kind,
-      "test flow scheduler");
-  in.steps = steps;
+  flow_match_loop(in, steps);
   in.latents = at::randn({batch, c.in_channels, side, side}, g);
   in.generator = g;
   in.make_denoiser = [model, pos = r.pos, neg = r.neg, cfg](int, const c10::Device& d) -> std::unique_ptr<parallel::Denoiser> {
     return std::make_unique<parallel::SD3Denoiser>(model, pos, neg, cfg, at::kFloat, d);
+  };
+  return r;
+}
+
+// A tiny random Flux.1-dev transformer (fp32, CPU): `doubles` double-stream then `singles`
+// single-stream blocks, 2 heads of 16 (rope 4 + 6 + 6), 16 latent channels (64 packed).
+inline models::FluxTransformer2DModel tiny_flux(int doubles, int singles) {
+  models::FluxTransformer2DConfig c = models::FluxTransformer2DConfig::dev();
+  c.num_layers = doubles;
+  c.num_single_layers = singles;
+  c.attention_head_dim = 16;
+  c.num_attention_heads = 2;
+  c.joint_attention_dim = 24;
+  c.pooled_projection_dim = 12;
+  c.axes_dims_rope = {4, 6, 6};
+  models::FluxTransformer2DModel model(c);
+  models::init_random(*model, at::detail::createCPUGenerator(13));
+  model->eval();
+  return model;
+}
+
+struct FluxLoopInputs {
+  parallel::LoopInputs in;  // make_denoiser: a FluxDenoiser on the given device
+  parallel::FluxConditioning pos, neg;
+  double guidance = 3.5;
+};
+
+// A Flux loop: 6 random text tokens, flow-matching Euler (shift 3), distilled guidance 3.5, true
+// CFG at `cfg` > 1, latents [batch, 16, side, side].
+inline FluxLoopInputs flux_loop_inputs(const models::FluxTransformer2DModel& model, int steps, int batch, double cfg,
+                                       std::int64_t side = 16) {
+  at::Generator g = at::detail::createCPUGenerator(6);
+  const auto& c = model->config;
+  FluxLoopInputs r;
+  r.pos = {at::randn({batch, 6, c.joint_attention_dim}, g), at::randn({batch, c.pooled_projection_dim}, g)};
+  r.neg = {at::randn({batch, 6, c.joint_attention_dim}, g), at::randn({batch, c.pooled_projection_dim}, g)};
+  auto& in = r.in;
+  flow_match_loop(in, steps);
+  in.latents = at::randn({batch, c.in_channels / 4, side, side}, g);
+  in.generator = g;
+  in.make_denoiser = [model, pos = r.pos, neg = r.neg, cfg, guidance = r.guidance](
+                         int, const c10::Device& d) -> std::unique_ptr<parallel::Denoiser> {
+    return std::make_unique<parallel::FluxDenoiser>(model, pos, neg, cfg, guidance, at::kFloat, d);
   };
   return r;
 }

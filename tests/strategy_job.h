@@ -44,7 +44,7 @@ inline std::pair<at::Tensor, nlohmann::json> strategy_job(pipeline::Pipeline& pi
 
 // The First-Block Cache on `r` (a job of `steps` steps whose plain loop gave `base`): threshold 0
 // is the plain loop; above any change every step after the first reuses the other blocks; in
-// between, the same decisions every run; a negative threshold is refused.
+// between, the same decisions every run; one above 10 is refused, a negative one is the default.
 inline void check_first_block_cache(pipeline::Pipeline& pipe, job::GenerationRequest r, const at::Tensor& base,
                                     int steps) {
   const auto rel = [&](const at::Tensor& a) { return ((a - base).norm() / base.norm()).item<double>(); };
@@ -67,8 +67,10 @@ inline void check_first_block_cache(pipeline::Pipeline& pipe, job::GenerationReq
   QVERIFY(at::equal(mid, again));
   QCOMPARE(mid_stats["reused_steps"], again_stats["reused_steps"]);
   qInfo("fbcache threshold 0.5: reused %s, relative L2 %.3g", mid_stats["reused_steps"].dump().c_str(), rel(mid));
-  r.strategy.cache_threshold = -1;
-  DIFFRACT_EXPECT_ERROR(strategy_job(pipe, r, "fbcache", 1, 1, 0, {}), "cache threshold");
+  r.strategy.cache_threshold = 11;
+  DIFFRACT_EXPECT_ERROR(strategy_job(pipe, r, "fbcache", 1, 1, 0, {}), "cache threshold", "between 0");
+  r.strategy.cache_threshold = -1;  // the strategy's default
+  QCOMPARE(strategy_job(pipe, r, "fbcache", 1, 1, 0, {}).second["cache_threshold"].get<double>(), 0.12);
 }
 
 }  // namespace diffract::test

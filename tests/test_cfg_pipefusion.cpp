@@ -276,7 +276,7 @@ class TestCfgPipeFusion : public QObject {
     // More patches than stages, stages than blocks; latent rows; the sampler; the group's size.
     DIFFRACT_EXPECT_ERROR(run(*make_strategy("cfg-pipefusion", 6, 2), sd3_inputs(2, 1, 4.0)), "2 patches for 3 stages");
     DIFFRACT_EXPECT_ERROR(run(*make_strategy("cfg-pipefusion", 10, 8), sd3_inputs(2, 1, 4.0)),
-                          "cfg-pipefusion: 5 stages for a transformer of 4 joint blocks");
+                          "cfg-pipefusion: 5 stages for a transformer of 4 blocks");
     DIFFRACT_EXPECT_ERROR(run(*make_strategy("cfg-pipefusion", 2, 3), sd3_inputs(2, 1, 4.0)), "do not split into 3 equal");
     auto euler = sd3_inputs(2, 1, 4.0);
     euler.kind = schedulers::SamplerKind::DPMPP2M;
@@ -306,7 +306,7 @@ class TestCfgPipeFusion : public QObject {
       in.make_denoiser = [runner, pos, neg](int, const c10::Device& d) -> std::unique_ptr<Denoiser> {
         return std::make_unique<UNetDenoiser>(runner, pos, neg, 5.0, at::kFloat, d);
       };
-      DIFFRACT_EXPECT_ERROR(run(*s, in), "SD3 only");
+      DIFFRACT_EXPECT_ERROR(run(*s, in), "this model has none");
     }
     // The GPU chooser pairs GPUs: an even count from the first enabled one.
     auto c = engine::choose_devices({0, 1, 2}, "cfg-pipefusion", 1);
@@ -360,7 +360,7 @@ class TestCfgPipeFusion : public QObject {
       pipe->generate(q, {}, never);
     };
     DIFFRACT_EXPECT_ERROR(refused(r, "cfg-pipefusion", 3), "even number of devices");
-    DIFFRACT_EXPECT_ERROR(refused(r, "cfg-pipefusion", 8), "4 stages for a transformer of 2 joint blocks");
+    DIFFRACT_EXPECT_ERROR(refused(r, "cfg-pipefusion", 8), "4 stages for a transformer of 2 blocks");
     auto no_cfg = r;
     no_cfg.cfg = 1.0;
     DIFFRACT_EXPECT_ERROR(refused(no_cfg, "cfg-pipefusion", 4), "needs CFG");

@@ -156,10 +156,8 @@ class TestFluxPipeline : public QObject {
     r.guidance = -1;
     DIFFRACT_EXPECT_ERROR(dev_->generate(r, {}, job::CancelToken{}), "guidance -1 is outside 0..100");
     r = request_for(cases()[0]);
-    r.strategy.name = "pipefusion";
-    r.strategy.devices = 2;
-    DIFFRACT_EXPECT_ERROR(dev_->generate(r, {}, job::CancelToken{}), "pipefusion does not run flux models");
     r.strategy.name = "hybrid-cfg";
+    r.strategy.devices = 2;
     DIFFRACT_EXPECT_ERROR(dev_->generate(r, {}, job::CancelToken{}), "hybrid-cfg does not run flux models");
   }
 
@@ -204,8 +202,17 @@ class TestFluxPipeline : public QObject {
     DIFFRACT_COMPARE_TENSORS(run("sequence-parallel", 1).first, base, 1e-6);
     DIFFRACT_COMPARE_TENSORS(run("sequence-parallel", 2, 2).first, base2, 1e-4);
     DIFFRACT_EXPECT_ERROR(run("sequence-parallel", 4), "2 attention heads do not split over 4 devices");
+    // PipeFusion: the 5 blocks in stages, the latent's 12 token rows in patches, a step stale.
+    const auto [piped, pf_strategy] = test::strategy_job(*dev_, r, "pipefusion", 2, 1, 3, obs);
+    qInfo("pipefusion 2x3: relative L2 to one device %.3g", rel(piped));
+    QVERIFY(rel(piped) > 0 && rel(piped) < 0.3);
+    QCOMPARE(pf_strategy["weights_per_rank"].size(), std::size_t(2));
+    const auto [split, split_strategy] = test::strategy_job(*dev_, r, "cfg-pipefusion", 4, 1, 3, obs);
+    DIFFRACT_COMPARE_TENSORS(split, piped, 1e-4);
+    DIFFRACT_EXPECT_ERROR(test::strategy_job(*dev_, r, "pipefusion", 2, 1, 5, obs), "do not split into 5 equal");
     r.negative_prompt.clear();
     DIFFRACT_EXPECT_ERROR(run("cfg-parallel", 2), "needs classifier-free guidance");
+    DIFFRACT_EXPECT_ERROR(run("cfg-pipefusion", 2), "cfg-pipefusion", "needs CFG");
   }
 
   // T5 placed apart from the model: the same job; placements the machine cannot serve are named.

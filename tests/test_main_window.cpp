@@ -246,8 +246,17 @@ class TestMainWindow : public QObject {
     auto* threshold = child<QDoubleSpinBox>(w, "cacheThresholdSpin");
     strategy->setCurrentIndex(strategy->findData(QStringLiteral("fbcache")));
     QVERIFY(!threshold->isHidden());
+    // Each step cache brings its own default threshold until the user sets one.
+    QCOMPARE(threshold->value(), 0.12);
+    strategy->setCurrentIndex(strategy->findData(QStringLiteral("teacache")));
+    QCOMPARE(threshold->value(), 0.4);
+    QCOMPARE(w.requestFromFields().strategy.cache_threshold, 0.4);
+    strategy->setCurrentIndex(strategy->findData(QStringLiteral("fbcache")));
+    QCOMPARE(threshold->value(), 0.12);
     threshold->setValue(0.2);
     QCOMPARE(w.requestFromFields().strategy.cache_threshold, 0.2);
+    strategy->setCurrentIndex(strategy->findData(QStringLiteral("teacache")));
+    QCOMPARE(threshold->value(), 0.2);  // the user's value stays
     strategy->setCurrentIndex(0);
     QVERIFY(threshold->isHidden());
     QVERIFY(guidance->toolTip().contains("Flux.1-dev"));

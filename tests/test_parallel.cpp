@@ -361,6 +361,19 @@ class TestParallel : public QObject {
             for (int q = 0; q < n; ++q) good &= all[static_cast<std::size_t>(q)][1].item<float>() == q * 100 + round;
           }
           good &= c.broadcast(at::full({1}, r, at::kFloat), n - 1).item<float>() == n - 1;
+          // All-to-all: the chunk for rank d is [d + 1] long on every rank, and moves once.
+          std::vector<at::Tensor> chunks;
+          std::int64_t others = 0;
+          for (int d = 0; d < n; ++d) {
+            chunks.push_back(at::full({d + 1}, r * 10 + d, at::kFloat));
+            if (d != r) others += (d + 1) * 4;
+          }
+          const auto before = c.bytes_sent();
+          const auto mine = c.all_to_all(chunks);
+          good &= c.bytes_sent() - before == others && static_cast<int>(mine.size()) == n;
+          for (int q = 0; q < n; ++q)
+            good &= mine[static_cast<std::size_t>(q)].sizes() == at::IntArrayRef{r + 1} &&
+                    mine[static_cast<std::size_t>(q)][r].item<float>() == q * 10 + r;
           c.send(at::full({3}, r, at::kFloat), (r + 1) % n);
           at::Tensor got = at::empty({3}, at::kFloat);
           c.recv(got, (r + n - 1) % n);
@@ -796,7 +809,7 @@ class TestParallel : public QObject {
       QVERIFY(par.metadata_json.find("\"strategy\":{") != std::string::npos);
       QVERIFY(par.metadata_json.find("\"rel_mae\"") != std::string::npos);
       DIFFRACT_EXPECT_ERROR(sd->generate(req, {}, never, make_strategy("pipefusion", 2).get()), "pipefusion",
-                            "SD3 only");
+                            "runs SD3 and Flux");
       // AsyncDiff through the pipeline: all steps synchronous is the plain loop; with its
       // default one warm-up step it runs stale and says so.
       AsyncDiff sync;
@@ -1494,7 +1507,7 @@ class TestParallel : public QObject {
       DIFFRACT_EXPECT_ERROR(run(pf, in), what);
     };
     expect(2, 1, "1 patches for 2 stages");
-    expect(5, 8, "5 stages for a transformer of 4 joint blocks");
+    expect(5, 8, "5 stages for a transformer of 4 blocks");
     expect(2, 3, "8 rows of transformer patches");
     PipeFusion pf;
     pf.warmup_steps = 0;
@@ -1502,7 +1515,8 @@ class TestParallel : public QObject {
     in.kind = schedulers::SamplerKind::DPMPP2M;
     DIFFRACT_EXPECT_ERROR(run(PipeFusion{}, in), "without history or noise");
     // A UNet has no joint blocks.
-    DIFFRACT_EXPECT_ERROR(run(PipeFusion{}, inputs(schedulers::SamplerKind::Euler, 2, 1, 5.0)), "SD3 only");
+    DIFFRACT_EXPECT_ERROR(run(PipeFusion{}, inputs(schedulers::SamplerKind::Euler, 2, 1, 5.0)), "(SD3, Flux)",
+                          "this model has none");
     QVERIFY(PipeFusion::uses_weight("transformer_blocks.1.attn.to_q.weight", 0, 2, 4));
     QVERIFY(!PipeFusion::uses_weight("transformer_blocks.2.attn.to_q.weight", 0, 2, 4));
     QVERIFY(PipeFusion::uses_weight("pos_embed.pos_embed", 0, 2, 4) && !PipeFusion::uses_weight("pos_embed.pos_embed", 1, 2, 4));

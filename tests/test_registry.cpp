@@ -61,7 +61,7 @@ class TestRegistry : public QObject {
   void familiesAndGuidanceAreCheckedWithReasons() {
     job::StrategyParams p;
     p.name = "pipefusion";
-    DIFFRACT_EXPECT_ERROR(check_strategy(p, job::ModelFamily::SDXL, true), "pipefusion does not run sdxl", "SD3 only");
+    DIFFRACT_EXPECT_ERROR(check_strategy(p, job::ModelFamily::SDXL, true), "pipefusion does not run sdxl", "runs SD3 and Flux");
     check_strategy(p, job::ModelFamily::SD3, true);
     p.name = "hybrid-cfg";
     DIFFRACT_EXPECT_ERROR(check_strategy(p, job::ModelFamily::SD3, true), "hybrid-cfg", "SD3's MMDiT has none");
@@ -69,14 +69,13 @@ class TestRegistry : public QObject {
     check_strategy(p, job::ModelFamily::SD2, true);
     p.name = "asyncdiff";
     DIFFRACT_EXPECT_ERROR(check_strategy(p, job::ModelFamily::SD3, true), "asyncdiff does not run sd3");
-    // Written for one transformer family each.
+    // The transformer strategies run both transformer families.
     p.name = "sequence-parallel";
     check_strategy(p, job::ModelFamily::Flux, false);
     check_strategy(p, job::ModelFamily::SD3, true);
     DIFFRACT_EXPECT_ERROR(check_strategy(p, job::ModelFamily::SDXL, true), "sequence-parallel does not run sdxl", "UNet");
     p.name = "pipefusion";
-    DIFFRACT_EXPECT_ERROR(check_strategy(p, job::ModelFamily::Flux, true), "pipefusion does not run flux",
-                          "sequence-parallel");
+    check_strategy(p, job::ModelFamily::Flux, false);
     p.name = "warp-drive";
     DIFFRACT_EXPECT_ERROR(check_strategy(p, job::ModelFamily::SD1, true), "unknown strategy 'warp-drive'", "cfg-parallel",
                           "distrifusion");

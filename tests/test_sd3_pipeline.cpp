@@ -280,7 +280,7 @@ class TestSD3Pipeline : public QObject {
     DIFFRACT_EXPECT_ERROR(run("data-parallel", 2), "batch of at least 2");
     DIFFRACT_EXPECT_ERROR(run("pipefusion", 2, 1, 1), "1 patches for 2 stages");
     DIFFRACT_EXPECT_ERROR(run("pipefusion", 2, 1, 3), "do not split into 3 equal patches");
-    DIFFRACT_EXPECT_ERROR(run("pipefusion", 4), "4 stages for a transformer of 2 joint blocks");
+    DIFFRACT_EXPECT_ERROR(run("pipefusion", 4), "4 stages for a transformer of 2 blocks");
     r.cfg = 1.0;
     DIFFRACT_EXPECT_ERROR(run("cfg-parallel", 2), "needs classifier-free guidance");
   }

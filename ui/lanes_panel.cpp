@@ -165,15 +165,19 @@ void LanesPanel::setRow(int row, const engine::Lane& lane) {
   auto* skip = new QSpinBox;
   skip->setRange(1, 16);
   skip->setValue(lane.strategy.skip);
-  skip->setToolTip(tr("step-skip: evaluate every N-th step"));
+  skip->setToolTip(tr("step-skip: evaluate every N-th step; deepcache: the deep layers every N-th step"));
   m_table->setCellWidget(row, Skip, skip);
 
   auto* threshold = new QDoubleSpinBox;
   threshold->setRange(0, 10);
   threshold->setDecimals(3);
   threshold->setSingleStep(0.01);
-  threshold->setValue(lane.strategy.cache_threshold);
-  threshold->setToolTip(tr("fbcache: reuse the other blocks while the first block's output moved less than this"));
+  threshold->setValue(parallel::cache_threshold(lane.strategy));
+  // The strategy default the field holds (-1: a value of the lane's own): another step cache
+  // chosen in the row brings its own default unless the value was changed.
+  threshold->setProperty("strategyDefault", lane.strategy.cache_threshold < 0 ? threshold->value() : -1.0);
+  threshold->setToolTip(tr("fbcache: reuse the other blocks while the first block's output moved less than this; "
+                           "teacache: skip every block while the rescaled changes summed stay under this"));
   m_table->setCellWidget(row, Threshold, threshold);
 
   auto* steps = new QSpinBox;
@@ -225,7 +229,13 @@ void LanesPanel::updateRow(int row) {
     devices->setValue(info->devices.min);
   }
   cell<QSpinBox>(m_table, row, Skip)->setEnabled(info->takes(parallel::Param::Skip));
-  cell<QDoubleSpinBox>(m_table, row, Threshold)->setEnabled(info->takes(parallel::Param::CacheThreshold));
+  auto* threshold = cell<QDoubleSpinBox>(m_table, row, Threshold);
+  threshold->setEnabled(info->takes(parallel::Param::CacheThreshold));
+  if (info->takes(parallel::Param::CacheThreshold) && threshold->value() == threshold->property("strategyDefault").toDouble()) {
+    const QSignalBlocker block(threshold);
+    threshold->setValue(info->default_cache_threshold);
+    threshold->setProperty("strategyDefault", info->default_cache_threshold);
+  }
 }
 
 engine::Lane LanesPanel::laneAt(int row) const {

@@ -300,19 +300,21 @@ SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
   m_cacheThreshold->setRange(0, 10);
   m_cacheThreshold->setSingleStep(0.02);
   m_cacheThreshold->setDecimals(2);
-  m_cacheThreshold->setValue(job::StrategyParams{}.cache_threshold);
   m_cacheThreshold->setPrefix(tr("threshold "));
-  m_cacheThreshold->setToolTip(tr("First-Block Cache: the other blocks are reused while the first block's output "
-                                  "moved less than this since they last ran (higher: faster, further from the "
-                                  "plain loop; 0: never)"));
   strategyRow->addWidget(m_strategy, 1);
   strategyRow->addWidget(m_devices);
   strategyRow->addWidget(m_patches);
   strategyRow->addWidget(m_cacheThreshold);
   fields->addRow(tr("Strategy"), strategyRow);
   const auto patchesApply = [this] {
-    m_patches->setEnabled(strategyInfo().takes(parallel::Param::Patches));
-    m_cacheThreshold->setVisible(strategyInfo().takes(parallel::Param::CacheThreshold));
+    const auto& info = strategyInfo();
+    m_patches->setEnabled(info.takes(parallel::Param::Patches));
+    m_cacheThreshold->setVisible(info.takes(parallel::Param::CacheThreshold));
+    if (info.takes(parallel::Param::CacheThreshold) &&
+        (m_thresholdDefault == -1 || m_cacheThreshold->value() == m_thresholdDefault))
+      setCacheThreshold(-1);
+    m_cacheThreshold->setToolTip(
+        QString::fromUtf8(info.threshold_hint.data(), static_cast<int>(info.threshold_hint.size())));
   };
   connect(m_strategy, &QComboBox::currentIndexChanged, this, patchesApply);
   patchesApply();
@@ -324,6 +326,13 @@ void SettingsPanel::applySizePreset(int index) {
   const QSignalBlocker bw(m_width), bh(m_height);
   m_width->setValue(kSizePresets[index].width);
   m_height->setValue(kSizePresets[index].height);
+}
+
+void SettingsPanel::setCacheThreshold(double value) {
+  const double fallback = strategyInfo().default_cache_threshold;
+  if (value < 0) value = fallback;
+  m_thresholdDefault = value == fallback ? value : std::nan("");
+  m_cacheThreshold->setValue(value);
 }
 
 const parallel::StrategyInfo& SettingsPanel::strategyInfo() const {
@@ -427,7 +436,7 @@ void SettingsPanel::loadSettings(const QSettings& s) {
   m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(s.value(QStringLiteral("strategy")).toString())));
   m_devices->setValue(s.value(QStringLiteral("devices"), 1).toInt());
   m_patches->setValue(s.value(QStringLiteral("patches"), 0).toInt());
-  m_cacheThreshold->setValue(s.value(QStringLiteral("cacheThreshold"), job::StrategyParams{}.cache_threshold).toDouble());
+  setCacheThreshold(s.value(QStringLiteral("cacheThreshold"), -1.0).toDouble());
 }
 
 void SettingsPanel::saveSettings(QSettings& s) const {
@@ -461,7 +470,7 @@ void SettingsPanel::applyPreset(const engine::Preset& p) {
   m_sampler->setCurrentIndex(std::max(0, m_sampler->findData(QString::fromStdString(p.sampler))));
   m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(QString::fromStdString(p.strategy))));
   m_devices->setValue(strategyInfo().takes(parallel::Param::Skip) ? p.skip : p.devices);
-  m_cacheThreshold->setValue(p.cache_threshold);
+  setCacheThreshold(p.cache_threshold);
 }
 
 namespace {
@@ -542,7 +551,7 @@ void SettingsPanel::restoreStrategy(const engine::PngParameters& p, QStringList&
   }
   if (strategyInfo().takes(parallel::Param::Skip) && p.skip) m_devices->setValue(*p.skip);
   else if (p.devices) m_devices->setValue(*p.devices);
-  if (p.cache_threshold) m_cacheThreshold->setValue(*p.cache_threshold);
+  if (p.cache_threshold) setCacheThreshold(*p.cache_threshold);
 }
 
 }  // namespace diffract::ui

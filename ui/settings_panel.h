@@ -95,6 +95,8 @@ class SettingsPanel : public QWidget {
   void applySizePreset(int index);
   void updatePromptTokens();
   void updateGuidanceField();
+  // The threshold field to `value`, or (negative) to the chosen strategy's default.
+  void setCacheThreshold(double value);
 
   QPlainTextEdit* m_prompt = nullptr;
   QPlainTextEdit* m_negative = nullptr;
@@ -122,6 +124,9 @@ class SettingsPanel : public QWidget {
   QSpinBox* m_devices = nullptr;
   QSpinBox* m_patches = nullptr;
   QDoubleSpinBox* m_cacheThreshold = nullptr;
+  // The strategy default the threshold field holds (-1: none yet; NaN: a value of the user's):
+  // switching to another step cache gives that one's default unless the user set the value.
+  double m_thresholdDefault = -1;
   QDoubleSpinBox* m_hiresScale = nullptr;
   QDoubleSpinBox* m_hiresStrength = nullptr;
   QComboBox* m_hiresUpscaler = nullptr;  // pipefusion / cfg-pipefusion: latent row patches (0: one per stage)

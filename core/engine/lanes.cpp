@@ -55,7 +55,7 @@ std::string strategy_label(const job::StrategyParams& s) {
   else if (info->takes(parallel::Param::Devices) && info->devices.fixed == 0 && s.devices > 1)
     out += " x" + std::to_string(s.devices);
   if (info->takes(parallel::Param::Patches) && s.patches > 0) out += ", " + std::to_string(s.patches) + " patches";
-  if (info->takes(parallel::Param::CacheThreshold)) out += " @" + number_text(s.cache_threshold);
+  if (info->takes(parallel::Param::CacheThreshold)) out += " @" + number_text(parallel::cache_threshold(s));
   return out;
 }
 
@@ -163,6 +163,8 @@ LaneSet parse_lane_set(const std::string& json_text, const std::string& where) {
     l.strategy.skip = lf.integer("skip", false, l.strategy.skip);
     l.strategy.patches = lf.integer("patches", false, 0);
     l.strategy.cache_threshold = lf.number("cache_threshold", false, l.strategy.cache_threshold);
+    if (lf.has("cache_threshold") && !(l.strategy.cache_threshold >= 0))
+      throw Error(lf.field("cache_threshold") + " must be 0 (never reuse) or more");
     l.steps = lf.integer("steps", false, 0);
     l.sampler = lf.text("sampler", false);
     const auto& gpus = lf.list("gpus");
@@ -195,7 +197,7 @@ std::string lane_set_to_json(const LaneSet& set) {
     if (info.takes(parallel::Param::Devices) && info.devices.fixed == 0) e["devices"] = l.strategy.devices;
     if (info.takes(parallel::Param::Skip)) e["skip"] = l.strategy.skip;
     if (info.takes(parallel::Param::Patches) && l.strategy.patches > 0) e["patches"] = l.strategy.patches;
-    if (info.takes(parallel::Param::CacheThreshold)) e["cache_threshold"] = l.strategy.cache_threshold;
+    if (info.takes(parallel::Param::CacheThreshold)) e["cache_threshold"] = parallel::cache_threshold(l.strategy);
     if (!l.gpus.empty()) e["gpus"] = l.gpus;
     if (l.steps > 0) e["steps"] = l.steps;
     if (!l.sampler.empty()) e["sampler"] = l.sampler;

@@ -19,7 +19,7 @@ struct PngParameters {
   std::optional<std::string> negative_prompt;
   std::optional<int> width, height, steps, batch, devices, skip;
   std::optional<double> cfg;
-  std::optional<double> cache_threshold;  // diffract: fbcache's threshold
+  std::optional<double> cache_threshold;  // diffract: fbcache's, teacache's threshold
   std::optional<double> guidance;  // Flux.1-dev's distilled guidance (A1111 / Forge: "Distilled CFG Scale")
   std::optional<std::uint64_t> seed;
   std::optional<std::string> sampler;   // ours ("dpmpp-2m-karras"); "" is the model's own

@@ -121,6 +121,9 @@ Preset parse_preset(const std::string& json_text, const std::string& where) {
     p.skip = f.integer("skip", false, 2);
   }
   p.cache_threshold = f.number("cache_threshold", false, job::StrategyParams{}.cache_threshold);
+  if (f.has("cache_threshold") && !(p.cache_threshold >= 0))
+    throw Error(f.field("cache_threshold") + ": cache threshold " + std::to_string(p.cache_threshold) +
+                " must be between 0 (never reuse) and 10");
   const auto entry = [&](const json& e, const char* list, int n, const std::set<std::string>& known) {
     const auto at = field(where, list) + " entry " + std::to_string(n);
     if (!e.is_object()) throw Error(at + " must be an object, not " + io::json_brief(e));
@@ -172,7 +175,8 @@ std::string preset_to_json(const Preset& p) {
             {"devices", p.devices}};
   if (const auto* info = parallel::find_strategy(p.strategy); info && info->takes(parallel::Param::Skip))
     j["skip"] = p.skip;
-  if (const auto* info = parallel::find_strategy(p.strategy); info && info->takes(parallel::Param::CacheThreshold))
+  if (const auto* info = parallel::find_strategy(p.strategy);
+      info && info->takes(parallel::Param::CacheThreshold) && p.cache_threshold >= 0)
     j["cache_threshold"] = p.cache_threshold;
   if (!p.description.empty()) j["description"] = p.description;
   for (const auto& l : p.loras)

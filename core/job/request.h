@@ -13,11 +13,11 @@ namespace diffract::job {
 struct StrategyParams {
   std::string name;  // a registry name; "" or "single": the plain loop on one device
   int devices = 1;   // devices it runs on: GPUs, or CPU virtual devices for a model on the CPU
-  int skip = 2;      // step-skip: evaluate every skip-th step and jump over the others
+  int skip = 2;      // step-skip: evaluate every skip-th step and jump over the others; deepcache: its interval
   int patches = 0;   // pipefusion / cfg-pipefusion: latent row patches, at least one per stage; 0: one per stage
-  // fbcache: the rest of the model is reused while the first block's residual moved less than
-  // this (relative mean |change|) since the last full step; 0 reuses nothing.
-  double cache_threshold = 0.12;
+  // fbcache, teacache: cached work is reused while the change they measure stays under this; 0
+  // reuses nothing; negative: the strategy's default (registry: fbcache 0.12, teacache 0.4).
+  double cache_threshold = -1;
   bool single() const { return name.empty() || name == "single"; }
   std::string display_name() const { return single() ? "single" : name; }
 };

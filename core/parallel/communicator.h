@@ -65,10 +65,11 @@ class Communicator {
   // stream then waits for; the default runs all_gather and copies. Throws diffract::Error
   // naming the mismatch for any other `out`.
   virtual void all_gather_into(const at::Tensor& t, const at::Tensor& out);
-  // chunks[d] to rank d (size() chunks; for each d one shape on every rank, as NCCL needs);
-  // returns the chunk each rank sent to this one, by rank. Default: one all_gather per
-  // destination, which moves size() times a native all-to-all's bytes (sequence parallelism's
-  // exchange; a grouped NCCL send / recv is the cheaper way, not written yet).
+  // chunks[d] to rank d (size() chunks; for each d one shape on every rank, as NCCL needs: the
+  // chunk this rank sends to d is shaped as d's own chunks[d]); returns the chunk each rank sent
+  // to this one, by rank (its own a copy). The in-process and NCCL communicators move each chunk
+  // once (NCCL: grouped sends and receives, one launch); the default, for any other, runs one
+  // all_gather per destination, size() times those bytes.
   virtual std::vector<at::Tensor> all_to_all(const std::vector<at::Tensor>& chunks);
   // Root's tensor on every rank (others pass anything, e.g. an undefined tensor).
   virtual at::Tensor broadcast(const at::Tensor& t, int root) = 0;

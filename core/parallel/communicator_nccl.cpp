@@ -193,6 +193,42 @@ class NcclCommunicator final : public Communicator {
     if (!buf.is_same(out)) out.copy_(buf);  // on the compute stream, which waits for the receive
   }
 
+  // Grouped ncclSend / ncclRecv with every peer, one launch on the communication stream.
+  std::vector<at::Tensor> all_to_all(const std::vector<at::Tensor>& chunks) override {
+    if (static_cast<int>(chunks.size()) != size())
+      throw Error("all_to_all: " + std::to_string(chunks.size()) + " chunks for " + std::to_string(size()) + " ranks");
+    std::vector<at::Tensor> sends, got(static_cast<std::size_t>(size()));
+    for (const auto& c : chunks) sends.push_back(prepare(c, "all_to_all"));
+    const auto& mine = sends[static_cast<std::size_t>(rank_)];
+    std::int64_t bytes = 0;
+    for (int d = 0; d < size(); ++d) {
+      if (d == rank_) continue;
+      auto& out = got[static_cast<std::size_t>(d)];
+      out = at::empty(mine.sizes(), mine.options());  // on the compute stream: written on the communication one
+      out.record_stream(stream_);
+      sends[static_cast<std::size_t>(d)].record_stream(stream_);
+      bytes += static_cast<std::int64_t>(sends[static_cast<std::size_t>(d)].nbytes());
+    }
+    enqueue([&] {
+      check(ncclGroupStart(), "all_to_all group start");
+      for (int d = 0; d < size(); ++d) {
+        if (d == rank_) continue;
+        const auto& t = sends[static_cast<std::size_t>(d)];
+        const auto& out = got[static_cast<std::size_t>(d)];
+        check(ncclSend(t.data_ptr(), static_cast<size_t>(t.numel()), nccl_type(t.scalar_type()), d, comm(),
+                       stream_.stream()),
+              "all_to_all send");
+        check(ncclRecv(out.data_ptr(), static_cast<size_t>(out.numel()), nccl_type(out.scalar_type()), d, comm(),
+                       stream_.stream()),
+              "all_to_all recv");
+      }
+      check(ncclGroupEnd(), "all_to_all group end");
+    }, "all_to_all", -1, bytes);
+    bytes_ += bytes;
+    got[static_cast<std::size_t>(rank_)] = mine.clone();
+    return got;
+  }
+
   void barrier() override {
     auto one = at::ones({1}, at::TensorOptions().device(device_));
     enqueue([&] {

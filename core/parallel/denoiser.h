@@ -22,6 +22,24 @@ namespace diffract::parallel {
 // guidance scale (or the prompt alone when CFG is off), as the single-device pipeline does.
 enum class Branch { Cond, Uncond, Guided };
 
+// PipeFusion's view of a transformer (pipefusion.h): blocks [first, last) of its chain, run on row
+// patches of the latent, every block's attention over the whole image's keys and values from a
+// cache of its own (filled by the first pass, which covers the whole image, then updated patch by
+// patch). Made by Denoiser::pipe_stage for one branch; it keeps those caches, the embedded prompt
+// and the step's time embedding. One per rank, used from that rank's thread only.
+class PipeStage {
+ public:
+  virtual ~PipeStage();
+  // One pass over latent rows [row0, row0 + rows) at `timestep`. The head stage (first == 0)
+  // takes the model input's rows [B', C, rows, W] (B' the branch's batch: 2B for Guided with
+  // CFG), any other the previous stage's activation (activation_shape(rows)). The tail stage
+  // (last == the model's blocks) returns the model's raw output for those rows [B', C, rows, W]
+  // (not combined), any other its activation: one tensor holding the patch's image tokens and
+  // the text state the next stage needs.
+  virtual at::Tensor pass(const at::Tensor& in, std::int64_t row0, std::int64_t rows, double timestep) = 0;
+  virtual std::vector<std::int64_t> activation_shape(std::int64_t rows) const = 0;
+};
+
 // The denoiser's raw output (eps or v) for a model input at one timestep. One object per rank;
 // eval() may run on several ranks' threads at once when the ranks share the module (CPU
 // virtual devices), so implementations keep no per-call state.
@@ -45,12 +63,24 @@ class Denoiser {
   virtual bool sequence_parallel() const { return false; }
   virtual at::Tensor eval_sequence_parallel(const at::Tensor& model_input, double timestep, Branch branch,
                                             models::SequenceExchange& exchange);
-  // First-Block Cache (models/common/block_cache.h): eval() through `cache`, which the caller keeps
-  // between steps (cache.reused: whether this call reused the other blocks' residual).
-  // block_cache(): whether this denoiser can (else eval_block_cached throws).
-  virtual bool block_cache() const { return false; }
-  virtual at::Tensor eval_block_cached(const at::Tensor& model_input, double timestep, Branch branch,
-                                       models::FirstBlockCache& cache);
+  // Step caches (models/common/block_cache.h: FirstBlockCache, TeaCache, DeepCache): eval()
+  // through `cache`, which the caller keeps between the steps of one loop and whose step / steps
+  // it sets before each call (cache.reused: whether this call reused cached work).
+  // step_cache(): whether this denoiser runs that kind of cache (else eval_cached throws).
+  virtual bool step_cache(const models::StepCache&) const { return false; }
+  virtual at::Tensor eval_cached(const at::Tensor& model_input, double timestep, Branch branch,
+                                 models::StepCache& cache);
+
+  // PipeFusion (pipefusion.h). pipe_blocks(): the transformer's chain of blocks, 0 when this
+  // denoiser cannot be split into stages (then pipe_stage throws). pipe_token_rows(): latent rows
+  // per row of tokens (patches must be whole rows of them). pipe_stage(): blocks [first, last)
+  // for `branch` over latents height x width. pipe_weights(): the elements of the weights that
+  // stage `stage` of `stages` uses (PipeFusion::uses_weight), counted in this rank's model.
+  virtual int pipe_blocks() const { return 0; }
+  virtual std::int64_t pipe_token_rows() const { return 1; }
+  virtual std::unique_ptr<PipeStage> pipe_stage(int first, int last, Branch branch, std::int64_t height,
+                                                std::int64_t width);
+  virtual std::int64_t pipe_weights(int stage, int stages) const;
 
   // Hybrid CFG's layer split (UNet2DConditionModelImpl::forward_outer_down, the "U split" at
   // down block `split`), one branch (Cond or Uncond) per call. splits(): the largest valid
@@ -118,6 +148,11 @@ class UNetDenoiser final : public Denoiser {
   at::Tensor stage_output(const models::UNetStageState& state, Branch branch) override;
   std::vector<std::vector<std::int64_t>> stage_shapes(int layer, std::int64_t height, std::int64_t width,
                                                       Branch branch) const override;
+  // DeepCache (the fbcache analogue on a UNet is a DeepCache refreshed by threshold), through the
+  // sequential stage calls: graphed per layer range on GPUs.
+  bool step_cache(const models::StepCache& cache) const override;
+  at::Tensor eval_cached(const at::Tensor& model_input, double timestep, Branch branch,
+                         models::StepCache& cache) override;
 
   // ControlNets in every eval(): units whose images have one branch's rows (batch()), and the
   // run's timesteps, where a timestep's index is its step (the units' start / end). The split
@@ -159,9 +194,10 @@ class TransformerDenoiser : public Denoiser {
   at::Tensor eval(const at::Tensor& model_input, double timestep, Branch branch) final;
   at::Tensor eval_sequence_parallel(const at::Tensor& model_input, double timestep, Branch branch,
                                     models::SequenceExchange& exchange) final;
-  bool block_cache() const final { return true; }
-  at::Tensor eval_block_cached(const at::Tensor& model_input, double timestep, Branch branch,
-                               models::FirstBlockCache& cache) final;
+  // FirstBlockCache and TeaCache.
+  bool step_cache(const models::StepCache& cache) const final;
+  at::Tensor eval_cached(const at::Tensor& model_input, double timestep, Branch branch,
+                         models::StepCache& cache) final;
   bool cfg() const final { return cfg_; }
   double guidance_scale() const final { return scale_; }
   std::int64_t batch() const final { return positive_.context.size(0); }
@@ -178,15 +214,15 @@ class TransformerDenoiser : public Denoiser {
                       at::Device device);
   // The model's output for `x` (on the device, in dtype) with conditioning rows matching x's;
   // with `exchange`, sequence-parallel (only where sequence_parallel() says so); with `cache`,
-  // through the First-Block Cache (one of the two at most).
+  // through that step cache (a FirstBlockCache or a TeaCache; one of the two at most).
   virtual at::Tensor velocity(const at::Tensor& x, const TextConditioning& c, double timestep,
-                              models::SequenceExchange* exchange, models::FirstBlockCache* cache) = 0;
+                              models::SequenceExchange* exchange, models::StepCache* cache) = 0;
   virtual std::unique_ptr<Denoiser> with(TextConditioning positive, TextConditioning negative) const = 0;
   double scale() const { return scale_; }
 
  private:
   at::Tensor evaluate(const at::Tensor& model_input, double timestep, Branch branch, models::SequenceExchange* exchange,
-                      models::FirstBlockCache* cache);
+                      models::StepCache* cache);
   TextConditioning positive_, negative_, both_;
   double scale_;
   bool cfg_;
@@ -195,26 +231,31 @@ class TransformerDenoiser : public Denoiser {
 };
 
 // SD3's MMDiT (eager: no CUDA graphs) as the SD3 pipeline's loop calls it; sequence-parallel
-// (Ulysses over the image tokens). No layer split
-// (splits() = 0): hybrid-cfg's U split has no MMDiT counterpart; the model-level strategy for it
-// is PipeFusion, which drives the blocks through model() and conditioning().
+// (Ulysses over the image tokens); PipeFusion's stages over its joint blocks. No layer split
+// (splits() = 0): hybrid-cfg's U split has no MMDiT counterpart.
 class SD3Denoiser final : public TransformerDenoiser {
  public:
   SD3Denoiser(models::SD3Transformer2DModel model, SD3Conditioning positive, SD3Conditioning negative, double scale,
               at::ScalarType dtype, at::Device device);
   models::SD3Transformer2DModel& model() { return model_; }
   bool sequence_parallel() const override { return true; }
+  int pipe_blocks() const override { return static_cast<int>(model_->config.num_layers); }
+  std::int64_t pipe_token_rows() const override { return model_->config.patch_size; }
+  std::unique_ptr<PipeStage> pipe_stage(int first, int last, Branch branch, std::int64_t height,
+                                        std::int64_t width) override;
+  std::int64_t pipe_weights(int stage, int stages) const override;
 
  private:
   at::Tensor velocity(const at::Tensor& x, const TextConditioning& c, double timestep,
-                      models::SequenceExchange* exchange, models::FirstBlockCache* cache) override;
+                      models::SequenceExchange* exchange, models::StepCache* cache) override;
   std::unique_ptr<Denoiser> with(TextConditioning positive, TextConditioning negative) const override;
   models::SD3Transformer2DModel model_;
 };
 
 // Flux's transformer (eager) on unpacked latents [B, 16, h, w] as the Flux pipeline's loop calls
 // it: packed, with the distilled `guidance` when the model embeds it, unpacked again. True CFG
-// when `negative` is given and scale > 1. Sequence-parallel (Ulysses over the image tokens).
+// when `negative` is given and scale > 1. Sequence-parallel (Ulysses over the image tokens);
+// PipeFusion's stages over its double- then single-stream blocks (a token row: 2 latent rows).
 class FluxDenoiser final : public TransformerDenoiser {
  public:
   FluxDenoiser(models::FluxTransformer2DModel model, FluxConditioning positive, FluxConditioning negative,
@@ -222,10 +263,15 @@ class FluxDenoiser final : public TransformerDenoiser {
   models::FluxTransformer2DModel& model() { return model_; }
   double guidance() const { return guidance_; }
   bool sequence_parallel() const override { return true; }
+  int pipe_blocks() const override { return static_cast<int>(model_->num_blocks()); }
+  std::int64_t pipe_token_rows() const override { return 2; }
+  std::unique_ptr<PipeStage> pipe_stage(int first, int last, Branch branch, std::int64_t height,
+                                        std::int64_t width) override;
+  std::int64_t pipe_weights(int stage, int stages) const override;
 
  private:
   at::Tensor velocity(const at::Tensor& x, const TextConditioning& c, double timestep,
-                      models::SequenceExchange* exchange, models::FirstBlockCache* cache) override;
+                      models::SequenceExchange* exchange, models::StepCache* cache) override;
   std::unique_ptr<Denoiser> with(TextConditioning positive, TextConditioning negative) const override;
   models::FluxTransformer2DModel model_;
   double guidance_;
@@ -236,9 +282,10 @@ class FluxDenoiser final : public TransformerDenoiser {
 // when the model has no guidance embedding), the rope of zero text ids and the image's ids.
 // With `exchange` each rank runs its even share of the image tokens (SequenceShard::even) and
 // all-gathers the outputs: the same result on every rank.
-// With `cache` the transformer runs through the First-Block Cache (FluxTransformer2DModel::forward_cached).
+// With `cache` the transformer runs through that step cache (FluxTransformer2DModel::forward_cached
+// for a FirstBlockCache, forward_teacached for a TeaCache).
 at::Tensor flux_velocity(models::FluxTransformer2DModel& model, const at::Tensor& latents, const at::Tensor& context,
                          const at::Tensor& pooled, double timestep, double guidance,
-                         models::SequenceExchange* exchange = nullptr, models::FirstBlockCache* cache = nullptr);
+                         models::SequenceExchange* exchange = nullptr, models::StepCache* cache = nullptr);
 
 }  // namespace diffract::parallel

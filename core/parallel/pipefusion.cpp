@@ -15,14 +15,6 @@ using namespace detail;
 
 namespace {
 
-SD3Denoiser& sd3_of(Denoiser& d) {
-  auto* s = dynamic_cast<SD3Denoiser*>(&d);
-  if (!s)
-    throw Error("pipefusion and cfg-pipefusion split SD3's transformer into stages of joint blocks; this model has "
-                "none (they run SD3 only)");
-  return *s;
-}
-
 bool starts_with(const std::string& s, const std::string& prefix) { return s.compare(0, prefix.size(), prefix) == 0; }
 
 }  // namespace
@@ -50,7 +42,7 @@ void PipeFusion::warm(Denoiser&, const at::Tensor&, double) const {}
 void PipeFusion::check_shape(std::int64_t layers, std::int64_t latent_height, std::int64_t patch_size) const {
   if (n > layers)
     throw Error(name() + ": " + std::to_string(n) + " stages for a transformer of " + std::to_string(layers) +
-                " joint blocks; at most one stage per block");
+                " blocks; at most one stage per block");
   const std::int64_t token_rows = latent_height / patch_size;
   if (token_rows % patch_count())
     throw Error(name() + ": the latent's " + std::to_string(token_rows) + " rows of transformer patches (" +
@@ -58,19 +50,26 @@ void PipeFusion::check_shape(std::int64_t layers, std::int64_t latent_height, st
                 ") do not split into " + std::to_string(patch_count()) + " equal patches");
 }
 
+std::pair<int, int> PipeFusion::rank_stage(const Strategy& strategy, int rank) {
+  const auto* pipefusion = dynamic_cast<const PipeFusion*>(&strategy);
+  return pipefusion ? std::make_pair(pipefusion->stage_of(rank), pipefusion->n) : std::make_pair(rank, 0);
+}
+
 std::pair<int, int> PipeFusion::stage_blocks(int rank, int n, int layers) {
   return {static_cast<int>(static_cast<std::int64_t>(rank) * layers / n),
           static_cast<int>(static_cast<std::int64_t>(rank + 1) * layers / n)};
 }
 
-bool PipeFusion::uses_weight(const std::string& name, int rank, int n, int layers) {
-  const std::string blocks = "transformer_blocks.";
-  if (starts_with(name, blocks)) {
-    const int index = std::stoi(name.substr(blocks.size()));
-    const auto [first, last] = stage_blocks(rank, n, layers);
-    return index >= first && index < last;
-  }
-  if (starts_with(name, "pos_embed.") || starts_with(name, "context_embedder.")) return rank == 0;
+bool PipeFusion::uses_weight(const std::string& name, int rank, int n, int layers, int single_layers) {
+  const auto [first, last] = stage_blocks(rank, n, layers + single_layers);
+  for (const auto& [prefix, offset] : {std::pair<std::string, int>{"transformer_blocks.", 0},
+                                      std::pair<std::string, int>{"single_transformer_blocks.", layers}})
+    if (starts_with(name, prefix)) {
+      const int index = offset + std::stoi(name.substr(prefix.size()));
+      return index >= first && index < last;
+    }
+  if (starts_with(name, "pos_embed.") || starts_with(name, "x_embedder.") || starts_with(name, "context_embedder."))
+    return rank == 0;
   if (starts_with(name, "norm_out.") || starts_with(name, "proj_out.")) return rank == n - 1;
   return true;  // time_text_embed: every rank
 }
@@ -87,20 +86,18 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
     throw Error(name() + " steps the latents a patch at a time: it needs a sampler without history or noise "
                 "(flow-euler, euler, ddim)");
   auto ranks = prepare(*this, g, in);
-  for (auto& k : ranks) sd3_of(*k.den);
-  auto& head_den = sd3_of(*ranks[0].den);
-  const auto& mc = head_den.model()->config;
-  const int layers = static_cast<int>(mc.num_layers);
-  const std::int64_t height = in.latents.size(2), width = in.latents.size(3), p = mc.patch_size;
+  auto& head_den = *ranks[0].den;
+  const int layers = head_den.pipe_blocks();
+  if (layers == 0)
+    throw Error(name() + " splits a transformer's blocks into stages (SD3, Flux); this model has none");
+  const std::int64_t height = in.latents.size(2), width = in.latents.size(3), p = head_den.pipe_token_rows();
   check_shape(layers, height, p);
   const int stages = n, m = patch_count(), steps = in.steps;
   const int sync_steps = std::min(warmup_steps, steps);
   // Without the split the tail combines the branches of a 2B batch; with it each pipeline runs
   // one branch at batch B and the heads combine.
   const bool split = cfg_split, batched_cfg = head_den.cfg() && !split;
-  const std::int64_t batch = in.latents.size(0), rows_b = batched_cfg ? 2 * batch : batch;
-  const std::int64_t tokens = (height / p) * (width / p), patch_tokens = tokens / m, rows = height / m;
-  const std::int64_t text = head_den.conditioning(Branch::Guided).context.size(1), dim = mc.inner_dim();
+  const std::int64_t batch = in.latents.size(0), channels = in.latents.size(1), rows = height / m;
   const int items = (steps - sync_steps) * m;
   const int ticks = items > 0 ? items + stages - 1 : 0;
 
@@ -111,56 +108,31 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
   CancelGate gate(in.cancel);
   g.run([&](int rank, Communicator& comm) {
     auto& k = ranks[static_cast<std::size_t>(rank)];
-    auto& den = sd3_of(*k.den);
-    auto& model = den.model();
+    auto& den = *k.den;
     const auto dev = g.device(rank);
-    const auto opts = at::TensorOptions().device(dev).dtype(den.dtype());
+    const auto opts = at::TensorOptions().device(dev).dtype(den.output_dtype());
     // This rank's pipeline (0: cond, 1: uncond with the split), its stage, and its head's rank.
-    const int pipe = rank / stages, stage = rank % stages, base = pipe * stages;
+    const int pipe = rank / stages, stage_index = rank % stages, base = pipe * stages;
     const Branch branch = !split ? Branch::Guided : pipe == 0 ? Branch::Cond : Branch::Uncond;
-    const auto& cond = den.conditioning(branch);
-    const auto range = stage_blocks(stage, stages, layers);
-    const int first = range.first, last = range.second;
-    const bool head = stage == 0, tail = stage == stages - 1;
+    const auto range = stage_blocks(stage_index, stages, layers);
+    const auto stage = den.pipe_stage(range.first, range.second, branch, height, width);
+    const bool head = stage_index == 0, tail = stage_index == stages - 1;
     const int partner = pipe == 0 ? stages : 0;  // the other pipeline's head (split only)
-    std::vector<models::SD3BlockCache> caches(static_cast<std::size_t>(last - first));
     const auto bytes0 = comm.bytes_sent();
     if (head) k.x = k.x.clone();  // stepped in place, a patch at a time
-    // The embedded prompt: the same every step.
-    const auto context0 = head ? model->context_embedder->forward(cond.context) : at::Tensor();
-    int temb_step = -1;
-    at::Tensor temb;
-    const auto temb_at = [&](int i) {
-      if (i != temb_step) {
-        const auto t = at::full({rows_b}, k.sampler->timesteps().at(static_cast<std::size_t>(i)),
-                                at::TensorOptions().dtype(at::kFloat).device(dev));
-        temb = model->time_text_embed->forward(t, cond.pooled);
-        temb_step = i;
-      }
-      return temb;
-    };
+    const auto timestep = [&](int i) { return k.sampler->timesteps().at(static_cast<std::size_t>(i)); };
     // The head's input: latent rows [row0, row0 + count) at step i, both branches if batched.
     const auto input_rows = [&](int i, std::int64_t row0, std::int64_t count) {
       auto x = k.sampler->scale_model_input(k.x, i).narrow(2, row0, count);
       if (batched_cfg) x = at::cat({x, x});
       return x.to(opts);
     };
-    const auto run_stage = [&](models::SD3State& s, std::int64_t begin) {
-      for (int l = first; l < last; ++l)
-        model->run_block(static_cast<std::size_t>(l), s, caches[static_cast<std::size_t>(l - first)], begin);
-    };
-    const auto pack = [](const models::SD3State& s) { return at::cat({s.x, s.context}, 1); };
-    const auto unpack = [&](const at::Tensor& a, std::int64_t n_tokens, models::SD3State& s) {
-      s.x = a.narrow(1, 0, n_tokens);
-      s.context = a.narrow(1, n_tokens, text);
-    };
-    const auto output = [&](const models::SD3State& s) {
-      auto out = model->unpatchify_output(s);
-      if (!batched_cfg) return out;
-      auto parts = out.chunk(2);
+    const auto output = [&](const at::Tensor& raw) {
+      if (!batched_cfg) return raw;
+      auto parts = raw.chunk(2);
       return combine_cfg(parts[0], parts[1], den.guidance_scale());
     };
-    const auto v_buffer = [&](std::int64_t count) { return at::empty({batch, mc.out_channels, count, width}, opts); };
+    const auto v_buffer = [&](std::int64_t count) { return at::empty({batch, channels, count, width}, opts); };
     // A head's patch output (step i) -> the guided one. With the split the heads swap their
     // branches' outputs, rank 0 sending first (the order in the header), and both combine.
     const auto guide = [&](const at::Tensor& mine, int i) {
@@ -180,26 +152,20 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
 
     for (int i = 0; i < sync_steps; ++i) {
       gate.check(i);
-      models::SD3State s;
-      s.temb = temb_at(i);
-      s.height = height;
-      s.width = width;
+      at::Tensor in_act;
       if (head) {
-        s.x = model->pos_embed->forward(input_rows(i, 0, height));
-        s.context = context0;
+        in_act = input_rows(i, 0, height);
       } else {
-        auto a = at::empty({rows_b, tokens + text, dim}, opts);
-        comm.recv(a, rank - 1);
-        unpack(a, tokens, s);
+        in_act = at::empty(stage->activation_shape(height), opts);
+        comm.recv(in_act, rank - 1);
       }
-      run_stage(s, 0);
+      const auto out = stage->pass(in_act, 0, height, timestep(i));
       at::Tensor v;
       if (!tail) {
-        const auto a = pack(s);
-        comm.send(a, rank + 1);
-        sent(i, a);
+        comm.send(out, rank + 1);
+        sent(i, out);
       } else {
-        v = output(s);
+        v = output(out);
         if (!head) {
           comm.send(v, base);
           sent(i, v);
@@ -219,24 +185,15 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
     const auto busy = [&](int item) { return item >= 0 && item < items; };
     for (int tau = 0; tau < ticks; ++tau) {
       gate.check(sync_steps + tau);
-      const int item = tau - stage;
+      const int item = tau - stage_index;
       const int item_step = sync_steps + item / m;
       at::Tensor act, v;
       if (busy(item)) {
         const int q = item % m;
-        models::SD3State s;
-        s.temb = temb_at(item_step);
-        s.height = rows;
-        s.width = width;
-        if (head) {
-          s.x = model->pos_embed->forward_rows(input_rows(item_step, q * rows, rows), q * rows, height);
-          s.context = context0;
-        } else {
-          unpack(incoming, patch_tokens, s);
-        }
-        run_stage(s, q * patch_tokens);
-        if (!tail) act = pack(s);
-        else v = output(s);
+        const auto out = stage->pass(head ? input_rows(item_step, q * rows, rows) : incoming, q * rows, rows,
+                                     timestep(item_step));
+        if (!tail) act = out;
+        else v = output(out);
       }
       // The chain: 0 sends, 1 receives then sends, ..., the last sends to 0, 0 receives (ranks
       // counted from the pipeline's head); then the heads' swap (guide).
@@ -244,8 +201,8 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
         comm.send(act, rank + 1);
         sent(item_step, act);
       }
-      if (!head && busy(tau - (stage - 1))) {
-        incoming = at::empty({rows_b, patch_tokens + text, dim}, opts);
+      if (!head && busy(tau - (stage_index - 1))) {
+        incoming = at::empty(stage->activation_shape(rows), opts);
         comm.recv(incoming, rank - 1);
       }
       if (!head && act.defined()) {
@@ -283,15 +240,8 @@ LoopOutput PipeFusion::run(DeviceGroup& g, const LoopInputs& in) const {
   o.stats.bytes_per_step = traffic.bytes();
   // Counted in each rank's own model: a replica holding only its stage's weights has the others
   // empty, so rank 0's would undercount the other stages.
-  for (int r = 0; r < devices(); ++r) {
-    std::int64_t count = 0;
-    auto& model = sd3_of(*ranks[static_cast<std::size_t>(r)].den).model();
-    for (const auto& kv : model->named_parameters(true))
-      if (uses_weight(kv.key(), stage_of(r), stages, layers)) count += kv.value().numel();
-    for (const auto& kv : model->named_buffers(true))
-      if (uses_weight(kv.key(), stage_of(r), stages, layers)) count += kv.value().numel();
-    o.stats.weights_per_rank.push_back(count);
-  }
+  for (int r = 0; r < devices(); ++r)
+    o.stats.weights_per_rank.push_back(ranks[static_cast<std::size_t>(r)].den->pipe_weights(stage_of(r), stages));
   o.stats.note = std::string(split ? "2 pipelines (cond on ranks 0.." + std::to_string(stages - 1) +
                                           ", uncond on " + std::to_string(stages) + ".." +
                                           std::to_string(2 * stages - 1) + "), each " : "") +

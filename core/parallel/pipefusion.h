@@ -1,5 +1,6 @@
 #pragma once
-// PipeFusion (xDiT, arXiv 2405.14430) for SD3's MMDiT: a model-level strategy (DESIGN.md, level 3).
+// PipeFusion (xDiT, arXiv 2405.14430) for SD3's MMDiT and Flux's transformer: a model-level
+// strategy (DESIGN.md, level 3).
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -8,25 +9,30 @@
 
 namespace diffract::parallel {
 
-// Layers x patches with stale K/V, over the joint blocks of an SD3Denoiser's transformer.
-//  Stages: rank r runs a contiguous range of the joint blocks (stage_blocks); rank 0 also embeds
-//   (patch embedding, context_embedder), the last rank also runs norm_out / proj_out. Each rank
-//   needs only those weights (uses_weight; the SD3 pipeline's GPU replicas hold nothing else);
-//   every rank embeds the timestep and pooled text itself (a few MB).
-//  Patches: the latent split into M row bands (M >= n, default M = n). Pipelined steps stream
-//   the items (step i, patch q) in order through the stages: in tick tau rank r runs item
-//   tau - r, so after the fill every rank is busy on a different patch.
+// Layers x patches with stale K/V, over a transformer's chain of blocks, driven through the
+// denoiser's PipeStage (denoiser.h): SD3's joint blocks; Flux's 19 double-stream then 38
+// single-stream blocks, one chain of 57.
+//  Stages: rank r runs a contiguous range of the blocks (stage_blocks); rank 0 also embeds
+//   (SD3's patch embedding or Flux's x_embedder, and context_embedder), the last rank also runs
+//   norm_out / proj_out. Each rank needs only those weights (uses_weight; the pipelines' GPU
+//   replicas hold nothing else); every rank embeds the timestep and pooled text itself (and
+//   Flux's guidance and its rope rows: a few MB).
+//  Patches: the latent split into M row bands of whole token rows (M >= n, default M = n).
+//   Pipelined steps stream the items (step i, patch q) in order through the stages: in tick tau
+//   rank r runs item tau - r, so after the fill every rank is busy on a different patch.
 //  Attention: a block's image queries are the patch's; its image keys and values are all N
-//   image tokens, from a per-block cache (models::SD3BlockCache, kept by the rank that owns the
-//   block) into which every pass writes its patch's rows first. The other patches' rows are the
-//   latest computed: this step's for the patches before it, the previous step's (stale) for the
+//   image tokens, from a per-block cache (models::ImageKV, kept by the rank that owns the block)
+//   into which every pass writes its patch's rows first. The other patches' rows are the latest
+//   computed: this step's for the patches before it, the previous step's (stale) for the
 //   ones after. K/V never travel, which is where PipeFusion saves over a tensor-parallel split.
-//  Text stream: MMDiT updates the text tokens in every block (they attend to the image too), so
-//   each patch carries its own copy of the text state through the stages with its image tokens
-//   (as xDiT's SD3 PipeFusion passes encoder_hidden_states along), starting from the embedded
-//   prompt; the text keys and values a pass attends over are that copy's, and the copy is
-//   dropped after the last block (context_pre_only). A pass over the whole image is the model's
-//   own forward, bit for bit.
+//  Text stream: both models update the text tokens in every block (they attend to the image
+//   too), so each patch carries its own copy of the text state through the stages with its image
+//   tokens (as xDiT's PipeFusion passes encoder_hidden_states along), starting from the embedded
+//   prompt; the text keys and values a pass attends over are that copy's. SD3 drops it after the
+//   last block (context_pre_only); in Flux's single-stream blocks it is the front of the joint
+//   sequence, whose image part alone goes into the K/V cache. Flux's rope follows each token:
+//   a pass's rows are the text's and its patch's. A pass over the whole image is the model's
+//   own forward.
 //  Warm-up: the first warmup_steps (>= 1: they fill the caches) are synchronous: the whole image
 //   goes through the stages one after the other, no staleness. warmup_steps >= steps is exactly
 //   one device.
@@ -36,7 +42,7 @@ namespace diffract::parallel {
 //  CFG: both branches as one batch of 2B through the stages, combined on the last rank (one
 //   pipeline per branch instead with cfg_split, below).
 //  Messages, point to point, each one tensor: a pass's image tokens and text state
-//   [2B, N/M + S, D] from rank r to r + 1, and the (guided) output of the patch [B, C, h/M, w]
+//   [2B, N/M + S, D] (PipeStage::activation_shape) from rank r to r + 1, and the (guided) output of the patch [B, C, h/M, w]
 //   from the last rank to rank 0: n per synchronous step, M * n per pipelined step (none on one
 //   device). Per tick the exchange runs as a chain 0 -> 1 -> ... -> n-1 -> 0, each rank
 //   receiving before it sends (rank 0 sending first), so blocking sends cannot wait in a cycle.
@@ -75,18 +81,22 @@ struct PipeFusion final : Strategy {
   int stage_of(int rank) const { return rank % n; }
   void validate(std::int64_t batch, bool cfg) const override;
   LoopOutput run(DeviceGroup& group, const LoopInputs& in) const override;
-  // Nothing: the ranks' weights are their stages only (no whole-model call to warm), SD3 runs
-  // eager, and each rank's first stage call comes in the synchronous warm-up step, where the
+  // Nothing: the ranks' weights are their stages only (no whole-model call to warm), the stages
+  // run eager, and each rank's first stage call comes in the synchronous warm-up step, where the
   // ranks wait their turn anyway.
   void warm(Denoiser& d, const at::Tensor& x, double timestep) const override;
 
   // Throws for a job this split cannot run: more stages than blocks, or latent rows that do not
-  // make M equal bands of whole transformer patches.
+  // make M equal bands of whole token rows (patch_size latent rows each).
   void check_shape(std::int64_t layers, std::int64_t latent_height, std::int64_t patch_size) const;
-  // Stage `rank` of n: joint blocks [first, second) of `layers`, sizes differing by at most 1.
+  // Stage `rank` of n: blocks [first, second) of `layers`, sizes differing by at most 1.
   static std::pair<int, int> stage_blocks(int rank, int n, int layers);
-  // Whether stage `rank` of n uses the transformer tensor `name` (a diffusers state-dict key).
-  static bool uses_weight(const std::string& name, int rank, int n, int layers);
+  // Whether stage `rank` of n uses the transformer tensor `name` (a diffusers state-dict key) of a
+  // chain of `layers` transformer_blocks then `single_layers` single_transformer_blocks (Flux).
+  static bool uses_weight(const std::string& name, int rank, int n, int layers, int single_layers = 0);
+  // The stage rank `rank` runs under `strategy` and the pipeline's stage count when it is
+  // PipeFusion ({rank, 0} for any other strategy: the whole model).
+  static std::pair<int, int> rank_stage(const Strategy& strategy, int rank);
   // The messages a step sends (the design above); cfg_split: both pipelines and the heads' swap.
   static int messages_per_step(bool synchronous, int n, int patches, bool cfg_split = false);
 };

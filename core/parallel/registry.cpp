@@ -43,7 +43,20 @@ std::unique_ptr<Strategy> make_sequence_parallel(const StrategyParams& p) {
 
 std::unique_ptr<Strategy> make_first_block_cache(const StrategyParams& p) {
   auto s = std::make_unique<FirstBlockCaching>();
-  s->threshold = p.cache_threshold;
+  s->threshold = cache_threshold(p);
+  return s;
+}
+
+std::unique_ptr<Strategy> make_teacache(const StrategyParams& p) {
+  auto s = std::make_unique<TeaCaching>();
+  s->threshold = cache_threshold(p);
+  return s;
+}
+
+std::unique_ptr<Strategy> make_deepcache(const StrategyParams& p) {
+  auto s = std::make_unique<DeepCaching>();
+  s->interval = p.skip;
+  s->branch = std::stoi(options::value(options::Id::DeepCacheBranch));
   return s;
 }
 
@@ -95,8 +108,12 @@ constexpr std::string_view kUNetOnly =
     "it splits a UNet's layers, and SD3's and Flux's denoisers are transformers (use cfg-parallel, pipefusion or "
     "driffusion)";
 constexpr std::string_view kTransformerOnly =
-    "it splits a transformer's joint blocks into stages: it runs SD3 only, and SD 1.x / 2.x / XL have a UNet (use "
+    "it splits a transformer's blocks into stages: it runs SD3 and Flux, and SD 1.x / 2.x / XL have a UNet (use "
     "cfg-parallel, hybrid-cfg, driffusion or data-parallel)";
+
+constexpr std::string_view kNoCacheControlNets =
+    "a UNet's step cache runs its layers in parts, and a ControlNet's residuals join whole evaluations only; use "
+    "single, cfg-parallel, data-parallel, step-skip or a driffusion variant";
 
 constexpr std::string_view kTransformersOnly =
     "it shards a transformer's attention over the image tokens: it runs Flux and SD3, and SD 1.x / 2.x / XL have a "
@@ -126,20 +143,38 @@ const std::vector<StrategyInfo> kStrategies = {
     {"step-skip", "Evaluates every skip-th step on one device and jumps over the rest: the naive baseline.",
      Level::Loop, true, true, "", false, false, {1, 1, 1}, {Param::Skip}, make_step_skip, kNoImageInputs, ""},
     {"fbcache",
-     "SD3, Flux: the first block every step, the rest only when its output moved more than the threshold; one "
-     "device, changes the image a little.",
+     "The first block every step, the rest only when its output moved more than the threshold (a UNet: its first "
+     "down layer and the shallow path); one device, changes the image a little.",
+     Level::Evaluation, true, true, "", false, false, {1, 1, 1}, {Param::CacheThreshold}, make_first_block_cache,
+     kNoImageInputs, kNoCacheControlNets, 0.12,
+     "First-Block Cache: the other blocks (a UNet's deep layers) are reused while the first block's (first down "
+     "layer's) output moved less than this since they last ran (higher: faster, further from the plain loop; 0: "
+     "never)"},
+    {"teacache",
+     "SD3, Flux: every block skipped while the timestep-modulated input barely moved (TeaCache); one device, changes "
+     "the image a little.",
      Level::Evaluation, false, true,
-     "it caches a transformer's blocks (SD3, Flux); the UNet analogue (the first down block, DeepCache) is not "
-     "written yet (use step-skip or driffusion)",
-     false, false, {1, 1, 1}, {Param::CacheThreshold}, make_first_block_cache, kNoImageInputs, ""},
+     "it reads the first block's timestep-modulated input, which transformers with AdaLN have (SD3, Flux) and a UNet "
+     "has not (use deepcache or fbcache)",
+     false, false, {1, 1, 1}, {Param::CacheThreshold}, make_teacache, kNoImageInputs, "", 0.4,
+     "TeaCache: every block is skipped while the timestep-modulated input's changes, rescaled and summed since the "
+     "last full step, stay under this (Flux.1-dev: 0.25 about 1.5x, 0.4 1.8x, 0.6 2x; 0: never)"},
+    {"deepcache",
+     "SD / SDXL: the UNet's deep layers every skip-th step, its shallow path every step (DeepCache); one device, "
+     "changes the image a little.",
+     Level::Evaluation, true, false,
+     "it splits a UNet's shallow path from its deep layers, and SD3's and Flux's denoisers are transformers (use "
+     "fbcache or teacache)",
+     false, false, {1, 1, 1}, {Param::Skip}, make_deepcache, kNoImageInputs, kNoCacheControlNets},
     {"sequence-parallel",
      "Flux, SD3: each device a share of the image tokens, attention trading tokens for heads (Ulysses); the same "
      "image.",
      Level::Model, false, true, kTransformersOnly, false, true, {0, 1, 1}, {Param::Devices}, make_sequence_parallel},
-    {"pipefusion", "SD3: the transformer's blocks over the devices, the image in patches, a step stale.",
+    {"pipefusion", "SD3, Flux: the transformer's blocks over the devices, the image in patches, a step stale.",
      Level::Model, false, true, kTransformerOnly, false, false, {0, 1, 1}, {Param::Devices, Param::Patches},
      make_pipefusion},
-    {"cfg-pipefusion", "SD3: one PipeFusion pipeline per CFG branch, each on half the devices.", Level::Model, false,
+    {"cfg-pipefusion", "SD3, Flux: one PipeFusion pipeline per CFG branch, each on half the devices.", Level::Model,
+     false,
      true, kTransformerOnly, true, false, {0, 2, 2}, {Param::Devices, Param::Patches}, make_pipefusion},
     {"asyncdiff", "The UNet's layers over the devices, each fed the step before.", Level::Model, true, false,
      kUNetOnly, false, false, {0, 2, 1}, {Param::Devices}, make_asyncdiff},
@@ -165,21 +200,7 @@ std::string DeviceRule::describe() const {
 
 bool StrategyInfo::takes(Param p) const { return std::find(params.begin(), params.end(), p) != params.end(); }
 
-namespace {
-// The transformer families run the transformer strategies but these, which are written for one
-// of them only.
-std::string_view transformer_refused_why(std::string_view name, job::ModelFamily family) {
-  if (family == job::ModelFamily::Flux && (name == "pipefusion" || name == "cfg-pipefusion"))
-    return "its stages are written for SD3's joint blocks, and Flux's double- and single-stream blocks are not "
-           "split into stages yet (use sequence-parallel, driffusion, data-parallel, or cfg-parallel with true CFG)";
-  return "";
-}
-}  // namespace
-
-bool StrategyInfo::runs(job::ModelFamily family) const {
-  if (!job::has_unet(family)) return transformer && transformer_refused_why(name, family).empty();
-  return job::has_unet(family) ? unet : transformer;
-}
+bool StrategyInfo::runs(job::ModelFamily family) const { return job::has_unet(family) ? unet : transformer; }
 
 const std::vector<StrategyInfo>& strategies() { return kStrategies; }
 
@@ -197,6 +218,12 @@ std::string strategy_names() {
   return out;
 }
 
+double cache_threshold(const job::StrategyParams& p) {
+  if (p.cache_threshold >= 0) return p.cache_threshold;
+  const auto* s = find_strategy(p.name);
+  return s ? s->default_cache_threshold : 0;
+}
+
 const StrategyInfo& strategy_info(std::string_view name) {
   if (const auto* s = find_strategy(name)) return *s;
   throw Error("unknown strategy '" + std::string(name.substr(0, 80)) + "' (" + strategy_names() + ")");
@@ -204,11 +231,9 @@ const StrategyInfo& strategy_info(std::string_view name) {
 
 void check_strategy(const job::StrategyParams& p, job::ModelFamily family, bool cfg) {
   const auto& s = strategy_info(p.name);
-  if (!s.runs(family)) {
-    const auto why = !job::has_unet(family) && s.transformer ? transformer_refused_why(s.name, family) : s.refused_why;
+  if (!s.runs(family))
     throw Error(std::string(s.name) + " does not run " + std::string(job::family_name(family)) + " models: " +
-                std::string(why));
-  }
+                std::string(s.refused_why));
   if (s.needs_cfg && !cfg)
     throw Error(std::string(s.name) + " needs classifier-free guidance (a CFG scale above 1)");
 }
@@ -233,7 +258,7 @@ std::unique_ptr<Strategy> make_strategy(const job::StrategyParams& p) {
     throw Error("strategy " + p.display_name() + ": devices " + std::to_string(p.devices) + " must be 64 or fewer");
   if (s.takes(Param::Skip) && (p.skip < 1 || p.skip > 1000))
     throw Error("step skipping needs a skip of 1 or more, not " + std::to_string(p.skip));
-  if (s.takes(Param::CacheThreshold) && !(p.cache_threshold >= 0 && p.cache_threshold <= 10))
+  if (s.takes(Param::CacheThreshold) && !(p.cache_threshold <= 10))  // negative: the default
     throw Error("strategy " + p.display_name() + ": cache threshold " + std::to_string(p.cache_threshold) +
                 " must be between 0 (never reuse) and 10");
   if (s.takes(Param::Patches) && (p.patches < 0 || p.patches > 4096))

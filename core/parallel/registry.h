@@ -51,7 +51,7 @@ struct StrategyInfo {
   std::string_view hint;      // one line in plain words, for --help and tooltips
   Level level;
   bool unet = true;           // runs SD 1.x / 2.x / XL (a UNet)
-  bool transformer = true;    // runs SD3 (an MMDiT) and, unless registry.cpp says why not, Flux.1
+  bool transformer = true;    // runs SD3 (an MMDiT) and Flux.1
   std::string_view refused_why;  // why the other families are refused
   bool needs_cfg = false;     // needs classifier-free guidance (a CFG scale above 1)
   bool exact = true;          // the same result as one device (up to rounding)
@@ -60,6 +60,8 @@ struct StrategyInfo {
   std::unique_ptr<Strategy> (*make)(const job::StrategyParams&) = nullptr;
   std::string_view image_refused_why = kNoImageInputs;  // empty: takes an init image and a mask
   std::string_view controlnet_refused_why = kNoControlNets;  // empty: runs ControlNets
+  double default_cache_threshold = 0;  // CacheThreshold: the threshold a job gets unless it gives one
+  std::string_view threshold_hint;     // CacheThreshold: what the threshold does, for tooltips
 
   bool takes(Param p) const;
   bool runs(job::ModelFamily family) const;
@@ -70,6 +72,8 @@ const std::vector<StrategyInfo>& strategies();
 // The entry for `name` ("" is "single"); asyncdiff-stride<S> for any S finds AsyncDiff's
 // stride entry. Null when there is none.
 const StrategyInfo* find_strategy(std::string_view name);
+// The threshold a job's step cache runs with: its own, or (negative) the strategy's default.
+double cache_threshold(const job::StrategyParams& params);
 // The same, or a diffract::Error naming the unknown strategy and listing the known ones.
 const StrategyInfo& strategy_info(std::string_view name);
 // "single, cfg-parallel, ...": every name, for messages.

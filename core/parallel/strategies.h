@@ -3,7 +3,7 @@
 #include "core/parallel/asyncdiff.h"
 #include "core/parallel/cfg_parallel.h"
 #include "core/parallel/data_parallel.h"
-#include "core/parallel/first_block_cache.h"
+#include "core/parallel/step_caches.h"
 #include "core/parallel/sequence_parallel.h"
 #include "core/parallel/distrifusion.h"
 #include "core/parallel/driffusion.h"

@@ -27,9 +27,10 @@ nlohmann::json LoopStats::json() const {
   if (!bytes_per_step.empty()) j["bytes_per_step"] = bytes_per_step;
   if (!weights_per_rank.empty()) j["weights_per_rank"] = weights_per_rank;
   if (!note.empty()) j["note"] = note;
-  if (cache_threshold >= 0) {
-    j["cache_threshold"] = cache_threshold;
+  if (cache_threshold >= 0) j["cache_threshold"] = cache_threshold;
+  if (model_work >= 0) {
     j["reused_steps"] = reused_steps;
+    j["model_work"] = model_work;
   }
   for (const auto& [key, ms] : {std::pair<const char*, double>{"warm_ms", warm_ms}, {"loop_ms", loop_ms},
                                 {"setup_ms", setup_ms}, {"finish_ms", finish_ms}, {"before_call_ms", before_call_ms},

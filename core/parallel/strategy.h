@@ -55,9 +55,12 @@ struct LoopStats {
   // PipeFusion: point-to-point messages and their bytes per step (by the step whose work they
   // carry), and the weights (parameters and buffers) each rank's stage uses.
   std::vector<std::int64_t> messages_per_step, bytes_per_step, weights_per_rank;
-  // Step caches: the threshold (negative: none) and the steps that reused cached blocks.
+  // Step caches: the threshold (negative: none), the steps that reused cached work, and the
+  // model work the loop ran in full evaluations' worth (estimated; negative: not a step cache),
+  // so that steps / model_work is the cache's speed-up of the denoiser.
   double cache_threshold = -1;
   std::vector<int> reused_steps;
+  double model_work = -1;
   std::string note;
   // Where a job's time goes around the loop, set by the pipeline (ms; negative: not measured):
   // the ranks' warm-up, the loop itself, set-up before it, the step reporter's finish after it

@@ -23,6 +23,7 @@
 #include "core/models/text_encoders/t5_encoder.h"
 #include "core/models/transformers/flux_transformer_2d.h"
 #include "core/parallel/denoiser.h"
+#include "core/parallel/pipefusion.h"
 #include "core/parallel/strategy.h"
 #include "core/pipeline/clip_graph.h"
 #include "core/pipeline/kernel_profile.h"
@@ -92,22 +93,21 @@ struct Flux::Impl : PipelineState {
   // The last prompts' encodings (T5 [1, S, D], pooled [1, P]), newest first.
   std::list<std::tuple<std::string, job::PromptSyntax, at::Tensor, at::Tensor>> prompt_cache;
   // Multi-GPU jobs: a transformer replica on each of the group's other GPUs.
-  std::map<int, models::FluxTransformer2DModel> replicas;
+  TransformerReplicas<models::FluxTransformer2DModel> replicas{"Flux transformer",
+                                                              [](models::FluxTransformer2DModel& copy) {
+                                                                if (models::fused_qkv_wanted()) copy->fuse_projections();
+                                                              }};
 
   int vae_factor() const { return static_cast<int>(vae->config.downscale_factor()); }
 
-  models::FluxTransformer2DModel transformer_on(const c10::Device& d) {
-    if (d == device || d.is_cpu()) return transformer;
-    if (const auto it = replicas.find(d.index()); it != replicas.end()) return it->second;
-    const auto t0 = Clock::now();
-    models::FluxTransformer2DModel copy(transformer->config);
-    copy->eval();
-    copy_weights(*transformer, *copy, d);
-    if (models::fused_qkv_wanted()) copy->fuse_projections();
-    replica_ms += ms_since(t0);
-    log::get("pipeline").info(log::str("Flux transformer replica on ", d.str(), " in ", static_cast<int>(ms_since(t0)), " ms"));
-    replicas.emplace(d.index(), copy);
-    return copy;
+  // The transformer on device `d`: ours on our device and on CPU ranks (shared, read-only);
+  // elsewhere a copy made on first use, of the weights `stage` (of `stages`) runs when stages > 0.
+  models::FluxTransformer2DModel transformer_on(const c10::Device& d, int stage = 0, int stages = 0) {
+    const int doubles = static_cast<int>(transformer->config.num_layers);
+    const int singles = static_cast<int>(transformer->config.num_single_layers);
+    return replicas.on(transformer, device, d, stage, stages, [=](const std::string& name) {
+      return parallel::PipeFusion::uses_weight(name, stage, stages, doubles, singles);
+    }, replica_ms);
   }
 
   // One prompt: T5's [1, max_sequence_length, D] and CLIP's pooled [1, P].
@@ -500,16 +500,22 @@ std::string Flux::profile_transformer_step(int size, int reps) {
   return j.dump();
 }
 
-void Flux::prepare_ranks(JobContext&, const parallel::Strategy&, parallel::DeviceGroup& group) {
-  for (int r = 0; r < group.size(); ++r) impl_->transformer_on(group.device(r));
+// CPU virtual devices share our transformer (read-only in inference); GPUs get replicas, made
+// here before the ranks start (PipeFusion's hold only their stage's weights).
+void Flux::prepare_ranks(JobContext&, const parallel::Strategy& strategy, parallel::DeviceGroup& group) {
+  for (int r = 0; r < group.size(); ++r) {
+    const auto [stage, stages] = parallel::PipeFusion::rank_stage(strategy, r);
+    impl_->transformer_on(group.device(r), stage, stages);
+  }
 }
 
-std::unique_ptr<parallel::Denoiser> Flux::rank_denoiser(const JobContext& job, const parallel::Strategy&, int,
-                                                        const c10::Device& d) {
+std::unique_ptr<parallel::Denoiser> Flux::rank_denoiser(const JobContext& job, const parallel::Strategy& strategy,
+                                                        int rank, const c10::Device& d) {
   auto& p = *impl_;
   const auto& c = std::any_cast<const FluxJobConditioning&>(job.conditioning);
-  return std::make_unique<parallel::FluxDenoiser>(p.transformer_on(d), c.positive, c.negative, job.req.cfg,
-                                                  job.req.guidance, p.dtype, d);
+  const auto [stage, stages] = parallel::PipeFusion::rank_stage(strategy, rank);
+  return std::make_unique<parallel::FluxDenoiser>(p.transformer_on(d, stage, stages), c.positive, c.negative,
+                                                  job.req.cfg, job.req.guidance, p.dtype, d);
 }
 
 double Flux::warm_timestep(const JobContext&, const schedulers::Sampler& sampler) const {

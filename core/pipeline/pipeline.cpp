@@ -613,7 +613,7 @@ job::GenerationResult Pipeline::run_job(const job::GenerationRequest& request, c
       meta["skip"] = req.strategy.skip;
     if (req.strategy.name == strategy->name() &&
         parallel::strategy_info(req.strategy.name).takes(parallel::Param::CacheThreshold))
-      meta["cache_threshold"] = req.strategy.cache_threshold;
+      meta["cache_threshold"] = parallel::cache_threshold(req.strategy);
     // From the job's start to the strategy's call (text encoding, latents), the whole call, and
     // from its return to the VAE decode (the finite check): against loop_ms, setup_ms, finish_ms.
     strategy_stats.before_call_ms = std::chrono::duration<double, std::milli>(before_strategy - start).count();

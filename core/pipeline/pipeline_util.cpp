@@ -246,6 +246,10 @@ void copy_weights(torch::nn::Module& src, torch::nn::Module& dst, const c10::Dev
   for (const auto& kv : src.named_buffers(true)) buffers[kv.key()].set_data(copy_to(kv.key(), kv.value()));
 }
 
+void log_replica(const std::string& what, const c10::Device& d, double ms) {
+  log::get("pipeline").info(log::str(what, " on ", d.str(), " in ", static_cast<int>(ms), " ms"));
+}
+
 at::Tensor run_strategy_loop(const parallel::Strategy& strategy, parallel::DeviceGroup& group, parallel::LoopInputs in,
                              const at::Tensor& warm_input, double warm_timestep, const job::GenerationRequest& req,
                              const job::JobObserver& observer, StepReporter::Preview preview,

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -176,6 +177,49 @@ class StrategyGroups {
 // tensors there, for replicas that run part of a model.
 void copy_weights(torch::nn::Module& src, torch::nn::Module& dst, const c10::Device& d,
                   const std::function<bool(const std::string&)>& keep = {});
+
+// Logs a replica made on `d` ("SD3 transformer replica (stage 0/2) on cuda:1 in 850 ms").
+void log_replica(const std::string& what, const c10::Device& d, double ms);
+
+// A transformer's replicas on the GPUs of strategies' groups, one per GPU: the whole model or one
+// PipeFusion stage's weights (the others empty), copied from the pipeline's own model device to
+// device on first use. The own model serves its device and CPU ranks (shared, read-only).
+template <class Model>
+class TransformerReplicas {
+ public:
+  // `name` for the log; `ready` runs on each new copy (fusing its projections).
+  explicit TransformerReplicas(std::string name, std::function<void(Model&)> ready = {})
+      : name_(std::move(name)), ready_(std::move(ready)) {}
+  // The model on `d` (`own` lives on `own_device`), holding stage `stage` of `stages` (0 stages:
+  // the whole model) as `keep` names it (a state-dict name filter for that stage). Adds the
+  // copying time to `replica_ms`.
+  Model on(Model& own, const c10::Device& own_device, const c10::Device& d, int stage, int stages,
+           const std::function<bool(const std::string&)>& keep, double& replica_ms) {
+    if (d == own_device || d.is_cpu()) return own;
+    const std::string what = stages > 0 ? "stage " + std::to_string(stage) + "/" + std::to_string(stages) : "whole";
+    const auto key = std::make_pair(static_cast<int>(d.index()), what);
+    if (const auto it = replicas_.find(key); it != replicas_.end()) return it->second;
+    // One replica per GPU: a whole one and a stage's would otherwise sit side by side.
+    for (auto it = replicas_.begin(); it != replicas_.end();)
+      it = it->first.first == d.index() ? replicas_.erase(it) : std::next(it);
+    const auto t0 = Clock::now();
+    Model copy(own->config);  // no init: each tensor is then copied or emptied
+    copy->eval();
+    copy_weights(*own, *copy, d, stages > 0 ? keep : std::function<bool(const std::string&)>());
+    if (ready_) ready_(copy);
+    replica_ms += ms_since(t0);
+    log_replica(name_ + " replica (" + what + ")", d, ms_since(t0));
+    replicas_.emplace(key, copy);
+    return copy;
+  }
+  bool empty() const { return replicas_.empty(); }
+  void clear() { replicas_.clear(); }
+
+ private:
+  std::string name_;
+  std::function<void(Model&)> ready_;
+  std::map<std::pair<int, std::string>, Model> replicas_;
+};
 
 // A strategy's denoising loop as the pipelines run it: on GPUs every rank first evaluates the
 // loop's shapes (Strategy::warm on `warm_input`'s shape and dtype at `warm_timestep`), one device

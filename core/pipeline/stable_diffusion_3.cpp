@@ -89,33 +89,17 @@ struct StableDiffusion3::Impl : PipelineState {
   // Multi-GPU jobs: a transformer replica on each of the group's other GPUs (whole, or one
   // PipeFusion stage's weights), by device and what it holds; the groups with their NCCL
   // communicators.
-  std::map<std::pair<int, std::string>, models::SD3Transformer2DModel> replicas;
+  TransformerReplicas<models::SD3Transformer2DModel> replicas{"SD3 transformer"};
 
   int vae_factor() const { return static_cast<int>(vae->config.downscale_factor()); }
 
   // The transformer on device `d`: ours on our device and on CPU ranks (shared, read-only);
   // elsewhere a copy made on first use, of the weights `stage` (of `stages`) runs when stages > 0.
   models::SD3Transformer2DModel transformer_on(const c10::Device& d, int stage = 0, int stages = 0) {
-    if (d == device || d.is_cpu()) return transformer;
-    const std::string what = stages > 0 ? "stage " + std::to_string(stage) + "/" + std::to_string(stages) : "whole";
-    const auto key = std::make_pair(static_cast<int>(d.index()), what);
-    if (const auto it = replicas.find(key); it != replicas.end()) return it->second;
-    // One replica per GPU: a whole one and a stage's would otherwise sit side by side.
-    for (auto it = replicas.begin(); it != replicas.end();)
-      it = it->first.first == d.index() ? replicas.erase(it) : std::next(it);
-    const auto t0 = Clock::now();
-    models::SD3Transformer2DModel copy(transformer->config);  // no init: each tensor is then copied or emptied
-    copy->eval();
     const int layers = static_cast<int>(transformer->config.num_layers);
-    std::function<bool(const std::string&)> keep;
-    if (stages > 0)
-      keep = [=](const std::string& name) { return parallel::PipeFusion::uses_weight(name, stage, stages, layers); };
-    copy_weights(*transformer, *copy, d, keep);
-    replica_ms += ms_since(t0);
-    log::get("pipeline").info(log::str("SD3 transformer replica (", what, ") on ", d.str(), " in ",
-                                       static_cast<int>(ms_since(t0)), " ms"));
-    replicas.emplace(key, copy);
-    return copy;
+    return replicas.on(transformer, device, d, stage, stages, [=](const std::string& name) {
+      return parallel::PipeFusion::uses_weight(name, stage, stages, layers);
+    }, replica_ms);
   }
 
   // Pixel sizes must be multiples of this: the VAE's factor times the transformer's patch.
@@ -489,22 +473,11 @@ std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> StableDiffusion3
   };
 }
 
-namespace {
-
-// PipeFusion (and cfg-pipefusion, whose rank r is stage r % n of its branch's pipeline): the
-// stage each rank runs, whose weights are all its replica holds; 0 stages for the others.
-std::pair<int, int> stage_of(const parallel::Strategy& strategy, int rank) {
-  const auto* pipefusion = dynamic_cast<const parallel::PipeFusion*>(&strategy);
-  return pipefusion ? std::make_pair(pipefusion->stage_of(rank), pipefusion->n) : std::make_pair(rank, 0);
-}
-
-}  // namespace
-
 // CPU virtual devices share our transformer (read-only in inference); GPUs get replicas, made
 // here before the ranks start (PipeFusion's hold only their stage's weights).
 void StableDiffusion3::prepare_ranks(JobContext&, const parallel::Strategy& strategy, parallel::DeviceGroup& group) {
   for (int r = 0; r < group.size(); ++r) {
-    const auto [stage, stages] = stage_of(strategy, r);
+    const auto [stage, stages] = parallel::PipeFusion::rank_stage(strategy, r);
     impl_->transformer_on(group.device(r), stage, stages);
   }
 }
@@ -514,7 +487,7 @@ std::unique_ptr<parallel::Denoiser> StableDiffusion3::rank_denoiser(const JobCon
                                                                     const c10::Device& d) {
   auto& p = *impl_;
   const auto& c = std::any_cast<const SD3JobConditioning&>(job.conditioning);
-  const auto [stage, stages] = stage_of(strategy, rank);
+  const auto [stage, stages] = parallel::PipeFusion::rank_stage(strategy, rank);
   return std::make_unique<parallel::SD3Denoiser>(p.transformer_on(d, stage, stages), c.positive, c.negative, job.req.cfg,
                                                  p.dtype, d);
 }

@@ -67,6 +67,9 @@ const std::vector<Option>& build_table() {
        {"", "0", "1", "overlap", "exchange"}},
       {Id::BatchVae, "DIFFRACT_BATCH_VAE", Type::Flag, "1", Scope::Job,
        "a multi-GPU job's batch decoded image by image over its devices", {}},
+      {Id::DeepCacheBranch, "DIFFRACT_DEEPCACHE_BRANCH", Type::Choice, "0", Scope::Job,
+       "deepcache: the down layers its shallow path keeps (DeepCache's cache_branch_id; 0 its default for SD / SDXL)",
+       {"0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11"}},
   };
   for (std::size_t i = 0; i < t.size(); ++i)
     if (static_cast<std::size_t>(t[i].id) != i) throw std::logic_error("options table out of order");

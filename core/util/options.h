@@ -39,6 +39,7 @@ enum class Id {
   DriffusionPairs,
   ParallelVae,
   BatchVae,
+  DeepCacheBranch,
 };
 
 enum class Type { Flag, Integer, Choice, Path };

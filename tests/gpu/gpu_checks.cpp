@@ -1095,6 +1095,29 @@ void check_nccl() {
   expect(received[1].cpu().equal(at::arange(4, at::kFloat)), "send/recv rank 0 -> rank 1");
   expect(comms[0]->bytes_sent() > 0, "bytes counted");
 
+  // all_to_all: grouped sends and receives, each chunk once (rank r sends [d + 1] values r*10+d to d).
+  std::vector<int> a2a_ok(2, 0);
+  threads.clear();
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      const at::Device d(at::kCUDA, static_cast<c10::DeviceIndex>(r));
+      c10::cuda::CUDAGuard guard(d);
+      auto& c = *comms[static_cast<std::size_t>(r)];
+      std::vector<at::Tensor> chunks;
+      for (int k = 0; k < 2; ++k)
+        chunks.push_back(at::full({k + 1}, static_cast<double>(r * 10 + k), at::TensorOptions().device(d).dtype(at::kBFloat16)));
+      const auto before = c.bytes_sent();
+      const auto got = c.all_to_all(chunks);
+      bool ok = got.size() == 2 && c.bytes_sent() - before == 2 * (2 - r);
+      for (int q = 0; ok && q < 2; ++q)
+        ok = got[static_cast<std::size_t>(q)].size(0) == r + 1 &&
+             got[static_cast<std::size_t>(q)].cpu().eq(q * 10 + r).all().item<bool>();
+      a2a_ok[static_cast<std::size_t>(r)] = ok;
+    });
+  }
+  for (auto& t : threads) t.join();
+  expect(a2a_ok[0] && a2a_ok[1], "all_to_all: each rank gets every rank's chunk for it, each sent once");
+
   // all_gather_async: two gathers in flight (one of 64 MB) while the compute stream multiplies,
   // in order with a blocking one; counted in bytes_sent; the values arrive after wait().
   std::vector<int> async_ok(2, 0);
@@ -1947,7 +1970,98 @@ void check_flux_files() {
     const double e = rel_l2(cpu_t5->generate(r, {}, never), run(*cpu_t5));
     std::cout << "  sequence-parallel on " << n << " GPU(s) vs one: latents rel-L2 " << e << "\n";
     expect(e < 1e-2, "sequence-parallel on " + std::to_string(n) + " GPU(s) gives the one-GPU job");
+    // PipeFusion: n stages over the 5 blocks, 2 patches (64 px: 8 token rows), a step stale.
+    r.strategy.name = "pipefusion";
+    r.strategy.patches = 2;
+    const double p = rel_l2(cpu_t5->generate(r, {}, never), run(*cpu_t5));
+    std::cout << "  pipefusion " << n << "x2 on GPU(s) vs one: latents rel-L2 " << p << "\n";
+    expect(std::isfinite(p) && p > 0 && p < 0.3, "pipefusion on " + std::to_string(n) + " GPU(s) runs near the one-GPU job");
   }
+}
+
+// PipeFusion over Flux's blocks and the step caches on the GPU. A tiny random Flux.1-dev (bf16,
+// one copy per GPU from one seed): PipeFusion with every step synchronous is the one-GPU loop,
+// stale it stays near it, on 1 GPU (stages run one after another through NCCL's one rank) and
+// on 2 where there are; TeaCache at threshold 0 is the plain loop. A tiny SDXL job on cuda:0:
+// deepcache at interval 1 (its stage graphs) is the plain job (the UNet's whole-step graph),
+// interval 3 reuses the steps between, and the first-block cache on the UNet runs.
+void check_caches_and_flux_pipefusion() {
+  need_gpus(1);
+  at::NoGradGuard no_grad;
+  const int gpus = std::min(2, static_cast<int>(torch::cuda::device_count()));
+  models::FluxTransformer2DConfig c = models::FluxTransformer2DConfig::dev();
+  c.num_layers = 2;
+  c.num_single_layers = 3;
+  c.attention_head_dim = 32;
+  c.num_attention_heads = 2;
+  c.joint_attention_dim = 48;
+  c.pooled_projection_dim = 24;
+  c.axes_dims_rope = {8, 12, 12};
+  auto replicas = std::make_shared<std::vector<models::FluxTransformer2DModel>>();
+  for (int d = 0; d < gpus; ++d) {
+    models::FluxTransformer2DModel m(c);
+    m->eval();
+    models::init_random(*m, 5);
+    m->to(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d)), at::kBFloat16);
+    replicas->push_back(m);
+  }
+  at::Generator g = at::detail::createCPUGenerator(4);
+  const parallel::FluxConditioning pos{at::randn({1, 8, 48}, g), at::randn({1, 24}, g)};
+  const parallel::FluxConditioning neg{at::randn({1, 8, 48}, g), at::randn({1, 24}, g)};
+  parallel::LoopInputs in;
+  in.kind = schedulers::SamplerKind::FlowMatchEuler;
+  in.config = schedulers::SchedulerConfig::from_json_text(
+      R"({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})", in.kind, "gpu check");
+  in.steps = 5;
+  in.latents = at::randn({1, 16, 32, 32}, g).to(at::Device(at::kCUDA, 0));
+  in.make_denoiser = [replicas, pos, neg](int, const c10::Device& d) -> std::unique_ptr<parallel::Denoiser> {
+    return std::make_unique<parallel::FluxDenoiser>((*replicas)[static_cast<std::size_t>(d.index())], pos, neg, 4.0, 3.5,
+                                                    at::kBFloat16, d);
+  };
+  auto one = parallel::DeviceGroup::cuda({0});
+  const auto base = parallel::SingleDevice{}.run(*one, in).latents;
+  std::vector<int> ids;
+  for (int n = 1; n <= gpus; ++n) {
+    ids.push_back(n - 1);
+    auto group = parallel::DeviceGroup::cuda(ids);
+    parallel::PipeFusion pf;
+    pf.n = n;
+    pf.patches = 4;
+    pf.warmup_steps = in.steps;
+    const double sync = rel(pf.run(*group, in).latents, base);
+    pf.warmup_steps = 1;
+    const auto stale = pf.run(*group, in);
+    std::cout << "  flux pipefusion " << n << " stage(s) x 4 patches: every step synchronous vs one GPU rel-L2 " << sync
+              << ", stale " << rel(stale.latents, base) << "; " << stale.stats.to_json() << "\n";
+    expect(sync < 1e-2, "Flux pipefusion without staleness gives the one-GPU loop");
+    expect(rel(stale.latents, base) < 0.2, "Flux pipefusion with stale K/V stays near the one-GPU loop");
+  }
+  parallel::TeaCaching tea;
+  tea.threshold = 0;
+  expect(rel(tea.run(*one, in).latents, base) < 1e-3, "teacache at threshold 0 is the plain loop on the GPU");
+  tea.threshold = 10;
+  const auto reused = tea.run(*one, in).stats.reused_steps;
+  expect(reused == std::vector<int>({1, 2, 3}), "teacache above any change reuses every step but the first and last");
+
+  auto sd = tiny_sdxl(true);
+  job::CancelToken never;
+  auto r = request(6);
+  const auto plain = sd->generate(r, {}, never);
+  r.strategy.name = "deepcache";
+  r.strategy.skip = 1;
+  const auto every = sd->generate(r, {}, never);
+  r.strategy.skip = 3;
+  const auto cached = sd->generate(r, {}, never);
+  const auto meta = nlohmann::json::parse(cached.metadata_json)["strategy"];
+  std::cout << "  deepcache x1 vs the plain job: latents rel-L2 " << rel_l2(every, plain) << "; x3: " << rel_l2(cached, plain)
+            << ", " << meta.dump() << "\n";
+  expect(rel_l2(every, plain) < 1e-2, "deepcache at interval 1 (stage graphs) gives the plain job");
+  expect(meta["reused_steps"] == nlohmann::json::array({1, 2, 4, 5}), "deepcache x3 reuses the steps between refreshes");
+  r.strategy.name = "fbcache";
+  r.strategy.cache_threshold = 10;
+  const auto fb = nlohmann::json::parse(sd->generate(r, {}, never).metadata_json)["strategy"];
+  std::cout << "  fbcache on the UNet at threshold 10: " << fb.dump() << "\n";
+  expect(fb["reused_steps"] == nlohmann::json::array({1, 2, 3, 4, 5}), "fbcache on a UNet above any change reuses every step but the first");
 }
 
 int main(int argc, char** argv) {
@@ -1955,7 +2069,8 @@ int main(int argc, char** argv) {
       {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"layernorm", check_layernorm}, {"conv_bias", check_conv_bias}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
-      {"cfg_pipefusion", check_cfg_pipefusion}, {"oom", check_oom}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}, {"gemm", check_gemm}, {"flux", check_flux}, {"flux_files", check_flux_files}};
+      {"cfg_pipefusion", check_cfg_pipefusion}, {"oom", check_oom}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}, {"gemm", check_gemm}, {"flux", check_flux}, {"flux_files", check_flux_files},
+      {"caches", check_caches_and_flux_pipefusion}};
   bool usage = argc < 2;
   for (int i = 1; i < argc; ++i) usage = usage || !checks.count(argv[i]);
   if (usage) {

@@ -183,17 +183,20 @@ FluxAttentionImpl::FluxAttentionImpl(const FluxAttentionOptions& o) : options(o)
 }
 
 std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context,
-                                                             const FluxRope& rope, const SequenceShard* shard) {
+                                                             const FluxRope& rope, const SequenceShard* shard,
+                                                             const FluxPatch* patch) {
   if (qkv_ && qkv_->intact()) {
     const auto qkv = qkv_->project(x);
-    return attend(qkv_->part(qkv, this, 0), qkv_->part(qkv, this, 1), qkv_->part(qkv, this, 2), context, rope, shard);
+    return attend(qkv_->part(qkv, this, 0), qkv_->part(qkv, this, 1), qkv_->part(qkv, this, 2), context, rope, shard,
+                  patch);
   }
-  return attend(to_q->forward(x), to_k->forward(x), to_v->forward(x), context, rope, shard);
+  return attend(to_q->forward(x), to_k->forward(x), to_v->forward(x), context, rope, shard, patch);
 }
 
 std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::attend(const at::Tensor& q_in, const at::Tensor& k_in,
                                                             const at::Tensor& v_in, const at::Tensor& context,
-                                                            const FluxRope& rope, const SequenceShard* shard) {
+                                                            const FluxRope& rope, const SequenceShard* shard,
+                                                            const FluxPatch* patch) {
   const int64_t b = q_in.size(0), h = options.heads, d = options.head_dim;
   const auto heads = [&](const at::Tensor& t) { return t.unflatten(-1, {h, d}); };
   const bool joint = options.joint;
@@ -218,9 +221,18 @@ std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::attend(const at::Tensor& q_
   } else {
     v = heads(v_in);
   }
-  const int64_t t = q.size(1);
+  if (patch) {
+    TORCH_CHECK(!shard, "Flux attention: sequence parallelism with an image K/V cache");
+    const int64_t text = joint ? s0 : patch->text_tokens;
+    auto k_image = k.narrow(1, text, k.size(1) - text), v_image = v.narrow(1, text, v.size(1) - text);
+    patch->kv->write(k_image, v_image, patch->begin);
+    k = at::cat({k.narrow(1, 0, text), k_image}, 1);
+    v = at::cat({v.narrow(1, 0, text), v_image}, 1);
+  }
+  const int64_t tq = q.size(1), tk = k.size(1);
   auto out = shard ? ulysses_attention(q, k, v, *shard)
-                   : multi_head_attention(q.reshape({b, t, h * d}), k.reshape({b, t, h * d}), v.reshape({b, t, h * d}), h);
+                   : multi_head_attention(q.reshape({b, tq, h * d}), k.reshape({b, tk, h * d}),
+                                          v.reshape({b, tk, h * d}), h);
   if (!joint) return {out, at::Tensor()};
   const int64_t s = context.size(1);
   auto text = to_add_out->forward(out.slice(1, 0, s));
@@ -247,10 +259,10 @@ FluxTransformerBlockImpl::FluxTransformerBlockImpl(int64_t dim, int64_t heads, i
 
 std::pair<at::Tensor, at::Tensor> FluxTransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& context,
                                                                     const at::Tensor& temb, const FluxRope& rope,
-                                                                    const SequenceShard* shard) {
+                                                                    const SequenceShard* shard, const FluxPatch* patch) {
   const auto n = norm1->forward(x, temb);
   const auto c = norm1_context->forward(context, temb);
-  const auto [attn_out, context_attn_out] = attn->forward(n.x, c.x, rope, shard);
+  const auto [attn_out, context_attn_out] = attn->forward(n.x, c.x, rope, shard, patch);
   auto h = x + n.gate_msa.unsqueeze(1) * attn_out;
   h = h + n.gate_mlp.unsqueeze(1) *
               ff->forward(plain_layer_norm(h) * (1 + n.scale_mlp.unsqueeze(1)) + n.shift_mlp.unsqueeze(1));
@@ -275,7 +287,7 @@ FluxSingleTransformerBlockImpl::FluxSingleTransformerBlockImpl(int64_t dim, int6
 }
 
 at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& temb, const FluxRope& rope,
-                                                   const SequenceShard* shard) {
+                                                   const SequenceShard* shard, const FluxPatch* patch) {
   const auto n = norm->forward(x, temb);
   const int64_t dim = x.size(2), hidden = proj_mlp->weight.size(0);
   // proj_out reads [attention, GELU(mlp)]: both written into one buffer, no concatenation.
@@ -285,10 +297,11 @@ at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& x, const at
   if (in_ && in_->intact()) {
     const auto p = in_->project(n.x);
     at::gelu_out(mlp, in_->part(p, this, 3), "tanh");
-    attn_out = attn->attend(in_->part(p, this, 0), in_->part(p, this, 1), in_->part(p, this, 2), {}, rope, shard).first;
+    attn_out =
+        attn->attend(in_->part(p, this, 0), in_->part(p, this, 1), in_->part(p, this, 2), {}, rope, shard, patch).first;
   } else {
     at::gelu_out(mlp, proj_mlp->forward(n.x), "tanh");
-    attn_out = attn->forward(n.x, {}, rope, shard).first;
+    attn_out = attn->forward(n.x, {}, rope, shard, patch).first;
   }
   joined.narrow(2, 0, dim).copy_(attn_out);
   auto out = x + n.gate.unsqueeze(1) * proj_out->forward(joined);
@@ -376,12 +389,14 @@ size_t FluxTransformer2DModelImpl::num_blocks() const {
   return transformer_blocks->size() + single_transformer_blocks->size();
 }
 
-void FluxTransformer2DModelImpl::run_block(size_t index, FluxState& s) {
-  const size_t doubles = transformer_blocks->size();
+namespace {
+
+void run_flux_block(FluxTransformer2DModelImpl& m, size_t index, FluxState& s, const FluxPatch* patch) {
+  const size_t doubles = m.transformer_blocks->size();
   if (index < doubles) {
     TORCH_CHECK(!s.joined, "Flux transformer: a double-stream block after the streams were joined");
     auto [context, x] =
-        transformer_blocks[index]->as<FluxTransformerBlock>()->forward(s.x, s.context, s.temb, s.rope, s.shard);
+        m.transformer_blocks[index]->as<FluxTransformerBlock>()->forward(s.x, s.context, s.temb, s.rope, s.shard, patch);
     s.context = context;
     s.x = x;
     return;
@@ -391,8 +406,17 @@ void FluxTransformer2DModelImpl::run_block(size_t index, FluxState& s) {
     s.context = at::Tensor();
     s.joined = true;
   }
-  s.x = single_transformer_blocks[index - doubles]->as<FluxSingleTransformerBlock>()->forward(s.x, s.temb, s.rope,
-                                                                                               s.shard);
+  s.x = m.single_transformer_blocks[index - doubles]->as<FluxSingleTransformerBlock>()->forward(s.x, s.temb, s.rope,
+                                                                                                 s.shard, patch);
+}
+
+}  // namespace
+
+void FluxTransformer2DModelImpl::run_block(size_t index, FluxState& s) { run_flux_block(*this, index, s, nullptr); }
+
+void FluxTransformer2DModelImpl::run_block(size_t index, FluxState& s, ImageKV& kv, int64_t begin) {
+  const FluxPatch patch{&kv, begin, s.text_tokens};
+  run_flux_block(*this, index, s, &patch);
 }
 
 at::Tensor FluxTransformer2DModelImpl::output(const FluxState& s) {
@@ -427,11 +451,32 @@ at::Tensor FluxTransformer2DModelImpl::forward_cached(const at::Tensor& hidden_s
   const auto after_first = image(s);
   const auto first = after_first - before;
   cache.reused = cache.can_reuse(first);
+  cache.reused_work = 1.0 / static_cast<double>(num_blocks());
   if (cache.reused) return proj_out->forward(norm_out->forward(after_first + cache.rest_residual, s.temb));
   for (size_t i = 1; i < num_blocks(); ++i) run_block(i, s);
   const auto out = image(s);
   cache.first_residual = first;
   cache.rest_residual = out - after_first;
+  return proj_out->forward(norm_out->forward(out, s.temb));
+}
+
+at::Tensor FluxTransformer2DModelImpl::forward_teacached(const at::Tensor& hidden_states,
+                                                         const at::Tensor& encoder_hidden_states,
+                                                         const at::Tensor& pooled_projections,
+                                                         const at::Tensor& timestep, const at::Tensor& guidance,
+                                                         const FluxRope& rope, TeaCache& cache) {
+  auto s = embed(hidden_states, encoder_hidden_states, pooled_projections, timestep, guidance, rope);
+  const auto modulated =
+      transformer_blocks->size() > 0
+          ? transformer_blocks[0]->as<FluxTransformerBlock>()->norm1->forward(s.x, s.temb).x
+          : single_transformer_blocks[0]->as<FluxSingleTransformerBlock>()->norm->forward(s.x, s.temb).x;
+  cache.reused = cache.can_reuse(modulated);
+  cache.reused_work = 0;  // the embedding and one modulation
+  const auto before = s.x;  // the image tokens, embedded
+  if (cache.reused) return proj_out->forward(norm_out->forward(before + cache.residual, s.temb));
+  for (size_t i = 0; i < num_blocks(); ++i) run_block(i, s);
+  const auto out = s.joined ? s.x.slice(1, s.text_tokens) : s.x;
+  cache.residual = out - before;
   return proj_out->forward(norm_out->forward(out, s.temb));
 }
 

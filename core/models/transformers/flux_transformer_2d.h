@@ -63,6 +63,15 @@ using FluxRope = Rope;
 // text, (0, row, column) for image tokens) -> the rope over axes_dims, in float64 then float32.
 FluxRope flux_rope(const at::Tensor& ids, const std::vector<int64_t>& axes_dims, double theta = 10000.0);
 
+// A PipeFusion pass (core/parallel/pipefusion.h) over a row patch of the image: the image tokens
+// given are [begin, begin + n) of the image whose keys and values `kv` holds; the attention writes
+// theirs into it and attends over the whole image's (the other rows as `kv` last saw them).
+struct FluxPatch {
+  ImageKV* kv = nullptr;
+  int64_t begin = 0;
+  int64_t text_tokens = 0;  // where the image starts in the single-stream blocks' joint sequence
+};
+
 // diffusers' FluxAttention with FluxAttnProcessor: q/k/v with bias, per-head RMS norms (norm_q,
 // norm_k), rope on the joint sequence, SDPA. With `joint` the text stream has its own projections
 // (add_*_proj, norm_added_*, to_add_out) and comes first in the sequence; the single-stream blocks'
@@ -82,12 +91,14 @@ class FluxAttentionImpl : public torch::nn::Module {
   // not joint: x [B, T, D] -> {[B, T, H*D], undefined}.
   // With `shard` the image tokens are this rank's share and the attention is Ulysses'
   // (sequence_parallel.h): every rank calls it in step; the rope is that of the rows given.
+  // With `patch` (not with `shard`) the image tokens are a row patch's, attending over the
+  // whole image's keys and values (FluxPatch).
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context, const FluxRope& rope,
-                                            const SequenceShard* shard = nullptr);
+                                            const SequenceShard* shard = nullptr, const FluxPatch* patch = nullptr);
   // forward() from the image (or joint) stream's projections q, k, v [B, T, H*D] already made.
   std::pair<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& context, const FluxRope& rope,
-                                           const SequenceShard* shard = nullptr);
+                                           const SequenceShard* shard = nullptr, const FluxPatch* patch = nullptr);
   // to_q, to_k, to_v as one GEMM, and add_q_proj, add_k_proj, add_v_proj as another (fused_linears.h).
   void fuse_projections();
   FluxAttentionOptions options;
@@ -108,7 +119,8 @@ class FluxTransformerBlockImpl : public torch::nn::Module {
   FluxTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim);
   // x [B, N, D], context [B, S, D], temb [B, D] -> {context' [B, S, D], x' [B, N, D]}, in diffusers' order.
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context, const at::Tensor& temb,
-                                            const FluxRope& rope, const SequenceShard* shard = nullptr);
+                                            const FluxRope& rope, const SequenceShard* shard = nullptr,
+                                            const FluxPatch* patch = nullptr);
   AdaLayerNormZero norm1{nullptr}, norm1_context{nullptr};
   FluxAttention attn{nullptr};
   FeedForward ff{nullptr}, ff_context{nullptr};
@@ -122,7 +134,7 @@ class FluxSingleTransformerBlockImpl : public torch::nn::Module {
   FluxSingleTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim);
   // x [B, S + N, D] (text first), temb [B, D] -> [B, S + N, D]
   at::Tensor forward(const at::Tensor& x, const at::Tensor& temb, const FluxRope& rope,
-                     const SequenceShard* shard = nullptr);
+                     const SequenceShard* shard = nullptr, const FluxPatch* patch = nullptr);
   // attn's to_q, to_k, to_v and proj_mlp, which read the same norm, as one GEMM (BFL's linear1).
   void fuse_projections();
   AdaLayerNormZeroSingle norm{nullptr};
@@ -177,6 +189,12 @@ class FluxTransformer2DModelImpl : public torch::nn::Module {
   at::Tensor forward_cached(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
                             const at::Tensor& pooled_projections, const at::Tensor& timestep, const at::Tensor& guidance,
                             const FluxRope& rope, FirstBlockCache& cache);
+  // forward() with a TeaCache (block_cache.h), as TeaCache4FLUX: every block, or none while the
+  // first block's modulated image input moved little since the last steps (the cache keeps the
+  // blocks' image residual).
+  at::Tensor forward_teacached(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
+                               const at::Tensor& pooled_projections, const at::Tensor& timestep,
+                               const at::Tensor& guidance, const FluxRope& rope, TeaCache& cache);
   // The rope of txt_ids [S, 3] and img_ids [N, 3], as forward() takes it.
   FluxRope rope(const at::Tensor& txt_ids, const at::Tensor& img_ids) const;
   // forward in parts: embed, then blocks 0 .. num_blocks() - 1 (double, then single), then the output.
@@ -185,6 +203,9 @@ class FluxTransformer2DModelImpl : public torch::nn::Module {
                   const FluxRope& rope);
   size_t num_blocks() const;
   void run_block(size_t index, FluxState& state);
+  // The same on image tokens [begin, begin + n) of the image `kv` covers (PipeFusion; FluxPatch):
+  // state.x holds those tokens (and the text first once joined), state.rope their rows.
+  void run_block(size_t index, FluxState& state, ImageKV& kv, int64_t begin);
   at::Tensor output(const FluxState& state);  // norm_out, proj_out on the image tokens -> [B, N, out]
   // The blocks' projections that read one input as fewer, wider GEMMs, once the weights are in
   // place (a later move or dtype change undoes it: the layers then run apart until called again).

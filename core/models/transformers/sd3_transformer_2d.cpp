@@ -229,18 +229,7 @@ std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& 
   auto q = per_head(norm_q, to_q->forward(x));
   auto k = per_head(norm_k, to_k->forward(x));
   auto v = to_v->forward(x);
-  if (cache) {
-    if (!cache->k.defined() || cache->k.size(1) == n) {
-      TORCH_CHECK(begin == 0, "an empty image K/V cache is filled by a pass over the whole image");
-      cache->k = k;
-      cache->v = v;
-    } else {
-      cache->k.narrow(1, begin, n).copy_(k);
-      cache->v.narrow(1, begin, n).copy_(v);
-      k = cache->k;
-      v = cache->v;
-    }
-  }
+  if (cache) cache->write(k, v, begin);
   const bool joint = options.joint && context.defined();
   TORCH_CHECK(joint == options.joint, "joint attention needs the text tokens");
   if (shard) {
@@ -463,6 +452,7 @@ at::Tensor SD3Transformer2DModelImpl::forward_cached(const at::Tensor& hidden_st
   const auto after_first = s.x;
   const auto first = after_first - before;
   cache.reused = cache.can_reuse(first);
+  cache.reused_work = 1.0 / static_cast<double>(transformer_blocks->size());
   if (cache.reused) {
     s.x = after_first + cache.rest_residual;
     return unpatchify_output(s);
@@ -470,6 +460,24 @@ at::Tensor SD3Transformer2DModelImpl::forward_cached(const at::Tensor& hidden_st
   for (size_t i = 1; i < transformer_blocks->size(); ++i) run_block(i, s);
   cache.first_residual = first;
   cache.rest_residual = s.x - after_first;
+  return unpatchify_output(s);
+}
+
+at::Tensor SD3Transformer2DModelImpl::forward_teacached(const at::Tensor& hidden_states,
+                                                        const at::Tensor& encoder_hidden_states,
+                                                        const at::Tensor& pooled_projections,
+                                                        const at::Tensor& timestep, TeaCache& cache) {
+  auto s = embed(hidden_states, encoder_hidden_states, pooled_projections, timestep);
+  const auto modulated = transformer_blocks[0]->as<JointTransformerBlock>()->norm1->forward(s.x, s.temb).x;
+  cache.reused = cache.can_reuse(modulated);
+  cache.reused_work = 0;  // the embedding and one modulation
+  if (cache.reused) {
+    s.x = s.x + cache.residual;
+    return unpatchify_output(s);
+  }
+  const auto before = s.x;
+  for (size_t i = 0; i < transformer_blocks->size(); ++i) run_block(i, s);
+  cache.residual = s.x - before;
   return unpatchify_output(s);
 }
 

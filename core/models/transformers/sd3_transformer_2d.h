@@ -54,13 +54,6 @@ struct SD3Transformer2DConfig {
   void validate(const std::string& where) const;
 };
 
-// One attention's image-token keys and values for the whole image, [B, N, H*D] each (after the
-// qk norm): PipeFusion's per-layer cache. A pass over a patch writes the patch's rows and attends
-// over all N rows, the others as the cache last saw them.
-struct ImageKV {
-  at::Tensor k, v;
-};
-
 // diffusers' Attention with JointAttnProcessor2_0. Joint: image tokens (to_q/k/v) and text
 // tokens (add_q/k/v_proj) are projected separately, optionally RMS-normed per head (norm_q,
 // norm_k, norm_added_q, norm_added_k), attend as one sequence, and are split again: to_out.0 for
@@ -171,6 +164,10 @@ class SD3Transformer2DModelImpl : public torch::nn::Module {
   // only when `cache` says its image residual moved enough since they last ran.
   at::Tensor forward_cached(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
                             const at::Tensor& pooled_projections, const at::Tensor& timestep, FirstBlockCache& cache);
+  // forward() with a TeaCache (block_cache.h): every block, or none while the first block's
+  // modulated image input moved little since the last steps; the cache keeps the blocks' residual.
+  at::Tensor forward_teacached(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
+                               const at::Tensor& pooled_projections, const at::Tensor& timestep, TeaCache& cache);
   // forward in three parts, for strategies that run blocks separately:
   SD3State embed(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,
                  const at::Tensor& pooled_projections, const at::Tensor& timestep);

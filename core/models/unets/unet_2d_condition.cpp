@@ -457,6 +457,19 @@ std::string UNet2DConditionModelImpl::layer_name(const Layer& l) const {
   return "?";
 }
 
+std::pair<int, int> UNet2DConditionModelImpl::deep_cache_split(int branch) const {
+  using K = Layer::Kind;
+  int down = 0;
+  for (const auto& l : layers_) down += l.kind == K::Down || l.kind == K::Downsample;
+  if (branch < 0 || branch > down)
+    throw Error("DeepCache: branch " + std::to_string(branch) + " is outside 0.." + std::to_string(down) +
+                " (the UNet's down layers the shallow path may keep)");
+  int ups = 0;
+  for (int j = layer_count() - 1; j >= 0; --j)
+    if (layers_[static_cast<size_t>(j)].kind == K::Up && ++ups == branch + 1) return {1 + branch, j};
+  throw Error("DeepCache: the UNet's up path consumes fewer skips than its down path makes");
+}
+
 UNetStageState UNet2DConditionModelImpl::stage_begin(const at::Tensor& sample, const at::Tensor& timesteps,
                                                      const UNetConditioning& cond) {
   const auto t = timesteps.dim() == 0 ? timesteps.expand({sample.size(0)}) : timesteps;

@@ -204,6 +204,13 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   UNetStageState stage_begin(const at::Tensor& sample, const at::Tensor& timesteps, const UNetConditioning& cond);
   // Runs layers [begin, end) on the state in place with its temb and cond's context.
   void forward_range(UNetStageState& state, int begin, int end, const UNetConditioning& cond);
+  // DeepCache's split of that order (models/common/block_cache.h): the shallow path is layers
+  // [0, first) and [second, layer_count()): conv_in and the first `branch` down layers, then the
+  // up layers that consume their skips (the last branch + 1 up resnets, with the upsamplers among
+  // them) and the head. The deep feature is the hidden state entering layer `second`. `branch`
+  // runs from 0 (DeepCache's default for SD / SDXL) to the number of down layers (the deep path
+  // then the mid block alone); others are a diffract::Error.
+  std::pair<int, int> deep_cache_split(int branch) const;
   // Every layer's name, parameters and estimated cost for latents of height x width: each weight
   // applied once per output position at the layer's resolution (convolutions, linear
   // projections; the cross-attention K/V projections, which see the text tokens only, are
