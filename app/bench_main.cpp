@@ -29,6 +29,7 @@
 #include "core/io/weights.h"
 #include "core/engine/compare.h"
 #include "core/metrics/metrics.h"
+#include "core/models/common/fp8_linear.h"
 #include "core/models/unets/unet_2d_condition.h"
 #include "core/parallel/registry.h"
 #include "core/pipeline/flux.h"
@@ -456,6 +457,8 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
     j["strategies"].push_back(sj);
     log::get("bench").info(sj.dump());
   }
+  // What fp8 timed per GEMM shape (single@DIFFRACT_PRECISION=fp8 and the like).
+  if (const auto fp8 = json::parse(models::fp8_tuning_report()); !fp8.empty()) j["fp8_gemms"] = fp8;
   return j;
 }
 

@@ -444,6 +444,10 @@ void add_generation_options(CLI::App* cmd, job::GenerationRequest& req, bool wit
   cmd->add_option("--taesd", req.taesd, "TAESD for previews (folder or .pth pair)");
   cmd->add_option("--batch", req.batch, "images per prompt")->capture_default_str();
   cmd->add_flag("--no-t5", req.drop_t5, "SD3: run without the T5 encoder (its part of the prompt embedding zeros)");
+  cmd->add_option("--precision", req.precision,
+                  "the denoiser's linear layers: bf16 (default: the model's dtype) or fp8 (e4m3 where faster, sm_89+ "
+                  "GPUs; on the CPU emulated, for its rounding)")
+      ->check(CLI::IsMember({"bf16", "fp8"}));
   cmd->add_option("--t5", req.t5_placement,
                   "Flux: where T5-XXL lives: cpu (runs there), cuda:N (another GPU), offload (host memory between "
                   "prompts, the model's GPU to encode); default: with the model");
@@ -518,6 +522,8 @@ engine::Preset apply_cli_preset(const CLI::App* cmd, const std::string& name, jo
   if (!given("--strategy")) req.strategy.name = from.strategy.name;
   if (!given("--devices")) req.strategy.devices = from.strategy.devices;
   if (!given("--skip")) req.strategy.skip = from.strategy.skip;
+  if (!given("--cache-threshold")) req.strategy.cache_threshold = from.strategy.cache_threshold;
+  if (!given("--precision")) req.precision = from.precision;
   if (!given("--lora")) req.loras = from.loras;  // by name, found in the LoRA folders
   std::cout << "preset '" << preset.name << "': prompt '" << req.prompt << "'\n";
   return preset;

@@ -23,7 +23,7 @@ STRATEGIES = [("cfg-parallel", 2), ("hybrid-cfg", 2), ("driffusion", 2), ("driff
               ("driffusion", 4), ("driffusion-aggressive", 4), ("cfg-driffusion-aggressive", 4), ("asyncdiff", 2),
               ("asyncdiff", 3), ("distrifusion", 2), ("step-skip", 2), ("step-skip", 3), ("step-skip", 4),
               ("deepcache", 2), ("deepcache", 3), ("deepcache", 4), ("fbcache", 0.05), ("fbcache", 0.1),
-              ("fbcache", 0.2)]
+              ("fbcache", 0.2), ("fp8", 0)]
 SKIPS = {"step-skip", "deepcache"}
 THRESHOLDS = {"fbcache", "teacache"}
 
@@ -53,9 +53,11 @@ with tempfile.TemporaryDirectory() as tmp:
         for name, n in STRATEGIES:
             out = os.path.join(tmp, f"{i}-{name}-{n}")
             flag = "--skip" if name in SKIPS else "--cache-threshold" if name in THRESHOLDS else "--devices"
+            # fp8: the plain loop with e4m3 linear layers (emulated on the CPU) against bf16.
+            how = ["--strategy", "single", "--precision", "fp8"] if name == "fp8" else ["--strategy", name, flag, str(n)]
             text = subprocess.run([args.cli, "compare", "--prompt", prompt, "--steps", str(args.steps), "--cfg",
-                                   str(args.cfg), "--seed", str(1000 + i), "--strategy", name, flag, str(n),
-                                   "--out-dir", out], check=True, capture_output=True, text=True).stdout
+                                   str(args.cfg), "--seed", str(1000 + i), *how, "--out-dir", out],
+                                  check=True, capture_output=True, text=True).stdout
             m = re.search(r"PSNR ([\d.inf]+) dB, SSIM ([\d.]+), latents relative L2 ([\d.e-]+)", text)
             rounds = int(re.search(r'"rounds":(\d+)', text).group(1))
             # The denoiser's speed-up: steps over sequential rounds, or over a step cache's model work.
@@ -65,7 +67,8 @@ with tempfile.TemporaryDirectory() as tmp:
             if i == 0:
                 if not sheet:
                     sheet.append(("baseline", Image.open(os.path.join(out, "baseline.png")).convert("RGB")))
-                sheet.append((f"{name}:{n}", Image.open(os.path.join(out, f"{name}.png")).convert("RGB")))
+                png = "single.png" if name == "fp8" else f"{name}.png"
+                sheet.append((f"{name}:{n}", Image.open(os.path.join(out, png)).convert("RGB")))
         print(f"{i + 1}/{len(rows)} {prompt}", flush=True)
 
 lines = ["# Strategy quality on diffract-emoji", "",

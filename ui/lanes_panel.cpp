@@ -55,7 +55,8 @@ LanesPanel::LanesPanel(QWidget* parent) : QGroupBox(tr("Lanes"), parent) {
   m_table = new QTableWidget(0, ColumnCount);
   m_table->setObjectName(QStringLiteral("lanesTable"));
   m_table->setHorizontalHeaderLabels(
-      {tr("Name"), tr("Strategy"), tr("Devices"), tr("Skip"), tr("Threshold"), tr("Steps"), tr("Sampler")});
+      {tr("Name"), tr("Strategy"), tr("Devices"), tr("Skip"), tr("Threshold"), tr("Steps"), tr("Sampler"),
+       tr("Precision")});
   m_table->horizontalHeader()->setSectionResizeMode(QHeaderView::ResizeToContents);
   m_table->verticalHeader()->setSectionResizeMode(QHeaderView::ResizeToContents);
   m_table->setSelectionBehavior(QAbstractItemView::SelectRows);
@@ -193,6 +194,14 @@ void LanesPanel::setRow(int row, const engine::Lane& lane) {
   sampler->setCurrentIndex(std::max(0, sampler->findData(QString::fromStdString(lane.sampler))));
   m_table->setCellWidget(row, Sampler, sampler);
 
+  auto* precision = new QComboBox;
+  precision->addItem(tr("job's"), QString());
+  precision->addItem(QStringLiteral("bf16"), QStringLiteral("bf16"));
+  precision->addItem(QStringLiteral("fp8"), QStringLiteral("fp8"));
+  precision->setCurrentIndex(std::max(0, precision->findData(QString::fromStdString(lane.precision))));
+  precision->setToolTip(tr("The denoiser's linear layers: bf16, or fp8 (e4m3) where faster"));
+  m_table->setCellWidget(row, Precision, precision);
+
   // The row's widgets find their row at the time of the change (rows move when one is removed).
   const auto rowOf = [this](QWidget* w) {
     for (int r = 0; r < m_table->rowCount(); ++r)
@@ -208,6 +217,7 @@ void LanesPanel::setRow(int row, const engine::Lane& lane) {
   };
   connect(strategy, &QComboBox::currentIndexChanged, this, [onChange, strategy] { onChange(strategy); });
   connect(sampler, &QComboBox::currentIndexChanged, this, [onChange, sampler] { onChange(sampler); });
+  connect(precision, &QComboBox::currentIndexChanged, this, [onChange, precision] { onChange(precision); });
   for (QSpinBox* s : {devices, skip, steps}) connect(s, &QSpinBox::valueChanged, this, [onChange, s] { onChange(s); });
   connect(threshold, &QDoubleSpinBox::valueChanged, this, [onChange, threshold] { onChange(threshold); });
   guardWheel(m_table);
@@ -248,6 +258,7 @@ engine::Lane LanesPanel::laneAt(int row) const {
   l.strategy.cache_threshold = cell<QDoubleSpinBox>(m_table, row, Threshold)->value();
   l.steps = cell<QSpinBox>(m_table, row, Steps)->value();
   l.sampler = cell<QComboBox>(m_table, row, Sampler)->currentData().toString().toStdString();
+  l.precision = cell<QComboBox>(m_table, row, Precision)->currentData().toString().toStdString();
   return l;
 }
 

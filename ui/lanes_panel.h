@@ -20,7 +20,7 @@ namespace diffract::ui {
 class LanesPanel : public QGroupBox {
   Q_OBJECT
  public:
-  enum Column { Name, Strategy, Devices, Skip, Threshold, Steps, Sampler, ColumnCount };
+  enum Column { Name, Strategy, Devices, Skip, Threshold, Steps, Sampler, Precision, ColumnCount };
 
   explicit LanesPanel(QWidget* parent = nullptr);
 

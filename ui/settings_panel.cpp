@@ -210,6 +210,15 @@ SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
   m_t5->addItem(tr("CPU (slower prompts, no GPU memory)"), QStringLiteral("cpu"));
   m_t5->addItem(tr("offload (on the GPU only to encode a new prompt)"), QStringLiteral("offload"));
   fields->addRow(tr("T5"), m_t5);
+
+  m_precision = new QComboBox;
+  m_precision->setObjectName(QStringLiteral("precisionCombo"));
+  m_precision->addItem(tr("bf16"), QString());
+  m_precision->addItem(tr("fp8 (e4m3)"), QStringLiteral("fp8"));
+  m_precision->setToolTip(tr("The denoiser's linear layers in fp8 where that is faster (GPUs from Ada / Hopper on; "
+                             "on the CPU emulated, which shows its rounding, not its speed). Text encoders and the "
+                             "VAE stay in the model's dtype."));
+  fields->addRow(tr("Precision"), m_precision);
   connect(m_model, &QLineEdit::textChanged, this, &SettingsPanel::updateGuidanceField);
   updateGuidanceField();
 
@@ -375,6 +384,7 @@ job::GenerationRequest SettingsPanel::request() const {
   r.cfg = m_cfg->value();
   r.guidance = m_guidance->value();
   r.t5_placement = m_t5->currentData().toString().toStdString();
+  r.precision = m_precision->currentData().toString().toStdString();
   r.seed = seedValue().value_or(0);
   r.sampler = m_sampler->currentData().toString().toStdString();
   r.batch = m_batch->value();
@@ -427,6 +437,7 @@ void SettingsPanel::loadSettings(const QSettings& s) {
   m_cfg->setValue(s.value(QStringLiteral("cfg"), 7.0).toDouble());
   m_guidance->setValue(s.value(QStringLiteral("guidance"), 3.5).toDouble());
   m_t5->setCurrentIndex(std::max(0, m_t5->findData(s.value(QStringLiteral("t5Placement")).toString())));
+  m_precision->setCurrentIndex(std::max(0, m_precision->findData(s.value(QStringLiteral("precision")).toString())));
   m_seed->setText(QString::number(s.value(QStringLiteral("seed"), 0).toULongLong()));
   m_randomSeed->setChecked(s.value(QStringLiteral("randomSeed"), true).toBool());
   m_sampler->setCurrentIndex(std::max(0, m_sampler->findData(s.value(QStringLiteral("sampler")).toString())));
@@ -449,6 +460,7 @@ void SettingsPanel::saveSettings(QSettings& s) const {
   s.setValue(QStringLiteral("cfg"), m_cfg->value());
   s.setValue(QStringLiteral("guidance"), m_guidance->value());
   s.setValue(QStringLiteral("t5Placement"), m_t5->currentData().toString());
+  s.setValue(QStringLiteral("precision"), m_precision->currentData().toString());
   s.setValue(QStringLiteral("seed"), QVariant::fromValue<qulonglong>(seedValue().value_or(0)));
   s.setValue(QStringLiteral("randomSeed"), m_randomSeed->isChecked());
   s.setValue(QStringLiteral("sampler"), m_sampler->currentData().toString());
@@ -471,6 +483,7 @@ void SettingsPanel::applyPreset(const engine::Preset& p) {
   m_strategy->setCurrentIndex(std::max(0, m_strategy->findData(QString::fromStdString(p.strategy))));
   m_devices->setValue(strategyInfo().takes(parallel::Param::Skip) ? p.skip : p.devices);
   setCacheThreshold(p.cache_threshold);
+  m_precision->setCurrentIndex(std::max(0, m_precision->findData(QString::fromStdString(p.precision))));
 }
 
 namespace {
@@ -552,6 +565,11 @@ void SettingsPanel::restoreStrategy(const engine::PngParameters& p, QStringList&
   if (strategyInfo().takes(parallel::Param::Skip) && p.skip) m_devices->setValue(*p.skip);
   else if (p.devices) m_devices->setValue(*p.devices);
   if (p.cache_threshold) setCacheThreshold(*p.cache_threshold);
+  if (p.precision) {
+    const int i = m_precision->findData(*p.precision == "fp8" ? QStringLiteral("fp8") : QString());
+    m_precision->setCurrentIndex(std::max(0, i));
+    restored << tr("precision");
+  }
 }
 
 }  // namespace diffract::ui

@@ -57,6 +57,7 @@ class SettingsPanel : public QWidget {
   QDoubleSpinBox* guidance() const { return m_guidance; }
   // Flux's T5 placement (job::GenerationRequest::t5_placement); enabled with the guidance.
   QComboBox* t5Placement() const { return m_t5; }
+  QComboBox* precision() const { return m_precision; }
   QLineEdit* seed() const { return m_seed; }
   QCheckBox* randomSeed() const { return m_randomSeed; }
   QComboBox* sampler() const { return m_sampler; }
@@ -115,6 +116,7 @@ class SettingsPanel : public QWidget {
   QDoubleSpinBox* m_cfg = nullptr;
   QDoubleSpinBox* m_guidance = nullptr;
   QComboBox* m_t5 = nullptr;
+  QComboBox* m_precision = nullptr;
   QLineEdit* m_seed = nullptr;
   QCheckBox* m_randomSeed = nullptr;
   QComboBox* m_sampler = nullptr;

@@ -59,11 +59,14 @@ Measures measure(const job::GenerationResult& other, const job::GenerationResult
 
 Comparison compare(Engine& engine, job::GenerationRequest request, const job::StrategyParams& strategy,
                    const job::JobObserver& observer, const job::CancelToken& cancel) {
-  if (strategy.single()) throw Error("compare needs a strategy other than 'single'");
+  if (strategy.single() && request.precision != "fp8")
+    throw Error("compare needs a strategy other than 'single', or precision fp8");
   Comparison c;
+  // The baseline: the plain loop in the model's dtype.
   auto baseline = request;
   baseline.strategy = {};
   baseline.gpus.clear();
+  baseline.precision.clear();
   // Short runs first load the model and pay every first-use cost outside the timings: the plain
   // loop's and the strategy's (its replicas, its ranks' graphs and plans).
   engine.run(warm_up_job(baseline, false), {}, cancel);

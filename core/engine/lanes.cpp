@@ -32,7 +32,7 @@ namespace {
 
 const std::set<std::string> kSetKeys = {"name", "description", "baseline", "lanes"};
 const std::set<std::string> kLaneKeys = {"name",  "strategy", "devices", "gpus",   "skip",
-                                         "patches", "cache_threshold", "steps", "sampler"};
+                                         "patches", "cache_threshold", "steps", "sampler", "precision"};
 
 std::string number_text(double v) {
   char buf[32];
@@ -85,6 +85,7 @@ std::string lane_label(const Lane& lane) {
   std::string out = strategy_label(lane.strategy);
   if (lane.steps > 0) out += ", " + std::to_string(lane.steps) + " steps";
   if (!lane.sampler.empty()) out += ", " + lane.sampler;
+  if (!lane.precision.empty()) out += ", " + lane.precision;
   return out;
 }
 
@@ -116,6 +117,8 @@ void validate_lane_set(const LaneSet& set, const std::string& where) {
       for (const auto& n : schedulers::sampler_names()) valid += (valid.empty() ? "" : ", ") + n;
       throw Error(at + ": unknown sampler '" + l.sampler.substr(0, 60) + "' (valid: " + valid + ")");
     }
+    if (!l.precision.empty() && l.precision != "bf16" && l.precision != "fp8")
+      throw Error(at + ": field 'precision' is '" + l.precision.substr(0, 40) + "': bf16 or fp8");
     std::set<int> seen;
     for (int g : l.gpus) {
       if (g < 0 || g > 255) throw Error(at + ": GPU index " + std::to_string(g) + " is outside 0..255");
@@ -167,6 +170,7 @@ LaneSet parse_lane_set(const std::string& json_text, const std::string& where) {
       throw Error(lf.field("cache_threshold") + " must be 0 (never reuse) or more");
     l.steps = lf.integer("steps", false, 0);
     l.sampler = lf.text("sampler", false);
+    l.precision = lf.text("precision", false);
     const auto& gpus = lf.list("gpus");
     if (gpus.size() > 64) throw Error(lf.field("gpus") + " lists " + std::to_string(gpus.size()) + " GPUs; at most 64");
     for (const auto& g : gpus) {
@@ -201,6 +205,7 @@ std::string lane_set_to_json(const LaneSet& set) {
     if (!l.gpus.empty()) e["gpus"] = l.gpus;
     if (l.steps > 0) e["steps"] = l.steps;
     if (!l.sampler.empty()) e["sampler"] = l.sampler;
+    if (!l.precision.empty()) e["precision"] = l.precision;
     j["lanes"].push_back(e);
   }
   return j.dump(2) + "\n";
@@ -240,6 +245,7 @@ std::vector<LanePlan> plan_lanes(const job::GenerationRequest& group, const Lane
     r.strategy = lane.strategy;
     if (lane.steps > 0) r.steps = lane.steps;
     if (!lane.sampler.empty()) r.sampler = lane.sampler;
+    if (!lane.precision.empty()) r.precision = lane.precision;
     r.gpus.clear();
     const auto* info = parallel::find_strategy(lane.strategy.name);
     if (!info) {
@@ -314,6 +320,9 @@ std::vector<std::string> lane_differences(const LanePlan& lane, const LanePlan& 
   if (a.sampler != b.sampler)
     out.push_back("sampler " + (a.sampler.empty() ? std::string("model's own") : a.sampler) + " -> " +
                   (b.sampler.empty() ? std::string("model's own") : b.sampler));
+  const auto precision = [](const std::string& p) { return p.empty() ? std::string("bf16") : p; };
+  if (precision(a.precision) != precision(b.precision))
+    out.push_back("precision " + precision(a.precision) + " -> " + precision(b.precision));
   if (lane.devices != baseline.devices) {
     const auto join = [](const std::vector<std::string>& d) {
       std::string s;
@@ -431,7 +440,8 @@ fs::path save_lane_group(const LaneGroupResult& result, const fs::path& dir) {
               {"devices", plan.devices},
               {"strategy", plan.request.strategy.display_name()},
               {"steps", plan.request.steps},
-              {"sampler", plan.request.sampler}};
+              {"sampler", plan.request.sampler},
+              {"precision", plan.request.precision.empty() ? std::string("bf16") : plan.request.precision}};
     if (!out.error.empty()) e["error"] = out.error;
     if (!out.differences.empty()) e["differences"] = out.differences;
     if (out.state == LaneOutcome::State::Done) {

@@ -20,6 +20,7 @@ struct Lane {
   std::vector<int> gpus;         // its GPUs in rank order; empty: the next enabled ones (plan_lanes)
   int steps = 0;                 // 0: the group's
   std::string sampler;           // empty: the group's
+  std::string precision;         // "bf16" or "fp8"; empty: the group's
 };
 
 // A lanes file:
@@ -28,7 +29,7 @@ struct Lane {
 //              {"strategy": "driffusion", "devices": 2},
 //              {"strategy": "step-skip", "skip": 2, "steps": 30, "sampler": "euler"}]}
 // Lane keys: name, strategy (default single), devices, gpus, skip, patches, cache_threshold,
-// steps, sampler. "baseline" (default 0) is the index of the lane the others are compared with.
+// steps, sampler, precision. "baseline" (default 0) is the index of the lane the others are compared with.
 // Unknown keys are errors.
 struct LaneSet {
   std::string name;

@@ -88,6 +88,7 @@ PngParameters from_diffract(const std::string& text, const std::string& where) {
         p.unmapped.push_back("outpaint margins: " + io::json_brief(v["outpaint"].value("margins", nlohmann::json::array())));
     }
     else if (key == "prompt_syntax") text_to(p.prompt_syntax);
+    else if (key == "precision") text_to(p.precision);
     else if (key == "loras" && v.is_array()) {
       for (const auto& l : v) {
         if (!l.is_object() || !l.contains("path") || !l["path"].is_string()) {

@@ -30,6 +30,7 @@ struct PngParameters {
   std::optional<std::string> input_file, mask_file;
   std::optional<double> strength;
   std::optional<std::string> prompt_syntax;  // diffract: "a1111" or "plain"
+  std::optional<std::string> precision;      // diffract: "bf16" or "fp8"
   // diffract: the LoRAs applied (A1111's ride in the prompt as <lora:NAME:W> tags).
   struct Lora {
     std::string name, path;

@@ -26,7 +26,7 @@ namespace {
 const std::set<std::string> kKeys = {"name",    "description", "prompt_template", "negative_prompt", "width",
                                      "height",  "steps",       "sampler",         "cfg",             "strategy",
                                      "guidance", "devices", "skip",        "cache_threshold", "loras",
-                                     "controlnets"};
+                                     "controlnets", "precision"};
 
 std::string field(const std::string& where, const std::string& key) { return where + ": field '" + key + "'"; }
 
@@ -121,6 +121,9 @@ Preset parse_preset(const std::string& json_text, const std::string& where) {
     p.skip = f.integer("skip", false, 2);
   }
   p.cache_threshold = f.number("cache_threshold", false, job::StrategyParams{}.cache_threshold);
+  p.precision = f.text("precision", false);
+  if (!p.precision.empty() && p.precision != "bf16" && p.precision != "fp8")
+    throw Error(f.field("precision") + ": '" + p.precision.substr(0, 40) + "' is neither bf16 nor fp8");
   if (f.has("cache_threshold") && !(p.cache_threshold >= 0))
     throw Error(f.field("cache_threshold") + ": cache threshold " + std::to_string(p.cache_threshold) +
                 " must be between 0 (never reuse) and 10");
@@ -179,6 +182,7 @@ std::string preset_to_json(const Preset& p) {
       info && info->takes(parallel::Param::CacheThreshold) && p.cache_threshold >= 0)
     j["cache_threshold"] = p.cache_threshold;
   if (!p.description.empty()) j["description"] = p.description;
+  if (!p.precision.empty()) j["precision"] = p.precision;
   for (const auto& l : p.loras)
     j["loras"].push_back({{"name", l.name}, {"weight", l.weight}, {"text_encoder_weight", l.text_encoder_weight}});
   for (const auto& c : p.controlnets) {
@@ -219,6 +223,7 @@ void apply_preset(const Preset& preset, const std::string& subject, job::Generat
   request.strategy.devices = preset.devices;
   request.strategy.skip = preset.skip;
   request.strategy.cache_threshold = preset.cache_threshold;
+  request.precision = preset.precision;
   for (const auto& l : preset.loras) {
     job::LoraRef ref;
     ref.name = l.name;
@@ -248,6 +253,7 @@ Preset preset_from_request(const std::string& name, const std::string& prompt_te
     p.devices = request.strategy.devices;
   }
   p.cache_threshold = request.strategy.cache_threshold;
+  p.precision = request.precision == "fp8" ? "fp8" : "";
   for (const auto& l : request.loras) {
     Preset::Lora e;
     e.name = l.name.empty() ? fs::path(l.path).stem().string() : l.name;

@@ -16,7 +16,7 @@ namespace diffract::engine {
 //    "sampler": "dpmpp-2m-karras", "cfg": 6.5, "strategy": "single", "devices": 1}
 // Every occurrence of {subject} in prompt_template is replaced by the user's prompt; the
 // template must hold at least one. width / height 0 mean the model's native size, an empty
-// sampler the model's own; description, guidance (Flux.1-dev; default 3.5), devices (default 1), skip (step-skip, deepcache; default 2) and cache_threshold (fbcache, teacache; default the strategy's) are
+// sampler the model's own; description, guidance (Flux.1-dev; default 3.5), devices (default 1), skip (step-skip, deepcache; default 2), cache_threshold (fbcache, teacache; default the strategy's) and precision (bf16 or fp8) are
 // optional. Files that gave step-skip's skip factor as "devices" still read as before. Unknown
 // keys are errors, so a misspelt field is not silently ignored.
 // Optional adapters:
@@ -41,6 +41,7 @@ struct Preset {
   int devices = 1;
   int skip = 2;  // step-skip's skip factor
   double cache_threshold = -1;  // fbcache's, teacache's threshold (optional in the file; negative: the strategy's default)
+  std::string precision;  // "bf16" or "fp8" (optional in the file; empty: bf16)
   struct Lora {
     std::string name;
     double weight = 1.0, text_encoder_weight = 1.0;

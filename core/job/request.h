@@ -115,6 +115,9 @@ struct GenerationRequest {
   // Flux: where T5-XXL (9.5 GB in bf16) lives: "" with the model; "cpu" (runs there, fp32);
   // "cuda:N" (another GPU); "offload" (host memory between prompts, the model's GPU to encode).
   std::string t5_placement;
+  // The denoiser's linear layers: "" or "bf16" in the model's dtype; "fp8" in e4m3 where that
+  // is faster (core/models/common/fp8_linear.h; on the CPU emulated, for its rounding).
+  std::string precision;
   // Job-scope runtime options (core/util/options.h) this job sets for itself, by name.
   std::map<std::string, std::string> options;
 

@@ -16,6 +16,7 @@
 
 #include "core/io/diffusers_folder.h"
 #include "core/io/upload.h"
+#include "core/models/common/fp8_linear.h"
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
 #include "core/models/common/layers.h"
@@ -92,11 +93,12 @@ struct Flux::Impl : PipelineState {
   bool t5_apart() const { return t5_offload || t5_device != device; }
   // The last prompts' encodings (T5 [1, S, D], pooled [1, P]), newest first.
   std::list<std::tuple<std::string, job::PromptSyntax, at::Tensor, at::Tensor>> prompt_cache;
-  // Multi-GPU jobs: a transformer replica on each of the group's other GPUs.
-  TransformerReplicas<models::FluxTransformer2DModel> replicas{"Flux transformer",
-                                                              [](models::FluxTransformer2DModel& copy) {
-                                                                if (models::fused_qkv_wanted()) copy->fuse_projections();
-                                                              }};
+  // Multi-GPU jobs: a transformer replica on each of the group's other GPUs (whole, or one
+  // PipeFusion stage's weights).
+  TransformerReplicas<models::FluxTransformer2DModel> replicas{"Flux transformer", [](models::FluxTransformer2DModel& copy) {
+    if (models::fused_qkv_wanted()) copy->fuse_projections();
+    models::allow_fp8(*copy);
+  }};
 
   int vae_factor() const { return static_cast<int>(vae->config.downscale_factor()); }
 
@@ -274,6 +276,7 @@ void move_to_device(Flux::Impl& p) {
     at::globalContext().setBenchmarkCuDNN(true);
   }
   if (models::fused_qkv_wanted()) p.transformer->fuse_projections();
+  models::allow_fp8(*p.transformer);  // a job's precision may run its linear layers in fp8
 }
 
 struct FluxJobConditioning {

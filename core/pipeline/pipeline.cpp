@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include "core/models/common/fp8_linear.h"
 #include "core/parallel/denoiser.h"
 #include "core/parallel/device_group.h"
 #include "core/parallel/registry.h"
@@ -327,8 +328,18 @@ job::GenerationResult Pipeline::run_job(const job::GenerationRequest& request, c
   auto& timings = result.timings;
   const auto fam = family();
   result.family = std::string(job::family_name(fam));
-  options::check_overrides(req.options);
-  const options::JobOptionsScope job_options(req.options);
+  // The request's precision rides on the job's options (DIFFRACT_PRECISION), which the ranks of a
+  // strategy take too.
+  auto job_overrides = req.options;
+  if (!req.precision.empty()) {
+    if (req.precision != "bf16" && req.precision != "fp8")
+      throw Error("precision '" + req.precision.substr(0, 40) + "' is neither bf16 nor fp8");
+    job_overrides["DIFFRACT_PRECISION"] = req.precision;
+  }
+  options::check_overrides(job_overrides);
+  const options::JobOptionsScope job_options(job_overrides);
+  if (models::fp8_wanted() && !s.device.is_cuda())
+    log::get("pipeline").info("fp8 on the CPU is emulated in fp32: it shows fp8's rounding, not its speed");
 
   // Everything a user can get wrong is checked before any work starts; the model's load time
   // goes to the first job that gets past the checks. The registry checks the family; each
@@ -475,6 +486,7 @@ job::GenerationResult Pipeline::run_job(const job::GenerationRequest& request, c
   }
   const bool loras_changed = s.loras.apply(req.loras, lora_components(), req.lora_lenient);
   if (loras_changed) {
+    models::invalidate_fp8_weights();
     weights_changed();
     log::get("pipeline").info(log::str("LoRAs ", req.loras.empty() ? "removed" : "applied", " in ",
                                        static_cast<int>(s.loras.last_apply_ms()), " ms"));
@@ -598,6 +610,7 @@ job::GenerationResult Pipeline::run_job(const job::GenerationRequest& request, c
       {"timings_ms", timings_json(timings)},
   };
   if (!req.options.empty()) meta["options"] = req.options;
+  meta["precision"] = options::value(options::Id::Precision);
   if (!s.loras.applied().empty()) {
     meta["loras"] = nlohmann::json::array();
     for (const auto& a : s.loras.applied()) meta["loras"].push_back(a.json());

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/cuda.h>
 
+#include "core/models/common/fp8_linear.h"
 #include "core/io/diffusers_folder.h"
 #include "core/io/safetensors_writer.h"
 #include "core/io/json_file.h"
@@ -75,10 +76,12 @@ models::UNetGraphOptions graph_options() {
 // q, k, v in one GEMM each, every cross-attention's keys and values in one per step
 // (attention.h), every ResNet block's time-embedding projection in one per step (resnet.h).
 // DIFFRACT_FUSED_QKV=0 / DIFFRACT_FUSED_CROSS_KV=0 / DIFFRACT_FUSED_TIME_PROJ=0 leave them apart.
+// Its linear layers may run in fp8 (a job's precision, fp8_linear.h).
 void fuse_projections(models::UNet2DConditionModel& unet) {
   if (models::fused_qkv_wanted()) models::fuse_attention_qkv(*unet);
   if (models::fused_cross_kv_wanted()) unet->fuse_cross_attention_kv();
   if (models::fused_time_projections_wanted()) unet->fuse_time_projections();
+  models::allow_fp8(*unet);
 }
 
 

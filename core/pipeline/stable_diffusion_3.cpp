@@ -16,6 +16,7 @@
 #include "core/io/diffusers_folder.h"
 #include "core/io/json_file.h"
 #include "core/io/upload.h"
+#include "core/models/common/fp8_linear.h"
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
 #include "core/util/graphed_function.h"
@@ -89,7 +90,8 @@ struct StableDiffusion3::Impl : PipelineState {
   // Multi-GPU jobs: a transformer replica on each of the group's other GPUs (whole, or one
   // PipeFusion stage's weights), by device and what it holds; the groups with their NCCL
   // communicators.
-  TransformerReplicas<models::SD3Transformer2DModel> replicas{"SD3 transformer"};
+  TransformerReplicas<models::SD3Transformer2DModel> replicas{
+      "SD3 transformer", [](models::SD3Transformer2DModel& copy) { models::allow_fp8(*copy); }};
 
   int vae_factor() const { return static_cast<int>(vae->config.downscale_factor()); }
 
@@ -364,6 +366,7 @@ std::unique_ptr<StableDiffusion3> StableDiffusion3::load(const fs::path& model, 
     if (p->text_encoder_3) p->text_encoder_3->to(p->device, p->dtype);
   }
   if (p->device.is_cuda()) at::globalContext().setBenchmarkCuDNN(true);
+  models::allow_fp8(*p->transformer);  // a job's precision may run its linear layers in fp8
   p->load_ms = ms_since(t0);
   log::get("pipeline").info(log::str("loaded ", model.string(), " (sd3", p->text_encoder_3 ? ", T5" : p->t5_dropped ? ", T5 dropped" : ", no T5",
                                      ") on ", device, " in ", static_cast<int>(p->load_ms), " ms"));

@@ -1,5 +1,7 @@
 #include "core/util/graphed_function.h"
 
+#include "core/util/options.h"
+
 #include <algorithm>
 #include <chrono>
 #include <list>
@@ -120,8 +122,11 @@ std::vector<at::Tensor> GraphCache::run(const std::vector<std::int64_t>& tag, co
       sizes.push_back(t.sizes().vec());
       dtypes.push_back(t.scalar_type());
     }
+    // The job's precision picks the layers' GEMMs (fp8 or not) when a graph is captured.
+    auto key_tag = tag;
+    key_tag.push_back(options::value(options::Id::Precision) == "fp8");
     auto it = std::find_if(entries.begin(), entries.end(), [&](const Cache::Entry& e) {
-      return e.tag == tag && e.sizes == sizes && e.dtypes == dtypes && e.device == device;
+      return e.tag == key_tag && e.sizes == sizes && e.dtypes == dtypes && e.device == device;
     });
     if (it == entries.end()) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -130,7 +135,7 @@ std::vector<at::Tensor> GraphCache::run(const std::vector<std::int64_t>& tag, co
       const auto current = c10::cuda::getCurrentCUDAStream(index);
       while (!entries.empty() && static_cast<int>(entries.size()) >= max_graphs_) cache_->drop_last();
       Cache::Entry e;
-      e.tag = tag;
+      e.tag = key_tag;
       e.sizes = sizes;
       e.dtypes = dtypes;
       e.device = device;

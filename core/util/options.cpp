@@ -70,6 +70,10 @@ const std::vector<Option>& build_table() {
       {Id::DeepCacheBranch, "DIFFRACT_DEEPCACHE_BRANCH", Type::Choice, "0", Scope::Job,
        "deepcache: the down layers its shallow path keeps (DeepCache's cache_branch_id; 0 its default for SD / SDXL)",
        {"0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11"}},
+      {Id::Precision, "DIFFRACT_PRECISION", Type::Choice, "bf16", Scope::Job,
+       "the denoiser's linear layers: bf16 (the model's dtype) or fp8 (e4m3, where it is faster; a job's "
+       "precision sets it)",
+       {"bf16", "fp8"}},
   };
   for (std::size_t i = 0; i < t.size(); ++i)
     if (static_cast<std::size_t>(t[i].id) != i) throw std::logic_error("options table out of order");

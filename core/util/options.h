@@ -40,6 +40,7 @@ enum class Id {
   ParallelVae,
   BatchVae,
   DeepCacheBranch,
+  Precision,
 };
 
 enum class Type { Flag, Integer, Choice, Path };

@@ -32,6 +32,7 @@
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
 #include "core/models/common/attention.h"
+#include "core/models/common/fp8_linear.h"
 #include "core/models/common/geglu.h"
 #include "core/models/common/layer_norm.h"
 #include "core/models/common/layers.h"
@@ -56,6 +57,7 @@
 #include "core/util/device_work.h"
 #include "core/util/error.h"
 #include "core/util/graphed_function.h"
+#include "core/util/options.h"
 
 using namespace diffract;
 
@@ -2064,13 +2066,65 @@ void check_caches_and_flux_pipefusion() {
   expect(fb["reused_steps"] == nlohmann::json::array({1, 2, 3, 4, 5}), "fbcache on a UNet above any change reuses every step but the first");
 }
 
+// FP8 on the GPU: the activations' quantisation kernel against the ATen arithmetic it is written
+// to match (bit for bit: e4m3 values and scales, bf16 and fp16, rows held in registers and rows
+// too wide for them); the fp8 GEMM of a Flux-sized layer against the fp32 product of the same
+// e4m3 operands, and what the timing chose; a tiny SDXL job in fp8 near its bf16 one.
+void check_fp8() {
+  need_gpus(1);
+  at::NoGradGuard no_grad;
+  const at::Device dev("cuda:0");
+  const auto* prop = at::cuda::getDeviceProperties(0);
+  if (prop->major * 10 + prop->minor < 89) throw Skip{"no fp8 tensor cores (sm_89+)"};
+  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{4096, 3072}, {7, 15360}, {3, 20000}, {5, 40}, {2, 36}}) {
+      const auto x = (at::randn({rows, cols}, at::TensorOptions().device(dev)) * 3).to(dtype);
+      x[0].zero_();
+      const auto want = models::quantize_rows_fp8(x);  // ATen ops on the GPU
+      const auto got = models::quantize_rows_fp8_kernel(x);
+      const bool same = at::equal(got.first.view(at::kByte), want.first.view(at::kByte)) && at::equal(got.second, want.second);
+      std::cout << "  quantise " << rows << "x" << cols << " " << c10::toString(dtype) << ": "
+                << (same ? "bit for bit" : "DIFFERS") << "\n";
+      expect(same, "the fp8 quantisation kernel gives the ATen arithmetic's values and scales");
+    }
+  }
+  const auto o = at::TensorOptions().device(dev).dtype(at::kBFloat16);
+  models::Linear layer(3072, 12288);
+  layer->to(dev, at::kBFloat16);
+  models::init_random(*layer, 7);
+  models::allow_fp8(*layer);
+  const auto x = at::randn({4096, 3072}, o);
+  options::Overrides fp8{{"DIFFRACT_PRECISION", "fp8"}};
+  at::Tensor y;
+  {
+    options::JobOptionsScope scope(fp8);
+    y = layer->forward(x);
+  }
+  const auto [q, sx] = models::quantize_rows_fp8(x);
+  const auto ref = models::scaled_linear_fp8_reference(q, sx, models::quantize_weight_fp8(layer->weight), layer->bias, at::kFloat);
+  const auto exact = at::linear(x.to(at::kFloat), layer->weight.to(at::kFloat), layer->bias.to(at::kFloat));
+  std::cout << "  fp8 Linear 4096x3072x12288: rel-L2 to the e4m3 operands' fp32 product " << rel(y.to(at::kFloat), ref)
+            << ", to the bf16 weights' fp32 product " << rel(y.to(at::kFloat), exact) << "; timing " << models::fp8_tuning_report() << "\n";
+  expect(rel(y.to(at::kFloat), ref) < 1e-2, "the fp8 GEMM gives the product of its e4m3 operands");
+  expect(rel(y.to(at::kFloat), exact) < 0.1, "the fp8 GEMM stays near the bf16 layer");
+
+  auto sd = tiny_sdxl(true);
+  job::CancelToken never;
+  auto r = request(6);
+  const auto base = sd->generate(r, {}, never);
+  r.precision = "fp8";
+  const auto f8 = sd->generate(r, {}, never);
+  std::cout << "  tiny SDXL fp8 vs bf16: latents rel-L2 " << rel_l2(f8, base) << "\n";
+  expect(std::isfinite(rel_l2(f8, base)) && rel_l2(f8, base) < 0.2, "an fp8 job stays near its bf16 one");
+}
+
 int main(int argc, char** argv) {
   const std::map<std::string, std::function<void()>> checks = {
       {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"layernorm", check_layernorm}, {"conv_bias", check_conv_bias}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"oom", check_oom}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}, {"gemm", check_gemm}, {"flux", check_flux}, {"flux_files", check_flux_files},
-      {"caches", check_caches_and_flux_pipefusion}};
+      {"caches", check_caches_and_flux_pipefusion}, {"fp8", check_fp8}};
   bool usage = argc < 2;
   for (int i = 1; i < argc; ++i) usage = usage || !checks.count(argv[i]);
   if (usage) {

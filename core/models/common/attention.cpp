@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/modules/dropout.h>
 
+#include "core/models/common/fp8_linear.h"
 #include "core/models/common/geglu.h"
 #include "core/models/common/patch_parallel.h"
 #include "core/util/error.h"
@@ -210,9 +211,12 @@ class GEGLUImpl : public nn::Module {
   // halves gelu and the product run non-vectorised, measurably slower, docs/benchmarks.md).
   at::Tensor forward(const at::Tensor& x) {
     const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || proj->weight.requires_grad());
+    const int64_t inner = proj->weight.size(0) / 2;
+    if (const auto y = fp8_linear(x, proj->fp8.get(), proj->weight, proj->bias); y.defined())
+      return x.is_cuda() && fused_geglu_available() ? geglu_halves(y)
+                                                    : geglu(y.narrow(-1, 0, inner).contiguous(), y.narrow(-1, inner, inner).contiguous());
     if (x.is_cuda() && geglu_one_gemm() && fused_geglu_available() && !grad)
       return geglu_halves(linear(x, proj->weight, proj->bias));
-    const int64_t inner = proj->weight.size(0) / 2;
     const auto half = [&](int64_t i) {
       return linear(x, proj->weight.narrow(0, i * inner, inner),
                         proj->bias.defined() ? proj->bias.narrow(0, i * inner, inner) : at::Tensor());

@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include "core/models/common/fp8_linear.h"
+
 namespace diffract::models {
 
 namespace {
@@ -83,7 +85,13 @@ bool FusedLinears::intact() const {
   return laid_end_to_end(weight_, weights) && (!bias_.defined() || laid_end_to_end(bias_, biases));
 }
 
-at::Tensor FusedLinears::project(const at::Tensor& x) const { return linear(x, weight_, bias_); }
+at::Tensor FusedLinears::project(const at::Tensor& x) const {
+  if (index_.at(owners_.front()).layers.front()->fp8) {
+    auto y = fp8_linear(x, fp8_.get(), weight_, bias_);
+    if (y.defined()) return y;
+  }
+  return linear(x, weight_, bias_);
+}
 
 at::Tensor FusedLinears::part(const at::Tensor& projected, const void* owner, int i) const {
   const auto it = index_.find(owner);

@@ -15,6 +15,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/GradMode.h>
 
+#include "core/models/common/fp8_linear.h"
 #include "core/models/common/layers.h"
 
 namespace diffract::models {
@@ -32,7 +33,8 @@ class FusedLinears {
   bool intact() const;
   int size() const { return static_cast<int>(owners_.size()); }
   bool has(const void* owner) const { return index_.count(owner) != 0; }
-  // x [..., in] -> [..., sum of the layers' outputs]
+  // x [..., in] -> [..., sum of the layers' outputs]; in fp8 where the first layer may
+  // (allow_fp8) and the job wants it (fp8_linear.h), the e4m3 copy made of the fused weight.
   at::Tensor project(const at::Tensor& x) const;
   // The columns of `owner`'s layer `i` in project()'s result; undefined for a non-member.
   at::Tensor part(const at::Tensor& projected, const void* owner, int i) const;
@@ -45,6 +47,7 @@ class FusedLinears {
   std::vector<const void*> owners_;
   std::unordered_map<const void*, Entry> index_;
   at::Tensor weight_, bias_;  // [sum out, in], [sum out] or undefined
+  std::shared_ptr<Fp8WeightCache> fp8_ = std::make_shared<Fp8WeightCache>();
 };
 
 // A FusedLinears behind a type of its own, the Tag of its FusedLinearsScope (CrossKV, TimeProjections).

@@ -24,7 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/models/common/layers.h"
-#include "core/models/common/spin_kernel.h"
+#include "core/models/common/gpu_timing.h"
 #include "core/util/error.h"
 #include "core/util/options.h"
 
@@ -119,28 +119,6 @@ void* workspace_for(int device, cudaStream_t stream) {
     w = at::empty({static_cast<std::int64_t>(kWorkspaceBytes)},
                   at::TensorOptions().dtype(at::kByte).device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
   return w.data_ptr();
-}
-
-// ms per call of f() on `stream`, after a warm-up call: the GPU's time alone, the calls queued
-// behind a spinning kernel so that they run back to back whatever their launches cost (in a CUDA
-// graph replay, what counts).
-template <typename F>
-double time_ms(cudaStream_t stream, F&& f) {
-  f();
-  cudaEvent_t start, end;
-  cudaEventCreate(&start);
-  cudaEventCreate(&end);
-  constexpr int reps = 10;
-  kernels::spin(stream, 1'000'000);  // 1 ms: longer than the host takes to enqueue the calls
-  cudaEventRecord(start, stream);
-  for (int i = 0; i < reps; ++i) f();
-  cudaEventRecord(end, stream);
-  cudaEventSynchronize(end);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, start, end);
-  cudaEventDestroy(start);
-  cudaEventDestroy(end);
-  return static_cast<double>(ms) / reps;
 }
 
 Choice tune(const Shape& s, Problem& p, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,

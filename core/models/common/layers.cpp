@@ -13,6 +13,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/GradMode.h>
 
+#include "core/models/common/fp8_linear.h"
 #include "core/models/common/patch_parallel.h"
 #include "core/util/error.h"
 #include "core/util/options.h"
@@ -106,7 +107,13 @@ LinearImpl::LinearImpl(const LinearOptions& o) : options(o), construction_index(
   if (o.with_bias) bias = register_parameter("bias", at::empty({o.out_features}));
 }
 
-at::Tensor LinearImpl::forward(const at::Tensor& x) { return linear(x, weight, bias); }
+at::Tensor LinearImpl::forward(const at::Tensor& x) {
+  if (fp8) {
+    auto y = fp8_linear(x, fp8.get(), weight, bias);
+    if (y.defined()) return y;
+  }
+  return linear(x, weight, bias);
+}
 
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
 // gemm_cuda.cpp: false when the tuned path does not take the case.

@@ -1,5 +1,6 @@
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include <ATen/core/Generator.h>
@@ -8,6 +9,8 @@
 #include <torch/nn/pimpl.h>
 
 namespace diffract::models {
+
+class Fp8WeightCache;
 
 // Linear, Conv2d and Embedding without random initialisation. LibTorch's torch::nn versions
 // run kaiming_uniform_ / normal_ over every parameter in their constructors; the weights of a
@@ -29,12 +32,13 @@ class LinearImpl : public torch::nn::Module {
  public:
   explicit LinearImpl(const LinearOptions& o);
   LinearImpl(int64_t in_features, int64_t out_features) : LinearImpl(LinearOptions(in_features, out_features)) {}
-  // x @ W^T + b (at::linear).
+  // x @ W^T + b (at::linear), or in fp8 where the layer may and the job wants it (fp8_linear.h).
   at::Tensor forward(const at::Tensor& x);
   LinearOptions options;
   at::Tensor weight;  // [out, in]
   at::Tensor bias;    // [out] or undefined
   uint64_t construction_index;  // see init_random
+  std::shared_ptr<Fp8WeightCache> fp8;  // set by allow_fp8: the layer may run in fp8
 };
 TORCH_MODULE(Linear);
 

@@ -21,11 +21,13 @@
 namespace diffract::models {
 
 namespace {
-using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, int, bool, std::size_t>;
+// The shapes, and the job's precision, which picks the layers' GEMMs when the graph is captured.
+using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, int, bool, std::size_t, bool>;
 
 Key key_of(const at::Tensor& x, const UNetConditioning& c) {
   return {x.size(0), x.size(1), x.size(2), x.size(3), c.encoder_hidden_states.size(1),
-          static_cast<int>(x.scalar_type()), c.text_embeds.defined(), c.down_residuals.size()};
+          static_cast<int>(x.scalar_type()), c.text_embeds.defined(), c.down_residuals.size(),
+          options::value(options::Id::Precision) == "fp8"};
 }
 }  // namespace
 
