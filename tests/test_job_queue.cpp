@@ -1,6 +1,8 @@
 // The job queue: Generate during a run queues instead of restarting; reorder, remove, clear,
-// estimates; variations over seeds.
+// estimates; variations over seeds; a grid over two parameters (core/engine/variation_grid.h).
 #include <QCheckBox>
+#include <QComboBox>
+#include <QFile>
 #include <QLabel>
 #include <QLineEdit>
 #include <QListWidget>
@@ -15,6 +17,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/engine/variation_grid.h"
+#include "core/io/image.h"
+#include "core/util/error.h"
 #include "ui/job_queue.h"
 #include "ui/main_window.h"
 #include "test_util.h"
@@ -141,6 +146,83 @@ class TestJobQueue : public QObject {
     QCOMPARE(seedOf(w.results()[0]), std::uint64_t(40));
     QCOMPARE(seedOf(w.results()[1]), std::uint64_t(41));
     QCOMPARE(seedOf(w.results()[2]), std::uint64_t(42));
+  }
+
+  // Axes parse with named errors; a grid's cells are row by row with both values set.
+  void gridAxesAndCells() {
+    const auto x = engine::parse_grid_axis("steps", " 2, 3 ");
+    QCOMPARE(x.values, (std::vector<std::string>{"2", "3"}));
+    const auto y = engine::parse_grid_axis("sampler", "euler,ddim");
+    job::GenerationRequest base;
+    base.seed = 9;
+    const auto cells = engine::expand_grid(base, x, y);
+    QCOMPARE(cells.size(), std::size_t(4));
+    QCOMPARE(cells[1].x, 1);
+    QCOMPARE(cells[1].y, 0);
+    QCOMPARE(cells[1].request.steps, 3);
+    QCOMPARE(cells[2].request.sampler, std::string("ddim"));
+    QCOMPARE(cells[3].request.seed, std::uint64_t(9));
+    const auto strategy = engine::parse_grid_axis("strategy", "single, step-skip:3, driffusion:2");
+    auto r = base;
+    engine::apply_grid_value(r, strategy.parameter, strategy.values[1]);
+    QCOMPARE(r.strategy.skip, 3);
+    engine::apply_grid_value(r, strategy.parameter, strategy.values[2]);
+    QCOMPARE(r.strategy.devices, 2);
+    QCOMPARE(engine::grid_label(x, 0), std::string("steps 2"));
+    DIFFRACT_EXPECT_ERROR(engine::parse_grid_axis("steps", "20, x"), "steps", "'x' is not a whole number");
+    DIFFRACT_EXPECT_ERROR(engine::parse_grid_axis("steps", "20,,30"), "an empty value");
+    DIFFRACT_EXPECT_ERROR(engine::parse_grid_axis("colour", "red"), "unknown parameter 'colour'", "lora_weight");
+    DIFFRACT_EXPECT_ERROR(engine::parse_grid_axis("sampler", "euler, warp"), "warp");
+    DIFFRACT_EXPECT_ERROR(engine::parse_grid_axis("strategy", "teleport:2"), "unknown 'teleport:2'");
+    DIFFRACT_EXPECT_ERROR(engine::parse_grid_axis("cfg", "1e400"), "cfg", "not a number");
+    DIFFRACT_EXPECT_ERROR(engine::expand_grid(base, x, x), "both axes vary steps");
+    DIFFRACT_EXPECT_ERROR(engine::expand_grid(base, engine::parse_grid_axis("lora_weight", "0.5, 1"), std::nullopt),
+                          "no LoRA to weigh");
+    std::string many = "1";
+    for (int i = 2; i <= engine::kMaxGridValues + 1; ++i) many += "," + std::to_string(i);
+    DIFFRACT_EXPECT_ERROR(engine::parse_grid_axis("steps", many), "more than 16 values");
+  }
+
+  // A 2x2 grid (steps x sampler) from the window: four jobs queue and run, the labelled grid
+  // shows and is saved with its axes; a bad value queues nothing and says why.
+  void queuesAGrid() {
+    MainWindow w;
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    setUpJob(w, 2, "70");
+    auto* q = w.queuePanel();
+    q->gridX()->setCurrentIndex(q->gridX()->findData("steps"));
+    q->gridXValues()->setText("2, x");
+    QTest::mouseClick(child<QPushButton>(w, "queueGridButton"), Qt::LeftButton);
+    QCOMPARE(q->count(), 0);
+    QVERIFY(child<QLabel>(w, "errorLabel")->text().contains("'x' is not a whole number"));
+    q->gridXValues()->setText("2, 3");
+    q->gridY()->setCurrentIndex(q->gridY()->findData("sampler"));
+    q->gridYValues()->setText("euler, ddim");
+    QSignalSpy finished(w.bridge(), &EngineBridge::finished);
+    QTest::mouseClick(child<QPushButton>(w, "queueGridButton"), Qt::LeftButton);
+    QTRY_VERIFY_WITH_TIMEOUT(finished.count() == 4, 120000);
+    QTRY_VERIFY_WITH_TIMEOUT(child<QLabel>(w, "statusLabel")->text().contains("Grid of 2 × 2 done"), 10000);
+    const auto& r = w.results();
+    QCOMPARE(r.size(), 5);  // four cells, then the grid
+    const auto meta = [&](int i) { return nlohmann::json::parse(r[i].metadataJson.toStdString()); };
+    QCOMPARE(meta(1)["steps"].get<int>(), 3);
+    QCOMPARE(meta(2)["sampler"].get<std::string>(), std::string("ddim"));
+    const auto& grid = r[4];
+    const QSize cell = r[0].image.size();
+    QCOMPARE(grid.image.width() > 2 * cell.width(), true);   // a label column on the left
+    QCOMPARE(grid.image.height() > 2 * cell.height(), true);  // a label row above
+    QVERIFY(QFile::exists(grid.savedPath));
+    const auto json = nlohmann::json::parse(grid.metadataJson.toStdString());
+    QCOMPARE(json["x"]["parameter"].get<std::string>(), std::string("steps"));
+    QCOMPARE(json["y"]["values"], nlohmann::json::array({"euler", "ddim"}));
+    QCOMPARE(json["cells"].size(), std::size_t(4));
+    QVERIFY(json["cells"][3].contains("file"));
+    io::PngText text;
+    io::read_png(grid.savedPath.toStdString(), &text);
+    QCOMPARE(text.size(), std::size_t(1));
+    QCOMPARE(text[0].first, std::string("diffract-grid"));
+    QVERIFY(QFile::exists(QString(grid.savedPath).replace(".png", ".json")));
   }
 };
 

@@ -1,12 +1,16 @@
 #include "ui/job_queue.h"
 
+#include <QComboBox>
+#include <QGridLayout>
 #include <QHBoxLayout>
 #include <QLabel>
+#include <QLineEdit>
 #include <QListWidget>
 #include <QPushButton>
 #include <QSpinBox>
 #include <QVBoxLayout>
 
+#include "core/engine/variation_grid.h"
 #include "ui/timings_chart.h"
 
 namespace diffract::ui {
@@ -56,6 +60,38 @@ JobQueuePanel::JobQueuePanel(QWidget* parent) : QGroupBox(tr("Queue"), parent) {
   variationsRow->addWidget(m_variations);
   variationsRow->addWidget(queueSeeds, 1);
   layout->addLayout(variationsRow);
+  // A grid over two parameters: each axis a parameter and its values, comma-separated.
+  auto* grid = new QGridLayout;
+  const auto axisCombo = [](const char* name, bool none) {
+    auto* c = new QComboBox;
+    c->setObjectName(QString::fromLatin1(name));
+    if (none) c->addItem(tr("(none)"), QString());
+    for (const auto p : engine::grid_parameters()) {
+      const auto n = QString::fromUtf8(engine::grid_parameter_name(p).data(), static_cast<int>(engine::grid_parameter_name(p).size()));
+      c->addItem(n, n);
+    }
+    return c;
+  };
+  m_gridX = axisCombo("gridXCombo", false);
+  m_gridY = axisCombo("gridYCombo", true);
+  m_gridXValues = new QLineEdit(QStringLiteral("20, 30"));
+  m_gridXValues->setObjectName(QStringLiteral("gridXValuesEdit"));
+  m_gridYValues = new QLineEdit;
+  m_gridYValues->setObjectName(QStringLiteral("gridYValuesEdit"));
+  for (auto* e : {m_gridXValues, m_gridYValues})
+    e->setToolTip(tr("Values separated by commas: steps 20, 30; sampler euler, dpmpp-2m; strategy single, step-skip:2"));
+  auto* queueGrid = new QPushButton(tr("Queue grid"));
+  queueGrid->setObjectName(QStringLiteral("queueGridButton"));
+  queueGrid->setToolTip(tr("The job in the form for every pair of values, shown and saved as one labelled grid"));
+  grid->addWidget(new QLabel(tr("Grid x")), 0, 0);
+  grid->addWidget(m_gridX, 0, 1);
+  grid->addWidget(m_gridXValues, 0, 2);
+  grid->addWidget(new QLabel(tr("y")), 1, 0);
+  grid->addWidget(m_gridY, 1, 1);
+  grid->addWidget(m_gridYValues, 1, 2);
+  grid->addWidget(queueGrid, 2, 0, 1, 3);
+  grid->setColumnStretch(2, 1);
+  layout->addLayout(grid);
   m_total = new QLabel;
   m_total->setObjectName(QStringLiteral("queueTotalLabel"));
   layout->addWidget(m_total);
@@ -65,6 +101,10 @@ JobQueuePanel::JobQueuePanel(QWidget* parent) : QGroupBox(tr("Queue"), parent) {
   connect(m_remove, &QPushButton::clicked, this, [this] { remove(m_list->currentRow()); });
   connect(m_clear, &QPushButton::clicked, this, &JobQueuePanel::clear);
   connect(queueSeeds, &QPushButton::clicked, this, [this] { emit variationsRequested(m_variations->value()); });
+  connect(queueGrid, &QPushButton::clicked, this, [this] {
+    emit gridRequested(m_gridX->currentData().toString(), m_gridXValues->text(), m_gridY->currentData().toString(),
+                       m_gridYValues->text());
+  });
   connect(m_list, &QListWidget::currentRowChanged, this, [this] {
     const int row = m_list->currentRow();
     m_up->setEnabled(row > 0);
@@ -103,14 +143,17 @@ void JobQueuePanel::moveDown(int row) {
 
 void JobQueuePanel::remove(int row) {
   if (row < 0 || row >= count()) return;
-  m_jobs.removeAt(row);
+  const auto gone = m_jobs.takeAt(row);
   refresh();
   m_list->setCurrentRow(std::min(row, count() - 1));
+  emit removed({gone});
 }
 
 void JobQueuePanel::clear() {
+  const auto gone = m_jobs;
   m_jobs.clear();
   refresh();
+  if (!gone.isEmpty()) emit removed(gone);
 }
 
 void JobQueuePanel::setStepCost(double msPerMegapixelStep) {

@@ -10,7 +10,9 @@
 #include "core/job/request.h"
 #include "ui/controlnet_panel.h"
 
+class QComboBox;
 class QLabel;
+class QLineEdit;
 class QListWidget;
 class QPushButton;
 class QSpinBox;
@@ -24,6 +26,8 @@ struct QueuedJob {
   std::vector<ControlNetPanel::Unit> controlUnits;
   std::optional<engine::LaneSet> lanes;
   QString label;  // "a red apple · 30 steps · 512×512 · seed 5"
+  int grid = 0;       // a variation grid's id (0: none) and this job's cell in it
+  int gridCell = -1;
 };
 
 // "a red apple · 30 steps · 512×512 · seed 5" (and "· 3 lanes").
@@ -46,6 +50,10 @@ class JobQueuePanel : public QGroupBox {
   void clear();
   QListWidget* list() const { return m_list; }
   QSpinBox* variations() const { return m_variations; }
+  QComboBox* gridX() const { return m_gridX; }
+  QLineEdit* gridXValues() const { return m_gridXValues; }
+  QComboBox* gridY() const { return m_gridY; }  // "" data: no y axis
+  QLineEdit* gridYValues() const { return m_gridYValues; }
   QString totalText() const;
 
   // The measured cost of a step (ms per megapixel of one image), from the jobs that finished;
@@ -58,6 +66,12 @@ class JobQueuePanel : public QGroupBox {
   void changed();
   // "Queue N seeds": the form's job N times, the seed counting up from the form's.
   void variationsRequested(int count);
+  // "Queue grid": the form's job over the x axis's values and, when yParameter is not empty, the
+  // y axis's (engine::parse_grid_axis reads them).
+  void gridRequested(const QString& xParameter, const QString& xValues, const QString& yParameter,
+                     const QString& yValues);
+  // Jobs taken off the queue without running (Remove, Clear).
+  void removed(const QList<diffract::ui::QueuedJob>& jobs);
 
  private:
   void refresh();
@@ -70,6 +84,10 @@ class JobQueuePanel : public QGroupBox {
   QPushButton* m_remove = nullptr;
   QPushButton* m_clear = nullptr;
   QSpinBox* m_variations = nullptr;
+  QComboBox* m_gridX = nullptr;
+  QLineEdit* m_gridXValues = nullptr;
+  QComboBox* m_gridY = nullptr;
+  QLineEdit* m_gridYValues = nullptr;
   double m_msPerMegapixelStep = 0;
 };
 

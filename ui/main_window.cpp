@@ -40,11 +40,13 @@
 #include <algorithm>
 #include <cmath>
 #include <ctime>
+#include <utility>
 #include <exception>
 #include <limits>
 
 #include "core/engine/model_discovery.h"
 #include "core/engine/output.h"
+#include "core/io/read_file.h"
 #include "core/util/build_info.h"
 #include "core/util/error.h"
 #include "ui/compare_view.h"
@@ -117,10 +119,12 @@ MainWindow::MainWindow(QWidget* parent) : QMainWindow(parent), m_bridge(new Engi
   connect(m_bridge, &EngineBridge::failed, this, [this](const QString& message) {
     showError(tr("Generation failed: %1").arg(message));
     m_status->setText(tr("Failed after %1").arg(formatSeconds(m_jobClock.elapsed() / 1000.0)));
+    if (m_jobGrid) endGridCell(std::exchange(m_jobGrid, 0), m_jobGridCell, {}, {});
     updateControls();
   });
   connect(m_bridge, &EngineBridge::cancelled, this, [this] {
     m_status->setText(tr("Cancelled after %1 of %2 steps").arg(m_stepsSeen).arg(m_timings->totalSteps()));
+    if (m_jobGrid) endGridCell(std::exchange(m_jobGrid, 0), m_jobGridCell, {}, {});
     updateControls();
   });
   connect(m_bridge, &EngineBridge::laneStarted, m_laneGrid, &LaneGrid::setStarted);
@@ -244,6 +248,11 @@ void MainWindow::buildUi() {
   m_queuePanel = new JobQueuePanel;
   formLayout->addWidget(m_queuePanel);
   connect(m_queuePanel, &JobQueuePanel::variationsRequested, this, &MainWindow::queueVariations);
+  connect(m_queuePanel, &JobQueuePanel::gridRequested, this, &MainWindow::queueGrid);
+  connect(m_queuePanel, &JobQueuePanel::removed, this, [this](const QList<QueuedJob>& jobs) {
+    for (const auto& j : jobs)
+      if (j.grid) endGridCell(j.grid, j.gridCell, {}, {});
+  });
 
   auto* buttons = new QHBoxLayout;
   m_generate = new QPushButton(tr("Generate"));
@@ -484,6 +493,74 @@ void MainWindow::queueVariations(int count) {
   startNextQueued();
 }
 
+void MainWindow::queueGrid(const QString& xParameter, const QString& xValues, const QString& yParameter,
+                           const QString& yValues) {
+  auto job = jobFromFields();
+  if (!job) return;
+  std::vector<engine::GridCell> cells;
+  engine::GridAxis x;
+  std::optional<engine::GridAxis> y;
+  try {
+    x = engine::parse_grid_axis(xParameter.toStdString(), xValues.toStdString());
+    if (!yParameter.isEmpty()) y = engine::parse_grid_axis(yParameter.toStdString(), yValues.toStdString());
+    cells = engine::expand_grid(job->request, x, y);
+  } catch (const std::exception& e) {
+    showError(tr("The grid cannot be queued: %1").arg(QString::fromUtf8(e.what())));
+    m_status->setText(tr("The grid was not queued"));
+    return;
+  }
+  m_error->hide();
+  saveSettings();
+  const int id = m_nextGrid++;
+  for (std::size_t k = 0; k < cells.size(); ++k) {
+    QueuedJob cell = *job;
+    cell.request = cells[k].request;
+    cell.label = describeJob(cell) + QStringLiteral(" · ") +
+                 QString::fromStdString(engine::grid_label(x, cells[k].x) + (y ? ", " + engine::grid_label(*y, cells[k].y) : ""));
+    cell.grid = id;
+    cell.gridCell = static_cast<int>(k);
+    m_queuePanel->add(std::move(cell));
+  }
+  m_grids.emplace(id, GridRun(x, y, std::move(cells)));
+  m_status->setText(tr("Queued a grid of %1 × %2 jobs").arg(x.values.size()).arg(y ? y->values.size() : 1));
+  startNextQueued();
+}
+
+void MainWindow::endGridCell(int grid, int cell, const QImage& image, const QString& savedFile) {
+  const auto it = m_grids.find(grid);
+  if (it == m_grids.end()) return;
+  it->second.setCell(cell, image, savedFile);
+  if (it->second.complete()) finishGrid(grid);
+}
+
+void MainWindow::finishGrid(int grid) {
+  const auto it = m_grids.find(grid);
+  if (it == m_grids.end()) return;
+  const GridRun run = std::move(it->second);
+  m_grids.erase(it);
+  const QImage image = run.compose();
+  m_view->setImage(image, true);
+  const QDir dir(outputDir());
+  const auto file = engine::unused_output_file(dir.path().toStdString(), engine::output_stamp(std::time(nullptr)), "grid", 0);
+  const std::string json = run.json();
+  try {
+    if (!QDir().mkpath(dir.path())) throw Error("cannot create the output folder " + dir.path().toStdString());
+    engine::save_png(file, toCoreImage(image), {{"diffract-grid", json}});
+    io::write_file_atomically(std::filesystem::path(file).replace_extension(".json"), json + "\n", "grid");
+    if (m_gallery->folder() == dir.path()) m_gallery->addFile(QString::fromStdString(file.string()));
+    m_results.append(RenderedImage{image, QString(), QString::fromStdString(json), JobTimings{},
+                                   QString::fromStdString(file.string())});
+    m_status->setText(tr("Grid of %1 × %2 done: saved %3")
+                          .arg(run.columns())
+                          .arg(run.rows())
+                          .arg(QDir::toNativeSeparators(QString::fromStdString(file.string()))));
+  } catch (const std::exception& e) {
+    m_results.append(RenderedImage{image, QString(), QString::fromStdString(json), JobTimings{}, QString()});
+    showError(tr("The grid was made but not saved: %1").arg(QString::fromUtf8(e.what())));
+  }
+  updateControls();
+}
+
 void MainWindow::startNextQueued() {
   if (m_bridge->isRunning()) return;
   if (auto next = m_queuePanel->takeNext()) startJob(std::move(*next));
@@ -492,6 +569,8 @@ void MainWindow::startNextQueued() {
 void MainWindow::startJob(QueuedJob job) {
   const auto& request = job.request;
   m_jobControlUnits = job.controlUnits;
+  m_jobGrid = job.grid;
+  m_jobGridCell = job.gridCell;
   if (job.lanes) {
     generateLanes(request, *job.lanes);
     return;
@@ -636,7 +715,7 @@ void MainWindow::onFinished(const QList<QImage>& images, const QString& metadata
     RenderedImage r{images[i], parameters, metadataJson, timings, QString()};
     if (saveError.isEmpty()) {
       try {
-        const auto file = engine::unused_output_file(dir.path().toStdString(), stamp, m_seed->text().toStdString(), i);
+        const auto file = engine::unused_output_file(dir.path().toStdString(), stamp, std::to_string(m_jobRequest.seed), i);
         if (i == 0)
           metadata = ControlNetPanel::addPreprocessors(
               engine::save_inputs_beside(file, m_jobRequest.input, m_jobRequest.controlnets, metadata), m_jobControlUnits);
@@ -657,6 +736,7 @@ void MainWindow::onFinished(const QList<QImage>& images, const QString& metadata
                         .arg(formatSeconds(timings.totalMs / 1000.0))
                         .arg(m_stepMsSum > 0 ? 1000.0 * m_stepsSeen / m_stepMsSum : 0.0, 0, 'f', 2)
                         .arg(firstSaved.isEmpty() ? tr("nothing") : QDir::toNativeSeparators(firstSaved)));
+  if (m_jobGrid) endGridCell(std::exchange(m_jobGrid, 0), m_jobGridCell, images.isEmpty() ? QImage() : images.first(), firstSaved);
   updateControls();
 }
 

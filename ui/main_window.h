@@ -6,6 +6,7 @@
 #include <QMainWindow>
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "ui/controlnet_panel.h"
 #include "ui/engine_bridge.h"
 #include "ui/job_queue.h"
+#include "ui/variation_grid.h"
 
 class QComboBox;
 class QDragEnterEvent;
@@ -150,6 +152,12 @@ class MainWindow : public QMainWindow {
   void startJob(QueuedJob job);
   void startNextQueued();
   void queueVariations(int count);
+  // "Queue grid": the form's job for every pair of the axes' values, queued as one grid.
+  void queueGrid(const QString& xParameter, const QString& xValues, const QString& yParameter, const QString& yValues);
+  // The running job's grid cell ended (its image, or a null one when it did not finish).
+  void endGridCell(int grid, int cell, const QImage& image, const QString& savedFile);
+  // Every cell ended: the labelled grid in the view, saved as grid-<stamp>.png (+ .json: the axes).
+  void finishGrid(int grid);
   void generateLanes(const job::GenerationRequest& request, const engine::LaneSet& lanes);
   void onLanesFinished(const QList<LaneRow>& rows, bool cancelled, const QString& savedFile, const QString& saveError);
   void updateLanePlan();
@@ -198,6 +206,9 @@ class MainWindow : public QMainWindow {
   QString m_laneDir;
 
   QList<RenderedImage> m_results;
+  std::map<int, GridRun> m_grids;  // the variation grids whose jobs have not all ended, by id
+  int m_nextGrid = 1;
+  int m_jobGrid = 0, m_jobGridCell = -1;  // the running job's grid cell (0: none)
   QElapsedTimer m_jobClock;
   int m_stepsSeen = 0;
   double m_stepMsSum = 0;

@@ -43,6 +43,10 @@ fs::path unused_output_file(const fs::path& dir, const std::string& stamp, const
 
 void save_image(const fs::path& path, const io::Image& image, const std::string& parameters,
                 const std::string& metadata_json) {
+  save_png(path, image, {{"parameters", parameters}, {"diffract", metadata_json}});
+}
+
+void save_png(const fs::path& path, const io::Image& image, const io::PngText& text) {
   // Hidden and not *.png, so a folder watcher (the gallery) never lists it; unique per call, so
   // two writers of one name do not share a temporary file.
   static std::atomic<unsigned> counter{0};
@@ -51,7 +55,7 @@ void save_image(const fs::path& path, const io::Image& image, const std::string&
                 counter.fetch_add(1) & 0xffffu);
   const fs::path temporary = path.parent_path() / ("." + path.filename().string() + "." + unique + ".tmp");
   try {
-    io::write_png(temporary, image, {{"parameters", parameters}, {"diffract", metadata_json}});
+    io::write_png(temporary, image, text);
     fs::rename(temporary, path);
   } catch (const std::exception& e) {
     std::error_code ignored;

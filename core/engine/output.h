@@ -32,6 +32,8 @@ std::filesystem::path unused_output_file(const std::filesystem::path& dir, const
 // untouched. Throws diffract::Error naming the file.
 void save_image(const std::filesystem::path& path, const io::Image& image, const std::string& parameters,
                 const std::string& metadata_json);
+// The same with any text chunks (a variation grid's "diffract-grid").
+void save_png(const std::filesystem::path& path, const io::Image& image, const io::PngText& text);
 
 // A job's init image and mask written beside the PNG it made, as <folder>/inputs/<stem>.input.png
 // and <stem>.mask.png (the gallery lists only the folder itself), and its ControlNets' control
