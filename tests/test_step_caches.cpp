@@ -16,6 +16,7 @@
 #include "core/parallel/strategies.h"
 #include "core/pipeline/factory.h"
 #include "core/util/error.h"
+#include "core/util/options.h"
 #include "diffusers_case.h"
 #include "loop_inputs.h"
 #include "strategy_job.h"
@@ -85,8 +86,9 @@ class TestStepCaches : public QObject {
   }
 
   // The first-block cache on a UNet, replayed from the model's layers in one thread: conv_in and
-  // the first down layer every step; the deep layers when that layer's output moved by the
-  // threshold or more since the last full step (always at the first), else their last output.
+  // the first down layer every step; the deep layers when that layer's residual (its output minus
+  // conv_in's) moved by the threshold or more since the last full step (always at the first),
+  // else their last output.
   std::pair<at::Tensor, std::vector<int>> replay_unet_fbcache(const test::UNetLoopInputs& made, double threshold,
                                                               double cfg) {
     at::NoGradGuard no_grad;
@@ -103,9 +105,12 @@ class TestStepCaches : public QObject {
       const auto in = sampler->scale_model_input(x, i);
       auto s = model->stage_begin(at::cat({in, in}), at::full({2}, sampler->timesteps()[static_cast<std::size_t>(i)]),
                                   both);
-      model->forward_range(s, 0, 2, both);
-      const bool full = i == 0 || models::relative_change(s.h, first) >= threshold;
-      if (full) first = s.h;
+      model->forward_range(s, 0, 1, both);
+      const auto conv_in = s.h;
+      model->forward_range(s, 1, 2, both);
+      const auto residual = s.h - conv_in;
+      const bool full = i == 0 || models::relative_change(residual, first) >= threshold;
+      if (full) first = residual;
       model->forward_range(s, 2, full ? up : down, both);
       if (full) deep = s.h;
       else {
@@ -192,6 +197,7 @@ class TestStepCaches : public QObject {
     const int interval = c["interval"], steps = r.steps;
     const auto plain = test::latents_tensor(pipe->generate(r, {}, job::CancelToken{}));
     r.options["DIFFRACT_DEEPCACHE_BRANCH"] = std::to_string(c["branch"].get<int>());
+    r.options["DIFFRACT_CACHE_WARMUP"] = "0";  // DeepCache's own schedule
     const auto [cached, stats] = test::strategy_job(*pipe, r, "deepcache", interval, 1, 0, {});
     const auto want = expected.at(name), want_plain = expected.at(name + ".plain");
     const double err = test::max_abs_diff(cached, want), effect = test::max_abs_diff(want, want_plain);
@@ -217,6 +223,13 @@ class TestStepCaches : public QObject {
     }
     const auto cached = run(deepcache(2, 0), made.in);
     QCOMPARE(cached.stats.reused_steps, (std::vector<int>{1, 3}));
+    {
+      // The warm-up keeps the first half of the steps in full; then every second step reuses.
+      const options::Overrides half{{"DIFFRACT_CACHE_WARMUP", "50"}};
+      const options::JobOptionsScope scope(half);
+      QCOMPARE(run(deepcache(2, 0), made.in).stats.reused_steps, (std::vector<int>{3}));
+      QCOMPARE(run(fbcache(10), made.in).stats.reused_steps, (std::vector<int>{2, 3}));
+    }
     qInfo("deepcache x2 branch 0: relative L2 to the plain loop %.3g", rel_l2(cached.latents, base.latents));
     QVERIFY(rel_l2(cached.latents, base.latents) > 0);
     DIFFRACT_EXPECT_ERROR(run(deepcache(2, 6), made.in), "DeepCache: branch 6 is outside 0..5");

@@ -205,10 +205,13 @@ at::Tensor UNetDenoiser::eval_cached(const at::Tensor& model_input, double times
     throw Error("the first-block cache on a UNet keeps the first down layer in its shallow path: branch 1 or more");
   auto s = stage_input(model_input, timestep, branch);
   bool full = false;
-  if (by_threshold) {  // conv_in and the first down layer, whose output decides
-    run_stage(s, 0, 2, timestep, branch);
-    full = cache->full_step(s.h);
-    if (full) cache->first = s.h;
+  if (by_threshold) {  // conv_in, then the first down layer, whose residual decides
+    run_stage(s, 0, 1, timestep, branch);
+    const auto before = s.h;
+    run_stage(s, 1, 2, timestep, branch);
+    const auto residual = s.h - before;
+    full = cache->full_step(residual);
+    if (full) cache->first = residual;
     run_stage(s, 2, full ? shallow_up : shallow_down, timestep, branch);
   } else {
     full = cache->full_step();

@@ -148,7 +148,7 @@ const std::vector<StrategyInfo> kStrategies = {
      Level::Evaluation, true, true, "", false, false, {1, 1, 1}, {Param::CacheThreshold}, make_first_block_cache,
      kNoImageInputs, kNoCacheControlNets, 0.12,
      "First-Block Cache: the other blocks (a UNet's deep layers) are reused while the first block's (first down "
-     "layer's) output moved less than this since they last ran (higher: faster, further from the plain loop; 0: "
+     "layer's) residual moved less than this since they last ran (higher: faster, further from the plain loop; 0: "
      "never)"},
     {"teacache",
      "SD3, Flux: every block skipped while the timestep-modulated input barely moved (TeaCache); one device, changes "

@@ -5,6 +5,7 @@
 #include "core/models/common/block_cache.h"
 #include "core/parallel/loop_util.h"
 #include "core/util/error.h"
+#include "core/util/options.h"
 
 namespace diffract::parallel {
 
@@ -23,6 +24,7 @@ LoopOutput StepCaching::run(DeviceGroup& g, const LoopInputs& in) const {
   g.run([&](int rank, Communicator&) {
     auto& k = ranks[static_cast<std::size_t>(rank)];
     cache->steps = k.sampler->num_steps() - in.first_step;
+    cache->warmup = cache->steps * std::stoi(options::value(options::Id::CacheWarmup)) / 100;
     for (int i = in.first_step; i < k.sampler->num_steps(); ++i) {
       gate.check(i);
       cache->step = i - in.first_step;

@@ -7,14 +7,17 @@
 //             Flux: the first block every step, the others reused while its residual moved less
 //             than `threshold`. SD / SDXL: its UNet analogue, the first down layer every step
 //             and DeepCache's shallow path around it (branch 1), the deep rest refreshed when
-//             that layer's output moved more than `threshold`.
+//             that layer's residual moved more than `threshold`.
 //  teacache   TeaCache: SD3, Flux; every block skipped while the first block's modulated input
 //             moved little, its rescaled changes summed to under `threshold` (Flux's published
 //             polynomial; SD3 has none published: the plain change, as xDiT's default).
 //  deepcache  DeepCache: SD / SDXL; the deep part of the UNet every `interval`-th step, the
 //             shallow path (DeepCache's branch, DIFFRACT_DEEPCACHE_BRANCH, default 0) in between.
 // Threshold 0 (interval 1) reuses nothing: the plain loop's result. The decisions are made once
-// for the whole CFG batch, as a one-thread replay makes them.
+// for the whole CFG batch, as a one-thread replay makes them. DIFFRACT_CACHE_WARMUP (percent of
+// the steps, default 10; 0 gives the published schedules) keeps the loop's first steps in full,
+// where the image's layout forms: on the embedded model deepcache x3 without it turned a black
+// background light (PSNR 4.9 dB against the plain loop), with 10 % 32.2 dB.
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -48,7 +51,7 @@ struct FirstBlockCaching final : StepCaching {
   void validate(std::int64_t batch, bool cfg) const override;
   std::unique_ptr<models::StepCache> make_cache(const Denoiser& den) const override;
   double stats_threshold() const override { return threshold; }
-  // A UNet's shallow path: conv_in and the first down layer (whose output decides), the last
+  // A UNet's shallow path: conv_in and the first down layer (whose residual decides), the last
   // two up layers, the head.
   static constexpr int kUNetBranch = 1;
 };

@@ -74,6 +74,10 @@ const std::vector<Option>& build_table() {
        "the denoiser's linear layers: bf16 (the model's dtype) or fp8 (e4m3, where it is faster; a job's "
        "precision sets it)",
        {"bf16", "fp8"}},
+      {Id::CacheWarmup, "DIFFRACT_CACHE_WARMUP", Type::Choice, "10", Scope::Job,
+       "the step caches: the first this many percent of a loop's steps always run in full (the image's layout "
+       "forms there; 0: the published schedules)",
+       {"0", "10", "20", "25", "30", "40", "50"}},
   };
   for (std::size_t i = 0; i < t.size(); ++i)
     if (static_cast<std::size_t>(t[i].id) != i) throw std::logic_error("options table out of order");

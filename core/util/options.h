@@ -41,6 +41,7 @@ enum class Id {
   BatchVae,
   DeepCacheBranch,
   Precision,
+  CacheWarmup,
 };
 
 enum class Type { Flag, Integer, Choice, Path };

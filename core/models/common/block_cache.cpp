@@ -10,7 +10,8 @@ double relative_change(const at::Tensor& now, const at::Tensor& then) {
 }
 
 bool FirstBlockCache::can_reuse(const at::Tensor& now) const {
-  if (threshold <= 0 || !first_residual.defined() || !rest_residual.defined() || first_residual.sizes() != now.sizes())
+  if (threshold <= 0 || step < warmup || !first_residual.defined() || !rest_residual.defined() ||
+      first_residual.sizes() != now.sizes())
     return false;
   return relative_change(now, first_residual) < threshold;
 }
@@ -20,7 +21,7 @@ std::vector<double> TeaCache::identity() { return {1.0, 0.0}; }
 std::vector<double> TeaCache::flux() { return {4.98651651e+02, -2.83781631e+02, 5.58554382e+01, -3.82021401e+00, 2.64230861e-01}; }
 
 bool TeaCache::can_reuse(const at::Tensor& modulated) {
-  const bool edge = step == 0 || step >= steps - 1;
+  const bool edge = step == 0 || step < warmup || step >= steps - 1;
   const bool comparable = previous.defined() && previous.sizes() == modulated.sizes() && residual.defined();
   bool reuse = false;
   if (!edge && comparable && threshold > 0) {
@@ -36,7 +37,7 @@ bool TeaCache::can_reuse(const at::Tensor& modulated) {
 }
 
 bool DeepCache::full_step(const at::Tensor& first_now) const {
-  if (step == 0 || !deep.defined()) return true;
+  if (step == 0 || step < warmup || !deep.defined()) return true;
   if (threshold < 0) return interval <= 1 || step % interval == 0;
   if (threshold == 0 || !first.defined() || first.sizes() != first_now.sizes()) return true;
   return relative_change(first_now, first) >= threshold;

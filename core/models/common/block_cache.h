@@ -14,7 +14,8 @@
 //    a UNet's shallow path (conv_in, the first `branch` down layers, the up layers that consume
 //    their skips, the output) runs every step, the deep rest only on refresh steps; in between
 //    the shallow up path takes the deep feature those gave. Refreshed every `interval` steps, or
-//    (fbcache on a UNet) when the first down layer's output moved more than a threshold.
+//    (fbcache on a UNet) when the first down layer's residual (output minus input) moved more
+//    than a threshold.
 //  ImageKV: one attention's image keys and values for the whole image, which PipeFusion's passes
 //   over row patches of the image update and attend over.
 #include <cstdint>
@@ -28,6 +29,7 @@ struct StepCache {
   virtual ~StepCache() = default;
   int step = 0;          // this evaluation's step in the loop, 0 for its first
   int steps = 0;         // the loop's steps
+  int warmup = 0;        // the loop's first steps that always run in full (the loop sets it)
   bool reused = false;   // this evaluation reused cached work
   double reused_work = 0;  // then: the part of a full evaluation it ran (estimated from the layers' costs)
 };
@@ -40,7 +42,7 @@ struct FirstBlockCache final : StepCache {
   at::Tensor first_residual;  // the first block's output minus its input, at the last full step
   at::Tensor rest_residual;   // the other blocks' output minus their input, at that step
   // Whether the first block's residual `now` is close enough to the last full step's to reuse
-  // the rest: relative_change(now, then) < threshold.
+  // the rest: relative_change(now, then) < threshold, past the warm-up.
   bool can_reuse(const at::Tensor& now) const;
 };
 
@@ -64,13 +66,13 @@ struct TeaCache final : StepCache {
 struct DeepCache final : StepCache {
   int branch = 0;          // down layers in the shallow path (DeepCache's cache_branch_id)
   int interval = 3;        // a full step every interval-th step of the loop, the first included
-  double threshold = -1;   // >= 0: a full step instead when the first down layer's output moved
+  double threshold = -1;   // >= 0: a full step instead when the first down layer's residual moved
                            // more than this since the last full step (0: every step)
   at::Tensor deep;         // the hidden state entering the shallow up path, at the last full step
-  at::Tensor first;        // the first down layer's output then (threshold mode)
+  at::Tensor first;        // the first down layer's residual then (threshold mode)
   double shallow_work = -1;  // the shallow path's part of a full evaluation (estimated on first use)
   // Whether this step runs in full: the first step, a missing cache, else by interval; in
-  // threshold mode `first_now` (the first down layer's output) decides.
+  // threshold mode `first_now` (the first down layer's residual) decides.
   bool full_step(const at::Tensor& first_now = {}) const;
 };
 
