@@ -11,8 +11,11 @@
 #include <QSpinBox>
 #include <QTemporaryDir>
 #include <QTimer>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
+#include <thread>
 
 #include <QPainter>
 
@@ -270,5 +273,15 @@ int main(int argc, char** argv) {
   } else if (!parser.positionalArguments().isEmpty()) {
     window.restoreFromPng(parser.positionalArguments().constFirst());
   }
-  return QApplication::exec();
+  const int rc = QApplication::exec();
+  // Closing the window cancelled the job; its blocks stop within one (models/common/cancel_point.h).
+  // Should the engine still be busy two seconds on (a long CUDA graph, a decode), the process
+  // ends without waiting for it: the settings are saved and every file is written whole.
+  if (window.bridge()->isRunning())
+    std::thread([rc] {
+      std::this_thread::sleep_for(std::chrono::seconds(2));
+      std::fflush(nullptr);
+      std::_Exit(rc);
+    }).detach();
+  return rc;
 }

@@ -40,6 +40,7 @@
 #include "ui/gallery.h"
 #include "ui/image_view.h"
 #include "ui/input_panel.h"
+#include "core/engine/model_discovery.h"
 #include "ui/main_window.h"
 #include "ui/mask_editor.h"
 #include "ui/timings_chart.h"
@@ -969,6 +970,29 @@ class TestMainWindow : public QObject {
     QCOMPARE(chart->cachedCount(), 2);
     QVERIFY2(chart->rows().join('\n').contains("2 from the cache"), qPrintable(chart->rows().join('\n')));
     strategy->setCurrentIndex(0);
+  }
+
+  // Sizes far beyond the model's native one are warned of before the job: the embedded model is
+  // 128 px (its UNet's sample size 16 x its VAE's 8); tiny-sd 32 px (16 x 2).
+  void warnsOfSizesFarBeyondTheModel() {
+    MainWindow w;
+    auto* warning = child<QLabel>(w, "sizeWarningLabel");
+    child<QLineEdit>(w, "modelEdit")->setText(QString::fromStdString(test::emoji_model().string()));
+    child<QSpinBox>(w, "widthSpin")->setValue(1024);
+    child<QSpinBox>(w, "heightSpin")->setValue(1024);
+    QVERIFY(!warning->isHidden());
+    QVERIFY2(warning->text().contains("64× the pixels of this model's native 128×128"), qPrintable(warning->text()));
+    child<QSpinBox>(w, "widthSpin")->setValue(256);
+    child<QSpinBox>(w, "heightSpin")->setValue(256);
+    QVERIFY(warning->isHidden());
+    child<QSpinBox>(w, "widthSpin")->setValue(0);
+    QVERIFY(warning->isHidden());
+    child<QLineEdit>(w, "modelEdit")->setText(tinyModel());
+    child<QSpinBox>(w, "widthSpin")->setValue(128);
+    child<QSpinBox>(w, "heightSpin")->setValue(128);
+    QVERIFY2(warning->text().contains("native 32×32"), qPrintable(warning->text()));
+    QCOMPARE(engine::guess_native_size(test::fixtures() / "tiny-sdxl"), std::optional<int>(32));
+    QCOMPARE(engine::guess_native_size("/nonexistent"), std::optional<int>());
   }
 
   void generateStaysInSightAndTheWheelScrollsPastFields() {

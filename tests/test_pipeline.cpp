@@ -205,6 +205,57 @@ class TestPipeline : public QObject {
     QCOMPARE(engine_.run(r, {}, fresh).images.size(), std::size_t(1));
   }
 
+  // A cancel inside one long step lands within a block: the embedded model at 2048² on the CPU
+  // (a step there takes seconds; its blocks a fraction of one), cancelled a second into the
+  // first step, ends well before that step would have; the decode at that size stops likewise.
+  void cancelLandsInsideALongStep() {
+    job::GenerationRequest r;
+    r.model = test::emoji_model().string();
+    r.prompt = "a red apple";
+    r.steps = 2;
+    r.width = r.height = 2048;
+    r.preview_every = 0;
+    engine_.run([&] {  // loads the model first, so that the cancel falls inside the step
+      auto small = r;
+      small.width = small.height = 128;
+      return small;
+    }(), {}, job::CancelToken{});
+    for (const bool in_decode : {false, true}) {
+      job::CancelToken token;
+      std::atomic<int> steps{0};
+      std::chrono::steady_clock::time_point cancelled_at{};
+      job::JobObserver o;
+      o.on_step = [&](const job::StepEvent&) { ++steps; };
+      std::thread canceller([&] {
+        // In the decode: after both steps have reported; else a second into the first step.
+        if (in_decode) {
+          while (steps < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+        } else {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+        }
+        cancelled_at = std::chrono::steady_clock::now();
+        token.cancel();
+      });
+      const auto start = std::chrono::steady_clock::now();
+      bool cancelled = false;
+      try {
+        engine_.run(r, o, token);
+      } catch (const job::Cancelled&) {
+        cancelled = true;
+      }
+      const auto end = std::chrono::steady_clock::now();
+      canceller.join();
+      const double after_ms = std::chrono::duration<double, std::milli>(end - cancelled_at).count();
+      qInfo("2048² %s: cancelled %.0f ms into the job, ended %.0f ms after the cancel (steps done: %d)",
+            in_decode ? "decode" : "step", std::chrono::duration<double, std::milli>(cancelled_at - start).count(),
+            after_ms, steps.load());
+      QVERIFY(cancelled);
+      QCOMPARE(steps.load(), in_decode ? 2 : 0);
+      QVERIFY2(after_ms < 1500, qPrintable(QString("ended %1 ms after the cancel").arg(after_ms)));
+    }
+  }
+
   // Cancel at any moment, 200 times in a row (during the load, text encoding, a step, a preview,
   // the decode, or after the end): every job ends, cancelled or done, none fails, the engine
   // runs the next, and the process's memory stays where it was after the first 20.

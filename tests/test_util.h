@@ -17,6 +17,12 @@ inline std::filesystem::path fixtures() {
   return d ? std::filesystem::path(d) : std::filesystem::path("fixtures");
 }
 
+// The shipped embedded model in the source tree (the tests point DIFFRACT_EMBEDDED_MODEL nowhere,
+// so that no test picks it up unasked).
+inline std::filesystem::path emoji_model() {
+  return std::filesystem::path(QT_TESTCASE_SOURCEDIR) / ".." / "resources" / "models" / "diffract-emoji";
+}
+
 inline std::filesystem::path shared_dir() {
   const char* d = std::getenv("DIFFRACT_SHARED");
   return d ? std::filesystem::path(d) : std::filesystem::path("../shared");

@@ -168,7 +168,14 @@ SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
   }
   sizeRow->insertWidget(1, new QLabel(QStringLiteral("×")));
   fields->addRow(QString(), sizeRow);
+  m_sizeWarning = new QLabel;
+  m_sizeWarning->setObjectName(QStringLiteral("sizeWarningLabel"));
+  m_sizeWarning->setWordWrap(true);
+  m_sizeWarning->setStyleSheet(QStringLiteral("color: #b26a00;"));
+  m_sizeWarning->hide();
+  fields->addRow(QString(), m_sizeWarning);
   connect(m_sizePreset, &QComboBox::activated, this, &SettingsPanel::applySizePreset);
+  for (QSpinBox* s : {m_width, m_height}) connect(s, &QSpinBox::valueChanged, this, &SettingsPanel::updateSizeWarning);
   for (QSpinBox* s : {m_width, m_height})
     connect(s, &QSpinBox::valueChanged, this, [this] {
       // Typing a size that no preset has switches to Custom.
@@ -221,6 +228,11 @@ SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
   fields->addRow(tr("Precision"), m_precision);
   connect(m_model, &QLineEdit::textChanged, this, &SettingsPanel::updateGuidanceField);
   updateGuidanceField();
+  connect(m_model, &QLineEdit::textChanged, this, [this] {
+    const std::string path = m_model->text().trimmed().toStdString();
+    m_nativeSize = path.empty() ? 0 : engine::guess_native_size(path).value_or(0);
+    updateSizeWarning();
+  });
 
   // The hires fix: off at ×1.
   auto* hiresRow = new QHBoxLayout;
@@ -356,6 +368,21 @@ void SettingsPanel::fitSizeTo(const QSize& canvas) {
   const auto round64 = [](double v) { return std::max(64, static_cast<int>(std::lround(v / 64)) * 64); };
   m_width->setValue(round64(canvas.width() * scale));
   m_height->setValue(round64(canvas.height() * scale));
+}
+
+void SettingsPanel::updateSizeWarning() {
+  const int w = m_width->value(), h = m_height->value(), n = m_nativeSize;
+  // Beyond twice the side (four times the area) a model trained at n pixels makes repeats and
+  // broken shapes, and the job costs that many times more.
+  const bool far = n > 0 && w > 0 && h > 0 && (std::max(w, h) > 2 * n || double(w) * h > 4.0 * n * n);
+  m_sizeWarning->setVisible(far);
+  if (far)
+    m_sizeWarning->setText(tr("%1×%2 is %3× the pixels of this model's native %4×%4: expect a slow job and a "
+                              "broken picture (Model default is %4×%4)")
+                               .arg(w)
+                               .arg(h)
+                               .arg(double(w) * h / (double(n) * n), 0, 'f', 0)
+                               .arg(n));
 }
 
 void SettingsPanel::updateGuidanceField() {

@@ -58,6 +58,7 @@ class SettingsPanel : public QWidget {
   // Flux's T5 placement (job::GenerationRequest::t5_placement); enabled with the guidance.
   QComboBox* t5Placement() const { return m_t5; }
   QComboBox* precision() const { return m_precision; }
+  QLabel* sizeWarning() const { return m_sizeWarning; }
   QLineEdit* seed() const { return m_seed; }
   QCheckBox* randomSeed() const { return m_randomSeed; }
   QComboBox* sampler() const { return m_sampler; }
@@ -96,6 +97,8 @@ class SettingsPanel : public QWidget {
   void applySizePreset(int index);
   void updatePromptTokens();
   void updateGuidanceField();
+  // The size warning under the size fields: shown for sizes far beyond the model's native one.
+  void updateSizeWarning();
   // The threshold field to `value`, or (negative) to the chosen strategy's default.
   void setCacheThreshold(double value);
 
@@ -110,6 +113,8 @@ class SettingsPanel : public QWidget {
   QComboBox* m_discovered = nullptr;
   QLineEdit* m_taesd = nullptr;
   QComboBox* m_sizePreset = nullptr;
+  QLabel* m_sizeWarning = nullptr;
+  int m_nativeSize = 0;  // the model's native side (engine::guess_native_size); 0: unknown
   QSpinBox* m_width = nullptr;
   QSpinBox* m_height = nullptr;
   QSpinBox* m_steps = nullptr;

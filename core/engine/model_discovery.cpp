@@ -107,6 +107,30 @@ std::string guess_model_family(const fs::path& model) {
                                                      : "";
 }
 
+std::optional<int> guess_native_size(const fs::path& model) {
+  const std::string family = guess_model_family(model);
+  std::error_code ec;
+  if (family.empty()) return std::nullopt;
+  if (fs::is_regular_file(model, ec) || family == "Flux") return family == "SD" ? 512 : 1024;
+  try {
+    const auto denoiser = io::read_json(model / (family == "SD3" ? "transformer" : "unet") / "config.json");
+    const auto vae = io::read_json(model / "vae" / "config.json");
+    if (!denoiser.is_object() || !denoiser.contains("sample_size") || !denoiser["sample_size"].is_number_integer())
+      return std::nullopt;
+    // AutoencoderKL's block_out_channels, AutoencoderTiny's encoder_block_out_channels: a block
+    // each, each but the last halving.
+    int factor = 8;
+    for (const char* key : {"block_out_channels", "encoder_block_out_channels"})
+      if (vae.is_object() && vae.contains(key) && vae[key].is_array() && !vae[key].empty() && vae[key].size() <= 8)
+        factor = 1 << (vae[key].size() - 1);
+    const auto size = denoiser["sample_size"].get<long long>() * factor;
+    if (size < 8 || size > 16384) return std::nullopt;
+    return static_cast<int>(size);
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+}
+
 fs::path matching_taesd(const fs::path& model, const fs::path& hub) {
   // madebyollin's repositories, by the family's latent space.
   const std::string family = guess_model_family(model);

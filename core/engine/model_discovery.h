@@ -2,6 +2,7 @@
 // Models on this machine: diffusers pipelines in the Hugging Face cache, and the TAESD that
 // previews a model's latent space. No torch headers: the GUI and the CLI include this.
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,11 @@ std::string hugging_face_repo_name(const std::filesystem::path& snapshot);
 // "Flux", from a diffusers folder's pipeline class or a .safetensors single file's tensor names.
 // Empty when unknown or unreadable.
 std::string guess_model_family(const std::filesystem::path& model);
+
+// The side in pixels a model was trained at, from its files alone: a diffusers folder's UNet or
+// transformer sample_size times its VAE's downscale (Flux: 1024); a single file's family's
+// (SD 512, SDXL / SD3 / Flux 1024). Nothing when unknown or unreadable.
+std::optional<int> guess_native_size(const std::filesystem::path& model);
 
 // The newest madebyollin TAESD snapshot in `hub` (taesd, taesdxl, taesd3, taef1: a diffusers
 // AutoencoderTiny folder or the original <name>_decoder.pth) for a model's latent space: a diffusers

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include "core/models/common/cancel_point.h"
 #include "core/models/common/fp8_linear.h"
 #include "core/parallel/denoiser.h"
 #include "core/parallel/device_group.h"
@@ -338,6 +339,8 @@ job::GenerationResult Pipeline::run_job(const job::GenerationRequest& request, c
   }
   options::check_overrides(job_overrides);
   const options::JobOptionsScope job_options(job_overrides);
+  // The models' blocks stop a long step within a block once the job is cancelled.
+  const models::CancelScope cancel_scope(&cancel);
   if (models::fp8_wanted() && !s.device.is_cuda())
     log::get("pipeline").info("fp8 on the CPU is emulated in fp32: it shows fp8's rounding, not its speed");
 

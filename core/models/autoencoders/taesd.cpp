@@ -16,6 +16,7 @@
 #include "core/io/json_file.h"
 #include "core/io/key_maps.h"
 #include "core/io/weights.h"
+#include "core/models/common/cancel_point.h"
 #include "core/models/common/patch_parallel.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
@@ -155,6 +156,7 @@ TAESDBlockImpl::TAESDBlockImpl(int64_t in, int64_t out, bool group_norm) {
 }
 
 at::Tensor TAESDBlockImpl::forward(const at::Tensor& x) {
+  cancel_point();
   // x: [B, Cin, H, W] -> [B, Cout, H, W].
   const at::Tensor h = pool ? x + pool->forward(x) : x;
   return at::relu(conv->forward(h) + (skip ? skip->forward(h) : h));

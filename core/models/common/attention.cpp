@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/modules/dropout.h>
 
+#include "core/models/common/cancel_point.h"
 #include "core/models/common/fp8_linear.h"
 #include "core/models/common/geglu.h"
 #include "core/models/common/patch_parallel.h"
@@ -74,6 +75,19 @@ at::Tensor multi_head_attention(const at::Tensor& q, const at::Tensor& k, const 
     const auto flat = [&](const at::Tensor& x, int64_t t) { return split(x, t).reshape({b * heads, t, d}); };
     auto out = wide_head_attention(flat(q, tq), flat(k, tk), flat(v, tk));
     return out.view({b, heads, tq, d}).transpose(1, 2).reshape({b, tq, c});
+  }
+  // On the CPU a large attention (a 2048² image's 16k tokens: seconds) runs in query chunks, each
+  // the same arithmetic for its rows, with a cancel point between them (cancel_point.h).
+  constexpr int64_t kCpuChunkScores = int64_t(1) << 26;
+  if (!q.is_cuda() && !causal && tq * tk > kCpuChunkScores && !at::GradMode::is_enabled()) {
+    const auto keys = split(k, tk), values = split(v, tk), queries = split(q, tq);
+    const int64_t rows = std::max<int64_t>(1, kCpuChunkScores / tk);
+    std::vector<at::Tensor> parts;
+    for (int64_t r = 0; r < tq; r += rows) {
+      cancel_point();
+      parts.push_back(at::scaled_dot_product_attention(queries.narrow(2, r, std::min(rows, tq - r)), keys, values));
+    }
+    return at::cat(parts, 2).transpose(1, 2).reshape({b, tq, c});
   }
   auto out = at::scaled_dot_product_attention(split(q, tq), split(k, tk), split(v, tk), /*attn_mask=*/{},
                                               /*dropout_p=*/0.0, causal);

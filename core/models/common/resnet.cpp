@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include "core/models/common/cancel_point.h"
 #include "core/models/common/patch_parallel.h"
 #include "core/util/options.h"
 
@@ -24,6 +25,7 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options(o)
 }
 
 at::Tensor ResnetBlock2DImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
+  cancel_point();
   // x [B, in, h, w], temb [B, temb_channels] or undefined -> [B, out, h, w]
   // The time embedding is added per channel inside norm2's kernels, not as a broadcast add; on
   // CUDA so is conv1's bias, and conv2 adds its bias, the skip connection and the shortcut's

@@ -11,6 +11,7 @@
 #include "core/io/diffusers_folder.h"
 #include "core/io/json_file.h"
 #include "core/io/weights.h"
+#include "core/models/common/cancel_point.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -392,6 +393,7 @@ size_t FluxTransformer2DModelImpl::num_blocks() const {
 namespace {
 
 void run_flux_block(FluxTransformer2DModelImpl& m, size_t index, FluxState& s, const FluxPatch* patch) {
+  cancel_point();
   const size_t doubles = m.transformer_blocks->size();
   if (index < doubles) {
     TORCH_CHECK(!s.joined, "Flux transformer: a double-stream block after the streams were joined");

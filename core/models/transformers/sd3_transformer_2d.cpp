@@ -11,6 +11,7 @@
 #include "core/io/diffusers_folder.h"
 #include "core/io/json_file.h"
 #include "core/io/weights.h"
+#include "core/models/common/cancel_point.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -295,6 +296,7 @@ std::pair<at::Tensor, at::Tensor> JointTransformerBlockImpl::forward(const at::T
                                                                      ImageKV* cache2, int64_t begin,
                                                                      const SequenceShard* shard) {
   // x [B, N, D], context [B, S, D], temb [B, D] -> {context' [B, S, D] or undefined, x' [B, N, D]}
+  cancel_point();
   const auto n = norm1->forward(x, temb);
   AdaNormZeroOut c;
   if (context_pre_only) c.x = norm1_context_continuous->forward(context, temb);

@@ -8,6 +8,7 @@
 #include "core/io/diffusers_folder.h"
 #include "core/io/json_file.h"
 #include "core/io/weights.h"
+#include "core/models/common/cancel_point.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 #include "core/util/memory.h"
@@ -269,6 +270,7 @@ at::Tensor BasicTransformerBlockImpl::forward(const at::Tensor& x, const at::Ten
 std::pair<at::Tensor, at::Tensor> BasicTransformerBlockImpl::forward_deferred(const at::Tensor& x,
                                                                                const at::Tensor& pending,
                                                                                const at::Tensor& context) {
+  cancel_point();
   // The adds are the skip connections: each runs inside the kernel of the LayerNorm that reads
   // the sum, which saves a kernel and a pass over the activations per add.
   at::Tensor h = x, y;
