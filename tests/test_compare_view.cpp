@@ -1,8 +1,12 @@
 // The compare view: OpenCV metrics against scikit-image, the heatmap, the differing parameters.
+#include <QApplication>
 #include <QComboBox>
 #include <QLabel>
+#include <QMouseEvent>
 #include <QPointer>
+#include <QScreen>
 #include <QSignalSpy>
+#include <QSlider>
 #include <QTableWidget>
 #include <cmath>
 #include <cstring>
@@ -90,6 +94,30 @@ class TestCompareView : public QObject {
     QVERIFY(QTest::qWaitForWindowActive(view));
     QTest::keyClick(view, Qt::Key_Escape);
     QTRY_VERIFY(alive.isNull());  // closed, and deleted on close
+  }
+
+  // Dragging on the image moves the slider with the divider; the window fits the screen.
+  void dragMovesTheSliderAndTheWindowFits() {
+    QWidget owner;
+    auto* view = CompareView::openWindow({{"a", filled(64, 64, Qt::white), "{}"}, {"b", filled(64, 64, Qt::black), "{}"}},
+                                         0, 1, &owner);
+    QVERIFY(QTest::qWaitForWindowExposed(view));
+    const QSize screen = view->screen()->availableGeometry().size();
+    QVERIFY2(view->height() <= screen.height() && view->width() <= screen.width(),
+             qPrintable(QString("%1x%2 on %3x%4").arg(view->width()).arg(view->height()).arg(screen.width()).arg(screen.height())));
+    auto* swipe = view->findChild<ui::SwipeView*>();
+    auto* slider = view->findChild<QSlider*>("swipeSlider");
+    QVERIFY(swipe && slider);
+    const QRect r = swipe->rect();
+    QTest::mousePress(swipe, Qt::LeftButton, {}, QPoint(r.center().x(), r.center().y()));
+    const QPoint right(r.center().x() + std::min(r.width(), r.height()) / 4, r.center().y());
+    QMouseEvent move(QEvent::MouseMove, QPointF(right), swipe->mapToGlobal(QPointF(right)), Qt::NoButton, Qt::LeftButton,
+                     Qt::NoModifier);
+    QApplication::sendEvent(swipe, &move);
+    QTest::mouseRelease(swipe, Qt::LeftButton, {}, right);
+    QVERIFY(swipe->position() > 0.55);
+    QCOMPARE(slider->value(), static_cast<int>(std::lround(swipe->position() * 1000)));
+    view->close();
   }
 
   void tableListsDifferingParameters() {

@@ -758,6 +758,10 @@ class TestMainWindow : public QObject {
     QCOMPARE(child<QPlainTextEdit>(w, "promptEdit")->toPlainText(), QStringLiteral("from the gallery"));
     QCOMPARE(child<QSpinBox>(w, "stepsSpin")->value(), 13);
     QCOMPARE(child<QLineEdit>(w, "seedEdit")->text(), QStringLiteral("31"));
+    // The restored picture shows in the view.
+    const QImage shown = child<ui::ImageView>(w, "imageView")->image();
+    QCOMPARE(shown.size(), QSize(8, 8));
+    QCOMPARE(QColor(shown.pixel(3, 3)), QColor(50, 50, 50));
   }
 
   void compareOpensOnTheLastTwoImages() {
@@ -786,6 +790,13 @@ class TestMainWindow : public QObject {
     QVERIFY(view->comparison().ssim > -1 && view->comparison().ssim <= 1);
     // One job's batch: the same settings, so no parameter differs.
     QCOMPARE(view->findChild<QTableWidget*>("differencesTable")->rowCount(), 0);
+    view->close();
+    // A result whose file was deleted meanwhile says so in the pick lists.
+    QVERIFY(QFile::remove(w.results()[0].savedPath));
+    auto* again = w.compareResults(0, 1);
+    QVERIFY(again->findChild<QComboBox*>("compareA")->itemText(0).endsWith("(file deleted)"));
+    QVERIFY(!again->findChild<QComboBox*>("compareA")->itemText(1).contains("deleted"));
+    again->close();
   }
 
   void inpaintsTheMaskPaintedWithTheMouse() {

@@ -11,6 +11,8 @@
 #include <QLabel>
 #include <QMouseEvent>
 #include <QPainter>
+#include <QScreen>
+#include <QSignalBlocker>
 #include <QSlider>
 #include <QStackedWidget>
 #include <QTableWidget>
@@ -179,6 +181,7 @@ void SwipeView::mouseMoveEvent(QMouseEvent* event) {
   const QRectF target = targetRect();
   if (target.width() <= 0 || !(event->buttons() & Qt::LeftButton)) return;
   setPosition((event->position().x() - target.left()) / target.width());
+  emit dragged(m_position);
 }
 
 // ---- CompareView ----
@@ -225,6 +228,10 @@ CompareView::CompareView(QList<Item> items, int a, int b, QWidget* parent) : QWi
   swipeLayout->addWidget(m_swipe, 1);
   swipeLayout->addWidget(m_slider);
   connect(m_slider, &QSlider::valueChanged, this, [this](int v) { m_swipe->setPosition(v / 1000.0); });
+  connect(m_swipe, &SwipeView::dragged, this, [this](double fraction) {
+    const QSignalBlocker block(m_slider);
+    m_slider->setValue(static_cast<int>(std::lround(fraction * 1000)));
+  });
   m_pages->addWidget(swipePage);
 
   auto* sideBySide = new QWidget;
@@ -259,7 +266,10 @@ CompareView::CompareView(QList<Item> items, int a, int b, QWidget* parent) : QWi
 
   connect(m_pickA, &QComboBox::currentIndexChanged, this, &CompareView::compare);
   connect(m_pickB, &QComboBox::currentIndexChanged, this, &CompareView::compare);
-  resize(1000, 800);
+  // Within the screen (a 1280x720 laptop's leaves about 680 px of height).
+  QSize size(1000, 800);
+  if (const QScreen* s = screen()) size = size.boundedTo(s->availableGeometry().size() * 0.95);
+  resize(size);
   compare();
 }
 

@@ -45,6 +45,10 @@ class SwipeView : public QWidget {
   void setPosition(double fraction);  // 0: all b, 1: all a
   double position() const { return m_position; }
   QSize sizeHint() const override { return {512, 512}; }
+  QSize minimumSizeHint() const override { return {128, 128}; }
+
+ signals:
+  void dragged(double fraction);  // the user moved the divider with the mouse
 
  protected:
   void paintEvent(QPaintEvent* event) override;

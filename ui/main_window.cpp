@@ -80,6 +80,7 @@ QString droppedFile(const QMimeData* mime) {
 
 struct RestoreOutcome {
   engine::PngParameters parameters;
+  QImage image;  // the PNG itself, shown once its parameters are restored
   QString error;
 };
 
@@ -918,12 +919,14 @@ void MainWindow::restoreFromPng(const QString& png) {
       return;
     }
     applyRestored(outcome.parameters, png);
+    if (!outcome.image.isNull()) m_view->setImage(outcome.image, true);
     emit restoreFinished(true);
   });
   watcher->setFuture(QtConcurrent::run([path = png.toStdString()] {
     RestoreOutcome out;
     try {
       out.parameters = engine::read_png_parameters(path);
+      out.image = QImage(QString::fromStdString(path));
     } catch (const std::exception& e) {
       out.error = QString::fromUtf8(e.what());
     }
@@ -972,8 +975,10 @@ CompareView* MainWindow::compareResults(int a, int b) {
   QList<CompareView::Item> items;
   for (int i = 0; i < m_results.size(); ++i) {
     const RenderedImage& r = m_results[i];
-    items.append({tr("#%1 %2").arg(i + 1).arg(r.savedPath.isEmpty() ? tr("(not saved)") : QFileInfo(r.savedPath).fileName()),
-                  r.image, r.metadataJson});
+    const QString file = r.savedPath.isEmpty()          ? tr("(not saved)")
+                         : QFileInfo::exists(r.savedPath) ? QFileInfo(r.savedPath).fileName()
+                                                          : tr("%1 (file deleted)").arg(QFileInfo(r.savedPath).fileName());
+    items.append({tr("#%1 %2").arg(i + 1).arg(file), r.image, r.metadataJson});
   }
   auto* view = CompareView::openWindow(items, a, b, this);
   emit compareOpened(view);
