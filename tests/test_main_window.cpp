@@ -980,7 +980,14 @@ class TestMainWindow : public QObject {
     auto* chart = child<ui::TimingsChart>(w, "timingsChart");
     QCOMPARE(chart->cachedCount(), 2);
     QVERIFY2(chart->rows().join('\n').contains("2 from the cache"), qPrintable(chart->rows().join('\n')));
+    // The strategy's result in plain words under the view.
+    auto* result = child<QLabel>(w, "strategyResultLabel");
+    QVERIFY(!result->isHidden());
+    QVERIFY2(result->text().startsWith("fbcache on 1 device: 2 of 3 steps reused cached work"), qPrintable(result->text()));
+    QVERIFY(result->text().contains("the image changes a little"));
     strategy->setCurrentIndex(0);
+    runJob(w);
+    QVERIFY(result->isHidden());  // the plain loop says nothing more
   }
 
   // Sizes far beyond the model's native one are warned of before the job: the embedded model is

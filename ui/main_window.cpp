@@ -36,6 +36,7 @@
 #include <QStandardPaths>
 #include <QStatusBar>
 #include <QTabWidget>
+#include <nlohmann/json.hpp>
 #include <QVBoxLayout>
 #include <algorithm>
 #include <cmath>
@@ -83,6 +84,32 @@ struct RestoreOutcome {
   QImage image;  // the PNG itself, shown once its parameters are restored
   QString error;
 };
+
+// A strategy's run in plain words, from a job's metadata: what it ran on, how much sequential
+// model work it saved, and whether the image is the plain loop's; empty for the plain loop.
+QString strategyResultText(const nlohmann::json& meta) {
+  if (!meta.contains("strategy") || !meta["strategy"].is_object()) return {};
+  const auto& s = meta["strategy"];
+  const std::string name = s.value("strategy", std::string());
+  const auto* info = parallel::find_strategy(name);
+  if (!info || name == "single") return {};
+  const int devices = s.value("devices", 1), steps = s.value("steps", 0), rounds = s.value("rounds", 0);
+  QString text = QObject::tr("%1 on %2 %3").arg(QString::fromStdString(name)).arg(devices)
+                     .arg(devices == 1 ? QObject::tr("device") : QObject::tr("devices"));
+  if (s.contains("model_work") && s["model_work"].is_number() && steps > 0) {
+    const double work = s["model_work"].get<double>();
+    const auto reused = s.value("reused_steps", nlohmann::json::array()).size();
+    text += QObject::tr(": %1 of %2 steps reused cached work, the model ran %3 steps' worth (%4× less)")
+                .arg(reused).arg(steps).arg(work, 0, 'f', 1).arg(work > 0 ? steps / work : 0.0, 0, 'f', 2);
+  } else if (rounds > 0 && rounds < steps) {
+    text += QObject::tr(": %1 sequential rounds for %2 steps (%3× fewer)").arg(rounds).arg(steps)
+                .arg(double(steps) / rounds, 0, 'f', 2);
+  } else if (steps > 0) {
+    text += QObject::tr(": %1 rounds for %2 steps").arg(rounds).arg(steps);
+  }
+  text += info->exact ? QObject::tr("; the same image as one device") : QObject::tr("; the image changes a little");
+  return text + QStringLiteral(". ") + QString::fromUtf8(info->hint.data(), static_cast<int>(info->hint.size()));
+}
 
 QString noModelHint() {
   return QObject::tr(
@@ -308,11 +335,17 @@ void MainWindow::buildUi() {
   // Its text changes every step: keep that from re-laying-out the window each time.
   m_status->setSizePolicy(QSizePolicy::Ignored, QSizePolicy::Fixed);
   m_status->setTextInteractionFlags(Qt::TextSelectableByMouse);
+  m_strategyResult = new QLabel;
+  m_strategyResult->setObjectName(QStringLiteral("strategyResultLabel"));
+  m_strategyResult->setWordWrap(true);
+  m_strategyResult->setTextInteractionFlags(Qt::TextSelectableByMouse);
+  m_strategyResult->hide();
   m_timings = new TimingsChart;
   auto* viewPane = new QWidget;
   auto* viewLayout = new QVBoxLayout(viewPane);
   viewLayout->setContentsMargins(0, 0, 0, 0);
   viewLayout->addWidget(m_view, 1);
+  viewLayout->addWidget(m_strategyResult);
   auto* statusRow = new QHBoxLayout;
   statusRow->addWidget(m_status, 1);
   m_compare = new QPushButton(tr("Compare…"));
@@ -737,6 +770,13 @@ void MainWindow::onFinished(const QList<QImage>& images, const QString& metadata
                         .arg(formatSeconds(timings.totalMs / 1000.0))
                         .arg(m_stepMsSum > 0 ? 1000.0 * m_stepsSeen / m_stepMsSum : 0.0, 0, 'f', 2)
                         .arg(firstSaved.isEmpty() ? tr("nothing") : QDir::toNativeSeparators(firstSaved)));
+  QString strategyText;
+  try {
+    strategyText = strategyResultText(nlohmann::json::parse(metadataJson.toStdString()));
+  } catch (const std::exception&) {
+  }
+  m_strategyResult->setText(strategyText);
+  m_strategyResult->setVisible(!strategyText.isEmpty());
   if (m_jobGrid) endGridCell(std::exchange(m_jobGrid, 0), m_jobGridCell, images.isEmpty() ? QImage() : images.first(), firstSaved);
   updateControls();
 }

@@ -185,6 +185,7 @@ class MainWindow : public QMainWindow {
   QLabel* m_hint = nullptr;
   QLabel* m_error = nullptr;
   QLabel* m_status = nullptr;
+  QLabel* m_strategyResult = nullptr;  // the last job's strategy in plain words (hidden for the plain loop)
   ImageView* m_view = nullptr;
   TimingsChart* m_timings = nullptr;
   InputPanel* m_inputPanel = nullptr;
