@@ -63,7 +63,7 @@ class TestFp8 : public QObject {
     // The scale is the row's amax / 448 (1e-12 for a zero row), the values x / scale cast by
     // PyTorch's own conversion (round to nearest even).
     const auto amax = x.abs().amax(1, true);
-    DIFFRACT_COMPARE_TENSORS(scale, (amax / 448).clamp_min(1e-12), 0);
+    DIFFRACT_COMPARE_TENSORS(scale, (amax * static_cast<float>(1.0 / 448)).clamp_min(1e-12), 0);
     QVERIFY(at::equal(q.to(at::kFloat), (x * scale.reciprocal()).to(at::kFloat8_e4m3fn).to(at::kFloat)));
     // Weights: per output channel, the scale as a row.
     const auto w = models::quantize_weight_fp8(x);

@@ -275,7 +275,10 @@ void load_single(StableDiffusion3::Impl& p, const fs::path& file, const StableDi
 
 }  // namespace
 
-StableDiffusion3::StableDiffusion3(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+// Loaded or random, its transformer's linear layers may run in fp8 (a job's precision).
+StableDiffusion3::StableDiffusion3(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+  models::allow_fp8(*impl_->transformer);
+}
 StableDiffusion3::~StableDiffusion3() = default;
 int StableDiffusion3::native_size() const {
   return static_cast<int>(impl_->transformer->config.sample_size) * impl_->vae_factor();
@@ -366,7 +369,6 @@ std::unique_ptr<StableDiffusion3> StableDiffusion3::load(const fs::path& model, 
     if (p->text_encoder_3) p->text_encoder_3->to(p->device, p->dtype);
   }
   if (p->device.is_cuda()) at::globalContext().setBenchmarkCuDNN(true);
-  models::allow_fp8(*p->transformer);  // a job's precision may run its linear layers in fp8
   p->load_ms = ms_since(t0);
   log::get("pipeline").info(log::str("loaded ", model.string(), " (sd3", p->text_encoder_3 ? ", T5" : p->t5_dropped ? ", T5 dropped" : ", no T5",
                                      ") on ", device, " in ", static_cast<int>(p->load_ms), " ms"));

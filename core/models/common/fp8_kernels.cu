@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_held(const T* __restri
     }
   }
   amax = block_max(amax);
-  const float s = fmaxf(amax / kE4M3Max, kMinScale);
+  const float s = fmaxf(amax * (1.f / kE4M3Max), kMinScale);
   const float inv = 1.f / s;
   if (threadIdx.x == 0) scale[row] = s;
   uint2* qr = reinterpret_cast<uint2*>(q + row * cols);
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_any(const T* __restric
   float amax = 0.f;
   for (int64_t c = threadIdx.x; c < cols; c += kThreads) amax = fmaxf(amax, fabsf(to_float(xr[c])));
   amax = block_max(amax);
-  const float s = fmaxf(amax / kE4M3Max, kMinScale);
+  const float s = fmaxf(amax * (1.f / kE4M3Max), kMinScale);
   const float inv = 1.f / s;
   if (threadIdx.x == 0) scale[row] = s;
   uint8_t* qr = q + row * cols;

@@ -19,7 +19,7 @@ struct QuantizeRowsArgs {
   DType dtype = DType::BFloat16;
 };
 
-// scale[r] = max(max_c |x[r, c]|, 448e-12) / 448 and q[r, c] = e4m3(x[r, c] * (1 / scale[r])),
+// scale[r] = max(max_c |x[r, c]| * (1 / 448), 1e-12) and q[r, c] = e4m3(x[r, c] * (1 / scale[r])),
 // rounded to nearest even and saturated to +-448, computed in fp32: x[r, c] ~ q[r, c] * scale[r].
 // Returns the CUDA error code of the launch (0: ok).
 int quantize_rows_fp8(const QuantizeRowsArgs& a, CUstream_st* stream);

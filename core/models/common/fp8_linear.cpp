@@ -18,9 +18,11 @@ constexpr double kMinScale = 1e-12;
 
 std::atomic<std::uint64_t> g_generation{1};
 
-// Per row of a 2-D float32 tensor: its scale and the row times 1 / scale in e4m3.
+// Per row of a 2-D float32 tensor: its scale and the row times 1 / scale in e4m3. Written as the
+// kernel computes it (amax times the float 1 / 448, not divided by 448: ATen's CUDA division by a
+// scalar multiplies by its reciprocal, so only this form is the same on every device).
 std::pair<at::Tensor, at::Tensor> quantize_rows_float(const at::Tensor& f) {
-  const auto scale = (f.abs().amax(1, /*keepdim=*/true) / kE4M3Max).clamp_min(kMinScale);
+  const auto scale = (f.abs().amax(1, /*keepdim=*/true) * static_cast<float>(1.0 / kE4M3Max)).clamp_min(kMinScale);
   const auto q = (f * scale.reciprocal()).clamp(-kE4M3Max, kE4M3Max).to(at::kFloat8_e4m3fn);
   return {q, scale};
 }

@@ -30,7 +30,7 @@ struct Fp8Weight {
   at::Tensor scale;   // [1, N] float32
 };
 
-// Per output row: scale = max(amax, 448e-12) / 448, weight = e4m3(w * (1 / scale)), saturated.
+// Per output row: scale = max(amax * (1 / 448), 1e-12), weight = e4m3(w * (1 / scale)), saturated.
 Fp8Weight quantize_weight_fp8(const at::Tensor& w);
 // x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]), per row as quantize_weight_fp8 (the CUDA
 // kernel's arithmetic, here in ATen ops on x's device).
