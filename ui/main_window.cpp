@@ -92,7 +92,7 @@ QString strategyResultText(const nlohmann::json& meta) {
   const auto& s = meta["strategy"];
   const std::string name = s.value("strategy", std::string());
   const auto* info = parallel::find_strategy(name);
-  if (!info || name == "single") return {};
+  if (!info || info == &parallel::strategies().front()) return {};  // the plain loop
   const int devices = s.value("devices", 1), steps = s.value("steps", 0), rounds = s.value("rounds", 0);
   QString text = QObject::tr("%1 on %2 %3").arg(QString::fromStdString(name)).arg(devices)
                      .arg(devices == 1 ? QObject::tr("device") : QObject::tr("devices"));
@@ -614,7 +614,10 @@ void MainWindow::startJob(QueuedJob job) {
   m_stepMsSum = 0;
   m_jobClock.start();
   if (request.width > 0 && request.height > 0) m_view->setDisplaySize(QSize(request.width, request.height));
-  m_status->setText(tr("Starting (the first job with a model loads it)…"));
+  // Only a model (or device) not run before is loaded: say so then, not on every job.
+  const QString modelKey = QString::fromStdString(request.model + "\n" + request.device);
+  m_status->setText(m_startedModels.contains(modelKey) ? tr("Starting…") : tr("Loading the model, then starting…"));
+  m_startedModels.insert(modelKey);
   m_jobRequest = request;
   m_viewTabs->setCurrentIndex(0);
   m_bridge->start(request);

@@ -3,6 +3,7 @@
 #include <QTimer>
 #include <QImage>
 #include <QList>
+#include <QSet>
 #include <QMainWindow>
 
 #include <cstdint>
@@ -186,6 +187,7 @@ class MainWindow : public QMainWindow {
   QLabel* m_error = nullptr;
   QLabel* m_status = nullptr;
   QLabel* m_strategyResult = nullptr;  // the last job's strategy in plain words (hidden for the plain loop)
+  QSet<QString> m_startedModels;  // model + device of the jobs started: their next jobs load nothing
   ImageView* m_view = nullptr;
   TimingsChart* m_timings = nullptr;
   InputPanel* m_inputPanel = nullptr;
