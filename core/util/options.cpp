@@ -78,6 +78,10 @@ const std::vector<Option>& build_table() {
        "the step caches: the first this many percent of a loop's steps always run in full (the image's layout "
        "forms there; 0: the published schedules)",
        {"0", "10", "20", "25", "30", "40", "50"}},
+      {Id::Fp8Layers, "DIFFRACT_FP8_LAYERS", Type::Choice, "timed", Scope::Job,
+       "an fp8 job's CUDA linear layers: timed (each shape keeps the faster of fp8 and bf16) or all (every "
+       "eligible layer in fp8, for measuring fp8's quality on its own)",
+       {"timed", "all"}},
   };
   for (std::size_t i = 0; i < t.size(); ++i)
     if (static_cast<std::size_t>(t[i].id) != i) throw std::logic_error("options table out of order");

@@ -42,6 +42,7 @@ enum class Id {
   DeepCacheBranch,
   Precision,
   CacheWarmup,
+  Fp8Layers,
 };
 
 enum class Type { Flag, Integer, Choice, Path };

@@ -17,6 +17,7 @@
 #include "core/models/common/fp8_kernels.h"
 #include "core/models/common/fp8_linear.h"
 #include "core/models/common/gpu_timing.h"
+#include "core/util/options.h"
 #include "core/models/common/kernel_dtype.h"
 #include "core/models/common/layers.h"
 #include "core/util/error.h"
@@ -95,6 +96,10 @@ bool fp8_linear_cuda(const at::Tensor& x, Fp8WeightCache& cache, const at::Tenso
   if (!fp8_capable(device)) return false;
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream(device).stream();
+  if (options::value(options::Id::Fp8Layers) == "all") {
+    out = run(x, *cache.get(weight), bias, stream);
+    return true;
+  }
   const Shape s{device, x.size(0), weight.size(0), weight.size(1), bias.defined()};
   Choice choice;
   {
