@@ -419,8 +419,15 @@ StateDict load_pth(const std::filesystem::path& path) {
     auto [ptr, size] = zip.getRecord("data.pkl");
     Unpickler unpickler(where, zip);
     return to_state_dict(unpickler.run(static_cast<const char*>(ptr.get()), size), where);
+  } catch (const Error&) {
+    throw;
   } catch (const c10::Error& e) {
     throw Error(where + ": not a readable torch.save archive: " + zip_reason(e));
+  } catch (const std::exception& e) {
+    // LibTorch's reader parses the archive's version record with std::stoull, which throws
+    // std::out_of_range / std::invalid_argument for a number too long or no number at all.
+    throw Error(where + ": not a readable torch.save archive: a record LibTorch's zip reader could not parse (" +
+                std::string(e.what()).substr(0, 80) + ")");
   }
 }
 
