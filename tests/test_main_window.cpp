@@ -614,7 +614,26 @@ class TestMainWindow : public QObject {
     auto* templ = child<QLabel>(w, "promptTemplateLabel");
     QVERIFY(templ->isVisible());
     QVERIFY(templ->text().contains("{subject}"));
+    // Changing a setting the preset holds marks its name; undoing the change clears the mark.
+    const QString name = QStringLiteral("Studio packshot on white");
+    QCOMPARE(combo->currentText(), name);
+    auto* steps = child<QSpinBox>(w, "stepsSpin");
+    steps->setValue(p.steps + 5);
+    QCOMPARE(combo->currentText(), name + " (changed)");
+    steps->setValue(p.steps);
+    QCOMPARE(combo->currentText(), name);
+    child<QPlainTextEdit>(w, "negativeEdit")->appendPlainText("fingerprints");
+    QCOMPARE(combo->currentText(), name + " (changed)");
+    child<QPlainTextEdit>(w, "negativeEdit")->setPlainText(QString::fromStdString(p.negative_prompt));
+    QCOMPARE(combo->currentText(), name);
+    child<QComboBox>(w, "samplerCombo")->setCurrentIndex(0);
+    QCOMPARE(combo->currentText(), name + " (changed)");
+    emit combo->activated(i);  // applying it again restores its settings and its name
+    QCOMPARE(combo->currentText(), name);
+    QCOMPARE(child<QComboBox>(w, "samplerCombo")->currentData().toString(), QStringLiteral("dpmpp-2m-karras"));
+    // The model and the prompt are not the preset's: changing them keeps the name.
     child<QLineEdit>(w, "modelEdit")->setText(tinyModel());
+    QCOMPARE(combo->currentText(), name);
     QTest::keyClicks(child<QPlainTextEdit>(w, "promptEdit"), "a ceramic mug");
     QCOMPARE(w.requestFromFields().prompt, engine::fill_prompt_template(p.prompt_template, "a ceramic mug"));
     QVERIFY(w.requestFromFields().prompt.find("studio packshot of a ceramic mug, centered") != std::string::npos);
@@ -649,12 +668,20 @@ class TestMainWindow : public QObject {
     QCOMPARE(p.steps, 9);
     QCOMPARE(p.width, 64);
     QCOMPARE(p.cfg, 4.5);
-    // A new window lists it after the shipped ones, and remembers it was selected.
-    MainWindow again;
-    auto* combo = child<QComboBox>(again, "presetCombo");
-    QCOMPARE(combo->count(), 7);
-    QCOMPARE(combo->itemText(6), QStringLiteral("My Macro"));
-    QCOMPARE(combo->currentIndex(), 6);
+    {
+      // A new window lists it after the shipped ones, and remembers it was selected.
+      MainWindow again;
+      auto* combo = child<QComboBox>(again, "presetCombo");
+      QCOMPARE(combo->count(), 7);
+      QCOMPARE(combo->itemText(6), QStringLiteral("My Macro"));
+      QCOMPARE(combo->currentIndex(), 6);
+      child<QDoubleSpinBox>(again, "cfgSpin")->setValue(6.0);
+      QCOMPARE(combo->currentText(), QStringLiteral("My Macro (changed)"));
+    }
+    // Changed, it stays marked in the next session.
+    MainWindow third;
+    QCOMPARE(child<QComboBox>(third, "presetCombo")->currentText(), QStringLiteral("My Macro (changed)"));
+    QCOMPARE(child<QDoubleSpinBox>(third, "cfgSpin")->value(), 6.0);
   }
 
   void brokenUserPresetIsNamedNotFatal() {

@@ -200,6 +200,8 @@ void MainWindow::buildUi() {
     if (!p.loras.empty()) m_loraPanel->applyPreset(p.loras, missing);
     if (!p.controlnets.empty()) m_controlNetPanel->applyPreset(p.controlnets, missing);
     if (!missing.isEmpty()) m_status->setText(tr("Preset %1: not found: %2").arg(QString::fromStdString(p.name), missing.join(QStringLiteral(", "))));
+    m_presetFingerprint = presetFingerprint();
+    m_presetBar->setModified(false);
   });
   connect(m_presetBar, &PresetBar::saveRequested, this, [this](const QString& name) {
     const QString error = savePreset(name);
@@ -235,6 +237,14 @@ void MainWindow::buildUi() {
   connect(m_settings->cfg(), &QDoubleSpinBox::valueChanged, this, &MainWindow::schedulePrepare);
   connect(m_strategy, &QComboBox::currentIndexChanged, this, [this] { updateDeviceSummary(); });
   connect(m_devices, &QSpinBox::valueChanged, this, [this] { updateDeviceSummary(); });
+  // A preset's name stands only while the form holds its settings.
+  for (QSpinBox* f : {m_settings->widthSpin(), m_settings->heightSpin(), m_settings->steps(), m_devices})
+    connect(f, &QSpinBox::valueChanged, this, &MainWindow::notePresetChange);
+  for (QDoubleSpinBox* f : {m_settings->cfg(), m_settings->guidance(), m_settings->cacheThreshold()})
+    connect(f, &QDoubleSpinBox::valueChanged, this, &MainWindow::notePresetChange);
+  for (QComboBox* f : {m_settings->sampler(), m_strategy, m_settings->precision()})
+    connect(f, &QComboBox::currentIndexChanged, this, &MainWindow::notePresetChange);
+  connect(m_settings->negative(), &QPlainTextEdit::textChanged, this, &MainWindow::notePresetChange);
 
   // The input image and its mask live in the editor on the right; the panel drives it.
   m_maskPane = new MaskEditorPane;
@@ -827,6 +837,10 @@ void MainWindow::loadSettings() {
   m_loraPanel->setFolders(s.value(QStringLiteral("loraFolders")).toStringList());
   m_controlNetPanel->setFolders(s.value(QStringLiteral("controlNetFolders")).toStringList());
   reloadPresets(s.value(QStringLiteral("preset")).toString());
+  if (s.value(QStringLiteral("presetChanged"), false).toBool() && m_presetBar->current()) {
+    m_presetFingerprint.clear();  // changed before this session: stays marked until applied again
+    m_presetBar->setModified(true);
+  }
   if (const QString lanes = s.value(QStringLiteral("lanes/set")).toString(); !lanes.isEmpty()) {
     try {
       m_lanesPanel->setLaneSet(engine::parse_lane_set(lanes.toStdString(), "the saved lanes"));
@@ -855,6 +869,7 @@ void MainWindow::saveSettings() const {
   s.setValue(QStringLiteral("loraFolders"), m_loraPanel->folders());
   s.setValue(QStringLiteral("controlNetFolders"), m_controlNetPanel->folders());
   s.setValue(QStringLiteral("preset"), m_presetBar->currentName());
+  s.setValue(QStringLiteral("presetChanged"), m_presetBar->isModified());
   s.setValue(QStringLiteral("lanes/enabled"), m_lanesPanel->lanesEnabled());
   if (m_lanesPanel->problem().isEmpty())
     s.setValue(QStringLiteral("lanes/set"), QString::fromStdString(engine::lane_set_to_json(m_lanesPanel->laneSet())));
@@ -872,7 +887,31 @@ QString MainWindow::userPresetDir() { return PresetBar::userPresetDir(); }
 
 void MainWindow::reloadPresets(const QString& select) {
   const QStringList problems = m_presetBar->reload(select);
+  m_presetFingerprint = m_presetBar->current() ? presetFingerprint() : QString();
   if (!problems.isEmpty()) showError(tr("Some presets were skipped:\n%1").arg(problems.join(QLatin1Char('\n'))));
+}
+
+QString MainWindow::presetFingerprint() {
+  job::GenerationRequest r = m_settings->request();
+  r.strategy.devices = r.strategy.skip = m_devices->value();
+  m_loraPanel->fillRequest(r);
+  try {
+    auto p = engine::preset_from_request("", engine::kSubjectPlaceholder, r);
+    // What the preset leaves to the model (its native size, its sampler) follows the model: a
+    // new model changing those fields is not the user changing the preset.
+    if (const auto* active = m_presetBar->current()) {
+      if (active->width == 0 || active->height == 0) p.width = p.height = 0;
+      if (active->sampler.empty()) p.sampler.clear();
+    }
+    return QString::fromStdString(engine::preset_to_json(p));
+  } catch (const std::exception& e) {
+    return QString::fromUtf8(e.what());
+  }
+}
+
+void MainWindow::notePresetChange() {
+  if (!m_presetBar->current() || m_presetFingerprint.isEmpty()) return;
+  m_presetBar->setModified(presetFingerprint() != m_presetFingerprint);
 }
 
 QString MainWindow::savePreset(const QString& name) {

@@ -146,6 +146,10 @@ class MainWindow : public QMainWindow {
   void matchTaesdToModel();
   void showError(const QString& message);
   void reloadPresets(const QString& select = QString());
+  // The settings a preset sets, as the form holds them now, and the check that marks the active
+  // preset changed when they differ from what they were right after it was applied.
+  QString presetFingerprint();
+  void notePresetChange();
   void applyRestored(const engine::PngParameters& p, const QString& file);
   void onStep(int index, int total, double timestep, double ms, bool cached);
   // The job the form describes, checked, control images made; nothing (an error shown) when it cannot run.
@@ -175,6 +179,7 @@ class MainWindow : public QMainWindow {
   QSpinBox* m_devices = nullptr;
   DevicesPanel* m_devicesPanel = nullptr;
   SettingsPanel* m_settings = nullptr;  // owns the form's widgets (m_prompt to m_devices point into it)
+  QString m_presetFingerprint;  // presetFingerprint() when the active preset was applied ("" unknown)
   bool m_taesdMatched = false;  // m_taesd holds matchingTaesd()'s pick, not the user's
   PresetBar* m_presetBar = nullptr;
   QLabel* m_restored = nullptr;

@@ -83,14 +83,15 @@ QStringList PresetBar::reload(const QString& selectName) {
   m_combo->clear();
   m_combo->addItem(tr("No preset"));
   for (const auto& p : m_presets) {
-    m_combo->addItem(QString::fromStdString(p.name));
+    m_combo->addItem(QString::fromStdString(p.name), QString::fromStdString(p.name));
     m_combo->setItemData(m_combo->count() - 1, QString::fromStdString(p.description), Qt::ToolTipRole);
   }
-  select(selectName.isEmpty() ? 0 : std::max(0, m_combo->findText(selectName)));
+  select(selectName.isEmpty() ? 0 : std::max(0, m_combo->findData(selectName)));
   return problems;
 }
 
 void PresetBar::select(int index) {
+  setModified(false);
   m_combo->setCurrentIndex(index);
   const bool active = index > 0 && index <= static_cast<int>(m_presets.size());
   m_template = active ? QString::fromStdString(m_presets[index - 1].prompt_template)
@@ -100,7 +101,22 @@ void PresetBar::select(int index) {
   emit templateChanged(m_template, active);
 }
 
-QString PresetBar::currentName() const { return m_combo->currentIndex() > 0 ? m_combo->currentText() : QString(); }
+QString PresetBar::currentName() const {
+  return m_combo->currentIndex() > 0 ? m_combo->currentData().toString() : QString();
+}
+
+const engine::Preset* PresetBar::current() const {
+  const int i = m_combo->currentIndex();
+  return i > 0 && i <= static_cast<int>(m_presets.size()) ? &m_presets[i - 1] : nullptr;
+}
+
+void PresetBar::setModified(bool modified) {
+  m_modified = modified && current();
+  const int i = m_combo->currentIndex();
+  if (i <= 0) return;
+  const QString name = m_combo->itemData(i).toString();
+  m_combo->setItemText(i, m_modified ? tr("%1 (changed)").arg(name) : name);
+}
 
 QString PresetBar::save(const engine::Preset& p) {
   const QString file = QDir(userPresetDir()).filePath(QString::fromStdString(engine::preset_file_name(p.name)));

@@ -26,8 +26,14 @@ class PresetBar : public QWidget {
   QStringList reload(const QString& select = QString());
   // Makes index (0: no preset) current without touching the form (templateChanged follows).
   void select(int index);
-  // The active preset's name, or "" for none.
+  // The active preset's name (without the changed mark), or "" for none.
   QString currentName() const;
+  // The active preset, or nullptr for none.
+  const engine::Preset* current() const;
+  // Marks the active preset as changed since it was applied: the combo shows "NAME (changed)",
+  // so a name never stands for settings it no longer describes. Selecting a preset clears it.
+  void setModified(bool modified);
+  bool isModified() const { return m_modified; }
   // The prompt template in force: the preset's, or "{subject}".
   const QString& promptTemplate() const { return m_template; }
   // Writes p into userPresetDir() and selects it; returns the file, or throws diffract::Error.
@@ -46,6 +52,7 @@ class PresetBar : public QWidget {
   QLabel* m_templateLabel = nullptr;
   std::vector<engine::Preset> m_presets;
   QString m_template = QString::fromLatin1(engine::kSubjectPlaceholder);
+  bool m_modified = false;
 };
 
 }  // namespace diffract::ui
