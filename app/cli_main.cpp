@@ -313,7 +313,8 @@ int generate(const job::GenerationRequest& request, const fs::path& out, const s
   const int n = static_cast<int>(result.images.size());
   for (int i = 0; i < n; ++i) {
     const auto path = engine::batch_file(out, i, n);
-    engine::save_image(path, result.images[static_cast<std::size_t>(i)], result.a1111_parameters, result.metadata_json);
+    const auto text = engine::batch_image_text(result.a1111_parameters, result.metadata_json, i, n);
+    engine::save_image(path, result.images[static_cast<std::size_t>(i)], text.parameters, text.metadata_json);
     std::cout << "wrote " << path.string() << "\n";
   }
   const auto& t = result.timings;

@@ -804,6 +804,11 @@ class TestMainWindow : public QObject {
     w.generate();
     QVERIFY(finished.wait(60000));
     QCOMPARE(w.results().size(), 2);
+    // The view shows the batch as one picture of both; each image carries its position.
+    QCOMPARE(child<ui::ImageView>(w, "imageView")->image().height(), w.results()[0].image.height());
+    QVERIFY(child<ui::ImageView>(w, "imageView")->image().width() > 2 * w.results()[0].image.width());
+    QVERIFY2(w.results()[1].parameters.endsWith("Batch size: 2, Batch pos: 1"), qPrintable(w.results()[1].parameters));
+    QCOMPARE(engine::read_png_parameters(w.results()[1].savedPath.toStdString()).batch_index.value_or(-1), 1);
     QVERIFY(compare->isEnabled());
     QSignalSpy opened(&w, &MainWindow::compareOpened);
     compare->click();
@@ -815,8 +820,10 @@ class TestMainWindow : public QObject {
     QCOMPARE(view->comparison().heatmap.size(), QSize(64, 64));
     QVERIFY(view->comparison().error.isEmpty());
     QVERIFY(view->comparison().ssim > -1 && view->comparison().ssim <= 1);
-    // One job's batch: the same settings, so no parameter differs.
-    QCOMPARE(view->findChild<QTableWidget*>("differencesTable")->rowCount(), 0);
+    // One job's batch: the same settings, so only the position in the batch differs.
+    auto* differences = view->findChild<QTableWidget*>("differencesTable");
+    QCOMPARE(differences->rowCount(), 1);
+    QCOMPARE(differences->item(0, 0)->text(), QStringLiteral("batch_index"));
     view->close();
     // A result whose file was deleted meanwhile says so in the pick lists.
     QVERIFY(QFile::remove(w.results()[0].savedPath));

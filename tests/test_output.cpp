@@ -5,6 +5,8 @@
 #include <fstream>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "core/engine/output.h"
 #include "core/io/image.h"
 #include "core/util/error.h"
@@ -40,6 +42,20 @@ class TestOutput : public QObject {
     QCOMPARE(engine::batch_file("out/a.png", 0, 3), fs::path("out/a_0.png"));
     QCOMPARE(engine::batch_file("out/a.png", 2, 3), fs::path("out/a_2.png"));
     QCOMPARE(engine::batch_file("a.png", 1, 2), fs::path("a_1.png"));
+  }
+
+  void batchImagesCarryTheirPosition() {
+    const std::string params = "a pear\nNegative prompt: \nSteps: 4, Seed: 9";
+    const std::string meta = R"({"seed": 9, "batch": 3})";
+    const auto one = engine::batch_image_text(params, meta, 0, 1);
+    QCOMPARE(one.parameters, params);
+    QCOMPARE(one.metadata_json, meta);
+    const auto third = engine::batch_image_text(params, meta, 2, 3);
+    QCOMPARE(third.parameters, params + ", Batch size: 3, Batch pos: 2");
+    QCOMPARE(nlohmann::json::parse(third.metadata_json).at("batch_index").get<int>(), 2);
+    QCOMPARE(nlohmann::json::parse(third.metadata_json).at("seed").get<int>(), 9);
+    // Metadata that is not a JSON object is kept as it is.
+    QCOMPARE(engine::batch_image_text(params, "not json", 1, 2).metadata_json, std::string("not json"));
   }
 
   void stampsTheLocalTime() {

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/engine/output.h"
 #include "core/engine/png_parameters.h"
 #include "core/io/image.h"
 #include "core/util/error.h"
@@ -143,6 +144,25 @@ class TestPngParameters : public QObject {
     const auto bad = engine::parse_png_parameters({{"parameters", "cat\nSteps: 20, Sampler: Euler, Distilled CFG Scale: lots"}}, "x.png");
     QVERIFY(!bad.guidance);
     QVERIFY(mentions(bad.unmapped, "Distilled CFG Scale: lots (not a number)"));
+  }
+
+  // An image of a batch: its position, as A1111 writes it and as our own JSON and text carry it.
+  void batchPosition() {
+    const auto a = engine::parse_png_parameters(
+        {{"parameters", "cat\nSteps: 20, Sampler: Euler, Seed: 5, Batch size: 4, Batch pos: 2"}}, "x.png");
+    QCOMPARE(*a.batch, 4);
+    QCOMPARE(*a.batch_index, 2);
+    const auto bad = engine::parse_png_parameters({{"parameters", "cat\nSteps: 20, Sampler: Euler, Batch pos: -1"}}, "x.png");
+    QVERIFY(!bad.batch_index);
+    QVERIFY(mentions(bad.unmapped, "Batch pos: -1"));
+    const auto ours = engine::batch_image_text("cat\nSteps: 20, Sampler: Euler, Seed: 5", R"({"prompt": "cat", "batch": 3})", 1, 3);
+    const auto d = engine::parse_png_parameters({{"diffract", ours.metadata_json}}, "x.png");
+    QCOMPARE(*d.batch, 3);
+    QCOMPARE(*d.batch_index, 1);
+    const auto t = engine::parse_png_parameters({{"parameters", ours.parameters}}, "x.png");
+    QCOMPARE(*t.batch, 3);
+    QCOMPARE(*t.batch_index, 1);
+    QCOMPARE(*t.seed, std::uint64_t(5));
   }
 
   void comfyui() {

@@ -750,7 +750,7 @@ void MainWindow::onFinished(const QList<QImage>& images, const QString& metadata
     const double megapixels = double(images.first().width()) * images.first().height() * images.size() / 1e6;
     if (megapixels > 0) m_queuePanel->setStepCost(sum / timings.stepMs.size() / megapixels);
   }
-  if (!images.isEmpty()) m_view->setImage(images.first(), true);
+  if (!images.isEmpty()) m_view->setImage(tileBatch(images), true);
 
   const QDir dir(outputDir());
   QString saveError;
@@ -759,15 +759,19 @@ void MainWindow::onFinished(const QList<QImage>& images, const QString& metadata
   const std::string stamp = engine::output_stamp(std::time(nullptr));
   std::string metadata = metadataJson.toStdString();  // with the input's files once they are written
   for (int i = 0; i < images.size(); ++i) {
-    RenderedImage r{images[i], parameters, metadataJson, timings, QString()};
+    const auto own = engine::batch_image_text(parameters.toStdString(), metadata, i, static_cast<int>(images.size()));
+    RenderedImage r{images[i], QString::fromStdString(own.parameters), QString::fromStdString(own.metadata_json), timings,
+                    QString()};
     if (saveError.isEmpty()) {
       try {
         const auto file = engine::unused_output_file(dir.path().toStdString(), stamp, std::to_string(m_jobRequest.seed), i);
         if (i == 0)
           metadata = ControlNetPanel::addPreprocessors(
               engine::save_inputs_beside(file, m_jobRequest.input, m_jobRequest.controlnets, metadata), m_jobControlUnits);
-        r.metadataJson = QString::fromStdString(metadata);
-        engine::save_image(file, toCoreImage(images[i]), parameters.toStdString(), metadata);
+        const auto text = engine::batch_image_text(parameters.toStdString(), metadata, i, static_cast<int>(images.size()));
+        r.parameters = QString::fromStdString(text.parameters);
+        r.metadataJson = QString::fromStdString(text.metadata_json);
+        engine::save_image(file, toCoreImage(images[i]), text.parameters, text.metadata_json);
         const QString path = QString::fromStdString(file.string());
         r.savedPath = path;
         if (firstSaved.isEmpty()) firstSaved = path;

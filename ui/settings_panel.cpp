@@ -562,7 +562,11 @@ void SettingsPanel::restoreFields(const engine::PngParameters& p, QStringList& r
   if (p.batch) {
     if (*p.batch >= m_batch->minimum() && *p.batch <= m_batch->maximum()) {
       m_batch->setValue(*p.batch);
-      restored << tr("batch");
+      // A batch shares one seed: the image is remade by generating its whole batch again.
+      if (p.batch_index && *p.batch > 1)
+        restored << tr("batch of %1 (this image is number %2 in it)").arg(*p.batch).arg(*p.batch_index + 1);
+      else
+        restored << tr("batch");
     } else {
       notRestored << tr("batch: %1").arg(*p.batch);
     }

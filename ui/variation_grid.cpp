@@ -1,5 +1,7 @@
 #include "ui/variation_grid.h"
 
+#include <cmath>
+
 #include <QFileInfo>
 #include <QFontMetrics>
 #include <QPainter>
@@ -19,6 +21,34 @@ void GridRun::setCell(int index, const QImage& image, const QString& savedFile) 
   m_files[index] = savedFile;
   m_ended[index] = true;
   ++m_done;
+}
+
+QImage tileBatch(const QList<QImage>& images) {
+  if (images.isEmpty()) return {};
+  if (images.size() == 1) return images.first();
+  const QSize cell = images.first().size();
+  const int n = static_cast<int>(images.size());
+  const int columns = static_cast<int>(std::ceil(std::sqrt(static_cast<double>(n))));
+  const int rows = (n + columns - 1) / columns;
+  const int gap = std::max(2, cell.width() / 128);
+  QImage out(columns * cell.width() + (columns - 1) * gap, rows * cell.height() + (rows - 1) * gap, QImage::Format_RGB32);
+  out.fill(QColor(48, 48, 48));
+  QPainter p(&out);
+  QFont font;
+  font.setPixelSize(std::max(10, cell.height() / 16));
+  p.setFont(font);
+  const QFontMetrics metrics(font);
+  for (int i = 0; i < n; ++i) {
+    const QPoint at((i % columns) * (cell.width() + gap), (i / columns) * (cell.height() + gap));
+    const QImage& image = images[i];
+    p.drawImage(at, image.size() == cell ? image : image.scaled(cell, Qt::IgnoreAspectRatio, Qt::SmoothTransformation));
+    const QString label = QStringLiteral("#%1").arg(i + 1);
+    const QRect box(at + QPoint(4, 4), QSize(metrics.horizontalAdvance(label) + 8, metrics.height() + 4));
+    p.fillRect(box, QColor(0, 0, 0, 160));
+    p.setPen(Qt::white);
+    p.drawText(box, Qt::AlignCenter, label);
+  }
+  return out;
 }
 
 QImage GridRun::compose() const {

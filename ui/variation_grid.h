@@ -3,6 +3,7 @@
 // jobs from core/engine/variation_grid.h): each cell's image as its job ends, then one labelled
 // image of them all, the x axis's values above the columns and the y axis's left of the rows.
 #include <QImage>
+#include <QList>
 #include <QString>
 #include <QStringList>
 #include <QVector>
@@ -13,6 +14,10 @@
 #include "core/engine/variation_grid.h"
 
 namespace diffract::ui {
+
+// A batch's images in one picture for the view: ceil(sqrt(N)) columns, each image at the first's
+// size with its number (#1, #2, ...) in the corner, as they are saved (index 0 first).
+QImage tileBatch(const QList<QImage>& images);
 
 class GridRun {
  public:

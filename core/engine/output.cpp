@@ -24,6 +24,19 @@ fs::path batch_file(const fs::path& out, int index, int count) {
   return out.parent_path() / (out.stem().string() + "_" + std::to_string(index) + out.extension().string());
 }
 
+BatchImageText batch_image_text(const std::string& parameters, const std::string& metadata_json, int index, int count) {
+  if (count <= 1) return {parameters, metadata_json};
+  BatchImageText out{parameters, metadata_json};
+  if (!parameters.empty())
+    out.parameters += ", Batch size: " + std::to_string(count) + ", Batch pos: " + std::to_string(index);
+  auto meta = nlohmann::json::parse(metadata_json, nullptr, /*allow_exceptions=*/false);
+  if (meta.is_object()) {
+    meta["batch_index"] = index;
+    out.metadata_json = meta.dump();
+  }
+  return out;
+}
+
 std::string output_stamp(std::time_t t) {
   std::tm local{};
   localtime_r(&t, &local);

@@ -18,6 +18,15 @@ std::filesystem::path output_dir(const std::filesystem::path& fallback);
 // image, else <stem>_<index><extension> beside it.
 std::filesystem::path batch_file(const std::filesystem::path& out, int index, int count);
 
+// The texts image `index` of a batch of `count` is saved with: the job's metadata JSON with its
+// "batch_index", and its A1111 parameters with "Batch size: N, Batch pos: I" as A1111 writes
+// them. A batch's images share one seed (their noise is one draw of the batch's shape, as in
+// diffusers), so the position is what tells them apart. One image: the texts unchanged.
+struct BatchImageText {
+  std::string parameters, metadata_json;
+};
+BatchImageText batch_image_text(const std::string& parameters, const std::string& metadata_json, int index, int count);
+
 // The local time `t` as yyyyMMdd-HHmmss, the start of the GUI's file names.
 std::string output_stamp(std::time_t t);
 

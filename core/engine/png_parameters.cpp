@@ -73,6 +73,7 @@ PngParameters from_diffract(const std::string& text, const std::string& where) {
     else if (key == "height") int_to(p.height);
     else if (key == "steps") int_to(p.steps);
     else if (key == "batch") int_to(p.batch);
+    else if (key == "batch_index") int_to(p.batch_index);
     else if (key == "devices") int_to(p.devices);
     else if (key == "skip") int_to(p.skip);
     else if (key == "cfg") v.is_number() ? void(p.cfg = v.get<double>()) : bad();
@@ -270,6 +271,9 @@ PngParameters from_a1111(const std::string& text, const std::string& where) {
     } else if (key == "Batch size") {
       const auto n = whole_number(value);
       n && *n >= 1 && *n <= 1000 ? void(p.batch = static_cast<int>(*n)) : p.unmapped.push_back(shown);
+    } else if (key == "Batch pos") {
+      const auto n = whole_number(value);
+      n && *n >= 0 && *n < 1000 ? void(p.batch_index = static_cast<int>(*n)) : p.unmapped.push_back(shown);
     } else if (key == "Sampler") {
       sampler = value;
     } else if (key == "Schedule type") {

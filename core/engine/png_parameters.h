@@ -18,6 +18,7 @@ struct PngParameters {
   std::optional<std::string> prompt;
   std::optional<std::string> negative_prompt;
   std::optional<int> width, height, steps, batch, devices, skip;
+  std::optional<int> batch_index;  // the image's position in its batch (diffract "batch_index", A1111 "Batch pos")
   std::optional<double> cfg;
   std::optional<double> cache_threshold;  // diffract: fbcache's, teacache's threshold
   std::optional<double> guidance;  // Flux.1-dev's distilled guidance (A1111 / Forge: "Distilled CFG Scale")
