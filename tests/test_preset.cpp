@@ -286,7 +286,10 @@ class TestPreset : public QObject {
     QFETCH(QString, fragment);
     const fs::path file = tmp("bad-preset.json");
     writeText(file, text.toStdString());
-    DIFFRACT_EXPECT_ERROR(engine::load_preset(file), "bad-preset.json: ", fragment.toUtf8().constData());
+    // DIFFRACT_EXPECT_ERROR keeps its fragments as pointers past the expression that made them:
+    // a temporary's constData() would be read after it is freed (found by ASan).
+    const QByteArray want = fragment.toUtf8();
+    DIFFRACT_EXPECT_ERROR(engine::load_preset(file), "bad-preset.json: ", want.constData());
   }
 
   void missingFileAndSaveOfInvalidPreset() {
