@@ -364,6 +364,20 @@ class TestLanes : public QObject {
     }
     QVERIFY(fs::exists(dir / j["lanes"][1]["heatmap"].get<std::string>()));
     QVERIFY(contains(j["sharing"][0].get<std::string>(), "share cpu"));
+    // The gallery's reading of it: titles, images in the folder, measures, the baseline.
+    const auto saved = engine::read_lane_group(file);
+    QCOMPARE(saved.baseline, 0);
+    QCOMPARE(saved.lanes.size(), std::size_t(3));
+    QCOMPARE(fs::path(saved.lanes[1].image), dir / j["lanes"][1]["files"][0].get<std::string>());
+    QVERIFY(saved.lanes[1].compared && saved.lanes[1].speedup > 0 && saved.lanes[1].ssim > 0);
+    QVERIFY(!saved.lanes[0].compared);
+    const auto bad = dir / "bad.json";
+    for (const std::string text : {R"({"lanes": []})", R"({"baseline": 3, "lanes": [{"name": "a"}]})",
+                                   R"({"lanes": [{"files": ["/etc/passwd"]}]})", R"({"lanes": [{"files": [".."]}]})",
+                                   R"({"lanes": [{"name": 5}]})", R"([1, 2])", "{"}) {
+      std::ofstream(bad) << text;
+      DIFFRACT_EXPECT_ERROR(engine::read_lane_group(bad), "bad.json");
+    }
     // The setup inside reads back as the set that ran.
     QCOMPARE(engine::lane_set_to_json(engine::parse_lane_set(j["setup"].dump(), "setup")), engine::lane_set_to_json(set));
   }

@@ -8,6 +8,7 @@
 #include <QFile>
 #include <QLabel>
 #include <QLineEdit>
+#include <QListWidget>
 #include <QPlainTextEdit>
 #include <QPushButton>
 #include <QSettings>
@@ -22,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ui/compare_view.h"
+#include "ui/gallery.h"
 #include "ui/image_view.h"
 #include "ui/lane_grid.h"
 #include "ui/lanes_panel.h"
@@ -212,6 +214,41 @@ class TestLanesPanel : public QObject {
     for (const auto* combo : view->findChildren<QComboBox*>()) picked << combo->currentText();
     QVERIFY2(picked.contains("Lane 1: single") && picked.contains("Lane 2: step-skip x2"), qPrintable(picked.join(" | ")));
     view->close();
+
+    // The gallery of that folder lists the group; double-clicking it reopens the comparison.
+    auto* gallery = w.findChild<GalleryView*>();
+    QVERIFY(gallery);
+    QSignalSpy listed(gallery, &GalleryView::loaded);
+    gallery->setFolder(QFileInfo(QFileInfo(file).absolutePath()).absolutePath());
+    QVERIFY(listed.wait(30000));
+    const auto group = std::find_if(gallery->entries().begin(), gallery->entries().end(),
+                                    [](const GalleryView::Entry& e) { return e.lanes > 0; });
+    QVERIFY(group != gallery->entries().end());
+    QCOMPARE(group->lanes, 2);
+    QCOMPARE(QFileInfo(group->path).canonicalFilePath(), QFileInfo(file).canonicalFilePath());
+    QVERIFY2(group->parameters.contains("Lane 2: step-skip x2 · "), qPrintable(group->parameters));
+    auto* list = gallery->findChild<QListWidget*>();
+    QListWidgetItem* item = nullptr;
+    for (int row = 0; row < list->count(); ++row)
+      if (list->item(row)->data(Qt::UserRole).toString() == group->path) item = list->item(row);
+    QVERIFY(item);
+    emit list->itemDoubleClicked(item);
+    QTRY_COMPARE(opened.count(), 2);
+    auto* again = opened[1][0].value<CompareView*>();
+    picked.clear();
+    for (const auto* combo : again->findChildren<QComboBox*>()) picked << combo->currentText();
+    QVERIFY2(picked.contains("Lane 1: single") && picked.contains("Lane 2: step-skip x2"), qPrintable(picked.join(" | ")));
+    again->close();
+    // A damaged lanes.json is named, not opened.
+    const QString broken = QDir(QFileInfo(file).absolutePath()).filePath("broken-lanes.json");
+    QFile b(broken);
+    QVERIFY(b.open(QIODevice::WriteOnly));
+    b.write(R"({"baseline": 0, "lanes": [{"name": "x", "files": ["../../etc/passwd"]}]})");
+    b.close();
+    QVERIFY(w.openSavedLanes(broken) == nullptr);
+    const QString error = child<QLabel>(w, "errorLabel")->text();
+    QVERIFY2(error.contains("broken-lanes.json: lane 1: field 'files'") && error.contains("not a file of the group's folder"),
+             qPrintable(error));
   }
 
   // Three lanes; the GUI thread never stalls 50 ms while they run; a cancel mid-run ends every

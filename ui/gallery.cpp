@@ -18,11 +18,15 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/engine/lanes.h"
+#include "ui/variation_grid.h"
+
 namespace diffract::ui {
 
 namespace {
 
 QString caption(const GalleryView::Entry& e) {
+  if (e.lanes > 0) return QObject::tr("lanes · %n lane(s)", nullptr, e.lanes);
   const auto meta = nlohmann::json::parse(e.metadataJson.toStdString(), nullptr, /*allow_exceptions=*/false);
   if (!meta.is_object() || !meta.contains("seed") || !meta.contains("steps")) return QFileInfo(e.path).fileName();
   return QObject::tr("seed %1 · %2 steps").arg(QString::fromStdString(meta["seed"].dump()),
@@ -84,8 +88,11 @@ GalleryView::GalleryView(QWidget* parent) : QWidget(parent) {
     if (paths.size() == 1) emit useAsInputRequested(paths.front());
   });
   connect(m_list, &QListWidget::itemSelectionChanged, this, &GalleryView::updateButtons);
-  connect(m_list, &QListWidget::itemDoubleClicked, this,
-          [this](QListWidgetItem* item) { emit restoreRequested(item->data(Qt::UserRole).toString()); });
+  connect(m_list, &QListWidget::itemDoubleClicked, this, [this](QListWidgetItem* item) {
+    const QString path = item->data(Qt::UserRole).toString();
+    if (item->data(Qt::UserRole + 1).toInt() > 0) emit lanesRequested(path);
+    else emit restoreRequested(path);
+  });
   updateButtons();
 }
 
@@ -102,6 +109,43 @@ bool GalleryView::readEntry(const QString& path, Entry* entry, QString* error) {
   entry->parameters = image.text(QStringLiteral("parameters"));
   entry->metadataJson = image.text(QStringLiteral("diffract"));
   entry->modified = QFileInfo(path).lastModified();
+  return true;
+}
+
+bool GalleryView::readLanesEntry(const QString& lanesJson, Entry* entry, QString* error) {
+  engine::SavedLaneGroup group;
+  try {
+    group = engine::read_lane_group(lanesJson.toStdString());
+  } catch (const std::exception& e) {
+    *error = QString::fromUtf8(e.what());
+    return false;
+  }
+  QList<QImage> images;
+  for (const auto& lane : group.lanes) {
+    QImageReader reader(QString::fromStdString(lane.image), "png");
+    reader.setAutoTransform(false);
+    const QImage image = lane.image.empty() ? QImage() : reader.read();
+    if (!image.isNull()) images << image.scaled(kThumbnailSize, kThumbnailSize, Qt::KeepAspectRatio, Qt::SmoothTransformation);
+  }
+  if (images.isEmpty()) {
+    *error = tr("%1: no lane of it finished").arg(QDir::toNativeSeparators(lanesJson));
+    return false;
+  }
+  entry->path = lanesJson;
+  entry->lanes = static_cast<int>(group.lanes.size());
+  entry->size = images.first().size();
+  entry->thumbnail = tileBatch(images).scaled(kThumbnailSize, kThumbnailSize, Qt::KeepAspectRatio, Qt::SmoothTransformation);
+  QStringList lines;
+  for (std::size_t i = 0; i < group.lanes.size(); ++i) {
+    const auto& l = group.lanes[i];
+    QString line = tr("Lane %1: %2").arg(i + 1).arg(QString::fromStdString(l.title));
+    if (static_cast<int>(i) == group.baseline) line += tr(" (baseline)");
+    else if (l.compared) line += tr(" · %1× · %2").arg(l.speedup, 0, 'f', 2).arg(l.identical ? tr("identical") : tr("PSNR %1 dB").arg(l.psnr, 0, 'f', 1));
+    if (l.image.empty()) line += tr(" · did not finish");
+    lines << line;
+  }
+  entry->parameters = lines.join(QLatin1Char('\n'));
+  entry->modified = QFileInfo(lanesJson).lastModified();
   return true;
 }
 
@@ -134,12 +178,17 @@ void GalleryView::setFolder(const QString& dir) {
   updateStatus();
   watcher->setFuture(QtConcurrent::run(
       [](QPromise<Loaded>& promise, const QString& folder) {
-        const QFileInfoList files = QDir(folder).entryInfoList({QStringLiteral("*.png"), QStringLiteral("*.PNG")},
-                                                               QDir::Files, QDir::Time);
+        // The PNGs and the lane groups' lanes.json, newest first.
+        QFileInfoList files = QDir(folder).entryInfoList({QStringLiteral("*.png"), QStringLiteral("*.PNG")}, QDir::Files);
+        for (const QFileInfo& group : QDir(folder).entryInfoList({QStringLiteral("lanes-*")}, QDir::Dirs | QDir::NoDotAndDotDot))
+          if (const QFileInfo lanes(QDir(group.filePath()).filePath(QStringLiteral("lanes.json"))); lanes.isFile()) files << lanes;
+        std::stable_sort(files.begin(), files.end(),
+                         [](const QFileInfo& a, const QFileInfo& b) { return a.lastModified() > b.lastModified(); });
         for (const QFileInfo& fi : files) {
           if (promise.isCanceled()) return;
           Loaded loaded;
-          readEntry(fi.filePath(), &loaded.entry, &loaded.error);
+          if (fi.fileName() == QLatin1String("lanes.json")) readLanesEntry(fi.filePath(), &loaded.entry, &loaded.error);
+          else readEntry(fi.filePath(), &loaded.entry, &loaded.error);
           promise.addResult(loaded);
         }
       },
@@ -163,6 +212,13 @@ void GalleryView::insertItem(int row, const Entry& e) {
   m_entries.insert(row, e);
   auto* item = new QListWidgetItem(QIcon(QPixmap::fromImage(e.thumbnail)), caption(e));
   item->setData(Qt::UserRole, e.path);
+  item->setData(Qt::UserRole + 1, e.lanes);
+  if (e.lanes > 0) {
+    item->setToolTip(tr("%1 (double-click to compare)\n%2")
+                         .arg(QDir::toNativeSeparators(QFileInfo(e.path).dir().dirName()), e.parameters));
+    m_list->insertItem(row, item);
+    return;
+  }
   item->setToolTip(tr("%1 (%2×%3)\n%4")
                        .arg(QFileInfo(e.path).fileName())
                        .arg(e.size.width())
@@ -198,10 +254,17 @@ QStringList GalleryView::selectedPaths() const {
 
 void GalleryView::updateButtons() {
   const qsizetype n = selectedPaths().size();
-  m_saveAs->setEnabled(n == 1);
+  const bool images = !lanesSelected();  // a lane group is reopened by double-click, or deleted
+  m_saveAs->setEnabled(n == 1 && images);
   m_delete->setEnabled(n > 0);
-  m_compare->setEnabled(n == 2);
-  m_useAsInput->setEnabled(n == 1);
+  m_compare->setEnabled(n == 2 && images);
+  m_useAsInput->setEnabled(n == 1 && images);
+}
+
+bool GalleryView::lanesSelected() const {
+  for (int row = 0; row < m_list->count(); ++row)
+    if (m_list->item(row)->isSelected() && m_list->item(row)->data(Qt::UserRole + 1).toInt() > 0) return true;
+  return false;
 }
 
 QString GalleryView::saveCopy(const QString& from, const QString& to) {
@@ -216,9 +279,18 @@ QString GalleryView::saveCopy(const QString& from, const QString& to) {
 QString GalleryView::deleteFiles(const QStringList& paths) {
   QStringList failed;
   for (const QString& path : paths) {
-    QFile file(path);
-    if (!file.remove()) {
-      failed << tr("%1 (%2)").arg(QFileInfo(path).fileName(), file.errorString());
+    // A lane group goes as a whole: its lanes-* folder inside the gallery's folder.
+    const QFileInfo info(path);
+    const bool group = info.fileName() == QLatin1String("lanes.json") && info.dir().dirName().startsWith(QLatin1String("lanes-")) &&
+                       QFileInfo(info.dir().absolutePath()).dir() == QDir(m_folder);
+    if (group) {
+      QDir dir = info.dir();
+      if (!dir.removeRecursively()) {
+        failed << tr("%1 (not every file of the lane group could be removed)").arg(dir.dirName());
+        continue;
+      }
+    } else if (QFile file(path); !file.remove()) {
+      failed << tr("%1 (%2)").arg(info.fileName(), file.errorString());
       continue;
     }
     for (int row = 0; row < m_list->count(); ++row)

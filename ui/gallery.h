@@ -23,6 +23,9 @@ class GalleryView : public QWidget {
     QString parameters;    // A1111 "parameters" text, if any
     QString metadataJson;  // the "diffract" chunk, if any
     QDateTime modified;
+    // A lane group (a lanes-*/ folder): `path` is its lanes.json, the thumbnail its lanes tiled,
+    // `lanes` how many; double-clicking it reopens the comparison.
+    int lanes = 0;
   };
   static constexpr int kThumbnailSize = 160;
 
@@ -39,6 +42,8 @@ class GalleryView : public QWidget {
 
   // Reading one PNG as an entry (thumbnail and text chunks); false with `error` set when unreadable.
   static bool readEntry(const QString& path, Entry* entry, QString* error);
+  // Reading a lane group's lanes.json (engine::read_lane_group) and its lanes' images as an entry.
+  static bool readLanesEntry(const QString& lanesJson, Entry* entry, QString* error);
   // The actions behind the buttons, without their dialogs.
   static QString saveCopy(const QString& from, const QString& to);  // the error, or ""
   QString deleteFiles(const QStringList& paths);                     // the error, or ""
@@ -46,6 +51,7 @@ class GalleryView : public QWidget {
  signals:
   void loaded();
   void restoreRequested(const QString& path);
+  void lanesRequested(const QString& lanesJson);
   void compareRequested(const QString& a, const QString& b);
   void useAsInputRequested(const QString& path);
 
@@ -56,6 +62,7 @@ class GalleryView : public QWidget {
   };
   void insertItem(int row, const Entry& entry);
   bool contains(const QString& path) const;
+  bool lanesSelected() const;
   void updateStatus();
   void updateButtons();
   void saveSelectedAs();

@@ -414,6 +414,7 @@ void MainWindow::buildUi() {
   addDockWidget(Qt::BottomDockWidgetArea, galleryDock);
   connect(m_gallery, &GalleryView::restoreRequested, this, &MainWindow::restoreFromPng);
   connect(m_gallery, &GalleryView::compareRequested, this, &MainWindow::compareFiles);
+  connect(m_gallery, &GalleryView::lanesRequested, this, &MainWindow::openSavedLanes);
   connect(m_gallery, &GalleryView::useAsInputRequested, this, [this](const QString& path) {
     QString error;
     if (!m_inputPanel->loadFile(path, &error)) showError(error);
@@ -710,6 +711,35 @@ CompareView* MainWindow::compareLane(int lane) {
     if (i == lane) b = static_cast<int>(items.size());
     items.append({tr("Lane %1: %2").arg(i + 1).arg(QString::fromStdString(engine::lane_title(m_jobLanes.lanes[static_cast<std::size_t>(i)]))),
                   r.image, r.metadataJson});
+  }
+  auto* view = CompareView::openWindow(items, a, b, this);
+  emit compareOpened(view);
+  return view;
+}
+
+CompareView* MainWindow::openSavedLanes(const QString& lanesJson) {
+  engine::SavedLaneGroup group;
+  try {
+    group = engine::read_lane_group(lanesJson.toStdString());
+  } catch (const std::exception& e) {
+    showError(tr("The lane group was not opened: %1").arg(QString::fromUtf8(e.what())));
+    return nullptr;
+  }
+  QList<CompareView::Item> items;
+  int a = -1, b = -1;
+  for (std::size_t i = 0; i < group.lanes.size(); ++i) {
+    const auto& lane = group.lanes[i];
+    const QImage image = lane.image.empty() ? QImage() : QImage(QString::fromStdString(lane.image));
+    if (image.isNull()) continue;
+    if (static_cast<int>(i) == group.baseline) a = static_cast<int>(items.size());
+    else if (b < 0) b = static_cast<int>(items.size());
+    items.append({tr("Lane %1: %2").arg(i + 1).arg(QString::fromStdString(lane.title)), image,
+                  image.text(QStringLiteral("diffract"))});
+  }
+  if (a < 0 || b < 0) {
+    showError(tr("%1: the baseline lane and another lane must have finished (and their images be readable) to compare them")
+                  .arg(QDir::toNativeSeparators(lanesJson)));
+    return nullptr;
   }
   auto* view = CompareView::openWindow(items, a, b, this);
   emit compareOpened(view);

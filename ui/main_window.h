@@ -101,6 +101,9 @@ class MainWindow : public QMainWindow {
   const QList<int>& laneResults() const { return m_laneResults; }
   // Opens the compare window on the last lane group's baseline lane against `lane`.
   CompareView* compareLane(int lane);
+  // A saved lane group (the gallery's lanes entry): the compare window on its baseline against
+  // its first other finished lane, every finished lane in the menus; nullptr with the error shown.
+  CompareView* openSavedLanes(const QString& lanesJson);
   MaskEditor* maskEditor() const;
   // Writes session result `index` (an index into results()) to `path` as the output folder would
   // (PNG, its parameters and metadata): the way out when the automatic save failed (a full

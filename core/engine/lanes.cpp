@@ -491,6 +491,45 @@ fs::path save_lane_group(const LaneGroupResult& result, const fs::path& dir) {
   return file;
 }
 
+SavedLaneGroup read_lane_group(const fs::path& lanes_json) {
+  const std::string where = lanes_json.string();
+  const json j = io::read_json(lanes_json, {16, true}, std::size_t(16) << 20);
+  if (!j.is_object()) throw Error(where + ": not a JSON object");
+  const io::JsonFields top(j, where);
+  SavedLaneGroup g;
+  g.name = top.text("name", false);
+  g.baseline = top.integer("baseline", false, 0);
+  const auto& lanes = top.list("lanes");
+  if (lanes.empty()) throw Error(top.field("lanes") + " lists no lane");
+  if (g.baseline < 0 || g.baseline >= static_cast<int>(lanes.size()))
+    throw Error(top.field("baseline") + " is " + std::to_string(g.baseline) + ", not one of the " +
+                std::to_string(lanes.size()) + " lanes");
+  const fs::path dir = lanes_json.parent_path();
+  for (std::size_t i = 0; i < lanes.size(); ++i) {
+    if (!lanes[i].is_object()) throw Error(top.field("lanes") + " entry " + std::to_string(i + 1) + " is not an object");
+    const io::JsonFields e(lanes[i], where + ": lane " + std::to_string(i + 1));
+    SavedLaneGroup::Lane lane;
+    lane.title = e.text("name", false, "lane " + std::to_string(i + 1));
+    const auto& files = e.list("files");
+    if (!files.empty()) {
+      if (!files[0].is_string()) throw Error(e.field("files") + " must list file names");
+      const fs::path name = files[0].get<std::string>();
+      // Only a file of the group's own folder: a lanes.json from elsewhere must not point the
+      // window at any file on the disk.
+      if (name.empty() || name.has_parent_path() || name.is_absolute() || name == "." || name == "..")
+        throw Error(e.field("files") + " names " + io::json_brief(files[0]) + ", not a file of the group's folder");
+      lane.image = (dir / name).string();
+    }
+    lane.compared = e.has("speedup");
+    lane.speedup = e.number("speedup", false, 0);
+    lane.psnr = e.number("psnr", false, 0);
+    lane.ssim = e.number("ssim", false, 0);
+    lane.identical = e.has("identical");
+    g.lanes.push_back(std::move(lane));
+  }
+  return g;
+}
+
 std::string lane_table(const LaneGroupResult& result) {
   std::ostringstream out;
   char line[320];

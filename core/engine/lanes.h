@@ -121,6 +121,22 @@ std::string lane_file(int lane);
 // lane-<i>-heatmap.png against the baseline, and lanes.json (the set, each lane's file, timings,
 // speed-up, PSNR, SSIM, latents rel-L2 and differences) into `dir`; returns lanes.json's path.
 std::filesystem::path save_lane_group(const LaneGroupResult& result, const std::filesystem::path& dir);
+// A lane group saved by save_lane_group, read back from its lanes.json (the gallery reopens it):
+// each lane's title and first image (absolute; empty when the lane did not finish) with its
+// measures against the baseline when it was compared. Errors name the file and the field; an
+// image named outside the group's folder is refused.
+struct SavedLaneGroup {
+  struct Lane {
+    std::string title, image;
+    double speedup = 0, psnr = 0, ssim = 0;  // 0 when not compared; psnr 0 also when identical
+    bool compared = false, identical = false;
+  };
+  std::string name;
+  int baseline = 0;
+  std::vector<Lane> lanes;
+};
+SavedLaneGroup read_lane_group(const std::filesystem::path& lanes_json);
+
 // The comparison table the CLI prints: one row per lane.
 std::string lane_table(const LaneGroupResult& result);
 
