@@ -5,6 +5,7 @@
 #include <QDir>
 #include <QDockWidget>
 #include <QElapsedTimer>
+#include <QFile>
 #include <QLineEdit>
 #include <QPlainTextEdit>
 #include <QSettings>
@@ -19,8 +20,11 @@
 
 #include <QPainter>
 
+#include "core/engine/lanes.h"
+#include "ui/compare_view.h"
 #include "ui/gallery.h"
 #include "ui/input_panel.h"
+#include "ui/lanes_panel.h"
 #include "ui/main_window.h"
 #include "ui/mask_editor.h"
 
@@ -75,6 +79,7 @@ class ScreenshotTour : public QObject {
     connect(w->bridge(), &EngineBridge::finished, this, [this] {
       // After the window's own slot has shown and saved the image.
       QTimer::singleShot(0, this, [this] {
+        if (m_racing) return;  // the lanes end with their own signal
         const auto n = m_window->results().size();
         if (n < 2) generate(43);
         else if (n == 2) shootMain();
@@ -170,11 +175,49 @@ class ScreenshotTour : public QObject {
   void shootInpaintResult() {
     QTimer::singleShot(200, this, [this] {
       if (!save(m_window->grab(), QStringLiteral("inpaint.png"))) return;
-      std::printf("screenshots: wrote main-window.png, gallery.png, compare.png, inpaint-mask.png, inpaint.png to %s\n",
-                  qPrintable(m_dir));
-      m_done = true;
-      QApplication::exit(0);
+      raceLanes();
     });
+  }
+
+  // The shipped "baseline vs DeepCache x3 vs step skip x3" lanes on the first prompt, without
+  // the input image: lanes.png (the Lanes tab as the last lane ends) and lanes-compare.png (the
+  // compare window the window opens on the baseline against the next lane).
+  void raceLanes() {
+    m_stage = QStringLiteral("racing lanes");
+    m_racing = true;
+    std::printf("screenshots: %s after %.1f s\n", qPrintable(m_stage), m_clock.elapsed() / 1000.0);
+    std::fflush(stdout);
+    QFile file(QStringLiteral(":/presets/lanes/baseline-vs-deepcache-vs-step-skip.json"));
+    if (!file.open(QIODevice::ReadOnly)) {
+      fail(QStringLiteral("the shipped lane setup is missing"));
+      return;
+    }
+    try {
+      m_window->lanesPanel()->setLaneSet(diffract::engine::parse_lane_set(file.readAll().toStdString(), "lanes"));
+    } catch (const std::exception& e) {
+      fail(QString::fromUtf8(e.what()));
+      return;
+    }
+    m_window->inputPanel()->clear();
+    m_window->findChild<QPlainTextEdit*>(QStringLiteral("promptEdit"))->setPlainText(m_job.prompt);
+    m_window->findChild<QLineEdit*>(QStringLiteral("seedEdit"))->setText(QStringLiteral("42"));
+    m_window->lanesPanel()->setChecked(true);
+    connect(m_window, &MainWindow::compareOpened, this, [this](diffract::ui::CompareView* view) {
+      view->resize(1280, 800);
+      connect(view, &diffract::ui::CompareView::computed, this, [this, view] {
+        QTimer::singleShot(200, this, [this, view] {
+          if (!save(m_window->grab(), QStringLiteral("lanes.png"))) return;
+          if (!save(view->grab(), QStringLiteral("lanes-compare.png"))) return;
+          view->close();
+          std::printf("screenshots: wrote main-window.png, gallery.png, compare.png, inpaint-mask.png, inpaint.png, "
+                      "lanes.png, lanes-compare.png to %s\n",
+                      qPrintable(m_dir));
+          m_done = true;
+          QApplication::exit(0);
+        });
+      });
+    });
+    m_window->generate();
   }
 
   bool save(const QPixmap& shot, const QString& name) {
@@ -198,6 +241,7 @@ class ScreenshotTour : public QObject {
   QTemporaryDir m_tmp;
   MainWindow* m_window = nullptr;
   QString m_stage = QStringLiteral("starting");
+  bool m_racing = false;
   bool m_done = false;
   QElapsedTimer m_clock;
 };

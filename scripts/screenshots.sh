@@ -36,7 +36,8 @@ import sys
 from pathlib import Path
 from PIL import Image
 raw, out = Path(sys.argv[1]), Path(sys.argv[2])
-for name in ("main-window.png", "compare.png", "gallery.png", "inpaint-mask.png", "inpaint.png"):
+for name in ("main-window.png", "compare.png", "gallery.png", "inpaint-mask.png", "inpaint.png", "lanes.png",
+             "lanes-compare.png"):
     image = Image.open(raw / name).convert("RGB")
     image.quantize(128, dither=Image.Dither.NONE).save(out / name, optimize=True)
     print(f"[screenshots] {out / name}: {image.width}x{image.height}, {(out / name).stat().st_size // 1024} KiB")

@@ -257,6 +257,7 @@ class TestLanesPanel : public QObject {
     MainWindow w;
     w.show();
     QVERIFY(QTest::qWaitForWindowExposed(&w));
+    w.resize(1280, 720);
     setUpJob(w, 200);
     w.lanesPanel()->setChecked(true);
     w.lanesPanel()->setLaneSet(lanes({{"single", 0}, {"driffusion", 0}, {"step-skip", 0}}));
@@ -275,6 +276,8 @@ class TestLanesPanel : public QObject {
     QCOMPARE(cancelledLanes.count(), 3);
     QVERIFY(!w.bridge()->isRunning());
     QVERIFY(child<QLabel>(w, "statusLabel")->text().contains("cancelled"));
+    // Two rows of tiles scroll inside the Lanes tab: the window keeps the size it was given.
+    QCOMPARE(w.size(), QSize(1280, 720));
     qInfo("largest GUI-thread gap %lld ms over %lld ticks", meter.maxGap(), meter.ticks());
     QVERIFY2(meter.maxGap() < 50, qPrintable(QString("the GUI thread stalled for %1 ms").arg(meter.maxGap())));
     // The next group runs to its end.

@@ -684,6 +684,18 @@ class TestMainWindow : public QObject {
     QCOMPARE(child<QDoubleSpinBox>(third, "cfgSpin")->value(), 6.0);
   }
 
+  // Every preset and lane setup in presets/ is compiled into the window (the CMake lists name
+  // them one by one), and each one parses.
+  void shipsEveryPresetFile() {
+    for (const QString sub : {QString(), QStringLiteral("lanes")}) {
+      const QDir source(QString::fromStdString((shippedPresets() / sub.toStdString()).string()));
+      const QDir compiled(QStringLiteral(":/presets/") + sub);
+      const QStringList want = source.entryList({QStringLiteral("*.json")}, QDir::Files, QDir::Name);
+      QVERIFY(!want.isEmpty());
+      QCOMPARE(compiled.entryList({QStringLiteral("*.json")}, QDir::Files, QDir::Name), want);
+    }
+  }
+
   void brokenUserPresetIsNamedNotFatal() {
     QVERIFY(QDir().mkpath(MainWindow::userPresetDir()));
     QFile bad(QDir(MainWindow::userPresetDir()).filePath("broken.json"));

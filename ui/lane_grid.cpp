@@ -26,7 +26,8 @@ void LaneGrid::reset(const QStringList& titles, const QList<int>& steps, const Q
   m_tiles.clear();
   m_baseline = baseline;
   const int n = static_cast<int>(titles.size());
-  const int columns = std::max(1, static_cast<int>(std::ceil(std::sqrt(static_cast<double>(n)))));
+  // Up to three lanes side by side (one row fits the tab without scrolling), then a square-ish grid.
+  const int columns = n <= 3 ? std::max(1, n) : static_cast<int>(std::ceil(std::sqrt(static_cast<double>(n))));
   for (int i = 0; i < n; ++i) {
     Tile t;
     auto* box = new QFrame;
@@ -50,6 +51,9 @@ void LaneGrid::reset(const QStringList& titles, const QList<int>& steps, const Q
     head->addWidget(t.compare);
     layout->addLayout(head);
     t.view = new ImageView;
+    // The tile's picture takes the room there is: its 512 px size hint would make the grid taller
+    // than the Lanes tab (the word-wrapped result asks the layout for a height for its width).
+    t.view->setSizePolicy(QSizePolicy::Ignored, QSizePolicy::Ignored);
     t.view->setPlaceholder(i < waiting.size() && !waiting[i].isEmpty() ? waiting[i] : tr("Starting…"));
     layout->addWidget(t.view, 1);
     t.status = new QLabel(i < waiting.size() && !waiting[i].isEmpty() ? waiting[i] : tr("Starting…"));

@@ -392,7 +392,14 @@ void MainWindow::buildUi() {
   m_viewTabs->addTab(viewPane, tr("Render"));
   m_viewTabs->addTab(m_maskPane, tr("Input && mask"));
   m_laneGrid = new LaneGrid;
-  m_viewTabs->addTab(m_laneGrid, tr("Lanes"));
+  // Scrolled, so that many lanes (each tile with its chart and timings) never make the window
+  // taller than the screen.
+  m_laneScroll = new QScrollArea;
+  m_laneScroll->setObjectName(QStringLiteral("laneScroll"));
+  m_laneScroll->setWidgetResizable(true);
+  m_laneScroll->setFrameShape(QFrame::NoFrame);
+  m_laneScroll->setWidget(m_laneGrid);
+  m_viewTabs->addTab(m_laneScroll, tr("Lanes"));
   m_viewSplitter = new QSplitter(Qt::Vertical);
   m_viewSplitter->setObjectName(QStringLiteral("viewSplitter"));
   m_viewSplitter->addWidget(m_viewTabs);
@@ -657,7 +664,7 @@ void MainWindow::generateLanes(const job::GenerationRequest& request, const engi
   const std::string stamp = engine::output_stamp(std::time(nullptr));
   m_laneDir = QDir(outputDir()).filePath(QStringLiteral("lanes-%1-%2").arg(QString::fromStdString(stamp), m_seed->text()));
   m_status->setText(tr("Running %1 lanes…").arg(plans.size()));
-  m_viewTabs->setCurrentWidget(m_laneGrid);
+  m_viewTabs->setCurrentWidget(m_laneScroll);
   m_bridge->startLanes(request, m_jobLanes, enabledGpus(), m_laneDir);
   updateControls();
 }

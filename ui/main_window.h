@@ -31,6 +31,7 @@ class QPlainTextEdit;
 class QPushButton;
 class QSpinBox;
 class QSplitter;
+class QScrollArea;
 class QTabWidget;
 
 namespace diffract::ui {
@@ -211,6 +212,7 @@ class MainWindow : public QMainWindow {
   LanesPanel* m_lanesPanel = nullptr;
   JobQueuePanel* m_queuePanel = nullptr;
   LaneGrid* m_laneGrid = nullptr;
+  QScrollArea* m_laneScroll = nullptr;  // the Lanes tab: m_laneGrid, scrolled
   engine::LaneSet m_jobLanes;  // the running (or last) lane group
   QList<RenderedImage> m_laneImages;  // its lanes' first images as they finish (null: none yet)
   QList<int> m_laneResults;
