@@ -258,12 +258,19 @@ class TestTraining : public QObject {
     req.cfg = 3.0;
     req.seed = 3;
     req.sampler = "euler";
+    // Previews through the model's own tiny VAE, from latents averaged down to the preview size
+    // (auto: half the image's side) as a TAESD's; full size on request.
     int previews = 0;
     job::JobObserver obs;
     obs.on_preview = [&](const job::PreviewEvent& e) {
-      QCOMPARE(e.image.width, 64);
+      QCOMPARE(e.image.width, req.preview_max_side == 0 ? 64 : 32);
       ++previews;
     };
+    req.preview_max_side = 0;
+    pipe->generate(req, obs, job::CancelToken{});
+    QCOMPARE(previews, 4);
+    previews = 0;
+    req.preview_max_side = job::GenerationRequest::kPreviewAuto;
     const auto result = pipe->generate(req, obs, job::CancelToken{});
     QCOMPARE(previews, 4);
     QCOMPARE(result.images.size(), std::size_t(1));

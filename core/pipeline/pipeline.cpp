@@ -100,16 +100,17 @@ double Pipeline::prepare(const job::GenerationRequest& request) {
   return ms;
 }
 
+at::Tensor Pipeline::preview_latents(const at::Tensor& x0, int vae_factor, int max_side) {
+  const int64_t side = std::max(x0.size(2), x0.size(3)) * vae_factor;
+  if (max_side <= 0 || side <= max_side) return x0;
+  const double s = static_cast<double>(max_side) / static_cast<double>(side);
+  return at::adaptive_avg_pool2d(x0, {std::max<int64_t>(1, std::lround(x0.size(2) * s)),
+                                      std::max<int64_t>(1, std::lround(x0.size(3) * s))});
+}
+
 at::Tensor Pipeline::taesd_preview(const at::Tensor& x0, int vae_factor, int max_side) {
-  auto z = x0;
-  const int64_t side = std::max(z.size(2), z.size(3)) * vae_factor;
-  if (max_side > 0 && side > max_side) {
-    const double s = static_cast<double>(max_side) / static_cast<double>(side);
-    z = at::adaptive_avg_pool2d(z, {std::max<int64_t>(1, std::lround(z.size(2) * s)),
-                                    std::max<int64_t>(1, std::lround(z.size(3) * s))});
-  }
   auto& taesd = state().taesd;
-  return taesd->decode(z.to(taesd->parameters().front().dtype()));
+  return taesd->decode(preview_latents(x0, vae_factor, max_side).to(taesd->parameters().front().dtype()));
 }
 
 job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, const job::JobObserver& observer,

@@ -184,6 +184,8 @@ class Pipeline {
 
   // The shared TAESD preview: latents area-averaged down to max_side, then the decoder.
   at::Tensor taesd_preview(const at::Tensor& x0, int vae_factor, int max_side);
+  // Latents area-averaged so that they decode to at most max_side pixels a side (0: unchanged).
+  static at::Tensor preview_latents(const at::Tensor& x0, int vae_factor, int max_side);
 
  private:
   job::GenerationResult run_job(const job::GenerationRequest& request, const job::JobObserver& observer,
