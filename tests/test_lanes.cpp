@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <random>
@@ -53,6 +54,23 @@ job::GenerationRequest tiny_request() {
 }
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// `valid` with one to four random edits: a byte changed, bytes cut, a piece spliced in, the rest cut off.
+std::string damaged(const std::string& valid, std::mt19937& rng) {
+  const std::string alphabet = "{}[]\":,0123456789-.eE ntrufalse\\/";
+  std::string text = valid;
+  const int edits = 1 + static_cast<int>(rng() % 4);
+  for (int e = 0; e < edits && !text.empty(); ++e) {
+    const auto at = rng() % text.size();
+    switch (rng() % 4) {
+      case 0: text[at] = alphabet[rng() % alphabet.size()]; break;
+      case 1: text.erase(at, 1 + rng() % 8); break;
+      case 2: text.insert(at, valid.substr(rng() % valid.size(), 1 + rng() % 20)); break;
+      default: text.resize(at); break;
+    }
+  }
+  return text;
+}
 
 }  // namespace
 
@@ -140,20 +158,9 @@ class TestLanes : public QObject {
   void damagedFilesAreErrors() {
     const std::string valid = kThree;
     std::mt19937 rng(11);
-    const std::string alphabet = "{}[]\":,0123456789-.eE ntrufalse\\";
     int parsed = 0, refused = 0;
     for (int i = 0; i < 3000; ++i) {
-      std::string text = valid;
-      const int edits = 1 + static_cast<int>(rng() % 4);
-      for (int e = 0; e < edits && !text.empty(); ++e) {
-        const auto at = rng() % text.size();
-        switch (rng() % 4) {
-          case 0: text[at] = alphabet[rng() % alphabet.size()]; break;
-          case 1: text.erase(at, 1 + rng() % 8); break;
-          case 2: text.insert(at, valid.substr(rng() % valid.size(), 1 + rng() % 20)); break;
-          default: text.resize(at); break;
-        }
-      }
+      const std::string text = damaged(valid, rng);
       try {
         engine::parse_lane_set(text, "x.json");
         ++parsed;
@@ -378,6 +385,28 @@ class TestLanes : public QObject {
       std::ofstream(bad) << text;
       DIFFRACT_EXPECT_ERROR(engine::read_lane_group(bad), "bad.json");
     }
+    // Damaged saved groups (the gallery reads any lanes-*/lanes.json): read or a diffract::Error.
+    std::string valid;
+    {
+      std::ifstream in(file);
+      valid.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    std::mt19937 rng(5);
+    int read = 0, refused = 0;
+    for (int i = 0; i < 1000; ++i) {
+      const std::string text = damaged(valid, rng);
+      std::ofstream(bad, std::ios::trunc) << text;
+      try {
+        for (const auto& lane : engine::read_lane_group(bad).lanes)
+          QVERIFY(lane.image.empty() || fs::path(lane.image).parent_path() == dir);
+        ++read;
+      } catch (const Error&) {
+        ++refused;
+      } catch (const std::exception& e) {
+        QFAIL(qPrintable(QString("not a diffract::Error: %1 for %2").arg(e.what(), QString::fromStdString(text))));
+      }
+    }
+    QVERIFY(read > 0 && refused > 0);
     // The setup inside reads back as the set that ran.
     QCOMPARE(engine::lane_set_to_json(engine::parse_lane_set(j["setup"].dump(), "setup")), engine::lane_set_to_json(set));
   }
