@@ -4,6 +4,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 ./scripts/setup.sh
+user_qpa="${QT_QPA_PLATFORM-}"  # env.sh sets offscreen for the tests; the window needs the user's
 source scripts/env.sh
 cmake --preset default >/dev/null
 cmake --build --preset default -j "$jobs"
@@ -29,3 +30,14 @@ else
     --preview-dir out/previews --out out/apple.png
 fi
 echo "[quickstart] the image (with its parameters in PNG text chunks) is out/apple.png, each step's preview in out/previews/"
+
+# With a display, the desktop app opens next (its first start selects the embedded model);
+# without one, or with DIFFRACT_QUICKSTART_GUI=0, the CLI job above is the whole run.
+app=build/default/app/diffract
+if [ "${DIFFRACT_QUICKSTART_GUI:-1}" != 0 ] && { [ -n "${DISPLAY:-}" ] || [ -n "${WAYLAND_DISPLAY:-}" ]; } && [ -x "$app" ]; then
+  echo "[quickstart] opening the window ($app); close it to end"
+  if [ -n "$user_qpa" ]; then export QT_QPA_PLATFORM="$user_qpa"; else unset QT_QPA_PLATFORM; fi
+  "$app" || echo "[quickstart] the window did not open ($app exited with $?); run it yourself to see why"
+else
+  echo "[quickstart] no display here: on a desktop, open the window with $app (the embedded model is selected on its first start)"
+fi
