@@ -31,13 +31,15 @@ else
 fi
 echo "[quickstart] the image (with its parameters in PNG text chunks) is out/apple.png, each step's preview in out/previews/"
 
-# With a display, the desktop app opens next (its first start selects the embedded model);
-# without one, or with DIFFRACT_QUICKSTART_GUI=0, the CLI job above is the whole run.
+# With a display and a terminal (a person, not a script waiting on it), the desktop app opens
+# next (its first start selects the embedded model); otherwise, or with DIFFRACT_QUICKSTART_GUI=0,
+# the CLI job above is the whole run.
 app=build/default/app/diffract
-if [ "${DIFFRACT_QUICKSTART_GUI:-1}" != 0 ] && { [ -n "${DISPLAY:-}" ] || [ -n "${WAYLAND_DISPLAY:-}" ]; } && [ -x "$app" ]; then
+if [ "${DIFFRACT_QUICKSTART_GUI:-1}" != 0 ] && { [ -n "${DISPLAY:-}" ] || [ -n "${WAYLAND_DISPLAY:-}" ]; } &&
+   [ -t 0 ] && [ -x "$app" ]; then
   echo "[quickstart] opening the window ($app); close it to end"
   if [ -n "$user_qpa" ]; then export QT_QPA_PLATFORM="$user_qpa"; else unset QT_QPA_PLATFORM; fi
   "$app" || echo "[quickstart] the window did not open ($app exited with $?); run it yourself to see why"
 else
-  echo "[quickstart] no display here: on a desktop, open the window with $app (the embedded model is selected on its first start)"
+  echo "[quickstart] to see the window: $app on a desktop (the embedded model is selected on its first start)"
 fi
