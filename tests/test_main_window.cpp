@@ -8,6 +8,8 @@
 #include <QLineEdit>
 #include <QPlainTextEdit>
 #include <QPushButton>
+#include <QScrollBar>
+#include <QScrollArea>
 #include <QFileInfo>
 #include <QSettings>
 #include <QSignalSpy>
@@ -1064,6 +1066,13 @@ class TestMainWindow : public QObject {
     w.resize(1280, 720);
     w.show();
     QVERIFY(QTest::qWaitForWindowExposed(&w));
+    // The settings fit the left pane's width: no control cut off behind a sideways scroll.
+    auto* settings = child<QScrollArea>(w, "settingsScroll");
+    QVERIFY2(settings->widget()->minimumSizeHint().width() <= settings->viewport()->width(),
+             qPrintable(QString("the form needs %1 px, the pane gives %2")
+                            .arg(settings->widget()->minimumSizeHint().width())
+                            .arg(settings->viewport()->width())));
+    QVERIFY(!settings->horizontalScrollBar()->isVisible());
     // Generate and Cancel sit below the scrolled form: inside the window at 1280x720.
     for (const char* name : {"generateButton", "cancelButton"}) {
       auto* b = child<QPushButton>(w, name);

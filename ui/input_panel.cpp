@@ -118,8 +118,8 @@ InputPanel::InputPanel(MaskEditor* editor, QWidget* parent) : QWidget(parent), m
   m_outpaintFill->setObjectName(QStringLiteral("outpaintFill"));
   m_outpaintFill->addItem(tr("edge"), QStringLiteral("edge"));
   m_outpaintFill->addItem(tr("blurred edge"), QStringLiteral("blur"));
-  outpaintRow->addWidget(m_outpaintFill);
   form->addRow(tr("Outpaint L T R B"), outpaintRow);
+  form->addRow(tr("Outpaint fill"), m_outpaintFill);  // a row of its own: the pane stays narrow
   layout->addLayout(form);
 
   connect(m_strength, &QSlider::valueChanged, this, [this] { updateInfo(); });

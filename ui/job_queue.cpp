@@ -94,6 +94,7 @@ JobQueuePanel::JobQueuePanel(QWidget* parent) : QGroupBox(tr("Queue"), parent) {
   layout->addLayout(grid);
   m_total = new QLabel;
   m_total->setObjectName(QStringLiteral("queueTotalLabel"));
+  m_total->setWordWrap(true);
   layout->addWidget(m_total);
 
   connect(m_up, &QPushButton::clicked, this, [this] { moveUp(m_list->currentRow()); });

@@ -326,7 +326,14 @@ void MainWindow::buildUi() {
   m_settings->negative()->viewport()->installEventFilter(this);
 
   guardWheel(form);
+  // Long entries (lane setups, T5 placements, model names) must not widen the form past its pane,
+  // which cut off the rows' buttons at 1280 px: each combo shows what fits, its list the whole text.
+  for (auto* combo : form->findChildren<QComboBox*>()) {
+    combo->setSizeAdjustPolicy(QComboBox::AdjustToMinimumContentsLengthWithIcon);
+    combo->setMinimumContentsLength(8);
+  }
   auto* scroll = new QScrollArea;
+  scroll->setObjectName(QStringLiteral("settingsScroll"));
   scroll->setWidget(form);
   scroll->setWidgetResizable(true);
   scroll->setMinimumWidth(300);
