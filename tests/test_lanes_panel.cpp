@@ -249,6 +249,12 @@ class TestLanesPanel : public QObject {
     const QString error = child<QLabel>(w, "errorLabel")->text();
     QVERIFY2(error.contains("broken-lanes.json: lane 1: field 'files'") && error.contains("not a file of the group's folder"),
              qPrintable(error));
+    // Deleting the group's tile removes its folder and the tile.
+    const QString groupPath = group->path;
+    QCOMPARE(gallery->deleteFiles({groupPath}), QString());
+    QVERIFY(!QFileInfo::exists(QFileInfo(file).absolutePath()));
+    QVERIFY(std::none_of(gallery->entries().begin(), gallery->entries().end(),
+                         [&](const GalleryView::Entry& e) { return e.path == groupPath; }));
   }
 
   // Three lanes; the GUI thread never stalls 50 ms while they run; a cancel mid-run ends every
