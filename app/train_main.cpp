@@ -44,7 +44,10 @@ void write_sheet(const fs::path& path, const std::vector<at::Tensor>& cells, int
 }
 
 // Held-out prompts generated with fixed seeds; each image's nearest rendered scene of the same
-// setting (pixel space, over every emoji of the atlas) should show the same emoji.
+// setting (pixel space, over every emoji of the atlas) should show the same emoji. Besides, the
+// background colour (the nearest named colour to the image's border) and the position (the valid
+// position whose rendered scene of the prompt's emoji puts the foreground's centre nearest to the
+// image's) are checked against the prompt's.
 json evaluate(const fs::path& model, const fs::path& atlas_dir, const fs::path& holdout_file, const fs::path& sheet,
               int steps, double cfg, int64_t limit, const std::string& device) {
   const auto atlas = training::SpriteAtlas::load(atlas_dir);
@@ -54,7 +57,7 @@ json evaluate(const fs::path& model, const fs::path& atlas_dir, const fs::path& 
   training::SceneComposer composer(atlas, training::HoldOut{}, {}, at::Device(at::kCPU));
   auto pipe = pipeline::StableDiffusion::load(model, device);
   const int64_t n = atlas.size(), size = composer.options().image_size;
-  int top1 = 0, top5 = 0;
+  int top1 = 0, top5 = 0, background_hits = 0, position_hits = 0;
   std::vector<at::Tensor> cells;
   json rows = json::array();
   double gen_seconds = 0;
@@ -91,8 +94,19 @@ json evaluate(const fs::path& model, const fs::path& atlas_dir, const fs::path& 
                       order.begin() + std::min<int64_t>(5, n);
     top1 += hit1;
     top5 += hit5;
+    const auto image = gen.squeeze(0);
+    const int colour = training::measured_background(image);
+    const bool background_hit = colour == spec.colour;
+    const int position = training::measured_position(composer, spec, image);
+    const bool position_hit = position == spec.position;
+    background_hits += background_hit;
+    position_hits += position_hit;
     rows.push_back({{"prompt", req.prompt}, {"seed", req.seed}, {"top1", hit1}, {"top5", hit5},
-                    {"nearest", atlas.sprites()[static_cast<std::size_t>(order[0])].name}});
+                    {"nearest", atlas.sprites()[static_cast<std::size_t>(order[0])].name},
+                    {"background", training::background_colours()[static_cast<std::size_t>(colour)].name},
+                    {"background_right", background_hit},
+                    {"position", position >= 0 ? training::position_names()[static_cast<std::size_t>(position)] : "none"},
+                    {"position_right", position_hit}});
     log::get("eval").info(log::str(k + 1, "/", specs.size(), " ", req.prompt, " -> ",
                                    atlas.sprites()[static_cast<std::size_t>(order[0])].name, hit1 ? " (hit)" : ""));
   }
@@ -101,7 +115,12 @@ json evaluate(const fs::path& model, const fs::path& atlas_dir, const fs::path& 
   const double c = static_cast<double>(std::max<int64_t>(count, 1));
   return {{"model", model.string()}, {"prompts", count}, {"candidates", n}, {"steps", steps}, {"cfg", cfg},
           {"metric", "nearest rendered scene of the same setting in pixel space (MSE), over every emoji"},
-          {"top1", top1 / c}, {"top5", top5 / c}, {"random_top1", 1.0 / static_cast<double>(n)},
+          {"top1", top1 / c}, {"top5", top5 / c}, {"background_right", background_hits / c},
+          {"position_right", position_hits / c},
+          {"setting_metrics", "background: the named colour nearest to the median of the image's 4-pixel border; "
+                              "position: the valid position whose rendered scene of the prompt's emoji centres "
+                              "the foreground (pixels 0.2 from the background) nearest to the image's"},
+          {"random_top1", 1.0 / static_cast<double>(n)},
           {"random_top5", std::min(5.0, static_cast<double>(n)) / static_cast<double>(n)},
           {"seconds_per_image", gen_seconds / c}, {"results", rows}};
 }

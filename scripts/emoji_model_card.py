@@ -8,17 +8,60 @@ import os
 from PIL import Image, ImageDraw
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--run", required=True, help="folder with loss.csv and summary.json")
+ap.add_argument("--run", help="folder with loss.csv and summary.json")
 ap.add_argument("--eval", required=True, help="diffract-train eval output (JSON)")
-ap.add_argument("--model", required=True, help="the exported model folder")
+ap.add_argument("--model", help="the exported model folder")
+ap.add_argument("--eval-only", action="store_true",
+                help="write only docs/emoji-eval.md (an evaluation of the shipped model without its training run)")
 ap.add_argument("--docs", default="docs")
 ap.add_argument("--command", default="TRAIN_SCHEDULE_MINUTES=14 ./scripts/gpu_train.sh; TRAIN_SCHEDULE_MINUTES=14 RESUME=1 ./scripts/gpu_train.sh   # back to back, the second resumes")
 ap.add_argument("--gpu-eval", help="the same evaluation run on the GPU (JSON), reported beside the CPU one")
 args = ap.parse_args()
 
+ev = json.load(open(args.eval))
+
+
+def setting_text(ev):
+    """The background / position measures, when the evaluation has them."""
+    if "background_right" not in ev:
+        return ""
+    n = ev["prompts"]
+    return (f" Background colour right {ev['background_right']:.3f} ({round(ev['background_right'] * n)} of {n}), "
+            f"position right {ev['position_right']:.3f} ({round(ev['position_right'] * n)} of {n}): "
+            f"{ev['setting_metrics']}.")
+
+
+def write_eval_md(ev, docs):
+    setting = "background_right" in ev
+    lines = ["# diffract-emoji on its held-out prompts", "",
+             f"`diffract-train eval` ({ev['prompts']} prompts never sampled in training, seed 1000 + index, {ev['steps']} steps, "
+             f"CFG {ev['cfg']}): top-1 {ev['top1']:.3f}, top-5 {ev['top5']:.3f} (random guessing {ev['random_top1']:.4f} / "
+             f"{ev['random_top5']:.4f}). Nearest = the rendered scene of the same setting closest in pixels, over all "
+             f"{ev['candidates']} emoji." + setting_text(ev), "", "![held-out contact sheet](emoji-holdout.png)", "",
+             "Row-major, 8 a row:", ""]
+    if setting:
+        lines += ["| # | prompt | nearest emoji | top-1 | top-5 | background seen | position seen |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+    else:
+        lines += ["| # | prompt | nearest emoji | top-1 | top-5 |", "| --- | --- | --- | --- | --- |"]
+    for i, r in enumerate(ev["results"]):
+        row = f"| {i} | {r['prompt']} | {r['nearest']} | {'yes' if r['top1'] else ''} | {'yes' if r['top5'] else ''} |"
+        if setting:
+            row += (f" {r['background']}{' (right)' if r['background_right'] else ''} |"
+                    f" {r['position']}{' (right)' if r['position_right'] else ''} |")
+        lines.append(row)
+    open(os.path.join(docs, "emoji-eval.md"), "w").write("\n".join(lines) + "\n")
+
+
+if args.eval_only:
+    write_eval_md(ev, args.docs)
+    print("wrote", os.path.join(args.docs, "emoji-eval.md"))
+    raise SystemExit(0)
+if not args.run or not args.model:
+    ap.error("--run and --model are needed unless --eval-only")
+
 rows = [r for r in csv.DictReader(open(os.path.join(args.run, "loss.csv")))]
 summary = json.load(open(os.path.join(args.run, "summary.json")))
-ev = json.load(open(args.eval))
 steps = [int(r["step"]) for r in rows]
 loss = [float(r["loss"]) for r in rows]
 
@@ -104,6 +147,8 @@ over all {ev['candidates']} emoji) one with the same emoji?
 | diffract-emoji ({ev['prompts']} held-out prompts, CPU) | {ev['top1']:.3f} | {ev['top5']:.3f} |
 {gpu_row}| random guessing | {ev['random_top1']:.4f} | {ev['random_top5']:.4f} |
 
+{setting_text(ev).strip()}
+
 The GPU draws other initial noise for the same seed (and runs bf16), so its 64 images differ
 from the CPU's. 64 prompts are few: one hit is 0.016, so read both rows as "far above chance",
 not as two precise rates.
@@ -112,13 +157,5 @@ not as two precise rates.
 """
 open(os.path.join(args.model, "README.md"), "w").write(card)
 
-lines = ["# diffract-emoji on its held-out prompts", "",
-         f"`diffract-train eval` ({ev['prompts']} prompts never sampled in training, seed 1000 + index, {ev['steps']} steps, "
-         f"CFG {ev['cfg']}): top-1 {ev['top1']:.3f}, top-5 {ev['top5']:.3f} (random guessing {ev['random_top1']:.4f} / "
-         f"{ev['random_top5']:.4f}). Nearest = the rendered scene of the same setting closest in pixels, over all "
-         f"{ev['candidates']} emoji.", "", "![held-out contact sheet](emoji-holdout.png)", "",
-         "Row-major, 8 a row:", "", "| # | prompt | nearest emoji | top-1 | top-5 |", "| --- | --- | --- | --- | --- |"]
-for i, r in enumerate(ev["results"]):
-    lines.append(f"| {i} | {r['prompt']} | {r['nearest']} | {'yes' if r['top1'] else ''} | {'yes' if r['top5'] else ''} |")
-open(os.path.join(args.docs, "emoji-eval.md"), "w").write("\n".join(lines) + "\n")
+write_eval_md(ev, args.docs)
 print("wrote", os.path.join(args.model, "README.md"), "and emoji-loss.png, emoji-eval.md in", args.docs)

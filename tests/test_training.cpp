@@ -85,6 +85,32 @@ class TestTraining : public QObject {
     QCOMPARE(px(1, 0, 0).sum().item<float>(), 0.0f);
   }
 
+  // The evaluation's setting measures are exact on rendered scenes: every colour and valid
+  // placement of three sprites gives back its background and its position.
+  void measuresTheSettingOfRenderedScenes() {
+    const auto atlas = square_atlas(3);
+    SceneOptions o;
+    o.image_size = 64;
+    SceneComposer composer(atlas, HoldOut{}, o, at::kCPU);
+    int checked = 0;
+    for (int64_t emoji = 0; emoji < 3; ++emoji)
+      for (int colour = 0; colour < static_cast<int>(background_colours().size()); ++colour)
+        for (int scale = 0; scale < 3; ++scale)
+          for (int position = 0; position < 5; ++position) {
+            if (!valid_placement(scale, position)) continue;
+            const SceneSpec spec{emoji, colour, scale, position};
+            const auto image = composer.render({spec}, nullptr).squeeze(0);
+            QCOMPARE(measured_background(image), colour);
+            QCOMPARE(measured_position(composer, spec, image), position);
+            ++checked;
+          }
+    QCOMPARE(checked, 3 * 12 * 11);
+    // A picture of the background alone has no foreground, hence no position.
+    const auto blank = at::ones({3, 64, 64}).mul(at::tensor({1.0, 182 / 255.0, 193 / 255.0}).view({3, 1, 1}));
+    QCOMPARE(measured_background(blank), 2);  // pink
+    QCOMPARE(measured_position(composer, {0, 2, 0, 1}, blank), -1);
+  }
+
   void loadsAnAtlasFolderWithAsciiNames() {
     QTemporaryDir tmp;
     const fs::path dir = tmp.path().toStdString();

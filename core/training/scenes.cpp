@@ -1,5 +1,6 @@
 #include "core/training/scenes.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -353,6 +354,60 @@ std::string SceneComposer::sample_caption(const SceneSpec& spec, std::mt19937_64
 
 std::string SceneComposer::full_caption(const SceneSpec& spec) const {
   return caption(atlas_.sprites()[static_cast<std::size_t>(spec.emoji)].name, spec);
+}
+
+int measured_background(const at::Tensor& image, at::Tensor* colour) {
+  const int64_t s = image.size(1), r = std::min<int64_t>(4, s / 4);
+  const auto ring = at::cat({image.narrow(1, 0, r).reshape({3, -1}), image.narrow(1, s - r, r).reshape({3, -1}),
+                             image.narrow(2, 0, r).reshape({3, -1}), image.narrow(2, s - r, r).reshape({3, -1})},
+                            1);
+  const auto median = std::get<0>(ring.to(at::kFloat).median(1)).contiguous();
+  const float* m = median.data_ptr<float>();
+  int best = 0;
+  double best_d = 1e9;
+  const auto& named = background_colours();
+  for (std::size_t i = 0; i < named.size(); ++i) {
+    double d = 0;
+    for (std::size_t c = 0; c < 3; ++c) {
+      const double v = m[c] - named[i].rgb[c] / 255.0;
+      d += v * v;
+    }
+    if (d < best_d) best_d = d, best = static_cast<int>(i);
+  }
+  if (colour) *colour = median;
+  return best;
+}
+
+std::optional<std::pair<double, double>> foreground_centre(const at::Tensor& image, const at::Tensor& background) {
+  const auto mask = (image.to(at::kFloat) - background.to(at::kFloat).view({3, 1, 1})).pow(2).sum(0).sqrt() > 0.2;
+  const int64_t s = image.size(1);
+  const double count = mask.sum().item<double>();
+  if (count < 0.01 * static_cast<double>(s * image.size(2))) return std::nullopt;
+  const auto m = mask.to(at::kFloat);
+  const auto xs = at::arange(image.size(2), at::kFloat).div(static_cast<double>(std::max<int64_t>(image.size(2) - 1, 1)));
+  const auto ys = at::arange(s, at::kFloat).div(static_cast<double>(std::max<int64_t>(s - 1, 1)));
+  return std::make_pair((m * xs.view({1, -1})).sum().item<double>() / count,
+                        (m * ys.view({-1, 1})).sum().item<double>() / count);
+}
+
+int measured_position(const SceneComposer& composer, const SceneSpec& spec, const at::Tensor& image) {
+  at::Tensor background;
+  measured_background(image, &background);
+  const auto centre = foreground_centre(image, background);
+  if (!centre) return -1;
+  int best = -1;
+  double best_d = 1e9;
+  for (int p = 0; p < static_cast<int>(position_names().size()); ++p) {
+    if (!valid_placement(spec.scale, p)) continue;
+    const auto ref = composer.render({{spec.emoji, spec.colour, spec.scale, p}}, nullptr).squeeze(0).cpu();
+    at::Tensor ref_background;
+    measured_background(ref, &ref_background);
+    const auto ref_centre = foreground_centre(ref, ref_background);
+    if (!ref_centre) continue;
+    const double dx = ref_centre->first - centre->first, dy = ref_centre->second - centre->second;
+    if (dx * dx + dy * dy < best_d) best_d = dx * dx + dy * dy, best = p;
+  }
+  return best;
 }
 
 }  // namespace diffract::training

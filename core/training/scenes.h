@@ -2,10 +2,12 @@
 #include <array>
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -125,5 +127,19 @@ class SceneComposer {
   at::Tensor colours_;              // [C, 3] float in [0, 1]
   std::vector<std::pair<int, int>> placements_;  // valid (scale, position)
 };
+
+// What a picture [3, S, S] in [0, 1] shows of a scene's setting, measured from its pixels (the
+// evaluation's background and position checks; exact on rendered scenes, test_training).
+// The named background colour nearest to the median of the picture's outer 4-pixel ring per
+// channel (sprites sit centred or in a corner, never over most of the ring); `colour` [3] gets
+// that median when given.
+int measured_background(const at::Tensor& image, at::Tensor* colour = nullptr);
+// The mean position (x, y in [0, 1]) of the pixels farther than 0.2 (RGB distance) from
+// `background` [3]; none when under 1 % of the pixels are.
+std::optional<std::pair<double, double>> foreground_centre(const at::Tensor& image, const at::Tensor& background);
+// The valid position for spec.scale whose rendering of spec.emoji (on spec.colour, unjittered)
+// centres its foreground nearest to the picture's foreground centre; -1 when the picture shows
+// no foreground.
+int measured_position(const SceneComposer& composer, const SceneSpec& spec, const at::Tensor& image);
 
 }  // namespace diffract::training
