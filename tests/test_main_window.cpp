@@ -1057,6 +1057,15 @@ class TestMainWindow : public QObject {
     child<QSpinBox>(w, "widthSpin")->setValue(128);
     child<QSpinBox>(w, "heightSpin")->setValue(128);
     QVERIFY2(warning->text().contains("native 32×32"), qPrintable(warning->text()));
+    QVERIFY(!warning->text().contains("Decoding"));
+    // A decode no machine here can hold (16 images of 8192², ~2.7 TB in fp32) is named before the job.
+    child<QSpinBox>(w, "widthSpin")->setValue(8192);
+    child<QSpinBox>(w, "heightSpin")->setValue(8192);
+    child<QSpinBox>(w, "batchSpin")->setValue(16);
+    QVERIFY2(warning->text().contains("Decoding a batch of 16 at 8192×8192 needs about 2749 GB on the CPU") &&
+                 warning->text().contains("more than this machine's"),
+             qPrintable(warning->text()));
+    child<QSpinBox>(w, "batchSpin")->setValue(1);
     QCOMPARE(engine::guess_native_size(test::fixtures() / "tiny-sdxl"), std::optional<int>(32));
     QCOMPARE(engine::guess_native_size("/nonexistent"), std::optional<int>());
   }

@@ -26,6 +26,7 @@
 #include "core/job/request.h"
 #include "core/text/clip_tokenizer.h"
 #include "core/util/embedded_model.h"
+#include "core/util/memory.h"
 #include "ui/prompt_highlighter.h"
 #include "core/schedulers/sampler.h"
 #include "core/util/embedded_model.h"
@@ -280,6 +281,7 @@ SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
 
   m_batch = new QSpinBox;
   m_batch->setObjectName(QStringLiteral("batchSpin"));
+  connect(m_batch, &QSpinBox::valueChanged, this, &SettingsPanel::updateSizeWarning);
   m_batch->setRange(1, 16);
   fields->addRow(tr("Batch"), m_batch);
 
@@ -375,14 +377,27 @@ void SettingsPanel::updateSizeWarning() {
   // Beyond twice the side (four times the area) a model trained at n pixels makes repeats and
   // broken shapes, and the job costs that many times more.
   const bool far = n > 0 && w > 0 && h > 0 && (std::max(w, h) > 2 * n || double(w) * h > 4.0 * n * n);
-  m_sizeWarning->setVisible(far);
+  QStringList text;
   if (far)
-    m_sizeWarning->setText(tr("%1×%2 is %3× the pixels of this model's native %4×%4: expect a slow job and a "
-                              "broken picture (Model default is %4×%4)")
-                               .arg(w)
-                               .arg(h)
-                               .arg(double(w) * h / (double(n) * n), 0, 'f', 0)
-                               .arg(n));
+    text << tr("%1×%2 is %3× the pixels of this model's native %4×%4: expect a slow job and a "
+               "broken picture (Model default is %4×%4)")
+                .arg(w)
+                .arg(h)
+                .arg(double(w) * h / (double(n) * n), 0, 'f', 0)
+                .arg(n);
+  // The decode's memory, before a job that would fail on it after its whole denoising.
+  const int batch = m_batch ? m_batch->value() : 1;
+  const double cpu = decode_peak_bytes(w, h, batch, 4);
+  const double have = static_cast<double>(physical_memory_bytes());
+  if (w > 0 && h > 0 && have > 0 && cpu > have)
+    text << tr("Decoding %1%2×%3 needs about %4 GB on the CPU (half on a GPU in bf16), more than this machine's %5 GB")
+                .arg(batch > 1 ? tr("a batch of %1 at ").arg(batch) : QString())
+                .arg(w)
+                .arg(h)
+                .arg(cpu / 1e9, 0, 'f', 0)
+                .arg(have / 1e9, 0, 'f', 0);
+  m_sizeWarning->setVisible(!text.isEmpty());
+  m_sizeWarning->setText(text.join(QStringLiteral(". ")));
 }
 
 void SettingsPanel::updateGuidanceField() {

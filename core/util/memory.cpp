@@ -23,4 +23,9 @@ void check_fits_in_memory(std::int64_t parameters, const std::string& what) {
   throw Error(what + text);
 }
 
+double decode_peak_bytes(int width, int height, int batch, int value_bytes) {
+  return 5.0 * 128.0 * static_cast<double>(width) * static_cast<double>(height) * static_cast<double>(batch) *
+         static_cast<double>(value_bytes);
+}
+
 }  // namespace diffract
