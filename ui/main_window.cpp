@@ -803,19 +803,23 @@ void MainWindow::onFinished(const QList<QImage>& images, const QString& metadata
   const std::string stamp = engine::output_stamp(std::time(nullptr));
   std::string metadata = metadataJson.toStdString();  // with the input's files once they are written
   for (int i = 0; i < images.size(); ++i) {
-    const auto own = engine::batch_image_text(parameters.toStdString(), metadata, i, static_cast<int>(images.size()));
-    RenderedImage r{images[i], QString::fromStdString(own.parameters), QString::fromStdString(own.metadata_json), timings,
-                    QString()};
+    RenderedImage r{images[i], parameters, metadataJson, timings, QString()};
+    // This image's texts: the job's, with its place in the batch.
+    const auto keep = [&] {
+      const auto text = engine::batch_image_text(parameters.toStdString(), metadata, i, static_cast<int>(images.size()));
+      r.parameters = QString::fromStdString(text.parameters);
+      r.metadataJson = QString::fromStdString(text.metadata_json);
+    };
+    keep();
     if (saveError.isEmpty()) {
       try {
         const auto file = engine::unused_output_file(dir.path().toStdString(), stamp, std::to_string(m_jobRequest.seed), i);
-        if (i == 0)
+        if (i == 0) {  // the inputs' files join the metadata of every image of the batch
           metadata = ControlNetPanel::addPreprocessors(
               engine::save_inputs_beside(file, m_jobRequest.input, m_jobRequest.controlnets, metadata), m_jobControlUnits);
-        const auto text = engine::batch_image_text(parameters.toStdString(), metadata, i, static_cast<int>(images.size()));
-        r.parameters = QString::fromStdString(text.parameters);
-        r.metadataJson = QString::fromStdString(text.metadata_json);
-        engine::save_image(file, toCoreImage(images[i]), text.parameters, text.metadata_json);
+          keep();
+        }
+        engine::save_image(file, toCoreImage(images[i]), r.parameters.toStdString(), r.metadataJson.toStdString());
         const QString path = QString::fromStdString(file.string());
         r.savedPath = path;
         if (firstSaved.isEmpty()) firstSaved = path;
