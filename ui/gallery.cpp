@@ -213,17 +213,12 @@ void GalleryView::insertItem(int row, const Entry& e) {
   auto* item = new QListWidgetItem(QIcon(QPixmap::fromImage(e.thumbnail)), caption(e));
   item->setData(Qt::UserRole, e.path);
   item->setData(Qt::UserRole + 1, e.lanes);
-  if (e.lanes > 0) {
-    item->setToolTip(tr("%1 (double-click to compare)\n%2")
-                         .arg(QDir::toNativeSeparators(QFileInfo(e.path).dir().dirName()), e.parameters));
-    m_list->insertItem(row, item);
-    return;
-  }
-  item->setToolTip(tr("%1 (%2×%3)\n%4")
-                       .arg(QFileInfo(e.path).fileName())
-                       .arg(e.size.width())
-                       .arg(e.size.height())
-                       .arg(e.parameters.isEmpty() ? tr("no parameters") : e.parameters));
+  item->setToolTip(e.lanes > 0 ? tr("%1 (double-click to compare)\n%2").arg(QFileInfo(e.path).dir().dirName(), e.parameters)
+                               : tr("%1 (%2×%3)\n%4")
+                                     .arg(QFileInfo(e.path).fileName())
+                                     .arg(e.size.width())
+                                     .arg(e.size.height())
+                                     .arg(e.parameters.isEmpty() ? tr("no parameters") : e.parameters));
   m_list->insertItem(row, item);
 }
 
