@@ -49,12 +49,15 @@ void write_sheet(const fs::path& path, const std::vector<at::Tensor>& cells, int
 // position whose rendered scene of the prompt's emoji puts the foreground's centre nearest to the
 // image's) are checked against the prompt's.
 json evaluate(const fs::path& model, const fs::path& atlas_dir, const fs::path& holdout_file, const fs::path& sheet,
-              int steps, double cfg, int64_t limit, const std::string& device) {
+              int steps, double cfg, int64_t limit, const std::string& device, const fs::path& lora,
+              const std::string& style) {
   const auto atlas = training::SpriteAtlas::load(atlas_dir);
   auto holdout = training::HoldOut::load(holdout_file, atlas);
   auto specs = holdout.specs();
   if (limit > 0 && static_cast<int64_t>(specs.size()) > limit) specs.resize(static_cast<std::size_t>(limit));
-  training::SceneComposer composer(atlas, training::HoldOut{}, {}, at::Device(at::kCPU));
+  training::SceneOptions scene_options;
+  scene_options.style = style;
+  training::SceneComposer composer(atlas, training::HoldOut{}, scene_options, at::Device(at::kCPU));
   auto pipe = pipeline::StableDiffusion::load(model, device);
   const int64_t n = atlas.size(), size = composer.options().image_size;
   int top1 = 0, top5 = 0, background_hits = 0, position_hits = 0;
@@ -71,6 +74,7 @@ json evaluate(const fs::path& model, const fs::path& atlas_dir, const fs::path& 
     req.preview_every = 0;
     req.width = req.height = static_cast<int>(size);
     req.device = device;
+    if (!lora.empty()) req.loras.push_back({lora.string(), 1.0, 1.0, ""});
     const auto t0 = std::chrono::steady_clock::now();
     auto result = pipe->generate(req, {}, job::CancelToken{});
     gen_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -113,7 +117,7 @@ json evaluate(const fs::path& model, const fs::path& atlas_dir, const fs::path& 
   const int64_t count = static_cast<int64_t>(specs.size());
   if (!sheet.empty() && count > 0) write_sheet(sheet, cells, size);
   const double c = static_cast<double>(std::max<int64_t>(count, 1));
-  return {{"model", model.string()}, {"prompts", count}, {"candidates", n}, {"steps", steps}, {"cfg", cfg},
+  return {{"model", model.string()}, {"lora", lora.string()}, {"style", style}, {"prompts", count}, {"candidates", n}, {"steps", steps}, {"cfg", cfg},
           {"metric", "nearest rendered scene of the same setting in pixel space (MSE), over every emoji"},
           {"top1", top1 / c}, {"top5", top5 / c}, {"background_right", background_hits / c},
           {"position_right", position_hits / c},
@@ -140,7 +144,10 @@ int main(int argc, char** argv) {
   train->add_option("--holdout", c.holdout, "hold-out list (resources/training/holdout.tsv)")->required();
   train->add_option("--shared", shared, "folder with data/taesd/taef2_*.pth and data/clip/bpe_simple_vocab_16e6.txt.gz")
       ->capture_default_str();
-  train->add_option("--out", c.out, "run folder: loss.csv, summary.json, checkpoint/, model/")->required();
+  fs::path taesd, bpe;
+  train->add_option("--taesd", taesd, "TAEF2 (its .pth pair or a diffusers AutoencoderTiny folder); default: --shared's");
+  train->add_option("--bpe", bpe, "CLIP's bpe_simple_vocab_16e6.txt.gz; default: --shared's");
+  train->add_option("--out", c.out, "run folder: loss.csv, summary.json, checkpoint/, model/ or lora.safetensors")->required();
   train->add_option("--model", c.model, "emoji or tiny")->capture_default_str();
   train->add_option("--device", c.device, "cpu or cuda:N")->capture_default_str();
   train->add_option("--autocast", c.autocast, "bf16 autocast: auto (CUDA), on, off")->capture_default_str();
@@ -159,6 +166,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   train->add_option("--seed", c.seed)->capture_default_str();
   train->add_flag("--resume", c.resume, "continue from <out>/checkpoint when there is one");
+  train->add_option("--base", c.base, "start from this exported model folder instead of random weights");
+  train->add_option("--lora-rank", c.lora_rank, "train only a LoRA of this rank on --base's UNet; exports <out>/lora.safetensors")
+      ->capture_default_str();
+  train->add_option("--style", c.style, "the scenes' style: outline (default: the emoji as drawn)");
+  train->add_flag("--inpaint", c.inpaint, "fine-tune --base into an inpainting model (mask and masked-image inputs)");
   bool no_export = false;
   train->add_flag("--no-export", no_export);
 
@@ -184,6 +196,10 @@ int main(int argc, char** argv) {
   eval->add_option("--cfg", eval_cfg)->capture_default_str();
   eval->add_option("--limit", eval_limit, "first N held-out prompts only")->capture_default_str();
   eval->add_option("--device", eval_device)->capture_default_str();
+  fs::path eval_lora;
+  std::string eval_style;
+  eval->add_option("--lora", eval_lora, "a LoRA applied at weight 1");
+  eval->add_option("--style", eval_style, "the style of the scenes compared against: outline (default: as drawn)");
 
   fs::path scenes_out;
   int scenes_count = 16;
@@ -193,15 +209,16 @@ int main(int argc, char** argv) {
   scenes->add_option("--out", scenes_out, "sheet PNG")->required();
   scenes->add_option("--count", scenes_count)->capture_default_str();
   scenes->add_option("--seed", holdout_seed)->capture_default_str();
+  std::string scenes_style;
+  scenes->add_option("--style", scenes_style, "outline (default: the emoji as drawn)");
 
   CLI11_PARSE(app, argc, argv);
   log::set_verbose(verbose);
   try {
     if (*train) {
-      c.taesd = shared / "data" / "taesd";
-      c.bpe = shared / "data" / "clip" / "bpe_simple_vocab_16e6.txt.gz";
-      require_file(c.taesd / "taef2_encoder.pth", "TAEF2 encoder");
-      require_file(c.taesd / "taef2_decoder.pth", "TAEF2 decoder");
+      c.taesd = taesd.empty() ? shared / "data" / "taesd" : taesd;
+      c.bpe = bpe.empty() ? shared / "data" / "clip" / "bpe_simple_vocab_16e6.txt.gz" : bpe;
+      require_file(c.taesd, "TAEF2");
       require_file(c.bpe, "CLIP BPE vocabulary");
       c.export_model = !no_export;
       training::Trainer trainer(c);
@@ -217,7 +234,10 @@ int main(int argc, char** argv) {
       std::cout << "wrote " << holdout_count << " held-out combinations to " << holdout_out.string() << "\n";
     } else if (*scenes) {
       const auto atlas = training::SpriteAtlas::load(atlas_dir);
-      training::SceneComposer composer(atlas, training::HoldOut::load(eval_holdout, atlas), {}, at::Device(at::kCPU));
+      training::SceneOptions scene_options;
+      scene_options.style = scenes_style;
+      training::SceneComposer composer(atlas, training::HoldOut::load(eval_holdout, atlas), scene_options,
+                                       at::Device(at::kCPU));
       std::mt19937_64 rng(holdout_seed);
       const auto specs = composer.sample(scenes_count, rng);
       const auto images = composer.render(specs, &rng);
@@ -226,7 +246,8 @@ int main(int argc, char** argv) {
       write_sheet(scenes_out, cells, composer.options().image_size);
       for (const auto& s : specs) std::cout << composer.sample_caption(s, rng) << "\n";
     } else if (*eval) {
-      std::cout << evaluate(eval_model, atlas_dir, eval_holdout, eval_sheet, eval_steps, eval_cfg, eval_limit, eval_device)
+      std::cout << evaluate(eval_model, atlas_dir, eval_holdout, eval_sheet, eval_steps, eval_cfg, eval_limit, eval_device,
+                            eval_lora, eval_style)
                        .dump(1)
                 << "\n";
     }

@@ -51,6 +51,33 @@ TrainConfig tiny_config() {
   return c;
 }
 
+// A tiny model exported as a LoRA's or inpainting model's base (once per folder).
+void export_tiny_base(const fs::path& dir) {
+  if (fs::exists(dir / "model_index.json")) return;
+  auto c = tiny_config();
+  c.lr = 5e-3;
+  c.ema_decay = 0;
+  const auto tok = text::CLIPTokenizer::from_openai_bpe(c.bpe);
+  CaptionEncoder enc(tok);
+  Trainer full(c);
+  full.set_latent_scale(0.7);
+  {
+    // As a trained model's: the output convolution starts at zero, which would hide what the
+    // fine-tunes change for the few steps run here.
+    at::NoGradGuard no_grad;
+    full.unet()->conv_out->weight.normal_(0, 0.05);
+  }
+  at::manual_seed(2);
+  for (int i = 0; i < 3; ++i) full.step(at::randn({2, 32, 8, 8}), enc.ids({"red apple", ""}));
+  full.export_diffusers(dir);
+}
+
+// The folder the diffusers scripts read (DIFFRACT_TRAIN_EXPORT), or a temporary one.
+fs::path export_root(const QTemporaryDir& tmp) {
+  const char* env = std::getenv("DIFFRACT_TRAIN_EXPORT");
+  return env ? fs::path(env) : fs::path(tmp.path().toStdString());
+}
+
 }  // namespace
 
 class TestTraining : public QObject {
@@ -109,6 +136,31 @@ class TestTraining : public QObject {
     const auto blank = at::ones({3, 64, 64}).mul(at::tensor({1.0, 182 / 255.0, 193 / 255.0}).view({3, 1, 1}));
     QCOMPARE(measured_background(blank), 2);  // pink
     QCOMPARE(measured_position(composer, {0, 2, 0, 1}, blank), -1);
+  }
+
+  // The outline style draws a square sprite's edge only: its inside shows the background and
+  // its edge ink that stands out from it (dark on white, light on black).
+  void outlineStyleDrawsTheEdgesInContrastingInk() {
+    const auto atlas = square_atlas(2);
+    SceneOptions o;
+    o.image_size = 64;
+    SceneComposer drawn(atlas, HoldOut{}, o, at::kCPU);
+    o.style = "outline";
+    SceneComposer outline(atlas, HoldOut{}, o, at::kCPU);
+    for (const auto& [colour, ink] : {std::pair{0, 0.08f}, std::pair{6, 0.95f}}) {  // white, black
+      const SceneSpec large{1, colour, 2, 0};
+      const auto bg = drawn.render({SceneSpec{1, colour, 0, 1}}, nullptr)[0].select(1, 63).select(1, 63);
+      const auto img = outline.render({large}, nullptr)[0];
+      const auto centre = img.select(1, 32).select(1, 32);
+      QVERIFY2(at::allclose(centre, bg), "the inside of the outline is the background");
+      QVERIFY2(!at::allclose(drawn.render({large}, nullptr)[0].select(1, 32).select(1, 32), bg),
+               "the drawn sprite covers it");
+      // Some pixel on the edge is the ink itself.
+      const auto distance = (img - ink).abs().amax(0);
+      QVERIFY2(distance.min().item<float>() < 0.02f, ("ink " + std::to_string(ink)).c_str());
+    }
+    o.style = "sketch";
+    DIFFRACT_EXPECT_ERROR(SceneComposer(atlas, HoldOut{}, o, at::kCPU), "style 'sketch'", "outline");
   }
 
   void loadsAnAtlasFolderWithAsciiNames() {
@@ -253,6 +305,202 @@ class TestTraining : public QObject {
     QVERIFY(std::isfinite(after));
   }
 
+  // A LoRA run starts from an exported model, trains only its adapters and writes a file that
+  // our pipeline applies and diffusers (peft) loads: emoji_lora_diffusers compares the latents
+  // both make with it (DIFFRACT_TRAIN_EXPORT).
+  void loraTrainsOnlyItsAdaptersAndExportsAPeftFile() {
+    QTemporaryDir tmp;
+    const auto root = export_root(tmp);
+    const auto base = root / "tiny-emoji-base", dir = root / "tiny-emoji-lora";
+    fs::remove_all(base);
+    fs::remove_all(dir);
+    export_tiny_base(base);
+    auto c = tiny_config();
+    const auto tok = text::CLIPTokenizer::from_openai_bpe(c.bpe);
+    CaptionEncoder enc(tok);
+    c.lora_rank = 4;
+    DIFFRACT_EXPECT_ERROR(Trainer{c}, "LoRA", "--base");
+    c.base = base;
+    c.lr = 1e-2;
+    c.ema_decay = 0;  // the exported adapters are the trained ones
+    Trainer lora(c);
+    QCOMPARE(lora.latent_scale(), 0.7);
+    std::map<std::string, at::Tensor> frozen;
+    for (const auto& p : lora.unet()->named_parameters()) frozen["unet." + p.key()] = p.value().clone();
+    for (const auto& p : lora.text_encoder()->named_parameters()) frozen["text." + p.key()] = p.value().clone();
+
+    // A batch the adapters can learn: at t = 999 the target is -x0, here a flat colour per
+    // caption (random pictures the full model memorises; a rank-4 LoRA on attention cannot).
+    at::manual_seed(5);
+    const auto latents = at::randn({4, 32, 1, 1}).expand({4, 32, 8, 8}).contiguous(), noise = at::randn({4, 32, 8, 8});
+    const auto ids = enc.ids({"red apple", "a small cat on a pink background", "", "a large dog"});
+    const auto t = at::full({4}, 999, at::kLong);
+    const double before = lora.loss(latents, ids, noise, t);
+    {
+      // Up-projections start at zero: the adapted model is the base, exactly.
+      auto b = tiny_config();
+      b.base = base;
+      Trainer plain(b);
+      QCOMPARE(plain.loss(latents, ids, noise, t), before);
+    }
+    for (int i = 0; i < 40; ++i) lora.step(latents, ids, noise, t);
+    const double after = lora.loss(latents, ids, noise, t);
+    qInfo() << "LoRA fixed-batch loss" << before << "->" << after;
+    QVERIFY2(after < 0.85 * before, "the adapters fit the batch");
+    for (const auto& p : lora.unet()->named_parameters())
+      QVERIFY2(!p.value().requires_grad() && at::equal(p.value(), frozen.at("unet." + p.key())), p.key().c_str());
+    for (const auto& p : lora.text_encoder()->named_parameters())
+      QVERIFY2(!p.value().requires_grad() && at::equal(p.value(), frozen.at("text." + p.key())), p.key().c_str());
+
+    const auto file = dir / "lora.safetensors";
+    lora.export_lora(file);
+    DIFFRACT_EXPECT_ERROR(lora.export_diffusers(dir / "model"), "LoRA", "export_lora");
+    const auto archive = io::SafetensorsArchive::open(file);
+    std::map<std::string, std::vector<int64_t>> shapes;
+    for (const auto& info : archive->tensors()) shapes[info.name] = info.shape;
+    // Attention q / k / v / out and the feed-forward's two layers of each transformer block.
+    int blocks = 0;
+    for (const auto& m : lora.unet()->named_modules())
+      if (m.key().size() > 5 && m.key().substr(m.key().size() - 5) == "attn1") ++blocks;
+    QVERIFY(blocks > 0);
+    QCOMPARE(shapes.size(), std::size_t(2 * 10 * blocks));
+    const std::string q = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q";
+    QCOMPARE(shapes.at(q + ".lora_A.weight"), (std::vector<int64_t>{4, 32}));
+    QCOMPARE(shapes.at(q + ".lora_B.weight"), (std::vector<int64_t>{32, 4}));
+
+    auto pipe = pipeline::StableDiffusion::load(base, "cpu");
+    job::GenerationRequest req;
+    req.prompt = "a small red apple in the top left on a light blue background";
+    req.width = req.height = 64;
+    req.steps = 4;
+    req.cfg = 3.0;
+    req.seed = 3;
+    req.sampler = "euler";
+    req.preview_every = 0;
+    const auto plain = pipe->generate(req, {}, job::CancelToken{});
+    req.loras.push_back({file.string(), 1.0, 1.0, ""});
+    const auto adapted = pipe->generate(req, {}, job::CancelToken{});
+    const auto as_tensor = [](const job::GenerationResult& r) {
+      return at::from_blob(const_cast<float*>(r.latents.data()), {1, 32, 8, 8}, at::kFloat).clone();
+    };
+    const auto a = as_tensor(adapted), p = as_tensor(plain);
+    const double change = ((a - p).norm() / p.norm()).item<double>();
+    qInfo() << "the LoRA moves the final latents by" << change << "(relative L2)";
+    QVERIFY2(change > 1e-3, "the LoRA changes the picture");
+    io::write_safetensors(dir / "diffract_latents.safetensors", {{"with_lora", a}, {"without", p}});
+    std::ofstream(dir / "diffract_request.json") << nlohmann::json{{"prompt", req.prompt}, {"steps", req.steps}, {"cfg", req.cfg},
+                                                                   {"seed", req.seed}, {"size", req.width}}
+                                                         .dump();
+  }
+
+  // Masks of every kind arrive: binary, some covering everything, most a part.
+  void inpaintingMasksArePartsOfTheScene() {
+    const auto atlas = square_atlas(4);
+    SceneOptions o;
+    o.image_size = 64;
+    SceneComposer composer(atlas, HoldOut{}, o, at::kCPU);
+    std::mt19937_64 rng(3);
+    const auto specs = composer.sample(200, rng);
+    const auto images = composer.render(specs, &rng);
+    std::mt19937_64 a(9), b(9);
+    const auto masks = composer.inpainting_masks(images, specs, a);
+    QVERIFY(at::equal(masks, composer.inpainting_masks(images, specs, b)));  // from the generator alone
+    QCOMPARE(masks.sizes().vec(), (std::vector<int64_t>{200, 1, 64, 64}));
+    QVERIFY(at::logical_or(masks.eq(0), masks.eq(1)).all().item<bool>());
+    const auto cover = masks.mean({1, 2, 3});
+    const auto full = cover.eq(1).sum().item<int64_t>(), partial = (cover.gt(0) & cover.lt(1)).sum().item<int64_t>();
+    qInfo() << "masks: all" << full << "part" << partial << "mean cover" << cover.mean().item<double>();
+    QVERIFY(full >= 8 && full <= 40);      // 10 % asked
+    QVERIFY(partial >= 150);
+    // The emoji masks: some partial mask holds a whole sprite and little else.
+    int emoji_like = 0;
+    for (int64_t i = 0; i < 200; ++i) {
+      const auto [x, y, side] = composer.sprite_box(specs[static_cast<std::size_t>(i)]);
+      const auto inside = masks[i][0].narrow(0, y + 6, side - 12).narrow(1, x + 6, side - 12).mean().item<double>();
+      emoji_like += inside == 1.0 && cover[i].item<double>() < 2.5 * side * side / (64.0 * 64.0);
+    }
+    QVERIFY2(emoji_like >= 20, std::to_string(emoji_like).c_str());
+  }
+
+  // An inpainting fine-tune widens the base UNet's input with zero weights for the mask and the
+  // masked image (so it starts as the base), learns from them, and exports a folder diffusers
+  // runs as a StableDiffusionInpaintPipeline: emoji_inpaint_diffusers compares the latents.
+  void inpaintingFineTuneStartsFromTheBaseAndExports() {
+    QTemporaryDir tmp;
+    const auto root = export_root(tmp);
+    const auto base = root / "tiny-emoji-base", dir = root / "tiny-emoji-inpaint";
+    fs::remove_all(dir);
+    export_tiny_base(base);
+    auto c = tiny_config();
+    const auto tok = text::CLIPTokenizer::from_openai_bpe(c.bpe);
+    CaptionEncoder enc(tok);
+    c.inpaint = true;
+    DIFFRACT_EXPECT_ERROR(Trainer{c}, "inpainting", "--base");
+    c.base = base;
+    c.lora_rank = 2;
+    DIFFRACT_EXPECT_ERROR(Trainer{c}, "either an inpainting model or a LoRA");
+    c.lora_rank = 0;
+    c.ema_decay = 0;
+    Trainer inpaint(c);
+    QCOMPARE(inpaint.unet()->conv_in->weight.size(1), int64_t(65));
+
+    at::manual_seed(6);
+    const auto latents = at::randn({4, 32, 8, 8}), noise = at::randn({4, 32, 8, 8});
+    const auto ids = enc.ids({"red apple", "a small cat on a pink background", "", "a large dog"});
+    const auto t = at::full({4}, 999, at::kLong);
+    {
+      auto b = tiny_config();
+      b.base = base;
+      Trainer plain(b);
+      QCOMPARE(inpaint.loss(latents, ids, noise, t, at::randn({4, 33, 8, 8})), plain.loss(latents, ids, noise, t));
+    }
+    // Nothing masked: the masked image's latents are the answer (-x0 at t = 999), which only
+    // the new channels show.
+    const auto extra = at::cat({at::zeros({4, 1, 8, 8}), latents}, 1);
+    const double before = inpaint.loss(latents, ids, noise, t, extra);
+    for (int i = 0; i < 40; ++i) inpaint.step(latents, ids, noise, t, extra);
+    const double after = inpaint.loss(latents, ids, noise, t, extra);
+    qInfo() << "inpainting fixed-batch loss" << before << "->" << after;
+    QVERIFY2(after < 0.5 * before, "the model reads the masked image");
+
+    inpaint.export_diffusers(dir);
+    const auto index = nlohmann::json::parse(std::ifstream(dir / "model_index.json"));
+    QCOMPARE(index.at("_class_name").get<std::string>(), std::string("StableDiffusionInpaintPipeline"));
+    const auto unet_config = nlohmann::json::parse(std::ifstream(dir / "unet" / "config.json"));
+    QCOMPARE(unet_config.at("in_channels").get<int>(), 65);
+
+    // Our pipeline inpaints with it: a scene, its centre masked.
+    auto pipe = pipeline::StableDiffusion::load(dir, "cpu");
+    job::GenerationRequest req;
+    req.prompt = "a small red apple in the centre on a light blue background";
+    req.width = req.height = 64;
+    req.steps = 4;
+    req.cfg = 3.0;
+    req.seed = 5;
+    req.sampler = "euler";
+    req.preview_every = 0;
+    io::Image image{64, 64, {}}, mask{64, 64, {}};
+    for (int y = 0; y < 64; ++y)
+      for (int x = 0; x < 64; ++x) {
+        const bool centre = x >= 16 && x < 48 && y >= 16 && y < 48;
+        for (int ch = 0; ch < 3; ++ch) {
+          image.rgb.push_back(static_cast<std::uint8_t>(centre ? 40 * ch + 3 * x : 173 + 20 * ch - y));
+          mask.rgb.push_back(centre ? 255 : 0);
+        }
+      }
+    req.input.image = image;
+    req.input.mask = mask;
+    const auto result = pipe->generate(req, {}, job::CancelToken{});
+    QCOMPARE(result.latents_shape, (std::vector<int64_t>{1, 32, 8, 8}));
+    const auto out = at::from_blob(const_cast<float*>(result.latents.data()), {1, 32, 8, 8}, at::kFloat).clone();
+    io::write_safetensors(dir / "diffract_latents.safetensors", {{"latents", out}});
+    io::write_png(dir / "diffract_image.png", image);
+    io::write_png(dir / "diffract_mask.png", mask);
+    std::ofstream(dir / "diffract_request.json") << nlohmann::json{{"prompt", req.prompt}, {"steps", req.steps}, {"cfg", req.cfg},
+                                                                   {"seed", req.seed}, {"size", req.width}}
+                                                         .dump();
+  }
+
   // Writes the folder the diffusers parity script reads (DIFFRACT_TRAIN_EXPORT) with our latents.
   void exportedFolderLoadsAndGenerates() {
     auto c = tiny_config();
@@ -304,7 +552,18 @@ class TestTraining : public QObject {
     QCOMPARE(result.latents_shape, (std::vector<int64_t>{1, 32, 8, 8}));
     const auto latents = at::from_blob(const_cast<float*>(result.latents.data()), {1, 32, 8, 8}, at::kFloat).clone();
     QVERIFY(latents.abs().sum().item<double>() > 0);
-    io::write_safetensors(dir / "diffract_latents.safetensors", {{"latents", latents}});
+    // The training objective beside it: the schedule, a noised batch and its v target.
+    NoiseSchedule schedule;
+    at::manual_seed(4);
+    const auto x0 = at::randn({4, 32, 8, 8}), noise = at::randn({4, 32, 8, 8});
+    const auto t = at::tensor({0, 333, 998, 999}, at::kLong);
+    QCOMPARE(schedule.alphas_cumprod[-1].item<double>(), 0.0);
+    io::write_safetensors(dir / "diffract_latents.safetensors",
+                          {{"latents", latents},
+                           {"alphas_cumprod", schedule.alphas_cumprod.to(at::kFloat)},
+                           {"x0", x0}, {"noise", noise}, {"timesteps", t},
+                           {"noisy", schedule.add_noise(x0, noise, t)},
+                           {"velocity", schedule.velocity(x0, noise, t)}});
     std::ofstream(dir / "diffract_request.json") << nlohmann::json{{"prompt", req.prompt}, {"steps", req.steps}, {"cfg", req.cfg},
                                                                    {"seed", req.seed}, {"size", req.width}}
                                                          .dump();

@@ -256,9 +256,31 @@ void HoldOut::save(const fs::path& file, const SpriteAtlas& atlas) const {
         << position_names()[static_cast<std::size_t>(s.position)] << '\n';
 }
 
+const std::vector<std::string>& scene_styles() {
+  static const std::vector<std::string> styles = {"", "outline"};
+  return styles;
+}
+
+at::Tensor outline_lines(const at::Tensor& premultiplied) {
+  const auto dilate = [](const at::Tensor& x) { return at::max_pool2d(x, {3, 3}, {1, 1}, {1, 1}); };
+  const auto erode = [&](const at::Tensor& x) { return -dilate(-x); };
+  const auto alpha = premultiplied.narrow(1, 3, 1);
+  const auto solid = alpha.gt(0.5).to(alpha.scalar_type());
+  // The silhouette's edge, and edges between colours inside it (eyes, stripes, letters).
+  const auto silhouette = dilate(alpha) - erode(alpha);
+  const auto straight = premultiplied.narrow(1, 0, 3) / alpha.clamp_min(1e-3) * solid;
+  const auto contrast = std::get<0>((dilate(straight) - erode(straight)).max(1, /*keepdim=*/true));
+  const auto inner = ((contrast - 0.3) / 0.2).clamp(0, 1) * erode(solid);
+  return at::maximum(silhouette, inner).clamp(0, 1);
+}
+
 SceneComposer::SceneComposer(const SpriteAtlas& atlas, HoldOut holdout, SceneOptions options, c10::Device device)
     : atlas_(atlas), holdout_(std::move(holdout)), options_(options), device_(device) {
   if (atlas.size() == 0) throw Error("scene composer: the atlas holds no sprites");
+  const auto& styles = scene_styles();
+  if (std::find(styles.begin(), styles.end(), options_.style) == styles.end())
+    throw Error("scene style '" + options_.style + "' is not outline (or empty: the emoji as drawn)");
+  const bool outline = options_.style == "outline";
   at::NoGradGuard no_grad;
   for (int scale = 0; scale < 3; ++scale) {
     const int64_t side = scale_pixels(scale, options_.image_size);
@@ -267,7 +289,8 @@ SceneComposer::SceneComposer(const SpriteAtlas& atlas, HoldOut holdout, SceneOpt
       auto px = atlas.pixels().narrow(0, i, std::min<int64_t>(256, atlas.size() - i)).to(device).to(at::kFloat) / 255.0;
       auto alpha = px.narrow(1, 3, 1);
       auto premult = at::cat({px.narrow(1, 0, 3) * alpha, alpha}, 1);
-      chunks.push_back(at::_upsample_bilinear2d_aa(premult, {side, side}, false, std::nullopt, std::nullopt).clamp(0, 1));
+      auto scaled = at::_upsample_bilinear2d_aa(premult, {side, side}, false, std::nullopt, std::nullopt).clamp(0, 1);
+      chunks.push_back(outline ? outline_lines(scaled) : scaled);
     }
     scaled_.push_back(at::cat(chunks));
   }
@@ -275,6 +298,10 @@ SceneComposer::SceneComposer(const SpriteAtlas& atlas, HoldOut holdout, SceneOpt
   for (const auto& c : background_colours())
     for (auto v : c.rgb) rgb.push_back(static_cast<float>(v) / 255.0f);
   colours_ = at::tensor(rgb).view({-1, 3}).to(device);
+  // Near-black ink on light backgrounds, near-white on dark ones (Rec. 709 luma).
+  const auto luma = colours_.matmul(at::tensor({0.2126f, 0.7152f, 0.0722f}, colours_.options()));
+  inks_ = at::where(luma.gt(0.45).unsqueeze(1), at::full({1, 3}, 0.08f, colours_.options()),
+                    at::full({1, 3}, 0.95f, colours_.options()));
   for (int s = 0; s < 3; ++s)
     for (int p = 0; p < 5; ++p)
       if (valid_placement(s, p)) placements_.emplace_back(s, p);
@@ -324,12 +351,9 @@ at::Tensor SceneComposer::render(const std::vector<SceneSpec>& specs, std::mt199
   table = table.to(device_);
   const auto emoji = table[0], placement = table[2];
   auto images = colours_.index_select(0, table[1]).view({n, 3, 1, 1}).repeat({1, 1, size, size});
-  const int64_t margin = size / 21;
+  const auto inked = options_.style == "outline" ? inks_.index_select(0, table[1]).view({n, 3, 1, 1}) : at::Tensor();
   for (const auto& [scale, position] : placements_) {
-    const int64_t side = scale_pixels(scale, size);
-    const int64_t far = size - side - margin, mid = (size - side) / 2;
-    int64_t x = position == 0 ? mid : (position == 1 || position == 3) ? margin : far;
-    int64_t y = position == 0 ? mid : (position == 1 || position == 2) ? margin : far;
+    auto [x, y, side] = sprite_box({0, 0, scale, position});
     if (rng && options_.jitter > 0) {
       const auto span = static_cast<std::uint64_t>(2 * options_.jitter + 1);
       x = std::clamp<int64_t>(x + static_cast<int64_t>((*rng)() % span) - options_.jitter, 0, size - side);
@@ -337,11 +361,72 @@ at::Tensor SceneComposer::render(const std::vector<SceneSpec>& specs, std::mt199
     }
     const auto here = placement.eq(scale * 8 + position).to(at::kFloat).view({n, 1, 1, 1});
     auto sprite = scaled_[static_cast<std::size_t>(scale)].index_select(0, emoji);
-    auto alpha = sprite.narrow(1, 3, 1) * here;
     auto region = images.narrow(2, y, side).narrow(3, x, side);
-    region.copy_(region * (1 - alpha) + sprite.narrow(1, 0, 3) * here);
+    if (inked.defined()) {
+      const auto alpha = sprite * here;
+      region.copy_(region * (1 - alpha) + inked * alpha);
+    } else {
+      const auto alpha = sprite.narrow(1, 3, 1) * here;
+      region.copy_(region * (1 - alpha) + sprite.narrow(1, 0, 3) * here);
+    }
   }
   return images;
+}
+
+std::array<int64_t, 3> SceneComposer::sprite_box(const SceneSpec& spec) const {
+  const int64_t size = options_.image_size, margin = size / 21, side = scale_pixels(spec.scale, size);
+  const int64_t far = size - side - margin, mid = (size - side) / 2;
+  const int p = spec.position;
+  const int64_t x = p == 0 ? mid : (p == 1 || p == 3) ? margin : far;
+  const int64_t y = p == 0 ? mid : (p == 1 || p == 2) ? margin : far;
+  return {x, y, side};
+}
+
+at::Tensor SceneComposer::inpainting_masks(const at::Tensor& images, const std::vector<SceneSpec>& specs,
+                                           std::mt19937_64& rng) const {
+  at::NoGradGuard no_grad;
+  const int64_t n = static_cast<int64_t>(specs.size()), size = images.size(-1);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  // Per image: kind (0 emoji, 1 box, 2 ellipse, 3 stroke, 4 all) and six numbers in pixels.
+  auto params = at::zeros({n, 7}, at::kFloat);
+  auto* p = params.data_ptr<float>();
+  const double s = static_cast<double>(size);
+  for (int64_t i = 0; i < n; ++i) {
+    const double k = u(rng);
+    const int kind = k < 0.35 ? 0 : k < 0.55 ? 1 : k < 0.7 ? 2 : k < 0.9 ? 3 : 4;
+    float* q = p + i * 7;
+    q[0] = static_cast<float>(kind);
+    const double w = (0.15 + 0.6 * u(rng)) * s, h = (0.15 + 0.6 * u(rng)) * s;  // box / ellipse extent
+    const double cx = w / 2 + u(rng) * (s - w), cy = h / 2 + u(rng) * (s - h);
+    q[1] = static_cast<float>(cx), q[2] = static_cast<float>(cy), q[3] = static_cast<float>(w / 2),
+    q[4] = static_cast<float>(h / 2);
+    if (kind == 3) {  // a stroke: a segment of random length and direction, thick as a brush
+      q[3] = static_cast<float>(u(rng) * s), q[4] = static_cast<float>(u(rng) * s);
+      q[5] = static_cast<float>((0.04 + 0.08 * u(rng)) * s);
+    }
+  }
+  params = params.to(images.device());
+  const auto col = [&](int j) { return params.select(1, j).view({n, 1, 1}); };
+  const auto coords = at::arange(size, images.options()).add(0.5);
+  const auto X = coords.view({1, 1, size}), Y = coords.view({1, size, 1});
+  const auto kind = col(0);
+  const auto box = ((X - col(1)).abs() <= col(3)) & ((Y - col(2)).abs() <= col(4));
+  const auto ellipse = ((X - col(1)) / col(3)).pow(2) + ((Y - col(2)) / col(4)).pow(2) <= 1;
+  // Distance to the segment from (cx, cy) to (ex, ey) below the brush radius.
+  const auto dx = col(3) - col(1), dy = col(4) - col(2);
+  const auto len2 = (dx * dx + dy * dy).clamp_min(1e-6);
+  const auto along = (((X - col(1)) * dx + (Y - col(2)) * dy) / len2).clamp(0, 1);
+  const auto stroke = (X - col(1) - along * dx).pow(2) + (Y - col(2) - along * dy).pow(2) <= col(5).pow(2);
+  // The emoji's own pixels (farther than 0.05 from the background), dilated 2..10 px.
+  auto table = at::empty({n}, at::kLong);
+  for (int64_t i = 0; i < n; ++i) table.data_ptr<int64_t>()[i] = specs[static_cast<std::size_t>(i)].colour;
+  const auto bg = colours_.to(images.device()).index_select(0, table.to(images.device())).view({n, 3, 1, 1});
+  const auto fg = (images - bg).abs().amax(1, /*keepdim=*/true).gt(0.05).to(images.scalar_type());
+  const int64_t grow = 2 + static_cast<int64_t>(rng() % 9);
+  const auto emoji = at::max_pool2d(fg, {2 * grow + 1, 2 * grow + 1}, {1, 1}, {grow, grow}).squeeze(1).gt(0.5);
+  auto mask = at::where(kind.eq(0), emoji,
+                        at::where(kind.eq(1), box, at::where(kind.eq(2), ellipse, at::where(kind.eq(3), stroke, kind.eq(4)))));
+  return mask.unsqueeze(1).to(images.scalar_type());
 }
 
 std::string SceneComposer::sample_caption(const SceneSpec& spec, std::mt19937_64& rng) const {

@@ -96,7 +96,14 @@ struct SceneOptions {
   int64_t jitter = 4;           // random shift of each placement in pixels (0: exact)
   double name_only = 0.1;       // probability of a caption with the name alone
   double keep_phrase = 0.85;    // probability of each setting phrase otherwise
+  // "" draws the emoji; "outline" draws only its lines (silhouette and colour edges) in ink
+  // that stands out from the background: the style the shipped LoRA adds.
+  std::string style;
 };
+// The styles SceneOptions::style takes.
+const std::vector<std::string>& scene_styles();
+// A premultiplied sprite [N, 4, s, s] as the outline style's line mask [N, 1, s, s] in [0, 1].
+at::Tensor outline_lines(const at::Tensor& premultiplied);
 
 // Composes scenes on a device: sprites pre-resized per scale (premultiplied, antialiased),
 // alpha-composited onto the background colour.
@@ -110,6 +117,12 @@ class SceneComposer {
   std::vector<SceneSpec> all() const;
   // Images [B, 3, S, S] float in [0, 1] on the device; `rng` drives the jitter (none when null).
   at::Tensor render(const std::vector<SceneSpec>& specs, std::mt19937_64* rng) const;
+  // Where spec's sprite lies without jitter: x, y, side (pixels).
+  std::array<int64_t, 3> sprite_box(const SceneSpec& spec) const;
+  // Inpainting masks [B, 1, S, S] (1 = repaint) on the device for rendered `images` of `specs`,
+  // of the kinds a user paints: over the emoji (its pixels, dilated), a box, an ellipse, a brush
+  // stroke, or everything.
+  at::Tensor inpainting_masks(const at::Tensor& images, const std::vector<SceneSpec>& specs, std::mt19937_64& rng) const;
   // A caption with randomly kept phrases, as training sees them.
   std::string sample_caption(const SceneSpec& spec, std::mt19937_64& rng) const;
   std::string full_caption(const SceneSpec& spec) const;
@@ -123,8 +136,9 @@ class SceneComposer {
   HoldOut holdout_;
   SceneOptions options_;
   c10::Device device_;
-  std::vector<at::Tensor> scaled_;  // per scale [N, 4, s, s] float, premultiplied
+  std::vector<at::Tensor> scaled_;  // per scale [N, 4, s, s] float, premultiplied; outline: [N, 1, s, s] lines
   at::Tensor colours_;              // [C, 3] float in [0, 1]
+  at::Tensor inks_;                 // [C, 3]: the outline style's ink on each background
   std::vector<std::pair<int, int>> placements_;  // valid (scale, position)
 };
 

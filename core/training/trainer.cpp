@@ -13,7 +13,10 @@
 #include <nlohmann/json.hpp>
 #include <torch/serialize.h>
 
+#include "core/io/json_file.h"
 #include "core/io/safetensors_writer.h"
+#include "core/io/weights.h"
+#include "core/schedulers/schedule.h"
 #include "core/text/clip_tokenizer.h"
 #include "core/training/scenes.h"
 #include "core/util/error.h"
@@ -149,13 +152,14 @@ ModelConfig ModelConfig::preset(const std::string& name) {
   t.max_position_embeddings = 77;
   t.hidden_act = "quick_gelu";
   if (name == "emoji") {
-    u.block_out_channels = {64, 128, 192};
+    // 18.0 M + 7.5 M parameters: 51 MB in fp16, the TAEF2 and tokenizer files making 58 MB.
+    u.block_out_channels = {64, 160, 256};
     u.down_block_types = {"DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"};
     u.up_block_types = {"CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"};
     u.layers_per_block = {1, 1, 1};
     u.num_attention_heads = {4, 4, 4};
     u.norm_num_groups = 32;
-    t.hidden_size = 96, t.intermediate_size = 384, t.projection_dim = 96, t.num_hidden_layers = 4;
+    t.hidden_size = 128, t.intermediate_size = 512, t.projection_dim = 128, t.num_hidden_layers = 6;
     t.num_attention_heads = 4;
   } else if (name == "tiny") {
     u.block_out_channels = {32, 64};
@@ -229,9 +233,41 @@ void FusedAdamW::load(torch::serialize::InputArchive& archive) {
   }
 }
 
+schedulers::SchedulerConfig NoiseSchedule::config() {
+  schedulers::SchedulerConfig c;
+  c.num_train_timesteps = kTrainSteps;
+  c.beta_start = kBetaStart;
+  c.beta_end = kBetaEnd;
+  c.beta_schedule = "scaled_linear";
+  c.prediction_type = schedulers::Prediction::VPrediction;
+  c.timestep_spacing = schedulers::Spacing::Trailing;
+  c.steps_offset = 0;
+  c.rescale_betas_zero_snr = true;
+  return c;
+}
+
 NoiseSchedule::NoiseSchedule() {
-  auto betas = at::linspace(std::sqrt(kBetaStart), std::sqrt(kBetaEnd), kTrainSteps, at::kDouble).pow(2);
-  alphas_cumprod = at::cumprod(1 - betas, 0);
+  const auto ac = schedulers::alphas_cumprod(config());
+  alphas_cumprod = at::tensor(ac, at::kDouble);
+  float_ = alphas_cumprod.to(at::kFloat);
+}
+
+void NoiseSchedule::to(const at::Device& device) { float_ = alphas_cumprod.to(device, at::kFloat); }
+
+std::pair<at::Tensor, at::Tensor> NoiseSchedule::coefficients(const at::Tensor& x0, const at::Tensor& t) const {
+  const auto ac = float_.to(x0.device()).index_select(0, t.to(x0.device(), at::kLong));
+  const auto shape = std::vector<int64_t>{t.size(0), 1, 1, 1};
+  return {ac.sqrt().view(shape), (1 - ac).sqrt().view(shape)};
+}
+
+at::Tensor NoiseSchedule::add_noise(const at::Tensor& x0, const at::Tensor& noise, const at::Tensor& t) const {
+  const auto [signal, sigma] = coefficients(x0, t);
+  return signal * x0 + sigma * noise;
+}
+
+at::Tensor NoiseSchedule::velocity(const at::Tensor& x0, const at::Tensor& noise, const at::Tensor& t) const {
+  const auto [signal, sigma] = coefficients(x0, t);
+  return signal * noise - sigma * x0;
 }
 
 CaptionEncoder::CaptionEncoder(const text::CLIPTokenizer& tokenizer) : tokenizer_(tokenizer) {}
@@ -252,8 +288,17 @@ at::Tensor CaptionEncoder::ids(const std::vector<std::string>& captions) {
   return out;
 }
 
+ModelConfig ModelConfig::from_folder(const fs::path& dir) {
+  ModelConfig m;
+  m.unet = models::UNet2DConditionConfig::from_json(dir / "unet" / "config.json");
+  m.text = models::CLIPTextConfig::from_json(dir / "text_encoder" / "config.json");
+  return m;
+}
+
 Trainer::Trainer(TrainConfig config)
-    : config_(std::move(config)), model_config_(ModelConfig::preset(config_.model)), rng_(config_.seed) {
+    : config_(std::move(config)),
+      model_config_(config_.base.empty() ? ModelConfig::preset(config_.model) : ModelConfig::from_folder(config_.base)),
+      rng_(config_.seed) {
   device_ = parse_train_device(config_.device);
   if (config_.batch < 1) throw Error("batch " + std::to_string(config_.batch) + " must be at least 1");
   if (!(config_.lr > 0)) throw Error("learning rate must be positive");
@@ -261,6 +306,18 @@ Trainer::Trainer(TrainConfig config)
   if (config_.cfg_dropout < 0 || config_.cfg_dropout > 1) throw Error("CFG dropout must be in [0, 1]");
   if (config_.autocast != "auto" && config_.autocast != "on" && config_.autocast != "off")
     throw Error("autocast '" + config_.autocast + "' is not auto, on or off");
+  if (config_.lora_rank < 0) throw Error("LoRA rank " + std::to_string(config_.lora_rank) + " must be positive");
+  if (config_.lora_rank > 0 && config_.base.empty())
+    throw Error("a LoRA trains on a trained model: give the model folder to start from (--base)");
+  if (config_.inpaint && config_.base.empty())
+    throw Error("an inpainting model is fine-tuned from a trained one: give the model folder to start from (--base)");
+  if (config_.inpaint && config_.lora_rank > 0) throw Error("train either an inpainting model or a LoRA, not both");
+  auto& unet_config = model_config_.unet;
+  if (config_.inpaint && unet_config.in_channels == unet_config.out_channels)
+    unet_config.in_channels = 2 * unet_config.out_channels + 1;
+  const auto& styles = scene_styles();
+  if (std::find(styles.begin(), styles.end(), config_.style) == styles.end())
+    throw Error("style '" + config_.style + "' is not outline (or empty: the emoji as drawn)");
   at::manual_seed(config_.seed);
   unet_ = models::UNet2DConditionModel(model_config_.unet);
   text_encoder_ = models::CLIPTextModel(model_config_.text);
@@ -277,8 +334,10 @@ Trainer::Trainer(TrainConfig config)
     for (auto& p : text_encoder_->named_parameters())
       if (p.key().find("embedding") != std::string::npos) p.value().normal_(0, 0.02);
   }
+  if (!config_.base.empty()) load_base(config_.base);
   unet_->to(device_);
   text_encoder_->to(device_);
+  if (config_.lora_rank > 0) attach_lora();
   unet_->train();
   text_encoder_->train();
   if (device_.is_cuda()) {
@@ -288,39 +347,116 @@ Trainer::Trainer(TrainConfig config)
   }
   for (const auto& p : parameters()) ema_.push_back(p.detach().clone());
   optimizer_ = std::make_unique<FusedAdamW>(parameters(), 0.9, 0.99, config_.weight_decay);
-  alphas_cumprod_ = schedule_.alphas_cumprod.to(at::kFloat).to(device_);
+  schedule_.to(device_);
+  alphas_cumprod_ = schedule_.alphas_cumprod.to(device_, at::kFloat);
 }
 
 Trainer::~Trainer() = default;
 
 bool Trainer::autocast_on() const { return config_.autocast == "on" || (config_.autocast == "auto" && device_.is_cuda()); }
 
+std::vector<std::pair<std::string, at::Tensor>> Trainer::named_trainables() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  if (!lora_.empty()) {
+    for (const auto& a : lora_) {
+      out.emplace_back("lora." + a.module + ".down", a.down);
+      out.emplace_back("lora." + a.module + ".up", a.up);
+    }
+    return out;
+  }
+  for (const auto& p : unet_->named_parameters()) out.emplace_back("unet." + p.key(), p.value());
+  for (const auto& p : text_encoder_->named_parameters()) out.emplace_back("text." + p.key(), p.value());
+  return out;
+}
+
 std::vector<at::Tensor> Trainer::parameters() const {
-  auto p = unet_->parameters();
-  for (auto& t : text_encoder_->parameters()) p.push_back(t);
+  std::vector<at::Tensor> p;
+  for (auto& [name, t] : named_trainables()) p.push_back(t);
   return p;
 }
 
-at::Tensor Trainer::forward_loss(const at::Tensor& latents, const at::Tensor& ids, at::Tensor noise, at::Tensor timesteps) {
+void Trainer::load_base(const fs::path& dir) {
+  const auto unet_file = dir / "unet" / "diffusion_pytorch_model.safetensors";
+  const auto text_file = dir / "text_encoder" / "model.safetensors";
+  auto unet_weights = io::load_state_dict(unet_file);
+  auto& conv_in = unet_weights["conv_in.weight"];
+  const auto wanted = unet_->conv_in->weight.size(1);
+  if (conv_in.defined() && conv_in.dim() == 4 && conv_in.size(1) < wanted) {
+    // A text-to-image UNet becoming an inpainting one: the mask and masked-image channels start
+    // with zero weights, so the fine-tune starts from the base model's predictions.
+    auto widened = at::zeros({conv_in.size(0), wanted, conv_in.size(2), conv_in.size(3)}, conv_in.options());
+    widened.narrow(1, 0, conv_in.size(1)).copy_(conv_in);
+    conv_in = widened;
+  }
+  io::bind(*unet_, unet_weights, unet_file.string());
+  io::bind(*text_encoder_, io::load_state_dict(text_file), text_file.string());
+  const auto vae = io::JsonFile::read(dir / "vae" / "config.json");
+  latent_scale_ = vae.required<double>("scaling_factor");
+  base_scale_ = true;
+}
+
+void Trainer::attach_lora() {
+  at::NoGradGuard no_grad;
+  for (auto& p : unet_->parameters()) p.requires_grad_(false);
+  for (auto& p : text_encoder_->parameters()) p.requires_grad_(false);
+  // The transformer blocks' projections, where LoRAs for SD usually sit (diffusers' and kohya's
+  // default targets): attention q / k / v / out and the feed-forward's two layers.
+  static const std::vector<std::string> targets = {".to_q", ".to_k", ".to_v", ".to_out.0", ".ff.net.0.proj", ".ff.net.2"};
+  const auto r = config_.lora_rank;
+  for (const auto& m : unet_->named_modules()) {
+    auto* linear = dynamic_cast<models::LinearImpl*>(m.value().get());
+    if (!linear) continue;
+    const auto& name = m.key();
+    const bool target = std::any_of(targets.begin(), targets.end(), [&](const std::string& t) {
+      return name.size() > t.size() && name.compare(name.size() - t.size(), t.size(), t) == 0;
+    });
+    if (!target) continue;
+    LoraAdapter a;
+    a.module = name;
+    a.linear = linear;
+    a.base = linear->weight.detach();
+    const auto in = a.base.size(1), out = a.base.size(0);
+    // PEFT's initialisation: down as nn.Linear's (kaiming_uniform, a = sqrt(5)), up zero, so
+    // training starts from the base model exactly.
+    const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+    a.down = at::empty({r, in}, a.base.options().dtype(at::kFloat)).uniform_(-bound, bound).requires_grad_();
+    a.up = at::zeros({out, r}, a.base.options().dtype(at::kFloat)).requires_grad_();
+    lora_.push_back(std::move(a));
+  }
+  if (lora_.empty()) throw Error("the base UNet has no attention or feed-forward layers to adapt");
+  log::get("train").info(log::str("LoRA of rank ", r, " on ", lora_.size(), " UNet layers"));
+}
+
+void Trainer::patch_lora() {
+  for (auto& a : lora_) a.linear->weight = a.base + at::mm(a.up, a.down).to(a.base.scalar_type());
+}
+
+at::Tensor Trainer::forward_loss(const at::Tensor& latents, const at::Tensor& ids, at::Tensor noise, at::Tensor timesteps,
+                                 const at::Tensor& extra) {
   const int64_t b = latents.size(0);
   auto x0 = latents.to(device_, at::kFloat);
   if (!noise.defined()) noise = at::randn_like(x0);
   if (!timesteps.defined()) timesteps = at::randint(0, NoiseSchedule::kTrainSteps, {b}, at::TensorOptions(at::kLong).device(device_));
+  patch_lora();
   noise = noise.to(device_, at::kFloat);
   timesteps = timesteps.to(device_, at::kLong);
-  auto ac = alphas_cumprod_.index_select(0, timesteps).view({b, 1, 1, 1});
-  auto xt = ac.sqrt() * x0 + (1 - ac).sqrt() * noise;
+  const auto xt = schedule_.add_noise(x0, noise, timesteps);
   at::Tensor pred;
   {
     AutocastGuard autocast(autocast_on(), device_.type());
     models::UNetConditioning cond;
     cond.encoder_hidden_states = text_encoder_->forward(ids.to(device_)).last_hidden_state;
-    pred = unet_->forward(xt, timesteps.to(at::kFloat), cond);
+    const auto input = extra.defined() ? at::cat({xt, extra.to(device_, at::kFloat)}, 1) : xt;
+    pred = unet_->forward(input, timesteps.to(at::kFloat), cond);
   }
-  auto err = (pred.to(at::kFloat) - noise).pow(2).mean({1, 2, 3});
+  auto err = (pred.to(at::kFloat) - schedule_.velocity(x0, noise, timesteps)).pow(2).mean({1, 2, 3});
   if (config_.min_snr_gamma > 0) {
-    auto snr = ac.view({b}) / (1 - ac.view({b}));
-    err = err * at::clamp_max(snr, config_.min_snr_gamma) / snr;
+    // The v error is the x0 error over sigma^2 = 1 / (SNR + 1): weighting x0 by clamp(SNR, 1,
+    // gamma) is Min-SNR-gamma (Hang et al. 2023) above SNR 1 and "truncated SNR" (Salimans & Ho
+    // 2022) below it, so the near-pure-noise steps that set the background keep their full weight.
+    const auto ac = alphas_cumprod_.index_select(0, timesteps);
+    const auto snr = ac / (1 - ac);
+    err = err * at::clamp(snr, 1.0, config_.min_snr_gamma) / (snr + 1);
   }
   return err.mean();
 }
@@ -338,9 +474,10 @@ void Trainer::update_ema() {
   at::_foreach_lerp_(ema_, parameters(), 1.0 - d);
 }
 
-double Trainer::step(const at::Tensor& latents, const at::Tensor& ids, const at::Tensor& noise, const at::Tensor& timesteps) {
+double Trainer::step(const at::Tensor& latents, const at::Tensor& ids, const at::Tensor& noise, const at::Tensor& timesteps,
+                     const at::Tensor& extra) {
   optimizer_->zero_grad();
-  auto l = forward_loss(latents, ids, noise, timesteps);
+  auto l = forward_loss(latents, ids, noise, timesteps, extra);
   l.backward();
   if (config_.grad_clip > 0) clip_gradients(parameters(), config_.grad_clip);
   const double progress = config_.steps > 0 ? static_cast<double>(step_) / config_.steps : 0.0;
@@ -350,16 +487,16 @@ double Trainer::step(const at::Tensor& latents, const at::Tensor& ids, const at:
   return l.item<double>();
 }
 
-double Trainer::loss(const at::Tensor& latents, const at::Tensor& ids, const at::Tensor& noise, const at::Tensor& timesteps) {
+double Trainer::loss(const at::Tensor& latents, const at::Tensor& ids, const at::Tensor& noise, const at::Tensor& timesteps,
+                     const at::Tensor& extra) {
   at::NoGradGuard no_grad;
-  return forward_loss(latents, ids, noise, timesteps).item<double>();
+  return forward_loss(latents, ids, noise, timesteps, extra).item<double>();
 }
 
 void Trainer::save_checkpoint(const fs::path& dir) const {
   fs::create_directories(dir);
   torch::serialize::OutputArchive model;
-  for (const auto& p : unet_->named_parameters()) model.write("unet." + p.key(), p.value());
-  for (const auto& p : text_encoder_->named_parameters()) model.write("text." + p.key(), p.value());
+  for (const auto& [name, t] : named_trainables()) model.write(name, t);
   for (std::size_t i = 0; i < ema_.size(); ++i) model.write("ema." + std::to_string(i), ema_[i]);
   optimizer_->save(model);
   model.save_to((dir / "model.pt.tmp").string());
@@ -380,15 +517,10 @@ void Trainer::load_checkpoint(const fs::path& dir) {
   torch::serialize::InputArchive model;
   model.load_from((dir / "model.pt").string(), device_);
   at::NoGradGuard no_grad;
-  for (auto& p : unet_->named_parameters()) {
+  for (auto& [name, p] : named_trainables()) {
     at::Tensor t;
-    model.read("unet." + p.key(), t);
-    p.value().copy_(t);
-  }
-  for (auto& p : text_encoder_->named_parameters()) {
-    at::Tensor t;
-    model.read("text." + p.key(), t);
-    p.value().copy_(t);
+    model.read(name, t);
+    p.copy_(t);
   }
   for (std::size_t i = 0; i < ema_.size(); ++i) {
     at::Tensor t;
@@ -429,9 +561,33 @@ LatentBank encode_bank(const SceneComposer& composer, models::TAESD& taesd, int6
 
 // The next batch's bank rows and token ids, made on a worker thread while the device trains.
 struct HostBatch {
-  at::Tensor rows;  // [B] long
+  at::Tensor rows;  // [B] long: bank rows
+  std::vector<SceneSpec> specs;  // or the scenes to render (inpainting)
   at::Tensor ids;   // [B, 77] long
 };
+
+// An inpainting batch made on the device: scenes rendered with `rng`'s jitter, masks painted on
+// them, and both the scene and the scene with the mask's pixels blanked (0 in [-1, 1], as
+// diffusers' inpainting pipelines blank them) encoded. Returns the scaled latents and the UNet's
+// extra input [B, 1 + C, h, w]: the mask at latent size (nearest, as the pipelines resize it)
+// and the masked scene's latents.
+std::pair<at::Tensor, at::Tensor> inpainting_batch(const SceneComposer& composer, models::TAESD& taesd,
+                                                   const std::vector<SceneSpec>& specs, std::mt19937_64& rng,
+                                                   double scale, bool autocast) {
+  at::NoGradGuard no_grad;
+  const auto images = composer.render(specs, &rng);
+  const auto masks = composer.inpainting_masks(images, specs, rng);
+  const auto pixels = images * 2 - 1;
+  at::Tensor latents;
+  {
+    AutocastGuard guard(autocast, images.device().type());
+    latents = taesd->encode(at::cat({pixels, pixels * masks.lt(0.5)})).to(at::kFloat) * scale;
+  }
+  const auto n = images.size(0);
+  const auto z = latents.narrow(0, 0, n), masked = latents.narrow(0, n, n);
+  const auto small = at::upsample_nearest2d(masks, {z.size(2), z.size(3)});
+  return {z, at::cat({small, masked}, 1)};
+}
 
 }  // namespace
 
@@ -446,27 +602,37 @@ TrainSummary Trainer::train() {
   const auto atlas = SpriteAtlas::load(config_.atlas, config_.atlas_limit);
   if (config_.holdout.empty()) throw Error("training needs the hold-out list (--holdout)");
   auto holdout = HoldOut::load(config_.holdout, atlas);
-  SceneComposer composer(atlas, std::move(holdout), {}, device_);
+  SceneOptions scene_options;
+  scene_options.style = config_.style;
+  SceneComposer composer(atlas, std::move(holdout), scene_options, device_);
   auto taesd = models::load_taesd(config_.taesd);
-  if (!taesd->has_encoder() || taesd->config.latent_channels != model_config_.unet.in_channels)
-    throw Error(config_.taesd.string() + ": needs a TAESD encoder with " + std::to_string(model_config_.unet.in_channels) +
+  if (!taesd->has_encoder() || taesd->config.latent_channels != model_config_.unet.out_channels)
+    throw Error(config_.taesd.string() + ": needs a TAESD encoder with " + std::to_string(model_config_.unet.out_channels) +
                 " latent channels (TAEF2)");
   taesd->to(device_);
   taesd->eval();
 
-  // The bank comes from its own seed, so a resumed run trains on the same latents.
-  const auto bank_start = Clock::now();
-  auto bank = encode_bank(composer, taesd, config_.bank_scenes, std::min<int64_t>(1024, std::max<int64_t>(config_.batch, 64)),
-                          autocast_on(), config_.seed ^ 0x5eedba4cULL);
-  taesd = nullptr;
-  const auto bank_rows = static_cast<int64_t>(bank.specs.size());
-  log.info(log::str("encoded ", bank_rows, " scenes once in ", seconds_since(bank_start), " s (",
-                    static_cast<double>(bank.latents.nbytes()) / (1 << 30), " GiB of bf16 latents)"));
+  // The bank comes from its own seed, so a resumed run trains on the same latents. Inpainting
+  // renders and encodes every batch instead: each scene needs its own mask and masked image.
+  LatentBank bank;
+  int64_t bank_rows = 0;
+  if (!config_.inpaint) {
+    const auto bank_start = Clock::now();
+    bank = encode_bank(composer, taesd, config_.bank_scenes, std::min<int64_t>(1024, std::max<int64_t>(config_.batch, 64)),
+                       autocast_on(), config_.seed ^ 0x5eedba4cULL);
+    taesd = nullptr;
+    bank_rows = static_cast<int64_t>(bank.specs.size());
+    log.info(log::str("encoded ", bank_rows, " scenes once in ", seconds_since(bank_start), " s (",
+                      static_cast<double>(bank.latents.nbytes()) / (1 << 30), " GiB of bf16 latents)"));
+  }
+  std::mt19937_64 scene_rng(config_.seed ^ 0x1a9a1d7ULL ^ static_cast<std::uint64_t>(step_));
 
   const auto ckpt = config_.out / "checkpoint";
   if (config_.resume && fs::exists(ckpt / "state.json")) {
     load_checkpoint(ckpt);
     log.info(log::str("resumed at step ", step_, " after ", static_cast<int>(seconds_), " s of training"));
+  } else if (base_scale_) {
+    log.info(log::str("the base model's latent scale: ", latent_scale_));
   } else {
     // Unit second moment for the diffusion latents: the scale diffusers calls scaling_factor.
     // In slices: a float copy of the whole bank would double its memory for a moment.
@@ -493,18 +659,23 @@ TrainSummary Trainer::train() {
   auto make_batch = [&]() {
     std::uniform_real_distribution<double> u(0.0, 1.0);
     HostBatch b;
-    b.rows = at::empty({config_.batch}, at::kLong);
-    auto* r = b.rows.data_ptr<int64_t>();
     std::vector<std::string> text;
     text.reserve(static_cast<std::size_t>(config_.batch));
-    for (int64_t i = 0; i < config_.batch; ++i) {
-      r[i] = static_cast<int64_t>(rng_() % static_cast<std::uint64_t>(bank_rows));
-      const auto& spec = bank.specs[static_cast<std::size_t>(r[i])];
-      text.push_back(u(rng_) < config_.cfg_dropout ? std::string() : composer.sample_caption(spec, rng_));
+    if (config_.inpaint) {
+      b.specs = composer.sample(config_.batch, rng_);
+    } else {
+      b.rows = at::empty({config_.batch}, at::kLong);
+      auto* r = b.rows.data_ptr<int64_t>();
+      for (int64_t i = 0; i < config_.batch; ++i) {
+        r[i] = static_cast<int64_t>(rng_() % static_cast<std::uint64_t>(bank_rows));
+        b.specs.push_back(bank.specs[static_cast<std::size_t>(r[i])]);
+      }
     }
+    for (const auto& spec : b.specs)
+      text.push_back(u(rng_) < config_.cfg_dropout ? std::string() : composer.sample_caption(spec, rng_));
     b.ids = captions.ids(text);
     if (device_.is_cuda()) {
-      b.rows = b.rows.pin_memory();
+      if (b.rows.defined()) b.rows = b.rows.pin_memory();
       b.ids = b.ids.pin_memory();
     }
     return b;
@@ -538,10 +709,14 @@ TrainSummary Trainer::train() {
     waited += seconds_since(wait_start);
     next = std::async(std::launch::async, make_batch);
     auto ids = batch.ids.to(device_, /*non_blocking=*/true);
-    auto z = bank.latents.index_select(0, batch.rows.to(device_, /*non_blocking=*/true)).to(at::kFloat) * latent_scale_;
+    at::Tensor z, extra;
+    if (config_.inpaint)
+      std::tie(z, extra) = inpainting_batch(composer, taesd, batch.specs, scene_rng, latent_scale_, autocast_on());
+    else
+      z = bank.latents.index_select(0, batch.rows.to(device_, /*non_blocking=*/true)).to(at::kFloat) * latent_scale_;
 
     optimizer_->zero_grad();
-    auto l = forward_loss(z, ids, {}, {});
+    auto l = forward_loss(z, ids, {}, {}, extra);
     l.backward();
     if (config_.grad_clip > 0) clip_gradients(parameters(), config_.grad_clip);
     optimizer_->step(lr);
@@ -581,11 +756,31 @@ TrainSummary Trainer::train() {
               {"lr", config_.lr}, {"device", config_.device}, {"sprites", atlas.size()}, {"bank_scenes", bank_rows}});
   log.info(log::str("trained ", summary.run_steps, " steps (", summary.steps, " in all) at ",
                     static_cast<int>(summary.images_per_second), " images/s; checkpoint in ", ckpt.string()));
-  if (config_.export_model) export_diffusers(config_.out / "model");
+  if (config_.export_model) {
+    if (lora_.empty())
+      export_diffusers(config_.out / "model");
+    else
+      export_lora(config_.out / "lora.safetensors");
+  }
   return summary;
 }
 
+void Trainer::export_lora(const fs::path& file) const {
+  if (lora_.empty()) throw Error("this run trains the whole model, not a LoRA: export_diffusers");
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  // ema_ follows named_trainables(): down, up per adapter.
+  for (std::size_t i = 0; i < lora_.size(); ++i) {
+    tensors.emplace_back("unet." + lora_[i].module + ".lora_A.weight", ema_[2 * i].to(at::kHalf));
+    tensors.emplace_back("unet." + lora_[i].module + ".lora_B.weight", ema_[2 * i + 1].to(at::kHalf));
+  }
+  if (file.has_parent_path()) fs::create_directories(file.parent_path());
+  io::write_safetensors(file, tensors, {{"format", "pt"}});
+  log::get("train").info(log::str("exported the EMA LoRA (", lora_.size(), " layers, rank ", config_.lora_rank, ") to ",
+                                  file.string()));
+}
+
 void Trainer::export_diffusers(const fs::path& dir) const {
+  if (!lora_.empty()) throw Error("this run trains a LoRA: export_lora");
   fs::create_directories(dir);
   for (const char* sub : {"unet", "text_encoder", "tokenizer", "scheduler", "vae"}) fs::create_directories(dir / sub);
   // The EMA weights, in the order parameters() lists them.
@@ -602,12 +797,14 @@ void Trainer::export_diffusers(const fs::path& dir) const {
   write_json(dir / "unet" / "config.json", unet_config_json(model_config_.unet));
   write_json(dir / "text_encoder" / "config.json", clip_config_json(model_config_.text));
   text::CLIPTokenizer::write_folder_from_openai_bpe(config_.bpe, dir / "tokenizer");
+  const auto sc = NoiseSchedule::config();
   write_json(dir / "scheduler" / "scheduler_config.json",
              {{"_class_name", "EulerDiscreteScheduler"}, {"_diffusers_version", "0.42.1"},
-              {"beta_end", NoiseSchedule::kBetaEnd}, {"beta_schedule", "scaled_linear"},
-              {"beta_start", NoiseSchedule::kBetaStart}, {"interpolation_type", "linear"},
-              {"num_train_timesteps", NoiseSchedule::kTrainSteps}, {"prediction_type", "epsilon"},
-              {"steps_offset", 1}, {"timestep_spacing", "leading"}, {"trained_betas", nullptr},
+              {"beta_end", sc.beta_end}, {"beta_schedule", sc.beta_schedule}, {"beta_start", sc.beta_start},
+              {"interpolation_type", "linear"}, {"num_train_timesteps", sc.num_train_timesteps},
+              {"prediction_type", schedulers::prediction_name(sc.prediction_type)},
+              {"rescale_betas_zero_snr", sc.rescale_betas_zero_snr}, {"steps_offset", sc.steps_offset},
+              {"timestep_spacing", schedulers::spacing_name(sc.timestep_spacing)}, {"trained_betas", nullptr},
               {"use_karras_sigmas", false}});
   auto vae = models::load_taesd(config_.taesd);
   if (!vae->has_encoder() || !vae->has_decoder())
@@ -626,7 +823,9 @@ void Trainer::export_diffusers(const fs::path& dir) const {
               {"out_channels", vc.out_channels}, {"scaling_factor", latent_scale_}, {"shift_factor", 0.0},
               {"upsample_fn", "nearest"}, {"upsampling_scaling_factor", vc.upsampling_scaling_factor}});
   write_json(dir / "model_index.json",
-             {{"_class_name", "StableDiffusionPipeline"}, {"_diffusers_version", "0.42.1"},
+             {{"_class_name", model_config_.unet.in_channels == model_config_.unet.out_channels
+                                  ? "StableDiffusionPipeline" : "StableDiffusionInpaintPipeline"},
+              {"_diffusers_version", "0.42.1"},
               {"feature_extractor", {nullptr, nullptr}}, {"image_encoder", {nullptr, nullptr}},
               {"requires_safety_checker", false}, {"safety_checker", {nullptr, nullptr}},
               {"scheduler", {"diffusers", "EulerDiscreteScheduler"}}, {"text_encoder", {"transformers", "CLIPTextModel"}},

@@ -194,8 +194,8 @@ void UNet2DConditionConfig::validate(const std::string& where) const {
   };
   if (c.down_block_types.size() != n || c.up_block_types.size() != n)
     throw Error(where + ": down_block_types, up_block_types and block_out_channels must have the same length");
-  count("in_channels", c.in_channels, 64);
   count("out_channels", c.out_channels, 64);
+  count("in_channels", c.in_channels, 2 * 64 + 1);  // an inpainting UNet: latents, mask, masked image
   count("sample_size", c.sample_size, 1024);
   per_block("block_out_channels", c.block_out_channels, 8192);
   per_block("layers_per_block", c.layers_per_block, 16);
