@@ -27,6 +27,16 @@ void require_file(const fs::path& p, const std::string& what) {
   if (!fs::exists(p)) throw Error(what + " " + p.string() + " does not exist");
 }
 
+// A picture [3, H, W] in [0, 1] as 8-bit RGB.
+io::Image to_image(const at::Tensor& chw) {
+  auto hwc = chw.mul(255).round().clamp(0, 255).to(at::kByte).permute({1, 2, 0}).contiguous();
+  io::Image out;
+  out.width = static_cast<int>(hwc.size(1));
+  out.height = static_cast<int>(hwc.size(0));
+  out.rgb.assign(hwc.data_ptr<std::uint8_t>(), hwc.data_ptr<std::uint8_t>() + hwc.numel());
+  return out;
+}
+
 // Images [3, S, S] in [0, 1] as a grid PNG, 8 a row, in order.
 void write_sheet(const fs::path& path, const std::vector<at::Tensor>& cells, int64_t size) {
   const int64_t count = static_cast<int64_t>(cells.size());
@@ -35,12 +45,7 @@ void write_sheet(const fs::path& path, const std::vector<at::Tensor>& cells, int
   for (int64_t k = 0; k < count; ++k)
     canvas.narrow(1, pad + (k / cols) * (size + pad), size).narrow(2, pad + (k % cols) * (size + pad), size)
         .copy_(cells[static_cast<std::size_t>(k)]);
-  auto hwc = canvas.mul(255).round().clamp(0, 255).to(at::kByte).permute({1, 2, 0}).contiguous();
-  io::Image out;
-  out.width = static_cast<int>(hwc.size(1));
-  out.height = static_cast<int>(hwc.size(0));
-  out.rgb.assign(hwc.data_ptr<std::uint8_t>(), hwc.data_ptr<std::uint8_t>() + hwc.numel());
-  io::write_png(path, out);
+  io::write_png(path, to_image(canvas));
 }
 
 // Held-out prompts generated with fixed seeds; each image's nearest rendered scene of the same
@@ -48,9 +53,14 @@ void write_sheet(const fs::path& path, const std::vector<at::Tensor>& cells, int
 // background colour (the nearest named colour to the image's border) and the position (the valid
 // position whose rendered scene of the prompt's emoji puts the foreground's centre nearest to the
 // image's) are checked against the prompt's.
+// --inpaint: each held-out prompt's setting is drawn with another emoji (the next in the atlas),
+// the sprite's box (padded) masked, and the model repaints it from the prompt; besides the checks
+// above, how much of the picture outside the mask changed (mean absolute difference, 0..1).
+constexpr int64_t kInpaintPadding = 4;
+
 json evaluate(const fs::path& model, const fs::path& atlas_dir, const fs::path& holdout_file, const fs::path& sheet,
               int steps, double cfg, int64_t limit, const std::string& device, const fs::path& lora,
-              const std::string& style) {
+              const std::string& style, bool inpaint) {
   const auto atlas = training::SpriteAtlas::load(atlas_dir);
   auto holdout = training::HoldOut::load(holdout_file, atlas);
   auto specs = holdout.specs();
@@ -61,6 +71,7 @@ json evaluate(const fs::path& model, const fs::path& atlas_dir, const fs::path& 
   auto pipe = pipeline::StableDiffusion::load(model, device);
   const int64_t n = atlas.size(), size = composer.options().image_size;
   int top1 = 0, top5 = 0, background_hits = 0, position_hits = 0;
+  double unmasked_change_sum = 0;
   std::vector<at::Tensor> cells;
   json rows = json::array();
   double gen_seconds = 0;
@@ -75,6 +86,18 @@ json evaluate(const fs::path& model, const fs::path& atlas_dir, const fs::path& 
     req.width = req.height = static_cast<int>(size);
     req.device = device;
     if (!lora.empty()) req.loras.push_back({lora.string(), 1.0, 1.0, ""});
+    at::Tensor source, mask;
+    if (inpaint) {
+      const training::SceneSpec other{(spec.emoji + 1) % n, spec.colour, spec.scale, spec.position};
+      source = composer.render({other}, nullptr)[0];
+      const auto [x, y, side] = composer.sprite_box(spec);
+      const int64_t x0 = std::max<int64_t>(0, x - kInpaintPadding), y0 = std::max<int64_t>(0, y - kInpaintPadding);
+      const int64_t x1 = std::min(size, x + side + kInpaintPadding), y1 = std::min(size, y + side + kInpaintPadding);
+      mask = at::zeros({1, size, size});
+      mask.narrow(1, y0, y1 - y0).narrow(2, x0, x1 - x0).fill_(1);
+      req.input.image = to_image(source);
+      req.input.mask = to_image(mask.expand({3, size, size}));
+    }
     const auto t0 = std::chrono::steady_clock::now();
     auto result = pipe->generate(req, {}, job::CancelToken{});
     gen_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -82,6 +105,12 @@ json evaluate(const fs::path& model, const fs::path& atlas_dir, const fs::path& 
     auto gen = at::from_blob(const_cast<std::uint8_t*>(img.rgb.data()), {size, size, 3}, at::kByte)
                    .permute({2, 0, 1}).to(at::kFloat).div(255).unsqueeze(0);
     cells.push_back(gen.squeeze(0).clone());
+    double unmasked_change = 0;
+    if (inpaint) {
+      const auto keep = 1 - mask;
+      unmasked_change = ((gen.squeeze(0) - source).abs() * keep).sum().item<double>() / (3 * keep.sum().item<double>());
+      unmasked_change_sum += unmasked_change;
+    }
     std::vector<double> dist(static_cast<std::size_t>(n));
     for (int64_t i = 0; i < n; i += 256) {
       std::vector<training::SceneSpec> refs;
@@ -111,13 +140,14 @@ json evaluate(const fs::path& model, const fs::path& atlas_dir, const fs::path& 
                     {"background_right", background_hit},
                     {"position", position >= 0 ? training::position_names()[static_cast<std::size_t>(position)] : "none"},
                     {"position_right", position_hit}});
+    if (inpaint) rows.back()["unmasked_change"] = unmasked_change;
     log::get("eval").info(log::str(k + 1, "/", specs.size(), " ", req.prompt, " -> ",
                                    atlas.sprites()[static_cast<std::size_t>(order[0])].name, hit1 ? " (hit)" : ""));
   }
   const int64_t count = static_cast<int64_t>(specs.size());
   if (!sheet.empty() && count > 0) write_sheet(sheet, cells, size);
   const double c = static_cast<double>(std::max<int64_t>(count, 1));
-  return {{"model", model.string()}, {"lora", lora.string()}, {"style", style}, {"prompts", count}, {"candidates", n}, {"steps", steps}, {"cfg", cfg},
+  json out = {{"model", model.string()}, {"lora", lora.string()}, {"style", style}, {"inpaint", inpaint}, {"prompts", count}, {"candidates", n}, {"steps", steps}, {"cfg", cfg},
           {"metric", "nearest rendered scene of the same setting in pixel space (MSE), over every emoji"},
           {"top1", top1 / c}, {"top5", top5 / c}, {"background_right", background_hits / c},
           {"position_right", position_hits / c},
@@ -127,6 +157,11 @@ json evaluate(const fs::path& model, const fs::path& atlas_dir, const fs::path& 
           {"random_top1", 1.0 / static_cast<double>(n)},
           {"random_top5", std::min(5.0, static_cast<double>(n)) / static_cast<double>(n)},
           {"seconds_per_image", gen_seconds / c}, {"results", rows}};
+  if (inpaint) {
+    out["mask_padding"] = kInpaintPadding;
+    out["unmasked_change"] = unmasked_change_sum / c;
+  }
+  return out;
 }
 
 }  // namespace
@@ -200,6 +235,8 @@ int main(int argc, char** argv) {
   std::string eval_style;
   eval->add_option("--lora", eval_lora, "a LoRA applied at weight 1");
   eval->add_option("--style", eval_style, "the style of the scenes compared against: outline (default: as drawn)");
+  bool eval_inpaint = false;
+  eval->add_flag("--inpaint", eval_inpaint, "repaint another emoji's box in each held-out setting from the prompt");
 
   fs::path scenes_out;
   int scenes_count = 16;
@@ -247,7 +284,7 @@ int main(int argc, char** argv) {
       for (const auto& s : specs) std::cout << composer.sample_caption(s, rng) << "\n";
     } else if (*eval) {
       std::cout << evaluate(eval_model, atlas_dir, eval_holdout, eval_sheet, eval_steps, eval_cfg, eval_limit, eval_device,
-                            eval_lora, eval_style)
+                            eval_lora, eval_style, eval_inpaint)
                        .dump(1)
                 << "\n";
     }

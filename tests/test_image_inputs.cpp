@@ -17,6 +17,8 @@
 #include "core/util/error.h"
 #include "masked_change.h"
 #include "diffusers_case.h"
+#include <QTemporaryDir>
+
 #include "test_util.h"
 
 using namespace diffract;
@@ -149,6 +151,39 @@ class TestImageInputs : public QObject {
                                             .arg(strategy).arg(mask ? "inpaint" : "img2img").arg(b).arg(max)));
         }
       }
+  }
+
+  // Inpainting and outpainting on the embedded model run on its inpainting variant beside it;
+  // image-to-image, other models and jobs with a ControlNet keep the model asked for.
+  void embeddedModelInpaintsWithItsVariant() {
+    QTemporaryDir tmp;
+    const fs::path root = tmp.path().toStdString();
+    fs::copy(test::fixtures() / "tiny-sd", root / "diffract-emoji", fs::copy_options::recursive);
+    fs::copy(dir() / "tiny-sd-inpainting", root / "diffract-emoji-inpaint", fs::copy_options::recursive);
+    const QByteArray before = qgetenv("DIFFRACT_EMBEDDED_MODEL");
+    qputenv("DIFFRACT_EMBEDDED_MODEL", QByteArray::fromStdString((root / "diffract-emoji").string()));
+    const auto model_of = [&](const job::GenerationRequest& r) {
+      const auto meta = nlohmann::json::parse(engine_.run(r, {}, job::CancelToken{}).metadata_json);
+      return fs::path(meta["model"].get<std::string>()).filename().string();
+    };
+    auto r = tiny_inpaint();
+    r.steps = 2;
+    r.model = (root / "diffract-emoji").string();
+    QCOMPARE(model_of(r), std::string("diffract-emoji-inpaint"));
+    r.input.mask = {};
+    r.input.outpaint_right = 16;
+    QCOMPARE(model_of(r), std::string("diffract-emoji-inpaint"));
+    r.input.outpaint_right = 0;
+    QCOMPARE(model_of(r), std::string("diffract-emoji"));  // image-to-image
+    auto other = tiny_inpaint();
+    other.steps = 2;
+    QCOMPARE(model_of(other), std::string("tiny-sd"));
+    fs::remove_all(root / "diffract-emoji-inpaint");
+    r = tiny_inpaint();
+    r.steps = 2;
+    r.model = (root / "diffract-emoji").string();
+    QCOMPARE(model_of(r), std::string("diffract-emoji"));  // no variant: the base blends
+    qputenv("DIFFRACT_EMBEDDED_MODEL", before);
   }
 
   void strengthZeroReturnsTheInput() {

@@ -1,10 +1,12 @@
 // The LoRA panel (folders, rows with enable box, weight and trigger words, what a job and a
 // restored PNG take from it) and the prompt editor's weights and token counts, offscreen.
 #include <QCheckBox>
+#include <QLabel>
 #include <QPushButton>
 #include <QSignalSpy>
 #include <QTemporaryDir>
 #include <QTextDocument>
+#include <fstream>
 
 #include "core/engine/lora_library.h"
 #include "core/text/clip_tokenizer.h"
@@ -25,6 +27,33 @@ class TestLoraPanel : public QObject {
     for (const char* f : {"sd-a-kohya.safetensors", "sd-b-kohya.safetensors"})
       fs::copy_file(from / f, fs::path(m_dir.path().toStdString()) / "styles" / f);
     fs::copy_file(from / "sd-a-peft.safetensors", fs::path(m_dir.path().toStdString()) / "product.safetensors");
+  }
+
+  // The LoRAs shipped beside the embedded model are listed on first start, before any folder,
+  // and a prompt's tag finds them (the engine looks there after the request's folders).
+  void listsTheShippedLoras() {
+    QTemporaryDir shipped;
+    const fs::path root = shipped.path().toStdString();
+    fs::create_directories(root / "diffract-emoji");
+    std::ofstream(root / "diffract-emoji" / "model_index.json") << "{}";
+    fs::create_directories(root / "loras");
+    fs::copy_file(test::fixtures() / "lora" / "sd-a-peft.safetensors", root / "loras" / "outline.safetensors");
+    const QByteArray before = qgetenv("DIFFRACT_EMBEDDED_MODEL");
+    qputenv("DIFFRACT_EMBEDDED_MODEL", QByteArray::fromStdString((root / "diffract-emoji").string()));
+    {
+      ui::LoraPanel panel;
+      QCOMPARE(panel.names(), QStringList{"outline"});
+      QVERIFY(panel.findChild<QLabel*>("loraSummary")->text().contains("shipped with Diffract"));
+      panel.setFolders({m_dir.path()});
+      QCOMPARE(panel.count(), 4);
+      job::GenerationRequest r;
+      r.prompt = "a bottle <lora:outline:0.5>";
+      engine::resolve_lora_tags(r);
+      QCOMPARE(r.loras.size(), std::size_t(1));
+      QCOMPARE(fs::path(r.loras[0].path), root / "loras" / "outline.safetensors");
+      QCOMPARE(r.loras[0].weight, 0.5);
+    }
+    qputenv("DIFFRACT_EMBEDDED_MODEL", before);
   }
 
   void listsFoldersAndTriggers() {

@@ -463,7 +463,13 @@ class TestTraining : public QObject {
     qInfo() << "inpainting fixed-batch loss" << before << "->" << after;
     QVERIFY2(after < 0.5 * before, "the model reads the masked image");
 
+    // The text encoder stays the base's (the shipped inpainting folder links to the base's).
+    const auto base_text = io::load_state_dict(base / "text_encoder" / "model.safetensors");
+    for (const auto& p : inpaint.text_encoder()->named_parameters())
+      QVERIFY2(!p.value().requires_grad() && at::equal(p.value(), base_text.at(p.key()).to(at::kFloat)), p.key().c_str());
     inpaint.export_diffusers(dir);
+    const auto exported_text = io::load_state_dict(dir / "text_encoder" / "model.safetensors");
+    for (const auto& [name, t] : base_text) QVERIFY2(at::equal(exported_text.at(name), t), name.c_str());
     const auto index = nlohmann::json::parse(std::ifstream(dir / "model_index.json"));
     QCOMPARE(index.at("_class_name").get<std::string>(), std::string("StableDiffusionInpaintPipeline"));
     const auto unet_config = nlohmann::json::parse(std::ifstream(dir / "unet" / "config.json"));

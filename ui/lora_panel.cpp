@@ -17,6 +17,7 @@
 
 #include "core/engine/lora_library.h"
 #include "core/text/prompt_syntax.h"
+#include "core/util/embedded_model.h"
 
 namespace diffract::ui {
 
@@ -85,6 +86,10 @@ void LoraPanel::refresh() {
   m_rows.clear();
   std::vector<std::string> dirs;
   for (const auto& f : m_folders) dirs.push_back(f.toStdString());
+  // The LoRAs shipped with the embedded model are listed whatever the folders.
+  const auto shipped = embedded_lora_dir();
+  const bool listShipped = !shipped.empty() && !m_folders.contains(QString::fromStdString(shipped.string()));
+  if (listShipped) dirs.push_back(shipped.string());
   // Only the folders here: the Hugging Face cache holds whole models' .safetensors too.
   for (const auto& file : engine::find_lora_files(dirs, {})) {
     const auto info = engine::read_lora_info(file);
@@ -136,7 +141,10 @@ void LoraPanel::refresh() {
     m_list->addWidget(r->widget);
     m_rows.push_back(r);
   }
-  if (m_folders.isEmpty())
+  if (m_folders.isEmpty() && !m_rows.empty())
+    m_summary->setText(tr("%n LoRA(s) shipped with Diffract; add a folder to list yours (the prompt's <lora:NAME:W> tags are looked up there too).",
+                          nullptr, static_cast<int>(m_rows.size())));
+  else if (m_folders.isEmpty())
     m_summary->setText(tr("No LoRA folder yet: add one to list its LoRAs (the prompt's <lora:NAME:W> tags are looked up there too)."));
   else if (m_rows.empty())
     m_summary->setText(tr("No .safetensors files in %1").arg(m_folders.join(QStringLiteral(", "))));

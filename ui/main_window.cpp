@@ -1059,8 +1059,10 @@ void MainWindow::restoreFromPng(const QString& png) {
   watcher->setFuture(QtConcurrent::run([path = png.toStdString()] {
     RestoreOutcome out;
     try {
-      out.parameters = engine::read_png_parameters(path);
-      out.image = QImage(QString::fromStdString(path));
+      // One read: the picture and its text chunks.
+      io::PngText text;
+      out.image = toQImage(io::read_png(path, &text));
+      out.parameters = engine::parse_png_parameters(text, path);
     } catch (const std::exception& e) {
       out.error = QString::fromUtf8(e.what());
     }

@@ -227,13 +227,9 @@ SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
                              "on the CPU emulated, which shows its rounding, not its speed). Text encoders and the "
                              "VAE stay in the model's dtype."));
   fields->addRow(tr("Precision"), m_precision);
-  connect(m_model, &QLineEdit::textChanged, this, &SettingsPanel::updateGuidanceField);
-  updateGuidanceField();
-  connect(m_model, &QLineEdit::textChanged, this, [this] {
-    const std::string path = m_model->text().trimmed().toStdString();
-    m_nativeSize = path.empty() ? 0 : engine::guess_native_size(path).value_or(0);
-    updateSizeWarning();
-  });
+  // The model's files are read once per edit: its family sets the Flux fields and the native size.
+  connect(m_model, &QLineEdit::textChanged, this, &SettingsPanel::modelChanged);
+  updateGuidanceField(false);  // no model yet
 
   // The hires fix: off at ×1.
   auto* hiresRow = new QHBoxLayout;
@@ -400,9 +396,15 @@ void SettingsPanel::updateSizeWarning() {
   m_sizeWarning->setText(text.join(QStringLiteral(". ")));
 }
 
-void SettingsPanel::updateGuidanceField() {
+void SettingsPanel::modelChanged() {
   const std::string path = m_model->text().trimmed().toStdString();
-  const bool flux = !path.empty() && engine::guess_model_family(path) == "Flux";
+  const std::string family = path.empty() ? std::string() : engine::guess_model_family(path);
+  m_nativeSize = path.empty() ? 0 : engine::guess_native_size(path, family).value_or(0);
+  updateGuidanceField(family == "Flux");
+  updateSizeWarning();
+}
+
+void SettingsPanel::updateGuidanceField(bool flux) {
   m_guidance->setEnabled(flux);
   m_t5->setEnabled(flux);
   m_t5->setToolTip(flux ? tr("Where Flux's T5-XXL text encoder (9.5 GB in bf16) lives; prompt encodings are cached, "

@@ -96,7 +96,8 @@ class SettingsPanel : public QWidget {
  private:
   void applySizePreset(int index);
   void updatePromptTokens();
-  void updateGuidanceField();
+  void modelChanged();
+  void updateGuidanceField(bool flux);
   // The size warning under the size fields: shown for sizes far beyond the model's native one.
   void updateSizeWarning();
   // The threshold field to `value`, or (negative) to the chosen strategy's default.

@@ -13,6 +13,7 @@
 
 #include "core/pipeline/factory.h"
 #include "core/util/device_work.h"
+#include "core/util/embedded_model.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -73,6 +74,20 @@ class DeviceThread {
   bool stop_ = false;
   std::thread thread_;  // last: starts once the members it reads exist
 };
+
+// An inpainting or outpainting job on the embedded model runs on the inpainting model fine-tuned
+// from it, which repaints the mask from the prompt and keeps the rest (the base can only blend).
+// Not with ControlNets or a strategy, which an inpainting model does not take.
+void use_embedded_inpainting_model(job::GenerationRequest& r) {
+  if (!(r.input.has_image() && (r.input.has_mask() || r.input.outpaints())) || !r.controlnets.empty() ||
+      !r.strategy.single() || r.model.empty())
+    return;
+  const auto inpainting = embedded_inpainting_model_dir();
+  std::error_code ec;
+  if (inpainting.empty() || !std::filesystem::equivalent(r.model, embedded_model_dir(), ec)) return;
+  log::get("engine").info("inpainting with " + inpainting.filename().string() + ", the embedded model's inpainting variant");
+  r.model = inpainting.string();
+}
 
 }  // namespace
 
@@ -157,6 +172,7 @@ struct Engine::Impl {
   job::GenerationResult run(const job::GenerationRequest& r, const job::JobObserver& o, const job::CancelToken& c) {
     auto resolved = r;
     resolve_lora_tags(resolved);
+    use_embedded_inpainting_model(resolved);
     const auto s = slot(r.device);
     return s->thread.run([&] { return model_in(*s, resolved).generate(resolved, o, c); });
   }

@@ -10,6 +10,7 @@
 #include "core/io/lora_file.h"
 #include "core/io/safetensors.h"
 #include "core/text/prompt_syntax.h"
+#include "core/util/embedded_model.h"
 #include "core/util/error.h"
 
 namespace diffract::engine {
@@ -130,14 +131,17 @@ void resolve_lora_tags(job::GenerationRequest& request) {
   if (request.prompt_syntax == job::PromptSyntax::A1111) tags = text::extract_extra_networks(request.prompt).tags;
   const bool unnamed = std::any_of(request.loras.begin(), request.loras.end(), [](const job::LoraRef& l) { return l.path.empty(); });
   if (tags.empty() && !unnamed) return;
-  const auto files = find_lora_files(request.lora_dirs, hugging_face_hub());
+  // The LoRAs shipped with the embedded model are found after the request's folders.
+  auto dirs = request.lora_dirs;
+  if (const auto shipped = embedded_lora_dir(); !shipped.empty()) dirs.push_back(shipped.string());
+  const auto files = find_lora_files(dirs, hugging_face_hub());
   for (auto& l : request.loras)
-    if (l.path.empty()) l.path = find_lora(l.name, files, request.lora_dirs).string();
+    if (l.path.empty()) l.path = find_lora(l.name, files, dirs).string();
   for (const auto& t : tags) {
     if (std::any_of(request.loras.begin(), request.loras.end(), [&](const job::LoraRef& l) { return l.name == t.name; }))
       continue;
     job::LoraRef ref;
-    ref.path = find_lora(t.name, files, request.lora_dirs).string();
+    ref.path = find_lora(t.name, files, dirs).string();
     ref.name = t.name;
     ref.weight = t.weight;
     ref.text_encoder_weight = t.text_encoder_weight;

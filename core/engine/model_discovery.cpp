@@ -107,8 +107,9 @@ std::string guess_model_family(const fs::path& model) {
                                                      : "";
 }
 
-std::optional<int> guess_native_size(const fs::path& model) {
-  const std::string family = guess_model_family(model);
+std::optional<int> guess_native_size(const fs::path& model) { return guess_native_size(model, guess_model_family(model)); }
+
+std::optional<int> guess_native_size(const fs::path& model, const std::string& family) {
   std::error_code ec;
   if (family.empty()) return std::nullopt;
   if (fs::is_regular_file(model, ec) || family == "Flux") return family == "SD" ? 512 : 1024;

@@ -30,6 +30,8 @@ std::string guess_model_family(const std::filesystem::path& model);
 // transformer sample_size times its VAE's downscale (Flux: 1024); a single file's family's
 // (SD 512, SDXL / SD3 / Flux 1024). Nothing when unknown or unreadable.
 std::optional<int> guess_native_size(const std::filesystem::path& model);
+// The same for a model whose family guess_model_family() gave already.
+std::optional<int> guess_native_size(const std::filesystem::path& model, const std::string& family);
 
 // The newest madebyollin TAESD snapshot in `hub` (taesd, taesdxl, taesd3, taef1: a diffusers
 // AutoencoderTiny folder or the original <name>_decoder.pth) for a model's latent space: a diffusers

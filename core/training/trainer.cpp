@@ -338,6 +338,8 @@ Trainer::Trainer(TrainConfig config)
   unet_->to(device_);
   text_encoder_->to(device_);
   if (config_.lora_rank > 0) attach_lora();
+  if (config_.inpaint)
+    for (auto& p : text_encoder_->parameters()) p.requires_grad_(false);
   unet_->train();
   text_encoder_->train();
   if (device_.is_cuda()) {
@@ -365,7 +367,9 @@ std::vector<std::pair<std::string, at::Tensor>> Trainer::named_trainables() cons
     return out;
   }
   for (const auto& p : unet_->named_parameters()) out.emplace_back("unet." + p.key(), p.value());
-  for (const auto& p : text_encoder_->named_parameters()) out.emplace_back("text." + p.key(), p.value());
+  // An inpainting fine-tune keeps the base's text encoder, so that its folder can share it.
+  if (!config_.inpaint)
+    for (const auto& p : text_encoder_->named_parameters()) out.emplace_back("text." + p.key(), p.value());
   return out;
 }
 
@@ -785,15 +789,15 @@ void Trainer::export_diffusers(const fs::path& dir) const {
   for (const char* sub : {"unet", "text_encoder", "tokenizer", "scheduler", "vae"}) fs::create_directories(dir / sub);
   // The EMA weights, in the order parameters() lists them.
   std::size_t i = 0;
-  auto take = [&](const torch::nn::Module& m) {
+  auto take = [&](const torch::nn::Module& m, bool trained) {
     std::vector<std::pair<std::string, at::Tensor>> out;
-    for (const auto& p : m.named_parameters()) out.emplace_back(p.key(), ema_[i++].to(at::kHalf));
+    for (const auto& p : m.named_parameters()) out.emplace_back(p.key(), (trained ? ema_[i++] : p.value()).to(at::kHalf));
     for (const auto& b : m.named_buffers()) out.emplace_back(b.key(), b.value().to(at::kHalf));
     return out;
   };
   const std::map<std::string, std::string> meta = {{"format", "pt"}};
-  io::write_safetensors(dir / "unet" / "diffusion_pytorch_model.safetensors", take(*unet_), meta);
-  io::write_safetensors(dir / "text_encoder" / "model.safetensors", take(*text_encoder_), meta);
+  io::write_safetensors(dir / "unet" / "diffusion_pytorch_model.safetensors", take(*unet_, true), meta);
+  io::write_safetensors(dir / "text_encoder" / "model.safetensors", take(*text_encoder_, !config_.inpaint), meta);
   write_json(dir / "unet" / "config.json", unet_config_json(model_config_.unet));
   write_json(dir / "text_encoder" / "config.json", clip_config_json(model_config_.text));
   text::CLIPTokenizer::write_folder_from_openai_bpe(config_.bpe, dir / "tokenizer");

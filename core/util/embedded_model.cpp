@@ -23,4 +23,20 @@ std::filesystem::path embedded_model_dir() {
   return {};
 }
 
+std::filesystem::path embedded_inpainting_model_dir() {
+  const auto model = embedded_model_dir();
+  if (model.empty()) return {};
+  const auto dir = model.parent_path() / (model.filename().string() + "-inpaint");
+  std::error_code ec;
+  return std::filesystem::is_regular_file(dir / "model_index.json", ec) ? dir : std::filesystem::path();
+}
+
+std::filesystem::path embedded_lora_dir() {
+  const auto model = embedded_model_dir();
+  if (model.empty()) return {};
+  const auto dir = model.parent_path() / "loras";
+  std::error_code ec;
+  return std::filesystem::is_directory(dir, ec) ? dir : std::filesystem::path();
+}
+
 }  // namespace diffract
