@@ -21,6 +21,8 @@ ap.add_argument("--eval-only", action="store_true", help="write only the evaluat
 ap.add_argument("--gpu", default="one H100", help="what trained it, for the card")
 ap.add_argument("--docs", default="docs")
 ap.add_argument("--command", help="the command that trained it (default: scripts/gpu_train.sh's)")
+ap.add_argument("--note", default="", help="what is particular to this run, after the training paragraph")
+ap.add_argument("--finding", default="", help="what the evaluation shows, after its table")
 args = ap.parse_args()
 
 ev = json.load(open(args.eval))
@@ -136,6 +138,8 @@ trained = (f"{summary['steps']} steps of batch {summary['batch']} ({summary['ste
            f"in {summary['training_seconds'] / 60:.1f} minutes on {args.gpu} ({summary['device']}), "
            f"{summary['images_per_second']:.0f} scenes/s; AdamW (lr {summary['lr']}, warm-up, cosine)")
 command = args.command or COMMANDS[args.kind]
+note = "\n" + args.note.strip() + "\n" if args.note.strip() else ""
+finding = "\n" + args.finding.strip() + "\n" if args.finding.strip() else ""
 
 
 def eval_row(name, e):
@@ -216,7 +220,7 @@ use `output_type="latent"` there (the latents match Diffract's; see tests/refere
 {trained}, EMA 0.999 (these weights), bf16 autocast, 10 % empty captions, v-prediction with the
 x0 error weighted by clamp(SNR, 1, 5) (Min-SNR-5 above SNR 1, full weight near pure noise),
 gradient clipping at 1.
-
+{note}
 | step | loss | lr | seconds |
 | --- | --- | --- | --- |
 {table}
@@ -231,7 +235,7 @@ over all {ev['candidates']} emoji) one with the same emoji, and are its backgrou
 emoji's position the prompt's?
 
 {eval_table([('diffract-emoji (' + str(ev['prompts']) + ' held-out prompts, CPU)', ev)] + ([('the previous edition, same evaluation', base_ev)] if base_ev else []))}
-
+{finding}
 Random guessing: top-1 {ev['random_top1']:.4f}, top-5 {ev['random_top5']:.4f}. 64 prompts are few:
 one hit is 0.016. {ev['seconds_per_image']:.2f} s per image on this CPU (2 cores). Contact sheet
 and per-prompt results: `docs/{eval_page}`.
@@ -247,7 +251,7 @@ jobs on the embedded model; other models inpaint by blending.
 
 Format: a diffusers `StableDiffusionInpaintPipeline` folder: its own `unet/` (fp16), and
 `text_encoder/`, `tokenizer/`, `vae/`, `scheduler/` as links to `../diffract-emoji`'s (the
-fine-tune leaves them unchanged). {size / 1e6:.1f} MB of its own.
+fine-tune trains the UNet alone). {size / 1e6:.1f} MB of its own.
 
 {parts}
 
@@ -270,7 +274,7 @@ blanked (0 in [-1, 1]) before encoding, as the pipelines do.
 From diffract-emoji (its EMA weights; the new input channels start at zero, so the fine-tune
 starts from its predictions): {trained}, EMA 0.999 with warm-up (these weights), bf16 autocast,
 10 % empty captions, the base's loss.
-
+{note}
 | step | loss | lr | seconds |
 | --- | --- | --- | --- |
 {table}
@@ -282,7 +286,7 @@ starts from its predictions): {trained}, EMA 0.999 with warm-up (these weights),
 `diffract-train eval --inpaint` on CPU: {describe_task(ev)}.
 
 {eval_table([('diffract-emoji-inpaint', ev)] + ([('diffract-emoji, blending the latents outside the mask', base_ev)] if base_ev else []))}
-
+{finding}
 Contact sheet and per-prompt results: `docs/{eval_page}`.
 """
     out = os.path.join(args.model, "README.md")
@@ -320,7 +324,7 @@ shows them), with the same captions.
 
 On the frozen diffract-emoji: {trained}, EMA (warm-up, these weights), bf16 autocast, 10 % empty
 captions, the base's loss.
-
+{note}
 | step | loss | lr | seconds |
 | --- | --- | --- | --- |
 {table}
@@ -333,7 +337,7 @@ captions, the base's loss.
 image's nearest scene searched among outline-style scenes.
 
 {eval_table([('with the LoRA, against outline scenes', ev)] + ([('diffract-emoji without it, against outline scenes', base_ev)] if base_ev else []))}
-
+{finding}
 Contact sheet and per-prompt results: `docs/{eval_page}`.
 """
     out = os.path.splitext(args.model)[0] + ".md"

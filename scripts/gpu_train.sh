@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine, in one call of at most 10 minutes: builds diffract-train against the
 # installed PyTorch's LibTorch (preset gpu, no Qt) and trains on cuda:0.
-#   Carried in .carry/ (scripts/prepare_carry.sh): CLI11 headers and emoji/ (diffract-dataset's
-#   atlas). TAEF2 is read from the shipped model's vae/ and the CLIP vocabulary from resources/clip,
-#   both in the tree (so the tree with the shipped model and the carry stay within 64 MiB).
+#   Carried in .carry/ (scripts/prepare_carry.sh): CLI11 headers, emoji/ (diffract-dataset's
+#   atlas) and shared/data/taesd (TAEF2; without it, the shipped model's vae/ is read). The CLIP
+#   vocabulary comes from resources/clip. The shipped models do not fit the 64 MiB beside the
+#   atlas: `scripts/device_tree.sh hide` before the calls, `show` after.
 # PHASE=train (default): the text-to-image model, leaving in $OUT gpu.txt, train.log, loss.csv,
 #   summary.json and the exported diffusers folder as diffract-emoji.tar.part-aa.. (15 MiB pieces;
 #   cat, then tar -x; EXPORT=0: none). TRAIN_MINUTES (default 7; cut so that the whole call stays
@@ -22,15 +23,18 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 out="${OUT:-/tmp/gpu_train}"
 mkdir -p "$out"
-for f in .carry/include/CLI/CLI.hpp .carry/emoji/atlas.json resources/models/diffract-emoji/vae/config.json; do
+for f in .carry/include/CLI/CLI.hpp .carry/emoji/atlas.json; do
   [[ -f "$f" ]] || { echo "missing $f: run scripts/prepare_carry.sh here and pass .carry in the carry list" >&2; exit 1; }
 done
+taesd=.carry/shared/data/taesd
+[[ -f "$taesd/taef2_encoder.pth" ]] || taesd=resources/models/diffract-emoji/vae
+[[ -e "$taesd" ]] || { echo "no TAEF2: carry .carry/shared/data/taesd (scripts/prepare_carry.sh)" >&2; exit 1; }
 source scripts/gpu_common.sh
 gpu_info "$out/gpu.txt"
 gpu_build /tmp/gpu_train_logs diffract-train || exit 1  # logs stay on the machine: at most 8 files come back
 echo "built in $(( $(date +%s) - start )) s"
 common=(--device cuda:0 --atlas .carry/emoji --holdout resources/training/holdout.tsv
-        --taesd resources/models/diffract-emoji/vae --bpe resources/clip/bpe_simple_vocab_16e6.txt.gz --log-every 50)
+        --taesd "$taesd" --bpe resources/clip/bpe_simple_vocab_16e6.txt.gz --log-every 50)
 run=build/gpu-train
 
 if [[ "${PHASE:-train}" == finetune ]]; then
