@@ -207,11 +207,15 @@ class TestLayers : public QObject {
   }
 
   // UNets (uniform draws only, so bit-exact on any CPU) hold what LibTorch's layers gave them
-  // before this change: fingerprints taken then, of the trainer's emoji UNet (seed 7) and of
+  // before this change: fingerprints taken then, of the trainer's emoji UNet of that time (the
+  // first edition's (64, 128, 192), cross-attention 96 wide; seed 7) and of
   // StableDiffusion::random's tiny SDXL UNet (seed 0; before its halving).
   void initRandomReproducesEarlierModels() {
     at::manual_seed(7);
-    models::UNet2DConditionModel emoji(training::ModelConfig::preset("emoji").unet);
+    auto first_edition = training::ModelConfig::preset("emoji").unet;
+    first_edition.block_out_channels = {64, 128, 192};
+    first_edition.cross_attention_dim.assign(3, 96);
+    models::UNet2DConditionModel emoji(first_edition);
     models::init_random(*emoji);
     QCOMPARE(fingerprint(*emoji), uint64_t(0x2468a1b0a880c1c2ull));
 

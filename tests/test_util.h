@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <initializer_list>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -84,9 +85,10 @@ inline void copy_with_config(const std::filesystem::path& src, const std::filesy
     } catch (const diffract::Error& _e) {                                                                   \
       _thrown = true;                                                                                       \
       const std::string _msg = _e.what();                                                                   \
-      for (const char* _frag : {__VA_ARGS__})                                                               \
+      /* Fragments as strings: a fragment built in the call (a temporary's c_str()) lives on. */            \
+      for (const std::string& _frag : std::initializer_list<std::string>{__VA_ARGS__})                      \
         QVERIFY2(_msg.find(_frag) != std::string::npos,                                                     \
-                 qPrintable(QString("error '%1' lacks '%2'").arg(_msg.c_str(), _frag)));                    \
+                 qPrintable(QString("error '%1' lacks '%2'").arg(_msg.c_str(), _frag.c_str())));            \
     }                                                                                                       \
     QVERIFY2(_thrown, "expected a diffract::Error from " #expr);                                            \
   } while (0)
