@@ -29,7 +29,10 @@
 #           or SOLO_PLAN="CONFIG=STRATEGIES;..." (each config its own list, e.g. the step caches).
 #   lanes   one GPU: diffract-cli lanes with the embedded model on cuda:0 for each shipped setup of
 #           LANE_SETUPS (default steps-30-20-12, samplers-at-20-steps and the DRiffusion one, whose
-#           2-GPU lane cannot run on one) at LANE_SIZE (default 256) px: the table of each.
+#           2-GPU lane cannot run on one) at LANE_SIZE (default 256) px: the table of each. The
+#           model (57.9 MB) and a benchmark's carry no longer fit the 64 MiB together: with
+#           `scripts/device_tree.sh hide` and the model folder copied into .carry/ (with
+#           LANE_MODEL pointing there), keep the rest of .carry under 6 MB.
 #   tree    one GPU: another tree's diffract-bench (TREE, default .ab/old: an older commit's
 #           sources, `git archive COMMIT CMakeLists.txt CMakePresets.json cmake core app tests/gpu
 #           presets packaging`) against this tree's, taking turns on the same GPU (TREE_CONFIGS,
@@ -372,7 +375,7 @@ lanes)
   export CUDA_VISIBLE_DEVICES=0
   size="${LANE_SIZE:-256}"
   for setup in $(echo "${LANE_SETUPS:-steps-30-20-12,samplers-at-20-steps,baseline-vs-driffusion-vs-step-skip}" | tr ',' ' '); do
-    timeout "$(left 5)" build/gpu/app/diffract-cli lanes "$setup" --device cuda:0 --model resources/models/diffract-emoji \
+    timeout "$(left 5)" build/gpu/app/diffract-cli lanes "$setup" --device cuda:0 --model "${LANE_MODEL:-resources/models/diffract-emoji}" \
       --prompt "${LANE_PROMPT:-a red apple on a light blue background}" --seed 3 --width "$size" --height "$size" \
       --out-dir "$logs/lanes_$setup" > "$logs/lanes_$setup.log" 2>&1
     echo "lanes $setup rc $? at $(elapsed) s"

@@ -78,6 +78,26 @@ fs::path export_root(const QTemporaryDir& tmp) {
   return env ? fs::path(env) : fs::path(tmp.path().toStdString());
 }
 
+// The job the diffusers scripts repeat on an exported tiny model: 64², 4 Euler steps, CFG 3.
+job::GenerationRequest tiny_job(const std::string& prompt, std::uint64_t seed) {
+  job::GenerationRequest req;
+  req.prompt = prompt;
+  req.width = req.height = 64;
+  req.steps = 4;
+  req.cfg = 3.0;
+  req.seed = seed;
+  req.sampler = "euler";
+  req.preview_every = 0;
+  return req;
+}
+
+// What the scripts read of it, beside the folder's latents.
+void write_job(const fs::path& dir, const job::GenerationRequest& req) {
+  std::ofstream(dir / "diffract_request.json") << nlohmann::json{{"prompt", req.prompt}, {"steps", req.steps},
+                                                                 {"cfg", req.cfg}, {"seed", req.seed}, {"size", req.width}}
+                                                       .dump();
+}
+
 }  // namespace
 
 class TestTraining : public QObject {
@@ -369,14 +389,7 @@ class TestTraining : public QObject {
     QCOMPARE(shapes.at(q + ".lora_B.weight"), (std::vector<int64_t>{32, 4}));
 
     auto pipe = pipeline::StableDiffusion::load(base, "cpu");
-    job::GenerationRequest req;
-    req.prompt = "a small red apple in the top left on a light blue background";
-    req.width = req.height = 64;
-    req.steps = 4;
-    req.cfg = 3.0;
-    req.seed = 3;
-    req.sampler = "euler";
-    req.preview_every = 0;
+    auto req = tiny_job("a small red apple in the top left on a light blue background", 3);
     const auto plain = pipe->generate(req, {}, job::CancelToken{});
     req.loras.push_back({file.string(), 1.0, 1.0, ""});
     const auto adapted = pipe->generate(req, {}, job::CancelToken{});
@@ -388,9 +401,7 @@ class TestTraining : public QObject {
     qInfo() << "the LoRA moves the final latents by" << change << "(relative L2)";
     QVERIFY2(change > 1e-3, "the LoRA changes the picture");
     io::write_safetensors(dir / "diffract_latents.safetensors", {{"with_lora", a}, {"without", p}});
-    std::ofstream(dir / "diffract_request.json") << nlohmann::json{{"prompt", req.prompt}, {"steps", req.steps}, {"cfg", req.cfg},
-                                                                   {"seed", req.seed}, {"size", req.width}}
-                                                         .dump();
+    write_job(dir, req);
   }
 
   // Masks of every kind arrive: binary, some covering everything, most a part.
@@ -477,14 +488,7 @@ class TestTraining : public QObject {
 
     // Our pipeline inpaints with it: a scene, its centre masked.
     auto pipe = pipeline::StableDiffusion::load(dir, "cpu");
-    job::GenerationRequest req;
-    req.prompt = "a small red apple in the centre on a light blue background";
-    req.width = req.height = 64;
-    req.steps = 4;
-    req.cfg = 3.0;
-    req.seed = 5;
-    req.sampler = "euler";
-    req.preview_every = 0;
+    auto req = tiny_job("a small red apple in the centre on a light blue background", 5);
     io::Image image{64, 64, {}}, mask{64, 64, {}};
     for (int y = 0; y < 64; ++y)
       for (int x = 0; x < 64; ++x) {
@@ -502,9 +506,7 @@ class TestTraining : public QObject {
     io::write_safetensors(dir / "diffract_latents.safetensors", {{"latents", out}});
     io::write_png(dir / "diffract_image.png", image);
     io::write_png(dir / "diffract_mask.png", mask);
-    std::ofstream(dir / "diffract_request.json") << nlohmann::json{{"prompt", req.prompt}, {"steps", req.steps}, {"cfg", req.cfg},
-                                                                   {"seed", req.seed}, {"size", req.width}}
-                                                         .dump();
+    write_job(dir, req);
   }
 
   // Writes the folder the diffusers parity script reads (DIFFRACT_TRAIN_EXPORT) with our latents.
@@ -531,13 +533,8 @@ class TestTraining : public QObject {
             io::DType::F16);
 
     auto pipe = pipeline::StableDiffusion::load(dir, "cpu");
-    job::GenerationRequest req;
-    req.prompt = "a small red apple in the top left on a light blue background";
-    req.width = req.height = 64;
-    req.steps = 4;
-    req.cfg = 3.0;
-    req.seed = 3;
-    req.sampler = "euler";
+    auto req = tiny_job("a small red apple in the top left on a light blue background", 3);
+    req.preview_every = job::GenerationRequest{}.preview_every;
     // Previews through the model's own tiny VAE, from latents averaged down to the preview size
     // (auto: half the image's side) as a TAESD's; full size on request.
     int previews = 0;
@@ -570,9 +567,7 @@ class TestTraining : public QObject {
                            {"x0", x0}, {"noise", noise}, {"timesteps", t},
                            {"noisy", schedule.add_noise(x0, noise, t)},
                            {"velocity", schedule.velocity(x0, noise, t)}});
-    std::ofstream(dir / "diffract_request.json") << nlohmann::json{{"prompt", req.prompt}, {"steps", req.steps}, {"cfg", req.cfg},
-                                                                   {"seed", req.seed}, {"size", req.width}}
-                                                         .dump();
+    write_job(dir, req);
   }
 };
 
