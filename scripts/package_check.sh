@@ -35,4 +35,16 @@ grep -o "loaded [^ ]*diffract-emoji" "$out/log"
 grep -q "loaded /usr/share/diffract/models/diffract-emoji" "$out/log" \
   || { echo "the installed diffract-cli did not use the installed model" >&2; exit 1; }
 echo "installed diffract-cli generated $(du -h "$out/apple.png" | cut -f1) with the installed emoji model"
+# Its companions: the inpainting variant (whose other parts are links to the model's) takes an
+# inpainting job, and the shipped LoRA is found by its tag.
+"$root/.venv/bin/python" -c "from PIL import Image, ImageDraw; m = Image.new('L', (128, 128)); \
+ImageDraw.Draw(m).rectangle([32, 32, 96, 96], fill=255); m.save('$out/mask.png')"
+diffract-cli generate --prompt "a large rocket in the centre on a light blue background" --image "$out/apple.png" \
+  --mask "$out/mask.png" --steps 4 --out "$out/rocket.png" > "$out/log" 2>&1 || { cat "$out/log"; exit 1; }
+grep -q "loaded /usr/share/diffract/models/diffract-emoji-inpaint" "$out/log" \
+  || { cat "$out/log"; echo "the installed diffract-cli did not inpaint with the installed inpainting model" >&2; exit 1; }
+diffract-cli generate --prompt "red apple <lora:diffract-emoji-outline:1>" --steps 4 --width 128 --height 128 \
+  --out "$out/outline.png" > "$out/log" 2>&1 || { cat "$out/log"; exit 1; }
+grep -q "LoRAs applied" "$out/log" || { cat "$out/log"; echo "the installed LoRA was not applied" >&2; exit 1; }
+echo "installed diffract-cli inpainted with diffract-emoji-inpaint and applied diffract-emoji-outline"
 rm -rf "$out"
