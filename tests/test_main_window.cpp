@@ -166,6 +166,31 @@ class TestMainWindow : public QObject {
     QVERIFY(!hint->isVisible());
   }
 
+  // Settings that cannot be written (a full disk, a read-only file; here a folder where the file
+  // goes) are said in the window, the job runs anyway, and the next save that works clears it.
+  void unwritableSettingsAreSaidNotLost() {
+    const QString file = QSettings().fileName();
+    QFile::remove(file);
+    QVERIFY(QDir().mkpath(file));  // QSettings cannot rename its temporary file over a folder
+    {
+      MainWindow w;
+      w.show();
+      QVERIFY(QTest::qWaitForWindowExposed(&w));
+      child<QLineEdit>(w, "modelEdit")->setText(tinyModel());
+      QTest::mouseClick(child<QPushButton>(w, "generateButton"), Qt::LeftButton);
+      auto* warning = child<QLabel>(w, "settingsWarning");
+      QVERIFY(warning->isVisible());
+      QVERIFY2(warning->text().contains(file) && warning->text().contains("disk full"), qPrintable(warning->text()));
+      QTRY_VERIFY_WITH_TIMEOUT(!w.bridge()->isRunning(), 60000);
+      QVERIFY(!child<QLabel>(w, "errorLabel")->isVisible());  // the job ran
+      QVERIFY(QDir(file).removeRecursively());
+      QTest::mouseClick(child<QPushButton>(w, "generateButton"), Qt::LeftButton);
+      QVERIFY(!warning->isVisible());
+      QTRY_VERIFY_WITH_TIMEOUT(!w.bridge()->isRunning(), 60000);
+    }
+    QCOMPARE(QSettings().value("model").toString(), tinyModel());
+  }
+
   // With an embedded model (the shipped diffract-emoji) the first start opens with it selected.
   void firstStartSelectsTheEmbeddedModel() {
     const QString embedded = m_tmp.filePath("embedded/diffract-emoji");

@@ -50,6 +50,7 @@
 #include "core/io/read_file.h"
 #include "core/util/build_info.h"
 #include "core/util/error.h"
+#include "core/util/log.h"
 #include "ui/compare_view.h"
 #include "ui/devices_panel.h"
 #include "ui/settings_panel.h"
@@ -344,6 +345,14 @@ void MainWindow::buildUi() {
   leftLayout->addWidget(scroll, 1);
   leftLayout->addLayout(buttons);
   leftLayout->addWidget(m_error);
+  m_settingsWarning = new QLabel;
+  m_settingsWarning->setObjectName(QStringLiteral("settingsWarning"));
+  m_settingsWarning->setWordWrap(true);
+  m_settingsWarning->setTextFormat(Qt::PlainText);
+  m_settingsWarning->setTextInteractionFlags(Qt::TextSelectableByMouse);
+  m_settingsWarning->setStyleSheet(QStringLiteral("color: #b26a00;"));
+  m_settingsWarning->hide();
+  leftLayout->addWidget(m_settingsWarning);
 
   // Right: the live view, its status line, the stage timings.
   m_view = new ImageView;
@@ -907,8 +916,25 @@ void MainWindow::loadSettings() {
   m_viewSplitter->restoreState(s.value(QStringLiteral("window/viewSplitter")).toByteArray());
 }
 
-void MainWindow::saveSettings() const {
+void MainWindow::saveSettings() {
   QSettings s;
+  writeSettings(s);
+  // QSettings writes a temporary file and renames it, so a failed write leaves the old settings
+  // whole; the window says so (a full disk, a read-only file) and tries again at the next save.
+  s.sync();
+  if (s.status() == QSettings::NoError) {
+    m_settingsWarning->hide();
+    return;
+  }
+  const QString why = s.status() == QSettings::AccessError ? tr("it could not be written: is the disk full or the file read-only?")
+                                                           : tr("the file is not a valid settings file");
+  m_settingsWarning->setText(tr("Settings not saved to %1: %2 Your jobs and images are not affected; the next Generate "
+                                "tries again.").arg(s.fileName(), why));
+  m_settingsWarning->show();
+  log::get("ui").warn("settings not saved to " + s.fileName().toStdString());
+}
+
+void MainWindow::writeSettings(QSettings& s) const {
   m_settings->saveSettings(s);
   s.setValue(QStringLiteral("taesd"), m_taesd->text());
   s.setValue(QStringLiteral("taesdMatched"), m_taesdMatched);

@@ -29,6 +29,7 @@ class QLabel;
 class QLineEdit;
 class QPlainTextEdit;
 class QPushButton;
+class QSettings;
 class QSpinBox;
 class QSplitter;
 class QScrollArea;
@@ -140,7 +141,8 @@ class MainWindow : public QMainWindow {
  private:
   void buildUi();
   void loadSettings();
-  void saveSettings() const;
+  void saveSettings();
+  void writeSettings(QSettings& s) const;
   void updateControls();
   void updateDeviceSummary();
   // After the model, size, batch, CFG, previews or devices change (and at start): on a GPU the
@@ -194,6 +196,7 @@ class MainWindow : public QMainWindow {
   QPushButton* m_cancel = nullptr;
   QLabel* m_hint = nullptr;
   QLabel* m_error = nullptr;
+  QLabel* m_settingsWarning = nullptr;  // the settings file could not be written
   QLabel* m_status = nullptr;
   QLabel* m_strategyResult = nullptr;  // the last job's strategy in plain words (hidden for the plain loop)
   QSet<QString> m_startedModels;  // model + device of the jobs started: their next jobs load nothing
