@@ -223,7 +223,9 @@ struct Engine::Impl {
         keep_only({request.device});
         if (q.load_only) {
           const auto s = slot(request.device);
-          const double prepared_ms = s->thread.run([&] { return model_in(*s, request).prepare(request); });
+          auto preloaded = request;  // the model the job will run on
+          use_embedded_inpainting_model(preloaded);
+          const double prepared_ms = s->thread.run([&] { return model_in(*s, preloaded).prepare(preloaded); });
           if (observer.on_stage) observer.on_stage("loaded", prepared_ms);
         } else {
           auto result = run(request, observer, job->token());
