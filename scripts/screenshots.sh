@@ -19,7 +19,7 @@ if [ ! -f "$models/STAMP" ]; then
 fi
 if [ -f resources/models/diffract-emoji/model_index.json ]; then
   job=(--model resources/models/diffract-emoji --prompt "a large red apple in the centre on a light blue background"
-       --negative "" --size 128 --steps 20 --inpaint-prompt "a yellow star in the centre on a light blue background")
+       --negative "" --size 128 --steps 20 --inpaint-prompt "a large glowing star in the centre on a light blue background")
 else
   job=(--model "$models/tiny-sd")
 fi
