@@ -1090,7 +1090,22 @@ class TestMainWindow : public QObject {
     QVERIFY2(warning->text().contains("Decoding a batch of 16 at 8192×8192 needs about 2749 GB on the CPU") &&
                  warning->text().contains("more than this machine's"),
              qPrintable(warning->text()));
+    // On a GPU: the model's weights and the decode in bf16 against the memory it has free.
+    w.setDevices({{"Fake GPU", 0, 8ull << 30, 1ull << 30}});
+    QVERIFY2(warning->text().contains("This job needs about 1374 GB on cuda:0 (Fake GPU)") &&
+                 warning->text().contains("decoding a batch of 16 at 8192×8192 1374 GB") &&
+                 warning->text().contains("more than its 8 GB free") && !warning->text().contains("on the CPU"),
+             qPrintable(warning->text()));
     child<QSpinBox>(w, "batchSpin")->setValue(1);
+    child<QSpinBox>(w, "widthSpin")->setValue(1024);
+    child<QSpinBox>(w, "heightSpin")->setValue(1024);
+    QVERIFY2(!warning->text().contains("needs about"), qPrintable(warning->text()));  // 2.7 GB fits
+    w.setDevices({});
+    QCOMPARE(engine::model_weight_bytes(test::emoji_model()),
+             std::uint64_t(std::filesystem::file_size(test::emoji_model() / "unet" / "diffusion_pytorch_model.safetensors") +
+                           std::filesystem::file_size(test::emoji_model() / "text_encoder" / "model.safetensors") +
+                           std::filesystem::file_size(test::emoji_model() / "vae" / "diffusion_pytorch_model.safetensors")));
+    QCOMPARE(engine::model_weight_bytes("/nonexistent"), std::uint64_t(0));
     QCOMPARE(engine::guess_native_size(test::fixtures() / "tiny-sdxl"), std::optional<int>(32));
     QCOMPARE(engine::guess_native_size("/nonexistent"), std::optional<int>());
   }

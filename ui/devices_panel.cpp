@@ -56,6 +56,7 @@ void DevicesPanel::refresh() {
 
 void DevicesPanel::setDevices(const std::vector<engine::DeviceInfo>& devices, int generation) {
   if (generation == 0) ++m_generation;
+  m_gpus = devices;
   qDeleteAll(m_gpuChecks);
   m_gpuChecks.clear();
   const auto gib = [](std::uint64_t bytes) { return QString::number(bytes / double(1ull << 30), 'f', 1); };
@@ -78,6 +79,12 @@ void DevicesPanel::setDevices(const std::vector<engine::DeviceInfo>& devices, in
   }
   m_cpuLabel->setVisible(devices.empty());
   emit gpusChanged();
+}
+
+std::optional<engine::DeviceInfo> DevicesPanel::gpu(int index) const {
+  for (const auto& d : m_gpus)
+    if (d.index == index) return d;
+  return std::nullopt;
 }
 
 std::vector<int> DevicesPanel::enabledGpus() const {

@@ -3,6 +3,7 @@
 #include <QList>
 #include <QSet>
 
+#include <optional>
 #include <vector>
 
 #include "core/engine/devices.h"
@@ -28,6 +29,8 @@ class DevicesPanel : public QGroupBox {
   // The GPUs shown (tests give their own); generation: internal, 0 from callers.
   void setDevices(const std::vector<engine::DeviceInfo>& devices, int generation = 0);
   std::vector<int> enabledGpus() const;
+  // The GPU shown as cuda:`index` (its memory as last read); nothing when there is none.
+  std::optional<engine::DeviceInfo> gpu(int index) const;
   // The unticked GPUs by index (what the settings keep); setting them ticks the others.
   QSet<int> disabledGpus() const { return m_disabledGpus; }
   void setDisabledGpus(const QSet<int>& disabled);
@@ -43,6 +46,7 @@ class DevicesPanel : public QGroupBox {
  private:
   QVBoxLayout* m_rows = nullptr;
   QList<QCheckBox*> m_gpuChecks;  // property "gpuIndex": the N of cuda:N
+  std::vector<engine::DeviceInfo> m_gpus;  // as listed
   QLabel* m_cpuLabel = nullptr;
   QLabel* m_summary = nullptr;
   QSet<int> m_disabledGpus;  // a GPU never unticked is enabled

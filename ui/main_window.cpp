@@ -40,10 +40,12 @@
 #include <QVBoxLayout>
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <ctime>
 #include <utility>
 #include <exception>
 #include <limits>
+#include <optional>
 
 #include "core/engine/model_discovery.h"
 #include "core/engine/output.h"
@@ -1181,7 +1183,16 @@ void MainWindow::schedulePrepare() {
 void MainWindow::updateDeviceSummary() {
   if (!m_devicesPanel || !m_strategy || !m_devices) return;
   schedulePrepare();
-  m_devicesPanel->showChoice(deviceChoice(), currentStrategy());
+  const auto choice = deviceChoice();
+  m_devicesPanel->showChoice(choice, currentStrategy());
+  // The size warning's memory estimate is for the GPU holding the model.
+  std::optional<engine::DeviceInfo> gpu;
+  if (choice.device.rfind("cuda:", 0) == 0) gpu = m_devicesPanel->gpu(std::atoi(choice.device.c_str() + 5));
+  if (gpu)
+    m_settings->setJobDevice(QStringLiteral("cuda:%1 (%2)").arg(gpu->index).arg(QString::fromStdString(gpu->name)),
+                             gpu->total_bytes > gpu->used_bytes ? gpu->total_bytes - gpu->used_bytes : 0);
+  else
+    m_settings->setJobDevice({}, 0);
 }
 
 void MainWindow::closeEvent(QCloseEvent* event) {

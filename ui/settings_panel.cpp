@@ -381,11 +381,26 @@ void SettingsPanel::updateSizeWarning() {
                 .arg(h)
                 .arg(double(w) * h / (double(n) * n), 0, 'f', 0)
                 .arg(n);
-  // The decode's memory, before a job that would fail on it after its whole denoising.
+  // The memory the job needs where it runs, before a job that would fail after its whole
+  // denoising: on a GPU the weights and the decode in bf16 against its free memory; on the CPU
+  // the decode in fp32 against this machine's.
   const int batch = m_batch ? m_batch->value() : 1;
   const double cpu = decode_peak_bytes(w, h, batch, 4);
   const double have = static_cast<double>(physical_memory_bytes());
-  if (w > 0 && h > 0 && have > 0 && cpu > have)
+  if (!m_gpuName.isEmpty()) {
+    const double decode = decode_peak_bytes(w, h, batch, 2), weights = static_cast<double>(m_weightBytes);
+    if (w > 0 && h > 0 && m_gpuFreeBytes > 0 && decode + weights > static_cast<double>(m_gpuFreeBytes))
+      text << tr("This job needs about %1 GB on %2 (the model's weights %3 GB, decoding %4%5×%6 %7 GB), more than "
+                 "its %8 GB free")
+                  .arg((decode + weights) / 1e9, 0, 'f', 0)
+                  .arg(m_gpuName)
+                  .arg(weights / 1e9, 0, 'f', 1)
+                  .arg(batch > 1 ? tr("a batch of %1 at ").arg(batch) : QString())
+                  .arg(w)
+                  .arg(h)
+                  .arg(decode / 1e9, 0, 'f', 0)
+                  .arg(m_gpuFreeBytes / 1e9, 0, 'f', 0);
+  } else if (w > 0 && h > 0 && have > 0 && cpu > have)
     text << tr("Decoding %1%2×%3 needs about %4 GB on the CPU (half on a GPU in bf16), more than this machine's %5 GB")
                 .arg(batch > 1 ? tr("a batch of %1 at ").arg(batch) : QString())
                 .arg(w)
@@ -396,10 +411,17 @@ void SettingsPanel::updateSizeWarning() {
   m_sizeWarning->setText(text.join(QStringLiteral(". ")));
 }
 
+void SettingsPanel::setJobDevice(const QString& gpuName, std::uint64_t freeBytes) {
+  m_gpuName = gpuName;
+  m_gpuFreeBytes = freeBytes;
+  updateSizeWarning();
+}
+
 void SettingsPanel::modelChanged() {
   const std::string path = m_model->text().trimmed().toStdString();
   const std::string family = path.empty() ? std::string() : engine::guess_model_family(path);
   m_nativeSize = path.empty() ? 0 : engine::guess_native_size(path, family).value_or(0);
+  m_weightBytes = family.empty() ? 0 : engine::model_weight_bytes(path);
   updateGuidanceField(family == "Flux");
   updateSizeWarning();
 }

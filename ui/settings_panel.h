@@ -59,6 +59,9 @@ class SettingsPanel : public QWidget {
   QComboBox* t5Placement() const { return m_t5; }
   QComboBox* precision() const { return m_precision; }
   QLabel* sizeWarning() const { return m_sizeWarning; }
+  // The GPU the job will run on and its free memory, for the size warning's estimate; an empty
+  // name: the CPU (this machine's memory).
+  void setJobDevice(const QString& gpuName, std::uint64_t freeBytes);
   QLineEdit* seed() const { return m_seed; }
   QCheckBox* randomSeed() const { return m_randomSeed; }
   QComboBox* sampler() const { return m_sampler; }
@@ -116,6 +119,9 @@ class SettingsPanel : public QWidget {
   QComboBox* m_sizePreset = nullptr;
   QLabel* m_sizeWarning = nullptr;
   int m_nativeSize = 0;  // the model's native side (engine::guess_native_size); 0: unknown
+  std::uint64_t m_weightBytes = 0;  // engine::model_weight_bytes of the model
+  QString m_gpuName;                 // the job's GPU; empty: the CPU
+  std::uint64_t m_gpuFreeBytes = 0;
   QSpinBox* m_width = nullptr;
   QSpinBox* m_height = nullptr;
   QSpinBox* m_steps = nullptr;

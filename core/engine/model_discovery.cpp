@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <system_error>
 #include <utility>
 
@@ -130,6 +131,34 @@ std::optional<int> guess_native_size(const fs::path& model, const std::string& f
   } catch (const Error&) {
     return std::nullopt;
   }
+}
+
+std::uint64_t model_weight_bytes(const fs::path& model) {
+  std::error_code ec;
+  if (fs::is_regular_file(model, ec)) {
+    const auto size = fs::file_size(model, ec);
+    return ec ? 0 : size;
+  }
+  // Per folder: the plain weight files, or its variants when it has only those.
+  std::map<fs::path, std::pair<std::uint64_t, std::uint64_t>> per_folder;  // plain, variant
+  auto it = fs::recursive_directory_iterator(model, fs::directory_options::follow_directory_symlink |
+                                                        fs::directory_options::skip_permission_denied, ec);
+  for (int seen = 0; !ec && it != fs::recursive_directory_iterator() && seen < 10000; it.increment(ec), ++seen) {
+    if (it.depth() > 2) it.disable_recursion_pending();  // a diffusers folder is two deep; links may loop
+    const auto& path = it->path();
+    const auto ext = path.extension().string();
+    if ((ext != ".safetensors" && ext != ".bin" && ext != ".pth" && ext != ".ckpt") || !it->is_regular_file(ec)) continue;
+    const auto size = it->file_size(ec);
+    if (ec) return 0;
+    const auto name = path.filename().string();
+    const bool variant = name.find(".fp16.") != std::string::npos || name.find(".bf16.") != std::string::npos;
+    auto& [plain, variants] = per_folder[path.parent_path()];
+    (variant ? variants : plain) += size;
+  }
+  if (ec) return 0;
+  std::uint64_t total = 0;
+  for (const auto& [folder, sizes] : per_folder) total += sizes.first > 0 ? sizes.first : sizes.second;
+  return total;
 }
 
 fs::path matching_taesd(const fs::path& model, const fs::path& hub) {

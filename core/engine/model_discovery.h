@@ -1,6 +1,7 @@
 #pragma once
 // Models on this machine: diffusers pipelines in the Hugging Face cache, and the TAESD that
 // previews a model's latent space. No torch headers: the GUI and the CLI include this.
+#include <cstdint>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -32,6 +33,11 @@ std::string guess_model_family(const std::filesystem::path& model);
 std::optional<int> guess_native_size(const std::filesystem::path& model);
 // The same for a model whose family guess_model_family() gave already.
 std::optional<int> guess_native_size(const std::filesystem::path& model, const std::string& family);
+
+// About what loading a model puts in memory at its stored precision: a single file's size, or a
+// diffusers folder's weight files (.safetensors, .bin, .pth, .ckpt; linked folders followed), each
+// component's variant files (".fp16.") left out where plain ones exist. 0 when unreadable.
+std::uint64_t model_weight_bytes(const std::filesystem::path& model);
 
 // The newest madebyollin TAESD snapshot in `hub` (taesd, taesdxl, taesd3, taef1: a diffusers
 // AutoencoderTiny folder or the original <name>_decoder.pth) for a model's latent space: a diffusers
