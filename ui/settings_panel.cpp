@@ -388,6 +388,12 @@ void SettingsPanel::updateSizeWarning() {
   const double cpu = decode_peak_bytes(w, h, batch, 4);
   const double have = static_cast<double>(physical_memory_bytes());
   if (!m_gpuName.isEmpty()) {
+    // The model's files are walked once per model, and only when a GPU job needs the estimate.
+    const QString model = m_model->text().trimmed();
+    if (model != m_weightBytesOf) {
+      m_weightBytesOf = model;
+      m_weightBytes = model.isEmpty() ? 0 : engine::model_weight_bytes(model.toStdString());
+    }
     const double decode = decode_peak_bytes(w, h, batch, 2), weights = static_cast<double>(m_weightBytes);
     if (w > 0 && h > 0 && m_gpuFreeBytes > 0 && decode + weights > static_cast<double>(m_gpuFreeBytes))
       text << tr("This job needs about %1 GB on %2 (the model's weights %3 GB, decoding %4%5×%6 %7 GB), more than "
@@ -421,7 +427,6 @@ void SettingsPanel::modelChanged() {
   const std::string path = m_model->text().trimmed().toStdString();
   const std::string family = path.empty() ? std::string() : engine::guess_model_family(path);
   m_nativeSize = path.empty() ? 0 : engine::guess_native_size(path, family).value_or(0);
-  m_weightBytes = family.empty() ? 0 : engine::model_weight_bytes(path);
   updateGuidanceField(family == "Flux");
   updateSizeWarning();
 }

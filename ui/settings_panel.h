@@ -119,7 +119,8 @@ class SettingsPanel : public QWidget {
   QComboBox* m_sizePreset = nullptr;
   QLabel* m_sizeWarning = nullptr;
   int m_nativeSize = 0;  // the model's native side (engine::guess_native_size); 0: unknown
-  std::uint64_t m_weightBytes = 0;  // engine::model_weight_bytes of the model
+  std::uint64_t m_weightBytes = 0;  // engine::model_weight_bytes of m_weightBytesOf
+  QString m_weightBytesOf;
   QString m_gpuName;                 // the job's GPU; empty: the CPU
   std::uint64_t m_gpuFreeBytes = 0;
   QSpinBox* m_width = nullptr;

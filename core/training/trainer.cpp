@@ -254,8 +254,10 @@ NoiseSchedule::NoiseSchedule() {
 
 void NoiseSchedule::to(const at::Device& device) { float_ = alphas_cumprod.to(device, at::kFloat); }
 
+at::Tensor NoiseSchedule::alphas_at(const at::Tensor& t) const { return float_.to(t.device()).index_select(0, t.to(at::kLong)); }
+
 std::pair<at::Tensor, at::Tensor> NoiseSchedule::coefficients(const at::Tensor& x0, const at::Tensor& t) const {
-  const auto ac = float_.to(x0.device()).index_select(0, t.to(x0.device(), at::kLong));
+  const auto ac = alphas_at(t.to(x0.device()));
   const auto shape = std::vector<int64_t>{t.size(0), 1, 1, 1};
   return {ac.sqrt().view(shape), (1 - ac).sqrt().view(shape)};
 }
@@ -350,7 +352,6 @@ Trainer::Trainer(TrainConfig config)
   for (const auto& p : parameters()) ema_.push_back(p.detach().clone());
   optimizer_ = std::make_unique<FusedAdamW>(parameters(), 0.9, 0.99, config_.weight_decay);
   schedule_.to(device_);
-  alphas_cumprod_ = schedule_.alphas_cumprod.to(device_, at::kFloat);
 }
 
 Trainer::~Trainer() = default;
@@ -396,7 +397,6 @@ void Trainer::load_base(const fs::path& dir) {
   io::bind(*text_encoder_, io::load_state_dict(text_file), text_file.string());
   const auto vae = io::JsonFile::read(dir / "vae" / "config.json");
   latent_scale_ = vae.required<double>("scaling_factor");
-  base_scale_ = true;
 }
 
 void Trainer::attach_lora() {
@@ -458,7 +458,7 @@ at::Tensor Trainer::forward_loss(const at::Tensor& latents, const at::Tensor& id
     // The v error is the x0 error over sigma^2 = 1 / (SNR + 1): weighting x0 by clamp(SNR, 1,
     // gamma) is Min-SNR-gamma (Hang et al. 2023) above SNR 1 and "truncated SNR" (Salimans & Ho
     // 2022) below it, so the near-pure-noise steps that set the background keep their full weight.
-    const auto ac = alphas_cumprod_.index_select(0, timesteps);
+    const auto ac = schedule_.alphas_at(timesteps);
     const auto snr = ac / (1 - ac);
     err = err * at::clamp(snr, 1.0, config_.min_snr_gamma) / (snr + 1);
   }
@@ -635,7 +635,7 @@ TrainSummary Trainer::train() {
   if (config_.resume && fs::exists(ckpt / "state.json")) {
     load_checkpoint(ckpt);
     log.info(log::str("resumed at step ", step_, " after ", static_cast<int>(seconds_), " s of training"));
-  } else if (base_scale_) {
+  } else if (!config_.base.empty()) {
     log.info(log::str("the base model's latent scale: ", latent_scale_));
   } else {
     // Unit second moment for the diffusion latents: the scale diffusers calls scaling_factor.

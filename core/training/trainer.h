@@ -81,8 +81,10 @@ struct NoiseSchedule {
   static schedulers::SchedulerConfig config();
   at::Tensor alphas_cumprod;  // [1000] float64 on CPU; the last is 0
   NoiseSchedule();
-  // Keeps a float32 copy on `device` for the two below.
+  // Keeps a float32 copy on `device` for the three below.
   void to(const at::Device& device);
+  // alphas_cumprod[t] in float32 on t's device (the one given to to()); t: [B] long.
+  at::Tensor alphas_at(const at::Tensor& t) const;
   // diffusers' DDPMScheduler.add_noise and get_velocity, in float32 on x0's device; t: [B] long.
   at::Tensor add_noise(const at::Tensor& x0, const at::Tensor& noise, const at::Tensor& t) const;
   at::Tensor velocity(const at::Tensor& x0, const at::Tensor& noise, const at::Tensor& t) const;
@@ -184,11 +186,9 @@ class Trainer {
     at::Tensor base, down, up;
   };
   std::vector<LoraAdapter> lora_;
-  bool base_scale_ = false;  // latent_scale_ came from the base model
   std::vector<at::Tensor> ema_;
   std::unique_ptr<FusedAdamW> optimizer_;
   NoiseSchedule schedule_;
-  at::Tensor alphas_cumprod_;  // on the device, float
   double latent_scale_ = 1.0;
   int64_t step_ = 0;
   double seconds_ = 0;
