@@ -525,6 +525,7 @@ class TestTraining : public QObject {
     const auto dir = root / "tiny-emoji";
     fs::remove_all(dir);
     trainer.export_diffusers(dir);
+    DIFFRACT_EXPECT_ERROR(trainer.export_lora(dir / "lora.safetensors"), "not a LoRA", "export_diffusers");
     for (const char* f : {"model_index.json", "unet/config.json", "unet/diffusion_pytorch_model.safetensors",
                           "text_encoder/model.safetensors", "tokenizer/vocab.json", "tokenizer/merges.txt",
                           "scheduler/scheduler_config.json", "vae/config.json", "vae/diffusion_pytorch_model.safetensors"})
