@@ -30,6 +30,7 @@
 #include "core/engine/compare.h"
 #include "core/metrics/metrics.h"
 #include "core/models/common/fp8_linear.h"
+#include "core/models/common/layers.h"
 #include "core/models/unets/unet_2d_condition.h"
 #include "core/parallel/registry.h"
 #include "core/pipeline/flux.h"
@@ -272,6 +273,103 @@ json lora_apply(pipeline::Pipeline& sd, const job::GenerationRequest& req, int r
   return out;
 }
 
+// A config's pipeline on random weights; unet / flux point into it for the family-only reports.
+struct RandomPipeline {
+  std::unique_ptr<pipeline::Pipeline> sd;
+  pipeline::StableDiffusion* unet = nullptr;  // the UNet profile is SD / SDXL only
+  pipeline::Flux* flux = nullptr;
+};
+
+RandomPipeline random_pipeline(const BenchConfig& c, const std::string& device) {
+  RandomPipeline p;
+  if (c.family == job::ModelFamily::SD3) {
+    p.sd = pipeline::StableDiffusion3::random(c.tiny, device);
+  } else if (c.family == job::ModelFamily::Flux) {
+    auto m = pipeline::Flux::random(c.tiny, c.schnell, device);
+    p.flux = m.get();
+    p.sd = std::move(m);
+  } else {
+    auto m = pipeline::StableDiffusion::random(c.family, c.tiny, device);
+    p.unet = m.get();
+    p.sd = std::move(m);
+  }
+  return p;
+}
+
+// The request every mode times: the config's size, steps and CFG, no previews.
+job::GenerationRequest bench_request(const BenchConfig& c, int batch, const std::string& device) {
+  job::GenerationRequest req;
+  req.model = "<random>";
+  req.prompt = "a studio packshot of a red perfume bottle on a white background, soft shadow";
+  req.width = req.height = c.size;
+  req.steps = c.steps;
+  req.cfg = c.cfg;
+  req.batch = batch;
+  req.device = device;
+  req.sampler = job::has_unet(c.family) ? "euler" : "flow-euler";
+  req.preview_every = 0;
+  return req;
+}
+
+// What the timed choices (GEMM algorithms, convolution plans, fp8) did between two
+// models::tuning_stats() readings: per kind, shapes timed, shapes from the tuning store, ms.
+json tuning_delta(const json& before, const json& after) {
+  json d = json::object();
+  for (const auto& [kind, a] : after.items()) {
+    if (kind == "stores") continue;
+    const json b = before.contains(kind) ? before[kind] : json{{"timed", 0}, {"from_store", 0}, {"ms", 0.0}};
+    d[kind] = {{"timed", a["timed"].get<int>() - b["timed"].get<int>()},
+               {"from_store", a["from_store"].get<int>() - b["from_store"].get<int>()},
+               {"ms", a["ms"].get<double>() - b["ms"].get<double>()}};
+  }
+  return d;
+}
+
+// --new-sizes: what a size not used before costs. The model's warm-up (its native size), then for
+// each size the first job there, timed, and `runs` more: the first image's added time, what the
+// timed choices spent (or took from the tuning store) and the UNet's graph capture.
+json new_sizes(const BenchConfig& c, const std::string& device, const std::vector<std::string>& sizes, int runs) {
+  static const std::regex size_re("([0-9]{2,5})x([0-9]{2,5})");
+  auto p = random_pipeline(c, device);
+  job::CancelToken never;
+  const auto clock = [] { return std::chrono::steady_clock::now(); };
+  const auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+  auto stats = json::parse(models::tuning_stats());
+  const double warm_up_ms = p.sd->warm_up();
+  auto after = json::parse(models::tuning_stats());
+  json j = {{"config", c.name}, {"device", device}, {"mode", "new-sizes"}, {"steps", c.steps},
+            {"warm_up_ms", warm_up_ms}, {"warm_up_tuning", tuning_delta(stats, after)}, {"sizes", json::array()}};
+  stats = after;
+  for (const auto& size : sizes) {
+    std::smatch m;
+    if (!std::regex_match(size, m, size_re)) throw Error("--new-sizes: '" + size + "' is not WIDTHxHEIGHT");
+    auto req = bench_request(c, 1, device);
+    req.width = std::stoi(m[1]);
+    req.height = std::stoi(m[2]);
+    const auto t0 = clock();
+    const auto first = p.sd->generate(req, {}, never);
+    const double first_ms = ms(t0, clock());
+    after = json::parse(models::tuning_stats());
+    const auto tuning = tuning_delta(stats, after);
+    stats = after;
+    std::vector<double> later;
+    for (int r = 0; r < runs; ++r) {
+      const auto t = clock();
+      p.sd->generate(req, {}, never);
+      later.push_back(ms(t, clock()));
+    }
+    json row = {{"size", size}, {"first_image_ms", first_ms}, {"later_ms", percentile(later, 0.5)},
+                {"added_ms", first_ms - percentile(later, 0.5)}, {"tuning", tuning}};
+    const auto meta = json::parse(first.metadata_json);
+    if (meta.contains("unet_graphs")) row["unet_graphs"] = meta["unet_graphs"];
+    j["sizes"].push_back(row);
+    log::get("bench").info(row.dump());
+  }
+  j["tuning_stats"] = json::parse(models::tuning_stats());
+  j["conv_plans"] = json::parse(models::conv_tuning_report());
+  return j;
+}
+
 json run_config(const BenchConfig& c, int batch, int runs, const std::string& device,
                 const std::vector<std::string>& strategies, double image_strength, int lora_rank,
                 const std::string& scratch, bool controlnet) {
@@ -283,31 +381,12 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
     reset_peak_memory(at::Device(at::kCUDA, index));
   }
 #endif
-  std::unique_ptr<pipeline::Pipeline> sd;
-  pipeline::StableDiffusion* unet_pipeline = nullptr;  // the UNet profile is SD / SDXL only
-  pipeline::Flux* flux_pipeline = nullptr;
-  if (c.family == job::ModelFamily::SD3) {
-    sd = pipeline::StableDiffusion3::random(c.tiny, device);
-  } else if (c.family == job::ModelFamily::Flux) {
-    auto m = pipeline::Flux::random(c.tiny, c.schnell, device);
-    flux_pipeline = m.get();
-    sd = std::move(m);
-  } else {
-    auto m = pipeline::StableDiffusion::random(c.family, c.tiny, device);
-    unet_pipeline = m.get();
-    sd = std::move(m);
-  }
+  auto made = random_pipeline(c, device);
+  auto& sd = made.sd;
+  pipeline::StableDiffusion* unet_pipeline = made.unet;
+  pipeline::Flux* flux_pipeline = made.flux;
   const double warm_up_ms = sd->warm_up();  // what the engine does at load (GPU only)
-  job::GenerationRequest req;
-  req.model = "<random>";
-  req.prompt = "a studio packshot of a red perfume bottle on a white background, soft shadow";
-  req.width = req.height = c.size;
-  req.steps = c.steps;
-  req.cfg = c.cfg;
-  req.batch = batch;
-  req.device = device;
-  req.sampler = job::has_unet(c.family) ? "euler" : "flow-euler";
-  req.preview_every = 0;
+  auto req = bench_request(c, batch, device);
   job::CancelToken never;
   const auto clock = [] { return std::chrono::steady_clock::now(); };
   const auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
@@ -595,6 +674,12 @@ int main(int argc, char** argv) {
   app.add_flag("--controlnet", controlnet,
                "also time the job with one ControlNet (random weights, the UNet's encoder; SD-family configs) against "
                "its step without");
+  std::vector<std::string> sizes;
+  app.add_option("--new-sizes", sizes,
+                 "only time the first job at each of these sizes (WIDTHxHEIGHT, e.g. 1152x896,768x768) after the "
+                 "model's warm-up, against later jobs there: what tuning and graph capture add, and what the tuning "
+                 "store (DIFFRACT_TUNING_DIR) saved")
+      ->delimiter(',');
   app.add_flag("-v,--verbose", verbose);
   CLI11_PARSE(app, argc, argv);
   log::set_verbose(verbose);
@@ -609,6 +694,10 @@ int main(int argc, char** argv) {
       if (it == configs().end()) throw Error("unknown config '" + name + "' (" + names_help + ")");
       if (build) {
         out["results"].push_back(build_only(*it));
+        continue;
+      }
+      if (!sizes.empty()) {
+        out["results"].push_back(new_sizes(*it, device, sizes, runs));
         continue;
       }
       if (load) {

@@ -5,7 +5,8 @@
 #           pattern); the lines matching GREP are printed besides the verdicts.
 #   lean    one GPU: the diffusers anchor (ANCHOR, default diffusers_sdxl_sd3.py; diffusers_flux.py
 #           for the flux configs), then diffract-bench (LEAN_CONFIGS, default sdxl-1024) on the
-#           same GPU, one after the other, and their ratios: a side-by-side of one run.
+#           same GPU, one after the other, and their ratios: a side-by-side of one run;
+#           LEAN_STRATEGIES adds diffract-bench strategies (e.g. single@DIFFRACT_PRECISION=fp8).
 #   image   one GPU: diffusers' SDXL text-to-image, img2img and inpaint pipelines
 #           (tests/gpu/diffusers_sdxl_image_inputs.py, img2img at STRENGTH, default 0.6), then
 #           diffract-bench --image-inputs on sdxl-1024, and their ratios.
@@ -38,6 +39,16 @@
 #           presets packaging`) against this tree's, taking turns on the same GPU (TREE_CONFIGS,
 #           default sdxl-1024,sd3-1024): a before/after A/B of a change. TREE_BUILD_ONLY=1 only
 #           builds both (a first call, when the builds and the runs do not fit in one).
+#   sizes   one GPU: what a size not used before costs (diffract-bench --new-sizes SIZES, default
+#           1152x896,768x768,1344x768, on SIZES_CONFIGS, default sdxl-1024), in three processes one
+#           after the other: ATen's cuDNN benchmark mode with nothing kept (the tree before the tuning
+#           store), the timed choices with an empty tuning store (a first start on this GPU), and the
+#           same store again (a size tuned before), then nothing timed (cuDNN's heuristic plans and
+#           at::linear: what the tuning buys). CHECKS: the GPU checks matching it first.
+# FUZZ=NAME...: while the plan runs, the fuzz harnesses (.carry/fuzz-bundle.tar.xz, from
+# scripts/fuzz_bundle.sh) on the cores the benchmarks leave (4 and up; the benchmarks keep 0-3),
+# niced, each for an equal share of the time left, their corpora in /tmp/fuzz-corpus (kept on a
+# warm machine from one call to the next); their logs come back in $OUT/fuzz_PLAN.tar.
 # Strategy specs are diffract-bench's NAME[:N][@VAR=VALUE...]; only job-scope options
 # (core/util/options.h: DIFFRACT_DRIFFUSION_PAIRS, DIFFRACT_PARALLEL_VAE, DIFFRACT_BATCH_VAE) can
 # follow an @: the others are read once per process, so `ab` compares them in separate runs.
@@ -61,6 +72,10 @@ out="${OUT:-/tmp/gpu_session}"
 logs=/tmp/gpu_session_logs/$plan
 mkdir -p "$out" "$logs"
 finish() {
+  if [ -n "${fuzz_pid:-}" ]; then
+    wait "$fuzz_pid"
+    tar -C "$out" -cf "$out/fuzz_$plan.tar" fuzz 2>/dev/null && rm -rf "$out/fuzz"
+  fi
   tar -C /tmp/gpu_session_logs -cf "$out/logs.tar" .
   ls -la "$out"
   echo "done at $(elapsed) s"
@@ -80,10 +95,21 @@ if [ "$plan" = tree ]; then
 fi
 targets="diffract-bench diffract-gpu-checks"
 [ "$plan" = tree ] && targets=diffract-bench
+[ "$plan" = sizes ] && [ -z "${CHECKS:-}" ] && targets=diffract-bench
 [ "$plan" = lanes ] && targets=diffract-cli
 gpu_build "$logs" $targets || exit 1
 echo "built at $(elapsed) s"
 bench=build/gpu/app/diffract-bench
+if [ -n "${FUZZ:-}" ] && [ "$(nproc)" -gt 8 ]; then
+  [ -x /tmp/fuzz-bundle/run.sh ] || tar xf .carry/fuzz-bundle.tar.xz -C /tmp
+  names=(${FUZZ//,/ })
+  share=$(( ($(left 25)) / ${#names[@]} ))
+  ( cd /tmp && OUT="$out" nice -n 10 taskset -c 4-$(( $(nproc) - 1 )) /tmp/fuzz-bundle/run.sh "$share" $(( $(nproc) - 4 )) \
+      "${names[@]}" > "$logs/fuzz.log" 2>&1 ) &
+  fuzz_pid=$!
+  echo "fuzzing ${names[*]} on cores 4-$(( $(nproc) - 1 )), $share s each"
+  taskset -pc 0-3 $$ > /dev/null  # this script and all it starts from here on
+fi
 
 # checks LOG REGEX [TIMEOUT] [MORE]: the GPU checks matching REGEX into $logs/LOG.log, their
 # verdict lines printed (and the lines matching MORE).
@@ -189,9 +215,22 @@ lean)
   timeout "${ANCHOR_S:-150}" python3 ".carry/${ANCHOR:-diffusers_sdxl_sd3.py}" > "$logs/anchor.log" 2>&1
   echo "anchor rc $? at $(elapsed) s"
   timeout "$(left 3)" "$bench" --device cuda:0 --config "${LEAN_CONFIGS:-sdxl-1024}" --batch 1 --runs 2 \
-    > "$logs/bench_single.json" 2> "$logs/bench_single.log"
+    ${LEAN_STRATEGIES:+--strategies "$LEAN_STRATEGIES"} > "$logs/bench_single.json" 2> "$logs/bench_single.log"
   echo "single-GPU bench rc $? at $(elapsed) s"
   ratios
+  python3 - "$logs/bench_single.json" <<'PY'
+import json, sys
+try:
+    results = json.load(open(sys.argv[1]))["results"]
+except Exception:
+    sys.exit(0)
+for r in results:
+    for s in r.get("strategies", []):
+        steps = s.get("step_ms", [])
+        print(f"{r['config']} {s['spec']}: e2e {s['end_to_end_ms']:.1f} ms (x{s['speedup_end_to_end']:.3f}), "
+              f"step mean {sum(steps) / max(1, len(steps)):.2f} ms against {r['denoiser_step_ms']['mean']:.2f}, "
+              f"PSNR {s['psnr_db'] or float('inf'):.1f} dB, SSIM {s['ssim']:.4f}, rel-L2 {s['latents_rel_l2']:.4f}")
+PY
   ;;
 
 solo)
@@ -409,5 +448,43 @@ PY
   done
   ;;
 
-*) echo "unknown PLAN=$plan (checks, lean, image, lora, controlnet, ab, pair, wide, solo, lanes, tree)" >&2; exit 2 ;;
+sizes)
+  export CUDA_VISIBLE_DEVICES=0
+  [ -z "${CHECKS:-}" ] || checks checks "$CHECKS" 150 "${GREP:-}"
+  store=/tmp/diffract-tuning
+  rm -rf "$store"
+  for run in benchmark-mode empty-store stored untuned; do
+    case "$run" in
+      benchmark-mode) env=(DIFFRACT_CONV_TUNING=benchmark DIFFRACT_TUNING_STORE=0) ;;
+      untuned) env=(DIFFRACT_CONV_TUNING=heuristic DIFFRACT_GEMM_TUNING=0 DIFFRACT_TUNING_STORE=0) ;;
+      *) env=(DIFFRACT_TUNING_DIR="$store") ;;
+    esac
+    env "${env[@]}" timeout "$(left 5)" "$bench" --device cuda:0 --config "${SIZES_CONFIGS:-sdxl-1024}" --runs 2 \
+      --new-sizes "${SIZES:-1152x896,768x768,1344x768}" > "$logs/sizes_$run.json" 2> "$logs/sizes_$run.log"
+    echo "$run rc $? at $(elapsed) s"
+    python3 - "$logs/sizes_$run.json" "$run" <<'PY'
+import json, sys
+try:
+    results = json.load(open(sys.argv[1]))["results"]
+except Exception as e:
+    print(sys.argv[2], "no JSON:", e); sys.exit(0)
+def brief(t):
+    return ", ".join(f"{k} {v['timed']} timed / {v['from_store']} stored / {v['ms']:.0f} ms" for k, v in t.items())
+for r in results:
+    print(f"{sys.argv[2]} {r['config']}: warm-up {r['warm_up_ms']:.0f} ms ({brief(r['warm_up_tuning'])})")
+    for s in r["sizes"]:
+        g = s.get("unet_graphs", {})
+        print(f"  {s['size']}: first {s['first_image_ms']:.0f} ms, later {s['later_ms']:.0f} ms, added {s['added_ms']:.0f} ms, "
+              f"capture {g.get('last_capture_ms', 0):.0f} ms; {brief(s['tuning'])}")
+    plans = r.get("conv_plans", [])
+    bench = [p for p in plans if p["plan"] == "benchmark"]
+    print(f"  conv plans: {len(plans)} shapes, {len(bench)} benchmarked; gain where kept: "
+          + ", ".join(f"{p['heuristic_ms']:.3f}->{p['benchmark_ms']:.3f}" for p in bench[:12]))
+    print("  stores:", json.dumps(r["tuning_stats"].get("stores")))
+PY
+  done
+  ls -la "$store"
+  ;;
+
+*) echo "unknown PLAN=$plan (checks, lean, image, lora, controlnet, ab, pair, wide, solo, lanes, tree, sizes)" >&2; exit 2 ;;
 esac

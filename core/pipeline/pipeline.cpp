@@ -10,6 +10,7 @@
 
 #include "core/models/common/cancel_point.h"
 #include "core/models/common/fp8_linear.h"
+#include "core/models/common/layers.h"
 #include "core/parallel/denoiser.h"
 #include "core/parallel/device_group.h"
 #include "core/parallel/registry.h"
@@ -304,7 +305,9 @@ job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, 
     if (inner) inner(e);
   };
   try {
-    return run_job(request, watched, cancel, inputs);
+    auto result = run_job(request, watched, cancel, inputs);
+    models::save_tuning();  // shapes this job tuned, for the next process (io/tuning_store.h)
+    return result;
   } catch (const c10::OutOfMemoryError& e) {
     release_cached_memory();
     std::string why = e.what_without_backtrace();

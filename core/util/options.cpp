@@ -82,6 +82,19 @@ const std::vector<Option>& build_table() {
        "an fp8 job's CUDA linear layers: timed (each shape keeps the faster of fp8 and bf16) or all (every "
        "eligible layer in fp8, for measuring fp8's quality on its own)",
        {"timed", "all"}},
+      {Id::TuningStore, "DIFFRACT_TUNING_STORE", Type::Flag, "1", Scope::Process,
+       "keep the GPU tuning choices (GEMM algorithms, convolution plans, fp8 or bf16 per layer) on disk, per GPU "
+       "model, driver and library versions, so a size tuned once starts without tuning (0: memory only)", {}},
+      {Id::TuningDir, "DIFFRACT_TUNING_DIR", Type::Path, "", Scope::Process,
+       "the folder of the tuning store (default: $XDG_CACHE_HOME/diffract/tuning or ~/.cache/diffract/tuning)", {}},
+      {Id::ConvTuning, "DIFFRACT_CONV_TUNING", Type::Choice, "heuristic", Scope::Process,
+       "CUDA convolutions' cuDNN plans: heuristic (cuDNN's heuristic plan, untimed), timed (per shape, the heuristic "
+       "plan against the benchmarked one, the faster kept and remembered in the tuning store), benchmark (ATen's "
+       "benchmark mode: every new shape benchmarked, nothing kept)",
+       {"heuristic", "timed", "benchmark"}},
+      {Id::BackgroundTuning, "DIFFRACT_BACKGROUND_TUNING", Type::Flag, "1", Scope::Process,
+       "after a model loads on a GPU, prepare the offered sizes near its native one while no job waits (the GUI)",
+       {}},
   };
   for (std::size_t i = 0; i < t.size(); ++i)
     if (static_cast<std::size_t>(t[i].id) != i) throw std::logic_error("options table out of order");

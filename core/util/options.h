@@ -43,6 +43,10 @@ enum class Id {
   Precision,
   CacheWarmup,
   Fp8Layers,
+  TuningStore,
+  TuningDir,
+  ConvTuning,
+  BackgroundTuning,
 };
 
 enum class Type { Flag, Integer, Choice, Path };

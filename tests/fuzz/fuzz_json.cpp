@@ -1,10 +1,19 @@
-// Untrusted JSON (configs, presets, model_index.json, tokenizer files, PNG chunks): the parser's
-// limits, then what the loaders do with a parsed config (typed accessors, error texts).
+// Untrusted JSON (configs, presets, model_index.json, tokenizer files, PNG chunks, the tuning
+// store's files): the parser's limits, then what the loaders do with a parsed config (typed
+// accessors, error texts) and the tuning store's checks (never a throw).
 #include "core/io/json_file.h"
+#include "core/io/tuning_store.h"
 #include "core/util/error.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);
+  {
+    diffract::io::TuningIdentity id;
+    id.fields = {{"gpu", "NVIDIA H200"}, {"driver", "580.159.04"}};
+    std::string problem;
+    if (const auto tables = diffract::io::TuningStore::parse(std::string(text), id, problem))
+      if (tables->is_object() && tables->size() > 1000000) return 0;
+  }
   for (const bool unique : {false, true}) {
     try {
       const auto j = diffract::io::parse_json(text, "fuzz", {.max_depth = 64, .unique_keys = unique});

@@ -50,7 +50,14 @@ def main():
                {"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
                 "vae": ["diffusers", "AutoencoderKL"]},
                {"name": "Studio", "prompt_template": "{subject}, studio", "width": 1024, "height": 1024, "steps": 30,
-                "sampler": "euler", "cfg": 7.0, "loras": [{"name": "a", "weight": 0.8}]}]
+                "sampler": "euler", "cfg": 7.0, "loras": [{"name": "a", "weight": 0.8}]},
+               # A tuning store of the identity fuzz_json checks against.
+               {"format": "diffract-tuning", "version": 1, "identity": {"gpu": "NVIDIA H200", "driver": "580.159.04"},
+                "tables": {"gemm": {"1024x1280x1280 BFloat16 bias align16": {
+                    "cublaslt": True, "algo": ["0000000000000017"] * 8, "workspace": 0, "aten_ms": 0.02,
+                    "first_ms": 0.02, "best_ms": 0.01, "tried": 9}},
+                    "conv": {"2x320x128x128 -> 320 k3x3 s1 p1 BFloat16 channels-last": {
+                        "plan": "heuristic", "heuristic_ms": 0.1, "benchmark_ms": 0.1}}}}]
     for i, c in enumerate(configs):
         put(args.out, "json", f"config{i}.json", json.dumps(c))
 

@@ -25,6 +25,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/cuda.h>
+#include <torch/serialize.h>
 
 #include "core/io/upload.h"
 #include "core/engine/compare.h"
@@ -1821,6 +1822,124 @@ void check_gemm() {
   expect(report.size() >= 32, "every shape was tuned (" + std::to_string(report.size()) + " in the table)");
 }
 
+// The tuning store (io/tuning_store.h) and the timed convolution plans (conv_cuda.cpp): each
+// convolution shape, NCHW and channels-last, through models::conv2d equals ATen's fp32 conv2d up
+// to bf16 rounding; GEMM and convolution choices are written to DIFFRACT_TUNING_DIR; a second
+// process (this program's `tuning_reload`) takes every one of them from there, times nothing, and
+// computes the same outputs (bit for bit where the stored plan is cuDNN's heuristic one or a
+// cuBLASLt algorithm).
+std::string g_program;
+
+struct TuningCase {
+  std::int64_t n, c, h, w, k, kernel, stride, padding;
+  bool channels_last;
+};
+const std::vector<TuningCase> kTuningConvs = {
+    {2, 320, 128, 128, 320, 3, 1, 1, true},  {2, 640, 64, 64, 640, 3, 1, 1, true},
+    {2, 1280, 32, 32, 1280, 3, 1, 1, true},  {2, 320, 128, 128, 320, 3, 2, 1, true},
+    {2, 640, 64, 64, 1280, 1, 1, 0, true},   {1, 128, 512, 512, 128, 3, 1, 1, false},
+    {1, 256, 256, 256, 256, 3, 1, 1, false}, {1, 4, 128, 128, 4, 1, 1, 0, false}};
+const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t>> kTuningGemms = {
+    {8192, 1280, 640}, {2048, 1280, 1280}, {4096, 5120, 640}, {154, 2048, 1280}};
+
+// Every case's output, in order, for the reload to compare with.
+std::vector<at::Tensor> tuning_outputs(double& worst) {
+  at::manual_seed(5);
+  const auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  std::vector<at::Tensor> outs;
+  worst = 0;
+  for (const auto& t : kTuningConvs) {
+    const auto format = t.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+    const auto x = at::randn({t.n, t.c, t.h, t.w}, o).contiguous(format);
+    const auto w = (at::randn({t.k, t.c, t.kernel, t.kernel}, o) * 0.05).contiguous(format);
+    const auto b = at::randn({t.k}, o);
+    const auto y = models::conv2d(x, w, b, t.stride, t.padding);
+    const auto want = at::conv2d(x.to(at::kFloat), w.to(at::kFloat), b.to(at::kFloat), {t.stride, t.stride},
+                                 {t.padding, t.padding});
+    worst = std::max(worst, ((y.to(at::kFloat) - want).norm() / want.norm()).item<double>());
+    outs.push_back(y);
+  }
+  for (const auto& [m, n, k] : kTuningGemms) {
+    const auto x = at::randn({m, k}, o), w = at::randn({n, k}, o) * 0.03, b = at::randn({n}, o);
+    const auto y = models::linear(x, w, b);
+    const auto want = at::linear(x.to(at::kFloat), w.to(at::kFloat), b.to(at::kFloat));
+    worst = std::max(worst, ((y.to(at::kFloat) - want).norm() / want.norm()).item<double>());
+    outs.push_back(y);
+  }
+  at::cuda::device_synchronize();
+  return outs;
+}
+
+// One count of models::tuning_stats(); 0 where that kind did nothing.
+int count(const nlohmann::json& stats, const char* kind, const char* what) {
+  return stats.contains(kind) ? stats[kind].value(what, 0) : 0;
+}
+
+std::filesystem::path tuning_scratch() { return std::filesystem::temp_directory_path() / "diffract-gpu-check-tuning"; }
+
+void check_tuning() {
+  need_gpus(1);
+  at::NoGradGuard no_grad;
+  const auto dir = tuning_scratch();
+  std::filesystem::remove_all(dir);
+  ::setenv("DIFFRACT_TUNING_DIR", (dir / "store").c_str(), 1);
+  ::setenv("DIFFRACT_CONV_TUNING", "timed", 1);  // the reload inherits both
+  at::globalContext().setBenchmarkCuDNN(true);   // as the pipelines set it at load
+  double worst = 0;
+  const auto outs = tuning_outputs(worst);
+  expect(worst < 1e-2, "timed convolutions and GEMMs equal fp32 ones up to bf16 rounding (worst rel-L2 " +
+                           std::to_string(worst) + ")");
+  for (const auto& r : nlohmann::json::parse(models::conv_tuning_report()))
+    std::cout << "  conv " << r["shape"].get<std::string>() << ": heuristic " << r["heuristic_ms"].get<double>() * 1e3
+              << " us, benchmarked " << r["benchmark_ms"].get<double>() * 1e3 << " us, kept " << r["plan"].get<std::string>()
+              << "\n";
+  const auto stats = nlohmann::json::parse(models::tuning_stats());
+  std::cout << "  " << stats.dump() << "\n";
+  expect(count(stats, "conv", "timed") == static_cast<int>(kTuningConvs.size()) &&
+             count(stats, "gemm", "timed") >= static_cast<int>(kTuningGemms.size()),
+         "every convolution and GEMM shape was timed once (" + stats.dump() + ")");
+  models::save_tuning();
+  const auto files = std::distance(std::filesystem::directory_iterator(dir / "store"), std::filesystem::directory_iterator());
+  expect(files == 1, "one store file for this GPU (" + std::to_string(files) + ")");
+  at::Tensor all = at::empty({0}, at::TensorOptions().device(at::kCUDA).dtype(at::kFloat));
+  for (const auto& y : outs) all = at::cat({all, y.flatten().to(at::kFloat)});
+  torch::save(all.cpu(), (dir / "outputs.pt").string());
+  const int rc = std::system((g_program + " tuning_reload").c_str());
+  expect(rc == 0, "a second process took every choice from the store and matched the outputs (rc " +
+                      std::to_string(rc) + ", its lines above)");
+}
+
+void check_tuning_reload() {
+  need_gpus(1);
+  at::NoGradGuard no_grad;
+  const auto dir = tuning_scratch();
+  at::globalContext().setBenchmarkCuDNN(true);
+  double worst = 0;
+  const auto outs = tuning_outputs(worst);
+  const auto stats = nlohmann::json::parse(models::tuning_stats());
+  std::cout << "  reload: " << stats.dump() << "\n";
+  expect(count(stats, "conv", "timed") == 0 && count(stats, "gemm", "timed") == 0 &&
+             count(stats, "conv", "from_store") == static_cast<int>(kTuningConvs.size()) &&
+             count(stats, "gemm", "from_store") >= static_cast<int>(kTuningGemms.size()),
+         "every choice came from the store, none was timed again");
+  at::Tensor before;
+  torch::load(before, (dir / "outputs.pt").string());
+  std::int64_t offset = 0;
+  // A benchmarked plan is benchmarked again in this process and may come out another engine.
+  const auto plans = nlohmann::json::parse(models::conv_tuning_report());
+  const bool some_benchmarked =
+      std::any_of(plans.begin(), plans.end(), [](const auto& p) { return p["plan"] == "benchmark"; });
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    const auto y = outs[i].flatten().to(at::kFloat).cpu();
+    const auto was = before.narrow(0, offset, y.numel());
+    offset += y.numel();
+    const bool benchmarked = i < kTuningConvs.size() && some_benchmarked;
+    const double diff = (y - was).abs().max().item<double>();
+    expect(diff == 0 || (benchmarked && diff < 0.05 * was.abs().max().item<double>()),
+           "case " + std::to_string(i) + " as in the first process (max abs difference " + std::to_string(diff) + ")");
+  }
+}
+
 // What a row band of the SDXL VAE decoder costs on one GPU (bf16, 1024² image): the whole
 // decode, the part before the up blocks (post_quant_conv, conv_in, mid block with its
 // attention over all 16384 latents), and decodes of 77 and 64 latent rows (half the image with
@@ -2139,12 +2258,14 @@ void check_fp8() {
 }
 
 int main(int argc, char** argv) {
+  g_program = argv[0];
   const std::map<std::string, std::function<void()>> checks = {
       {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"layernorm", check_layernorm}, {"conv_bias", check_conv_bias}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"oom", check_oom}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}, {"gemm", check_gemm}, {"flux", check_flux}, {"flux_files", check_flux_files},
-      {"caches", check_caches_and_flux_pipefusion}, {"fp8", check_fp8}};
+      {"caches", check_caches_and_flux_pipefusion}, {"fp8", check_fp8},
+      {"tuning", check_tuning}, {"tuning_reload", check_tuning_reload}};
   bool usage = argc < 2;
   for (int i = 1; i < argc; ++i) usage = usage || !checks.count(argv[i]);
   if (usage) {

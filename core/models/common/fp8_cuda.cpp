@@ -1,7 +1,8 @@
 // The CUDA side of fp8_linear.h: the activations quantised per token by our kernel, the GEMM by
 // at::_scaled_mm with row-wise scales (the e4m3 weight's per channel, the activations' per
 // token) and the bias applied in its epilogue, fast fp8 accumulation, bf16 out. Each shape is
-// timed on its first call against the layer's bf16 GEMM (models::linear) and keeps the faster.
+// timed on its first call against the layer's bf16 GEMM (models::linear) and keeps the faster;
+// the choice goes to the GPU's tuning store (gpu_tuning.h), where a later process finds it.
 #include <cuda_runtime.h>
 
 #include <map>
@@ -17,6 +18,7 @@
 #include "core/models/common/fp8_kernels.h"
 #include "core/models/common/fp8_linear.h"
 #include "core/models/common/gpu_timing.h"
+#include "core/models/common/gpu_tuning.h"
 #include "core/util/options.h"
 #include "core/models/common/kernel_dtype.h"
 #include "core/models/common/layers.h"
@@ -109,12 +111,30 @@ bool fp8_linear_cuda(const at::Tensor& x, Fp8WeightCache& cache, const at::Tenso
       cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
       cudaStreamIsCapturing(stream, &capturing);
       if (capturing != cudaStreamCaptureStatusNone) return false;  // no timing inside a capture: bf16
-      const auto w = cache.get(weight);
+      auto& store = tuning_store_for(device);
+      const auto key = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k) + (s.bias ? " bias" : "");
+      const auto t0 = now_ns();
       Choice c;
-      c.bf16_ms = time_ms(stream, [&] { linear(x, weight, bias); });
-      c.quant_ms = time_ms(stream, [&] { quantize(x, stream); });
-      c.fp8_ms = time_ms(stream, [&] { run(x, *w, bias, stream); });
-      c.fp8 = c.fp8_ms < c.bf16_ms;
+      bool stored = false;
+      if (const auto r = store.find("fp8", key)) {
+        try {
+          c.fp8 = r->at("fp8").get<bool>();
+          c.bf16_ms = r->at("bf16_ms").get<double>();
+          c.fp8_ms = r->at("fp8_ms").get<double>();
+          c.quant_ms = r->at("quant_ms").get<double>();
+          stored = true;
+        } catch (const std::exception&) {
+        }
+      }
+      if (!stored) {
+        const auto w = cache.get(weight);
+        c.bf16_ms = time_ms(stream, [&] { linear(x, weight, bias); });
+        c.quant_ms = time_ms(stream, [&] { quantize(x, stream); });
+        c.fp8_ms = time_ms(stream, [&] { run(x, *w, bias, stream); });
+        c.fp8 = c.fp8_ms < c.bf16_ms;
+        store.put("fp8", key, {{"fp8", c.fp8}, {"bf16_ms", c.bf16_ms}, {"fp8_ms", c.fp8_ms}, {"quant_ms", c.quant_ms}});
+      }
+      count_tuning("fp8", stored, ms_between(t0, now_ns()));
       it = g_choices.emplace(s, c).first;
     }
     choice = it->second;

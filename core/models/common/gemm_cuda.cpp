@@ -10,10 +10,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -25,6 +27,7 @@
 
 #include "core/models/common/layers.h"
 #include "core/models/common/gpu_timing.h"
+#include "core/models/common/gpu_tuning.h"
 #include "core/util/error.h"
 #include "core/util/options.h"
 
@@ -157,6 +160,52 @@ Choice tune(const Shape& s, Problem& p, const at::Tensor& x, const at::Tensor& w
   return best;
 }
 
+std::string store_key(const Shape& s) {
+  return std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k) + " " + c10::toString(s.dtype) +
+         (s.bias ? " bias" : "") + " align" + std::to_string(s.align);
+}
+
+nlohmann::json to_record(const Choice& c) {
+  nlohmann::json algo = nlohmann::json::array();
+  for (auto word : c.algo.data) {
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(word));
+    algo.push_back(hex);
+  }
+  return {{"cublaslt", c.lt}, {"algo", algo}, {"workspace", c.workspace}, {"aten_ms", c.aten_ms},
+          {"first_ms", c.first_ms}, {"best_ms", c.best_ms}, {"tried", c.tried}};
+}
+
+// A stored choice, if it is whole and cuBLASLt still accepts its algorithm for this problem.
+std::optional<Choice> from_record(const nlohmann::json& r, Problem& p) {
+  try {
+    Choice c;
+    c.lt = r.at("cublaslt").get<bool>();
+    c.aten_ms = r.at("aten_ms").get<double>();
+    c.first_ms = r.at("first_ms").get<double>();
+    c.best_ms = r.at("best_ms").get<double>();
+    c.tried = r.at("tried").get<int>();
+    if (!c.lt) return c;
+    const auto& algo = r.at("algo");
+    if (!algo.is_array() || algo.size() != std::size(c.algo.data)) return std::nullopt;
+    for (std::size_t i = 0; i < algo.size(); ++i) {
+      const auto hex = algo[i].get<std::string>();
+      if (hex.size() != 16 || hex.find_first_not_of("0123456789abcdef") != std::string::npos) return std::nullopt;
+      c.algo.data[i] = std::stoull(hex, nullptr, 16);
+    }
+    c.workspace = r.at("workspace").get<std::size_t>();
+    if (c.workspace > kWorkspaceBytes) return std::nullopt;
+    cublasLtMatmulHeuristicResult_t checked{};
+    if (cublasLtMatmulAlgoCheck(at::cuda::getCurrentCUDABlasLtHandle(), p.op, p.a, p.b, p.c, p.c, &c.algo, &checked) !=
+            CUBLAS_STATUS_SUCCESS ||
+        checked.state != CUBLAS_STATUS_SUCCESS || checked.workspaceSize > c.workspace)
+      return std::nullopt;
+    return c;
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
 bool tuning_from_env() {
   return options::flag(options::Id::GemmTuning);
 }
@@ -196,8 +245,20 @@ bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
       cudaStreamIsCapturing(stream, &capturing);
       if (capturing != cudaStreamCaptureStatusNone) return false;  // no timing inside a capture: ATen's GEMM
-      out = at::empty({m, n}, x.options());
-      it = g_choices.emplace(s, tune(s, p, x, w, bias, out, stream)).first;
+      auto& store = tuning_store_for(s.device);
+      const auto key = store_key(s);
+      const auto t0 = now_ns();
+      std::optional<Choice> stored;
+      if (const auto record = store.find("gemm", key)) stored = from_record(*record, p);
+      if (stored) {
+        it = g_choices.emplace(s, *stored).first;
+        count_tuning("gemm", true, ms_between(t0, now_ns()));
+      } else {
+        out = at::empty({m, n}, x.options());
+        it = g_choices.emplace(s, tune(s, p, x, w, bias, out, stream)).first;
+        store.put("gemm", key, to_record(it->second));
+        count_tuning("gemm", false, ms_between(t0, now_ns()));
+      }
     }
     choice = it->second;
     if (choice.lt) ws = workspace_for(s.device, stream);

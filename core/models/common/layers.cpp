@@ -118,11 +118,29 @@ at::Tensor LinearImpl::forward(const at::Tensor& x) {
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
 // gemm_cuda.cpp: false when the tuned path does not take the case.
 bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out);
+bool tuned_conv2d_cuda(const at::Tensor& x, const at::Tensor& w, int64_t stride, int64_t padding, at::Tensor& out);
 #else
 bool gemm_tuning_enabled() { return false; }
 void set_gemm_tuning(bool) {}
 std::string gemm_tuning_report() { return "[]"; }
+std::string conv_tuning_report() { return "[]"; }
+std::string tuning_stats() { return "{}"; }
+void save_tuning() {}
 #endif
+
+at::Tensor conv2d(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t stride,
+                  int64_t padding) {
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  if (x.is_cuda() && x.dim() == 4 && !at::GradMode::is_enabled()) {
+    at::Tensor out;
+    if (tuned_conv2d_cuda(x, weight, stride, padding, out)) {
+      if (bias.defined()) out.add_(bias.view({1, -1, 1, 1}));
+      return out;
+    }
+  }
+#endif
+  return at::conv2d(x, weight, bias, {stride, stride}, {padding, padding});
+}
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
@@ -166,13 +184,13 @@ at::Tensor Conv2dImpl::forward_add(const at::Tensor& x, const at::Tensor& residu
     if (bias_add_cuda(y, bias, residual, residual_bias)) return y;
     return with_residual(y + bias.view({1, -1, 1, 1}));
   }
-  return with_residual(at::conv2d(x, weight, bias, {options.stride_, options.stride_}, {options.padding_, options.padding_}));
+  return with_residual(conv2d(x, weight, bias, options.stride_, options.padding_));
 }
 
 at::Tensor Conv2dImpl::forward_without_bias(const at::Tensor& x) {
   if (options.kernel > 1 && patch_context_for_convolutions())
     throw Error("Conv2d::forward_without_bias: a patch-parallel context is active (its convolutions add the bias)");
-  return at::conv2d(x, weight, {}, {options.stride_, options.stride_}, {options.padding_, options.padding_});
+  return conv2d(x, weight, {}, options.stride_, options.padding_);
 }
 
 EmbeddingImpl::EmbeddingImpl(int64_t num, int64_t dim)

@@ -102,6 +102,21 @@ void set_gemm_tuning(bool on);
 // and of the one kept.
 std::string gemm_tuning_report();
 
+// conv2d(x, weight, bias) with square stride and zero padding, what Conv2d runs: at::conv2d, or
+// on CUDA for bf16 / fp16 cuDNN's convolution with the plan DIFFRACT_CONV_TUNING picks
+// (conv_cuda.cpp: cuDNN's heuristic plan by default; `timed` times it against the benchmarked
+// one per shape). Under `timed`, a shape's first call inside a CUDA graph capture, with no choice
+// made yet, takes ATen's path.
+at::Tensor conv2d(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t stride,
+                  int64_t padding);
+// Every convolution shape timed so far, as JSON: ms per call of either plan, and the one kept.
+std::string conv_tuning_report();
+// What the timing choices cost in this process, per kind ("gemm", "conv", "fp8"): shapes timed,
+// shapes whose choice came from the tuning store (io/tuning_store.h), and the ms spent timing. JSON.
+std::string tuning_stats();
+// Saves the choices made since the last save to the tuning store's files (a no-op without changes).
+void save_tuning();
+
 // GroupNorm with its affine weight and bias ("weight", "bias": ones and zeros until bound),
 // as torch::nn::GroupNorm, plus what the UNet runs around it: forward(x, add, silu, channel_add)
 // is silu(group_norm(x + add[:, :, None, None] + channel_add[None, :, None, None])) with add
