@@ -28,6 +28,7 @@
 #include "core/util/embedded_model.h"
 #include "core/util/memory.h"
 #include "ui/prompt_highlighter.h"
+#include "core/job/sizes.h"
 #include "core/schedulers/sampler.h"
 #include "core/util/embedded_model.h"
 
@@ -35,33 +36,8 @@ namespace diffract::ui {
 
 namespace {
 
-struct SizePreset {
-  const char* label;
-  int width;
-  int height;
-};
-
-// 0x0: the model's native size. The SDXL entries are its training buckets (about 1 megapixel).
-constexpr SizePreset kSizePresets[] = {
-    {"Model default", 0, 0},
-    {"512 × 512 (1:1)", 512, 512},
-    {"768 × 768 (1:1)", 768, 768},
-    {"1024 × 1024 (1:1, SDXL)", 1024, 1024},
-    {"640 × 480 (4:3)", 640, 480},
-    {"768 × 576 (4:3)", 768, 576},
-    {"1152 × 864 (4:3)", 1152, 864},
-    {"768 × 432 (16:9)", 768, 432},
-    {"1024 × 576 (16:9)", 1024, 576},
-    {"1344 × 768 (SDXL 16:9)", 1344, 768},
-    {"768 × 1344 (SDXL 9:16)", 768, 1344},
-    {"1152 × 896 (SDXL)", 1152, 896},
-    {"896 × 1152 (SDXL)", 896, 1152},
-    {"1216 × 832 (SDXL)", 1216, 832},
-    {"832 × 1216 (SDXL)", 832, 1216},
-    {"1536 × 640 (SDXL)", 1536, 640},
-    {"640 × 1536 (SDXL)", 640, 1536},
-};
-constexpr int kCustomPreset = static_cast<int>(std::size(kSizePresets));
+// The entry after job::size_presets(): the spin boxes as the user set them.
+int customPreset() { return static_cast<int>(job::size_presets().size()); }
 
 }  // namespace
 
@@ -153,7 +129,7 @@ SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
 
   m_sizePreset = new QComboBox;
   m_sizePreset->setObjectName(QStringLiteral("sizePresetCombo"));
-  for (const auto& p : kSizePresets) m_sizePreset->addItem(QString::fromUtf8(p.label));
+  for (const auto& p : job::size_presets()) m_sizePreset->addItem(QString::fromUtf8(p.label));
   m_sizePreset->addItem(tr("Custom"));
   fields->addRow(tr("Size"), m_sizePreset);
   auto* sizeRow = new QHBoxLayout;
@@ -180,12 +156,12 @@ SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
   for (QSpinBox* s : {m_width, m_height})
     connect(s, &QSpinBox::valueChanged, this, [this] {
       // Typing a size that no preset has switches to Custom.
-      for (int i = 0; i < kCustomPreset; ++i)
-        if (kSizePresets[i].width == m_width->value() && kSizePresets[i].height == m_height->value()) {
+      for (int i = 0; i < customPreset(); ++i)
+        if (job::size_presets()[i].width == m_width->value() && job::size_presets()[i].height == m_height->value()) {
           m_sizePreset->setCurrentIndex(i);
           return;
         }
-      m_sizePreset->setCurrentIndex(kCustomPreset);
+      m_sizePreset->setCurrentIndex(customPreset());
     });
 
   m_steps = new QSpinBox;
@@ -341,10 +317,10 @@ SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
 }
 
 void SettingsPanel::applySizePreset(int index) {
-  if (index < 0 || index >= kCustomPreset) return;  // Custom: keep the spin boxes as they are
+  if (index < 0 || index >= customPreset()) return;  // Custom: keep the spin boxes as they are
   const QSignalBlocker bw(m_width), bh(m_height);
-  m_width->setValue(kSizePresets[index].width);
-  m_height->setValue(kSizePresets[index].height);
+  m_width->setValue(job::size_presets()[index].width);
+  m_height->setValue(job::size_presets()[index].height);
 }
 
 void SettingsPanel::setCacheThreshold(double value) {

@@ -1,6 +1,7 @@
 #include "core/engine/engine.h"
 #include "core/engine/lora_library.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -11,11 +12,13 @@
 #include <mutex>
 #include <thread>
 
+#include "core/job/sizes.h"
 #include "core/pipeline/factory.h"
 #include "core/util/device_work.h"
 #include "core/util/embedded_model.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/options.h"
 
 namespace diffract::engine {
 
@@ -107,6 +110,12 @@ struct Engine::Impl {
   std::deque<Queued> queue;
   std::shared_ptr<Job> running;
   bool stopping = false;
+  // Sizes to prepare on a GPU while no job waits (job::sizes_to_tune of a model just loaded), so
+  // that a designer switching aspect ratios finds each one tuned and its first image at full
+  // speed: one size at a time, each a short job (Pipeline::prepare) that a queued job waits for
+  // at most. The timed choices go to the tuning store, so on the next start these cost little.
+  std::deque<job::GenerationRequest> to_prepare;  // guarded by mutex
+  bool queues_jobs = false;  // submit() or preload() was called (the GUI); guarded by mutex
 
   // The model loaded on one device (a strategy's first device). Only its thread touches it, so
   // one job at a time uses it.
@@ -164,9 +173,61 @@ struct Engine::Impl {
       s.without_t5 = r.drop_t5;
       s.t5_placement = r.t5_placement;
       // On a GPU the first job would otherwise pay for cuDNN plans and graph captures.
-      if (r.device.rfind("cuda", 0) == 0) s.model->warm_up();
+      if (r.device.rfind("cuda", 0) == 0) {
+        s.model->warm_up();
+        plan_preparing(r, s.model->native_size());
+      }
     }
     return *s.model;
+  }
+
+  // Replaces the sizes waiting for `loaded`'s device with the ones worth preparing for its model.
+  void plan_preparing(const job::GenerationRequest& loaded, int native_size) {
+    if (!options::flag(options::Id::BackgroundTuning)) return;
+    auto base = loaded;
+    base.strategy = {};
+    base.gpus.clear();
+    base.input = {};
+    base.hires = {};
+    base.controlnets.clear();
+    base.batch = 1;
+    std::lock_guard lock(mutex);
+    if (!queues_jobs) return;  // Engine::run alone (the CLI): no idle time to use
+    drop_preparing(loaded.device);
+    for (const auto& size : job::sizes_to_tune(native_size)) {
+      auto r = base;
+      r.width = size.width;
+      r.height = size.height;
+      to_prepare.push_back(std::move(r));
+    }
+  }
+
+  // One waiting size, on its device's thread, if that device still holds the model it was
+  // planned for (never loads one).
+  void prepare_one(const job::GenerationRequest& r) {
+    std::shared_ptr<Slot> s;
+    {
+      std::lock_guard lock(slots_mutex);
+      const auto it = slots.find(r.device);
+      if (it == slots.end()) return;
+      s = it->second;
+    }
+    try {
+      s->thread.run([&] {
+        if (s->model && s->model->path() == r.model && s->model->device() == r.device) s->model->prepare(r);
+      });
+    } catch (const std::exception& e) {
+      // Out of memory at a large size, say: the sizes after it on that device are not tried.
+      log::get("engine").warn(log::str("preparing ", r.width, "x", r.height, " on ", r.device, " failed: ", e.what()));
+      std::lock_guard lock(mutex);
+      drop_preparing(r.device);
+    }
+  }
+
+  void drop_preparing(const std::string& device) {  // with mutex held
+    to_prepare.erase(std::remove_if(to_prepare.begin(), to_prepare.end(),
+                                    [&](const job::GenerationRequest& q) { return q.device == device; }),
+                     to_prepare.end());
   }
 
   job::GenerationResult run(const job::GenerationRequest& r, const job::JobObserver& o, const job::CancelToken& c) {
@@ -197,8 +258,15 @@ struct Engine::Impl {
       Queued q;
       {
         std::unique_lock lock(mutex);
-        wake.wait(lock, [&] { return stopping || !queue.empty(); });
+        wake.wait(lock, [&] { return stopping || !queue.empty() || !to_prepare.empty(); });
         if (stopping && queue.empty()) return;
+        if (queue.empty()) {
+          const auto r = std::move(to_prepare.front());
+          to_prepare.pop_front();
+          lock.unlock();
+          prepare_one(r);
+          continue;
+        }
         q = std::move(queue.front());
         queue.pop_front();
         running = q.job;
@@ -263,6 +331,7 @@ std::shared_ptr<Job> Engine::submit(job::GenerationRequest request, job::JobObse
   auto job = std::make_shared<Job>();
   {
     std::lock_guard lock(impl_->mutex);
+    impl_->queues_jobs = true;
     impl_->queue.push_back({job, std::move(request), std::move(observer), false});
   }
   impl_->wake.notify_one();
@@ -289,6 +358,7 @@ std::shared_ptr<Job> Engine::preload(job::GenerationRequest request, job::JobObs
   auto job = std::make_shared<Job>();
   {
     std::lock_guard lock(impl_->mutex);
+    impl_->queues_jobs = true;
     impl_->queue.push_back({job, std::move(request), std::move(observer), true});
   }
   impl_->wake.notify_one();
