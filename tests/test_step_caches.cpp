@@ -3,6 +3,7 @@
 // first-block cache on a UNet and TeaCache on SD3 and Flux against the plain loop (threshold 0)
 // and against one-thread replays of their decisions written from the models' parts.
 #include <fstream>
+#include <set>
 #include <tuple>
 #include <vector>
 
@@ -364,6 +365,60 @@ class TestStepCaches : public QObject {
     DIFFRACT_EXPECT_ERROR(make_strategy(p), "cache threshold", "between 0 (never reuse) and 10");
     DIFFRACT_EXPECT_ERROR(check_image_inputs("deepcache", false), "deepcache does not take an init image");
     DIFFRACT_EXPECT_ERROR(check_controlnets("deepcache"), "deepcache does not run ControlNets");
+  }
+
+  // cfg-fbcache, cfg-deepcache, cfg-teacache: each CFG branch on its own (virtual) device with its
+  // own cache, every decision on both branches' change. They reuse the steps the one-device cache
+  // reuses (checked against the one-thread replays above) and end in its latents up to rounding;
+  // threshold 0 is CFG-parallel's result.
+  void cachesComposeWithCfgParallel() {
+    const auto split = [](auto s) {
+      s.cfg_split = true;
+      return s;
+    };
+    auto unet = unet_inputs(6, 5.0);
+    QCOMPARE(split(fbcache(0)).devices(), 2);
+    QCOMPARE(split(fbcache(0)).name(), std::string("cfg-fbcache"));
+    const auto cfg_parallel = run(CfgParallel{}, unet.in);
+    const auto exact = run(split(fbcache(0)), unet.in);
+    DIFFRACT_COMPARE_TENSORS(exact.latents, cfg_parallel.latents, 1e-5);
+    QVERIFY(exact.stats.reused_steps.empty());
+    QCOMPARE(exact.stats.evaluations, 12);  // both branches, every step
+    const auto compare = [](const LoopOutput& one, const LoopOutput& two, const char* what) {
+      qInfo("%s: reused %s on one device, %s on two", what, nlohmann::json(one.stats.reused_steps).dump().c_str(),
+            nlohmann::json(two.stats.reused_steps).dump().c_str());
+      QCOMPARE(two.stats.reused_steps, one.stats.reused_steps);
+      // Batch-1 evaluations against the batch-2 ones: the rounding CFG-parallel itself shows
+      // against one device (2.4e-5 on the tiny UNet).
+      DIFFRACT_COMPARE_TENSORS(two.latents, one.latents, 1e-4);
+    };
+    std::set<std::size_t> counts;
+    for (double threshold : {0.05, 0.15, 0.3, 10.0}) {
+      const auto one = run(fbcache(threshold), unet.in);
+      compare(one, run(split(fbcache(threshold)), unet.in), "cfg-fbcache");
+      counts.insert(one.stats.reused_steps.size());
+    }
+    QVERIFY2(counts.size() >= 3, "the thresholds reuse different numbers of steps");
+    for (int interval : {1, 2, 3}) compare(run(deepcache(interval, 0), unet.in), run(split(deepcache(interval, 0)), unet.in), "cfg-deepcache");
+    auto sd3 = test::sd3_loop_inputs(sd3_, 6, 1, 4.0);
+    for (double threshold : {0.0, 0.1, 0.4, 1e9})
+      compare(run(teacache(threshold), sd3.in), run(split(teacache(threshold)), sd3.in), "cfg-teacache");
+    for (double threshold : {0.1, 10.0})
+      compare(run(fbcache(threshold), sd3.in), run(split(fbcache(threshold)), sd3.in), "cfg-fbcache on SD3");
+    // Without CFG there is no second branch to put on the other device.
+    DIFFRACT_EXPECT_ERROR(split(fbcache(0.1)).validate(1, false), "cfg-fbcache needs classifier-free guidance");
+    job::StrategyParams p;
+    p.name = "cfg-teacache";
+    DIFFRACT_EXPECT_ERROR(check_strategy(p, job::ModelFamily::SDXL, true), "cfg-teacache does not run sdxl");
+    p.name = "cfg-deepcache";
+    p.skip = 4;
+    DIFFRACT_EXPECT_ERROR(check_strategy(p, job::ModelFamily::SD3, true), "cfg-deepcache does not run sd3");
+    const auto deep = make_strategy(p);
+    QCOMPARE(deep->devices(), 2);
+    QCOMPARE(dynamic_cast<DeepCaching&>(*deep).interval, 4);
+    p.name = "cfg-fbcache";
+    QCOMPARE(cache_threshold(p), 0.12);
+    QVERIFY(dynamic_cast<FirstBlockCaching&>(*make_strategy(p)).cfg_split);
   }
 
   // teacache through the SD3 pipeline: threshold 0 is the plain job; above any change, every step

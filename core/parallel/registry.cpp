@@ -41,15 +41,20 @@ std::unique_ptr<Strategy> make_sequence_parallel(const StrategyParams& p) {
   return s;
 }
 
+// The step caches and their cfg- variants (the CFG branches on two devices).
+bool cfg_split(const StrategyParams& p) { return p.name.rfind("cfg-", 0) == 0; }
+
 std::unique_ptr<Strategy> make_first_block_cache(const StrategyParams& p) {
   auto s = std::make_unique<FirstBlockCaching>();
   s->threshold = cache_threshold(p);
+  s->cfg_split = cfg_split(p);
   return s;
 }
 
 std::unique_ptr<Strategy> make_teacache(const StrategyParams& p) {
   auto s = std::make_unique<TeaCaching>();
   s->threshold = cache_threshold(p);
+  s->cfg_split = cfg_split(p);
   return s;
 }
 
@@ -57,6 +62,7 @@ std::unique_ptr<Strategy> make_deepcache(const StrategyParams& p) {
   auto s = std::make_unique<DeepCaching>();
   s->interval = p.skip;
   s->branch = std::stoi(options::value(options::Id::DeepCacheBranch));
+  s->cfg_split = cfg_split(p);
   return s;
 }
 
@@ -115,6 +121,20 @@ constexpr std::string_view kNoCacheControlNets =
     "a UNet's step cache runs its layers in parts, and a ControlNet's residuals join whole evaluations only; use "
     "single, cfg-parallel, data-parallel, step-skip or a driffusion variant";
 
+constexpr std::string_view kFbcacheThreshold =
+    "First-Block Cache: the other blocks (a UNet's deep layers) are reused while the first block's (first down "
+    "layer's) residual moved less than this since they last ran (higher: faster, further from the plain loop; 0: "
+    "never)";
+constexpr std::string_view kTeacacheThreshold =
+    "TeaCache: every block is skipped while the timestep-modulated input's changes, rescaled and summed since the "
+    "last full step, stay under this (Flux.1-dev: 0.25 about 1.5x, 0.4 1.8x, 0.6 2x; 0: never)";
+constexpr std::string_view kTeacacheRefused =
+    "it reads the first block's timestep-modulated input, which transformers with AdaLN have (SD3, Flux) and a UNet "
+    "has not (use deepcache or fbcache)";
+constexpr std::string_view kDeepcacheRefused =
+    "it splits a UNet's shallow path from its deep layers, and SD3's and Flux's denoisers are transformers (use "
+    "fbcache or teacache)";
+
 constexpr std::string_view kTransformersOnly =
     "it shards a transformer's attention over the image tokens: it runs Flux and SD3, and SD 1.x / 2.x / XL have a "
     "UNet (use cfg-parallel, driffusion or data-parallel)";
@@ -146,26 +166,29 @@ const std::vector<StrategyInfo> kStrategies = {
      "The first block every step, the rest only when its output moved more than the threshold (a UNet: its first "
      "down layer and the shallow path); one device, changes the image a little.",
      Level::Evaluation, true, true, "", false, false, {1, 1, 1}, {Param::CacheThreshold}, make_first_block_cache,
-     kNoImageInputs, kNoCacheControlNets, 0.12,
-     "First-Block Cache: the other blocks (a UNet's deep layers) are reused while the first block's (first down "
-     "layer's) residual moved less than this since they last ran (higher: faster, further from the plain loop; 0: "
-     "never)"},
+     kNoImageInputs, kNoCacheControlNets, 0.12, kFbcacheThreshold},
     {"teacache",
      "SD3, Flux: every block skipped while the timestep-modulated input barely moved (TeaCache); one device, changes "
      "the image a little.",
-     Level::Evaluation, false, true,
-     "it reads the first block's timestep-modulated input, which transformers with AdaLN have (SD3, Flux) and a UNet "
-     "has not (use deepcache or fbcache)",
-     false, false, {1, 1, 1}, {Param::CacheThreshold}, make_teacache, kNoImageInputs, "", 0.4,
-     "TeaCache: every block is skipped while the timestep-modulated input's changes, rescaled and summed since the "
-     "last full step, stay under this (Flux.1-dev: 0.25 about 1.5x, 0.4 1.8x, 0.6 2x; 0: never)"},
+     Level::Evaluation, false, true, kTeacacheRefused, false, false, {1, 1, 1}, {Param::CacheThreshold}, make_teacache,
+     kNoImageInputs, "", 0.4, kTeacacheThreshold},
     {"deepcache",
      "SD / SDXL: the UNet's deep layers every skip-th step, its shallow path every step (DeepCache); one device, "
      "changes the image a little.",
-     Level::Evaluation, true, false,
-     "it splits a UNet's shallow path from its deep layers, and SD3's and Flux's denoisers are transformers (use "
-     "fbcache or teacache)",
-     false, false, {1, 1, 1}, {Param::Skip}, make_deepcache, kNoImageInputs, kNoCacheControlNets},
+     Level::Evaluation, true, false, kDeepcacheRefused, false, false, {1, 1, 1}, {Param::Skip}, make_deepcache,
+     kNoImageInputs, kNoCacheControlNets},
+    {"cfg-fbcache",
+     "fbcache with the prompt's and the negative prompt's branches on two devices at once; the same steps reused.",
+     Level::Evaluation, true, true, "", true, false, {2, 2, 1}, {Param::CacheThreshold}, make_first_block_cache,
+     kNoImageInputs, kNoCacheControlNets, 0.12, kFbcacheThreshold},
+    {"cfg-teacache",
+     "teacache with the prompt's and the negative prompt's branches on two devices at once; the same steps reused.",
+     Level::Evaluation, false, true, kTeacacheRefused, true, false, {2, 2, 1}, {Param::CacheThreshold}, make_teacache,
+     kNoImageInputs, "", 0.4, kTeacacheThreshold},
+    {"cfg-deepcache",
+     "deepcache with the prompt's and the negative prompt's branches on two devices at once; the same steps reused.",
+     Level::Evaluation, true, false, kDeepcacheRefused, true, false, {2, 2, 1}, {Param::Skip}, make_deepcache,
+     kNoImageInputs, kNoCacheControlNets},
     {"sequence-parallel",
      "Flux, SD3: each device a share of the image tokens, attention trading tokens for heads (Ulysses); the same "
      "image.",

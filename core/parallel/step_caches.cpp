@@ -1,5 +1,7 @@
 #include "core/parallel/step_caches.h"
 
+#include <atomic>
+
 #include <ATen/ATen.h>
 
 #include "core/models/common/block_cache.h"
@@ -13,40 +15,72 @@ using namespace detail;
 
 LoopOutput StepCaching::run(DeviceGroup& g, const LoopInputs& in) const {
   auto ranks = prepare(*this, g, in);
-  auto cache = make_cache(*ranks.front().den);
-  if (!cache || !ranks.front().den->step_cache(*cache))
-    throw Error(name() + " does not run this model: " + refused_why());
+  std::vector<std::unique_ptr<models::StepCache>> caches;
+  for (auto& k : ranks) {
+    caches.push_back(make_cache(*k.den));
+    if (!caches.back() || !k.den->step_cache(*caches.back()))
+      throw Error(name() + " does not run this model: " + refused_why());
+  }
   std::vector<int> reused;
-  int evals = 0;
+  std::atomic<int> evals{0};
+  std::atomic<std::int64_t> bytes{0};
   double work = 0;
   at::Tensor result;
   CancelGate gate(in.cancel);
-  g.run([&](int rank, Communicator&) {
+  g.run([&](int rank, Communicator& comm) {
     auto& k = ranks[static_cast<std::size_t>(rank)];
-    cache->steps = k.sampler->num_steps() - in.first_step;
-    cache->warmup = cache->steps * std::stoi(options::value(options::Id::CacheWarmup)) / 100;
+    auto& cache = *caches[static_cast<std::size_t>(rank)];
+    const auto dev = g.device(rank);
+    const auto bytes0 = comm.bytes_sent();
+    if (cfg_split)
+      cache.combine = [&comm](double& changed, double& total) {
+        const auto both = comm.all_gather(at::tensor({changed, total}, at::kDouble));
+        changed = total = 0;
+        for (const auto& t : both) {  // in rank order on every rank: the same sums everywhere
+          const auto v = t.to(at::kCPU);
+          changed += v[0].item<double>();
+          total += v[1].item<double>();
+        }
+      };
+    cache.steps = k.sampler->num_steps() - in.first_step;
+    cache.warmup = cache.steps * std::stoi(options::value(options::Id::CacheWarmup)) / 100;
     for (int i = in.first_step; i < k.sampler->num_steps(); ++i) {
       gate.check(i);
-      cache->step = i - in.first_step;
-      const auto out = k.den->eval_cached(k.sampler->scale_model_input(k.x, i),
-                                          k.sampler->timesteps().at(static_cast<std::size_t>(i)), Branch::Guided, *cache);
-      if (cache->reused) {
-        reused.push_back(i);
-        work += cache->reused_work;
-        if (in.on_cached) in.on_cached(i);
+      cache.step = i - in.first_step;
+      const auto input = k.sampler->scale_model_input(k.x, i);
+      const double t = k.sampler->timesteps().at(static_cast<std::size_t>(i));
+      at::Tensor out;
+      if (cfg_split) {
+        const auto mine = k.den->eval_cached(input, t, rank == 0 ? Branch::Cond : Branch::Uncond, cache);
+        const auto both = comm.all_gather(mine);
+        out = combine_cfg(both[1].to(dev), both[0].to(dev), k.den->guidance_scale());
       } else {
-        ++evals;
-        work += 1;
+        out = k.den->eval_cached(input, t, Branch::Guided, cache);
+      }
+      if (!cache.reused) ++evals;
+      if (rank == 0) {
+        if (cache.reused) {
+          reused.push_back(i);
+          work += cache.reused_work;
+          if (in.on_cached) in.on_cached(i);
+        } else {
+          work += 1;
+        }
       }
       k.x = refine(k, rank, in, out, i, k.x);
     }
-    result = k.x;
+    bytes += comm.bytes_sent() - bytes0;
+    if (rank == 0) result = k.x;
   });
-  auto o = finish(*this, in, g, result, in.steps - in.first_step, evals, 0);
+  auto o = finish(*this, in, g, result, in.steps - in.first_step, evals.load(), bytes.load());
   o.stats.cache_threshold = stats_threshold();
   o.stats.reused_steps = reused;
   o.stats.model_work = work;
   return o;
+}
+
+void StepCaching::validate(std::int64_t, bool cfg) const {
+  if (cfg_split && !cfg) throw Error(name() + " needs classifier-free guidance (a CFG scale above 1)");
 }
 
 void StepCaching::warm(Denoiser& d, const at::Tensor& x, double timestep) const {
@@ -59,11 +93,13 @@ void StepCaching::warm(Denoiser& d, const at::Tensor& x, double timestep) const 
   cache->steps = 3;
   for (int i = 0; i < 2; ++i) {
     cache->step = i;
-    d.eval_cached(x, timestep, Branch::Guided, *cache);
+    // The cfg- variants run one branch per device: Cond and Uncond share a shape.
+    d.eval_cached(x, timestep, cfg_split ? Branch::Cond : Branch::Guided, *cache);
   }
 }
 
-void FirstBlockCaching::validate(std::int64_t, bool) const {
+void FirstBlockCaching::validate(std::int64_t batch, bool cfg) const {
+  StepCaching::validate(batch, cfg);
   if (!(threshold >= 0)) throw Error("fbcache: the threshold must be 0 or more");
 }
 
@@ -78,7 +114,8 @@ std::unique_ptr<models::StepCache> FirstBlockCaching::make_cache(const Denoiser&
   return deep;
 }
 
-void TeaCaching::validate(std::int64_t, bool) const {
+void TeaCaching::validate(std::int64_t batch, bool cfg) const {
+  StepCaching::validate(batch, cfg);
   if (!(threshold >= 0)) throw Error("teacache: the threshold must be 0 or more");
 }
 
@@ -89,7 +126,8 @@ std::unique_ptr<models::StepCache> TeaCaching::make_cache(const Denoiser& den) c
   return c;
 }
 
-void DeepCaching::validate(std::int64_t, bool) const {
+void DeepCaching::validate(std::int64_t batch, bool cfg) const {
+  StepCaching::validate(batch, cfg);
   if (interval < 1) throw Error("deepcache: the interval must be 1 (every step in full) or more, not " + std::to_string(interval));
   if (branch < 0) throw Error("deepcache: the branch must be 0 or more, not " + std::to_string(branch));
 }

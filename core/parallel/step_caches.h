@@ -14,7 +14,11 @@
 //  deepcache  DeepCache: SD / SDXL; the deep part of the UNet every `interval`-th step, the
 //             shallow path (DeepCache's branch, DIFFRACT_DEEPCACHE_BRANCH, default 0) in between.
 // Threshold 0 (interval 1) reuses nothing: the plain loop's result. The decisions are made once
-// for the whole CFG batch, as a one-thread replay makes them. DIFFRACT_CACHE_WARMUP (percent of
+// for the whole CFG batch, as a one-thread replay makes them.
+// cfg-fbcache, cfg-teacache, cfg-deepcache: the same caches composed with CFG-parallel, the
+// prompt's branch on one device and the negative prompt's on another, each with its own cache;
+// a decision reads the change summed over both branches (StepCache::combine, one all-gather of two
+// numbers), so both devices reuse the same steps as the one-device cache does. DIFFRACT_CACHE_WARMUP (percent of
 // the steps, default 10; 0 gives the published schedules) keeps the loop's first steps in full,
 // where the image's layout forms: on the embedded model deepcache x3 without it turned a black
 // background light (PSNR 4.9 dB against the plain loop), with 10 % 32.2 dB.
@@ -32,7 +36,9 @@ namespace diffract::parallel {
 
 // What the three share: the loop over steps through a fresh cache of the strategy's kind.
 struct StepCaching : Strategy {
-  int devices() const override { return 1; }
+  bool cfg_split = false;  // the CFG branches on two devices (the cfg- variants)
+  int devices() const override { return cfg_split ? 2 : 1; }
+  void validate(std::int64_t batch, bool cfg) const override;
   LoopOutput run(DeviceGroup& group, const LoopInputs& in) const override;
   // Two evaluations through a cache set to run in full, then to reuse: a UNet's stage graphs for
   // both paths are captured here, not inside the loop's time.
@@ -47,7 +53,7 @@ struct StepCaching : Strategy {
 
 struct FirstBlockCaching final : StepCaching {
   double threshold = 0.12;
-  std::string name() const override { return "fbcache"; }
+  std::string name() const override { return cfg_split ? "cfg-fbcache" : "fbcache"; }
   void validate(std::int64_t batch, bool cfg) const override;
   std::unique_ptr<models::StepCache> make_cache(const Denoiser& den) const override;
   double stats_threshold() const override { return threshold; }
@@ -58,7 +64,7 @@ struct FirstBlockCaching final : StepCaching {
 
 struct TeaCaching final : StepCaching {
   double threshold = 0.4;  // TeaCache4FLUX: 0.25 about 1.5x, 0.4 1.8x, 0.6 2.0x, 0.8 2.25x on Flux.1-dev
-  std::string name() const override { return "teacache"; }
+  std::string name() const override { return cfg_split ? "cfg-teacache" : "teacache"; }
   void validate(std::int64_t batch, bool cfg) const override;
   std::unique_ptr<models::StepCache> make_cache(const Denoiser& den) const override;
   double stats_threshold() const override { return threshold; }
@@ -67,7 +73,7 @@ struct TeaCaching final : StepCaching {
 struct DeepCaching final : StepCaching {
   int interval = 3;  // DeepCache's cache_interval (its default for SD / SDXL: 3)
   int branch = 0;    // DeepCache's cache_branch_id: down layers in the shallow path
-  std::string name() const override { return "deepcache"; }
+  std::string name() const override { return cfg_split ? "cfg-deepcache" : "deepcache"; }
   void validate(std::int64_t batch, bool cfg) const override;
   std::unique_ptr<models::StepCache> make_cache(const Denoiser& den) const override;
   std::string refused_why() const override { return "DeepCache splits a UNet (SD 1.x / 2.x / XL)"; }

@@ -9,11 +9,19 @@ double relative_change(const at::Tensor& now, const at::Tensor& then) {
   return ((now.to(at::kFloat) - t).abs().mean() / t.abs().mean()).item<double>();
 }
 
+double StepCache::change(const at::Tensor& now, const at::Tensor& then) const {
+  if (!combine) return relative_change(now, then);
+  const auto t = then.to(at::kFloat);
+  double changed = (now.to(at::kFloat) - t).abs().sum().item<double>(), total = t.abs().sum().item<double>();
+  combine(changed, total);  // the ranks hold equal shares, so the ratio of sums is the ratio of means
+  return changed / total;
+}
+
 bool FirstBlockCache::can_reuse(const at::Tensor& now) const {
   if (threshold <= 0 || step < warmup || !first_residual.defined() || !rest_residual.defined() ||
       first_residual.sizes() != now.sizes())
     return false;
-  return relative_change(now, first_residual) < threshold;
+  return change(now, first_residual) < threshold;
 }
 
 std::vector<double> TeaCache::identity() { return {1.0, 0.0}; }
@@ -25,7 +33,7 @@ bool TeaCache::can_reuse(const at::Tensor& modulated) {
   const bool comparable = previous.defined() && previous.sizes() == modulated.sizes() && residual.defined();
   bool reuse = false;
   if (!edge && comparable && threshold > 0) {
-    const double x = relative_change(modulated, previous);
+    const double x = change(modulated, previous);
     double rescaled = 0;
     for (double c : coefficients) rescaled = rescaled * x + c;
     accumulated += rescaled;
@@ -40,7 +48,7 @@ bool DeepCache::full_step(const at::Tensor& first_now) const {
   if (step == 0 || step < warmup || !deep.defined()) return true;
   if (threshold < 0) return interval <= 1 || step % interval == 0;
   if (threshold == 0 || !first.defined() || first.sizes() != first_now.sizes()) return true;
-  return relative_change(first_now, first) >= threshold;
+  return change(first_now, first) >= threshold;
 }
 
 void ImageKV::write(at::Tensor& keys, at::Tensor& values, int64_t begin) {

@@ -19,6 +19,7 @@
 //  ImageKV: one attention's image keys and values for the whole image, which PipeFusion's passes
 //   over row patches of the image update and attend over.
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -32,6 +33,12 @@ struct StepCache {
   int warmup = 0;        // the loop's first steps that always run in full (the loop sets it)
   bool reused = false;   // this evaluation reused cached work
   double reused_work = 0;  // then: the part of a full evaluation it ran (estimated from the layers' costs)
+  // Where the CFG batch is split over devices (cfg-fbcache and the like): adds the other ranks'
+  // sums of |now - then| and |then| to this rank's, so that every rank decides on the whole
+  // batch's change, as one device does. Unset: this evaluation holds the whole batch.
+  std::function<void(double& changed, double& total)> combine;
+  // The relative change a decision reads: relative_change() below, over the whole CFG batch.
+  double change(const at::Tensor& now, const at::Tensor& then) const;
 };
 
 // Relative mean |now - then| / mean |then| over the whole tensor (the CFG batch decides once).
