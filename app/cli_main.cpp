@@ -23,6 +23,7 @@
 #include "core/models/text_encoders/clip_text.h"
 #include "core/parallel/registry.h"
 #include "core/text/clip_tokenizer.h"
+#include "core/io/tuning_store.h"
 #include "core/util/build_info.h"
 #include "core/util/embedded_model.h"
 #include "core/util/error.h"
@@ -673,6 +674,9 @@ int main(int argc, char** argv) {
         std::cout << "  " << o.name << "=" << options::value(o.id) << (options::is_set(o.id) ? "" : " (default)") << "  ["
                   << options::type_name(o.type) << ", " << options::scope_name(o.scope) << "] " << o.doc << "\n";
       }
+      const auto tuning = io::tuning_directory();
+      std::cout << "\nGPU tuning store: " << (tuning.empty() ? std::string("off (choices kept in memory only)") : tuning.string())
+                << "\n";
       return 0;
     }
     if (inspect_cmd->parsed()) return inspect(inspect_path);

@@ -44,7 +44,8 @@
 #           after the other: ATen's cuDNN benchmark mode with nothing kept (the tree before the tuning
 #           store), the timed choices with an empty tuning store (a first start on this GPU), and the
 #           same store again (a size tuned before), then nothing timed (cuDNN's heuristic plans and
-#           at::linear: what the tuning buys). CHECKS: the GPU checks matching it first.
+#           at::linear: what the tuning buys); SIZES_RUNS names a subset. CHECKS: the GPU checks
+#           matching it first.
 # FUZZ=NAME...: while the plan runs, the fuzz harnesses (.carry/fuzz-bundle.tar.xz, from
 # scripts/fuzz_bundle.sh) on the cores the benchmarks leave (4 and up; the benchmarks keep 0-3),
 # niced, each for an equal share of the time left, their corpora in /tmp/fuzz-corpus (kept on a
@@ -96,6 +97,7 @@ fi
 targets="diffract-bench diffract-gpu-checks"
 [ "$plan" = tree ] && targets=diffract-bench
 [ "$plan" = sizes ] && [ -z "${CHECKS:-}" ] && targets=diffract-bench
+targets="${TARGETS:-$targets}"  # e.g. TARGETS=diffract-bench: a shorter build where no check runs
 [ "$plan" = lanes ] && targets=diffract-cli
 gpu_build "$logs" $targets || exit 1
 echo "built at $(elapsed) s"
@@ -152,6 +154,9 @@ for r in ours["results"]:
                  ("peak VRAM (GiB)", r.get("peak_vram_gib", 0), anchor.get("pipe_mem_GiB"))]
     if r["config"] == "sd3-1024":
         rows.append(("SD3 transformer step batch 2 (ms)", step, anchor.get("sd3_step_b2_ms")))
+        # diffusers_sd3_best.py's keys: eager, CUDA graph, torch.compile
+        for key, label in (("sd3_b2_eager_ms", "eager"), ("sd3_b2_graph_ms", "CUDA graph"), ("sd3_b2_compiled_ms", "compiled")):
+            rows.append((f"SD3 step batch 2 vs {label} (ms)", step, anchor.get(key)))
     if r["config"] == "flux-1024":
         rows += [("Flux-dev step batch 1 vs eager (ms)", step, anchor.get("flux_b1_eager_ms")),
                  ("Flux-dev step batch 1 vs CUDA graph (ms)", step, anchor.get("flux_b1_graph_ms")),
@@ -453,7 +458,7 @@ sizes)
   [ -z "${CHECKS:-}" ] || checks checks "$CHECKS" 150 "${GREP:-}"
   store=/tmp/diffract-tuning
   rm -rf "$store"
-  for run in benchmark-mode empty-store stored untuned; do
+  for run in ${SIZES_RUNS:-benchmark-mode empty-store stored untuned}; do
     case "$run" in
       benchmark-mode) env=(DIFFRACT_CONV_TUNING=benchmark DIFFRACT_TUNING_STORE=0) ;;
       untuned) env=(DIFFRACT_CONV_TUNING=heuristic DIFFRACT_GEMM_TUNING=0 DIFFRACT_TUNING_STORE=0) ;;
