@@ -99,9 +99,7 @@ bool tuned_conv2d_cuda(const at::Tensor& x, const at::Tensor& w, int64_t stride,
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_choices.find(s);
     if (it == g_choices.end()) {
-      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-      cudaStreamIsCapturing(stream, &capturing);
-      if (capturing != cudaStreamCaptureStatusNone) return false;  // no timing inside a capture: ATen's path
+      if (capturing(stream)) return false;  // no timing inside a capture: ATen's path
       auto& store = tuning_store_for(s.device);
       const auto key = store_key(s);
       const auto t0 = now_ns();

@@ -108,9 +108,7 @@ bool fp8_linear_cuda(const at::Tensor& x, Fp8WeightCache& cache, const at::Tenso
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_choices.find(s);
     if (it == g_choices.end()) {
-      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-      cudaStreamIsCapturing(stream, &capturing);
-      if (capturing != cudaStreamCaptureStatusNone) return false;  // no timing inside a capture: bf16
+      if (capturing(stream)) return false;  // no timing inside a capture: bf16
       auto& store = tuning_store_for(device);
       const auto key = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k) + (s.bias ? " bias" : "");
       const auto t0 = now_ns();

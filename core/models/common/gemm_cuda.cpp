@@ -242,9 +242,7 @@ bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_choices.find(s);
     if (it == g_choices.end()) {
-      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-      cudaStreamIsCapturing(stream, &capturing);
-      if (capturing != cudaStreamCaptureStatusNone) return false;  // no timing inside a capture: ATen's GEMM
+      if (capturing(stream)) return false;  // no timing inside a capture: ATen's GEMM
       auto& store = tuning_store_for(s.device);
       const auto key = store_key(s);
       const auto t0 = now_ns();

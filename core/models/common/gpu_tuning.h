@@ -3,6 +3,8 @@
 // of the GPU they run on (io/tuning_store.h; its identity is the GPU model, the driver and the
 // CUDA, cuBLASLt, cuDNN and LibTorch versions) and the counts behind tuning_stats(). CUDA builds
 // with the kernels only.
+#include <cuda_runtime.h>
+
 #include <string>
 
 #include "core/io/tuning_store.h"
@@ -10,6 +12,10 @@
 namespace diffract::models {
 
 io::TuningStore& tuning_store_for(int device);
+
+// Whether `stream` is capturing a CUDA graph: nothing may be timed then, so a shape without a
+// choice yet takes its untimed path.
+bool capturing(cudaStream_t stream);
 
 // One shape's choice was made: timed (`ms` spent timing it) or taken from the store.
 void count_tuning(const std::string& kind, bool from_store, double ms);

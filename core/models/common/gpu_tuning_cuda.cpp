@@ -75,6 +75,12 @@ io::TuningStore& tuning_store_for(int device) {
   return *s;
 }
 
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cudaStreamIsCapturing(stream, &status);
+  return status != cudaStreamCaptureStatusNone;
+}
+
 void count_tuning(const std::string& kind, bool from_store, double ms) {
   std::lock_guard lock(g_mutex);
   auto& c = g_counts[kind];
