@@ -33,13 +33,16 @@ LoopOutput StepCaching::run(DeviceGroup& g, const LoopInputs& in) const {
     const auto dev = g.device(rank);
     const auto bytes0 = comm.bytes_sent();
     if (cfg_split)
-      cache.combine = [&comm](double& changed, double& total) {
-        const auto both = comm.all_gather(at::tensor({changed, total}, at::kDouble));
+      cache.combine = [&comm, dev](double& changed, double& total) {
+        // On the rank's device: NCCL gathers device tensors only.
+        const auto both = comm.all_gather(at::tensor({changed, total}, at::kDouble).to(dev));
+        std::vector<at::Tensor> here;
+        for (const auto& t : both) here.push_back(t.to(dev));
+        const auto all = at::stack(here).to(at::kCPU);  // one read from the device
         changed = total = 0;
-        for (const auto& t : both) {  // in rank order on every rank: the same sums everywhere
-          const auto v = t.to(at::kCPU);
-          changed += v[0].item<double>();
-          total += v[1].item<double>();
+        for (std::int64_t r = 0; r < all.size(0); ++r) {  // in rank order on every rank: the same sums everywhere
+          changed += all[r][0].item<double>();
+          total += all[r][1].item<double>();
         }
       };
     cache.steps = k.sampler->num_steps() - in.first_step;

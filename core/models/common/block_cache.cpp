@@ -12,7 +12,8 @@ double relative_change(const at::Tensor& now, const at::Tensor& then) {
 double StepCache::change(const at::Tensor& now, const at::Tensor& then) const {
   if (!combine) return relative_change(now, then);
   const auto t = then.to(at::kFloat);
-  double changed = (now.to(at::kFloat) - t).abs().sum().item<double>(), total = t.abs().sum().item<double>();
+  const auto sums = at::stack({(now.to(at::kFloat) - t).abs().sum(), t.abs().sum()}).to(at::kCPU, at::kDouble);
+  double changed = sums[0].item<double>(), total = sums[1].item<double>();  // one read from the device
   combine(changed, total);  // the ranks hold equal shares, so the ratio of sums is the ratio of means
   return changed / total;
 }

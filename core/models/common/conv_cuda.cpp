@@ -81,7 +81,8 @@ bool tuned_conv2d_cuda(const at::Tensor& x, const at::Tensor& w, int64_t stride,
     return false;
   auto& ctx = at::globalContext();
   if (!ctx.userEnabledCuDNN() || ctx.deterministicCuDNN()) return false;
-  const auto mode = options::value(options::Id::ConvTuning);
+  // Process scope: read once, not on every convolution of an eager forward.
+  static const std::string mode = options::value(options::Id::ConvTuning);
   if (mode == "benchmark") return false;  // at::conv2d with ATen's benchmark mode, as the pipelines set it
   const c10::cuda::CUDAGuard guard(x.device());
   if (mode == "heuristic") {
@@ -95,6 +96,7 @@ bool tuned_conv2d_cuda(const at::Tensor& x, const at::Tensor& w, int64_t stride,
                 stride, padding, dtype, channels_last};
   Choice choice;  // the heuristic plan unless a choice says otherwise
   bool heuristic_only = false;
+  at::Tensor made;  // the output, where making the choice already ran this call's convolution
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_choices.find(s);
@@ -123,7 +125,7 @@ bool tuned_conv2d_cuda(const at::Tensor& x, const at::Tensor& w, int64_t stride,
         // timed nor remembered, so that a later job with autotuning on still tunes this shape.
         heuristic_only = true;
       } else if (stored) {
-        run(x, w, stride, padding, c.benchmark);  // builds (or benchmarks) the plan now, off any capture
+        made = run(x, w, stride, padding, c.benchmark);  // builds (or benchmarks) its plan, counted below
       } else {
         c.heuristic_ms = time_ms(stream, [&] { run(x, w, stride, padding, false); });
         c.benchmark_ms = time_ms(stream, [&] { run(x, w, stride, padding, true); });
@@ -138,7 +140,7 @@ bool tuned_conv2d_cuda(const at::Tensor& x, const at::Tensor& w, int64_t stride,
     }
     if (!heuristic_only) choice = it->second;
   }
-  out = run(x, w, stride, padding, choice.benchmark);
+  out = made.defined() ? made : run(x, w, stride, padding, choice.benchmark);
   return true;
 }
 
