@@ -77,8 +77,8 @@ class TestStepCaches : public QObject {
   models::SD3Transformer2DModel sd3_ = test::tiny_sd3(3, /*sd35=*/false);
   models::FluxTransformer2DModel flux_ = test::tiny_flux(2, 2);
 
-  test::UNetLoopInputs unet_inputs(int steps, double cfg) {
-    auto made = test::unet_loop_inputs(schedulers::SamplerKind::Euler, steps, 1, unet_, 9);
+  test::UNetLoopInputs unet_inputs(int steps, double cfg, int batch = 1) {
+    auto made = test::unet_loop_inputs(schedulers::SamplerKind::Euler, steps, batch, unet_, 9);
     made.in.make_denoiser = [runner = made.unet, pos = made.pos, neg = made.neg, cfg](
                                 int, const c10::Device& d) -> std::unique_ptr<Denoiser> {
       return std::make_unique<UNetDenoiser>(runner, pos, neg, cfg, at::kFloat, d);
@@ -373,7 +373,7 @@ class TestStepCaches : public QObject {
   // threshold 0 is CFG-parallel's result.
   void cachesComposeWithCfgParallel() {
     const auto split = [](auto s) {
-      s.cfg_split = true;
+      s.split = CacheSplit::Cfg;
       return s;
     };
     auto unet = unet_inputs(6, 5.0);
@@ -418,7 +418,80 @@ class TestStepCaches : public QObject {
     QCOMPARE(dynamic_cast<DeepCaching&>(*deep).interval, 4);
     p.name = "cfg-fbcache";
     QCOMPARE(cache_threshold(p), 0.12);
-    QVERIFY(dynamic_cast<FirstBlockCaching&>(*make_strategy(p)).cfg_split);
+    QVERIFY(dynamic_cast<FirstBlockCaching&>(*make_strategy(p)).split == CacheSplit::Cfg);
+  }
+
+  // dp-fbcache, dp-teacache: the batch's images over the devices (3 images over 2 and 3, 4 over
+  // 2: shares of unequal and equal size), each device's cache deciding on the whole batch's
+  // change. The same steps reused as one device's cache over the whole batch, and its latents
+  // up to the rounding data-parallel itself shows against one device.
+  void cachesComposeWithDataParallel() {
+    const auto split = [](auto s, int n) {
+      s.split = CacheSplit::Batch;
+      s.n = n;
+      return s;
+    };
+    QCOMPARE(split(fbcache(0), 3).devices(), 3);
+    QCOMPARE(split(teacache(0), 2).name(), std::string("dp-teacache"));
+    const auto compare = [](const LoopOutput& one, const LoopOutput& many, const char* what, int n) {
+      qInfo("%s on %d: reused %s on one device, %s split", what, n, nlohmann::json(one.stats.reused_steps).dump().c_str(),
+            nlohmann::json(many.stats.reused_steps).dump().c_str());
+      QCOMPARE(many.stats.reused_steps, one.stats.reused_steps);
+      QCOMPARE(many.stats.devices, n);
+      QCOMPARE(many.latents.sizes(), one.latents.sizes());
+      DIFFRACT_COMPARE_TENSORS(many.latents, one.latents, 1e-4);
+    };
+    for (const auto& [batch, n] : std::vector<std::pair<int, int>>{{3, 2}, {4, 2}, {3, 3}}) {
+      auto unet = unet_inputs(6, 5.0, batch);
+      DataParallel dp;
+      dp.n = n;
+      const auto plain = run(dp, unet.in);
+      const auto exact = run(split(fbcache(0), n), unet.in);
+      DIFFRACT_COMPARE_TENSORS(exact.latents, plain.latents, 1e-5);  // threshold 0: data-parallel's loop
+      QVERIFY(exact.stats.reused_steps.empty());
+      std::set<std::size_t> counts;
+      for (double threshold : {0.05, 0.15, 0.3, 10.0}) {
+        const auto one = run(fbcache(threshold), unet.in);
+        compare(one, run(split(fbcache(threshold), n), unet.in), "dp-fbcache", n);
+        counts.insert(one.stats.reused_steps.size());
+      }
+      QVERIFY2(counts.size() >= 3, "the thresholds reuse different numbers of steps");
+      auto flux = test::flux_loop_inputs(flux_, 6, batch, 1.0);
+      for (double threshold : {0.0, 0.1, 0.4, 1e9})
+        compare(run(teacache(threshold), flux.in), run(split(teacache(threshold), n), flux.in), "dp-teacache on Flux", n);
+    }
+    // Each device decides on the whole batch: images that alone would reuse different steps
+    // reuse the batch's. Two prompts' worth of noise: the second image's latents scaled up, so
+    // its share's change differs from the batch's.
+    auto unet = unet_inputs(6, 5.0, 2);
+    unet.in.latents = at::cat({unet.in.latents.narrow(0, 0, 1), unet.in.latents.narrow(0, 1, 1) * 4});
+    const auto one = run(fbcache(0.15), unet.in);
+    compare(one, run(split(fbcache(0.15), 2), unet.in), "dp-fbcache, unequal images", 2);
+    std::set<std::vector<int>> alone;  // what each image's share would reuse deciding by itself
+    for (int image : {0, 1}) {
+      auto in = unet.in;
+      in.latents = unet.in.latents.narrow(0, image, 1).contiguous();
+      in.make_denoiser = [make = unet.in.make_denoiser, image](int r, const c10::Device& d) {
+        return make(r, d)->rows(image, 1);
+      };
+      const auto mine = run(fbcache(0.15), in).stats.reused_steps;
+      qInfo("image %d alone: reused %s", image, nlohmann::json(mine).dump().c_str());
+      alone.insert(mine);
+    }
+    // The premise: the two images alone decide differently, so a device deciding on its own
+    // share would reuse other steps than the batch does, and the comparison above would fail.
+    QVERIFY2(alone.size() == 2, "each image alone would reuse other steps");
+    // A batch smaller than the devices leaves a device without images.
+    DIFFRACT_EXPECT_ERROR(split(fbcache(0.1), 3).validate(2, true), "dp-fbcache splits the batch's images");
+    job::StrategyParams p;
+    p.name = "dp-teacache";
+    DIFFRACT_EXPECT_ERROR(check_strategy(p, job::ModelFamily::SDXL, true), "dp-teacache does not run sdxl");
+    p.name = "dp-fbcache";
+    p.devices = 4;
+    const auto fb = make_strategy(p);
+    QCOMPARE(fb->devices(), 4);
+    QCOMPARE(dynamic_cast<FirstBlockCaching&>(*fb).threshold, 0.12);
+    QVERIFY(!find_strategy("dp-deepcache"));
   }
 
   // teacache through the SD3 pipeline: threshold 0 is the plain job; above any change, every step

@@ -19,11 +19,11 @@ void DataParallel::validate(std::int64_t batch, bool) const {
                 ", not " + std::to_string(batch));
 }
 
-// The slices are batch / n rows, and one more on the first batch % n ranks.
+// Both slice sizes (batch_slice).
 void DataParallel::warm(Denoiser& d, const at::Tensor& x, double t) const {
-  const std::int64_t batch = x.size(0), base = batch / n;
-  d.rows(0, base)->eval(x.narrow(0, 0, base), t, Branch::Guided);
-  if (batch % n) d.rows(0, base + 1)->eval(x.narrow(0, 0, base + 1), t, Branch::Guided);
+  const auto [begin, count, widest] = batch_slice(x.size(0), n, n - 1);
+  d.rows(0, count)->eval(x.narrow(0, 0, count), t, Branch::Guided);
+  if (widest != count) d.rows(0, widest)->eval(x.narrow(0, 0, widest), t, Branch::Guided);
 }
 
 LoopOutput DataParallel::run(DeviceGroup& g, const LoopInputs& in) const {
@@ -36,9 +36,7 @@ LoopOutput DataParallel::run(DeviceGroup& g, const LoopInputs& in) const {
   g.run([&](int rank, Communicator& comm) {
     auto& k = ranks[static_cast<std::size_t>(rank)];
     const auto bytes0 = comm.bytes_sent();
-    const std::int64_t base = batch / n, extra = batch % n;
-    const std::int64_t begin = rank * base + std::min<std::int64_t>(rank, extra);
-    const std::int64_t count = base + (rank < extra ? 1 : 0);
+    const auto [begin, count, widest] = batch_slice(batch, n, rank);
     auto den = k.den->rows(begin, count);
     auto x = k.x.narrow(0, begin, count).contiguous();
     // This rank's rows of an inpainting job's blend.
@@ -55,17 +53,9 @@ LoopOutput DataParallel::run(DeviceGroup& g, const LoopInputs& in) const {
       if (rank == 0 && in.on_step) in.on_step(i, out, x, next);
       x = next;
     }
-    // Slices differ by a row when n does not divide the batch; NCCL gathers equal shapes, so
-    // every rank sends a slice padded to the largest.
-    const std::int64_t widest = base + (extra > 0 ? 1 : 0);
-    auto padded = count == widest ? x : at::cat({x, at::zeros_like(x.narrow(0, 0, widest - count))});
-    auto all = comm.all_gather(padded);
-    for (int r = 0; r < n; ++r) all[static_cast<std::size_t>(r)] = all[static_cast<std::size_t>(r)].narrow(0, 0, base + (r < extra ? 1 : 0));
+    auto all = gather_batch(comm, x, batch, n, rank == 0 ? std::optional(g.device(0)) : std::nullopt);
     bytes += comm.bytes_sent() - bytes0;
-    if (rank == 0) {
-      for (auto& t : all) t = t.to(g.device(0));
-      result = at::cat(all);
-    }
+    if (rank == 0) result = all;
   });
   return finish(*this, in, g, result, in.steps - in.first_step, evals.load(), bytes.load());
 }

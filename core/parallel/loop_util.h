@@ -4,6 +4,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "core/parallel/strategy.h"
@@ -53,6 +54,19 @@ class StepTraffic {
   std::mutex mutex_;
   std::vector<std::int64_t> messages_, bytes_;
 };
+
+// A rank's share of a batch split over n devices (data-parallel, dp- caches): contiguous rows,
+// batch / n each and one more on the first batch % n ranks.
+struct BatchSlice {
+  std::int64_t begin = 0, count = 0;
+  std::int64_t widest = 0;  // the largest share's rows
+};
+BatchSlice batch_slice(std::int64_t batch, int n, int rank);
+// Every rank's rows of `x` (this rank's share) gathered in rank order: the whole batch, on
+// `*to` for the rank that passes one, undefined on the others (a collective: every rank calls it).
+// NCCL gathers equal shapes, so each share travels padded to the widest.
+at::Tensor gather_batch(Communicator& comm, const at::Tensor& x, std::int64_t batch, int n,
+                        const std::optional<c10::Device>& to);
 
 // Refines from step i with output `out`: the ordinary update, reported on rank 0.
 at::Tensor refine(Rank& k, int rank, const LoopInputs& in, const at::Tensor& out, int i, const at::Tensor& x);

@@ -41,20 +41,27 @@ std::unique_ptr<Strategy> make_sequence_parallel(const StrategyParams& p) {
   return s;
 }
 
-// The step caches and their cfg- variants (the CFG branches on two devices).
-bool cfg_split(const StrategyParams& p) { return p.name.rfind("cfg-", 0) == 0; }
+// The step caches and their cfg- (the CFG branches on two devices) and dp- (the batch over the
+// devices) variants.
+void set_split(StepCaching& s, const StrategyParams& p) {
+  if (p.name.rfind("cfg-", 0) == 0) s.split = CacheSplit::Cfg;
+  if (p.name.rfind("dp-", 0) == 0) {
+    s.split = CacheSplit::Batch;
+    s.n = p.devices;
+  }
+}
 
 std::unique_ptr<Strategy> make_first_block_cache(const StrategyParams& p) {
   auto s = std::make_unique<FirstBlockCaching>();
   s->threshold = cache_threshold(p);
-  s->cfg_split = cfg_split(p);
+  set_split(*s, p);
   return s;
 }
 
 std::unique_ptr<Strategy> make_teacache(const StrategyParams& p) {
   auto s = std::make_unique<TeaCaching>();
   s->threshold = cache_threshold(p);
-  s->cfg_split = cfg_split(p);
+  set_split(*s, p);
   return s;
 }
 
@@ -62,7 +69,7 @@ std::unique_ptr<Strategy> make_deepcache(const StrategyParams& p) {
   auto s = std::make_unique<DeepCaching>();
   s->interval = p.skip;
   s->branch = std::stoi(options::value(options::Id::DeepCacheBranch));
-  s->cfg_split = cfg_split(p);
+  set_split(*s, p);
   return s;
 }
 
@@ -189,6 +196,16 @@ const std::vector<StrategyInfo> kStrategies = {
      "deepcache with the prompt's and the negative prompt's branches on two devices at once; the same steps reused.",
      Level::Evaluation, true, false, kDeepcacheRefused, true, false, {2, 2, 1}, {Param::Skip}, make_deepcache,
      kNoImageInputs, kNoCacheControlNets},
+    {"dp-fbcache",
+     "fbcache with the batch's images split over the devices, as data-parallel splits them; the steps one device "
+     "would reuse for the whole batch.",
+     Level::Evaluation, true, true, "", false, false, {0, 2, 1}, {Param::Devices, Param::CacheThreshold},
+     make_first_block_cache, kNoImageInputs, kNoCacheControlNets, 0.12, kFbcacheThreshold},
+    {"dp-teacache",
+     "teacache with the batch's images split over the devices, as data-parallel splits them; the steps one device "
+     "would reuse for the whole batch.",
+     Level::Evaluation, false, true, kTeacacheRefused, false, false, {0, 2, 1},
+     {Param::Devices, Param::CacheThreshold}, make_teacache, kNoImageInputs, "", 0.4, kTeacacheThreshold},
     {"sequence-parallel",
      "Flux, SD3: each device a share of the image tokens, attention trading tokens for heads (Ulysses); the same "
      "image.",

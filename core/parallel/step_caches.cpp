@@ -13,8 +13,13 @@ namespace diffract::parallel {
 
 using namespace detail;
 
+std::string StepCaching::prefix() const {
+  return split == CacheSplit::Cfg ? "cfg-" : split == CacheSplit::Batch ? "dp-" : "";
+}
+
 LoopOutput StepCaching::run(DeviceGroup& g, const LoopInputs& in) const {
   auto ranks = prepare(*this, g, in);
+  const std::int64_t batch = in.latents.size(0);
   std::vector<std::unique_ptr<models::StepCache>> caches;
   for (auto& k : ranks) {
     caches.push_back(make_cache(*k.den));
@@ -32,7 +37,7 @@ LoopOutput StepCaching::run(DeviceGroup& g, const LoopInputs& in) const {
     auto& cache = *caches[static_cast<std::size_t>(rank)];
     const auto dev = g.device(rank);
     const auto bytes0 = comm.bytes_sent();
-    if (cfg_split)
+    if (split != CacheSplit::None)
       cache.combine = [&comm, dev](double& changed, double& total) {
         // On the rank's device: NCCL gathers device tensors only.
         const auto both = comm.all_gather(at::tensor({changed, total}, at::kDouble).to(dev));
@@ -45,20 +50,26 @@ LoopOutput StepCaching::run(DeviceGroup& g, const LoopInputs& in) const {
           total += all[r][1].item<double>();
         }
       };
+    // dp-: this rank's images of the batch, through the denoiser over their conditioning rows.
+    const auto share = split == CacheSplit::Batch ? batch_slice(batch, n, rank) : BatchSlice{0, batch, batch};
+    std::unique_ptr<Denoiser> rows;
+    if (split == CacheSplit::Batch) rows = k.den->rows(share.begin, share.count);
+    Denoiser& den = rows ? *rows : *k.den;
+    auto x = split == CacheSplit::Batch ? k.x.narrow(0, share.begin, share.count).contiguous() : k.x;
     cache.steps = k.sampler->num_steps() - in.first_step;
     cache.warmup = cache.steps * std::stoi(options::value(options::Id::CacheWarmup)) / 100;
     for (int i = in.first_step; i < k.sampler->num_steps(); ++i) {
       gate.check(i);
       cache.step = i - in.first_step;
-      const auto input = k.sampler->scale_model_input(k.x, i);
+      const auto input = k.sampler->scale_model_input(x, i);
       const double t = k.sampler->timesteps().at(static_cast<std::size_t>(i));
       at::Tensor out;
-      if (cfg_split) {
-        const auto mine = k.den->eval_cached(input, t, rank == 0 ? Branch::Cond : Branch::Uncond, cache);
+      if (split == CacheSplit::Cfg) {
+        const auto mine = den.eval_cached(input, t, rank == 0 ? Branch::Cond : Branch::Uncond, cache);
         const auto both = comm.all_gather(mine);
-        out = combine_cfg(both[1].to(dev), both[0].to(dev), k.den->guidance_scale());
+        out = combine_cfg(both[1].to(dev), both[0].to(dev), den.guidance_scale());
       } else {
-        out = k.den->eval_cached(input, t, Branch::Guided, cache);
+        out = den.eval_cached(input, t, Branch::Guided, cache);
       }
       if (!cache.reused) ++evals;
       if (rank == 0) {
@@ -70,10 +81,15 @@ LoopOutput StepCaching::run(DeviceGroup& g, const LoopInputs& in) const {
           work += 1;
         }
       }
-      k.x = refine(k, rank, in, out, i, k.x);
+      x = refine(k, rank, in, out, i, x);  // dp-: on_step reports rank 0's images
+    }
+    if (split == CacheSplit::Batch) {
+      auto all = gather_batch(comm, x, batch, n, rank == 0 ? std::optional(g.device(0)) : std::nullopt);
+      if (rank == 0) result = all;
+    } else if (rank == 0) {
+      result = x;
     }
     bytes += comm.bytes_sent() - bytes0;
-    if (rank == 0) result = k.x;
   });
   auto o = finish(*this, in, g, result, in.steps - in.first_step, evals.load(), bytes.load());
   o.stats.cache_threshold = stats_threshold();
@@ -82,13 +98,25 @@ LoopOutput StepCaching::run(DeviceGroup& g, const LoopInputs& in) const {
   return o;
 }
 
-void StepCaching::validate(std::int64_t, bool cfg) const {
-  if (cfg_split && !cfg) throw Error(name() + " needs classifier-free guidance (a CFG scale above 1)");
+void StepCaching::validate(std::int64_t batch, bool cfg) const {
+  if (split == CacheSplit::Cfg && !cfg) throw Error(name() + " needs classifier-free guidance (a CFG scale above 1)");
+  if (split == CacheSplit::Batch) {
+    if (n < 1) throw Error(name() + " needs 1 or more devices, not " + std::to_string(n));
+    if (batch < n)
+      throw Error(name() + " splits the batch's images over the devices: on " + std::to_string(n) +
+                  " devices it needs a batch of at least " + std::to_string(n) + ", not " + std::to_string(batch));
+  }
 }
 
-void StepCaching::warm(Denoiser& d, const at::Tensor& x, double timestep) const {
-  auto cache = make_cache(d);
-  if (!cache || !d.step_cache(*cache)) return Strategy::warm(d, x, timestep);
+namespace {
+
+// Two evaluations of `x` through a cache of s's kind, set to run in full, then to reuse.
+void warm_through_cache(const StepCaching& s, Denoiser& d, const at::Tensor& x, double timestep, Branch branch) {
+  auto cache = s.make_cache(d);
+  if (!cache || !d.step_cache(*cache)) {
+    d.eval(x, timestep, branch);
+    return;
+  }
   if (auto* deep = dynamic_cast<models::DeepCache*>(cache.get())) {
     deep->interval = 2;
     if (deep->threshold > 0) deep->threshold = 1e9;  // the second call reuses
@@ -96,9 +124,22 @@ void StepCaching::warm(Denoiser& d, const at::Tensor& x, double timestep) const 
   cache->steps = 3;
   for (int i = 0; i < 2; ++i) {
     cache->step = i;
-    // The cfg- variants run one branch per device: Cond and Uncond share a shape.
-    d.eval_cached(x, timestep, cfg_split ? Branch::Cond : Branch::Guided, *cache);
+    d.eval_cached(x, timestep, branch, *cache);
   }
+}
+
+}  // namespace
+
+void StepCaching::warm(Denoiser& d, const at::Tensor& x, double timestep) const {
+  if (split == CacheSplit::Batch) {  // both share sizes, as data-parallel warms them
+    const auto last = batch_slice(x.size(0), n, n - 1);
+    warm_through_cache(*this, *d.rows(0, last.count), x.narrow(0, 0, last.count), timestep, Branch::Guided);
+    if (last.widest != last.count)
+      warm_through_cache(*this, *d.rows(0, last.widest), x.narrow(0, 0, last.widest), timestep, Branch::Guided);
+    return;
+  }
+  // The cfg- variants run one branch per device: Cond and Uncond share a shape.
+  warm_through_cache(*this, d, x, timestep, split == CacheSplit::Cfg ? Branch::Cond : Branch::Guided);
 }
 
 void FirstBlockCaching::validate(std::int64_t batch, bool cfg) const {

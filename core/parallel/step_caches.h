@@ -18,7 +18,13 @@
 // cfg-fbcache, cfg-teacache, cfg-deepcache: the same caches composed with CFG-parallel, the
 // prompt's branch on one device and the negative prompt's on another, each with its own cache;
 // a decision reads the change summed over both branches (StepCache::combine, one all-gather of two
-// numbers), so both devices reuse the same steps as the one-device cache does. DIFFRACT_CACHE_WARMUP (percent of
+// numbers), so both devices reuse the same steps as the one-device cache does.
+// dp-fbcache, dp-teacache: composed with data-parallel, the batch's images split over the devices
+// as data-parallel splits them, each device's cache deciding on the change summed over the whole
+// batch (the same combine), so every device reuses the steps the one-device cache reuses for that
+// batch. (DeepCache's decisions are its interval's, the same on every device; a strategy takes
+// one count, which for deepcache is its interval, so no dp-deepcache is offered.)
+// DIFFRACT_CACHE_WARMUP (percent of
 // the steps, default 10; 0 gives the published schedules) keeps the loop's first steps in full,
 // where the image's layout forms: on the embedded model deepcache x3 without it turned a black
 // background light (PSNR 4.9 dB against the plain loop), with 10 % 32.2 dB.
@@ -34,14 +40,21 @@ struct StepCache;
 
 namespace diffract::parallel {
 
+// How a step cache's work is split over devices: not at all, the CFG branches on two (cfg-),
+// the batch's images over `n` (dp-).
+enum class CacheSplit { None, Cfg, Batch };
+
 // What the three share: the loop over steps through a fresh cache of the strategy's kind.
 struct StepCaching : Strategy {
-  bool cfg_split = false;  // the CFG branches on two devices (the cfg- variants)
-  int devices() const override { return cfg_split ? 2 : 1; }
+  CacheSplit split = CacheSplit::None;
+  int n = 2;  // CacheSplit::Batch: the devices
+  int devices() const override { return split == CacheSplit::Cfg ? 2 : split == CacheSplit::Batch ? n : 1; }
+  // "", "cfg-" or "dp-": the name's prefix for the split.
+  std::string prefix() const;
   void validate(std::int64_t batch, bool cfg) const override;
   LoopOutput run(DeviceGroup& group, const LoopInputs& in) const override;
   // Two evaluations through a cache set to run in full, then to reuse: a UNet's stage graphs for
-  // both paths are captured here, not inside the loop's time.
+  // both paths are captured here, not inside the loop's time (dp-: for each slice's row count).
   void warm(Denoiser& d, const at::Tensor& x, double timestep) const override;
   // A new cache for one loop of `den`, of the kind it runs (null: it runs none of this strategy's).
   virtual std::unique_ptr<models::StepCache> make_cache(const Denoiser& den) const = 0;
@@ -53,7 +66,7 @@ struct StepCaching : Strategy {
 
 struct FirstBlockCaching final : StepCaching {
   double threshold = 0.12;
-  std::string name() const override { return cfg_split ? "cfg-fbcache" : "fbcache"; }
+  std::string name() const override { return prefix() + "fbcache"; }
   void validate(std::int64_t batch, bool cfg) const override;
   std::unique_ptr<models::StepCache> make_cache(const Denoiser& den) const override;
   double stats_threshold() const override { return threshold; }
@@ -64,7 +77,7 @@ struct FirstBlockCaching final : StepCaching {
 
 struct TeaCaching final : StepCaching {
   double threshold = 0.4;  // TeaCache4FLUX: 0.25 about 1.5x, 0.4 1.8x, 0.6 2.0x, 0.8 2.25x on Flux.1-dev
-  std::string name() const override { return cfg_split ? "cfg-teacache" : "teacache"; }
+  std::string name() const override { return prefix() + "teacache"; }
   void validate(std::int64_t batch, bool cfg) const override;
   std::unique_ptr<models::StepCache> make_cache(const Denoiser& den) const override;
   double stats_threshold() const override { return threshold; }
@@ -73,7 +86,7 @@ struct TeaCaching final : StepCaching {
 struct DeepCaching final : StepCaching {
   int interval = 3;  // DeepCache's cache_interval (its default for SD / SDXL: 3)
   int branch = 0;    // DeepCache's cache_branch_id: down layers in the shallow path
-  std::string name() const override { return cfg_split ? "cfg-deepcache" : "deepcache"; }
+  std::string name() const override { return prefix() + "deepcache"; }
   void validate(std::int64_t batch, bool cfg) const override;
   std::unique_ptr<models::StepCache> make_cache(const Denoiser& den) const override;
   std::string refused_why() const override { return "DeepCache splits a UNet (SD 1.x / 2.x / XL)"; }

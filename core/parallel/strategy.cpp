@@ -1,5 +1,6 @@
 #include "core/parallel/strategy.h"
 
+#include <algorithm>
 #include <mutex>
 
 #include <nlohmann/json.hpp>
@@ -84,6 +85,24 @@ void CancelGate::check(int round) {
     stop = it->second;
   }
   if (stop) throw job::Cancelled{};
+}
+
+BatchSlice batch_slice(std::int64_t batch, int n, int rank) {
+  const std::int64_t base = batch / n, extra = batch % n;
+  return {rank * base + std::min<std::int64_t>(rank, extra), base + (rank < extra ? 1 : 0), base + (extra > 0 ? 1 : 0)};
+}
+
+at::Tensor gather_batch(Communicator& comm, const at::Tensor& x, std::int64_t batch, int n,
+                        const std::optional<c10::Device>& to) {
+  const auto widest = batch_slice(batch, n, 0).widest;
+  const auto count = x.size(0);
+  auto all = comm.all_gather(count == widest ? x : at::cat({x, at::zeros_like(x.narrow(0, 0, widest - count))}));
+  if (!to) return {};
+  for (int r = 0; r < n; ++r) {
+    auto& t = all[static_cast<std::size_t>(r)];
+    t = t.narrow(0, 0, batch_slice(batch, n, r).count).to(*to);
+  }
+  return at::cat(all);
 }
 
 at::Tensor refine(Rank& k, int rank, const LoopInputs& in, const at::Tensor& out, int i, const at::Tensor& x) {

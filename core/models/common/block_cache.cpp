@@ -14,7 +14,7 @@ double StepCache::change(const at::Tensor& now, const at::Tensor& then) const {
   const auto t = then.to(at::kFloat);
   const auto sums = at::stack({(now.to(at::kFloat) - t).abs().sum(), t.abs().sum()}).to(at::kCPU, at::kDouble);
   double changed = sums[0].item<double>(), total = sums[1].item<double>();  // one read from the device
-  combine(changed, total);  // the ranks hold equal shares, so the ratio of sums is the ratio of means
+  combine(changed, total);  // the whole batch's sums: their ratio is its ratio of means, whatever the shares
   return changed / total;
 }
 

@@ -33,7 +33,7 @@ struct StepCache {
   int warmup = 0;        // the loop's first steps that always run in full (the loop sets it)
   bool reused = false;   // this evaluation reused cached work
   double reused_work = 0;  // then: the part of a full evaluation it ran (estimated from the layers' costs)
-  // Where the CFG batch is split over devices (cfg-fbcache and the like): adds the other ranks'
+  // Where the batch is split over devices (the cfg- and dp- caches): adds the other ranks'
   // sums of |now - then| and |then| to this rank's, so that every rank decides on the whole
   // batch's change, as one device does. Unset: this evaluation holds the whole batch.
   std::function<void(double& changed, double& total)> combine;
