@@ -6,6 +6,7 @@
 # to the regression corpus with the fix).
 #   scripts/fuzz.sh [SECONDS] [NAME...]     e.g. scripts/fuzz.sh 600 pth
 #   FUZZ_RUNS=10000000 scripts/fuzz.sh 0 safetensors   (a fixed number of executions instead)
+#   FUZZ_JOBS=2 scripts/fuzz.sh 3600 prompt             (libFuzzer's fork mode, 2 processes; a time)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -52,6 +53,7 @@ for name in "${names[@]}"; do
   mkdir -p "$corpus"
   run=(-max_total_time="$seconds")
   [ -z "${FUZZ_RUNS:-}" ] || run=(-runs="$FUZZ_RUNS")
+  [ -z "${FUZZ_JOBS:-}" ] || run+=(-fork="$FUZZ_JOBS")  # processes sharing the corpus (libFuzzer's fork mode)
   log="$build/$name.log"
   if "$exe" "${flags[@]}" "${dict[@]}" "${run[@]}" -print_final_stats=1 "$corpus" "$seeds/$name" > "$log" 2>&1; then
     execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo "?")

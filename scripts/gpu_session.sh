@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One call of under 10 minutes on the GPU machine: builds the `gpu` preset (diffract-bench and
-# diffract-gpu-checks against the machine's PyTorch), then runs one plan (PLAN, default checks):
+# diffract-gpu-checks against the machine's PyTorch), then runs one plan (PLAN, default checks;
+# several space-separated run one after the other, the first deciding the build and the logs'
+# folder):
 #   checks  any GPUs: the GPU checks, all of `ctest -L gpu` or those matching CHECKS (a ctest -R
 #           pattern); the lines matching GREP are printed besides the verdicts.
 #   lean    one GPU: the diffusers anchor (ANCHOR, default diffusers_sdxl_sd3.py; diffusers_flux.py
 #           for the flux configs), then diffract-bench (LEAN_CONFIGS, default sdxl-1024) on the
 #           same GPU, one after the other, and their ratios: a side-by-side of one run;
-#           LEAN_STRATEGIES adds diffract-bench strategies (e.g. single@DIFFRACT_PRECISION=fp8).
+#           LEAN_STRATEGIES adds diffract-bench strategies (e.g. single@DIFFRACT_PRECISION=fp8);
+#           LEAN_SETS="ANCHOR=CONFIGS;ANCHOR=CONFIGS" runs several such pairs, one after the other.
 #   image   one GPU: diffusers' SDXL text-to-image, img2img and inpaint pipelines
 #           (tests/gpu/diffusers_sdxl_image_inputs.py, img2img at STRENGTH, default 0.6), then
 #           diffract-bench --image-inputs on sdxl-1024, and their ratios.
@@ -45,7 +48,8 @@
 #           store), the timed choices with an empty tuning store (a first start on this GPU), and the
 #           same store again (a size tuned before), then nothing timed (cuDNN's heuristic plans and
 #           at::linear: what the tuning buys); SIZES_RUNS names a subset. CHECKS: the GPU checks
-#           matching it first.
+#           matching it first. A run NAME@VAR=VALUE[@VAR=VALUE] adds those settings (e.g.
+#           stored@DIFFRACT_GRAPH_WARMUPS=1).
 # FUZZ=NAME...: while the plan runs, the fuzz harnesses (.carry/fuzz-bundle.tar.xz, from
 # scripts/fuzz_bundle.sh) on the cores the benchmarks leave (4 and up; the benchmarks keep 0-3),
 # niced, each for an equal share of the time left, their corpora in /tmp/fuzz-corpus (kept on a
@@ -68,7 +72,8 @@ left() { echo $(( ${END_S:-560} - $(elapsed) - ${1:-0} )); }
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 source scripts/gpu_common.sh
-plan="${PLAN:-checks}"
+plans="${PLAN:-checks}"  # several, space-separated, run one after the other (e.g. "lean sizes")
+plan="${plans%% *}"
 out="${OUT:-/tmp/gpu_session}"
 logs=/tmp/gpu_session_logs/$plan
 mkdir -p "$out" "$logs"
@@ -126,19 +131,19 @@ checks() {
 # ratios: bench_single.json against the anchor's RES lines (anchor.json; an anchor cut off by
 # its timeout still gives what it reached), figure by figure.
 ratios() {
-  python3 - "$logs" <<'PY'
+  python3 - "$logs" "${1:-}" <<'PY'
 import json, sys
-d = sys.argv[1]
+d, tag = sys.argv[1], sys.argv[2]
 def value(v):
     try:
         return float(v)
     except ValueError:
         return v.strip()
-anchor = {k: value(v) for _, k, v in (l.split(" ", 2) for l in open(f"{d}/anchor.log") if l.startswith("RES "))}
-json.dump(anchor, open(f"{d}/anchor.json", "w"))
+anchor = {k: value(v) for _, k, v in (l.split(" ", 2) for l in open(f"{d}/anchor{tag}.log") if l.startswith("RES "))}
+json.dump(anchor, open(f"{d}/anchor{tag}.json", "w"))
 print("anchor", anchor)
 try:
-    ours = json.load(open(f"{d}/bench_single.json"))
+    ours = json.load(open(f"{d}/bench_single{tag}.json"))
 except Exception as e:
     print("no bench JSON:", e); sys.exit(0)
 print("versions:", {k: ours.get(k) for k in ("diffract", "torch", "nccl")})
@@ -197,6 +202,7 @@ for x in r["results"]:
 PY
 }
 
+for plan in $plans; do
 case "$plan" in
 checks)
   if [ -n "${CHECKS:-}" ]; then
@@ -217,13 +223,20 @@ checks)
 
 lean)
   export CUDA_VISIBLE_DEVICES=0
-  timeout "${ANCHOR_S:-150}" python3 ".carry/${ANCHOR:-diffusers_sdxl_sd3.py}" > "$logs/anchor.log" 2>&1
-  echo "anchor rc $? at $(elapsed) s"
-  timeout "$(left 3)" "$bench" --device cuda:0 --config "${LEAN_CONFIGS:-sdxl-1024}" --batch 1 --runs 2 \
-    ${LEAN_STRATEGIES:+--strategies "$LEAN_STRATEGIES"} > "$logs/bench_single.json" 2> "$logs/bench_single.log"
-  echo "single-GPU bench rc $? at $(elapsed) s"
-  ratios
-  python3 - "$logs/bench_single.json" <<'PY'
+  # LEAN_SETS="ANCHOR=CONFIGS;...": several side-by-sides in one call (files tagged _1, _2, ...).
+  sets="${LEAN_SETS:-${ANCHOR:-diffusers_sdxl_sd3.py}=${LEAN_CONFIGS:-sdxl-1024}}"
+  IFS=';' read -ra lean_sets <<< "$sets"
+  k=0
+  for set in "${lean_sets[@]}"; do
+    tag=""
+    [ ${#lean_sets[@]} -gt 1 ] && k=$((k + 1)) && tag="_$k"
+    timeout "${ANCHOR_S:-150}" python3 ".carry/${set%%=*}" > "$logs/anchor$tag.log" 2>&1
+    echo "anchor ${set%%=*} rc $? at $(elapsed) s"
+    timeout "$(left 3)" "$bench" --device cuda:0 --config "${set#*=}" --batch 1 --runs 2 \
+      ${LEAN_STRATEGIES:+--strategies "$LEAN_STRATEGIES"} > "$logs/bench_single$tag.json" 2> "$logs/bench_single$tag.log"
+    echo "single-GPU bench ${set#*=} rc $? at $(elapsed) s"
+    ratios "$tag"
+    python3 - "$logs/bench_single$tag.json" <<'PY'
 import json, sys
 try:
     results = json.load(open(sys.argv[1]))["results"]
@@ -236,6 +249,7 @@ for r in results:
               f"step mean {sum(steps) / max(1, len(steps)):.2f} ms against {r['denoiser_step_ms']['mean']:.2f}, "
               f"PSNR {s['psnr_db'] or float('inf'):.1f} dB, SSIM {s['ssim']:.4f}, rel-L2 {s['latents_rel_l2']:.4f}")
 PY
+  done
   ;;
 
 solo)
@@ -459,12 +473,14 @@ sizes)
   store=/tmp/diffract-tuning
   rm -rf "$store"
   for run in ${SIZES_RUNS:-benchmark-mode empty-store stored untuned}; do
-    case "$run" in
+    extra=()
+    [[ "$run" == *@* ]] && IFS='@' read -ra extra <<< "${run#*@}"
+    case "${run%%@*}" in
       benchmark-mode) env=(DIFFRACT_CONV_TUNING=benchmark DIFFRACT_TUNING_STORE=0) ;;
       untuned) env=(DIFFRACT_CONV_TUNING=heuristic DIFFRACT_GEMM_TUNING=0 DIFFRACT_TUNING_STORE=0) ;;
       *) env=(DIFFRACT_TUNING_DIR="$store") ;;
     esac
-    env "${env[@]}" timeout "$(left 5)" "$bench" --device cuda:0 --config "${SIZES_CONFIGS:-sdxl-1024}" --runs 2 \
+    env "${env[@]}" "${extra[@]}" timeout "$(left 5)" "$bench" --device cuda:0 --config "${SIZES_CONFIGS:-sdxl-1024}" --runs 2 \
       --new-sizes "${SIZES:-1152x896,768x768,1344x768}" > "$logs/sizes_$run.json" 2> "$logs/sizes_$run.log"
     echo "$run rc $? at $(elapsed) s"
     python3 - "$logs/sizes_$run.json" "$run" <<'PY'
@@ -480,7 +496,7 @@ for r in results:
     for s in r["sizes"]:
         g = s.get("unet_graphs", {})
         print(f"  {s['size']}: first {s['first_image_ms']:.0f} ms, later {s['later_ms']:.0f} ms, added {s['added_ms']:.0f} ms, "
-              f"capture {g.get('last_capture_ms', 0):.0f} ms; {brief(s['tuning'])}")
+              f"capture {g.get('last_capture_ms', 0):.0f} ms, repeatable {s.get('repeatable')}; {brief(s['tuning'])}")
     plans = r.get("conv_plans", [])
     bench = [p for p in plans if p["plan"] == "benchmark"]
     print(f"  conv plans: {len(plans)} shapes, {len(bench)} benchmarked; gain where kept: "
@@ -493,3 +509,4 @@ PY
 
 *) echo "unknown PLAN=$plan (checks, lean, image, lora, controlnet, ab, pair, wide, solo, lanes, tree, sizes)" >&2; exit 2 ;;
 esac
+done

@@ -23,9 +23,10 @@ STRATEGIES = [("cfg-parallel", 2), ("hybrid-cfg", 2), ("driffusion", 2), ("driff
               ("driffusion", 4), ("driffusion-aggressive", 4), ("cfg-driffusion-aggressive", 4), ("asyncdiff", 2),
               ("asyncdiff", 3), ("distrifusion", 2), ("step-skip", 2), ("step-skip", 3), ("step-skip", 4),
               ("deepcache", 2), ("deepcache", 3), ("deepcache", 4), ("deepcache", 5), ("fbcache", 0.1),
-              ("fbcache", 0.2), ("fbcache", 0.3), ("fp8", 0)]
-SKIPS = {"step-skip", "deepcache"}
-THRESHOLDS = {"fbcache", "teacache"}
+              ("fbcache", 0.2), ("fbcache", 0.3), ("cfg-deepcache", 3), ("cfg-fbcache", 0.1), ("cfg-fbcache", 0.2),
+              ("fp8", 0)]
+SKIPS = {"step-skip", "deepcache", "cfg-deepcache"}
+THRESHOLDS = {"fbcache", "teacache", "cfg-fbcache"}
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--cli", default="build/default/app/diffract-cli")
@@ -78,12 +79,13 @@ lines = ["# Strategy quality on diffract-emoji", "",
          "one-device baseline of the same seed. CPU virtual devices: the images are the ones GPUs would make (up to "
          "rounding); speed is measured on GPUs in `docs/benchmarks.md`. A round is one sequential model evaluation; "
          "AsyncDiff's are one UNet component each (about 1/n of the UNet), so its 30 rounds cost about 30 / n "
-         "evaluations. The step caches run on one device: their speed-up is the steps over the model work they "
+         "evaluations. The step caches' speed-up is the steps over the model work they "
          "ran (`model_work`: full evaluations' worth, a reused step counted at the share of the UNet's estimated "
          "multiply-adds it still ran), the others' the steps over their rounds; step-skip:N, deepcache:N take "
          "--skip N, fbcache:X --cache-threshold X (the first down layer and DeepCache's shallow path every step, "
          "the deep layers refreshed when that layer's residual moved more than X); the caches keep the first 10 % "
-         "of the steps in full (DIFFRACT_CACHE_WARMUP's default). fp8:0 is the plain loop with e4m3 linear layers, "
+         "of the steps in full (DIFFRACT_CACHE_WARMUP's default); their cfg- variants run each CFG branch on its own "
+         "device, deciding on both branches' change. fp8:0 is the plain loop with e4m3 linear layers, "
          "emulated in fp32 on the CPU.", "",
          "| strategy | rounds (of 30) | denoiser speed-up mean (min..max) | PSNR mean / min (dB) | SSIM mean / min | "
          "latent rel-L2 mean / max |",

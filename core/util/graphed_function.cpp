@@ -103,6 +103,11 @@ void capture_graph(at::cuda::CUDAGraph& graph, const std::function<void()>& f) {
 #endif
 }
 
+int graph_warmups() {
+  static const int n = std::stoi(options::value(options::Id::GraphWarmups));
+  return n;
+}
+
 void GraphCache::clear() {
 #ifdef DIFFRACT_HAS_CUDA
   while (!cache_->entries.empty()) cache_->drop_last();
@@ -150,7 +155,7 @@ std::vector<at::Tensor> GraphCache::run(const std::vector<std::int64_t>& tag, co
       behind.block(capture);
       {
         c10::cuda::CUDAStreamGuard stream_guard(capture);
-        for (int i = 0; i < 2; ++i) f(e.inputs);  // cuDNN / cuBLAS plans and workspaces
+        for (int i = 0; i < graph_warmups(); ++i) f(e.inputs);  // tuning, plans and workspaces
         // Thread-local capture: other threads (ranks) keep launching work on their own devices.
         capture_graph(*e.graph, [&] { e.outputs = f(e.inputs); });
       }

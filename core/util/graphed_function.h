@@ -1,8 +1,8 @@
 #pragma once
 // Functions of tensors replayed from CUDA graphs, one per set of input shapes and dtypes, as
 // UNetGraphRunner does for the whole UNet (unet_graphs.h): the first call for a shape runs it
-// eagerly twice (cuDNN's plans, workspaces) and captures it; later calls copy into the static
-// inputs and replay.
+// eagerly (graph_warmups() times: cuDNN's plans, GEMM tuning, workspaces) and captures it; later
+// calls copy into the static inputs and replay.
 //  GraphCache: the machinery, for functions of several tensors to several tensors, keyed also
 //   by a caller's tag (which function: UNetGraphRunner's stage calls keep one cache for all of
 //   their layer ranges and splits).
@@ -40,6 +40,9 @@ c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device);
 // every later job fails. CUDA builds only.
 void capture_graph(at::cuda::CUDAGraph& graph, const std::function<void()>& f);
 
+// How many times a function runs eagerly before its capture (DIFFRACT_GRAPH_WARMUPS, read once).
+int graph_warmups();
+
 class GraphCache {
  public:
   using Function = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
@@ -52,7 +55,8 @@ class GraphCache {
   // True when run() would replay a graph: max_graphs > 0 and the inputs on a CUDA device.
   bool graphable(const std::vector<at::Tensor>& inputs) const;
   // f(inputs), replayed from the graph of the key (tag, every input's sizes and dtype, the
-  // device), captured on the key's first call (f run eagerly twice first, on the inputs' copies);
+  // device), captured on the key's first call (f run eagerly graph_warmups() times first, on the inputs'
+  // copies);
   // f(inputs) itself when !graphable(inputs). `f` must be capturable (no host synchronisation,
   // no CPU tensors) and do the same work for a given key. Every input must be a defined tensor on
   // one device. The outputs are tensors of their own (copies of the graph's static outputs, made

@@ -95,6 +95,10 @@ const std::vector<Option>& build_table() {
       {Id::BackgroundTuning, "DIFFRACT_BACKGROUND_TUNING", Type::Flag, "1", Scope::Process,
        "after a model loads on a GPU, prepare the offered sizes near its native one while no job waits (the GUI)",
        {}},
+      {Id::GraphWarmups, "DIFFRACT_GRAPH_WARMUPS", Type::Choice, "2", Scope::Process,
+       "eager calls before a CUDA graph's capture (the tuning, plans and workspaces happen in the first; the "
+       "capture itself must not tune)",
+       {"1", "2"}},
   };
   for (std::size_t i = 0; i < t.size(); ++i)
     if (static_cast<std::size_t>(t[i].id) != i) throw std::logic_error("options table out of order");

@@ -47,6 +47,7 @@ enum class Id {
   TuningDir,
   ConvTuning,
   BackgroundTuning,
+  GraphWarmups,
 };
 
 enum class Type { Flag, Integer, Choice, Path };

@@ -126,7 +126,7 @@ at::Tensor UNetGraphRunner::forward(const at::Tensor& sample, const at::Tensor& 
       behind.block(side);
       {
         c10::cuda::CUDAStreamGuard stream_guard(side);
-        for (int i = 0; i < 2; ++i) unet_->forward(e.x, e.t, e.cond);  // cuDNN / cuBLAS plans and workspaces
+        for (int i = 0; i < graph_warmups(); ++i) unet_->forward(e.x, e.t, e.cond);  // tuning, plans, workspaces
         // Thread-local capture: other ranks' threads keep launching work on their own devices.
         capture_graph(*e.graph, [&] { e.out = unet_->forward(e.x, e.t, e.cond); });
       }
