@@ -99,6 +99,22 @@ class TestSD3Transformer : public QObject {
     for (const char* input : {"3x5", "1x2", "4x3"}) run_case(model, std::string("sd35l.") + input);
   }
 
+  // The attention projections fused (one GEMM for the image tokens' q, k, v and one for the text
+  // tokens', as the pipelines run them): the same outputs as diffusers, block by block, for the
+  // three layouts (SD3.5 medium's image-only second attention has no text projections).
+  void fusedProjectionsMatchDiffusers() {
+    for (const char* name : {"sd3", "sd35m", "sd35l"}) {
+      auto model = models::load_sd3_transformer(dir() / name / "transformer");
+      model->fuse_projections();
+      const auto& attn = *model->transformer_blocks[0]->as<models::JointTransformerBlock>()->attn;
+      // Fused: each layer's weight is a view into one tensor laid end to end.
+      QVERIFY(attn.to_k->weight.storage().is_alias_of(attn.to_q->weight.storage()));
+      QVERIFY(attn.add_v_proj->weight.storage().is_alias_of(attn.add_q_proj->weight.storage()));
+      QVERIFY(!attn.add_q_proj->weight.storage().is_alias_of(attn.to_q->weight.storage()));
+      for (const char* input : {"3x5", "1x2", "4x3"}) run_case(model, std::string(name) + "." + input);
+    }
+  }
+
   // The sincos grid we compute equals the buffer diffusers stores.
   void positionGridMatchesDiffusers() {
     for (const char* name : {"sd3", "sd35m", "sd35l"}) {

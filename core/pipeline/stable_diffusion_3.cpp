@@ -90,8 +90,10 @@ struct StableDiffusion3::Impl : PipelineState {
   // Multi-GPU jobs: a transformer replica on each of the group's other GPUs (whole, or one
   // PipeFusion stage's weights), by device and what it holds; the groups with their NCCL
   // communicators.
-  TransformerReplicas<models::SD3Transformer2DModel> replicas{
-      "SD3 transformer", [](models::SD3Transformer2DModel& copy) { models::allow_fp8(*copy); }};
+  TransformerReplicas<models::SD3Transformer2DModel> replicas{"SD3 transformer", [](models::SD3Transformer2DModel& copy) {
+    if (models::fused_qkv_wanted()) copy->fuse_projections();
+    models::allow_fp8(*copy);
+  }};
 
   int vae_factor() const { return static_cast<int>(vae->config.downscale_factor()); }
 
@@ -275,8 +277,10 @@ void load_single(StableDiffusion3::Impl& p, const fs::path& file, const StableDi
 
 }  // namespace
 
-// Loaded or random, its transformer's linear layers may run in fp8 (a job's precision).
+// Loaded or random (and on its device), its transformer's attention projections are fused and
+// its linear layers may run in fp8 (a job's precision).
 StableDiffusion3::StableDiffusion3(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+  if (models::fused_qkv_wanted()) impl_->transformer->fuse_projections();
   models::allow_fp8(*impl_->transformer);
 }
 StableDiffusion3::~StableDiffusion3() = default;

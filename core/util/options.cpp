@@ -36,7 +36,9 @@ const std::vector<Option>& build_table() {
       {Id::WideHeadAttention, "DIFFRACT_WIDE_HEAD_ATTENTION", Type::Flag, "1", Scope::Process,
        "heads wider than 256 (the VAE's) by chunked GEMMs on CUDA (0: SDPA)", {}},
       {Id::FusedQkv, "DIFFRACT_FUSED_QKV", Type::Flag, "1", Scope::Process,
-       "self-attention's q, k, v projections as one GEMM (Flux: with the single blocks' MLP input)", {}},
+       "self-attention's q, k, v projections as one GEMM (SD3, Flux: the text tokens' too; Flux: with the single "
+       "blocks' MLP input)",
+       {}},
       {Id::FusedCrossKv, "DIFFRACT_FUSED_CROSS_KV", Type::Flag, "1", Scope::Process,
        "every cross-attention's keys and values in one GEMM per step", {}},
       {Id::FusedTimeProj, "DIFFRACT_FUSED_TIME_PROJ", Type::Flag, "1", Scope::Process,

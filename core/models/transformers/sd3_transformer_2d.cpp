@@ -227,9 +227,10 @@ std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& 
     if (!norm) return t;
     return norm->forward(t.view({b, t.size(1), h, d})).view({b, t.size(1), h * d});
   };
-  auto q = per_head(norm_q, to_q->forward(x));
-  auto k = per_head(norm_k, to_k->forward(x));
-  auto v = to_v->forward(x);
+  const auto [image_q, image_k, image_v] = project(x);
+  auto q = per_head(norm_q, image_q);
+  auto k = per_head(norm_k, image_k);
+  auto v = image_v;
   if (cache) cache->write(k, v, begin);
   const bool joint = options.joint && context.defined();
   TORCH_CHECK(joint == options.joint, "joint attention needs the text tokens");
@@ -243,22 +244,24 @@ std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& 
     };
     auto mine = *shard;
     mine.text_tokens = s;
-    const auto out = ulysses_attention(
-        rows(q, joint ? per_head(norm_added_q, add_q_proj->forward(context)) : at::Tensor()),
-        rows(k, joint ? per_head(norm_added_k, add_k_proj->forward(context)) : at::Tensor()),
-        rows(v, joint ? add_v_proj->forward(context) : at::Tensor()), mine);
+    std::array<at::Tensor, 3> text;
+    if (joint) text = project_context(context);
+    const auto out = ulysses_attention(rows(q, joint ? per_head(norm_added_q, text[0]) : at::Tensor()),
+                                       rows(k, joint ? per_head(norm_added_k, text[1]) : at::Tensor()),
+                                       rows(v, text[2]), mine);
     auto image = to_out[0]->as<Linear>()->forward(out.slice(1, s));
-    at::Tensor text;
+    at::Tensor text_out;
     if (joint) {
-      text = out.slice(1, 0, s);
-      if (to_add_out) text = to_add_out->forward(text);
+      text_out = out.slice(1, 0, s);
+      if (to_add_out) text_out = to_add_out->forward(text_out);
     }
-    return {image, text};
+    return {image, text_out};
   }
   if (joint) {
-    q = at::cat({q, per_head(norm_added_q, add_q_proj->forward(context))}, 1);
-    k = at::cat({k, per_head(norm_added_k, add_k_proj->forward(context))}, 1);
-    v = at::cat({v, add_v_proj->forward(context)}, 1);
+    const auto [text_q, text_k, text_v] = project_context(context);
+    q = at::cat({q, per_head(norm_added_q, text_q)}, 1);
+    k = at::cat({k, per_head(norm_added_k, text_k)}, 1);
+    v = at::cat({v, text_v}, 1);
   }
   const auto out = multi_head_attention(q, k, v, h);
   auto image = to_out[0]->as<Linear>()->forward(out.slice(1, 0, n));
@@ -268,6 +271,27 @@ std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& 
     if (to_add_out) text = to_add_out->forward(text);
   }
   return {image, text};
+}
+
+std::array<at::Tensor, 3> JointAttentionImpl::project(const at::Tensor& x) {
+  if (qkv_ && qkv_->intact()) {
+    const auto qkv = qkv_->project(x);
+    return {qkv_->part(qkv, this, 0), qkv_->part(qkv, this, 1), qkv_->part(qkv, this, 2)};
+  }
+  return {to_q->forward(x), to_k->forward(x), to_v->forward(x)};
+}
+
+std::array<at::Tensor, 3> JointAttentionImpl::project_context(const at::Tensor& context) {
+  if (added_qkv_ && added_qkv_->intact()) {
+    const auto qkv = added_qkv_->project(context);
+    return {added_qkv_->part(qkv, this, 0), added_qkv_->part(qkv, this, 1), added_qkv_->part(qkv, this, 2)};
+  }
+  return {add_q_proj->forward(context), add_k_proj->forward(context), add_v_proj->forward(context)};
+}
+
+void JointAttentionImpl::fuse_projections() {
+  qkv_ = FusedLinears::fuse({{this, {to_q.get(), to_k.get(), to_v.get()}}});
+  if (options.joint) added_qkv_ = FusedLinears::fuse({{this, {add_q_proj.get(), add_k_proj.get(), add_v_proj.get()}}});
 }
 
 JointTransformerBlockImpl::JointTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim, bool pre_only,
@@ -420,6 +444,14 @@ at::Tensor SD3Transformer2DModelImpl::unpatchify_output(const SD3State& s) {
   const auto x = proj_out->forward(norm_out->forward(s.x, s.temb));
   // [B, h*w, p*p*C] -> [B, h, w, p, q, C] -> [B, C, h, p, w, q] (diffusers' einsum nhwpqc->nchpwq)
   return x.reshape({b, h, w, p, p, c}).permute({0, 5, 1, 3, 2, 4}).reshape({b, c, h * p, w * p});
+}
+
+void SD3Transformer2DModelImpl::fuse_projections() {
+  for (const auto& b : *transformer_blocks) {
+    auto& block = *b->as<JointTransformerBlock>();
+    block.attn->fuse_projections();
+    if (block.attn2) block.attn2->fuse_projections();
+  }
 }
 
 at::Tensor SD3Transformer2DModelImpl::forward(const at::Tensor& hidden_states, const at::Tensor& encoder_hidden_states,

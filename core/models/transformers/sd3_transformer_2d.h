@@ -2,7 +2,9 @@
 // Stable Diffusion 3 / 3.5's MMDiT denoiser, as diffusers' SD3Transformer2DModel: image patches
 // and text tokens keep separate weights but attend jointly in every block. Module names are
 // diffusers' state-dict keys, so a diffusers `transformer/` folder binds as is.
+#include <array>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -13,6 +15,7 @@
 #include "core/io/single_file.h"
 #include "core/models/common/attention.h"
 #include "core/models/common/embeddings.h"
+#include "core/models/common/fused_linears.h"
 #include "core/models/common/layers.h"
 #include "core/models/common/normalization.h"
 #include "core/models/common/block_cache.h"
@@ -79,11 +82,20 @@ class JointAttentionImpl : public torch::nn::Module {
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context = {},
                                             ImageKV* cache = nullptr, int64_t begin = 0,
                                             const SequenceShard* shard = nullptr);
+  // to_q, to_k, to_v as one GEMM, and add_q_proj, add_k_proj, add_v_proj as another
+  // (fused_linears.h; the pipelines call it unless DIFFRACT_FUSED_QKV=0).
+  void fuse_projections();
   JointAttentionOptions options;
   Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
   Linear add_q_proj{nullptr}, add_k_proj{nullptr}, add_v_proj{nullptr}, to_add_out{nullptr};
   RMSNorm norm_q{nullptr}, norm_k{nullptr}, norm_added_q{nullptr}, norm_added_k{nullptr};
   torch::nn::ModuleList to_out{nullptr};
+
+ private:
+  // {q, k, v} of the image tokens x, and of the text tokens: fused where fuse_projections() ran.
+  std::array<at::Tensor, 3> project(const at::Tensor& x);
+  std::array<at::Tensor, 3> project_context(const at::Tensor& context);
+  std::shared_ptr<FusedLinears> qkv_, added_qkv_;
 };
 TORCH_MODULE(JointAttention);
 
@@ -176,6 +188,8 @@ class SD3Transformer2DModelImpl : public torch::nn::Module {
   void run_block(size_t index, SD3State& state, SD3BlockCache& cache, int64_t begin);
   // norm_out, proj_out -> [B, Cout, height, width] (state.x: the tokens of those latent rows).
   at::Tensor unpatchify_output(const SD3State& state);
+  // Every attention's projections fused (JointAttentionImpl::fuse_projections).
+  void fuse_projections();
 
   SD3Transformer2DConfig config;
   SD3PatchEmbed pos_embed{nullptr};
