@@ -21,7 +21,7 @@
 #           CN_DEBUG=1 first runs diffract-bench --controlnet on the tiny config under cuda-gdb
 #           (a crash's caller and backtrace), then once per CN_VARIANTS entry (';'-separated
 #           environment settings); CN_ANCHOR=0 skips the anchor, CN_BENCH=0 the sdxl-1024 bench.
-#   ab      one GPU: SDXL 1024² with AB_VAR set to each of AB_VALUES, one after the other on the
+#   ab      one GPU: SDXL 1024² (AB_CONFIG) with AB_VAR set to each of AB_VALUES, one after the other on the
 #           same GPU, after the checks matching CHECKS if set; AB_OPS=N lists each step's N
 #           largest kernels by the ATen op that launched them, AB_STRATEGIES adds strategy runs.
 #   pair    two GPUs: the 2-GPU checks, then the SDXL strategy bench (PAIR_STRATEGIES) and SD3's
@@ -371,8 +371,8 @@ ab)
   export CUDA_VISIBLE_DEVICES=0
   if [ -n "${CHECKS:-}" ] && [ -z "${SKIP_CHECKS:-}" ]; then checks checks_ab "$CHECKS" 150 "${GREP:-rel-L2}"; fi
   for value in ${AB_VALUES:-1 0}; do
-    [ "$(left)" -gt 70 ] || { echo "no time left for $AB_VAR=$value"; break; }
-    env "$AB_VAR=$value" timeout 170 "$bench" --device cuda:0 --config sdxl-1024 --batch 1 --runs 2 \
+    [ "$(left)" -gt "${AB_MIN_LEFT:-70}" ] || { echo "no time left for $AB_VAR=$value"; break; }
+    env "$AB_VAR=$value" timeout "$(left 2)" "$bench" --device cuda:0 --config "${AB_CONFIG:-sdxl-1024}" --batch 1 --runs 2 \
       ${AB_STRATEGIES:+--strategies "$AB_STRATEGIES"} > "$logs/bench_$value.json" 2> "$logs/bench_$value.log"
     echo "$AB_VAR=$value rc $? at $(elapsed) s"
     python3 - "$logs/bench_$value.json" "$AB_VAR=$value" <<'PY'
