@@ -14,7 +14,7 @@ source scripts/env.sh
 seconds="${1:-10}"
 shift || true
 names=("$@")
-[ ${#names[@]} -gt 0 ] || names=(safetensors pth json image png_parameters prompt single_file)
+[ ${#names[@]} -gt 0 ] || names=(safetensors pth json image png_parameters prompt single_file lora)
 
 build=build/fuzz
 mkdir -p "$build"
@@ -34,7 +34,7 @@ for name in "${names[@]}"; do
   exe="$build/tests/fuzz/fuzz_$name"
   dict=()
   case "$name" in
-    safetensors|json|png_parameters|single_file) dict=(-dict=tests/fuzz/json.dict) ;;
+    safetensors|json|png_parameters|single_file|lora) dict=(-dict=tests/fuzz/json.dict) ;;
     # LibTorch's zip reader leaks on every damaged archive (tests/fuzz/lsan.supp), and libFuzzer
     # then scans the whole heap after each such input: 80 runs a second instead of thousands.
     # Leaks are not checked for this harness.

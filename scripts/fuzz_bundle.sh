@@ -56,7 +56,7 @@ for name in "$@"; do
   exe="$here/bin/fuzz_$name"
   dict=()
   case "$name" in
-    safetensors|json|png_parameters|single_file) dict=(-dict="$here/json.dict") ;;
+    safetensors|json|png_parameters|single_file|lora) dict=(-dict="$here/json.dict") ;;
     # LibTorch's zip-reader leak (lsan.supp) is matched by function name, and that machine has
     # no symbolizer: the exit-time leak check is off for this harness there.
     pth) dict=(-dict="$here/pickle.dict" -detect_leaks=0) ;;

@@ -82,6 +82,41 @@ def main():
         im.save(b, format=ext.upper(), **({"pnginfo": info} if ext == "png" else {}))
         put(args.out, "image", f"{mode}.{ext}", b.getvalue())
 
+    # LoRAs for fuzz_lora's small model (its modules and shapes), one file per format.
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(torch.float16)
+    blk = "down_blocks_0_attentions_0_transformer_blocks_0_"
+    loras = {
+        "kohya": ({f"lora_unet_{blk}attn1_to_q.lora_down.weight": r(2, 8), f"lora_unet_{blk}attn1_to_q.lora_up.weight": r(8, 2),
+                   f"lora_unet_{blk}attn1_to_q.alpha": torch.tensor(1.0),
+                   f"lora_unet_{blk}attn2_to_k.lora_down.weight": r(2, 16), f"lora_unet_{blk}attn2_to_k.lora_up.weight": r(8, 2),
+                   "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": r(4, 16),
+                   "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": r(32, 4),
+                   "lora_te2_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight": r(2, 16),
+                   "lora_te2_text_model_encoder_layers_0_self_attn_q_proj.lora_up.weight": r(16, 2)}, None),
+        "locon": ({"lora_unet_conv_in.lora_down.weight": r(2, 4, 3, 3), "lora_unet_conv_in.lora_up.weight": r(8, 2, 1, 1),
+                   "lora_unet_down_blocks_0_resnets_0_conv1.lora_down.weight": r(2, 8, 3, 3),
+                   "lora_unet_down_blocks_0_resnets_0_conv1.lora_mid.weight": r(2, 2, 3, 3),
+                   "lora_unet_down_blocks_0_resnets_0_conv1.lora_up.weight": r(8, 2, 1, 1),
+                   "lora_unet_down_blocks_0_resnets_0_conv1.alpha": torch.tensor(2.0)}, None),
+        "loha": ({f"lora_unet_{blk}ff_net_2.hada_w1_a": r(8, 2), f"lora_unet_{blk}ff_net_2.hada_w1_b": r(2, 8),
+                  f"lora_unet_{blk}ff_net_2.hada_w2_a": r(8, 2), f"lora_unet_{blk}ff_net_2.hada_w2_b": r(2, 8),
+                  f"lora_unet_{blk}ff_net_2.alpha": torch.tensor(2.0)}, None),
+        "lokr": ({f"lora_unet_{blk}ff_net_0_proj.lokr_w1": r(8, 2), f"lora_unet_{blk}ff_net_0_proj.lokr_w2_a": r(8, 2),
+                  f"lora_unet_{blk}ff_net_0_proj.lokr_w2_b": r(2, 4),
+                  "lora_unet_up_blocks_1_attentions_0_proj_out.lokr_w1_a": r(2, 1), "lora_unet_up_blocks_1_attentions_0_proj_out.lokr_w1_b": r(1, 2),
+                  "lora_unet_up_blocks_1_attentions_0_proj_out.lokr_w2": r(4, 4)}, None),
+        "peft": ({"unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_k.lora_A.weight": r(2, 8),
+                  "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_k.lora_B.weight": r(8, 2),
+                  "text_encoder.text_model.encoder.layers.0.self_attn.v_proj.lora_A.default.weight": r(2, 16),
+                  "text_encoder.text_model.encoder.layers.0.self_attn.v_proj.lora_B.default.weight": r(16, 2),
+                  "transformer.transformer_blocks.0.attn.add_q_proj.lora_A.weight": r(2, 8),
+                  "transformer.transformer_blocks.0.attn.add_q_proj.lora_B.weight": r(8, 2)},
+                 {"lora_adapter_metadata": json.dumps({"r": 2, "lora_alpha": 4, "alpha_pattern": {"to_k": 2}})}),
+    }
+    for name, (sd, meta) in loras.items():
+        put(args.out, "lora", name + ".safetensors", save(sd, metadata=meta))
+
     for i, p in enumerate(["a (red:1.2) apple, ((shiny)) [blurry] BREAK on a table <lora:style:0.8>",
                            "\\(literal\\) (a:1.5 [b] c)", "x " * 120, "日本語 emoji 🍎 (café:0.9)"]):
         put(args.out, "prompt", f"p{i}", p)
