@@ -19,11 +19,8 @@ void DataParallel::validate(std::int64_t batch, bool) const {
                 ", not " + std::to_string(batch));
 }
 
-// Both slice sizes (batch_slice).
 void DataParallel::warm(Denoiser& d, const at::Tensor& x, double t) const {
-  const auto [begin, count, widest] = batch_slice(x.size(0), n, n - 1);
-  d.rows(0, count)->eval(x.narrow(0, 0, count), t, Branch::Guided);
-  if (widest != count) d.rows(0, widest)->eval(x.narrow(0, 0, widest), t, Branch::Guided);
+  for (const auto rows : share_sizes(x.size(0), n)) d.rows(0, rows)->eval(x.narrow(0, 0, rows), t, Branch::Guided);
 }
 
 LoopOutput DataParallel::run(DeviceGroup& g, const LoopInputs& in) const {

@@ -62,6 +62,9 @@ struct BatchSlice {
   std::int64_t widest = 0;  // the largest share's rows
 };
 BatchSlice batch_slice(std::int64_t batch, int n, int rank);
+// The shares' row counts, each once (one, or two when n does not divide the batch): what a
+// warm-up prepares.
+std::vector<std::int64_t> share_sizes(std::int64_t batch, int n);
 // Every rank's rows of `x` (this rank's share) gathered in rank order: the whole batch, on
 // `*to` for the rank that passes one, undefined on the others (a collective: every rank calls it).
 // NCCL gathers equal shapes, so each share travels padded to the widest.

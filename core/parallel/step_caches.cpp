@@ -131,11 +131,9 @@ void warm_through_cache(const StepCaching& s, Denoiser& d, const at::Tensor& x, 
 }  // namespace
 
 void StepCaching::warm(Denoiser& d, const at::Tensor& x, double timestep) const {
-  if (split == CacheSplit::Batch) {  // both share sizes, as data-parallel warms them
-    const auto last = batch_slice(x.size(0), n, n - 1);
-    warm_through_cache(*this, *d.rows(0, last.count), x.narrow(0, 0, last.count), timestep, Branch::Guided);
-    if (last.widest != last.count)
-      warm_through_cache(*this, *d.rows(0, last.widest), x.narrow(0, 0, last.widest), timestep, Branch::Guided);
+  if (split == CacheSplit::Batch) {  // every share's size, as data-parallel warms them
+    for (const auto rows : share_sizes(x.size(0), n))
+      warm_through_cache(*this, *d.rows(0, rows), x.narrow(0, 0, rows), timestep, Branch::Guided);
     return;
   }
   // The cfg- variants run one branch per device: Cond and Uncond share a shape.

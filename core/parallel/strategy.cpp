@@ -92,6 +92,12 @@ BatchSlice batch_slice(std::int64_t batch, int n, int rank) {
   return {rank * base + std::min<std::int64_t>(rank, extra), base + (rank < extra ? 1 : 0), base + (extra > 0 ? 1 : 0)};
 }
 
+std::vector<std::int64_t> share_sizes(std::int64_t batch, int n) {
+  const auto last = batch_slice(batch, n, n - 1);
+  if (last.widest == last.count) return {last.count};
+  return {last.count, last.widest};
+}
+
 at::Tensor gather_batch(Communicator& comm, const at::Tensor& x, std::int64_t batch, int n,
                         const std::optional<c10::Device>& to) {
   const auto widest = batch_slice(batch, n, 0).widest;

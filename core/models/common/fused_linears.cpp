@@ -99,4 +99,13 @@ at::Tensor FusedLinears::part(const at::Tensor& projected, const void* owner, in
   return projected.narrow(-1, it->second.offsets[i], it->second.layers[i]->weight.size(0));
 }
 
+std::array<at::Tensor, 3> project_qkv(const FusedLinears* fused, const void* owner, LinearImpl& q, LinearImpl& k,
+                                      LinearImpl& v, const at::Tensor& x) {
+  if (fused && fused->intact()) {
+    const auto all = fused->project(x);
+    return {fused->part(all, owner, 0), fused->part(all, owner, 1), fused->part(all, owner, 2)};
+  }
+  return {q.forward(x), k.forward(x), v.forward(x)};
+}
+
 }  // namespace diffract::models

@@ -4,6 +4,7 @@
 // gradients are unchanged. Inference only, and only while every parameter is still such a view:
 // a move to another device or dtype gives them their own storage again, and intact() turns false.
 // CrossKV (attention.h) and TimeProjections (resnet.h) are built on it, with FusedLinearsScope.
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -49,6 +50,11 @@ class FusedLinears {
   at::Tensor weight_, bias_;  // [sum out, in], [sum out] or undefined
   std::shared_ptr<Fp8WeightCache> fp8_ = std::make_shared<Fp8WeightCache>();
 };
+
+// q, k and v of `x` through an attention's three projections: the parts of one GEMM where `fused`
+// holds them intact for `owner`, else each layer's own forward.
+std::array<at::Tensor, 3> project_qkv(const FusedLinears* fused, const void* owner, LinearImpl& q, LinearImpl& k,
+                                      LinearImpl& v, const at::Tensor& x);
 
 // A FusedLinears behind a type of its own, the Tag of its FusedLinearsScope (CrossKV, TimeProjections).
 class FusedLinearsGroup {

@@ -186,12 +186,8 @@ FluxAttentionImpl::FluxAttentionImpl(const FluxAttentionOptions& o) : options(o)
 std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context,
                                                              const FluxRope& rope, const SequenceShard* shard,
                                                              const FluxPatch* patch) {
-  if (qkv_ && qkv_->intact()) {
-    const auto qkv = qkv_->project(x);
-    return attend(qkv_->part(qkv, this, 0), qkv_->part(qkv, this, 1), qkv_->part(qkv, this, 2), context, rope, shard,
-                  patch);
-  }
-  return attend(to_q->forward(x), to_k->forward(x), to_v->forward(x), context, rope, shard, patch);
+  const auto [q, k, v] = project_qkv(qkv_.get(), this, *to_q, *to_k, *to_v, x);
+  return attend(q, k, v, context, rope, shard, patch);
 }
 
 std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::attend(const at::Tensor& q_in, const at::Tensor& k_in,
@@ -209,13 +205,7 @@ std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::attend(const at::Tensor& q_
   rms_norm_rope_into(*norm_q, heads(q_in), rope, q, s0);
   rms_norm_rope_into(*norm_k, heads(k_in), rope, k, s0);
   if (joint) {
-    at::Tensor cq, ck, cv;
-    if (added_qkv_ && added_qkv_->intact()) {
-      const auto qkv = added_qkv_->project(context);
-      cq = added_qkv_->part(qkv, this, 0), ck = added_qkv_->part(qkv, this, 1), cv = added_qkv_->part(qkv, this, 2);
-    } else {
-      cq = add_q_proj->forward(context), ck = add_k_proj->forward(context), cv = add_v_proj->forward(context);
-    }
+    const auto [cq, ck, cv] = project_qkv(added_qkv_.get(), this, *add_q_proj, *add_k_proj, *add_v_proj, context);
     rms_norm_rope_into(*norm_added_q, heads(cq), rope, q, 0);
     rms_norm_rope_into(*norm_added_k, heads(ck), rope, k, 0);
     v = at::cat({heads(cv), heads(v_in)}, 1);

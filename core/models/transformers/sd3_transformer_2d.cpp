@@ -227,10 +227,9 @@ std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& 
     if (!norm) return t;
     return norm->forward(t.view({b, t.size(1), h, d})).view({b, t.size(1), h * d});
   };
-  const auto [image_q, image_k, image_v] = project(x);
-  auto q = per_head(norm_q, image_q);
-  auto k = per_head(norm_k, image_k);
-  auto v = image_v;
+  auto [q, k, v] = project_qkv(qkv_.get(), this, *to_q, *to_k, *to_v, x);
+  q = per_head(norm_q, q);
+  k = per_head(norm_k, k);
   if (cache) cache->write(k, v, begin);
   const bool joint = options.joint && context.defined();
   TORCH_CHECK(joint == options.joint, "joint attention needs the text tokens");
@@ -245,7 +244,7 @@ std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& 
     auto mine = *shard;
     mine.text_tokens = s;
     std::array<at::Tensor, 3> text;
-    if (joint) text = project_context(context);
+    if (joint) text = project_qkv(added_qkv_.get(), this, *add_q_proj, *add_k_proj, *add_v_proj, context);
     const auto out = ulysses_attention(rows(q, joint ? per_head(norm_added_q, text[0]) : at::Tensor()),
                                        rows(k, joint ? per_head(norm_added_k, text[1]) : at::Tensor()),
                                        rows(v, text[2]), mine);
@@ -258,7 +257,8 @@ std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& 
     return {image, text_out};
   }
   if (joint) {
-    const auto [text_q, text_k, text_v] = project_context(context);
+    const auto [text_q, text_k, text_v] =
+        project_qkv(added_qkv_.get(), this, *add_q_proj, *add_k_proj, *add_v_proj, context);
     q = at::cat({q, per_head(norm_added_q, text_q)}, 1);
     k = at::cat({k, per_head(norm_added_k, text_k)}, 1);
     v = at::cat({v, text_v}, 1);
@@ -271,22 +271,6 @@ std::pair<at::Tensor, at::Tensor> JointAttentionImpl::forward(const at::Tensor& 
     if (to_add_out) text = to_add_out->forward(text);
   }
   return {image, text};
-}
-
-std::array<at::Tensor, 3> JointAttentionImpl::project(const at::Tensor& x) {
-  if (qkv_ && qkv_->intact()) {
-    const auto qkv = qkv_->project(x);
-    return {qkv_->part(qkv, this, 0), qkv_->part(qkv, this, 1), qkv_->part(qkv, this, 2)};
-  }
-  return {to_q->forward(x), to_k->forward(x), to_v->forward(x)};
-}
-
-std::array<at::Tensor, 3> JointAttentionImpl::project_context(const at::Tensor& context) {
-  if (added_qkv_ && added_qkv_->intact()) {
-    const auto qkv = added_qkv_->project(context);
-    return {added_qkv_->part(qkv, this, 0), added_qkv_->part(qkv, this, 1), added_qkv_->part(qkv, this, 2)};
-  }
-  return {add_q_proj->forward(context), add_k_proj->forward(context), add_v_proj->forward(context)};
 }
 
 void JointAttentionImpl::fuse_projections() {

@@ -2,7 +2,6 @@
 // Stable Diffusion 3 / 3.5's MMDiT denoiser, as diffusers' SD3Transformer2DModel: image patches
 // and text tokens keep separate weights but attend jointly in every block. Module names are
 // diffusers' state-dict keys, so a diffusers `transformer/` folder binds as is.
-#include <array>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -92,10 +91,7 @@ class JointAttentionImpl : public torch::nn::Module {
   torch::nn::ModuleList to_out{nullptr};
 
  private:
-  // {q, k, v} of the image tokens x, and of the text tokens: fused where fuse_projections() ran.
-  std::array<at::Tensor, 3> project(const at::Tensor& x);
-  std::array<at::Tensor, 3> project_context(const at::Tensor& context);
-  std::shared_ptr<FusedLinears> qkv_, added_qkv_;
+  std::shared_ptr<FusedLinears> qkv_, added_qkv_;  // set by fuse_projections()
 };
 TORCH_MODULE(JointAttention);
 
