@@ -1,5 +1,5 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm|flux
+//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm|flux|flux_files|caches|fp8|tuning|prepare
 // Exit 0: passed; 1: one failed (the reasons printed); 77: all skipped (too few GPUs).
 #include <algorithm>
 #include <atomic>
@@ -1940,6 +1940,40 @@ void check_tuning_reload() {
   }
 }
 
+// Pipeline::prepare, which the desktop app runs in the background for the size on the form: a
+// job at a prepared size captures nothing (it takes about what a later job there takes, far less
+// than the first job at that size in a pipeline not prepared for it) and gives the same latents
+// as that pipeline; a size prepared once is not prepared again, nor is the warm-up's own.
+void check_prepare() {
+  need_gpus(1);
+  job::CancelToken never;
+  auto warm = request(4);
+  auto other = request(4);
+  other.width = 192;
+  other.height = 128;
+  const auto ms = [](const job::GenerationResult& r) { return r.timings.total_ms; };
+  auto plain = tiny_sdxl(true);
+  plain->generate(warm, {}, never);
+  const auto first = plain->generate(other, {}, never);
+  const auto later = plain->generate(other, {}, never);
+  auto prepared = tiny_sdxl(true);
+  prepared->generate(warm, {}, never);
+  const double prepare_ms = prepared->prepare(other);
+  const double again_ms = prepared->prepare(other);
+  const double warm_size_ms = prepared->prepare(warm);
+  const auto after = prepared->generate(other, {}, never);
+  std::cout << "  192x128: prepare " << prepare_ms << " ms (again " << again_ms << ", the warm-up's size "
+            << warm_size_ms << "); first job unprepared " << ms(first) << " ms, later " << ms(later)
+            << " ms; first job after prepare " << ms(after) << " ms\n";
+  expect(prepare_ms > 0 && again_ms == 0 && warm_size_ms == 0,
+         "a new size is prepared once; a size prepared before and the warm-up's are not");
+  expect(ms(after) < 0.5 * ms(first) && ms(after) < 2 * ms(later) + 5,
+         "the first job at a prepared size costs about a later job's time, not a first job's");
+  const double diff = rel_l2(after, first);
+  std::cout << "  latents rel-L2, prepared against unprepared: " << diff << "\n";
+  expect(diff < 1e-3, "a prepared size gives the unprepared pipeline's latents");
+}
+
 // What a row band of the SDXL VAE decoder costs on one GPU (bf16, 1024² image): the whole
 // decode, the part before the up blocks (post_quant_conv, conv_in, mid block with its
 // attention over all 16384 latents), and decodes of 77 and 64 latent rows (half the image with
@@ -2265,7 +2299,7 @@ int main(int argc, char** argv) {
       {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"oom", check_oom}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}, {"gemm", check_gemm}, {"flux", check_flux}, {"flux_files", check_flux_files},
       {"caches", check_caches_and_flux_pipefusion}, {"fp8", check_fp8},
-      {"tuning", check_tuning}, {"tuning_reload", check_tuning_reload}};
+      {"tuning", check_tuning}, {"tuning_reload", check_tuning_reload}, {"prepare", check_prepare}};
   bool usage = argc < 2;
   for (int i = 1; i < argc; ++i) usage = usage || !checks.count(argv[i]);
   if (usage) {
