@@ -1,7 +1,8 @@
 // The step caches (core/parallel/step_caches.h): deepcache against the DeepCache package's
 // DeepCacheSDHelper over diffusers' pipelines (tests/reference/make_deepcache_fixtures.py); the
-// first-block cache on a UNet and TeaCache on SD3 and Flux against the plain loop (threshold 0)
-// and against one-thread replays of their decisions written from the models' parts.
+// first-block cache on a UNet, SD3 and Flux and TeaCache on SD3 and Flux against the plain loop
+// (threshold 0) and against one-thread replays of their decisions written from the models' parts.
+#include <algorithm>
 #include <fstream>
 #include <set>
 #include <tuple>
@@ -164,6 +165,47 @@ class TestStepCaches : public QObject {
         residual = after - before;
         v = out(state, after);
       }
+      if (cfg > 1) {
+        const auto parts = v.chunk(2);
+        v = parts[0] + cfg * (parts[1] - parts[0]);
+      }
+      x = sampler->step(v, i, x, {});
+    }
+    return {x, reused};
+  }
+
+  // The first-block cache on a transformer, replayed in one thread from its parts: `embed` gives
+  // the state after the embedding, `image` its image tokens, `block` runs one block on it, `out`
+  // the velocity from the state and image tokens; the rule: the first block every step, the
+  // others only when its residual (its image tokens' output minus input) moved by the threshold or
+  // more since the last step that ran them all (always at the first), else that step's residual
+  // of the others added instead.
+  template <class Embed, class Image, class Block, class Out>
+  std::pair<at::Tensor, std::vector<int>> replay_fbcache(const LoopInputs& in, std::size_t blocks, double threshold,
+                                                         double cfg, Embed embed, Image image, Block block, Out out) {
+    at::NoGradGuard no_grad;
+    auto sampler = schedulers::Sampler::create(in.kind, in.config, in.steps);
+    auto x = in.latents.clone();
+    at::Tensor first_then, rest;
+    std::vector<int> reused;
+    for (int i = 0; i < in.steps; ++i) {
+      const double t = sampler->timesteps()[static_cast<std::size_t>(i)];
+      auto state = embed(cfg > 1 ? at::cat({x, x}) : x, t);
+      const auto before = image(state);
+      block(0, state);
+      const auto after_first = image(state);
+      const auto first = after_first - before;
+      at::Tensor tokens;
+      if (first_then.defined() && models::relative_change(first, first_then) < threshold) {
+        reused.push_back(i);
+        tokens = after_first + rest;
+      } else {
+        for (std::size_t l = 1; l < blocks; ++l) block(l, state);
+        tokens = image(state);
+        first_then = first;
+        rest = tokens - after_first;
+      }
+      auto v = out(state, tokens);
       if (cfg > 1) {
         const auto parts = v.chunk(2);
         v = parts[0] + cfg * (parts[1] - parts[0]);
@@ -337,6 +379,75 @@ class TestStepCaches : public QObject {
         }
       }
     }
+  }
+
+  // The first-block cache on SD3 and Flux: the steps it reuses and its latents are the one-thread
+  // replay's, at thresholds between never and always reusing, among them some that reuse a step
+  // and later refresh.
+  void firstBlockCacheOnTheTransformers() {
+    // Runs that reused a step and later ran one in full again (a refresh), per model.
+    std::set<std::string> refreshed;
+    const auto note = [&](const char* model, const std::vector<int>& reused, int steps) {
+      for (int i = reused.empty() ? steps : reused.front() + 1; i < steps; ++i)
+        if (std::find(reused.begin(), reused.end(), i) == reused.end()) refreshed.insert(model);
+    };
+    for (double cfg : {1.0, 4.0}) {
+      {
+        auto made = test::sd3_loop_inputs(sd3_, 6, 1, cfg);
+        const auto base = run(SingleDevice{}, made.in);
+        const auto context = cfg > 1 ? at::cat({made.neg.context, made.pos.context}) : made.pos.context;
+        const auto pooled = cfg > 1 ? at::cat({made.neg.pooled, made.pos.pooled}) : made.pos.pooled;
+        auto& m = sd3_;
+        for (double threshold : {0.05, 0.3, 0.4, 0.5}) {
+          const auto [replay, reused] = replay_fbcache(
+              made.in, m->transformer_blocks->size(), threshold, cfg,
+              [&](const at::Tensor& x, double t) { return m->embed(x, context, pooled, at::full({x.size(0)}, t)); },
+              [](const models::SD3State& s) { return s.x; },
+              [&](std::size_t l, models::SD3State& s) { m->run_block(l, s); },
+              [&](models::SD3State s, const at::Tensor& tokens) {
+                s.x = tokens;
+                return m->unpatchify_output(s);
+              });
+          const auto out = run(fbcache(threshold), made.in);
+          qInfo("fbcache SD3 cfg %.0f threshold %.2f: reused %s, relative L2 %.3g", cfg, threshold,
+                nlohmann::json(out.stats.reused_steps).dump().c_str(), rel_l2(out.latents, base.latents));
+          QCOMPARE(out.stats.reused_steps, reused);
+          DIFFRACT_COMPARE_TENSORS(out.latents, replay, 1e-5);
+          note("SD3", reused, made.in.steps);
+        }
+      }
+      {
+        auto made = test::flux_loop_inputs(flux_, 6, 1, cfg);
+        const auto base = run(SingleDevice{}, made.in);
+        const auto context = cfg > 1 ? at::cat({made.neg.context, made.pos.context}) : made.pos.context;
+        const auto pooled = cfg > 1 ? at::cat({made.neg.pooled, made.pos.pooled}) : made.pos.pooled;
+        auto& m = flux_;
+        const std::int64_t side = made.in.latents.size(2);
+        const auto rope = m->rope(at::zeros({context.size(1), 3}), models::latent_image_ids(side, side, at::TensorOptions()));
+        for (double threshold : {0.05, 0.2, 0.5}) {
+          const auto [replay, reused] = replay_fbcache(
+              made.in, m->num_blocks(), threshold, cfg,
+              [&](const at::Tensor& x, double t) {
+                const auto b = x.size(0);
+                return m->embed(models::pack_latents(x), context, pooled, at::full({b}, t) / 1000,
+                                at::full({b}, made.guidance), rope);
+              },
+              [](const models::FluxState& s) { return s.joined ? s.x.slice(1, s.text_tokens) : s.x; },
+              [&](std::size_t l, models::FluxState& s) { m->run_block(l, s); },
+              [&](const models::FluxState& s, const at::Tensor& tokens) {
+                return models::unpack_latents(m->proj_out->forward(m->norm_out->forward(tokens, s.temb)), side, side);
+              });
+          const auto out = run(fbcache(threshold), made.in);
+          qInfo("fbcache Flux cfg %.0f threshold %.2f: reused %s, relative L2 %.3g", cfg, threshold,
+                nlohmann::json(out.stats.reused_steps).dump().c_str(), rel_l2(out.latents, base.latents));
+          QCOMPARE(out.stats.reused_steps, reused);
+          DIFFRACT_COMPARE_TENSORS(out.latents, replay, 1e-5);
+          note("Flux", reused, made.in.steps);
+        }
+      }
+    }
+    // Otherwise the replays would only have checked the two ends of the rule.
+    QCOMPARE(refreshed, (std::set<std::string>{"Flux", "SD3"}));
   }
 
   // Each cache runs the families it is written for and names why not the others; the registry
