@@ -55,6 +55,10 @@ const std::vector<Option>& build_table() {
        "convolution biases (and residuals) added by Diffract's kernel", {}},
       {Id::GroupNormStatsBlocks, "DIFFRACT_GROUP_NORM_STATS_BLOCKS", Type::Integer, "2", Scope::Process,
        "GroupNorm's statistics pass: thread blocks per SM", {}},
+      {Id::GemmGelu, "DIFFRACT_GEMM_GELU", Type::Flag, "0", Scope::Process,
+       "SD3's and Flux's feed-forward GELU (tanh) in the first GEMM's cuBLASLt epilogue on CUDA (1; off until timed "
+       "on a GPU: docs/benchmarks.md)",
+       {}},
       {Id::GemmTuning, "DIFFRACT_GEMM_TUNING", Type::Flag, "1", Scope::Process,
        "time cuBLASLt's algorithms per linear-layer shape and keep the fastest (0: at::linear)", {}},
       {Id::FusedTaesd, "DIFFRACT_FUSED_TAESD", Type::Flag, "1", Scope::Process,

@@ -33,6 +33,7 @@ enum class Id {
   FusedRmsNormRope,
   ConvBiasKernel,
   GroupNormStatsBlocks,
+  GemmGelu,
   GemmTuning,
   FusedTaesd,
   NcclTrace,

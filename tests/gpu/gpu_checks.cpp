@@ -1,7 +1,8 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm|flux|flux_files|caches|fp8|tuning|prepare
+//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm|flux|flux_files|caches|fp8|tuning|prepare|gemm_gelu
 // Exit 0: passed; 1: one failed (the reasons printed); 77: all skipped (too few GPUs).
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -1822,6 +1823,43 @@ void check_gemm() {
   expect(report.size() >= 32, "every shape was tuned (" + std::to_string(report.size()) + " in the table)");
 }
 
+// The feed-forward GELU (tanh) in the GEMM's cuBLASLt epilogue (models::linear_gelu_tanh with
+// DIFFRACT_GEMM_GELU=1), at SD3-medium's and Flux.1-dev's feed-forward shapes (image and text
+// rows): equal to the fp32 gelu(x w^T + b) up to bf16 rounding, and what the timing saw against
+// at::linear followed by at::gelu (the path without it), per shape.
+void check_gemm_gelu() {
+  need_gpus(1);
+  at::NoGradGuard no_grad;
+  ::setenv("DIFFRACT_GEMM_GELU", "1", 1);
+  at::manual_seed(3);
+  const auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const std::vector<std::array<std::int64_t, 3>> shapes = {  // m, n, k
+      {8192, 6144, 1536}, {666, 6144, 1536}, {4096, 12288, 3072}, {512, 12288, 3072}};
+  double worst = 0, worst_unfused = 0;
+  for (const auto& [m, n, k] : shapes) {
+    const auto x = at::randn({m, k}, o), w = at::randn({n, k}, o) * 0.03, b = at::randn({n}, o);
+    const auto want = at::gelu(at::linear(x.to(at::kFloat), w.to(at::kFloat), b.to(at::kFloat)), "tanh");
+    const auto fused = models::linear_gelu_tanh(x, w, b).to(at::kFloat);
+    const auto unfused = at::gelu(at::linear(x, w, b), "tanh").to(at::kFloat);
+    const auto rel = [&](const at::Tensor& y) { return ((y - want).norm() / want.norm()).item<double>(); };
+    worst = std::max(worst, rel(fused));
+    worst_unfused = std::max(worst_unfused, rel(unfused));
+  }
+  expect(worst < 1e-2, "GELU in the epilogue equals the fp32 GELU up to bf16 rounding (worst rel-L2 " +
+                           std::to_string(worst) + "; ATen's two bf16 ops " + std::to_string(worst_unfused) + ")");
+  int gelu_shapes = 0;
+  for (const auto& r : nlohmann::json::parse(models::gemm_tuning_report())) {
+    if (!r.value("gelu", false)) continue;
+    ++gelu_shapes;
+    std::cout << "  gemm+gelu [" << r["m"] << ", " << r["k"] << "] x [" << r["k"] << ", " << r["n"]
+              << "]: at::linear + at::gelu " << r["aten_ms"].get<double>() * 1e3 << " us, cuBLASLt epilogue first "
+              << r["first_ms"].get<double>() * 1e3 << " us, kept " << r["best_ms"].get<double>() * 1e3 << " us ("
+              << (r["cublaslt"].get<bool>() ? "epilogue" : "ATen") << ", " << r["tried"] << " tried)\n";
+  }
+  expect(gelu_shapes == static_cast<int>(shapes.size()), "every shape was timed with the GELU epilogue (" +
+                                                             std::to_string(gelu_shapes) + ")");
+}
+
 // The tuning store (io/tuning_store.h) and the timed convolution plans (conv_cuda.cpp): each
 // convolution shape, NCHW and channels-last, through models::conv2d equals ATen's fp32 conv2d up
 // to bf16 rounding; GEMM and convolution choices are written to DIFFRACT_TUNING_DIR; a second
@@ -2300,7 +2338,7 @@ int main(int argc, char** argv) {
       {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"oom", check_oom}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}, {"gemm", check_gemm}, {"flux", check_flux}, {"flux_files", check_flux_files},
       {"caches", check_caches_and_flux_pipefusion}, {"fp8", check_fp8},
-      {"tuning", check_tuning}, {"tuning_reload", check_tuning_reload}, {"prepare", check_prepare}};
+      {"tuning", check_tuning}, {"tuning_reload", check_tuning_reload}, {"prepare", check_prepare}, {"gemm_gelu", check_gemm_gelu}};
   bool usage = argc < 2;
   for (int i = 1; i < argc; ++i) usage = usage || !checks.count(argv[i]);
   if (usage) {

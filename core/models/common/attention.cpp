@@ -245,7 +245,14 @@ TORCH_MODULE(GEGLU);
 class GELUProjImpl : public nn::Module {
  public:
   GELUProjImpl(int64_t dim, int64_t inner) { proj = register_module("proj", Linear(dim, inner)); }
-  at::Tensor forward(const at::Tensor& x) { return at::gelu(proj->forward(x), "tanh"); }
+  at::Tensor forward(const at::Tensor& x) {
+    // An fp8 GEMM has no GELU epilogue here; elsewhere the GELU may run in the GEMM's (layers.h).
+    if (proj->fp8) {
+      const auto y = fp8_linear(x, proj->fp8.get(), proj->weight, proj->bias);
+      if (y.defined()) return at::gelu(y, "tanh");
+    }
+    return linear_gelu_tanh(x, proj->weight, proj->bias);
+  }
   Linear proj{nullptr};
 };
 TORCH_MODULE(GELUProj);

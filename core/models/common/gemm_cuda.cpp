@@ -4,7 +4,9 @@
 // 128 on 132 SMs) that choice leaves SMs idle. Here the first call of each shape (in the eager
 // warm-up, before any CUDA graph captures it) times up to kCandidates of the algorithms cuBLASLt
 // proposes, and ATen's at::linear, and keeps the fastest; later calls, graph captures included,
-// run the kept choice.
+// run the kept choice. A GEMM whose output goes through GELU (tanh) can take the GELU into
+// cuBLASLt's epilogue (models::linear_gelu_tanh): then the timing weighs those algorithms against
+// at::linear followed by at::gelu.
 #include <cublasLt.h>
 #include <cublas_api.h>
 
@@ -44,13 +46,15 @@ struct Shape {
   at::ScalarType dtype;
   bool bias;
   int align;  // bytes every operand's address is a multiple of (16, 8, 4, 2)
+  bool gelu;  // GELU (tanh) in the epilogue
   bool operator<(const Shape& o) const {
-    return std::tie(device, m, n, k, dtype, bias, align) < std::tie(o.device, o.m, o.n, o.k, o.dtype, o.bias, o.align);
+    return std::tie(device, m, n, k, dtype, bias, align, gelu) <
+           std::tie(o.device, o.m, o.n, o.k, o.dtype, o.bias, o.align, o.gelu);
   }
 };
 
 struct Choice {
-  bool lt = false;  // false: at::linear was fastest (or nothing else ran)
+  bool lt = false;  // false: at::linear (with at::gelu for a GELU shape) was fastest (or nothing else ran)
   cublasLtMatmulAlgo_t algo{};
   std::size_t workspace = 0;
   // What the timing saw, for the report: ms per call of ATen's GEMM, cuBLASLt's first proposal
@@ -86,8 +90,10 @@ struct Problem {
     const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
     check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)), "transa");
     check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)), "transb");
-    if (s.bias) {
-      const cublasLtEpilogue_t e = CUBLASLT_EPILOGUE_BIAS;
+    // cuBLASLt's GELU epilogue is the tanh approximation.
+    if (s.bias || s.gelu) {
+      const cublasLtEpilogue_t e = s.gelu ? (s.bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU)
+                                          : CUBLASLT_EPILOGUE_BIAS;
       check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof(e)), "epilogue");
     }
     const auto type = cuda_type(s.dtype);
@@ -127,7 +133,10 @@ void* workspace_for(int device, cudaStream_t stream) {
 Choice tune(const Shape& s, Problem& p, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
             at::Tensor& out, cudaStream_t stream) {
   Choice best;
-  best.aten_ms = time_ms(stream, [&] { at::linear(x, w, bias); });
+  best.aten_ms = time_ms(stream, [&] {
+    if (s.gelu) at::gelu(at::linear(x, w, bias), "tanh");
+    else at::linear(x, w, bias);
+  });
   best.best_ms = best.aten_ms;
   cublasLtMatmulPreference_t pref;
   check(cublasLtMatmulPreferenceCreate(&pref), "preference");
@@ -162,7 +171,7 @@ Choice tune(const Shape& s, Problem& p, const at::Tensor& x, const at::Tensor& w
 
 std::string store_key(const Shape& s) {
   return std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k) + " " + c10::toString(s.dtype) +
-         (s.bias ? " bias" : "") + " align" + std::to_string(s.align);
+         (s.bias ? " bias" : "") + " align" + std::to_string(s.align) + (s.gelu ? " gelu" : "");
 }
 
 nlohmann::json to_record(const Choice& c) {
@@ -216,8 +225,9 @@ bool g_tuning = tuning_from_env();
 bool gemm_tuning_enabled() { return g_tuning; }
 void set_gemm_tuning(bool on) { g_tuning = on; }
 
-bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out) {
+bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out, bool gelu) {
   // x [M, K] contiguous, w [N, K] rows contiguous, bias [N] or undefined; bf16 / fp16 alike.
+  // With `gelu`, out = gelu_tanh(x w^T + bias), or false where the timing kept ATen's two ops.
   const auto dtype = x.scalar_type();
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return false;
   if (w.scalar_type() != dtype || (bias.defined() && (bias.scalar_type() != dtype || !bias.is_contiguous()))) return false;
@@ -229,7 +239,8 @@ bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   // `out` only where cuBLASLt runs (where at::linear was kept it makes its own); a fresh tensor
   // from the caching allocator is 16-byte aligned or better.
   Shape s{x.device().index(), m, n, k, dtype, bias.defined(),
-          std::min({alignment(x.data_ptr()), alignment(w.data_ptr()), bias.defined() ? alignment(bias.data_ptr()) : 16})};
+          std::min({alignment(x.data_ptr()), alignment(w.data_ptr()), bias.defined() ? alignment(bias.data_ptr()) : 16}),
+          gelu};
   // The descriptors per shape, made once per thread (run() sets the bias pointer on them, so
   // threads must not share them); eager models call linear() hundreds of times a step.
   thread_local std::map<Shape, std::unique_ptr<Problem>> problems;
@@ -272,7 +283,8 @@ std::string gemm_tuning_report() {
   nlohmann::json j = nlohmann::json::array();
   for (const auto& [s, c] : g_choices)
     j.push_back({{"m", s.m}, {"n", s.n}, {"k", s.k}, {"bias", s.bias}, {"dtype", c10::toString(s.dtype)},
-                 {"aten_ms", c.aten_ms}, {"first_ms", c.first_ms}, {"best_ms", c.best_ms}, {"cublaslt", c.lt},
+                 {"gelu", s.gelu}, {"aten_ms", c.aten_ms}, {"first_ms", c.first_ms}, {"best_ms", c.best_ms},
+                 {"cublaslt", c.lt},
                  {"tried", c.tried}});
   return j.dump();
 }

@@ -117,7 +117,8 @@ at::Tensor LinearImpl::forward(const at::Tensor& x) {
 
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
 // gemm_cuda.cpp: false when the tuned path does not take the case.
-bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out);
+bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out,
+                       bool gelu = false);
 bool tuned_conv2d_cuda(const at::Tensor& x, const at::Tensor& w, int64_t stride, int64_t padding, at::Tensor& out);
 #else
 bool gemm_tuning_enabled() { return false; }
@@ -156,6 +157,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   }
 #endif
   return at::linear(x, weight, bias);
+}
+
+at::Tensor linear_gelu_tanh(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  if (x.is_cuda() && x.dim() >= 2 && x.is_contiguous() && gemm_tuning_enabled() && !at::GradMode::is_enabled() &&
+      options::flag(options::Id::GemmGelu)) {
+    at::Tensor out;
+    if (tuned_linear_cuda(x.view({-1, x.size(-1)}), weight, bias, out, /*gelu=*/true)) {
+      auto sizes = x.sizes().vec();
+      sizes.back() = weight.size(0);
+      return out.view(sizes);
+    }
+  }
+#endif
+  return at::gelu(linear(x, weight, bias), "tanh");
 }
 
 Conv2dImpl::Conv2dImpl(const Conv2dOptions& o) : options(o), construction_index(next_construction_index()) {
