@@ -56,8 +56,8 @@ const std::vector<Option>& build_table() {
       {Id::GroupNormStatsBlocks, "DIFFRACT_GROUP_NORM_STATS_BLOCKS", Type::Integer, "2", Scope::Process,
        "GroupNorm's statistics pass: thread blocks per SM", {}},
       {Id::GemmGelu, "DIFFRACT_GEMM_GELU", Type::Flag, "0", Scope::Process,
-       "SD3's and Flux's feed-forward GELU (tanh) in the first GEMM's cuBLASLt epilogue on CUDA (1; off until timed "
-       "on a GPU: docs/benchmarks.md)",
+       "SD3's and Flux's feed-forward GELU (tanh) in the first GEMM's cuBLASLt epilogue on CUDA (1; faster per GEMM, "
+       "off until a whole step is timed with it: docs/benchmarks.md)",
        {}},
       {Id::GemmTuning, "DIFFRACT_GEMM_TUNING", Type::Flag, "1", Scope::Process,
        "time cuBLASLt's algorithms per linear-layer shape and keep the fastest (0: at::linear)", {}},
