@@ -1058,9 +1058,17 @@ class TestMainWindow : public QObject {
     QVERIFY(!result->isHidden());
     QVERIFY2(result->text().startsWith("fbcache on 1 device: 2 of 3 steps reused cached work"), qPrintable(result->text()));
     QVERIFY(result->text().contains("the image changes a little"));
+    // The list shows the speed-up the job measured, as the result line says it.
+    const int fb = strategy->findData(QStringLiteral("fbcache"));
+    const QString times = result->text().section(QStringLiteral("steps' worth ("), 1).section(QStringLiteral("×"), 0, 0);
+    QVERIFY2(times.toDouble() > 1.0, qPrintable(result->text()));
+    QCOMPARE(strategy->itemText(fb), QStringLiteral("fbcache · %1× last run").arg(times));
+    QVERIFY(strategy->itemData(fb, Qt::ToolTipRole).toString().contains(times + QStringLiteral("× less sequential")));
+    QCOMPARE(strategy->itemText(0), QStringLiteral("single"));
     strategy->setCurrentIndex(0);
     runJob(w);
     QVERIFY(result->isHidden());  // the plain loop says nothing more
+    QCOMPARE(strategy->itemText(fb), QStringLiteral("fbcache · %1× last run").arg(times));  // kept until fbcache runs again
   }
 
   // Sizes far beyond the model's native one are warned of before the job: the embedded model is

@@ -114,6 +114,22 @@ QString strategyResultText(const nlohmann::json& meta) {
   return text + QStringLiteral(". ") + QString::fromUtf8(info->hint.data(), static_cast<int>(info->hint.size()));
 }
 
+// What a strategy's job saved, from its metadata: the plain loop's steps over the sequential
+// model work a step cache ran, or over the rounds of one that runs fewer rounds than steps (step
+// skipping, DRiffusion); 0 for the others (the plain loop, the exact parallel strategies, whose
+// gain is each round's time on several devices, not measured here).
+double strategySpeedup(const nlohmann::json& meta) {
+  if (!meta.contains("strategy") || !meta["strategy"].is_object()) return 0;
+  const auto& s = meta["strategy"];
+  const int steps = s.value("steps", 0), rounds = s.value("rounds", 0);
+  if (steps <= 0) return 0;
+  if (s.contains("model_work") && s["model_work"].is_number()) {
+    const double work = s["model_work"].get<double>();
+    return work > 0 ? steps / work : 0;
+  }
+  return rounds > 0 && rounds < steps ? double(steps) / rounds : 0;
+}
+
 QString noModelHint() {
   return QObject::tr(
       "No model chosen yet. Pick a Stable Diffusion model under Model: a diffusers folder "
@@ -848,7 +864,11 @@ void MainWindow::onFinished(const QList<QImage>& images, const QString& metadata
                         .arg(firstSaved.isEmpty() ? tr("nothing") : QDir::toNativeSeparators(firstSaved)));
   QString strategyText;
   try {
-    strategyText = strategyResultText(nlohmann::json::parse(metadataJson.toStdString()));
+    const auto meta = nlohmann::json::parse(metadataJson.toStdString());
+    strategyText = strategyResultText(meta);
+    if (!strategyText.isEmpty())
+      m_settings->noteStrategySpeedup(QString::fromStdString(meta["strategy"].value("strategy", std::string())),
+                                      strategySpeedup(meta));
   } catch (const std::exception&) {
   }
   m_strategyResult->setText(strategyText);

@@ -277,7 +277,8 @@ SettingsPanel::SettingsPanel(QWidget* parent) : QWidget(parent) {
     m_strategy->setItemData(m_strategy->count() - 1, QString::fromUtf8(st.hint.data(), static_cast<int>(st.hint.size())),
                             Qt::ToolTipRole);
   }
-  m_strategy->setToolTip(tr("Multi-device strategy; single runs the plain loop"));
+  m_strategy->setToolTip(tr("Multi-device strategy; single runs the plain loop. A strategy run before shows "
+                            "its last measured speed-up"));
   m_devices = new QSpinBox;
   m_devices->setObjectName(QStringLiteral("devicesSpin"));
   m_devices->setRange(1, 64);
@@ -332,6 +333,23 @@ void SettingsPanel::setCacheThreshold(double value) {
 
 const parallel::StrategyInfo& SettingsPanel::strategyInfo() const {
   return parallel::strategy_info(m_strategy ? m_strategy->currentData().toString().toStdString() : std::string());
+}
+
+void SettingsPanel::noteStrategySpeedup(const QString& strategy, double speedup) {
+  const int i = m_strategy->findData(strategy);
+  if (i < 0) return;
+  const auto* info = parallel::find_strategy(strategy.toStdString());
+  const QString hint = info ? QString::fromUtf8(info->hint.data(), static_cast<int>(info->hint.size())) : QString();
+  if (speedup <= 0) {
+    m_strategy->setItemText(i, strategy);
+    m_strategy->setItemData(i, hint, Qt::ToolTipRole);
+    return;
+  }
+  m_strategy->setItemText(i, tr("%1 · %2× last run").arg(strategy).arg(speedup, 0, 'f', 2));
+  m_strategy->setItemData(i, hint + QStringLiteral("\n") +
+                                 tr("Its last job here ran %1× less sequential model work than the plain loop's steps.")
+                                     .arg(speedup, 0, 'f', 2),
+                          Qt::ToolTipRole);
 }
 
 void SettingsPanel::fitSizeTo(const QSize& canvas) {

@@ -68,6 +68,10 @@ class SettingsPanel : public QWidget {
   QSpinBox* batch() const { return m_batch; }
   QComboBox* previewSize() const { return m_previewSize; }
   QComboBox* strategy() const { return m_strategy; }
+  // Shows a strategy's speed-up measured by the last job that ran it (sequential model work or
+  // rounds against the plain loop's steps) beside its name in the list and in its tooltip; 0
+  // shows its name alone again.
+  void noteStrategySpeedup(const QString& strategy, double speedup);
   QSpinBox* devices() const { return m_devices; }
   QSpinBox* patches() const { return m_patches; }
   QDoubleSpinBox* cacheThreshold() const { return m_cacheThreshold; }  // shown for the step caches
