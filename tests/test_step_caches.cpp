@@ -4,6 +4,7 @@
 // (threshold 0) and against one-thread replays of their decisions written from the models' parts.
 #include <algorithm>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <tuple>
 #include <vector>
@@ -215,6 +216,52 @@ class TestStepCaches : public QObject {
     return {x, reused};
   }
 
+  // The transformers' parts the replays are written from: the state after the embedding (both CFG
+  // branches' conditioning when cfg > 1) and the velocity from a state and its image tokens.
+  static std::function<models::SD3State(const at::Tensor&, double)> sd3_embed(models::SD3Transformer2DModel& m,
+                                                                              const test::SD3LoopInputs& made, double cfg) {
+    const auto context = cfg > 1 ? at::cat({made.neg.context, made.pos.context}) : made.pos.context;
+    const auto pooled = cfg > 1 ? at::cat({made.neg.pooled, made.pos.pooled}) : made.pos.pooled;
+    return [m, context, pooled](const at::Tensor& x, double t) mutable {
+      return m->embed(x, context, pooled, at::full({x.size(0)}, t));
+    };
+  }
+  static std::function<at::Tensor(models::SD3State, const at::Tensor&)> sd3_velocity(models::SD3Transformer2DModel& m) {
+    return [m](models::SD3State s, const at::Tensor& tokens) mutable {
+      s.x = tokens;
+      return m->unpatchify_output(s);
+    };
+  }
+  static std::function<models::FluxState(const at::Tensor&, double)> flux_embed(models::FluxTransformer2DModel& m,
+                                                                                const test::FluxLoopInputs& made,
+                                                                                double cfg) {
+    const auto context = cfg > 1 ? at::cat({made.neg.context, made.pos.context}) : made.pos.context;
+    const auto pooled = cfg > 1 ? at::cat({made.neg.pooled, made.pos.pooled}) : made.pos.pooled;
+    const std::int64_t side = made.in.latents.size(2);
+    const auto rope = m->rope(at::zeros({context.size(1), 3}), models::latent_image_ids(side, side, at::TensorOptions()));
+    return [m, context, pooled, rope, guidance = made.guidance](const at::Tensor& x, double t) mutable {
+      const auto b = x.size(0);
+      return m->embed(models::pack_latents(x), context, pooled, at::full({b}, t) / 1000, at::full({b}, guidance), rope);
+    };
+  }
+  static std::function<at::Tensor(const models::FluxState&, const at::Tensor&)> flux_velocity(
+      models::FluxTransformer2DModel& m, std::int64_t side) {
+    return [m, side](const models::FluxState& s, const at::Tensor& tokens) mutable {
+      return models::unpack_latents(m->proj_out->forward(m->norm_out->forward(tokens, s.temb)), side, side);
+    };
+  }
+
+  // A cache's loop against its one-thread replay (latents, reused steps): the same steps reused
+  // and latents within 1e-5.
+  static void expect_replay(const char* what, const Strategy& cache, const LoopInputs& in, double cfg, double threshold,
+                            const at::Tensor& base, const std::pair<at::Tensor, std::vector<int>>& replay) {
+    const auto out = run(cache, in);
+    qInfo("%s cfg %.0f threshold %.2f: reused %s, relative L2 %.3g", what, cfg, threshold,
+          nlohmann::json(out.stats.reused_steps).dump().c_str(), rel_l2(out.latents, base));
+    QCOMPARE(out.stats.reused_steps, replay.second);
+    DIFFRACT_COMPARE_TENSORS(out.latents, replay.first, 1e-5);
+  }
+
  private slots:
   void initTestCase() { unet_ = models::load_unet_2d_condition(test::fixtures() / "tiny-sd" / "unet"); }
 
@@ -315,13 +362,10 @@ class TestStepCaches : public QObject {
         DIFFRACT_COMPARE_TENSORS(exact.latents, base.latents, 1e-6);
         QVERIFY(exact.stats.reused_steps.empty());
         QCOMPARE(run(teacache(1e9), made.in).stats.reused_steps, range(1, 5));  // never the first or last
-        const auto context = cfg > 1 ? at::cat({made.neg.context, made.pos.context}) : made.pos.context;
-        const auto pooled = cfg > 1 ? at::cat({made.neg.pooled, made.pos.pooled}) : made.pos.pooled;
         auto& m = sd3_;
         for (double threshold : {0.1, 0.4}) {
-          const auto [replay, reused] = replay_teacache(
-              made.in, models::TeaCache::identity(), threshold, cfg,
-              [&](const at::Tensor& x, double t) { return m->embed(x, context, pooled, at::full({x.size(0)}, t)); },
+          const auto replay = replay_teacache(
+              made.in, models::TeaCache::identity(), threshold, cfg, sd3_embed(m, made, cfg),
               [&](const models::SD3State& s) {
                 return m->transformer_blocks[0]->as<models::JointTransformerBlock>()->norm1->forward(s.x, s.temb).x;
               },
@@ -330,15 +374,9 @@ class TestStepCaches : public QObject {
                 for (std::size_t l = 0; l < m->transformer_blocks->size(); ++l) m->run_block(l, s);
                 return s.x;
               },
-              [&](models::SD3State s, const at::Tensor& tokens) {
-                s.x = tokens;
-                return m->unpatchify_output(s);
-              });
-          const auto out = run(teacache(threshold), made.in);
-          qInfo("teacache SD3 cfg %.0f threshold %.2f: reused %s, relative L2 %.3g", cfg, threshold,
-                nlohmann::json(out.stats.reused_steps).dump().c_str(), rel_l2(out.latents, base.latents));
-          QCOMPARE(out.stats.reused_steps, reused);
-          DIFFRACT_COMPARE_TENSORS(out.latents, replay, 1e-5);
+              sd3_velocity(m));
+          expect_replay("teacache SD3", teacache(threshold), made.in, cfg, threshold, base.latents, replay);
+          if (QTest::currentTestFailed()) return;
         }
       }
       // Flux: the modulated image tokens of the first double block, the residual over every block.
@@ -347,19 +385,10 @@ class TestStepCaches : public QObject {
         const auto base = run(SingleDevice{}, made.in);
         DIFFRACT_COMPARE_TENSORS(run(teacache(0), made.in).latents, base.latents, 1e-6);
         QCOMPARE(run(teacache(1e9), made.in).stats.reused_steps, range(1, 5));
-        const auto context = cfg > 1 ? at::cat({made.neg.context, made.pos.context}) : made.pos.context;
-        const auto pooled = cfg > 1 ? at::cat({made.neg.pooled, made.pos.pooled}) : made.pos.pooled;
         auto& m = flux_;
-        const std::int64_t side = made.in.latents.size(2);
-        const auto rope = m->rope(at::zeros({context.size(1), 3}), models::latent_image_ids(side, side, at::TensorOptions()));
         for (double threshold : {0.5, 1.5}) {
-          const auto [replay, reused] = replay_teacache(
-              made.in, models::TeaCache::flux(), threshold, cfg,
-              [&](const at::Tensor& x, double t) {
-                const auto b = x.size(0);
-                return m->embed(models::pack_latents(x), context, pooled, at::full({b}, t) / 1000,
-                                at::full({b}, made.guidance), rope);
-              },
+          const auto replay = replay_teacache(
+              made.in, models::TeaCache::flux(), threshold, cfg, flux_embed(m, made, cfg),
               [&](const models::FluxState& s) {
                 return m->transformer_blocks[0]->as<models::FluxTransformerBlock>()->norm1->forward(s.x, s.temb).x;
               },
@@ -368,14 +397,9 @@ class TestStepCaches : public QObject {
                 for (std::size_t l = 0; l < m->num_blocks(); ++l) m->run_block(l, s);
                 return s.x.slice(1, s.text_tokens);
               },
-              [&](const models::FluxState& s, const at::Tensor& tokens) {
-                return models::unpack_latents(m->proj_out->forward(m->norm_out->forward(tokens, s.temb)), side, side);
-              });
-          const auto out = run(teacache(threshold), made.in);
-          qInfo("teacache Flux cfg %.0f threshold %.2f: reused %s, relative L2 %.3g", cfg, threshold,
-                nlohmann::json(out.stats.reused_steps).dump().c_str(), rel_l2(out.latents, base.latents));
-          QCOMPARE(out.stats.reused_steps, reused);
-          DIFFRACT_COMPARE_TENSORS(out.latents, replay, 1e-5);
+              flux_velocity(m, made.in.latents.size(2)));
+          expect_replay("teacache Flux", teacache(threshold), made.in, cfg, threshold, base.latents, replay);
+          if (QTest::currentTestFailed()) return;
         }
       }
     }
@@ -395,54 +419,30 @@ class TestStepCaches : public QObject {
       {
         auto made = test::sd3_loop_inputs(sd3_, 6, 1, cfg);
         const auto base = run(SingleDevice{}, made.in);
-        const auto context = cfg > 1 ? at::cat({made.neg.context, made.pos.context}) : made.pos.context;
-        const auto pooled = cfg > 1 ? at::cat({made.neg.pooled, made.pos.pooled}) : made.pos.pooled;
         auto& m = sd3_;
         for (double threshold : {0.05, 0.3, 0.4, 0.5}) {
-          const auto [replay, reused] = replay_fbcache(
-              made.in, m->transformer_blocks->size(), threshold, cfg,
-              [&](const at::Tensor& x, double t) { return m->embed(x, context, pooled, at::full({x.size(0)}, t)); },
+          const auto replay = replay_fbcache(
+              made.in, m->transformer_blocks->size(), threshold, cfg, sd3_embed(m, made, cfg),
               [](const models::SD3State& s) { return s.x; },
-              [&](std::size_t l, models::SD3State& s) { m->run_block(l, s); },
-              [&](models::SD3State s, const at::Tensor& tokens) {
-                s.x = tokens;
-                return m->unpatchify_output(s);
-              });
-          const auto out = run(fbcache(threshold), made.in);
-          qInfo("fbcache SD3 cfg %.0f threshold %.2f: reused %s, relative L2 %.3g", cfg, threshold,
-                nlohmann::json(out.stats.reused_steps).dump().c_str(), rel_l2(out.latents, base.latents));
-          QCOMPARE(out.stats.reused_steps, reused);
-          DIFFRACT_COMPARE_TENSORS(out.latents, replay, 1e-5);
-          note("SD3", reused, made.in.steps);
+              [&](std::size_t l, models::SD3State& s) { m->run_block(l, s); }, sd3_velocity(m));
+          expect_replay("fbcache SD3", fbcache(threshold), made.in, cfg, threshold, base.latents, replay);
+          if (QTest::currentTestFailed()) return;
+          note("SD3", replay.second, made.in.steps);
         }
       }
       {
         auto made = test::flux_loop_inputs(flux_, 6, 1, cfg);
         const auto base = run(SingleDevice{}, made.in);
-        const auto context = cfg > 1 ? at::cat({made.neg.context, made.pos.context}) : made.pos.context;
-        const auto pooled = cfg > 1 ? at::cat({made.neg.pooled, made.pos.pooled}) : made.pos.pooled;
         auto& m = flux_;
-        const std::int64_t side = made.in.latents.size(2);
-        const auto rope = m->rope(at::zeros({context.size(1), 3}), models::latent_image_ids(side, side, at::TensorOptions()));
         for (double threshold : {0.05, 0.2, 0.5}) {
-          const auto [replay, reused] = replay_fbcache(
-              made.in, m->num_blocks(), threshold, cfg,
-              [&](const at::Tensor& x, double t) {
-                const auto b = x.size(0);
-                return m->embed(models::pack_latents(x), context, pooled, at::full({b}, t) / 1000,
-                                at::full({b}, made.guidance), rope);
-              },
+          const auto replay = replay_fbcache(
+              made.in, m->num_blocks(), threshold, cfg, flux_embed(m, made, cfg),
               [](const models::FluxState& s) { return s.joined ? s.x.slice(1, s.text_tokens) : s.x; },
               [&](std::size_t l, models::FluxState& s) { m->run_block(l, s); },
-              [&](const models::FluxState& s, const at::Tensor& tokens) {
-                return models::unpack_latents(m->proj_out->forward(m->norm_out->forward(tokens, s.temb)), side, side);
-              });
-          const auto out = run(fbcache(threshold), made.in);
-          qInfo("fbcache Flux cfg %.0f threshold %.2f: reused %s, relative L2 %.3g", cfg, threshold,
-                nlohmann::json(out.stats.reused_steps).dump().c_str(), rel_l2(out.latents, base.latents));
-          QCOMPARE(out.stats.reused_steps, reused);
-          DIFFRACT_COMPARE_TENSORS(out.latents, replay, 1e-5);
-          note("Flux", reused, made.in.steps);
+              flux_velocity(m, made.in.latents.size(2)));
+          expect_replay("fbcache Flux", fbcache(threshold), made.in, cfg, threshold, base.latents, replay);
+          if (QTest::currentTestFailed()) return;
+          note("Flux", replay.second, made.in.steps);
         }
       }
     }
