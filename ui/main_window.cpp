@@ -88,6 +88,22 @@ struct RestoreOutcome {
   QString error;
 };
 
+// What a strategy's job saved, from its metadata: the plain loop's steps over the sequential
+// model work a step cache ran, or over the rounds of one that runs fewer rounds than steps (step
+// skipping, DRiffusion); 0 for the others (the plain loop, the exact parallel strategies, whose
+// gain is each round's time on several devices, not measured here).
+double strategySpeedup(const nlohmann::json& meta) {
+  if (!meta.contains("strategy") || !meta["strategy"].is_object()) return 0;
+  const auto& s = meta["strategy"];
+  const int steps = s.value("steps", 0), rounds = s.value("rounds", 0);
+  if (steps <= 0) return 0;
+  if (s.contains("model_work") && s["model_work"].is_number()) {
+    const double work = s["model_work"].get<double>();
+    return work > 0 ? steps / work : 0;
+  }
+  return rounds > 0 && rounds < steps ? double(steps) / rounds : 0;
+}
+
 // A strategy's run in plain words, from a job's metadata: what it ran on, how much sequential
 // model work it saved, and whether the image is the plain loop's; empty for the plain loop.
 QString strategyResultText(const nlohmann::json& meta) {
@@ -103,31 +119,15 @@ QString strategyResultText(const nlohmann::json& meta) {
     const double work = s["model_work"].get<double>();
     const auto reused = s.value("reused_steps", nlohmann::json::array()).size();
     text += QObject::tr(": %1 of %2 steps reused cached work, the model ran %3 steps' worth (%4× less)")
-                .arg(reused).arg(steps).arg(work, 0, 'f', 1).arg(work > 0 ? steps / work : 0.0, 0, 'f', 2);
+                .arg(reused).arg(steps).arg(work, 0, 'f', 1).arg(strategySpeedup(meta), 0, 'f', 2);
   } else if (rounds > 0 && rounds < steps) {
     text += QObject::tr(": %1 sequential rounds for %2 steps (%3× fewer)").arg(rounds).arg(steps)
-                .arg(double(steps) / rounds, 0, 'f', 2);
+                .arg(strategySpeedup(meta), 0, 'f', 2);
   } else if (steps > 0) {
     text += QObject::tr(": %1 rounds for %2 steps").arg(rounds).arg(steps);
   }
   text += info->exact ? QObject::tr("; the same image as one device") : QObject::tr("; the image changes a little");
   return text + QStringLiteral(". ") + QString::fromUtf8(info->hint.data(), static_cast<int>(info->hint.size()));
-}
-
-// What a strategy's job saved, from its metadata: the plain loop's steps over the sequential
-// model work a step cache ran, or over the rounds of one that runs fewer rounds than steps (step
-// skipping, DRiffusion); 0 for the others (the plain loop, the exact parallel strategies, whose
-// gain is each round's time on several devices, not measured here).
-double strategySpeedup(const nlohmann::json& meta) {
-  if (!meta.contains("strategy") || !meta["strategy"].is_object()) return 0;
-  const auto& s = meta["strategy"];
-  const int steps = s.value("steps", 0), rounds = s.value("rounds", 0);
-  if (steps <= 0) return 0;
-  if (s.contains("model_work") && s["model_work"].is_number()) {
-    const double work = s["model_work"].get<double>();
-    return work > 0 ? steps / work : 0;
-  }
-  return rounds > 0 && rounds < steps ? double(steps) / rounds : 0;
 }
 
 QString noModelHint() {

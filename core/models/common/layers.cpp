@@ -143,34 +143,41 @@ at::Tensor conv2d(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   return at::conv2d(x, weight, bias, {stride, stride}, {padding, padding});
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+namespace {
+
+// x @ W^T + b (gelu_tanh of it with `gelu`) through the tuned cuBLASLt GEMM, or undefined where
+// that path does not take the case (not CUDA, tuning off, autograd recording, or the timing kept
+// ATen for the shape).
+at::Tensor tuned_linear([[maybe_unused]] const at::Tensor& x, [[maybe_unused]] const at::Tensor& weight,
+                        [[maybe_unused]] const at::Tensor& bias, [[maybe_unused]] bool gelu) {
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
   if (x.is_cuda() && x.dim() >= 2 && x.is_contiguous() && gemm_tuning_enabled() &&
       !(at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() ||
                                        (bias.defined() && bias.requires_grad())))) {
     at::Tensor out;
-    if (tuned_linear_cuda(x.view({-1, x.size(-1)}), weight, bias, out)) {
+    if (tuned_linear_cuda(x.view({-1, x.size(-1)}), weight, bias, out, gelu)) {
       auto sizes = x.sizes().vec();
       sizes.back() = weight.size(0);
       return out.view(sizes);
     }
   }
 #endif
-  return at::linear(x, weight, bias);
+  return {};
+}
+
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  auto y = tuned_linear(x, weight, bias, /*gelu=*/false);
+  return y.defined() ? y : at::linear(x, weight, bias);
 }
 
 at::Tensor linear_gelu_tanh(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-#ifdef DIFFRACT_HAS_CUDA_KERNELS
-  if (x.is_cuda() && x.dim() >= 2 && x.is_contiguous() && gemm_tuning_enabled() && !at::GradMode::is_enabled() &&
-      options::flag(options::Id::GemmGelu)) {
-    at::Tensor out;
-    if (tuned_linear_cuda(x.view({-1, x.size(-1)}), weight, bias, out, /*gelu=*/true)) {
-      auto sizes = x.sizes().vec();
-      sizes.back() = weight.size(0);
-      return out.view(sizes);
-    }
+  static const bool in_epilogue = options::flag(options::Id::GemmGelu);  // process scope: read once
+  if (in_epilogue) {
+    auto y = tuned_linear(x, weight, bias, /*gelu=*/true);
+    if (y.defined()) return y;
   }
-#endif
   return at::gelu(linear(x, weight, bias), "tanh");
 }
 
