@@ -22,8 +22,10 @@
 #           (a crash's caller and backtrace), then once per CN_VARIANTS entry (';'-separated
 #           environment settings); CN_ANCHOR=0 skips the anchor, CN_BENCH=0 the sdxl-1024 bench.
 #   ab      one GPU: SDXL 1024² (AB_CONFIG) with AB_VAR set to each of AB_VALUES, one after the other on the
-#           same GPU, after the checks matching CHECKS if set; AB_OPS=N lists each step's N
-#           largest kernels by the ATen op that launched them, AB_STRATEGIES adds strategy runs.
+#           same GPU, after the checks matching CHECKS if set; an AB_VALUES entry with "=" is
+#           a comma-separated set of settings of its own (several variables A/B'd in one call);
+#           AB_OPS=N lists each step's N largest kernels by the ATen op that launched them,
+#           AB_STRATEGIES adds strategy runs.
 #   pair    two GPUs: the 2-GPU checks, then the SDXL strategy bench (PAIR_STRATEGIES) and SD3's
 #           (SD3_STRATEGIES; empty skips it) against our one GPU in the same run.
 #   wide    four or eight GPUs: the link map, the checks over all GPUs, then the SDXL strategies
@@ -367,15 +369,21 @@ PY
 ab)
   # One after the other on the same GPU: runs on two GPUs at once share the host CPU, which
   # the eager parts of a job feel, so they would not compare.
-  : "${AB_VAR:?set AB_VAR (and AB_VALUES, e.g. \"1 0\")}"
+  # An AB_VALUES entry holding "=" is a set of settings of its own, e.g.
+  # AB_VALUES="DIFFRACT_X=1,DIFFRACT_Y=0 DIFFRACT_X=0,DIFFRACT_Y=0" (AB_VAR unused).
+  case "${AB_VALUES:-}" in *=*) ;; *) : "${AB_VAR:?set AB_VAR (and AB_VALUES, e.g. \"1 0\")}" ;; esac
   export CUDA_VISIBLE_DEVICES=0
   if [ -n "${CHECKS:-}" ] && [ -z "${SKIP_CHECKS:-}" ]; then checks checks_ab "$CHECKS" 150 "${GREP:-rel-L2}"; fi
+  run=0
   for value in ${AB_VALUES:-1 0}; do
-    [ "$(left)" -gt "${AB_MIN_LEFT:-70}" ] || { echo "no time left for $AB_VAR=$value"; break; }
-    env "$AB_VAR=$value" timeout "$(left 2)" "$bench" --device cuda:0 --config "${AB_CONFIG:-sdxl-1024}" --batch 1 --runs 2 \
-      ${AB_STRATEGIES:+--strategies "$AB_STRATEGIES"} > "$logs/bench_$value.json" 2> "$logs/bench_$value.log"
-    echo "$AB_VAR=$value rc $? at $(elapsed) s"
-    python3 - "$logs/bench_$value.json" "$AB_VAR=$value" <<'PY'
+    run=$((run + 1))
+    case "$value" in *=*) settings=(${value//,/ }) ;; *) settings=("$AB_VAR=$value") ;; esac
+    label="${settings[*]}"
+    [ "$(left)" -gt "${AB_MIN_LEFT:-70}" ] || { echo "no time left for $label"; break; }
+    env "${settings[@]}" timeout "$(left 2)" "$bench" --device cuda:0 --config "${AB_CONFIG:-sdxl-1024}" --batch 1 --runs 2 \
+      ${AB_STRATEGIES:+--strategies "$AB_STRATEGIES"} > "$logs/bench_$run.json" 2> "$logs/bench_$run.log"
+    echo "$label rc $? at $(elapsed) s"
+    python3 - "$logs/bench_$run.json" "$label" <<'PY'
 import json, os, sys
 try:
     r = json.load(open(sys.argv[1]))["results"][0]

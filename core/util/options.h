@@ -30,6 +30,7 @@ enum class Id {
   GegluOneGemm,
   FusedLayerNorm,
   FusedAddLayerNorm,
+  FusedModulation,
   FusedRmsNormRope,
   ConvBiasKernel,
   GroupNormStatsBlocks,

@@ -1,5 +1,5 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm|flux|flux_files|caches|fp8|tuning|prepare|gemm_gelu
+//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm|flux|flux_files|caches|fp8|tuning|prepare|gemm_gelu|modulation
 // Exit 0: passed; 1: one failed (the reasons printed); 77: all skipped (too few GPUs).
 #include <algorithm>
 #include <array>
@@ -1860,6 +1860,96 @@ void check_gemm_gelu() {
                                                              std::to_string(gelu_shapes) + ")");
 }
 
+// The DiTs' modulation kernels (layer_norm.h: modulated_layer_norm, gated_residual and the two in
+// one) against ATen's ops as the blocks ran them, with scale, shift and gate as the blocks take
+// them (chunks of one [B, 6D] modulation, strided), a [1, D] modulation, and cases left to ATen.
+// The gated residual is ATen's bits; the normalisation differs only in its reduction order.
+void check_modulation() {
+  need_gpus(1);
+  at::NoGradGuard no_grad;
+  at::manual_seed(11);
+  constexpr double eps = 1e-6;
+  const auto aten_norm = [&](const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift) {
+    return at::layer_norm(x, {x.size(-1)}, {}, {}, eps) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1);
+  };
+  const auto aten_gate = [](const at::Tensor& x, const at::Tensor& gate, const at::Tensor& y) {
+    return x + gate.unsqueeze(1) * y;
+  };
+  // Largest difference to ATen's result in units of that result's largest magnitude.
+  const auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+    return (a.to(at::kFloat) - b.to(at::kFloat)).abs().max().item<double>() / b.to(at::kFloat).abs().max().item<double>();
+  };
+  struct Case {
+    std::vector<std::int64_t> shape;  // B, T, D
+    bool one_row;                     // a [1, D] modulation for every batch item
+    bool kernel;
+  };
+  const std::vector<Case> cases = {{{2, 4096, 1536}, false, true}, {{2, 333, 1536}, false, true},
+                                   {{1, 4096, 3072}, false, true}, {{1, 512, 3072}, false, true},
+                                   {{3, 5, 64}, false, true},      {{2, 7, 64}, true, true},
+                                   {{2, 9, 36}, false, false}};
+  double worst = 0;
+  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    const auto o = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+    for (const auto& k : cases) {
+      const std::int64_t b = k.shape[0], d = k.shape[2];
+      const auto m = (at::randn({k.one_row ? 1 : b, 6 * d}, o.dtype(at::kFloat)) * 0.5).to(dtype).chunk(6, 1);
+      const auto &shift = m[0], &scale = m[1], &gate = m[2];
+      const auto x = (at::randn(k.shape, o.dtype(at::kFloat)) * 2 + 0.3).to(dtype), y = at::randn(k.shape, o);
+      std::ostringstream what;
+      what << at::IntArrayRef(k.shape) << (k.one_row ? " (one modulation row)" : "") << " " << c10::toString(dtype);
+      expect(models::modulation_uses_kernel(x, scale, shift) == k.kernel,
+             "modulation " + what.str() + (k.kernel ? " takes the kernel" : " is left to ATen"));
+      const double e_norm = rel(models::modulated_layer_norm(x, scale, shift, eps), aten_norm(x, scale, shift));
+      const auto h = models::gated_residual(x, gate, y);
+      const auto [h2, n2] = models::gated_residual_modulated_layer_norm(x, gate, y, scale, shift, eps);
+      const auto want_h = aten_gate(x, gate, y);
+      const double e_both = rel(n2, aten_norm(want_h, scale, shift));
+      worst = std::max({worst, e_norm, e_both});
+      expect(e_norm < 1e-2 && e_both < 1e-2, "modulated_layer_norm " + what.str() + " equals ATen's up to rounding (" +
+                                                 std::to_string(e_norm) + ", after the gated residual " +
+                                                 std::to_string(e_both) + ")");
+      expect(at::equal(h, want_h) && at::equal(h2, want_h),
+             "gated_residual " + what.str() + " equals x + gate * y bit for bit (alone and with the LayerNorm)");
+    }
+    // Strided x and y (copied first), and a scale off the 16-byte alignment (left to ATen).
+    const auto x = at::randn({2, 1536, 64}, o).transpose(1, 2);
+    const auto y = at::randn({2, 1536, 64}, o).transpose(1, 2);
+    const auto m = at::randn({2, 6 * 1536}, o).chunk(6, 1);
+    expect(at::equal(models::gated_residual(x, m[2], y), aten_gate(x, m[2], y)),
+           std::string("gated_residual ") + c10::toString(dtype) + " on strided x and y");
+    const auto odd = at::randn({2, 1536 * 6 + 4}, o).narrow(1, 4, 1536);
+    expect(!models::modulation_uses_kernel(x, odd, m[0]) &&
+               rel(models::modulated_layer_norm(x, odd, m[0], eps), aten_norm(x, odd, m[0])) == 0,
+           std::string("modulation ") + c10::toString(dtype) + " with a scale off the 16-byte alignment is ATen's");
+  }
+  std::cout << "  worst relative difference of the modulated LayerNorm to ATen's " << worst << "\n";
+  {
+    const auto x = at::randn({2, 16, 64}, at::TensorOptions().device(at::kCUDA).dtype(at::kFloat));
+    const auto m = at::randn({2, 128}, x.options()).chunk(2, 1);
+    expect(!models::modulation_uses_kernel(x, m[0], m[1]), "fp32 modulation is left to ATen");
+  }
+
+  // Time at SD3-medium's and Flux.1-dev's image streams (the gate, scale and shift strided as the
+  // blocks take them), against ATen's ops, each in a CUDA graph.
+  const auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  for (const std::vector<std::int64_t>& shape : {std::vector<std::int64_t>{2, 4096, 1536}, {1, 4096, 3072}}) {
+    const auto m = at::randn({shape[0], 6 * shape[2]}, o).chunk(6, 1);
+    const auto x = at::randn(shape, o), y = at::randn(shape, o);
+    const double norm = graph_ms_per_call([&] { models::modulated_layer_norm(x, m[1], m[0], eps); });
+    const double norm_aten = graph_ms_per_call([&] { aten_norm(x, m[1], m[0]); });
+    const double both = graph_ms_per_call([&] { models::gated_residual_modulated_layer_norm(x, m[2], y, m[1], m[0], eps); });
+    const double both_aten = graph_ms_per_call([&] { aten_norm(aten_gate(x, m[2], y), m[1], m[0]); });
+    const double gate = graph_ms_per_call([&] { models::gated_residual(x, m[5], y); });
+    const double gate_aten = graph_ms_per_call([&] { aten_gate(x, m[5], y); });
+    std::cout << "  " << at::IntArrayRef(shape) << " bf16, ms per call (ours / ATen's ops): modulated LayerNorm "
+              << norm << " / " << norm_aten << ", gated residual + modulated LayerNorm " << both << " / " << both_aten
+              << ", gated residual " << gate << " / " << gate_aten << "\n";
+    expect(norm < norm_aten && both < both_aten && gate < gate_aten,
+           "each modulation kernel is faster than ATen's ops at " + c10::str(at::IntArrayRef(shape)));
+  }
+}
+
 // The tuning store (io/tuning_store.h) and the timed convolution plans (conv_cuda.cpp): each
 // convolution shape, NCHW and channels-last, through models::conv2d equals ATen's fp32 conv2d up
 // to bf16 rounding; GEMM and convolution choices are written to DIFFRACT_TUNING_DIR; a second
@@ -2338,7 +2428,7 @@ int main(int argc, char** argv) {
       {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"oom", check_oom}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}, {"gemm", check_gemm}, {"flux", check_flux}, {"flux_files", check_flux_files},
       {"caches", check_caches_and_flux_pipefusion}, {"fp8", check_fp8},
-      {"tuning", check_tuning}, {"tuning_reload", check_tuning_reload}, {"prepare", check_prepare}, {"gemm_gelu", check_gemm_gelu}};
+      {"tuning", check_tuning}, {"tuning_reload", check_tuning_reload}, {"prepare", check_prepare}, {"gemm_gelu", check_gemm_gelu}, {"modulation", check_modulation}};
   bool usage = argc < 2;
   for (int i = 1; i < argc; ++i) usage = usage || !checks.count(argv[i]);
   if (usage) {

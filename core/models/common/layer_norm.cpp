@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -44,6 +46,20 @@ bool add_switch() {
   return on;
 }
 
+[[maybe_unused]] bool modulation_switch() {
+  static const bool on = options::flag(options::Id::FusedModulation);  // process scope: read once
+  return on;
+}
+
+// ATen's ops, as the DiTs ran them before the kernels.
+at::Tensor aten_modulated_layer_norm(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps) {
+  return at::layer_norm(x, {x.size(-1)}, {}, {}, eps) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1);
+}
+
+at::Tensor aten_gated_residual(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& y) {
+  return x + gate.unsqueeze(1) * y;
+}
+
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
 // Whether the kernel takes these tensors, filling `a` but for x and y (a non-contiguous x is
 // copied to a fresh, aligned tensor first). The kernel has no backward, and autocast runs
@@ -71,11 +87,80 @@ bool kernel_case(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   return true;
 }
 
-void launch(const kernels::LayerNormArgs& a, const c10::Device& device, const char* what) {
-  const int rc = kernels::layer_norm_forward(a, at::cuda::getCurrentCUDAStream(device.index()).stream());
+void check_launch(int rc, const char* what) {
   if (rc != 0)
     throw Error(std::string(what) + " CUDA kernel failed to launch: " +
                 std::string(cudaGetErrorString(static_cast<cudaError_t>(rc))));
+}
+
+void launch(const kernels::LayerNormArgs& a, const c10::Device& device, const char* what) {
+  check_launch(kernels::layer_norm_forward(a, at::cuda::getCurrentCUDAStream(device.index()).stream()), what);
+}
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
+
+// Whether the modulation kernels take x [B, T, D] with per-batch rows `per_batch` ([B, D] or
+// [1, D] each, unit stride along D); the batch strides (0 for a [1, D] row) go to `strides`.
+bool modulation_case(const at::Tensor& x, std::initializer_list<const at::Tensor*> per_batch,
+                     std::vector<int64_t>& strides) {
+  if (!modulation_switch() || !fused_switch() || !x.defined() || !x.is_cuda() || x.dim() != 3 || x.numel() == 0)
+    return false;
+  const auto dtype = kernel_dtype(x.scalar_type());
+  if (!dtype || !kernels::layer_norm_supported(*dtype, x.size(2))) return false;
+  if (at::autocast::is_autocast_enabled(at::kCUDA)) return false;
+  const bool grad = at::GradMode::is_enabled();
+  if (grad && x.requires_grad()) return false;
+  strides.clear();
+  for (const auto* t : per_batch) {
+    if (!t->defined() || t->scalar_type() != x.scalar_type() || t->device() != x.device() || t->dim() != 2 ||
+        t->size(1) != x.size(2) || t->stride(1) != 1 || (t->size(0) != x.size(0) && t->size(0) != 1) ||
+        !aligned16(*t) || (grad && t->requires_grad()))
+      return false;
+    const int64_t stride = t->size(0) == 1 ? 0 : t->stride(0);
+    if (stride % 8 != 0) return false;
+    strides.push_back(stride);
+  }
+  return true;
+}
+
+// A contiguous, 16-byte aligned form of t (a copy where t is neither).
+at::Tensor contiguous_aligned(const at::Tensor& t) {
+  auto c = t.contiguous();
+  return aligned16(c) ? c : c.clone();
+}
+
+// The modulated LayerNorm kernel on x (and, with y and gate, the gated residual first): {sum, out}.
+std::pair<at::Tensor, at::Tensor> launch_modulation(const at::Tensor& x, const at::Tensor* gate, const at::Tensor* y,
+                                                    const at::Tensor& scale, const at::Tensor& shift,
+                                                    const std::vector<int64_t>& strides, double eps) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto in = contiguous_aligned(x);
+  kernels::LayerNormArgs a;
+  a.dtype = *kernel_dtype(x.scalar_type());
+  a.c = x.size(2);
+  a.rows = x.numel() / a.c;
+  a.rows_per_batch = x.size(1);
+  a.sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  a.warps_per_row = warps_per_row();
+  a.eps = static_cast<float>(eps);
+  a.x = in.const_data_ptr();
+  a.weight = scale.const_data_ptr();
+  a.bias = shift.const_data_ptr();
+  a.scale_stride = strides[0];
+  a.shift_stride = strides[1];
+  at::Tensor r, sum;
+  if (gate) {
+    r = contiguous_aligned(*y);
+    sum = at::empty(in.sizes(), in.options());
+    a.residual = r.const_data_ptr();
+    a.sum = sum.mutable_data_ptr();
+    a.gate = gate->const_data_ptr();
+    a.gate_stride = strides[2];
+  }
+  auto out = at::empty(in.sizes(), in.options());
+  a.y = out.mutable_data_ptr();
+  launch(a, x.device(), gate ? "gated residual + modulated LayerNorm" : "modulated LayerNorm");
+  return {sum, out};
 }
 #endif
 
@@ -150,6 +235,68 @@ std::pair<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at::
   auto sum = residual + x;
   auto y = layer_norm(sum, weight, bias, eps);
   return {sum, y};
+}
+
+bool modulation_uses_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift) {
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  std::vector<int64_t> strides;
+  return modulation_case(x, {&scale, &shift}, strides);
+#else
+  (void)x, (void)scale, (void)shift;
+  return false;
+#endif
+}
+
+at::Tensor modulated_layer_norm(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps) {
+  TORCH_CHECK(x.dim() == 3, "modulated_layer_norm: x must be [B, T, D], got ", x.sizes());
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  std::vector<int64_t> strides;
+  if (modulation_case(x, {&scale, &shift}, strides))
+    return launch_modulation(x, nullptr, nullptr, scale, shift, strides, eps).second;
+#endif
+  return aten_modulated_layer_norm(x, scale, shift, eps);
+}
+
+at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& y) {
+  TORCH_CHECK(x.dim() == 3, "gated_residual: x must be [B, T, D], got ", x.sizes());
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  std::vector<int64_t> strides;
+  if (y.defined() && y.sizes() == x.sizes() && y.scalar_type() == x.scalar_type() && y.device() == x.device() &&
+      !(at::GradMode::is_enabled() && y.requires_grad()) && modulation_case(x, {&gate}, strides)) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const auto in = contiguous_aligned(x), other = contiguous_aligned(y);
+    auto out = at::empty(in.sizes(), in.options());
+    kernels::GatedResidualArgs a;
+    a.dtype = *kernel_dtype(x.scalar_type());
+    a.c = x.size(2);
+    a.rows = x.numel() / a.c;
+    a.rows_per_batch = x.size(1);
+    a.gate_stride = strides[0];
+    a.x = in.const_data_ptr();
+    a.y = other.const_data_ptr();
+    a.gate = gate.const_data_ptr();
+    a.out = out.mutable_data_ptr();
+    check_launch(kernels::gated_residual_forward(a, at::cuda::getCurrentCUDAStream(x.device().index()).stream()),
+                 "gated residual");
+    return out;
+  }
+#endif
+  return aten_gated_residual(x, gate, y);
+}
+
+std::pair<at::Tensor, at::Tensor> gated_residual_modulated_layer_norm(const at::Tensor& x, const at::Tensor& gate,
+                                                                      const at::Tensor& y, const at::Tensor& scale,
+                                                                      const at::Tensor& shift, double eps) {
+  TORCH_CHECK(x.dim() == 3, "gated_residual_modulated_layer_norm: x must be [B, T, D], got ", x.sizes());
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  std::vector<int64_t> strides;
+  if (y.defined() && y.sizes() == x.sizes() && y.scalar_type() == x.scalar_type() && y.device() == x.device() &&
+      !(at::GradMode::is_enabled() && y.requires_grad()) && modulation_case(x, {&scale, &shift, &gate}, strides))
+    return launch_modulation(x, &gate, &y, scale, shift, strides, eps);
+#endif
+  auto h = aten_gated_residual(x, gate, y);
+  auto n = aten_modulated_layer_norm(h, scale, shift, eps);
+  return {h, n};
 }
 
 LayerNormImpl::LayerNormImpl(const LayerNormOptions& o) : options(o) {

@@ -39,6 +39,21 @@ at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::T
 // bit for bit; otherwise it is that add and layer_norm.
 std::pair<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at::Tensor& residual,
                                                  const at::Tensor& weight, const at::Tensor& bias, double eps);
+// The DiTs' adaptive LayerNorm: x [B, T, D] normalised over D without parameters, then
+// * (1 + scale) + shift, scale and shift [B, D] (or [1, D]) per batch item. ATen's three ops, or
+// on CUDA where the kernel applies (and DIFFRACT_FUSED_MODULATION is not 0) one kernel that rounds
+// as those ops do: only the normalisation's reduction order differs.
+at::Tensor modulated_layer_norm(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps);
+// x + gate * y for x, y [B, T, D] and gate [B, D] (or [1, D]): a DiT block's gated residual. On
+// CUDA one kernel with the bits of ATen's two ops.
+at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& y);
+// {h, modulated_layer_norm(h, scale, shift, eps)} with h = gated_residual(x, gate, y): on CUDA
+// one kernel writes both.
+std::pair<at::Tensor, at::Tensor> gated_residual_modulated_layer_norm(const at::Tensor& x, const at::Tensor& gate,
+                                                                      const at::Tensor& y, const at::Tensor& scale,
+                                                                      const at::Tensor& shift, double eps);
+// Whether modulated_layer_norm would run the kernel for these tensors (the GPU check asks).
+bool modulation_uses_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift);
 // Whether layer_norm would run the kernel for these tensors (the GPU check asks).
 bool layer_norm_uses_kernel(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 // Whether CUDA tensors take the kernel: built with it and not switched off (set_fused_layer_norm,

@@ -42,9 +42,16 @@ __device__ __forceinline__ float row_sum(float s, float* red) {
   }
 }
 
+// ATen's rounding of a value to T and back (the separate ops this kernel stands in for).
+template <typename T>
+__device__ __forceinline__ float rounded(float v) {
+  return to_float(from_float<T>(v));
+}
+
 // Block = kThreads / (32 * kWarpsPerRow) rows; thread t of a row holds vectors t, t + row
 // threads, ... (kVpt of them at most). Rows past the end still take part in the block's
-// barriers, so the loop stays uniform over the block.
+// barriers, so the loop stays uniform over the block. Modulation and the gate are uniform over
+// the launch, so their branches cost no divergence.
 template <typename T, int kVpt, int kWarpsPerRow, bool kAdd, bool kPrefetch>
 __global__ void layer_norm(LayerNormArgs a) {
   using V = Vec<T>;
@@ -54,12 +61,14 @@ __global__ void layer_norm(LayerNormArgs a) {
   const int slot = threadIdx.x / kRowThreads, t = threadIdx.x % kRowThreads;
   const int vectors = static_cast<int>(a.c / kPer);
   const float inv_c = 1.f / static_cast<float>(a.c);
-  const V* __restrict__ w = static_cast<const V*>(a.weight);
-  const V* __restrict__ b = static_cast<const V*>(a.bias);
+  const bool modulated = a.rows_per_batch > 0;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock; base < a.rows;
        base += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
     const int64_t row = base + slot;
     const bool live = row < a.rows;
+    const int64_t batch = modulated && live ? row / a.rows_per_batch : 0;
+    const V* __restrict__ w = static_cast<const V*>(a.weight) + batch * (a.scale_stride / kPer);
+    const V* __restrict__ b = static_cast<const V*>(a.bias) + batch * (a.shift_stride / kPer);
     const V* __restrict__ x = static_cast<const V*>(a.x) + row * vectors;
     V in[kVpt], wv[kVpt], bv[kVpt];
     float sum = 0.f;
@@ -72,8 +81,15 @@ __global__ void layer_norm(LayerNormArgs a) {
         if constexpr (kPrefetch) wv[i] = w[v], bv[i] = b[v];
         if constexpr (kAdd) {
           const V r = static_cast<const V*>(a.residual)[row * vectors + v];
+          if (a.gate) {
+            const V g = static_cast<const V*>(a.gate)[batch * (a.gate_stride / kPer) + v];
 #pragma unroll
-          for (int j = 0; j < kPer; ++j) in[i].v[j] = from_float<T>(to_float(in[i].v[j]) + to_float(r.v[j]));
+            for (int j = 0; j < kPer; ++j)
+              in[i].v[j] = from_float<T>(to_float(in[i].v[j]) + rounded<T>(to_float(g.v[j]) * to_float(r.v[j])));
+          } else {
+#pragma unroll
+            for (int j = 0; j < kPer; ++j) in[i].v[j] = from_float<T>(to_float(in[i].v[j]) + to_float(r.v[j]));
+          }
           static_cast<V*>(a.sum)[row * vectors + v] = in[i];
         }
 #pragma unroll
@@ -101,12 +117,43 @@ __global__ void layer_norm(LayerNormArgs a) {
       if (live && v < vectors) {
         if constexpr (!kPrefetch) wv[i] = w[v], bv[i] = b[v];
         V out;
+        if (modulated) {
 #pragma unroll
-        for (int j = 0; j < kPer; ++j)
-          out.v[j] = from_float<T>((to_float(in[i].v[j]) - mean) * rstd * to_float(wv[i].v[j]) + to_float(bv[i].v[j]));
+          for (int j = 0; j < kPer; ++j) {
+            const float n = rounded<T>((to_float(in[i].v[j]) - mean) * rstd);
+            const float scaled = rounded<T>(n * rounded<T>(1.f + to_float(wv[i].v[j])));
+            out.v[j] = from_float<T>(scaled + to_float(bv[i].v[j]));
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < kPer; ++j)
+            out.v[j] =
+                from_float<T>((to_float(in[i].v[j]) - mean) * rstd * to_float(wv[i].v[j]) + to_float(bv[i].v[j]));
+        }
         y[v] = out;
       }
     }
+  }
+}
+
+// One thread per vector of kPer values, over the whole [rows, c] grid-stride.
+template <typename T>
+__global__ void gated_residual(GatedResidualArgs a) {
+  using V = Vec<T>;
+  const int64_t vectors = a.c / kPer, total = a.rows * vectors;
+  const V* __restrict__ x = static_cast<const V*>(a.x);
+  const V* __restrict__ y = static_cast<const V*>(a.y);
+  const V* __restrict__ gate = static_cast<const V*>(a.gate);
+  V* out = static_cast<V*>(a.out);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / vectors, v = i - row * vectors;
+    const V xv = x[i], yv = y[i], g = gate[row / a.rows_per_batch * (a.gate_stride / kPer) + v];
+    V o;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j)
+      o.v[j] = from_float<T>(to_float(xv.v[j]) + rounded<T>(to_float(g.v[j]) * to_float(yv.v[j])));
+    out[i] = o;
   }
 }
 
@@ -162,13 +209,36 @@ bool layer_norm_supported(DType dtype, int64_t c) {
 }
 
 int layer_norm_forward(const LayerNormArgs& a, CUstream_st* stream) {
+  const bool strides_ok = a.rows_per_batch == 0 ? a.gate == nullptr
+                                                 : a.rows_per_batch > 0 && a.scale_stride % kPer == 0 &&
+                                                       a.shift_stride % kPer == 0 && a.gate_stride % kPer == 0 &&
+                                                       a.scale_stride >= 0 && a.shift_stride >= 0 && a.gate_stride >= 0;
   if (!layer_norm_supported(a.dtype, a.c) || a.rows < 1 || !aligned(a.x) || !aligned(a.weight) || !aligned(a.bias) ||
-      !aligned(a.y) || (a.residual == nullptr) != (a.sum == nullptr) || (a.residual && (!aligned(a.residual) || !aligned(a.sum))))
+      !aligned(a.y) || (a.residual == nullptr) != (a.sum == nullptr) || (a.residual && (!aligned(a.residual) || !aligned(a.sum))) ||
+      !strides_ok || (a.gate && (!a.residual || !aligned(a.gate))))
     return static_cast<int>(cudaErrorInvalidValue);
   // layer_norm_supported() took Half and BFloat16 only.
   return with_element_type(a.dtype, [&](auto v) -> int {
     if constexpr (std::is_same_v<decltype(v), float>) return static_cast<int>(cudaErrorInvalidValue);
     else return dispatch<decltype(v)>(a, stream);
+  });
+}
+
+int gated_residual_forward(const GatedResidualArgs& a, CUstream_st* stream) {
+  if ((a.dtype != DType::Half && a.dtype != DType::BFloat16) || a.c < kPer || a.c % kPer != 0 || a.rows < 1 ||
+      a.rows_per_batch < 1 || a.gate_stride < 0 || a.gate_stride % kPer != 0 || !aligned(a.x) || !aligned(a.y) ||
+      !aligned(a.gate) || !aligned(a.out))
+    return static_cast<int>(cudaErrorInvalidValue);
+  constexpr int kBlock = 256;
+  const int64_t vectors = a.rows * (a.c / kPer);
+  const auto grid = static_cast<unsigned>(std::min((vectors + kBlock - 1) / kBlock, kMaxBlocks));
+  return with_element_type(a.dtype, [&](auto v) -> int {
+    if constexpr (std::is_same_v<decltype(v), float>) {
+      return static_cast<int>(cudaErrorInvalidValue);
+    } else {
+      gated_residual<decltype(v)><<<grid, kBlock, 0, stream>>>(a);
+      return static_cast<int>(cudaGetLastError());
+    }
   });
 }
 

@@ -1,7 +1,8 @@
 #pragma once
-// LayerNorm over the last dimension (affine) as one CUDA kernel for fp16 / bf16 rows. Plain C++
-// over raw pointers, so the .cu needs no torch headers; models::layer_norm (layer_norm.h) is the
-// only caller.
+// LayerNorm over the last dimension as one CUDA kernel for fp16 / bf16 rows: affine (the UNets'
+// transformer blocks) or modulated per batch item (the DiTs' adaptive LayerNorm), optionally
+// after a residual add, gated or not; and the DiTs' gated residual on its own. Plain C++ over raw
+// pointers, so the .cu needs no torch headers; layer_norm.cpp is the only caller.
 //
 // Why: ATen's vectorized_layer_norm_kernel takes about three times as long as its DRAM traffic on
 // the SDXL transformer blocks' [2, 4096, 640] and [2, 1024, 1280] rows (docs/benchmarks.md).
@@ -25,6 +26,16 @@ struct LayerNormArgs {
   // dtype would be) and writes that sum to `sum` as well.
   const void* residual = nullptr;  // [rows, c], dtype
   void* sum = nullptr;             // [rows, c], dtype
+  // Modulation (DiTs): with rows_per_batch > 0, weight and bias are a scale and a shift per batch
+  // item b = row / rows_per_batch, read at weight + b * scale_stride and bias + b * shift_stride
+  // (elements), and y = norm(x) * (1 + scale) + shift with each op rounded to dtype, as ATen's
+  // separate ops round them.
+  int64_t rows_per_batch = 0;
+  int64_t scale_stride = 0, shift_stride = 0;
+  // With residual (gated residual): sum = x + gate * residual, the product rounded to dtype
+  // first, gate read at gate + b * gate_stride as the scale is.
+  const void* gate = nullptr;
+  int64_t gate_stride = 0;
   int64_t rows = 0, c = 0;
   float eps = 1e-5f;
   DType dtype = DType::BFloat16;
@@ -40,5 +51,19 @@ bool layer_norm_supported(DType dtype, int64_t c);
 // Launches the kernel on `stream`; returns the CUDA error code of the launch (0: ok), or
 // cudaErrorInvalidValue for a case the kernel does not take.
 int layer_norm_forward(const LayerNormArgs& a, CUstream_st* stream);
+
+// out = x + gate * y, gate [batches, c] per batch item b = row / rows_per_batch (at gate + b *
+// gate_stride), the product rounded to dtype before the add, as ATen's two ops round.
+struct GatedResidualArgs {
+  const void* x = nullptr;  // [rows, c], dtype, contiguous
+  const void* y = nullptr;  // [rows, c], dtype, contiguous
+  const void* gate = nullptr;
+  void* out = nullptr;      // [rows, c], dtype; may be x
+  int64_t rows = 0, c = 0, rows_per_batch = 0, gate_stride = 0;
+  DType dtype = DType::BFloat16;
+};
+// Half or BFloat16, c a multiple of 8, gate_stride too, every pointer 16-byte aligned; otherwise
+// cudaErrorInvalidValue without a launch.
+int gated_residual_forward(const GatedResidualArgs& a, CUstream_st* stream);
 
 }  // namespace diffract::models::kernels

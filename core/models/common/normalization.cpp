@@ -2,13 +2,13 @@
 
 #include <ATen/ATen.h>
 
+#include "core/models/common/layer_norm.h"
+
 namespace diffract::models {
 
 namespace {
 constexpr double kEps = 1e-6;
 }  // namespace
-
-at::Tensor plain_layer_norm(const at::Tensor& x) { return at::layer_norm(x, {x.size(-1)}, {}, {}, kEps); }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double e) : eps(e) { weight = register_parameter("weight", at::ones({dim})); }
 
@@ -29,15 +29,14 @@ AdaLayerNormZeroImpl::AdaLayerNormZeroImpl(int64_t dim, bool d) : dual(d) {
 AdaNormZeroOut AdaLayerNormZeroImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
   // x [B, T, D], temb [B, D] -> modulated x [B, T, D] (and x2), gates / shifts / scales [B, D]
   const auto m = linear->forward(at::silu(temb)).chunk(dual ? 9 : 6, 1);
-  const auto n = plain_layer_norm(x);
   AdaNormZeroOut o;
-  o.x = n * (1 + m[1].unsqueeze(1)) + m[0].unsqueeze(1);
+  o.x = modulated_layer_norm(x, m[1], m[0], kEps);
   o.gate_msa = m[2];
   o.shift_mlp = m[3];
   o.scale_mlp = m[4];
   o.gate_mlp = m[5];
   if (dual) {
-    o.x2 = n * (1 + m[7].unsqueeze(1)) + m[6].unsqueeze(1);
+    o.x2 = modulated_layer_norm(x, m[7], m[6], kEps);
     o.gate_msa2 = m[8];
   }
   return o;
@@ -50,7 +49,7 @@ AdaLayerNormContinuousImpl::AdaLayerNormContinuousImpl(int64_t dim, int64_t cond
 at::Tensor AdaLayerNormContinuousImpl::forward(const at::Tensor& x, const at::Tensor& cond) {
   // x [B, T, D], cond [B, C] -> [B, T, D]
   const auto m = linear->forward(at::silu(cond).to(x.scalar_type())).chunk(2, 1);  // scale, shift
-  return plain_layer_norm(x) * (1 + m[0].unsqueeze(1)) + m[1].unsqueeze(1);
+  return modulated_layer_norm(x, m[0], m[1], kEps);
 }
 
 AdaLayerNormZeroSingleImpl::AdaLayerNormZeroSingleImpl(int64_t dim) {
@@ -60,7 +59,7 @@ AdaLayerNormZeroSingleImpl::AdaLayerNormZeroSingleImpl(int64_t dim) {
 AdaNormZeroSingleOut AdaLayerNormZeroSingleImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
   // x [B, T, D], temb [B, D] -> modulated x [B, T, D], gate [B, D]
   const auto m = linear->forward(at::silu(temb)).chunk(3, 1);
-  return {plain_layer_norm(x) * (1 + m[1].unsqueeze(1)) + m[0].unsqueeze(1), m[2]};
+  return {modulated_layer_norm(x, m[1], m[0], kEps), m[2]};
 }
 
 }  // namespace diffract::models

@@ -1,7 +1,8 @@
 #pragma once
 // The normalisations of diffusers' normalization.py the transformers share (SD3's MMDiT, Flux):
 // RMSNorm and the adaptive layer norms that modulate by the timestep embedding. Every LayerNorm
-// here has no parameters and eps 1e-6.
+// here has no parameters and eps 1e-6; the modulation itself is layer_norm.h's
+// modulated_layer_norm (a kernel of our own on CUDA).
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -9,9 +10,6 @@
 #include "core/models/common/layers.h"
 
 namespace diffract::models {
-
-// LayerNorm over the last dimension without affine parameters, eps 1e-6.
-at::Tensor plain_layer_norm(const at::Tensor& x);
 
 // RMSNorm over the last dimension with a learned scale ("weight"), computed in float32.
 class RMSNormImpl : public torch::nn::Module {

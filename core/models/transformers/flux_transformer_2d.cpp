@@ -12,6 +12,7 @@
 #include "core/io/json_file.h"
 #include "core/io/weights.h"
 #include "core/models/common/cancel_point.h"
+#include "core/models/common/layer_norm.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -254,12 +255,12 @@ std::pair<at::Tensor, at::Tensor> FluxTransformerBlockImpl::forward(const at::Te
   const auto n = norm1->forward(x, temb);
   const auto c = norm1_context->forward(context, temb);
   const auto [attn_out, context_attn_out] = attn->forward(n.x, c.x, rope, shard, patch);
-  auto h = x + n.gate_msa.unsqueeze(1) * attn_out;
-  h = h + n.gate_mlp.unsqueeze(1) *
-              ff->forward(plain_layer_norm(h) * (1 + n.scale_mlp.unsqueeze(1)) + n.shift_mlp.unsqueeze(1));
-  auto ctx = context + c.gate_msa.unsqueeze(1) * context_attn_out;
-  ctx = ctx + c.gate_mlp.unsqueeze(1) *
-                  ff_context->forward(plain_layer_norm(ctx) * (1 + c.scale_mlp.unsqueeze(1)) + c.shift_mlp.unsqueeze(1));
+  const auto [h_attn, nh] =
+      gated_residual_modulated_layer_norm(x, n.gate_msa, attn_out, n.scale_mlp, n.shift_mlp, kEps);
+  const auto h = gated_residual(h_attn, n.gate_mlp, ff->forward(nh));
+  const auto [ctx_attn, nc] =
+      gated_residual_modulated_layer_norm(context, c.gate_msa, context_attn_out, c.scale_mlp, c.shift_mlp, kEps);
+  auto ctx = gated_residual(ctx_attn, c.gate_mlp, ff_context->forward(nc));
   if (ctx.scalar_type() == at::kHalf) ctx = ctx.clamp(-65504, 65504);
   return {ctx, h};
 }
@@ -295,7 +296,7 @@ at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& x, const at
     attn_out = attn->forward(n.x, {}, rope, shard, patch).first;
   }
   joined.narrow(2, 0, dim).copy_(attn_out);
-  auto out = x + n.gate.unsqueeze(1) * proj_out->forward(joined);
+  auto out = gated_residual(x, n.gate, proj_out->forward(joined));
   if (out.scalar_type() == at::kHalf) out = out.clamp(-65504, 65504);
   return out;
 }

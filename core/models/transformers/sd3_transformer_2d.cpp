@@ -12,6 +12,7 @@
 #include "core/io/json_file.h"
 #include "core/io/weights.h"
 #include "core/models/common/cancel_point.h"
+#include "core/models/common/layer_norm.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
 
@@ -323,16 +324,20 @@ std::pair<at::Tensor, at::Tensor> JointTransformerBlockImpl::forward(const at::T
   else c = norm1_context_zero->forward(context, temb);
 
   auto [attn_out, context_attn_out] = attn->forward(n.x, c.x, cache, begin, shard);
-  auto h = x + n.gate_msa.unsqueeze(1) * attn_out;
-  if (dual_attention) h = h + n.gate_msa2.unsqueeze(1) * attn2->forward(n.x2, {}, cache2, begin, shard).first;
-  const auto nh = plain_layer_norm(h) * (1 + n.scale_mlp.unsqueeze(1)) + n.shift_mlp.unsqueeze(1);
-  h = h + n.gate_mlp.unsqueeze(1) * ff->forward(nh);
+  at::Tensor h = x;
+  if (dual_attention) {
+    h = gated_residual(h, n.gate_msa, attn_out);
+    attn_out = attn2->forward(n.x2, {}, cache2, begin, shard).first;
+  }
+  const auto [h_attn, nh] =
+      gated_residual_modulated_layer_norm(h, dual_attention ? n.gate_msa2 : n.gate_msa, attn_out, n.scale_mlp,
+                                          n.shift_mlp, kEps);
+  h = gated_residual(h_attn, n.gate_mlp, ff->forward(nh));
   if (context_pre_only) return {at::Tensor(), h};
 
-  auto ctx = context + c.gate_msa.unsqueeze(1) * context_attn_out;
-  const auto nc = plain_layer_norm(ctx) * (1 + c.scale_mlp.unsqueeze(1)) + c.shift_mlp.unsqueeze(1);
-  ctx = ctx + c.gate_mlp.unsqueeze(1) * ff_context->forward(nc);
-  return {ctx, h};
+  const auto [ctx_attn, nc] =
+      gated_residual_modulated_layer_norm(context, c.gate_msa, context_attn_out, c.scale_mlp, c.shift_mlp, kEps);
+  return {gated_residual(ctx_attn, c.gate_mlp, ff_context->forward(nc)), h};
 }
 
 SD3PatchEmbedImpl::SD3PatchEmbedImpl(const SD3Transformer2DConfig& c)
