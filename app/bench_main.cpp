@@ -278,12 +278,15 @@ struct RandomPipeline {
   std::unique_ptr<pipeline::Pipeline> sd;
   pipeline::StableDiffusion* unet = nullptr;  // the UNet profile is SD / SDXL only
   pipeline::Flux* flux = nullptr;
+  pipeline::StableDiffusion3* sd3 = nullptr;
 };
 
 RandomPipeline random_pipeline(const BenchConfig& c, const std::string& device) {
   RandomPipeline p;
   if (c.family == job::ModelFamily::SD3) {
-    p.sd = pipeline::StableDiffusion3::random(c.tiny, device);
+    auto m = pipeline::StableDiffusion3::random(c.tiny, device);
+    p.sd3 = m.get();
+    p.sd = std::move(m);
   } else if (c.family == job::ModelFamily::Flux) {
     auto m = pipeline::Flux::random(c.tiny, c.schnell, device);
     p.flux = m.get();
@@ -387,6 +390,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   auto& sd = made.sd;
   pipeline::StableDiffusion* unet_pipeline = made.unet;
   pipeline::Flux* flux_pipeline = made.flux;
+  pipeline::StableDiffusion3* sd3_pipeline = made.sd3;
   const double warm_up_ms = sd->warm_up();  // what the engine does at load (GPU only)
   auto req = bench_request(c, batch, device);
   job::CancelToken never;
@@ -496,6 +500,7 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
   }
 #endif
   if (cuda && flux_pipeline) j["transformer_step_profile"] = json::parse(flux_pipeline->profile_transformer_step(c.size, 5));
+  if (cuda && sd3_pipeline) j["transformer_step_profile"] = json::parse(sd3_pipeline->profile_transformer_step(c.size, 5));
   // Strategies: the same job run by each, against the single-device result of this run.
   const double base_e2e = percentile(e2e, 0.5), base_denoise = denoise;
   for (const auto& spec : strategies) {

@@ -400,6 +400,15 @@ for name in ("unet_step_variants", "unet_step_variants_one_branch"):
     print("     families:", {a: round(b, 3) for a, b in k.get("families_ms", {}).items()})
     for t in k.get("top_by_op", [])[:int(os.environ.get("AB_OPS") or 0)]:
         print(f"      {t[1]:7.3f} {t[2]:>5} {t[0][:230]}")
+# The DiTs (SD3: batch 2, Flux: batch 1): one transformer step, eager and graphed, profiled eager.
+t = r.get("transformer_step_profile")
+if t:
+    k = t.get("kernels", {})
+    print("   transformer step: eager", round(t.get("eager_ms", 0), 3), "graph", round(t.get("graph_ms", 0), 3),
+          "device", k.get("device_ms_per_call"), "kernels", k.get("kernels_per_call"))
+    print("     families:", {a: round(b, 3) for a, b in k.get("families_ms", {}).items()})
+    for e in k.get("top_by_op", [])[:int(os.environ.get("AB_OPS") or 0)]:
+        print(f"      {e[1]:7.3f} {e[2]:>5} {e[0][:230]}")
 PY
   done
   ;;

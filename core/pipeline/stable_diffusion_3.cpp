@@ -28,6 +28,7 @@
 #include "core/parallel/denoiser.h"
 #include "core/parallel/strategy.h"
 #include "core/pipeline/clip_graph.h"
+#include "core/pipeline/kernel_profile.h"
 #include "core/pipeline/pipeline_util.h"
 #include "core/pipeline/prompt_encoding.h"
 #include "core/pipeline/single_file.h"
@@ -480,6 +481,28 @@ std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> StableDiffusion3
     if (graphed) return p.transformer_graph({x, context, pooled, t});
     return p.transformer->forward(x, context, pooled, t);
   };
+}
+
+std::string StableDiffusion3::profile_transformer_step(int size, int reps) {
+  auto& p = *impl_;
+  if (!p.device.is_cuda()) throw Error("profile_transformer_step needs a CUDA device");
+  at::NoGradGuard no_grad;
+  const auto opts = at::TensorOptions().device(p.device).dtype(p.dtype);
+  const auto& c = p.transformer->config;
+  const int64_t side = size / p.vae_factor();
+  const auto x = at::randn({2, c.in_channels, side, side}, opts);
+  const auto context = at::randn({2, 77 + p.max_sequence_length, c.joint_attention_dim}, opts);
+  const auto pooled = at::randn({2, c.pooled_projection_dim}, opts);
+  const auto t = at::full({2}, 500.0, opts);
+  const auto eager = [&] { p.transformer->forward(x, context, pooled, t); };
+  const auto time_ms = [&](const std::function<void()>& f) { return mean_cuda_ms(reps, f, p.device.index()); };
+  nlohmann::json j;
+  j["size"] = size;
+  j["tokens"] = side * side / (c.patch_size * c.patch_size) + context.size(1);
+  j["eager_ms"] = time_ms(eager);
+  j["graph_ms"] = time_ms([&] { p.transformer_graph({x, context, pooled, t}); });
+  j["kernels"] = kernel_profile(reps, eager, p.device.index());
+  return j.dump();
 }
 
 // CPU virtual devices share our transformer (read-only in inference); GPUs get replicas, made

@@ -69,6 +69,10 @@ class StableDiffusion3 : public Pipeline {
                              job::StageTimings* timings = nullptr, bool drop_t5 = false,
                              job::PromptSyntax syntax = job::PromptSyntax::A1111);
 
+  // One denoiser step at size x size with both CFG branches (batch 2, the prompt's full sequence),
+  // eager and CUDA-graphed, and where its kernel time goes (kernel_profile), as JSON: for the bench.
+  std::string profile_transformer_step(int size, int reps);
+
   using Pipeline::generate;
   // A job from given initial latents [batch, 16, height / 8, width / 8] (the request's seed
   // then only names the job), as diffusers' pipeline(latents=...).
