@@ -136,24 +136,25 @@ __global__ void layer_norm(LayerNormArgs a) {
   }
 }
 
-// One thread per vector of kPer values, over the whole [rows, c] grid-stride.
+// A block per row (grid-stride over rows), its threads over the row's vectors of kPer values:
+// the batch item and the gate's row are found once per row, not per vector.
 template <typename T>
 __global__ void gated_residual(GatedResidualArgs a) {
   using V = Vec<T>;
-  const int64_t vectors = a.c / kPer, total = a.rows * vectors;
-  const V* __restrict__ x = static_cast<const V*>(a.x);
-  const V* __restrict__ y = static_cast<const V*>(a.y);
-  const V* __restrict__ gate = static_cast<const V*>(a.gate);
-  V* out = static_cast<V*>(a.out);
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = i / vectors, v = i - row * vectors;
-    const V xv = x[i], yv = y[i], g = gate[row / a.rows_per_batch * (a.gate_stride / kPer) + v];
-    V o;
+  const int vectors = static_cast<int>(a.c / kPer);
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const V* __restrict__ x = static_cast<const V*>(a.x) + row * vectors;
+    const V* __restrict__ y = static_cast<const V*>(a.y) + row * vectors;
+    const V* __restrict__ gate = static_cast<const V*>(a.gate) + row / a.rows_per_batch * (a.gate_stride / kPer);
+    V* out = static_cast<V*>(a.out) + row * vectors;
+    for (int v = threadIdx.x; v < vectors; v += blockDim.x) {
+      const V xv = x[v], yv = y[v], g = gate[v];
+      V o;
 #pragma unroll
-    for (int j = 0; j < kPer; ++j)
-      o.v[j] = from_float<T>(to_float(xv.v[j]) + rounded<T>(to_float(g.v[j]) * to_float(yv.v[j])));
-    out[i] = o;
+      for (int j = 0; j < kPer; ++j)
+        o.v[j] = from_float<T>(to_float(xv.v[j]) + rounded<T>(to_float(g.v[j]) * to_float(yv.v[j])));
+      out[v] = o;
+    }
   }
 }
 
@@ -229,14 +230,15 @@ int gated_residual_forward(const GatedResidualArgs& a, CUstream_st* stream) {
       a.rows_per_batch < 1 || a.gate_stride < 0 || a.gate_stride % kPer != 0 || !aligned(a.x) || !aligned(a.y) ||
       !aligned(a.gate) || !aligned(a.out))
     return static_cast<int>(cudaErrorInvalidValue);
-  constexpr int kBlock = 256;
-  const int64_t vectors = a.rows * (a.c / kPer);
-  const auto grid = static_cast<unsigned>(std::min((vectors + kBlock - 1) / kBlock, kMaxBlocks));
+  // Up to 256 threads, a whole number of warps covering the row's vectors where it fits.
+  const int64_t vectors = a.c / kPer;
+  const auto threads = static_cast<unsigned>(std::min<int64_t>(256, (vectors + 31) / 32 * 32));
+  const auto grid = static_cast<unsigned>(std::min(a.rows, kMaxBlocks));
   return with_element_type(a.dtype, [&](auto v) -> int {
     if constexpr (std::is_same_v<decltype(v), float>) {
       return static_cast<int>(cudaErrorInvalidValue);
     } else {
-      gated_residual<decltype(v)><<<grid, kBlock, 0, stream>>>(a);
+      gated_residual<decltype(v)><<<grid, threads, 0, stream>>>(a);
       return static_cast<int>(cudaGetLastError());
     }
   });
