@@ -21,7 +21,8 @@
 #           CN_DEBUG=1 first runs diffract-bench --controlnet on the tiny config under cuda-gdb
 #           (a crash's caller and backtrace), then once per CN_VARIANTS entry (';'-separated
 #           environment settings); CN_ANCHOR=0 skips the anchor, CN_BENCH=0 the sdxl-1024 bench.
-#   ab      one GPU: SDXL 1024² (AB_CONFIG) with AB_VAR set to each of AB_VALUES, one after the other on the
+#   ab      one GPU: SDXL 1024² (AB_CONFIG; several comma-separated: each in turn) with AB_VAR set to
+#           each of AB_VALUES, one after the other on the
 #           same GPU, after the checks matching CHECKS if set; an AB_VALUES entry with "=" is
 #           a comma-separated set of settings of its own (several variables A/B'd in one call);
 #           AB_OPS=N lists each step's N largest kernels by the ATen op that launched them,
@@ -373,14 +374,16 @@ ab)
   # AB_VALUES="DIFFRACT_X=1,DIFFRACT_Y=0 DIFFRACT_X=0,DIFFRACT_Y=0" (AB_VAR unused).
   case "${AB_VALUES:-}" in *=*) ;; *) : "${AB_VAR:?set AB_VAR (and AB_VALUES, e.g. \"1 0\")}" ;; esac
   export CUDA_VISIBLE_DEVICES=0
+  AB_CONFIG="${AB_CONFIG:-sdxl-1024}"
   if [ -n "${CHECKS:-}" ] && [ -z "${SKIP_CHECKS:-}" ]; then checks checks_ab "$CHECKS" 150 "${GREP:-rel-L2}"; fi
   run=0
+  for config in ${AB_CONFIG//,/ }; do
   for value in ${AB_VALUES:-1 0}; do
     run=$((run + 1))
     case "$value" in *=*) settings=(${value//,/ }) ;; *) settings=("$AB_VAR=$value") ;; esac
-    label="${settings[*]}"
-    [ "$(left)" -gt "${AB_MIN_LEFT:-70}" ] || { echo "no time left for $label"; break; }
-    env "${settings[@]}" timeout "$(left 2)" "$bench" --device cuda:0 --config "${AB_CONFIG:-sdxl-1024}" --batch 1 --runs 2 \
+    label="$config ${settings[*]}"
+    [ "$(left)" -gt "${AB_MIN_LEFT:-70}" ] || { echo "no time left for $label"; break 2; }
+    env "${settings[@]}" timeout "$(left 2)" "$bench" --device cuda:0 --config "$config" --batch 1 --runs 2 \
       ${AB_STRATEGIES:+--strategies "$AB_STRATEGIES"} > "$logs/bench_$run.json" 2> "$logs/bench_$run.log"
     echo "$label rc $? at $(elapsed) s"
     python3 - "$logs/bench_$run.json" "$label" <<'PY'
@@ -410,6 +413,7 @@ if t:
     for e in k.get("top_by_op", [])[:int(os.environ.get("AB_OPS") or 0)]:
         print(f"      {e[1]:7.3f} {e[2]:>5} {e[0][:230]}")
 PY
+  done
   done
   ;;
 
