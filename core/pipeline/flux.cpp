@@ -492,15 +492,10 @@ std::string Flux::profile_transformer_step(int size, int reps) {
   const auto guidance = at::full({1}, 3.5, opts.dtype(at::kFloat));
   const auto rope = p.transformer->rope(at::zeros({context.size(1), 3}, opts), models::latent_image_ids(h, w, opts));
   const auto g = c.guidance_embeds ? guidance : at::Tensor();
-  const auto eager = [&] { p.transformer->forward(x, context, pooled, sigma, g, rope); };
-  const auto time_ms = [&](const std::function<void()>& f) { return mean_cuda_ms(reps, f, p.device.index()); };
-  nlohmann::json j;
-  j["size"] = size;
-  j["tokens"] = x.size(1) + context.size(1);
-  j["eager_ms"] = time_ms(eager);
-  j["graph_ms"] = time_ms([&] { p.transformer_graph({x, context, pooled, sigma, guidance, rope.cos, rope.sin}); });
-  j["kernels"] = kernel_profile(reps, eager, p.device.index());
-  return j.dump();
+  return step_profile(
+             size, x.size(1) + context.size(1), reps, [&] { p.transformer->forward(x, context, pooled, sigma, g, rope); },
+             [&] { p.transformer_graph({x, context, pooled, sigma, guidance, rope.cos, rope.sin}); }, p.device.index())
+      .dump();
 }
 
 // CPU virtual devices share our transformer (read-only in inference); GPUs get replicas, made

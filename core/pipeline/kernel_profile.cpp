@@ -93,4 +93,15 @@ nlohmann::json kernel_profile(int reps, const std::function<void()>& f, int devi
   return j;
 }
 
+nlohmann::json step_profile(int size, std::int64_t tokens, int reps, const std::function<void()>& eager,
+                            const std::function<void()>& graphed, int device) {
+  nlohmann::json j;
+  j["size"] = size;
+  j["tokens"] = tokens;
+  j["eager_ms"] = mean_cuda_ms(reps, eager, device);
+  j["graph_ms"] = mean_cuda_ms(reps, graphed, device);
+  j["kernels"] = kernel_profile(reps, eager, device);
+  return j;
+}
+
 }  // namespace diffract::pipeline

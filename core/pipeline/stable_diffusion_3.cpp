@@ -494,15 +494,11 @@ std::string StableDiffusion3::profile_transformer_step(int size, int reps) {
   const auto context = at::randn({2, 77 + p.max_sequence_length, c.joint_attention_dim}, opts);
   const auto pooled = at::randn({2, c.pooled_projection_dim}, opts);
   const auto t = at::full({2}, 500.0, opts);
-  const auto eager = [&] { p.transformer->forward(x, context, pooled, t); };
-  const auto time_ms = [&](const std::function<void()>& f) { return mean_cuda_ms(reps, f, p.device.index()); };
-  nlohmann::json j;
-  j["size"] = size;
-  j["tokens"] = side * side / (c.patch_size * c.patch_size) + context.size(1);
-  j["eager_ms"] = time_ms(eager);
-  j["graph_ms"] = time_ms([&] { p.transformer_graph({x, context, pooled, t}); });
-  j["kernels"] = kernel_profile(reps, eager, p.device.index());
-  return j.dump();
+  return step_profile(
+             size, side * side / (c.patch_size * c.patch_size) + context.size(1), reps,
+             [&] { p.transformer->forward(x, context, pooled, t); },
+             [&] { p.transformer_graph({x, context, pooled, t}); }, p.device.index())
+      .dump();
 }
 
 // CPU virtual devices share our transformer (read-only in inference); GPUs get replicas, made
