@@ -4,6 +4,8 @@
 // exactly the folder's weights. Here: our loader gives the folder's tensors bit for bit, infers the
 // configs, runs the transformer as diffusers does and generates what the folder generates.
 #include <fstream>
+#include <limits>
+#include <optional>
 
 #include <ATen/CPUGeneratorImpl.h>
 
@@ -17,6 +19,7 @@
 #include "core/pipeline/stable_diffusion_3.h"
 #include "core/text/t5_tokenizer.h"
 #include "core/util/error.h"
+#include "core/util/square_side.h"
 #include "same_tensors.h"
 #include "strategy_job.h"
 #include "test_util.h"
@@ -157,6 +160,27 @@ class TestSD3SingleFile : public QObject {
     // Text encoders and VAE absent: not an error at detection (the loader decides).
     const auto bare = io::detect_sd3_single_file(mmdit(24, 1536, 192, false, {}), "a");
     QVERIFY(bare.vae_prefix.empty() && bare.clip_l_prefix.empty() && bare.t5_prefix.empty());
+    // A position table whose count is no square, negative or past every square root a double
+    // holds exactly (the fuzzer's input of 2026-12-06 had -156; INT64_MIN once came of NaN).
+    for (const int64_t cells : {int64_t(-156), int64_t(0), int64_t(191 * 192), std::numeric_limits<int64_t>::max(),
+                                std::numeric_limits<int64_t>::min(), int64_t(3037000499) * 3037000499 - 1}) {
+      auto t = mmdit(2, 64, 4, false, {});
+      for (auto& shape : t)
+        if (shape.name == "model.diffusion_model.pos_embed") shape.shape[1] = cells;
+      DIFFRACT_EXPECT_ERROR(io::detect_sd3_single_file(t, "grid.safetensors"), "grid.safetensors",
+                            "model.diffusion_model.pos_embed", "a square position grid");
+    }
+  }
+
+  // square_side: exact over int64, including the largest square it holds.
+  void squareSides() {
+    QCOMPARE(square_side(1), std::optional<int64_t>(1));
+    QCOMPARE(square_side(192 * 192), std::optional<int64_t>(192));
+    QCOMPARE(square_side(int64_t(3037000499) * 3037000499), std::optional<int64_t>(3037000499));
+    QCOMPARE(square_side((int64_t(1) << 62)), std::optional<int64_t>(int64_t(1) << 31));
+    for (const int64_t n : {int64_t(0), int64_t(-1), int64_t(2), int64_t(192 * 192 + 1), (int64_t(1) << 62) + 1,
+                            std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min()})
+      QVERIFY2(!square_side(n), std::to_string(n).c_str());
   }
 
   // --- weights -------------------------------------------------------------------------------------

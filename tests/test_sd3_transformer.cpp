@@ -1,5 +1,6 @@
 #include <fstream>
 #include <functional>
+#include <limits>
 
 #include <nlohmann/json.hpp>
 
@@ -166,6 +167,12 @@ class TestSD3Transformer : public QObject {
     QVERIFY(l35.qk_norm == "rms_norm" && l35.num_layers == 38 && l35.dual_attention_layers.empty());
     DIFFRACT_EXPECT_ERROR(models::SD3Transformer2DConfig::from_shapes({{"model.diffusion_model.x", {1}}}, "file.bin"),
                           "file.bin", "no tensor 'pos_embed.proj.weight'");
+    for (const int64_t cells : {int64_t(-156), int64_t(0), int64_t(63), std::numeric_limits<int64_t>::min()})
+      DIFFRACT_EXPECT_ERROR(models::SD3Transformer2DConfig::from_shapes({{"pos_embed.proj.weight", {64, 16, 2, 2}},
+                                                                         {"pos_embed.pos_embed", {1, cells, 64}}},
+                                                                        "grid.bin"),
+                            "grid.bin", "'pos_embed.pos_embed' has " + std::to_string(cells) + " positions",
+                            "not a square grid");
   }
 
   void rejectsBadFolders() {

@@ -14,6 +14,7 @@
 #include "core/io/safetensors.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/square_side.h"
 
 namespace diffract::io {
 
@@ -574,8 +575,9 @@ SD3SingleFileLayout detect_sd3_single_file(const std::vector<TensorShape>& tenso
   l.in_channels = x_embedder[1];
   l.patch_size = x_embedder[2];
   const auto& pos = need("pos_embed", 3);  // [1, G*G, D]
-  l.pos_embed_max_size = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(pos[1]))));
-  if (l.pos_embed_max_size * l.pos_embed_max_size != pos[1] || pos[2] != l.hidden_size)
+  const auto grid = square_side(pos[1]);
+  l.pos_embed_max_size = grid.value_or(0);
+  if (!grid || pos[2] != l.hidden_size)
     bad_shape("pos_embed", "[1, G*G, " + std::to_string(l.hidden_size) + "] (a square position grid)");
   const auto& context = need("context_embedder.weight", 2);  // [D, joint]
   if (context[0] != l.hidden_size) bad_shape("context_embedder.weight", "[" + std::to_string(l.hidden_size) + ", joint]");

@@ -15,6 +15,7 @@
 #include "core/models/common/layer_norm.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/square_side.h"
 
 namespace diffract::models {
 
@@ -154,9 +155,10 @@ SD3Transformer2DConfig SD3Transformer2DConfig::from_shapes(const std::vector<io:
   c.in_channels = proj[1];
   c.patch_size = proj[2];
   const auto& grid = need("pos_embed.pos_embed", 3);  // [1, G*G, D]
-  c.pos_embed_max_size = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(grid[1]))));
-  if (c.pos_embed_max_size * c.pos_embed_max_size != grid[1])
+  const auto side = square_side(grid[1]);
+  if (!side)
     throw Error(what + ": 'pos_embed.pos_embed' has " + std::to_string(grid[1]) + " positions, not a square grid");
+  c.pos_embed_max_size = *side;
   const auto& context = need("context_embedder.weight", 2);
   c.caption_projection_dim = context[0];
   c.joint_attention_dim = context[1];
