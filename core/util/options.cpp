@@ -49,9 +49,10 @@ const std::vector<Option>& build_table() {
        "LayerNorm through Diffract's CUDA kernel (0: ATen's)", {}},
       {Id::FusedAddLayerNorm, "DIFFRACT_FUSED_ADD_LAYER_NORM", Type::Flag, "1", Scope::Process,
        "a residual add and the next LayerNorm in one kernel", {}},
-      {Id::FusedModulation, "DIFFRACT_FUSED_MODULATION", Type::Flag, "1", Scope::Process,
+      {Id::FusedModulation, "DIFFRACT_FUSED_MODULATION", Type::Flag, "0", Scope::Process,
        "SD3's and Flux's adaptive LayerNorm (with the gated residual before it) and gated residuals as CUDA "
-       "kernels (0: ATen's ops)",
+       "kernels (1; off until `diffract-gpu-checks modulation` and a whole step have run on a GPU: "
+       "docs/benchmarks.md)",
        {}},
       {Id::FusedRmsNormRope, "DIFFRACT_FUSED_RMS_NORM_ROPE", Type::Flag, "1", Scope::Process,
        "Flux: the queries' and keys' RMSNorm and rotary embedding as one CUDA kernel (0: ATen's ops)", {}},

@@ -1866,6 +1866,7 @@ void check_gemm_gelu() {
 // The gated residual is ATen's bits; the normalisation differs only in its reduction order.
 void check_modulation() {
   need_gpus(1);
+  ::setenv("DIFFRACT_FUSED_MODULATION", "1", 1);  // off by default; read once, at the first call
   at::NoGradGuard no_grad;
   at::manual_seed(11);
   constexpr double eps = 1e-6;

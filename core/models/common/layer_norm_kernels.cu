@@ -50,9 +50,10 @@ __device__ __forceinline__ float rounded(float v) {
 
 // Block = kThreads / (32 * kWarpsPerRow) rows; thread t of a row holds vectors t, t + row
 // threads, ... (kVpt of them at most). Rows past the end still take part in the block's
-// barriers, so the loop stays uniform over the block. Modulation and the gate are uniform over
-// the launch, so their branches cost no divergence.
-template <typename T, int kVpt, int kWarpsPerRow, bool kAdd, bool kPrefetch>
+// barriers, so the loop stays uniform over the block. kMod: the modulated form (scale and shift
+// per batch item, the residual gated where a gate is given: uniform over the launch, so no
+// divergence); without it the affine kernel the UNets run, unchanged by the modulated one.
+template <typename T, int kVpt, int kWarpsPerRow, bool kAdd, bool kPrefetch, bool kMod>
 __global__ void layer_norm(LayerNormArgs a) {
   using V = Vec<T>;
   constexpr int kRowThreads = 32 * kWarpsPerRow;
@@ -61,14 +62,14 @@ __global__ void layer_norm(LayerNormArgs a) {
   const int slot = threadIdx.x / kRowThreads, t = threadIdx.x % kRowThreads;
   const int vectors = static_cast<int>(a.c / kPer);
   const float inv_c = 1.f / static_cast<float>(a.c);
-  const bool modulated = a.rows_per_batch > 0;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock; base < a.rows;
        base += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
     const int64_t row = base + slot;
     const bool live = row < a.rows;
-    const int64_t batch = modulated && live ? row / a.rows_per_batch : 0;
-    const V* __restrict__ w = static_cast<const V*>(a.weight) + batch * (a.scale_stride / kPer);
-    const V* __restrict__ b = static_cast<const V*>(a.bias) + batch * (a.shift_stride / kPer);
+    const int64_t batch = kMod && live ? row / a.rows_per_batch : 0;
+    const V* __restrict__ w = static_cast<const V*>(a.weight);
+    const V* __restrict__ b = static_cast<const V*>(a.bias);
+    if constexpr (kMod) w += batch * (a.scale_stride / kPer), b += batch * (a.shift_stride / kPer);
     const V* __restrict__ x = static_cast<const V*>(a.x) + row * vectors;
     V in[kVpt], wv[kVpt], bv[kVpt];
     float sum = 0.f;
@@ -81,7 +82,7 @@ __global__ void layer_norm(LayerNormArgs a) {
         if constexpr (kPrefetch) wv[i] = w[v], bv[i] = b[v];
         if constexpr (kAdd) {
           const V r = static_cast<const V*>(a.residual)[row * vectors + v];
-          if (a.gate) {
+          if (kMod && a.gate) {
             const V g = static_cast<const V*>(a.gate)[batch * (a.gate_stride / kPer) + v];
 #pragma unroll
             for (int j = 0; j < kPer; ++j)
@@ -117,7 +118,7 @@ __global__ void layer_norm(LayerNormArgs a) {
       if (live && v < vectors) {
         if constexpr (!kPrefetch) wv[i] = w[v], bv[i] = b[v];
         V out;
-        if (modulated) {
+        if constexpr (kMod) {
 #pragma unroll
           for (int j = 0; j < kPer; ++j) {
             const float n = rounded<T>((to_float(in[i].v[j]) - mean) * rstd);
@@ -168,13 +169,16 @@ int launch(const LayerNormArgs& a, cudaStream_t stream) {
   // With more rows, doing so costs time (registers, the loads competing with x's): measured
   // slower at SDXL's batch 2, faster at batch 1 (docs/benchmarks.md).
   const bool prefetch = blocks <= 2LL * a.sm_count;
-  if (a.residual) {
-    if (prefetch) layer_norm<T, kVpt, kWarpsPerRow, true, true><<<grid, kThreads, 0, stream>>>(a);
-    else layer_norm<T, kVpt, kWarpsPerRow, true, false><<<grid, kThreads, 0, stream>>>(a);
-  } else {
-    if (prefetch) layer_norm<T, kVpt, kWarpsPerRow, false, true><<<grid, kThreads, 0, stream>>>(a);
-    else layer_norm<T, kVpt, kWarpsPerRow, false, false><<<grid, kThreads, 0, stream>>>(a);
-  }
+  const auto go = [&](auto add, auto pre) {
+    if (a.rows_per_batch > 0)
+      layer_norm<T, kVpt, kWarpsPerRow, add.value, pre.value, true><<<grid, kThreads, 0, stream>>>(a);
+    else
+      layer_norm<T, kVpt, kWarpsPerRow, add.value, pre.value, false><<<grid, kThreads, 0, stream>>>(a);
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (a.residual) prefetch ? go(Yes{}, Yes{}) : go(Yes{}, No{});
+  else prefetch ? go(No{}, Yes{}) : go(No{}, No{});
   return static_cast<int>(cudaGetLastError());
 }
 
