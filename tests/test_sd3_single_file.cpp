@@ -170,6 +170,14 @@ class TestSD3SingleFile : public QObject {
       DIFFRACT_EXPECT_ERROR(io::detect_sd3_single_file(t, "grid.safetensors"), "grid.safetensors",
                             "model.diffusion_model.pos_embed", "a square position grid");
     }
+    // A patch of 0 (a zero-size tensor is a valid safetensors entry) or a non-square one.
+    for (const auto& patch : {std::pair<int64_t, int64_t>{0, 0}, {2, 3}, {-2, -2}}) {
+      auto t = mmdit(2, 64, 4, false, {});
+      t[0].shape[2] = patch.first;
+      t[0].shape[3] = patch.second;
+      DIFFRACT_EXPECT_ERROR(io::detect_sd3_single_file(t, "patch.safetensors"), "patch.safetensors",
+                            "x_embedder.proj.weight", "a patch p of at least 1");
+    }
   }
 
   // square_side: exact over int64, including the largest square it holds.

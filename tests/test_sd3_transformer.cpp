@@ -173,6 +173,21 @@ class TestSD3Transformer : public QObject {
                                                                         "grid.bin"),
                             "grid.bin", "'pos_embed.pos_embed' has " + std::to_string(cells) + " positions",
                             "not a square grid");
+    // A patch of 0 (a zero-size tensor is a valid safetensors entry) once divided by zero; a
+    // non-square patch, and an output that no patch * patch divides.
+    const auto shapes = [](std::vector<int64_t> proj, int64_t out) {
+      return std::vector<io::TensorShape>{{"pos_embed.proj.weight", proj},
+                                          {"pos_embed.pos_embed", {1, 16, 64}},
+                                          {"context_embedder.weight", {64, 32}},
+                                          {"time_text_embed.text_embedder.linear_1.weight", {64, 32}},
+                                          {"proj_out.weight", {out, 64}}};
+    };
+    for (const auto& proj : {std::vector<int64_t>{64, 16, 0, 0}, {64, 16, -2, -2}, {64, 16, 2, 3}})
+      DIFFRACT_EXPECT_ERROR(models::SD3Transformer2DConfig::from_shapes(shapes(proj, 64), "patch.bin"), "patch.bin",
+                            "'pos_embed.proj.weight' has shape", "a square patch of at least 1");
+    for (const int64_t out : {int64_t(0), int64_t(-64), int64_t(66)})
+      DIFFRACT_EXPECT_ERROR(models::SD3Transformer2DConfig::from_shapes(shapes({64, 16, 2, 2}, out), "out.bin"),
+                            "out.bin", "'proj_out.weight' has shape", "2 * 2 * out_channels");
   }
 
   void rejectsBadFolders() {

@@ -574,6 +574,8 @@ SD3SingleFileLayout detect_sd3_single_file(const std::vector<TensorShape>& tenso
   l.hidden_size = x_embedder[0];
   l.in_channels = x_embedder[1];
   l.patch_size = x_embedder[2];
+  if (l.patch_size <= 0 || x_embedder[3] != l.patch_size)
+    bad_shape("x_embedder.proj.weight", "[D, Cin, p, p] with a patch p of at least 1");
   const auto& pos = need("pos_embed", 3);  // [1, G*G, D]
   const auto grid = square_side(pos[1]);
   l.pos_embed_max_size = grid.value_or(0);

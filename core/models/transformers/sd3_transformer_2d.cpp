@@ -154,6 +154,9 @@ SD3Transformer2DConfig SD3Transformer2DConfig::from_shapes(const std::vector<io:
   const int64_t dim = proj[0];
   c.in_channels = proj[1];
   c.patch_size = proj[2];
+  if (c.patch_size <= 0 || proj[3] != c.patch_size)
+    throw Error(what + ": 'pos_embed.proj.weight' has shape " + shape_str(proj) +
+                ", expected a square patch of at least 1 in its last two dimensions");
   const auto& grid = need("pos_embed.pos_embed", 3);  // [1, G*G, D]
   const auto side = square_side(grid[1]);
   if (!side)
@@ -163,8 +166,11 @@ SD3Transformer2DConfig SD3Transformer2DConfig::from_shapes(const std::vector<io:
   c.caption_projection_dim = context[0];
   c.joint_attention_dim = context[1];
   c.pooled_projection_dim = need("time_text_embed.text_embedder.linear_1.weight", 2)[1];
-  const auto& out = need("proj_out.weight", 2);
-  c.out_channels = out[0] / (c.patch_size * c.patch_size);
+  const auto& out = need("proj_out.weight", 2);  // [p * p * Cout, D]
+  if (out[0] <= 0 || out[0] % c.patch_size != 0 || out[0] / c.patch_size % c.patch_size != 0)
+    throw Error(what + ": 'proj_out.weight' has shape " + shape_str(out) + ", expected [" +
+                std::to_string(c.patch_size) + " * " + std::to_string(c.patch_size) + " * out_channels, width]");
+  c.out_channels = out[0] / c.patch_size / c.patch_size;
   std::set<int64_t> layers, dual;
   const std::string prefix = "transformer_blocks.";
   for (const auto& [name, shape] : shapes) {
