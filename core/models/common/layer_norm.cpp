@@ -51,9 +51,11 @@ bool add_switch() {
   return on;
 }
 
-// ATen's ops, as the DiTs ran them before the kernels.
-at::Tensor aten_modulated_layer_norm(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps) {
-  return at::layer_norm(x, {x.size(-1)}, {}, {}, eps) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1);
+// ATen's ops: the path off CUDA (and where the kernels do not apply), and what they round like.
+at::Tensor aten_plain_layer_norm(const at::Tensor& x, double eps) { return at::layer_norm(x, {x.size(-1)}, {}, {}, eps); }
+
+at::Tensor aten_modulate(const at::Tensor& normed, const at::Tensor& scale, const at::Tensor& shift) {
+  return normed * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1);
 }
 
 at::Tensor aten_gated_residual(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& y) {
@@ -99,9 +101,10 @@ void launch(const kernels::LayerNormArgs& a, const c10::Device& device, const ch
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 
-// Whether the modulation kernels take x [B, T, D] with per-batch rows `per_batch` ([B, D] or
-// [1, D] each, unit stride along D); the batch strides (0 for a [1, D] row) go to `strides`.
-bool modulation_case(const at::Tensor& x, std::initializer_list<const at::Tensor*> per_batch,
+// Whether the modulation kernels take x [B, T, D], with y (when given) of x's shape, type and
+// device, and per-batch rows `per_batch` ([B, D] or [1, D] each, unit stride along D); the batch
+// strides (0 for a [1, D] row) go to `strides`.
+bool modulation_case(const at::Tensor& x, const at::Tensor* y, std::initializer_list<const at::Tensor*> per_batch,
                      std::vector<int64_t>& strides) {
   if (!modulation_switch() || !fused_switch() || !x.defined() || !x.is_cuda() || x.dim() != 3 || x.numel() == 0)
     return false;
@@ -110,6 +113,9 @@ bool modulation_case(const at::Tensor& x, std::initializer_list<const at::Tensor
   if (at::autocast::is_autocast_enabled(at::kCUDA)) return false;
   const bool grad = at::GradMode::is_enabled();
   if (grad && x.requires_grad()) return false;
+  if (y && (!y->defined() || y->sizes() != x.sizes() || y->scalar_type() != x.scalar_type() ||
+            y->device() != x.device() || (grad && y->requires_grad())))
+    return false;
   strides.clear();
   for (const auto* t : per_batch) {
     if (!t->defined() || t->scalar_type() != x.scalar_type() || t->device() != x.device() || t->dim() != 2 ||
@@ -240,29 +246,42 @@ std::pair<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at::
 bool modulation_uses_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift) {
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
   std::vector<int64_t> strides;
-  return modulation_case(x, {&scale, &shift}, strides);
+  return modulation_case(x, nullptr, {&scale, &shift}, strides);
 #else
   (void)x, (void)scale, (void)shift;
   return false;
 #endif
 }
 
-at::Tensor modulated_layer_norm(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps) {
+std::vector<at::Tensor> modulated_layer_norms(const at::Tensor& x,
+                                              const std::vector<std::pair<at::Tensor, at::Tensor>>& modulations,
+                                              double eps) {
   TORCH_CHECK(x.dim() == 3, "modulated_layer_norm: x must be [B, T, D], got ", x.sizes());
+  std::vector<at::Tensor> out;
+  at::Tensor normed;  // ATen's, made once for the modulations the kernel does not take
+  for (const auto& [scale, shift] : modulations) {
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
-  std::vector<int64_t> strides;
-  if (modulation_case(x, {&scale, &shift}, strides))
-    return launch_modulation(x, nullptr, nullptr, scale, shift, strides, eps).second;
+    std::vector<int64_t> strides;
+    if (modulation_case(x, nullptr, {&scale, &shift}, strides)) {
+      out.push_back(launch_modulation(x, nullptr, nullptr, scale, shift, strides, eps).second);
+      continue;
+    }
 #endif
-  return aten_modulated_layer_norm(x, scale, shift, eps);
+    if (!normed.defined()) normed = aten_plain_layer_norm(x, eps);
+    out.push_back(aten_modulate(normed, scale, shift));
+  }
+  return out;
+}
+
+at::Tensor modulated_layer_norm(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps) {
+  return modulated_layer_norms(x, {{scale, shift}}, eps).front();
 }
 
 at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& y) {
   TORCH_CHECK(x.dim() == 3, "gated_residual: x must be [B, T, D], got ", x.sizes());
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
   std::vector<int64_t> strides;
-  if (y.defined() && y.sizes() == x.sizes() && y.scalar_type() == x.scalar_type() && y.device() == x.device() &&
-      !(at::GradMode::is_enabled() && y.requires_grad()) && modulation_case(x, {&gate}, strides)) {
+  if (modulation_case(x, &y, {&gate}, strides)) {
     const c10::cuda::CUDAGuard guard(x.device());
     const auto in = contiguous_aligned(x), other = contiguous_aligned(y);
     auto out = at::empty(in.sizes(), in.options());
@@ -290,12 +309,11 @@ std::pair<at::Tensor, at::Tensor> gated_residual_modulated_layer_norm(const at::
   TORCH_CHECK(x.dim() == 3, "gated_residual_modulated_layer_norm: x must be [B, T, D], got ", x.sizes());
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
   std::vector<int64_t> strides;
-  if (y.defined() && y.sizes() == x.sizes() && y.scalar_type() == x.scalar_type() && y.device() == x.device() &&
-      !(at::GradMode::is_enabled() && y.requires_grad()) && modulation_case(x, {&scale, &shift, &gate}, strides))
+  if (modulation_case(x, &y, {&scale, &shift, &gate}, strides))
     return launch_modulation(x, &gate, &y, scale, shift, strides, eps);
 #endif
   auto h = aten_gated_residual(x, gate, y);
-  auto n = aten_modulated_layer_norm(h, scale, shift, eps);
+  auto n = aten_modulate(aten_plain_layer_norm(h, eps), scale, shift);
   return {h, n};
 }
 

@@ -5,6 +5,7 @@
 // one kernel of our own; elsewhere, and wherever autograd or autocast is in play, at::layer_norm.
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
@@ -45,6 +46,11 @@ std::pair<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at::
 // run on a GPU) one kernel that rounds as those ops do: only the normalisation's reduction order
 // differs.
 at::Tensor modulated_layer_norm(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps);
+// modulated_layer_norm of one x under several (scale, shift) pairs (SD3.5's two attentions): where
+// ATen's ops run, x is normalised once for all of them.
+std::vector<at::Tensor> modulated_layer_norms(const at::Tensor& x,
+                                              const std::vector<std::pair<at::Tensor, at::Tensor>>& modulations,
+                                              double eps);
 // x + gate * y for x, y [B, T, D] and gate [B, D] (or [1, D]): a DiT block's gated residual. On
 // CUDA one kernel with the bits of ATen's two ops.
 at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& y);

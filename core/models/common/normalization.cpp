@@ -1,5 +1,7 @@
 #include "core/models/common/normalization.h"
 
+#include <utility>
+
 #include <ATen/ATen.h>
 
 #include "core/models/common/layer_norm.h"
@@ -30,14 +32,17 @@ AdaNormZeroOut AdaLayerNormZeroImpl::forward(const at::Tensor& x, const at::Tens
   // x [B, T, D], temb [B, D] -> modulated x [B, T, D] (and x2), gates / shifts / scales [B, D]
   const auto m = linear->forward(at::silu(temb)).chunk(dual ? 9 : 6, 1);
   AdaNormZeroOut o;
-  o.x = modulated_layer_norm(x, m[1], m[0], kEps);
   o.gate_msa = m[2];
   o.shift_mlp = m[3];
   o.scale_mlp = m[4];
   o.gate_mlp = m[5];
   if (dual) {
-    o.x2 = modulated_layer_norm(x, m[7], m[6], kEps);
+    auto both = modulated_layer_norms(x, {{m[1], m[0]}, {m[7], m[6]}}, kEps);
+    o.x = std::move(both[0]);
+    o.x2 = std::move(both[1]);
     o.gate_msa2 = m[8];
+  } else {
+    o.x = modulated_layer_norm(x, m[1], m[0], kEps);
   }
   return o;
 }
