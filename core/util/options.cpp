@@ -49,10 +49,9 @@ const std::vector<Option>& build_table() {
        "LayerNorm through Diffract's CUDA kernel (0: ATen's)", {}},
       {Id::FusedAddLayerNorm, "DIFFRACT_FUSED_ADD_LAYER_NORM", Type::Flag, "1", Scope::Process,
        "a residual add and the next LayerNorm in one kernel", {}},
-      {Id::FusedModulation, "DIFFRACT_FUSED_MODULATION", Type::Flag, "0", Scope::Process,
+      {Id::FusedModulation, "DIFFRACT_FUSED_MODULATION", Type::Flag, "1", Scope::Process,
        "SD3's and Flux's adaptive LayerNorm (with the gated residual before it) and gated residuals as CUDA "
-       "kernels (1; off until `diffract-gpu-checks modulation` and a whole step have run on a GPU: "
-       "docs/benchmarks.md)",
+       "kernels (0: ATen's ops)",
        {}},
       {Id::FusedRmsNormRope, "DIFFRACT_FUSED_RMS_NORM_ROPE", Type::Flag, "1", Scope::Process,
        "Flux: the queries' and keys' RMSNorm and rotary embedding as one CUDA kernel (0: ATen's ops)", {}},
@@ -60,9 +59,9 @@ const std::vector<Option>& build_table() {
        "convolution biases (and residuals) added by Diffract's kernel", {}},
       {Id::GroupNormStatsBlocks, "DIFFRACT_GROUP_NORM_STATS_BLOCKS", Type::Integer, "2", Scope::Process,
        "GroupNorm's statistics pass: thread blocks per SM", {}},
-      {Id::GemmGelu, "DIFFRACT_GEMM_GELU", Type::Flag, "0", Scope::Process,
-       "SD3's and Flux's feed-forward GELU (tanh) in the first GEMM's cuBLASLt epilogue on CUDA (1; faster per GEMM, "
-       "off until a whole step is timed with it: docs/benchmarks.md)",
+      {Id::GemmGelu, "DIFFRACT_GEMM_GELU", Type::Flag, "1", Scope::Process,
+       "SD3's and Flux's feed-forward GELU (tanh) in the first GEMM's cuBLASLt epilogue on CUDA (0: a GELU pass "
+       "after the GEMM)",
        {}},
       {Id::GemmTuning, "DIFFRACT_GEMM_TUNING", Type::Flag, "1", Scope::Process,
        "time cuBLASLt's algorithms per linear-layer shape and keep the fastest (0: at::linear)", {}},

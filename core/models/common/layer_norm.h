@@ -42,9 +42,8 @@ std::pair<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at::
                                                  const at::Tensor& weight, const at::Tensor& bias, double eps);
 // The DiTs' adaptive LayerNorm: x [B, T, D] normalised over D without parameters, then
 // * (1 + scale) + shift, scale and shift [B, D] (or [1, D]) per batch item. ATen's three ops, or
-// on CUDA where the kernel applies and DIFFRACT_FUSED_MODULATION=1 (off by default until it has
-// run on a GPU) one kernel that rounds as those ops do: only the normalisation's reduction order
-// differs.
+// on CUDA where the kernel applies (and DIFFRACT_FUSED_MODULATION is not 0) one kernel that rounds
+// as those ops do: only the normalisation's reduction order differs.
 at::Tensor modulated_layer_norm(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps);
 // modulated_layer_norm of one x under several (scale, shift) pairs (SD3.5's two attentions): where
 // ATen's ops run, x is normalised once for all of them.

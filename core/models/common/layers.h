@@ -96,7 +96,7 @@ TORCH_MODULE(Embedding);
 // call inside a CUDA graph capture, with no choice made yet, stays with at::linear.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 // gelu(linear(x, weight, bias)) with the tanh approximation, what diffusers' GELU(approximate=
-// "tanh") projection runs. On CUDA with DIFFRACT_GEMM_GELU=1 the GELU runs in the epilogue of the
+// "tanh") projection runs. On CUDA (unless DIFFRACT_GEMM_GELU=0) the GELU runs in the epilogue of the
 // tuned cuBLASLt GEMM, on the fp32 accumulator before the rounding to x's dtype, instead of as a
 // pass of its own over the output (where the timing keeps cuBLASLt for the shape).
 at::Tensor linear_gelu_tanh(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
