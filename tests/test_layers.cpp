@@ -16,6 +16,7 @@
 #include "core/models/common/layer_norm.h"
 #include "core/models/common/layers.h"
 #include "core/models/common/patch_parallel.h"
+#include "core/models/common/strided_rows.h"
 #include "core/models/common/resnet.h"
 #include "core/models/text_encoders/clip_text.h"
 #include "core/models/transformers/sd3_transformer_2d.h"
@@ -590,6 +591,35 @@ class TestLayers : public QObject {
     QVERIFY(!models::geglu_halves_uses_kernel(g));
     QVERIFY(at::equal(models::geglu_halves(g), g.narrow(-1, 0, 8) * at::gelu(g.narrow(-1, 8, 8))));
     DIFFRACT_EXPECT_ERROR(models::geglu_halves(at::randn({3, 5})), "geglu_halves", "even");
+  }
+
+  // strided_rows: which views fold into one evenly strided run of rows (what the tanh GELU kernel
+  // and the tuned GEMM take), and gelu_tanh_out on the CPU (ATen's gelu_out into the view; the
+  // CUDA kernel is checked by diffract-gpu-checks geglu).
+  void stridedRowsAndGeluIntoAView() {
+    const auto rows = [](const at::Tensor& t) {
+      const auto r = models::strided_rows(t);
+      return r ? std::vector<int64_t>{r->rows, r->cols, r->stride} : std::vector<int64_t>{};
+    };
+    const auto buf = at::zeros({2, 6, 10});
+    QCOMPARE(rows(buf), (std::vector<int64_t>{12, 10, 10}));
+    QCOMPARE(rows(buf.narrow(2, 3, 7)), (std::vector<int64_t>{12, 7, 10}));  // a column slice
+    QCOMPARE(rows(buf.narrow(1, 0, 4)), std::vector<int64_t>{});             // tokens of each batch item
+    QCOMPARE(rows(buf.narrow(0, 1, 1).narrow(1, 0, 4)), (std::vector<int64_t>{4, 10, 10}));  // one item's
+    QCOMPARE(rows(buf.transpose(1, 2)), std::vector<int64_t>{});             // last dimension strided
+    QCOMPARE(rows(at::zeros({5})), (std::vector<int64_t>{1, 5, 5}));
+    QCOMPARE(rows(buf.select(1, 2).unsqueeze(1)), (std::vector<int64_t>{2, 10, 60}));  // a size-1 middle dim
+    QCOMPARE(rows(at::zeros({1, 10}).expand({3, 10})), (std::vector<int64_t>{3, 10, 0}));
+    QCOMPARE(rows(at::zeros({0, 4})), (std::vector<int64_t>{0, 4, 4}));
+
+    at::manual_seed(8);
+    auto joined = at::zeros({1, 5, 24});
+    const auto p = at::randn({1, 5, 40}) * 3;
+    auto mlp = joined.narrow(2, 8, 16);
+    QVERIFY(!models::gelu_tanh_uses_kernel(mlp, p.narrow(2, 24, 16)));
+    models::gelu_tanh_out(mlp, p.narrow(2, 24, 16));
+    QVERIFY(at::equal(joined.narrow(2, 8, 16), at::gelu(p.narrow(2, 24, 16), "tanh")));
+    QVERIFY(at::equal(joined.narrow(2, 0, 8), at::zeros({1, 5, 8})));
   }
 
   // LayerNorm as torch::nn::LayerNorm({dim}): the same parameter names and initial values, a

@@ -448,6 +448,52 @@ void check_geglu() {
   const double aten = time(false), fused = time(true);
   std::cout << "  [2, 4096, 5120] bf16: fused " << fused << " ms, ATen gelu + product " << aten << " ms\n";
   expect(fused < aten, "the fused gate is faster than ATen's two kernels");
+  models::set_fused_geglu(true);
+
+  // The tanh GELU into a column slice (Flux's single blocks: the MLP part of the fused projection
+  // into the buffer proj_out reads): ATen's values, element for element, where the kernel runs,
+  // and ATen's gelu_out where it does not (odd widths, misaligned slices, fp32 included).
+  struct GeluCase { int64_t tokens, in_cols, in_at, cols, out_cols, out_at; at::ScalarType dtype; bool kernel; };
+  const std::vector<GeluCase> cases = {
+      {4608, 21504, 9216, 12288, 15360, 3072, at::kBFloat16, true},  // Flux.1-dev 1024²
+      {4608, 21504, 9216, 12288, 15360, 3072, at::kHalf, true},
+      {77, 96, 32, 64, 96, 32, at::kFloat, true},
+      {9, 50, 3, 40, 44, 1, at::kBFloat16, true},  // off the 16-byte alignment: one element at a time
+      {9, 50, 8, 40, 44, 4, at::kBFloat16, true},  // aligned, strides no multiple of 8 elements
+  };
+  for (const auto& c : cases) {
+    const auto o = at::TensorOptions().device(dev).dtype(c.dtype);
+    const auto p = at::randn({1, c.tokens, c.in_cols}, o) * 3;
+    auto joined = at::zeros({1, c.tokens, c.out_cols}, o);
+    auto out = joined.narrow(2, c.out_at, c.cols);
+    const auto x = p.narrow(2, c.in_at, c.cols);
+    std::ostringstream what;
+    what << "gelu_tanh_out " << c10::toString(c.dtype) << " [1, " << c.tokens << ", " << c.cols << "] from columns "
+         << c.in_at << " of " << c.in_cols << " into " << c.out_at << " of " << c.out_cols;
+    expect(models::gelu_tanh_uses_kernel(out, x) == c.kernel, what.str() + (c.kernel ? " takes the kernel" : " is ATen's"));
+    models::gelu_tanh_out(out, x);
+    const auto want = at::gelu(x.contiguous(), "tanh");
+    const auto diff = (out.to(at::kFloat) - want.to(at::kFloat)).abs();
+    const int64_t differing = diff.ne(0).sum().item<int64_t>();
+    const double rel = diff.max().item<double>() / want.abs().max().to(at::kFloat).item<double>();
+    std::cout << "  " << what.str() << ": " << differing << " of " << want.numel() << " elements differ from ATen's, max "
+              << rel << " of max |out|\n";
+    expect(rel < (c.dtype == at::kFloat ? 1e-6 : 1e-2), what.str() + " equals ATen's gelu up to rounding");
+    const auto outside = at::cat({joined.narrow(2, 0, c.out_at), joined.narrow(2, c.out_at + c.cols, c.out_cols - c.out_at - c.cols)}, 2);
+    expect(outside.abs().max().item<double>() == 0, what.str() + " writes nothing outside its columns");
+  }
+  {
+    const auto o = at::TensorOptions().device(dev).dtype(at::kBFloat16);
+    const auto p = at::randn({1, 4608, 21504}, o);
+    auto joined = at::empty({1, 4608, 15360}, o);
+    auto out = joined.narrow(2, 3072, 12288);
+    const auto x = p.narrow(2, 9216, 12288);
+    const double ours = graph_ms_per_call([&] { models::gelu_tanh_out(out, x); }, 50);
+    const double aten = graph_ms_per_call([&] { at::gelu_out(out, x, "tanh"); }, 50);
+    std::cout << "  gelu_tanh_out [1, 4608, 12288] bf16 column slices, ms per call: ours " << ours << ", ATen's gelu_out "
+              << aten << "\n";
+    expect(ours < aten, "the tanh GELU over column slices is faster than ATen's gelu_out");
+  }
 }
 
 // Conv2d's bias (and residual) kernel against an fp32 reference, NCHW and channels-last, each
@@ -1866,7 +1912,7 @@ void check_gemm_gelu() {
 // The gated residual is ATen's bits; the normalisation differs only in its reduction order.
 void check_modulation() {
   need_gpus(1);
-  ::setenv("DIFFRACT_FUSED_MODULATION", "1", 1);  // off by default; read once, at the first call
+  ::setenv("DIFFRACT_FUSED_MODULATION", "1", 1);  // the default, unless the caller set 0; read once, at the first call
   at::NoGradGuard no_grad;
   at::manual_seed(11);
   constexpr double eps = 1e-6;

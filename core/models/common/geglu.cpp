@@ -11,6 +11,7 @@
 #include "core/models/common/geglu_kernels.h"
 #include "core/models/common/kernel_dtype.h"
 #endif
+#include "core/models/common/strided_rows.h"
 #include "core/util/error.h"
 
 namespace diffract::models {
@@ -38,6 +39,38 @@ bool geglu_halves_uses_kernel(const at::Tensor& y) {
   (void)y;
   return false;
 #endif
+}
+
+bool gelu_tanh_uses_kernel(const at::Tensor& out, const at::Tensor& x) {
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  if (!x.is_cuda() || !g_fused || (at::GradMode::is_enabled() && x.requires_grad())) return false;
+  if (out.device() != x.device() || out.sizes() != x.sizes() || out.scalar_type() != x.scalar_type() ||
+      !kernel_dtype(x.scalar_type()))
+    return false;
+  const auto xr = strided_rows(x), outr = strided_rows(out);
+  // Rows of out that overlap would be written by several threads.
+  return xr && outr && xr->rows == outr->rows && (outr->rows <= 1 || outr->stride >= outr->cols);
+#else
+  (void)out;
+  (void)x;
+  return false;
+#endif
+}
+
+void gelu_tanh_out(at::Tensor& out, const at::Tensor& x) {
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  if (gelu_tanh_uses_kernel(out, x)) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const auto xr = *strided_rows(x), outr = *strided_rows(out);
+    const int rc = kernels::gelu_tanh_rows_forward(x.data_ptr(), xr.stride, out.data_ptr(), outr.stride, xr.rows, xr.cols,
+                                                   *kernel_dtype(x.scalar_type()),
+                                                   at::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    if (rc != 0)
+      throw Error("GELU CUDA kernel failed to launch: " + std::string(cudaGetErrorString(static_cast<cudaError_t>(rc))));
+    return;
+  }
+#endif
+  at::gelu_out(out, x, "tanh");
 }
 
 at::Tensor geglu_halves(const at::Tensor& y) {

@@ -1,6 +1,6 @@
 #pragma once
-// GEGLU's gate for the feed-forward blocks (attention.cpp): one CUDA kernel where the build has
-// the kernels, ATen's two elsewhere.
+// GEGLU's gate for the feed-forward blocks (attention.cpp), and the tanh GELU into a strided
+// view: CUDA kernels where the build has them, ATen's ops elsewhere.
 #include <ATen/core/Tensor.h>
 
 namespace diffract::models {
@@ -13,6 +13,13 @@ at::Tensor geglu(const at::Tensor& a, const at::Tensor& b);
 at::Tensor geglu_halves(const at::Tensor& y);
 // Whether geglu_halves runs the kernel for y.
 bool geglu_halves_uses_kernel(const at::Tensor& y);
+// out = gelu(x, "tanh") for x and out of one shape, written into out (a view, e.g. a column
+// slice of a buffer another op fills too). Where both fold into evenly strided rows (strided_rows.h)
+// one vectorised kernel with ATen's arithmetic, whose element-wise kernel takes such slices an
+// element at a time; at::gelu_out elsewhere.
+void gelu_tanh_out(at::Tensor& out, const at::Tensor& x);
+// Whether gelu_tanh_out runs the kernel for these tensors.
+bool gelu_tanh_uses_kernel(const at::Tensor& out, const at::Tensor& x);
 // Whether CUDA tensors take the fused kernel (built with it, and not switched off).
 bool fused_geglu_available();
 void set_fused_geglu(bool on);

@@ -1,6 +1,7 @@
 #include "core/models/common/geglu_kernels.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -67,6 +68,56 @@ __global__ void geglu_halves(const T* __restrict__ y, T* __restrict__ out, int64
   }
 }
 
+// ATen's tanh GELU, operation for operation (its constants rounded to float as it rounds them).
+__device__ __forceinline__ float gelu_tanh(float x) {
+  constexpr float kBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);
+  constexpr float kKappa = 0.044715f;
+  const float cube = x * x * x;
+  const float inner = kBeta * (x + kKappa * cube);
+  return 0.5f * x * (1.f + tanhf(inner));
+}
+
+// Element i of the output is row i / cols, column i % cols; 16-byte vectors when the columns, the
+// strides and the pointers allow, else one element at a time.
+template <typename T>
+__global__ void gelu_tanh_rows(const T* __restrict__ x, int64_t x_stride, T* __restrict__ out, int64_t out_stride,
+                               int64_t rows, int64_t cols, bool vec) {
+  constexpr int per = 16 / sizeof(T);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (vec) {
+    struct alignas(16) V { T v[per]; };
+    const int64_t row_vectors = cols / per, vectors = rows * row_vectors;
+    for (int64_t i = first; i < vectors; i += stride) {
+      const int64_t r = i / row_vectors, c = (i - r * row_vectors) * per;
+      const V vx = *reinterpret_cast<const V*>(x + r * x_stride + c);
+      V vo;
+#pragma unroll
+      for (int k = 0; k < per; ++k) vo.v[k] = from_float<T>(gelu_tanh(to_float(vx.v[k])));
+      *reinterpret_cast<V*>(out + r * out_stride + c) = vo;
+    }
+    return;
+  }
+  for (int64_t i = first; i < rows * cols; i += stride) {
+    const int64_t r = i / cols, c = i - r * cols;
+    out[r * out_stride + c] = from_float<T>(gelu_tanh(to_float(x[r * x_stride + c])));
+  }
+}
+
+template <typename T>
+int launch_gelu_tanh_rows(const void* x, int64_t x_stride, void* out, int64_t out_stride, int64_t rows, int64_t cols,
+                          cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return 0;
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const int64_t per = 16 / sizeof(T);
+  const bool vec = aligned(x) && aligned(out) && cols % per == 0 && x_stride % per == 0 && out_stride % per == 0;
+  const int64_t work = vec ? rows * cols / per : rows * cols;
+  const int blocks = static_cast<int>(std::min<int64_t>((work + kThreads - 1) / kThreads, 65535));
+  gelu_tanh_rows<T><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(x), x_stride, static_cast<T*>(out),
+                                                      out_stride, rows, cols, vec);
+  return static_cast<int>(cudaGetLastError());
+}
+
 template <typename T>
 int launch_halves(const void* y, void* out, int64_t rows, int64_t inner, cudaStream_t stream) {
   if (rows <= 0 || inner <= 0) return 0;
@@ -93,6 +144,12 @@ int launch(const void* a, const void* b, void* out, int64_t n, cudaStream_t stre
 }
 
 }  // namespace
+
+int gelu_tanh_rows_forward(const void* x, int64_t x_stride, void* out, int64_t out_stride, int64_t rows, int64_t cols,
+                           DType dtype, CUstream_st* stream) {
+  return with_element_type(
+      dtype, [&](auto v) { return launch_gelu_tanh_rows<decltype(v)>(x, x_stride, out, out_stride, rows, cols, stream); });
+}
 
 int geglu_forward(const void* a, const void* b, void* out, int64_t n, DType dtype, CUstream_st* stream) {
   return with_element_type(dtype, [&](auto v) { return launch<decltype(v)>(a, b, out, n, stream); });

@@ -15,6 +15,7 @@
 
 #include "core/models/common/fp8_linear.h"
 #include "core/models/common/patch_parallel.h"
+#include "core/models/common/strided_rows.h"
 #include "core/util/error.h"
 #include "core/util/options.h"
 
@@ -151,11 +152,19 @@ namespace {
 at::Tensor tuned_linear([[maybe_unused]] const at::Tensor& x, [[maybe_unused]] const at::Tensor& weight,
                         [[maybe_unused]] const at::Tensor& bias, [[maybe_unused]] bool gelu) {
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
-  if (x.is_cuda() && x.dim() >= 2 && x.is_contiguous() && gemm_tuning_enabled() &&
+  if (x.is_cuda() && x.dim() >= 2 && gemm_tuning_enabled() &&
       !(at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() ||
                                        (bias.defined() && bias.requires_grad())))) {
+    // Rows that fold into no single stride (SD3's image tokens sliced from its joint sequence,
+    // batch 2): at::linear copies them too, then runs the GEMM and adds the bias in a pass of its
+    // own, where the tuned GEMM adds it in its epilogue.
+    at::Tensor rows = x;
+    if (!x.is_contiguous()) {
+      if (x.dim() < 3 || x.stride(-1) != 1 || strided_rows(x)) return {};
+      rows = x.contiguous();
+    }
     at::Tensor out;
-    if (tuned_linear_cuda(x.view({-1, x.size(-1)}), weight, bias, out, gelu)) {
+    if (tuned_linear_cuda(rows.view({-1, x.size(-1)}), weight, bias, out, gelu)) {
       auto sizes = x.sizes().vec();
       sizes.back() = weight.size(0);
       return out.view(sizes);

@@ -12,6 +12,7 @@
 #include "core/io/json_file.h"
 #include "core/io/weights.h"
 #include "core/models/common/cancel_point.h"
+#include "core/models/common/geglu.h"
 #include "core/models/common/layer_norm.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
@@ -288,11 +289,11 @@ at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& x, const at
   at::Tensor attn_out;
   if (in_ && in_->intact()) {
     const auto p = in_->project(n.x);
-    at::gelu_out(mlp, in_->part(p, this, 3), "tanh");
+    gelu_tanh_out(mlp, in_->part(p, this, 3));
     attn_out =
         attn->attend(in_->part(p, this, 0), in_->part(p, this, 1), in_->part(p, this, 2), {}, rope, shard, patch).first;
   } else {
-    at::gelu_out(mlp, proj_mlp->forward(n.x), "tanh");
+    gelu_tanh_out(mlp, proj_mlp->forward(n.x));
     attn_out = attn->forward(n.x, {}, rope, shard, patch).first;
   }
   joined.narrow(2, 0, dim).copy_(attn_out);
