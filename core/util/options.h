@@ -32,6 +32,8 @@ enum class Id {
   FusedAddLayerNorm,
   FusedModulation,
   FusedRmsNormRope,
+  RmsNormRopeVector,
+  GeluSliceKernel,
   ConvBiasKernel,
   GroupNormStatsBlocks,
   GemmGelu,

@@ -369,6 +369,7 @@ void check_graphs() {
 // time of both at SDXL's widest feed-forward.
 void check_geglu() {
   need_gpus(1);
+  ::setenv("DIFFRACT_GELU_SLICE_KERNEL", "1", 1);  // off by default; read once, at the first call
   expect(models::fused_geglu_available(), "built with the GEGLU kernel");
   {
     at::AutoGradMode grad(true);
@@ -1609,6 +1610,7 @@ double rel(const at::Tensor& a, const at::Tensor& b) { return ((a.cpu() - b.cpu(
 // against the same weights run apart through ATen, and against float32.
 void check_flux() {
   need_gpus(1);
+  ::setenv("DIFFRACT_RMS_NORM_ROPE_VECTOR", "1", 1);  // off by default; read once, at the first call
   at::NoGradGuard no_grad;
   const at::Device dev("cuda:0");
   expect(models::fused_rms_norm_rope_available(), "built with the RMSNorm + rope kernel");

@@ -13,6 +13,7 @@
 #endif
 #include "core/models/common/strided_rows.h"
 #include "core/util/error.h"
+#include "core/util/options.h"
 
 namespace diffract::models {
 
@@ -43,7 +44,8 @@ bool geglu_halves_uses_kernel(const at::Tensor& y) {
 
 bool gelu_tanh_uses_kernel(const at::Tensor& out, const at::Tensor& x) {
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
-  if (!x.is_cuda() || !g_fused || (at::GradMode::is_enabled() && x.requires_grad())) return false;
+  static const bool on = options::flag(options::Id::GeluSliceKernel);  // process scope: read once
+  if (!on || !x.is_cuda() || !g_fused || (at::GradMode::is_enabled() && x.requires_grad())) return false;
   if (out.device() != x.device() || out.sizes() != x.sizes() || out.scalar_type() != x.scalar_type() ||
       !kernel_dtype(x.scalar_type()))
     return false;

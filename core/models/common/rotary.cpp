@@ -72,6 +72,8 @@ void rms_norm_rope_into(RMSNormImpl& norm, const at::Tensor& x, const Rope& rope
     a.batch = x.size(0), a.tokens = x.size(1), a.heads = x.size(2), a.dim = x.size(3);
     a.eps = static_cast<float>(norm.eps);
     a.dtype = *dtype;
+    static const bool vectorise = options::flag(options::Id::RmsNormRopeVector);  // process scope: read once
+    a.vectorise = vectorise;
     const int rc = kernels::rms_norm_rope_forward(a, at::cuda::getCurrentCUDAStream(x.device().index()).stream());
     if (rc != 0)
       throw Error("RMSNorm + rope CUDA kernel failed to launch: " +

@@ -18,16 +18,30 @@ constexpr int kMaxPairs = 8;     // per lane: dim up to 2 * 32 * 8 = 512
 template <typename T>
 __device__ __forceinline__ float rounded(float v) { return to_float(from_float<T>(v)); }
 
+// This warp's row (one head of one token): its input, its output and its token; x null past the
+// last row.
+template <typename T>
+struct Row {
+  const T* x = nullptr;
+  T* out = nullptr;
+  int64_t token = 0;
+};
+
+template <typename T>
+__device__ __forceinline__ Row<T> row_of(const RmsNormRopeArgs& a) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (row >= a.batch * a.tokens * a.heads) return {};
+  const int64_t h = row % a.heads, t = (row / a.heads) % a.tokens, b = row / (a.heads * a.tokens);
+  return {static_cast<const T*>(a.x) + b * a.x_stride_b + t * a.x_stride_t + h * a.x_stride_h,
+          static_cast<T*>(a.out) + b * a.out_stride_b + t * a.out_stride_t + h * a.dim, t};
+}
+
 template <typename T>
 __global__ void rms_norm_rope(RmsNormRopeArgs a) {
   const int lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  const int64_t rows = a.batch * a.tokens * a.heads;
-  if (row >= rows) return;
-  const int64_t h = row % a.heads, t = (row / a.heads) % a.tokens, b = row / (a.heads * a.tokens);
-  const T* x = static_cast<const T*>(a.x) + b * a.x_stride_b + t * a.x_stride_t + h * a.x_stride_h;
+  const Row<T> row = row_of<T>(a);
+  if (!row.x) return;
   const T* w = static_cast<const T*>(a.weight);
-  T* out = static_cast<T*>(a.out) + b * a.out_stride_b + t * a.out_stride_t + h * a.dim;
   const int64_t pairs = a.dim / 2;
   float v0[kMaxPairs], v1[kMaxPairs];
   float ss = 0.f;
@@ -36,24 +50,24 @@ __global__ void rms_norm_rope(RmsNormRopeArgs a) {
     const int64_t p = lane + 32 * i;
     v0[i] = v1[i] = 0.f;
     if (p < pairs) {
-      v0[i] = to_float(x[2 * p]);
-      v1[i] = to_float(x[2 * p + 1]);
+      v0[i] = to_float(row.x[2 * p]);
+      v1[i] = to_float(row.x[2 * p + 1]);
       ss += v0[i] * v0[i] + v1[i] * v1[i];
     }
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   const float r = rsqrtf(ss / static_cast<float>(a.dim) + a.eps);
-  const float* cs = a.cos + t * a.dim;
-  const float* sn = a.sin + t * a.dim;
+  const float* cs = a.cos + row.token * a.dim;
+  const float* sn = a.sin + row.token * a.dim;
 #pragma unroll
   for (int i = 0; i < kMaxPairs; ++i) {
     const int64_t p = lane + 32 * i;
     if (p >= pairs) continue;
     const float y0 = rounded<T>(__fmul_rn(rounded<T>(__fmul_rn(v0[i], r)), to_float(w[2 * p])));
     const float y1 = rounded<T>(__fmul_rn(rounded<T>(__fmul_rn(v1[i], r)), to_float(w[2 * p + 1])));
-    out[2 * p] = from_float<T>(__fadd_rn(__fmul_rn(y0, cs[2 * p]), __fmul_rn(-y1, sn[2 * p])));
-    out[2 * p + 1] = from_float<T>(__fadd_rn(__fmul_rn(y1, cs[2 * p + 1]), __fmul_rn(y0, sn[2 * p + 1])));
+    row.out[2 * p] = from_float<T>(__fadd_rn(__fmul_rn(y0, cs[2 * p]), __fmul_rn(-y1, sn[2 * p])));
+    row.out[2 * p + 1] = from_float<T>(__fadd_rn(__fmul_rn(y1, cs[2 * p + 1]), __fmul_rn(y0, sn[2 * p + 1])));
   }
 }
 
@@ -65,13 +79,8 @@ template <typename T>
 __global__ void rms_norm_rope_vec(RmsNormRopeArgs a) {
   struct alignas(4 * sizeof(T)) V { T v[4]; };
   const int lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  const int64_t rows = a.batch * a.tokens * a.heads;
-  if (row >= rows) return;
-  const int64_t h = row % a.heads, t = (row / a.heads) % a.tokens, b = row / (a.heads * a.tokens);
-  const T* x = static_cast<const T*>(a.x) + b * a.x_stride_b + t * a.x_stride_t + h * a.x_stride_h;
-  const T* w = static_cast<const T*>(a.weight);
-  T* out = static_cast<T*>(a.out) + b * a.out_stride_b + t * a.out_stride_t + h * a.dim;
+  const Row<T> row = row_of<T>(a);
+  if (!row.x) return;
   constexpr int kMaxQuads = kMaxPairs / 2;
   const int64_t quads = a.dim / 4;
   float v[kMaxQuads][4];
@@ -80,7 +89,7 @@ __global__ void rms_norm_rope_vec(RmsNormRopeArgs a) {
   for (int i = 0; i < kMaxQuads; ++i) {
     const int64_t q = lane + 32 * i;
     if (q < quads) {
-      const V vx = reinterpret_cast<const V*>(x)[q];
+      const V vx = reinterpret_cast<const V*>(row.x)[q];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         v[i][k] = to_float(vx.v[k]);
@@ -91,13 +100,13 @@ __global__ void rms_norm_rope_vec(RmsNormRopeArgs a) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   const float r = rsqrtf(ss / static_cast<float>(a.dim) + a.eps);
-  const float4* cs = reinterpret_cast<const float4*>(a.cos + t * a.dim);
-  const float4* sn = reinterpret_cast<const float4*>(a.sin + t * a.dim);
+  const float4* cs = reinterpret_cast<const float4*>(a.cos + row.token * a.dim);
+  const float4* sn = reinterpret_cast<const float4*>(a.sin + row.token * a.dim);
 #pragma unroll
   for (int i = 0; i < kMaxQuads; ++i) {
     const int64_t q = lane + 32 * i;
     if (q >= quads) continue;
-    const V vw = reinterpret_cast<const V*>(w)[q];
+    const V vw = reinterpret_cast<const V*>(a.weight)[q];
     const float4 c = cs[q], sv = sn[q];
     const float cc[4] = {c.x, c.y, c.z, c.w}, ssn[4] = {sv.x, sv.y, sv.z, sv.w};
     float y[4];
@@ -109,7 +118,7 @@ __global__ void rms_norm_rope_vec(RmsNormRopeArgs a) {
       vo.v[k] = from_float<T>(__fadd_rn(__fmul_rn(y[k], cc[k]), __fmul_rn(-y[k + 1], ssn[k])));
       vo.v[k + 1] = from_float<T>(__fadd_rn(__fmul_rn(y[k + 1], cc[k + 1]), __fmul_rn(y[k], ssn[k + 1])));
     }
-    reinterpret_cast<V*>(out)[q] = vo;
+    reinterpret_cast<V*>(row.out)[q] = vo;
   }
 }
 
@@ -132,7 +141,7 @@ int rms_norm_rope_forward(const RmsNormRopeArgs& a, CUstream_st* stream) {
   const auto blocks = static_cast<unsigned>((rows + kWarps - 1) / kWarps);
   return with_element_type(a.dtype, [&](auto v) {
     using T = decltype(v);
-    if (vectorisable<T>(a)) {
+    if (a.vectorise && vectorisable<T>(a)) {
       rms_norm_rope_vec<T><<<blocks, kWarps * 32, 0, stream>>>(a);
     } else {
       rms_norm_rope<T><<<blocks, kWarps * 32, 0, stream>>>(a);

@@ -21,6 +21,7 @@ struct RmsNormRopeArgs {
   int64_t batch = 0, tokens = 0, heads = 0, dim = 0;  // dim even, at most 512
   float eps = 1e-6f;
   DType dtype = DType::BFloat16;
+  bool vectorise = false;        // four elements a lane where the pointers and strides allow
 };
 
 // Per row of D: y = x * rsqrt(mean(x²) + eps) in fp32, rounded to the element type, times the
