@@ -3,6 +3,7 @@
 #include <atomic>
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
 #include <ATen/cuda/CUDAContext.h>
@@ -50,8 +51,10 @@ bool gelu_tanh_uses_kernel(const at::Tensor& out, const at::Tensor& x) {
       !kernel_dtype(x.scalar_type()))
     return false;
   const auto xr = strided_rows(x), outr = strided_rows(out);
-  // Rows of out that overlap would be written by several threads.
-  return xr && outr && xr->rows == outr->rows && (outr->rows <= 1 || outr->stride >= outr->cols);
+  // Rows of out that overlap would be written by several threads; out over part of x would be
+  // read after it is written (ATen's gelu_out refuses that case with its own message).
+  return xr && outr && xr->rows == outr->rows && (outr->rows <= 1 || outr->stride >= outr->cols) &&
+         at::get_overlap_status(out, x) != at::MemOverlapStatus::Partial;
 #else
   (void)out;
   (void)x;
