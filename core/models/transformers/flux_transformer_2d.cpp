@@ -210,7 +210,12 @@ std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::attend(const at::Tensor& q_
     const auto [cq, ck, cv] = project_qkv(added_qkv_.get(), this, *add_q_proj, *add_k_proj, *add_v_proj, context);
     rms_norm_rope_into(*norm_added_q, heads(cq), rope, q, 0);
     rms_norm_rope_into(*norm_added_k, heads(ck), rope, k, 0);
-    v = at::cat({heads(cv), heads(v_in)}, 1);
+    // Two copies into one buffer rather than ATen's cat of these column slices of the
+    // projections: in Flux.1-dev's profile the cat took 95 µs a call, copy_ 38 µs for a slice of
+    // the same size into a buffer (the single blocks' attention output).
+    v = at::empty({b, s0 + v_in.size(1), h, d}, v_in.options());
+    v.narrow(1, 0, s0).copy_(heads(cv));
+    v.narrow(1, s0, v_in.size(1)).copy_(heads(v_in));
   } else {
     v = heads(v_in);
   }
