@@ -146,25 +146,27 @@ at::Tensor conv2d(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 
 namespace {
 
+// x, or on CUDA a contiguous copy of x where its rows fold into no single stride (SD3's image
+// tokens sliced from its joint sequence, batch 2). at::linear copies such an input too, then runs
+// the GEMM without the bias and adds it in a pass of its own; the copy lets the tuned GEMM (or
+// at::linear's addmm) add it in the epilogue. Transposed inputs and 2-D column slices stay as they
+// are: the GEMMs read them in place.
+at::Tensor gemm_input(const at::Tensor& x) {
+  if (!x.is_cuda() || x.is_contiguous() || x.dim() < 3 || x.stride(-1) != 1 || strided_rows(x)) return x;
+  return x.contiguous();
+}
+
 // x @ W^T + b (gelu_tanh of it with `gelu`) through the tuned cuBLASLt GEMM, or undefined where
-// that path does not take the case (not CUDA, tuning off, autograd recording, or the timing kept
-// ATen for the shape).
+// that path does not take the case (not CUDA, x not contiguous, tuning off, autograd recording,
+// or the timing kept ATen for the shape).
 at::Tensor tuned_linear([[maybe_unused]] const at::Tensor& x, [[maybe_unused]] const at::Tensor& weight,
                         [[maybe_unused]] const at::Tensor& bias, [[maybe_unused]] bool gelu) {
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
-  if (x.is_cuda() && x.dim() >= 2 && gemm_tuning_enabled() &&
+  if (x.is_cuda() && x.dim() >= 2 && x.is_contiguous() && gemm_tuning_enabled() &&
       !(at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() ||
                                        (bias.defined() && bias.requires_grad())))) {
-    // Rows that fold into no single stride (SD3's image tokens sliced from its joint sequence,
-    // batch 2): at::linear copies them too, then runs the GEMM and adds the bias in a pass of its
-    // own, where the tuned GEMM adds it in its epilogue.
-    at::Tensor rows = x;
-    if (!x.is_contiguous()) {
-      if (x.dim() < 3 || x.stride(-1) != 1 || strided_rows(x)) return {};
-      rows = x.contiguous();
-    }
     at::Tensor out;
-    if (tuned_linear_cuda(rows.view({-1, x.size(-1)}), weight, bias, out, gelu)) {
+    if (tuned_linear_cuda(x.view({-1, x.size(-1)}), weight, bias, out, gelu)) {
       auto sizes = x.sizes().vec();
       sizes.back() = weight.size(0);
       return out.view(sizes);
@@ -177,17 +179,19 @@ at::Tensor tuned_linear([[maybe_unused]] const at::Tensor& x, [[maybe_unused]] c
 }  // namespace
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  auto y = tuned_linear(x, weight, bias, /*gelu=*/false);
-  return y.defined() ? y : at::linear(x, weight, bias);
+  const auto in = gemm_input(x);
+  auto y = tuned_linear(in, weight, bias, /*gelu=*/false);
+  return y.defined() ? y : at::linear(in, weight, bias);
 }
 
 at::Tensor linear_gelu_tanh(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   static const bool in_epilogue = options::flag(options::Id::GemmGelu);  // process scope: read once
+  const auto in = gemm_input(x);
   if (in_epilogue) {
-    auto y = tuned_linear(x, weight, bias, /*gelu=*/true);
+    auto y = tuned_linear(in, weight, bias, /*gelu=*/true);
     if (y.defined()) return y;
   }
-  return at::gelu(linear(x, weight, bias), "tanh");
+  return at::gelu(linear(in, weight, bias), "tanh");
 }
 
 Conv2dImpl::Conv2dImpl(const Conv2dOptions& o) : options(o), construction_index(next_construction_index()) {
