@@ -1,6 +1,8 @@
 #include "core/models/common/geglu.h"
 
 #include <atomic>
+#include <optional>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
@@ -43,30 +45,38 @@ bool geglu_halves_uses_kernel(const at::Tensor& y) {
 #endif
 }
 
-bool gelu_tanh_uses_kernel(const at::Tensor& out, const at::Tensor& x) {
+namespace {
+
+// x's and out's rows where gelu_tanh_out's kernel takes them, nothing otherwise.
+std::optional<std::pair<StridedRows, StridedRows>> gelu_kernel_rows([[maybe_unused]] const at::Tensor& out,
+                                                                    [[maybe_unused]] const at::Tensor& x) {
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
   static const bool on = options::flag(options::Id::GeluSliceKernel);  // process scope: read once
-  if (!on || !x.is_cuda() || !g_fused || (at::GradMode::is_enabled() && x.requires_grad())) return false;
+  if (!on || !x.is_cuda() || !g_fused || (at::GradMode::is_enabled() && x.requires_grad())) return std::nullopt;
   if (out.device() != x.device() || out.sizes() != x.sizes() || out.scalar_type() != x.scalar_type() ||
       !kernel_dtype(x.scalar_type()))
-    return false;
+    return std::nullopt;
   const auto xr = strided_rows(x), outr = strided_rows(out);
   // Rows of out that overlap would be written by several threads; out over part of x would be
   // read after it is written (ATen's gelu_out refuses that case with its own message).
-  return xr && outr && xr->rows == outr->rows && (outr->rows <= 1 || outr->stride >= outr->cols) &&
-         at::get_overlap_status(out, x) != at::MemOverlapStatus::Partial;
+  if (!xr || !outr || xr->rows != outr->rows || (outr->rows > 1 && outr->stride < outr->cols) ||
+      at::get_overlap_status(out, x) == at::MemOverlapStatus::Partial)
+    return std::nullopt;
+  return std::pair{*xr, *outr};
 #else
-  (void)out;
-  (void)x;
-  return false;
+  return std::nullopt;
 #endif
 }
 
+}  // namespace
+
+bool gelu_tanh_uses_kernel(const at::Tensor& out, const at::Tensor& x) { return gelu_kernel_rows(out, x).has_value(); }
+
 void gelu_tanh_out(at::Tensor& out, const at::Tensor& x) {
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
-  if (gelu_tanh_uses_kernel(out, x)) {
+  if (const auto rows = gelu_kernel_rows(out, x)) {
+    const auto& [xr, outr] = *rows;
     const c10::cuda::CUDAGuard guard(x.device());
-    const auto xr = *strided_rows(x), outr = *strided_rows(out);
     const int rc = kernels::gelu_tanh_rows_forward(x.data_ptr(), xr.stride, out.data_ptr(), outr.stride, xr.rows, xr.cols,
                                                    *kernel_dtype(x.scalar_type()),
                                                    at::cuda::getCurrentCUDAStream(x.device().index()).stream());
