@@ -544,7 +544,12 @@ json run_config(const BenchConfig& c, int batch, int runs, const std::string& de
     log::get("bench").info(sj.dump());
   }
   // What fp8 timed per GEMM shape (single@DIFFRACT_PRECISION=fp8 and the like).
-  if (const auto fp8 = json::parse(models::fp8_tuning_report()); !fp8.empty()) j["fp8_gemms"] = fp8;
+  if (const auto fp8 = json::parse(models::fp8_tuning_report()); !fp8.empty()) {
+    j["fp8_gemms"] = fp8;
+    // How the fp8 GEMMs' inputs were quantised, per call traced (graph replays count nothing).
+    const auto rows = models::fp8_rows_counts();
+    j["fp8_rows"] = {{"offered", rows.offered}, {"taken", rows.taken}, {"quantised", rows.quantised}};
+  }
   return j;
 }
 

@@ -403,6 +403,15 @@ for name in ("unet_step_variants", "unet_step_variants_one_branch"):
     print("     families:", {a: round(b, 3) for a, b in k.get("families_ms", {}).items()})
     for t in k.get("top_by_op", [])[:int(os.environ.get("AB_OPS") or 0)]:
         print(f"      {t[1]:7.3f} {t[2]:>5} {t[0][:230]}")
+# AB_STRATEGIES' runs (e.g. single@DIFFRACT_PRECISION=fp8) against this process's plain job.
+for s in r.get("strategies", []):
+    steps = s.get("step_ms") or []
+    print("   strategy", s.get("spec"), "e2e", round(s.get("end_to_end_ms", 0), 1),
+          "step", round(sum(steps) / len(steps), 3) if steps else None, "speed-up", round(s.get("speedup_end_to_end", 0), 3),
+          "PSNR", s.get("psnr_db"), "SSIM", s.get("ssim"), "rel-L2", s.get("latents_rel_l2"))
+if "fp8_rows" in r:
+    print("   fp8 rows", r["fp8_rows"], "GEMMs kept in fp8:",
+          sum(1 for g in r.get("fp8_gemms", []) if g.get("fp8")), "of", len(r.get("fp8_gemms", [])))
 # The DiTs (SD3: batch 2, Flux: batch 1): one transformer step, eager and graphed, profiled eager.
 t = r.get("transformer_step_profile")
 if t:

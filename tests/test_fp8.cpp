@@ -112,6 +112,76 @@ class TestFp8 : public QObject {
     QVERIFY(at::equal(layer->forward(x), at::linear(x, layer->weight, layer->bias)));
   }
 
+  // Rows offered for an activation (by the kernel that wrote it, on a GPU) are what an fp8 layer
+  // reads of that very tensor, as it is now: here the offer is deliberately not x's own rows, so
+  // the output shows which the layer read. A copy, a view of other data, an x changed since and
+  // a dropped offer read x itself; offers past the few held push out the oldest.
+  void offeredRowsStandForTheirTensorAsItIs() {
+    at::NoGradGuard no_grad;
+    at::Generator g = at::detail::createCPUGenerator(9);
+    models::Linear layer(32, 16);
+    models::init_random(*layer, g);
+    models::allow_fp8(*layer);
+    const auto w = models::quantize_weight_fp8(layer->weight);
+    Precision fp8("fp8");
+    models::drop_fp8_rows();
+    // The layer's output from given rows (x's shape: [2, 3, 32]).
+    const auto from = [&](const models::Fp8Rows& r) {
+      return models::scaled_linear_fp8_reference(r.q, r.scale, w, layer->bias, at::kFloat).view({2, 3, 16});
+    };
+    const auto own = [&](const at::Tensor& x) {
+      const auto [q, s] = models::quantize_rows_fp8(x.reshape({6, 32}));
+      return from({q, s});
+    };
+    auto x = at::randn({2, 3, 32}, g);
+    const auto other = at::randn({6, 32}, g);
+    const auto [oq, os] = models::quantize_rows_fp8(other);
+    const models::Fp8Rows offered{oq, os};
+    QVERIFY(!at::equal(own(x), from(offered)));
+
+    const auto before = models::fp8_rows_counts();
+    models::offer_fp8_rows(x, offered);
+    QVERIFY(models::offered_fp8_rows(x).has_value());
+    DIFFRACT_COMPARE_TENSORS(layer->forward(x), from(offered), 0);
+    DIFFRACT_COMPARE_TENSORS(layer->forward(x), from(offered), 0);  // every layer reading x takes them
+    DIFFRACT_COMPARE_TENSORS(layer->forward(x.clone()), own(x), 0);
+    const auto after = models::fp8_rows_counts();
+    QCOMPARE(after.offered, before.offered + 1);
+    QCOMPARE(after.taken, before.taken + 2);
+    QCOMPARE(after.quantised, before.quantised + 1);
+
+    // Changed by an ATen op since the offer: quantised anew, and the offer is gone.
+    x.add_(1);
+    DIFFRACT_COMPARE_TENSORS(layer->forward(x), own(x), 0);
+    QVERIFY(!models::offered_fp8_rows(x).has_value());
+
+    // Rows of the wrong shape for x: named.
+    models::offer_fp8_rows(x, {oq.narrow(0, 0, 5), os.narrow(0, 0, 5)});
+    QVERIFY_THROWS_EXCEPTION(Error, layer->forward(x));
+    models::drop_fp8_rows();
+    QVERIFY(!models::offered_fp8_rows(x).has_value());
+    DIFFRACT_COMPARE_TENSORS(layer->forward(x), own(x), 0);
+
+    // A few offers stand at a time, the oldest pushed out first.
+    std::vector<at::Tensor> xs;
+    for (int i = 0; i < 5; ++i) {
+      xs.push_back(at::randn({2, 3, 32}, g));
+      models::offer_fp8_rows(xs.back(), offered);
+    }
+    QVERIFY(!models::offered_fp8_rows(xs.front()).has_value());
+    for (int i = 1; i < 5; ++i) QVERIFY(models::offered_fp8_rows(xs[i]).has_value());
+    DIFFRACT_COMPARE_TENSORS(layer->forward(xs[1]), from(offered), 0);
+    // A bf16 job reads no offer.
+    {
+      Precision bf16("bf16");
+      QVERIFY(at::equal(layer->forward(xs[2]), at::linear(xs[2], layer->weight, layer->bias)));
+    }
+    models::drop_fp8_rows();
+    // On the CPU no kernel writes rows: nothing is wanted.
+    QVERIFY(!models::fp8_rows_wanted(x));
+    QVERIFY(!models::activation_with_fp8_rows(x, models::Fp8RowsActivation::GeluTanh).defined());
+  }
+
   // Fused projections quantise their fused weight as one (per row: the same as each layer's).
   void fusedProjectionsRunInFp8() {
     at::NoGradGuard no_grad;

@@ -100,6 +100,10 @@ const std::vector<Option>& build_table() {
        "an fp8 job's CUDA linear layers: timed (each shape keeps the faster of fp8 and bf16) or all (every "
        "eligible layer in fp8, for measuring fp8's quality on its own)",
        {"timed", "all"}},
+      {Id::Fp8FusedRows, "DIFFRACT_FP8_FUSED_ROWS", Type::Flag, "1", Scope::Process,
+       "an fp8 job's GEMM inputs quantised by the kernels that write them (the LayerNorms, the MLPs' GELU and "
+       "GEGLU; the out projections' strided inputs without a copy; 0: a contiguous copy and a pass of their own)",
+       {}},
       {Id::TuningStore, "DIFFRACT_TUNING_STORE", Type::Flag, "1", Scope::Process,
        "keep the GPU tuning choices (GEMM algorithms, convolution plans, fp8 or bf16 per layer) on disk, per GPU "
        "model, driver and library versions, so a size tuned once starts without tuning (0: memory only)", {}},

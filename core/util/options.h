@@ -47,6 +47,7 @@ enum class Id {
   Precision,
   CacheWarmup,
   Fp8Layers,
+  Fp8FusedRows,
   TuningStore,
   TuningDir,
   ConvTuning,

@@ -1,5 +1,5 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm|flux|flux_files|caches|fp8|tuning|prepare|gemm_gelu|modulation
+//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm|flux|flux_files|caches|fp8|tuning|prepare|gemm_gelu|modulation|fp8_rows
 // Exit 0: passed; 1: one failed (the reasons printed); 77: all skipped (too few GPUs).
 #include <algorithm>
 #include <array>
@@ -369,7 +369,7 @@ void check_graphs() {
 // time of both at SDXL's widest feed-forward.
 void check_geglu() {
   need_gpus(1);
-  ::setenv("DIFFRACT_GELU_SLICE_KERNEL", "1", 1);  // off by default; read once, at the first call
+  ::setenv("DIFFRACT_GELU_SLICE_KERNEL", "1", 1);  // the default, set for the check whatever the caller set; read once, at the first call
   expect(models::fused_geglu_available(), "built with the GEGLU kernel");
   {
     at::AutoGradMode grad(true);
@@ -1620,7 +1620,7 @@ double rel(const at::Tensor& a, const at::Tensor& b) { return ((a.cpu() - b.cpu(
 // against the same weights run apart through ATen, and against float32.
 void check_flux() {
   need_gpus(1);
-  ::setenv("DIFFRACT_RMS_NORM_ROPE_VECTOR", "1", 1);  // off by default; read once, at the first call
+  ::setenv("DIFFRACT_RMS_NORM_ROPE_VECTOR", "1", 1);  // the default, set for the check whatever the caller set; read once, at the first call
   at::NoGradGuard no_grad;
   const at::Device dev("cuda:0");
   expect(models::fused_rms_norm_rope_available(), "built with the RMSNorm + rope kernel");
@@ -1924,7 +1924,7 @@ void check_gemm_gelu() {
 // The gated residual is ATen's bits; the normalisation differs only in its reduction order.
 void check_modulation() {
   need_gpus(1);
-  ::setenv("DIFFRACT_FUSED_MODULATION", "1", 1);  // the default, unless the caller set 0; read once, at the first call
+  ::setenv("DIFFRACT_FUSED_MODULATION", "1", 1);  // the default, set for the check whatever the caller set; read once, at the first call
   at::NoGradGuard no_grad;
   at::manual_seed(11);
   constexpr double eps = 1e-6;
@@ -2479,6 +2479,147 @@ void check_fp8() {
   expect(std::isfinite(d) && d > 0 && d < 0.2, "an fp8 job stays near its bf16 one, and differs from it (fp8 ran)");
 }
 
+// The e4m3 rows written by the kernels that write an fp8 GEMM's input (DIFFRACT_FP8_FUSED_ROWS):
+// each kernel's rows equal our quantisation kernel's of its output bit for bit (codes and scales),
+// the outputs themselves are unchanged (the activations equal ATen's ops), a strided input is
+// quantised where it lies as its contiguous copy would be, an fp8 layer takes the offered rows
+// and gives the bits it gives without them, and an input changed since its offer is quantised
+// anew. Then the time each kernel adds against the pass it saves, at SD3's and Flux's shapes.
+void check_fp8_rows() {
+  need_gpus(1);
+  const auto* prop = at::cuda::getDeviceProperties(0);
+  if (prop->major * 10 + prop->minor < 89) throw Skip{"no fp8 tensor cores (sm_89+)"};
+  ::setenv("DIFFRACT_FP8_FUSED_ROWS", "1", 1);  // the default, set for the check whatever the caller set; read once, at the first call
+  at::NoGradGuard no_grad;
+  at::manual_seed(5);
+  const auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  options::Overrides fp8{{"DIFFRACT_PRECISION", "fp8"}, {"DIFFRACT_FP8_LAYERS", "all"}};
+  options::JobOptionsScope scope(fp8);
+  const auto bits = [](const at::Tensor& q) { return q.view(at::kByte); };
+  // The rows offered for y equal quantize_rows_fp8_kernel(y): the same arithmetic in both kernels.
+  const auto same_rows = [&](const at::Tensor& y, const std::string& what) {
+    const auto rows = models::offered_fp8_rows(y);
+    expect(rows.has_value(), what + ": its e4m3 rows are offered");
+    if (!rows) return;
+    const auto want = models::quantize_rows_fp8_kernel(y);
+    const bool codes = at::equal(bits(rows->q), bits(want.first)), scales = at::equal(rows->scale, want.second);
+    std::cout << "    " << what << " " << y.sizes() << ": codes " << (codes ? "equal" : "DIFFER") << ", scales "
+              << (scales ? "equal" : "DIFFER") << "\n";
+    expect(codes && scales, what + ": the rows equal the quantisation kernel's of its output");
+  };
+
+  // LayerNorms: affine (SDXL's widths, one to four warps a row), with the residual add, modulated
+  // and gated-modulated (SD3's and Flux's).
+  for (const auto& shape : std::vector<std::vector<std::int64_t>>{{2, 4096, 640}, {2, 1024, 1280}, {3, 77, 2048}, {1, 64, 4096}}) {
+    const std::int64_t d = shape.back();
+    const auto x = at::randn(shape, o) * 2 + 0.5, r = at::randn(shape, o);
+    const auto w = at::randn({d}, o) * 0.3 + 1, b = at::randn({d}, o) * 0.1;
+    models::drop_fp8_rows();
+    const auto y = models::layer_norm(x, w, b, 1e-5);
+    expect(at::equal(y, models::layer_norm(x.clone(), w, b, 1e-5)), "LayerNorm's output is the same with its rows written");
+    same_rows(y, "LayerNorm");
+    const auto [sum, n] = models::add_layer_norm(x, r, w, b, 1e-5);
+    same_rows(n, "add + LayerNorm");
+  }
+  for (const auto& shape : std::vector<std::vector<std::int64_t>>{{2, 4096, 1536}, {2, 333, 1536}, {1, 4096, 3072}, {1, 512, 3072}}) {
+    const std::int64_t bsz = shape[0], d = shape[2];
+    const auto m = (at::randn({bsz, 6 * d}, o) * 0.5).chunk(6, 1);
+    const auto x = at::randn(shape, o) * 2, y = at::randn(shape, o);
+    models::drop_fp8_rows();
+    const auto n = models::modulated_layer_norm(x, m[1], m[0], 1e-6);
+    same_rows(n, "modulated LayerNorm");
+    const auto [h, n2] = models::gated_residual_modulated_layer_norm(x, m[2], y, m[4], m[3], 1e-6);
+    same_rows(n2, "gated residual + modulated LayerNorm");
+  }
+
+  // The MLPs' activations: equal to ATen's op, their rows to the kernel's of that output.
+  for (const auto& [rows, cols] : std::vector<std::pair<std::int64_t, std::int64_t>>{{8192, 6144}, {4096, 12288}, {666, 6144}, {5, 64}}) {
+    const auto y = at::randn({rows, cols}, o) * 3;
+    models::drop_fp8_rows();
+    const auto g = models::activation_with_fp8_rows(y, models::Fp8RowsActivation::GeluTanh);
+    expect(g.defined() && at::equal(g, at::gelu(y, "tanh")), "GELU with rows equals at::gelu(y, \"tanh\") at " +
+                                                               std::to_string(rows) + "x" + std::to_string(cols));
+    if (g.defined()) same_rows(g, "GELU (tanh)");
+    const auto h = models::activation_with_fp8_rows(y, models::Fp8RowsActivation::GegluHalves);
+    expect(h.defined() && at::equal(h, models::geglu_halves(y)), "GEGLU with rows equals geglu_halves at " +
+                                                                   std::to_string(rows) + "x" + std::to_string(cols));
+    if (h.defined()) same_rows(h, "GEGLU");
+  }
+  expect(!models::activation_with_fp8_rows(at::randn({4, 64}, o.dtype(at::kHalf)), models::Fp8RowsActivation::GeluTanh).defined(),
+         "no rows for a half-precision output (fp8 GEMMs take bf16)");
+  expect(!models::activation_with_fp8_rows(at::randn({5, 48}, o), models::Fp8RowsActivation::GegluHalves).defined(),
+         "no rows for an output whose width is no multiple of 16 (no fp8 GEMM reads it)");
+
+  // Strided inputs quantised where they lie: SD3's image tokens of the joint sequence, a column
+  // slice, and a layout no two strides describe (copied first).
+  const auto joint = at::randn({2, 4429, 1536}, o);
+  const auto strided_cases = std::vector<std::pair<std::string, at::Tensor>>{
+      {"image tokens of a joint sequence", joint.slice(1, 0, 4096)},
+      {"text tokens of a joint sequence", joint.slice(1, 4096)},
+      {"a column slice", joint.select(0, 0).slice(1, 512, 1024)},
+      {"a transposed view", at::randn({64, 3, 32}, o).transpose(0, 1)}};
+  for (const auto& [what, x] : strided_cases) {
+    const auto got = models::quantize_rows_fp8_kernel(x), want = models::quantize_rows_fp8_kernel(x.contiguous());
+    expect(at::equal(bits(got.first), bits(want.first)) && at::equal(got.second, want.second),
+           "the quantisation of " + what + " equals that of its contiguous copy");
+  }
+
+  // An fp8 layer takes offered rows: the same bits as quantising, and the count of taken rows moves.
+  models::Linear layer(1536, 4608);
+  layer->to(at::kCUDA, at::kBFloat16);
+  models::init_random(*layer, 3);
+  models::allow_fp8(*layer);
+  const auto m = (at::randn({2, 6 * 1536}, o) * 0.5).chunk(6, 1);
+  const auto x = at::randn({2, 4096, 1536}, o);
+  models::drop_fp8_rows();
+  const auto n = models::modulated_layer_norm(x, m[1], m[0], 1e-6);
+  const auto before = models::fp8_rows_counts();
+  const auto fused = layer->forward(n);
+  const auto after = models::fp8_rows_counts();
+  const auto separate = layer->forward(n.clone());
+  expect(after.taken == before.taken + 1, "the fp8 layer took the offered rows");
+  expect(at::equal(fused, separate), "an fp8 layer gives the same bits from offered rows as from its own quantisation");
+  const auto joint_out = layer->forward(joint.slice(1, 0, 4096));
+  expect(at::equal(joint_out, layer->forward(joint.slice(1, 0, 4096).contiguous())),
+         "an fp8 layer gives the same bits from a strided input as from its contiguous copy");
+  n.mul_(2);  // ATen's op: the version moves on, the offer is stale
+  const auto stale = models::fp8_rows_counts();
+  const auto changed = layer->forward(n);
+  expect(models::fp8_rows_counts().taken == stale.taken && at::equal(changed, layer->forward(n.clone())),
+         "an input changed since its offer is quantised anew");
+
+  // Time: what writing the rows adds to each kernel, against the quantisation pass it replaces.
+  {
+    options::Overrides bf16{{"DIFFRACT_PRECISION", "bf16"}};
+    const auto ms_plain = [&](const std::function<void()>& f) {
+      options::JobOptionsScope plain(bf16);  // fp8_rows_wanted false: the kernel without rows
+      return graph_ms_per_call(f);
+    };
+    const auto xs = at::randn({2, 4096, 1536}, o);
+    const auto y = at::randn({8192, 6144}, o);
+    const double norm_plain = ms_plain([&] { models::modulated_layer_norm(xs, m[1], m[0], 1e-6); });
+    const double norm_rows = graph_ms_per_call([&] { models::modulated_layer_norm(xs, m[1], m[0], 1e-6); });
+    const auto normed = models::modulated_layer_norm(xs, m[1], m[0], 1e-6);
+    const double quant = graph_ms_per_call([&] { models::quantize_rows_fp8_kernel(normed); });
+    const double gelu_plain = graph_ms_per_call([&] { at::gelu(y, "tanh"); });
+    const double gelu_rows = graph_ms_per_call([&] { models::activation_with_fp8_rows(y, models::Fp8RowsActivation::GeluTanh); });
+    const auto act = at::gelu(y, "tanh");
+    const double quant_wide = graph_ms_per_call([&] { models::quantize_rows_fp8_kernel(act); });
+    const double joint_copy = graph_ms_per_call([&] { models::quantize_rows_fp8_kernel(joint.slice(1, 0, 4096).contiguous()); });
+    const double joint_strided = graph_ms_per_call([&] { models::quantize_rows_fp8_kernel(joint.slice(1, 0, 4096)); });
+    std::cout << "  ms per call: modulated LayerNorm [2, 4096, 1536] " << norm_plain << ", with rows " << norm_rows
+              << ", the quantisation pass it saves " << quant << "\n"
+              << "  ms per call: GELU [8192, 6144] " << gelu_plain << ", with rows " << gelu_rows
+              << ", the quantisation pass it saves " << quant_wide << "\n"
+              << "  ms per call: SD3's image tokens quantised after a copy " << joint_copy << ", where they lie "
+              << joint_strided << "\n";
+    expect(norm_rows < norm_plain + quant, "the LayerNorm with rows costs less than the LayerNorm and the pass");
+    expect(gelu_rows < gelu_plain + quant_wide, "the GELU with rows costs less than the GELU and the pass");
+    expect(joint_strided < joint_copy, "strided rows quantise faster than a copy and the pass");
+  }
+  models::drop_fp8_rows();
+}
+
 int main(int argc, char** argv) {
   g_program = argv[0];
   const std::map<std::string, std::function<void()>> checks = {
@@ -2486,7 +2627,7 @@ int main(int argc, char** argv) {
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"oom", check_oom}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}, {"gemm", check_gemm}, {"flux", check_flux}, {"flux_files", check_flux_files},
-      {"caches", check_caches_and_flux_pipefusion}, {"fp8", check_fp8},
+      {"caches", check_caches_and_flux_pipefusion}, {"fp8", check_fp8}, {"fp8_rows", check_fp8_rows},
       {"tuning", check_tuning}, {"tuning_reload", check_tuning_reload}, {"prepare", check_prepare}, {"gemm_gelu", check_gemm_gelu}, {"modulation", check_modulation}};
   bool usage = argc < 2;
   for (int i = 1; i < argc; ++i) usage = usage || !checks.count(argv[i]);

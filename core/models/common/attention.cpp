@@ -226,11 +226,14 @@ class GEGLUImpl : public nn::Module {
   at::Tensor forward(const at::Tensor& x) {
     const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || proj->weight.requires_grad());
     const int64_t inner = proj->weight.size(0) / 2;
-    if (const auto y = fp8_linear(x, proj->fp8.get(), proj->weight, proj->bias); y.defined())
+    auto y = fp8_linear(x, proj->fp8.get(), proj->weight, proj->bias);
+    if (y.defined() || (x.is_cuda() && geglu_one_gemm() && fused_geglu_available() && !grad)) {
+      if (!y.defined()) y = linear(x, proj->weight, proj->bias);
+      // An fp8 net.2 reads the gate's e4m3 rows, written by the kernel that writes the gate.
+      if (auto h = activation_with_fp8_rows(y, Fp8RowsActivation::GegluHalves); h.defined()) return h;
       return x.is_cuda() && fused_geglu_available() ? geglu_halves(y)
                                                     : geglu(y.narrow(-1, 0, inner).contiguous(), y.narrow(-1, inner, inner).contiguous());
-    if (x.is_cuda() && geglu_one_gemm() && fused_geglu_available() && !grad)
-      return geglu_halves(linear(x, proj->weight, proj->bias));
+    }
     const auto half = [&](int64_t i) {
       return linear(x, proj->weight.narrow(0, i * inner, inner),
                         proj->bias.defined() ? proj->bias.narrow(0, i * inner, inner) : at::Tensor());
@@ -249,7 +252,10 @@ class GELUProjImpl : public nn::Module {
     // An fp8 GEMM has no GELU epilogue here; elsewhere the GELU may run in the GEMM's (layers.h).
     if (proj->fp8) {
       const auto y = fp8_linear(x, proj->fp8.get(), proj->weight, proj->bias);
-      if (y.defined()) return at::gelu(y, "tanh");
+      if (y.defined()) {
+        if (auto h = activation_with_fp8_rows(y, Fp8RowsActivation::GeluTanh); h.defined()) return h;
+        return at::gelu(y, "tanh");
+      }
     }
     return linear_gelu_tanh(x, proj->weight, proj->bias);
   }

@@ -2,7 +2,7 @@
 // at::_scaled_mm with row-wise scales (the e4m3 weight's per channel, the activations' per
 // token) and the bias applied in its epilogue, fast fp8 accumulation, bf16 out. Each shape is
 // timed on its first call against the layer's bf16 GEMM (models::linear) and keeps the faster;
-// the choice goes to the GPU's tuning store (gpu_tuning.h), where a later process finds it.
+// the times go to the GPU's tuning store (gpu_tuning.h), where a later process finds them.
 #include <cuda_runtime.h>
 
 #include <map>
@@ -26,8 +26,9 @@
 
 namespace diffract::models {
 
-bool fp8_linear_cuda(const at::Tensor& x, Fp8WeightCache& cache, const at::Tensor& weight, const at::Tensor& bias,
-                     at::Tensor& out);
+bool fp8_linear_cuda(const at::Tensor& x, const Fp8Rows* rows, Fp8WeightCache& cache, const at::Tensor& weight,
+                     const at::Tensor& bias, at::Tensor& out);
+bool fp8_rows_useful(const at::Tensor& x);
 
 namespace {
 
@@ -35,18 +36,22 @@ struct Shape {
   int device;
   std::int64_t m, n, k;
   bool bias;
+  bool rows;  // the input comes quantised (offered rows): the fp8 side costs its GEMM alone
   bool operator<(const Shape& o) const {
-    return std::tie(device, m, n, k, bias) < std::tie(o.device, o.m, o.n, o.k, o.bias);
+    return std::tie(device, m, n, k, bias, rows) < std::tie(o.device, o.m, o.n, o.k, o.bias, o.rows);
   }
 };
 
 struct Choice {
   bool fp8 = false;
-  double bf16_ms = 0, fp8_ms = 0, quant_ms = 0;  // per call, as timed
+  double bf16_ms = 0, fp8_ms = 0, quant_ms = 0;  // per call, as timed (quant_ms 0 with offered rows)
 };
 
 std::mutex g_mutex;
 std::map<Shape, Choice> g_choices;
+
+// fp8 where it is faster than bf16.
+bool keeps_fp8(const Choice& c) { return c.fp8_ms < c.bf16_ms; }
 
 void check(int rc, const char* what) {
   if (rc != 0) throw Error(std::string("fp8 ") + what + ": " + cudaGetErrorString(static_cast<cudaError_t>(rc)));
@@ -65,44 +70,103 @@ bool fp8_capable(int device) {
   return it->second;
 }
 
+// x's rows as the kernel reads them (its last dimension contiguous, the others folding into batch
+// items of evenly strided rows, the items evenly strided too); false for any other layout.
+bool row_layout(const at::Tensor& x, kernels::QuantizeRowsArgs& a) {
+  if (x.dim() < 1 || x.stride(-1) != 1) return false;
+  std::int64_t inner = 1, inner_stride = x.size(-1), outer = 1, outer_stride = 0;
+  for (std::int64_t i = x.dim() - 2; i >= 0; --i) {
+    const auto size = x.size(i), stride = x.stride(i);
+    if (size == 1) continue;
+    if (outer == 1 && inner == 1) {
+      inner = size, inner_stride = stride;
+    } else if (outer == 1 && stride == inner * inner_stride) {
+      inner *= size;
+    } else if (outer == 1) {
+      outer = size, outer_stride = stride;
+    } else if (stride == outer * outer_stride) {
+      outer *= size;
+    } else {
+      return false;
+    }
+  }
+  if (inner_stride < x.size(-1)) return false;  // overlapping rows
+  a.x = x.const_data_ptr();
+  a.rows = inner * outer;
+  a.cols = x.size(-1);
+  a.row_stride = inner_stride;
+  a.rows_per_batch = inner;
+  a.batch_stride = outer == 1 ? inner * inner_stride : outer_stride;
+  return true;
+}
+
+// x [..., K] -> its e4m3 rows [M, K] and scales [M, 1], read where x lies (a contiguous copy first
+// where the kernel cannot read its layout).
 std::pair<at::Tensor, at::Tensor> quantize(const at::Tensor& x, cudaStream_t stream) {
-  const std::int64_t m = x.size(0), k = x.size(1);
-  auto q = at::empty({m, k}, x.options().dtype(at::kFloat8_e4m3fn));
-  auto scale = at::empty({m, 1}, x.options().dtype(at::kFloat));
   kernels::QuantizeRowsArgs a;
-  a.x = x.data_ptr();
+  at::Tensor in = x;
+  if (!row_layout(in, a)) {
+    in = x.contiguous();
+    row_layout(in, a);
+  }
+  auto q = at::empty({a.rows, a.cols}, x.options().dtype(at::kFloat8_e4m3fn));
+  auto scale = at::empty({a.rows, 1}, x.options().dtype(at::kFloat));
   a.q = q.data_ptr();
   a.scale = scale.data_ptr<float>();
-  a.rows = m;
-  a.cols = k;
   a.dtype = *kernel_dtype(x.scalar_type());
   check(kernels::quantize_rows_fp8(a, stream), "quantize_rows");
   return {q, scale};
 }
 
-at::Tensor run(const at::Tensor& x, const Fp8Weight& w, const at::Tensor& bias, cudaStream_t stream) {
-  const auto [q, scale] = quantize(x, stream);
+at::Tensor gemm(const at::Tensor& q, const at::Tensor& scale, const Fp8Weight& w, const at::Tensor& bias,
+                at::ScalarType out) {
   return at::_scaled_mm(q, w.weight.t(), scale, w.scale, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
-                        std::nullopt, x.scalar_type(), /*use_fast_accum=*/true);
+                        std::nullopt, out, /*use_fast_accum=*/true);
+}
+
+at::Tensor run(const at::Tensor& x, const Fp8Rows* rows, const Fp8Weight& w, const at::Tensor& bias,
+               cudaStream_t stream) {
+  if (rows) return gemm(rows->q, rows->scale, w, bias, x.scalar_type());
+  const auto [q, scale] = quantize(x, stream);
+  return gemm(q, scale, w, bias, x.scalar_type());
 }
 
 }  // namespace
 
-bool fp8_linear_cuda(const at::Tensor& x, Fp8WeightCache& cache, const at::Tensor& weight, const at::Tensor& bias,
-                     at::Tensor& out) {
+bool fp8_rows_useful(const at::Tensor& x) {
+  if (!fp8_capable(x.device().index())) return false;
+  const int device = x.device().index();
+  const std::int64_t k = x.size(-1), m = x.numel() / k;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  bool timed = false;
+  for (const auto& [s, c] : g_choices) {
+    if (s.device != device || s.m != m || s.k != k || !s.rows) continue;
+    if (c.fp8) return true;
+    timed = true;
+  }
+  return !timed;
+}
+
+bool fp8_linear_cuda(const at::Tensor& x, const Fp8Rows* rows, Fp8WeightCache& cache, const at::Tensor& weight,
+                     const at::Tensor& bias, at::Tensor& out) {
   // Row-wise scaled GEMMs write bf16 only.
   if (x.scalar_type() != at::kBFloat16 || weight.scalar_type() != at::kBFloat16 ||
-      (bias.defined() && bias.scalar_type() != at::kBFloat16) || x.dim() != 2 || !x.is_contiguous())
+      (bias.defined() && bias.scalar_type() != at::kBFloat16) || x.dim() < 2)
     return false;
   const int device = x.device().index();
   if (!fp8_capable(device)) return false;
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream(device).stream();
+  // Without the fused rows, x is read as it lies only where DIFFRACT_FP8_FUSED_ROWS is on (the
+  // behaviour measured before it: a contiguous copy, then the kernel).
+  static const bool fused = options::flag(options::Id::Fp8FusedRows);  // process scope: read once
+  const auto in = rows || fused ? x : x.reshape({-1, x.size(-1)}).contiguous();
   if (options::value(options::Id::Fp8Layers) == "all") {
-    out = run(x, *cache.get(weight), bias, stream);
+    out = run(in, rows, *cache.get(weight), bias, stream);
+    if (!rows) count_fp8_quantised();
     return true;
   }
-  const Shape s{device, x.size(0), weight.size(0), weight.size(1), bias.defined()};
+  const Shape s{device, x.numel() / x.size(-1), weight.size(0), weight.size(1), bias.defined(), rows != nullptr};
   Choice choice;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -110,26 +174,27 @@ bool fp8_linear_cuda(const at::Tensor& x, Fp8WeightCache& cache, const at::Tenso
     if (it == g_choices.end()) {
       if (capturing(stream)) return false;  // no timing inside a capture: bf16
       auto& store = tuning_store_for(device);
-      const auto key = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k) + (s.bias ? " bias" : "");
+      const auto key = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k) +
+                       (s.bias ? " bias" : "") + (s.rows ? " rows" : "");
       const auto t0 = now_ns();
       Choice c;
       bool stored = false;
       if (const auto r = store.find("fp8", key)) {
         try {
-          c.fp8 = r->at("fp8").get<bool>();
           c.bf16_ms = r->at("bf16_ms").get<double>();
           c.fp8_ms = r->at("fp8_ms").get<double>();
           c.quant_ms = r->at("quant_ms").get<double>();
+          c.fp8 = keeps_fp8(c);  // from the times, so a store written under another rule reads as this one
           stored = true;
         } catch (const std::exception&) {
         }
       }
       if (!stored) {
         const auto w = cache.get(weight);
-        c.bf16_ms = time_ms(stream, [&] { linear(x, weight, bias); });
-        c.quant_ms = time_ms(stream, [&] { quantize(x, stream); });
-        c.fp8_ms = time_ms(stream, [&] { run(x, *w, bias, stream); });
-        c.fp8 = c.fp8_ms < c.bf16_ms;
+        c.bf16_ms = time_ms(stream, [&] { linear(rows || fused ? x : in, weight, bias); });
+        if (!rows) c.quant_ms = time_ms(stream, [&] { quantize(in, stream); });
+        c.fp8_ms = time_ms(stream, [&] { run(in, rows, *w, bias, stream); });
+        c.fp8 = keeps_fp8(c);
         store.put("fp8", key, {{"fp8", c.fp8}, {"bf16_ms", c.bf16_ms}, {"fp8_ms", c.fp8_ms}, {"quant_ms", c.quant_ms}});
       }
       count_tuning("fp8", stored, ms_between(t0, now_ns()));
@@ -138,22 +203,51 @@ bool fp8_linear_cuda(const at::Tensor& x, Fp8WeightCache& cache, const at::Tenso
     choice = it->second;
   }
   if (!choice.fp8) return false;
-  out = run(x, *cache.get(weight), bias, stream);
+  out = run(in, rows, *cache.get(weight), bias, stream);
+  if (!rows) count_fp8_quantised();
   return true;
 }
 
+at::Tensor activation_with_fp8_rows(const at::Tensor& y, Fp8RowsActivation act) {
+  const bool halves = act == Fp8RowsActivation::GegluHalves;
+  if (!y.defined() || !y.is_cuda() || y.scalar_type() != at::kBFloat16 || y.dim() < 2 || y.numel() == 0 ||
+      (halves && y.size(-1) % 2 != 0))
+    return {};
+  const std::int64_t width = halves ? y.size(-1) / 2 : y.size(-1);
+  if (!fp8_rows_wanted(halves ? y.narrow(-1, 0, width) : y)) return {};
+  kernels::QuantizeRowsArgs a;
+  if (!row_layout(y, a)) return {};
+  const c10::cuda::CUDAGuard guard(y.device());
+  auto sizes = y.sizes().vec();
+  sizes.back() = width;
+  auto out = at::empty(sizes, y.options());
+  Fp8Rows rows{at::empty({a.rows, width}, y.options().dtype(at::kFloat8_e4m3fn)),
+               at::empty({a.rows, 1}, y.options().dtype(at::kFloat))};
+  a.cols = width;
+  a.act = halves ? kernels::RowActivation::GegluHalves : kernels::RowActivation::GeluTanh;
+  a.y = out.mutable_data_ptr();
+  a.q = rows.q.mutable_data_ptr();
+  a.scale = rows.scale.mutable_data_ptr<float>();
+  a.dtype = kernels::DType::BFloat16;
+  check(kernels::quantize_rows_fp8(a, at::cuda::getCurrentCUDAStream(y.device().index()).stream()),
+        halves ? "GEGLU + quantize_rows" : "GELU + quantize_rows");
+  offer_fp8_rows(out, std::move(rows));
+  return out;
+}
+
 std::pair<at::Tensor, at::Tensor> quantize_rows_fp8_kernel(const at::Tensor& x) {
-  if (!x.is_cuda() || x.dim() != 2 || !kernel_dtype(x.scalar_type())) throw Error("quantize_rows_fp8_kernel: a 2-D CUDA tensor");
+  if (!x.is_cuda() || x.dim() < 1 || x.numel() == 0 || !kernel_dtype(x.scalar_type()))
+    throw Error("quantize_rows_fp8_kernel: wants a non-empty CUDA tensor of float, half or bfloat16");
   const c10::cuda::CUDAGuard guard(x.device());
-  return quantize(x.contiguous(), at::cuda::getCurrentCUDAStream(x.device().index()).stream());
+  return quantize(x, at::cuda::getCurrentCUDAStream(x.device().index()).stream());
 }
 
 std::string fp8_tuning_report() {
   std::lock_guard<std::mutex> lock(g_mutex);
   nlohmann::json j = nlohmann::json::array();
   for (const auto& [s, c] : g_choices)
-    j.push_back({{"m", s.m}, {"n", s.n}, {"k", s.k}, {"bias", s.bias}, {"bf16_ms", c.bf16_ms}, {"fp8_ms", c.fp8_ms},
-                 {"quant_ms", c.quant_ms}, {"fp8", c.fp8}});
+    j.push_back({{"m", s.m}, {"n", s.n}, {"k", s.k}, {"bias", s.bias}, {"rows", s.rows}, {"bf16_ms", c.bf16_ms},
+                 {"fp8_ms", c.fp8_ms}, {"quant_ms", c.quant_ms}, {"fp8", c.fp8}});
   return j.dump();
 }
 

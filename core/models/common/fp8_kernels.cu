@@ -1,15 +1,13 @@
 #include "core/models/common/fp8_kernels.h"
 
-#include <cuda_fp8.h>
-
+#include "core/models/common/activations.cuh"
+#include "core/models/common/fp8_rows.cuh"
 #include "core/models/common/kernel_types.cuh"
 
 namespace diffract::models::kernels {
 
 namespace {
 
-constexpr float kE4M3Max = 448.f;
-constexpr float kMinScale = 1e-12f;
 constexpr int kThreads = 256;
 constexpr int kMaxChunks = 8;  // chunks of 8 elements a thread keeps: rows up to 16384 wide
 
@@ -28,83 +26,124 @@ __device__ float block_max(float v) {
   return warp_max[0];
 }
 
-__device__ __forceinline__ __nv_fp8x2_storage_t to_e4m3x2(float a, float b) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+// Where row r of x starts (elements).
+__device__ __forceinline__ int64_t row_start(const QuantizeRowsArgs& a, int64_t r) {
+  const int64_t b = r / a.rows_per_batch;
+  return b * a.batch_stride + (r - b * a.rows_per_batch) * a.row_stride;
+}
+
+// act of element c of a row (rounded to T); `row` points at the row's first value.
+template <typename T, RowActivation kAct>
+__device__ __forceinline__ T activated(const T* row, int64_t c, int64_t cols) {
+  if constexpr (kAct == RowActivation::GeluTanh) return from_float<T>(gelu_tanh(to_float(row[c])));
+  else if constexpr (kAct == RowActivation::GegluHalves) return from_float<T>(gated(to_float(row[c]), to_float(row[cols + c])));
+  else return row[c];
 }
 
 // 16-bit types, cols a multiple of 8, rows 16-byte aligned: 8 elements a load, held in
-// registers between the amax and the quantisation.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) quantize_rows_held(const T* __restrict__ x, uint8_t* __restrict__ q,
-                                                               float* __restrict__ scale, int64_t cols) {
-  const int64_t row = blockIdx.x, chunks = cols / 8;
-  const uint4* xr = reinterpret_cast<const uint4*>(x + row * cols);
-  uint4 held[kMaxChunks];
+// registers (after the activation) between the amax and the quantisation; kChunks of them a
+// thread at most, as few as the row needs (the registers held decide how many blocks an SM runs:
+// with room for 8 chunks always, a row of 1536 ran at a third of the memory bandwidth).
+template <typename T, RowActivation kAct, int kChunks>
+__global__ void __launch_bounds__(kThreads) quantize_rows_held(QuantizeRowsArgs a) {
+  struct alignas(16) V { T v[8]; };
+  const int64_t row = blockIdx.x, chunks = a.cols / 8;
+  const V* xr = reinterpret_cast<const V*>(static_cast<const T*>(a.x) + row_start(a, row));
+  V held[kChunks];
   float amax = 0.f;
 #pragma unroll
-  for (int j = 0; j < kMaxChunks; ++j) {
+  for (int j = 0; j < kChunks; ++j) {
     const int64_t c = threadIdx.x + static_cast<int64_t>(j) * kThreads;
     if (c < chunks) {
       held[j] = xr[c];
-      const T* e = reinterpret_cast<const T*>(&held[j]);
+      if constexpr (kAct != RowActivation::None) {
+        V gate;
+        if constexpr (kAct == RowActivation::GegluHalves) gate = xr[c + chunks];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(to_float(e[i])));
+        for (int i = 0; i < 8; ++i) {
+          if constexpr (kAct == RowActivation::GegluHalves)
+            held[j].v[i] = from_float<T>(gated(to_float(held[j].v[i]), to_float(gate.v[i])));
+          else
+            held[j].v[i] = from_float<T>(gelu_tanh(to_float(held[j].v[i])));
+        }
+        reinterpret_cast<V*>(static_cast<T*>(a.y) + row * a.cols)[c] = held[j];
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(to_float(held[j].v[i])));
     }
   }
-  amax = block_max(amax);
-  const float s = fmaxf(amax * (1.f / kE4M3Max), kMinScale);
+  const float s = e4m3_row_scale(block_max(amax));
   const float inv = 1.f / s;
-  if (threadIdx.x == 0) scale[row] = s;
-  uint2* qr = reinterpret_cast<uint2*>(q + row * cols);
+  if (threadIdx.x == 0) a.scale[row] = s;
+  uint2* qr = reinterpret_cast<uint2*>(static_cast<uint8_t*>(a.q) + row * a.cols);
 #pragma unroll
-  for (int j = 0; j < kMaxChunks; ++j) {
+  for (int j = 0; j < kChunks; ++j) {
     const int64_t c = threadIdx.x + static_cast<int64_t>(j) * kThreads;
-    if (c < chunks) {
-      const T* e = reinterpret_cast<const T*>(&held[j]);
-      uint2 out;
-      auto* o = reinterpret_cast<__nv_fp8x2_storage_t*>(&out);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) o[i] = to_e4m3x2(to_float(e[2 * i]) * inv, to_float(e[2 * i + 1]) * inv);
-      qr[c] = out;
-    }
+    if (c < chunks) qr[c] = e4m3x8(held[j].v, inv);
   }
 }
 
-// Any width and type: two passes over the row (the second from L1 / L2).
-template <typename T>
-__global__ void __launch_bounds__(kThreads) quantize_rows_any(const T* __restrict__ x, uint8_t* __restrict__ q,
-                                                              float* __restrict__ scale, int64_t cols) {
+// Any width and type: two passes over the row (the second from y where the activation wrote it,
+// else from x: L1 / L2).
+template <typename T, RowActivation kAct>
+__global__ void __launch_bounds__(kThreads) quantize_rows_any(QuantizeRowsArgs a) {
   const int64_t row = blockIdx.x;
-  const T* xr = x + row * cols;
+  const T* xr = static_cast<const T*>(a.x) + row_start(a, row);
+  T* yr = kAct == RowActivation::None ? nullptr : static_cast<T*>(a.y) + row * a.cols;
   float amax = 0.f;
-  for (int64_t c = threadIdx.x; c < cols; c += kThreads) amax = fmaxf(amax, fabsf(to_float(xr[c])));
-  amax = block_max(amax);
-  const float s = fmaxf(amax * (1.f / kE4M3Max), kMinScale);
+  for (int64_t c = threadIdx.x; c < a.cols; c += kThreads) {
+    const T v = activated<T, kAct>(xr, c, a.cols);
+    if constexpr (kAct != RowActivation::None) yr[c] = v;
+    amax = fmaxf(amax, fabsf(to_float(v)));
+  }
+  const float s = e4m3_row_scale(block_max(amax));
   const float inv = 1.f / s;
-  if (threadIdx.x == 0) scale[row] = s;
-  uint8_t* qr = q + row * cols;
-  for (int64_t c = threadIdx.x; c < cols; c += kThreads)
-    qr[c] = __nv_cvt_float_to_fp8(to_float(xr[c]) * inv, __NV_SATFINITE, __NV_E4M3);
+  if (threadIdx.x == 0) a.scale[row] = s;
+  uint8_t* qr = static_cast<uint8_t*>(a.q) + row * a.cols;
+  const T* vr = kAct == RowActivation::None ? xr : yr;
+  for (int64_t c = threadIdx.x; c < a.cols; c += kThreads) qr[c] = e4m3(to_float(vr[c]), inv);
+}
+
+template <typename T, RowActivation kAct>
+int launch(QuantizeRowsArgs a, CUstream_st* stream) {
+  const dim3 grid(static_cast<unsigned>(a.rows));
+  const auto at16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  bool held = false;
+  if constexpr (sizeof(T) == 2) {
+    held = at16(a.x) && reinterpret_cast<uintptr_t>(a.q) % 8 == 0 && (kAct == RowActivation::None || at16(a.y)) &&
+           a.cols % 8 == 0 && a.row_stride % 8 == 0 && a.batch_stride % 8 == 0 &&
+           a.cols / 8 <= static_cast<int64_t>(kThreads) * kMaxChunks;
+    if (held) {
+      const int64_t per_thread = (a.cols / 8 + kThreads - 1) / kThreads;
+      if (per_thread <= 1) quantize_rows_held<T, kAct, 1><<<grid, kThreads, 0, stream>>>(a);
+      else if (per_thread <= 2) quantize_rows_held<T, kAct, 2><<<grid, kThreads, 0, stream>>>(a);
+      else if (per_thread <= 4) quantize_rows_held<T, kAct, 4><<<grid, kThreads, 0, stream>>>(a);
+      else quantize_rows_held<T, kAct, kMaxChunks><<<grid, kThreads, 0, stream>>>(a);
+    }
+  }
+  if (!held) quantize_rows_any<T, kAct><<<grid, kThreads, 0, stream>>>(a);
+  return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace
 
 int quantize_rows_fp8(const QuantizeRowsArgs& a, CUstream_st* stream) {
-  if (!a.x || !a.q || !a.scale || a.rows < 0 || a.cols < 1 || a.rows > 0x7fffffff) return cudaErrorInvalidValue;
+  const int64_t width = a.act == RowActivation::GegluHalves ? 2 * a.cols : a.cols;
+  QuantizeRowsArgs b = a;
+  if (b.row_stride == 0) b.row_stride = width;
+  if (b.rows_per_batch == 0) b.rows_per_batch = a.rows > 0 ? a.rows : 1, b.batch_stride = b.rows_per_batch * b.row_stride;
+  if (!a.x || !a.q || !a.scale || a.rows < 0 || a.cols < 1 || a.rows > 0x7fffffff || b.row_stride < width ||
+      b.rows_per_batch < 1 || b.batch_stride < 0 || (a.act != RowActivation::None) != (a.y != nullptr))
+    return cudaErrorInvalidValue;
   if (a.rows == 0) return cudaSuccess;
-  const bool aligned = reinterpret_cast<uintptr_t>(a.x) % 16 == 0 && reinterpret_cast<uintptr_t>(a.q) % 8 == 0;
   return with_element_type(a.dtype, [&](auto v) {
     using T = decltype(v);
-    const auto* x = static_cast<const T*>(a.x);
-    auto* q = static_cast<uint8_t*>(a.q);
-    const dim3 grid(static_cast<unsigned>(a.rows));
-    bool held = false;
-    if constexpr (sizeof(T) == 2) {
-      held = aligned && a.cols % 8 == 0 && a.cols / 8 <= static_cast<int64_t>(kThreads) * kMaxChunks;
-      if (held) quantize_rows_held<T><<<grid, kThreads, 0, stream>>>(x, q, a.scale, a.cols);
+    switch (a.act) {
+      case RowActivation::None: return launch<T, RowActivation::None>(b, stream);
+      case RowActivation::GeluTanh: return launch<T, RowActivation::GeluTanh>(b, stream);
+      case RowActivation::GegluHalves: return launch<T, RowActivation::GegluHalves>(b, stream);
     }
-    if (!held) quantize_rows_any<T><<<grid, kThreads, 0, stream>>>(x, q, a.scale, a.cols);
-    return static_cast<int>(cudaGetLastError());
+    return static_cast<int>(cudaErrorInvalidValue);
   });
 }
 

@@ -1,6 +1,8 @@
 #include "core/models/common/fp8_linear.h"
 
 #include <atomic>
+#include <optional>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -27,13 +29,42 @@ std::pair<at::Tensor, at::Tensor> quantize_rows_float(const at::Tensor& f) {
   return {q, scale};
 }
 
+struct Offer {
+  at::Tensor x;  // held, so that its memory is not another tensor's while the offer stands
+  std::uint32_t version = 0;
+  Fp8Rows rows;
+};
+constexpr std::size_t kMaxOffers = 4;
+thread_local std::vector<Offer> t_offers;
+
+bool same_view(const at::Tensor& a, const at::Tensor& b) {
+  return a.data_ptr() == b.data_ptr() && a.sizes() == b.sizes() && a.strides() == b.strides() &&
+         a.scalar_type() == b.scalar_type() && a.device() == b.device();
+}
+
+std::atomic<std::int64_t> g_offered{0}, g_taken{0}, g_quantised{0};
+
+// The offer standing for x; an offer for x's data whose version has moved on is dropped.
+std::optional<Fp8Rows> find_offer(const at::Tensor& x) {
+  for (auto it = t_offers.begin(); it != t_offers.end(); ++it) {
+    if (!same_view(it->x, x)) continue;
+    if (it->version == x._version()) return it->rows;
+    t_offers.erase(it);
+    break;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
 // fp8_cuda.cpp: false where the CUDA path does not take the case (then the layer runs in bf16).
-bool fp8_linear_cuda(const at::Tensor& x, Fp8WeightCache& cache, const at::Tensor& weight, const at::Tensor& bias,
-                     at::Tensor& out);
+// `rows`: x's e4m3 rows where a kernel made them, else null.
+bool fp8_linear_cuda(const at::Tensor& x, const Fp8Rows* rows, Fp8WeightCache& cache, const at::Tensor& weight,
+                     const at::Tensor& bias, at::Tensor& out);
+bool fp8_rows_useful(const at::Tensor& x);
 #else
+at::Tensor activation_with_fp8_rows(const at::Tensor&, Fp8RowsActivation) { return {}; }
 std::string fp8_tuning_report() { return "[]"; }
 std::pair<at::Tensor, at::Tensor> quantize_rows_fp8_kernel(const at::Tensor&) {
   throw Error("this build of Diffract has no CUDA kernels (fp8 quantisation)");
@@ -74,21 +105,58 @@ at::Tensor fp8_linear(const at::Tensor& x, Fp8WeightCache* cache, const at::Tens
   const std::int64_t k = weight.size(1), n = weight.size(0);
   if (k % 16 != 0 || n % 16 != 0 || x.size(-1) != k) return {};
   if (at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) return {};
+  const auto rows = t_offers.empty() ? std::nullopt : find_offer(x);
+  const std::int64_t m = x.numel() / k;
+  if (rows && (rows->q.dim() != 2 || rows->q.size(0) != m || rows->q.size(1) != k || rows->scale.numel() != m))
+    throw Error("fp8_linear: offered rows of shape " + c10::str(rows->q.sizes()) + " for an input " +
+                c10::str(x.sizes()));
   auto sizes = x.sizes().vec();
   sizes.back() = n;
-  const auto x2 = x.reshape({-1, k});
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
   if (x.is_cuda()) {
     at::Tensor out;
-    if (!fp8_linear_cuda(x2.contiguous(), *cache, weight, bias, out)) return {};
+    if (!fp8_linear_cuda(x, rows ? &*rows : nullptr, *cache, weight, bias, out)) return {};
+    if (rows) ++g_taken;
     return out.view(sizes);
   }
 #endif
   if (x.is_cuda()) return {};
   const auto w = cache->get(weight);
-  const auto [q, scale] = quantize_rows_fp8(x2);
+  if (rows) ++g_taken;
+  else ++g_quantised;
+  const auto [q, scale] = rows ? std::pair(rows->q, rows->scale) : quantize_rows_fp8(x.reshape({-1, k}));
   return scaled_linear_fp8_reference(q, scale, *w, bias, x.scalar_type()).view(sizes);
 }
+
+bool fp8_rows_wanted(const at::Tensor& x) {
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  static const bool on = options::flag(options::Id::Fp8FusedRows);  // process scope: read once
+  return on && x.defined() && x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() >= 2 &&
+         x.size(-1) % 16 == 0 && fp8_wanted() && fp8_rows_useful(x);
+#else
+  (void)x;
+  return false;
+#endif
+}
+
+void offer_fp8_rows(const at::Tensor& x, Fp8Rows rows) {
+  for (auto it = t_offers.begin(); it != t_offers.end(); ++it)
+    if (same_view(it->x, x)) {
+      t_offers.erase(it);
+      break;
+    }
+  if (t_offers.size() >= kMaxOffers) t_offers.erase(t_offers.begin());
+  t_offers.push_back({x, static_cast<std::uint32_t>(x._version()), std::move(rows)});
+  ++g_offered;
+}
+
+std::optional<Fp8Rows> offered_fp8_rows(const at::Tensor& x) { return find_offer(x); }
+
+void drop_fp8_rows() { t_offers.clear(); }
+
+Fp8RowsCounts fp8_rows_counts() { return {g_offered.load(), g_taken.load(), g_quantised.load()}; }
+
+void count_fp8_quantised() { ++g_quantised; }
 
 bool fp8_wanted() { return options::value(options::Id::Precision) == "fp8"; }
 

@@ -8,14 +8,13 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "core/models/common/activations.cuh"
 #include "core/models/common/kernel_types.cuh"
 
 namespace diffract::models::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ float gated(float a, float b) { return a * (0.5f * b * (1.f + erff(b * 0.70710678118654752f))); }
 
 // 16-byte vectors where every pointer is aligned; the tail (and unaligned tensors) one element at
 // a time.
@@ -66,15 +65,6 @@ __global__ void geglu_halves(const T* __restrict__ y, T* __restrict__ out, int64
     const int64_t r = i / inner, c = i - r * inner;
     out[i] = from_float<T>(gated(to_float(y[2 * r * inner + c]), to_float(y[(2 * r + 1) * inner + c])));
   }
-}
-
-// ATen's tanh GELU, operation for operation (its constants rounded to float as it rounds them).
-__device__ __forceinline__ float gelu_tanh(float x) {
-  constexpr float kBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);
-  constexpr float kKappa = 0.044715f;
-  const float cube = x * x * x;
-  const float inner = kBeta * (x + kKappa * cube);
-  return 0.5f * x * (1.f + tanhf(inner));
 }
 
 // Element i of the output is row i / cols, column i % cols; 16-byte vectors when the columns, the

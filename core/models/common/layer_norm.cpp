@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <optional>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -18,6 +19,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "core/models/common/fp8_linear.h"
 #include "core/models/common/layer_norm_kernels.h"
 #include "core/models/common/kernel_dtype.h"
 #include "core/util/error.h"
@@ -95,8 +97,18 @@ void check_launch(int rc, const char* what) {
                 std::string(cudaGetErrorString(static_cast<cudaError_t>(rc))));
 }
 
-void launch(const kernels::LayerNormArgs& a, const c10::Device& device, const char* what) {
-  check_launch(kernels::layer_norm_forward(a, at::cuda::getCurrentCUDAStream(device.index()).stream()), what);
+// Launches the kernel writing y; where an fp8 GEMM will read y (fp8_rows_wanted), its e4m3 rows
+// too, offered to that GEMM (fp8_linear.h).
+void launch(kernels::LayerNormArgs a, const at::Tensor& y, const char* what) {
+  std::optional<Fp8Rows> rows;
+  if (a.dtype == kernels::DType::BFloat16 && fp8_rows_wanted(y)) {
+    rows = Fp8Rows{at::empty({a.rows, a.c}, y.options().dtype(at::kFloat8_e4m3fn)),
+                   at::empty({a.rows, 1}, y.options().dtype(at::kFloat))};
+    a.q = rows->q.mutable_data_ptr();
+    a.q_scale = rows->scale.mutable_data_ptr<float>();
+  }
+  check_launch(kernels::layer_norm_forward(a, at::cuda::getCurrentCUDAStream(y.device().index()).stream()), what);
+  if (rows) offer_fp8_rows(y, std::move(*rows));
 }
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
@@ -165,7 +177,7 @@ std::pair<at::Tensor, at::Tensor> launch_modulation(const at::Tensor& x, const a
   }
   auto out = at::empty(in.sizes(), in.options());
   a.y = out.mutable_data_ptr();
-  launch(a, x.device(), gate ? "gated residual + modulated LayerNorm" : "modulated LayerNorm");
+  launch(a, out, gate ? "gated residual + modulated LayerNorm" : "modulated LayerNorm");
   return {sum, out};
 }
 #endif
@@ -205,7 +217,7 @@ at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::T
     a.x = in.const_data_ptr();
     a.y = y.mutable_data_ptr();
     a.eps = static_cast<float>(eps);
-    launch(a, x.device(), "LayerNorm");
+    launch(a, y, "LayerNorm");
     return y;
   }
 #endif
@@ -231,7 +243,7 @@ std::pair<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at::
       a.sum = sum.mutable_data_ptr();
       a.y = y.mutable_data_ptr();
       a.eps = static_cast<float>(eps);
-      launch(a, x.device(), "add + LayerNorm");
+      launch(a, y, "add + LayerNorm");
       return {sum, y};
     }
   }

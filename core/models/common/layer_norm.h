@@ -3,6 +3,8 @@
 // zeros until bound), as torch::nn::LayerNorm({dim}): the same parameter names, so checkpoint
 // keys bind as they did. On CUDA, for fp16 / bf16 rows the kernel takes (layer_norm_kernels.h),
 // one kernel of our own; elsewhere, and wherever autograd or autocast is in play, at::layer_norm.
+// Where an fp8 GEMM will read a kernel's output (fp8_rows_wanted, fp8_linear.h), the kernel writes
+// the output's e4m3 rows as well and offers them to it.
 #include <cstdint>
 #include <utility>
 #include <vector>

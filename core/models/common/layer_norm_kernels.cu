@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "core/models/common/fp8_rows.cuh"
 #include "core/models/common/kernel_types.cuh"
 
 namespace diffract::models::kernels {
@@ -42,6 +43,24 @@ __device__ __forceinline__ float row_sum(float s, float* red) {
   }
 }
 
+// The maximum over one row's threads, as row_sum.
+template <int kWarpsPerRow>
+__device__ __forceinline__ float row_max(float m, float* red) {
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if constexpr (kWarpsPerRow == 1) {
+    return m;
+  } else {
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) red[warp] = m;
+    __syncthreads();
+    const int first = warp / kWarpsPerRow * kWarpsPerRow;
+#pragma unroll
+    for (int k = 0; k < kWarpsPerRow; ++k) m = fmaxf(m, red[first + k]);
+    __syncthreads();
+    return m;
+  }
+}
+
 // ATen's rounding of a value to T and back (the separate ops this kernel stands in for).
 template <typename T>
 __device__ __forceinline__ float rounded(float v) {
@@ -53,7 +72,7 @@ __device__ __forceinline__ float rounded(float v) {
 // barriers, so the loop stays uniform over the block. kMod: the modulated form (scale and shift
 // per batch item, the residual gated where a gate is given: uniform over the launch, so no
 // divergence); without it the affine kernel the UNets run, unchanged by the modulated one.
-template <typename T, int kVpt, int kWarpsPerRow, bool kAdd, bool kPrefetch, bool kMod>
+template <typename T, int kVpt, int kWarpsPerRow, bool kAdd, bool kPrefetch, bool kMod, bool kFp8>
 __global__ void layer_norm(LayerNormArgs a) {
   using V = Vec<T>;
   constexpr int kRowThreads = 32 * kWarpsPerRow;
@@ -132,6 +151,27 @@ __global__ void layer_norm(LayerNormArgs a) {
                 from_float<T>((to_float(in[i].v[j]) - mean) * rstd * to_float(wv[i].v[j]) + to_float(bv[i].v[j]));
         }
         y[v] = out;
+        if constexpr (kFp8) in[i] = out;
+      }
+    }
+    if constexpr (kFp8) {
+      float amax = 0.f;
+#pragma unroll
+      for (int i = 0; i < kVpt; ++i) {
+        const int v = t + i * kRowThreads;
+        if (live && v < vectors) {
+#pragma unroll
+          for (int j = 0; j < kPer; ++j) amax = fmaxf(amax, fabsf(to_float(in[i].v[j])));
+        }
+      }
+      const float s = e4m3_row_scale(row_max<kWarpsPerRow>(amax, red));
+      const float inv = 1.f / s;
+      if (live && t == 0) a.q_scale[row] = s;
+      uint2* __restrict__ q = static_cast<uint2*>(a.q) + row * vectors;
+#pragma unroll
+      for (int i = 0; i < kVpt; ++i) {
+        const int v = t + i * kRowThreads;
+        if (live && v < vectors) q[v] = e4m3x8(in[i].v, inv);
       }
     }
   }
@@ -169,11 +209,20 @@ int launch(const LayerNormArgs& a, cudaStream_t stream) {
   // With more rows, doing so costs time (registers, the loads competing with x's): measured
   // slower at SDXL's batch 2, faster at batch 1 (docs/benchmarks.md).
   const bool prefetch = blocks <= 2LL * a.sm_count;
+  // The e4m3 rows: bf16 only (fp8 GEMMs take bf16 models), a form of its own so that the others
+  // keep their registers.
   const auto go = [&](auto add, auto pre) {
-    if (a.rows_per_batch > 0)
-      layer_norm<T, kVpt, kWarpsPerRow, add.value, pre.value, true><<<grid, kThreads, 0, stream>>>(a);
-    else
-      layer_norm<T, kVpt, kWarpsPerRow, add.value, pre.value, false><<<grid, kThreads, 0, stream>>>(a);
+    const auto with = [&](auto mod) {
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        if (a.q) {
+          layer_norm<T, kVpt, kWarpsPerRow, add.value, pre.value, mod.value, true><<<grid, kThreads, 0, stream>>>(a);
+          return;
+        }
+      }
+      layer_norm<T, kVpt, kWarpsPerRow, add.value, pre.value, mod.value, false><<<grid, kThreads, 0, stream>>>(a);
+    };
+    if (a.rows_per_batch > 0) with(std::true_type{});
+    else with(std::false_type{});
   };
   using Yes = std::true_type;
   using No = std::false_type;
@@ -220,7 +269,8 @@ int layer_norm_forward(const LayerNormArgs& a, CUstream_st* stream) {
                                                        a.scale_stride >= 0 && a.shift_stride >= 0 && a.gate_stride >= 0;
   if (!layer_norm_supported(a.dtype, a.c) || a.rows < 1 || !aligned(a.x) || !aligned(a.weight) || !aligned(a.bias) ||
       !aligned(a.y) || (a.residual == nullptr) != (a.sum == nullptr) || (a.residual && (!aligned(a.residual) || !aligned(a.sum))) ||
-      !strides_ok || (a.gate && (!a.residual || !aligned(a.gate))))
+      !strides_ok || (a.gate && (!a.residual || !aligned(a.gate))) || (a.q == nullptr) != (a.q_scale == nullptr) ||
+      reinterpret_cast<uintptr_t>(a.q) % 8 != 0 || (a.q && a.dtype != DType::BFloat16))
     return static_cast<int>(cudaErrorInvalidValue);
   // layer_norm_supported() took Half and BFloat16 only.
   return with_element_type(a.dtype, [&](auto v) -> int {

@@ -41,6 +41,10 @@ struct LayerNormArgs {
   DType dtype = DType::BFloat16;
   int sm_count = 0;  // the GPU's; picks when the kernel loads weight and bias (0: after the reductions)
   int warps_per_row = 0;  // 1, 2 or 4 to force a row layout where it fits (timing runs); 0: the kernel's pick
+  // Both set or neither: y's rows in e4m3 as well (the input of an fp8 GEMM, fp8_linear.h), each
+  // with its scale, from y as written (rounded to dtype): equal to quantize_rows_fp8 of y. BFloat16 only.
+  void* q = nullptr;         // [rows, c] e4m3, 8-byte aligned
+  float* q_scale = nullptr;  // [rows]
 };
 
 // Whether the kernel takes rows of `c` values of `dtype`: Half or BFloat16, C a multiple of 8
