@@ -7,7 +7,7 @@
 //  Which layers: those allow_fp8() marked (the pipelines mark their denoiser's; text encoders,
 //   VAEs and ControlNets keep their dtype) whose K and N are multiples of 16. On CUDA each
 //   layer shape is timed on its first fp8 call (outside graph captures) against the layer's bf16
-//   GEMM and keeps the faster: small GEMMs gain nothing
+//   GEMM and keeps fp8 only where it saves at least 5 % (fp8_cuda.cpp): small GEMMs gain nothing
 //   from fp8 and lose the quantisation (shared/anchors: fp8 GEMMs 1.6-1.8x at DiT shapes, none at
 //   small UNet ones). Where a kernel offered the input's e4m3 rows (offer_fp8_rows), the shape
 //   is timed with them, without a quantisation pass. Needs an
