@@ -55,14 +55,10 @@ const std::vector<Option>& build_table() {
        {}},
       {Id::FusedRmsNormRope, "DIFFRACT_FUSED_RMS_NORM_ROPE", Type::Flag, "1", Scope::Process,
        "Flux: the queries' and keys' RMSNorm and rotary embedding as one CUDA kernel (0: ATen's ops)", {}},
-      {Id::RmsNormRopeVector, "DIFFRACT_RMS_NORM_ROPE_VECTOR", Type::Flag, "0", Scope::Process,
-       "Flux's RMSNorm + rotary kernel with four elements a lane where aligned (1; off until `diffract-gpu-checks "
-       "flux` and a whole step have run on a GPU: docs/benchmarks.md)",
-       {}},
-      {Id::GeluSliceKernel, "DIFFRACT_GELU_SLICE_KERNEL", Type::Flag, "0", Scope::Process,
-       "Flux's single blocks: the tanh GELU into its column slice by Diffract's kernel (1; off until "
-       "`diffract-gpu-checks geglu` and a whole step have run on a GPU: docs/benchmarks.md)",
-       {}},
+      {Id::RmsNormRopeVector, "DIFFRACT_RMS_NORM_ROPE_VECTOR", Type::Flag, "1", Scope::Process,
+       "Flux's RMSNorm + rotary kernel with four elements a lane where aligned (0: one element a lane)", {}},
+      {Id::GeluSliceKernel, "DIFFRACT_GELU_SLICE_KERNEL", Type::Flag, "1", Scope::Process,
+       "Flux's single blocks: the tanh GELU into its column slice by Diffract's kernel (0: ATen's gelu_out)", {}},
       {Id::ConvBiasKernel, "DIFFRACT_CONV_BIAS_KERNEL", Type::Flag, "1", Scope::Process,
        "convolution biases (and residuals) added by Diffract's kernel", {}},
       {Id::GroupNormStatsBlocks, "DIFFRACT_GROUP_NORM_STATS_BLOCKS", Type::Integer, "2", Scope::Process,
