@@ -23,41 +23,24 @@ struct alignas(16) Vec {
   T v[kPer];
 };
 
-// The sum over one row's threads, the same value in each of them. The row's warps meet in `red`
-// (one slot per warp), read back in one order by every thread.
-template <int kWarpsPerRow>
-__device__ __forceinline__ float row_sum(float s, float* red) {
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+// The sum (kMax: the maximum) over one row's threads, the same value in each of them. The row's
+// warps meet in `red` (one slot per warp), read back in one order by every thread.
+template <int kWarpsPerRow, bool kMax = false>
+__device__ __forceinline__ float row_reduce(float v, float* red) {
+  const auto op = [](float a, float b) { return kMax ? fmaxf(a, b) : a + b; };
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   if constexpr (kWarpsPerRow == 1) {
-    return s;
+    return v;
   } else {
     const int warp = threadIdx.x / 32;
-    if (threadIdx.x % 32 == 0) red[warp] = s;
+    if (threadIdx.x % 32 == 0) red[warp] = v;
     __syncthreads();
     const int first = warp / kWarpsPerRow * kWarpsPerRow;
-    float total = 0.f;
+    float total = kMax ? v : 0.f;
 #pragma unroll
-    for (int k = 0; k < kWarpsPerRow; ++k) total += red[first + k];
+    for (int k = 0; k < kWarpsPerRow; ++k) total = op(total, red[first + k]);
     __syncthreads();  // `red` is written again by the next reduction
     return total;
-  }
-}
-
-// The maximum over one row's threads, as row_sum.
-template <int kWarpsPerRow>
-__device__ __forceinline__ float row_max(float m, float* red) {
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if constexpr (kWarpsPerRow == 1) {
-    return m;
-  } else {
-    const int warp = threadIdx.x / 32;
-    if (threadIdx.x % 32 == 0) red[warp] = m;
-    __syncthreads();
-    const int first = warp / kWarpsPerRow * kWarpsPerRow;
-#pragma unroll
-    for (int k = 0; k < kWarpsPerRow; ++k) m = fmaxf(m, red[first + k]);
-    __syncthreads();
-    return m;
   }
 }
 
@@ -116,7 +99,7 @@ __global__ void layer_norm(LayerNormArgs a) {
         for (int j = 0; j < kPer; ++j) sum += to_float(in[i].v[j]);
       }
     }
-    const float mean = row_sum<kWarpsPerRow>(sum, red) * inv_c;
+    const float mean = row_reduce<kWarpsPerRow>(sum, red) * inv_c;
     float sq = 0.f;
 #pragma unroll
     for (int i = 0; i < kVpt; ++i) {
@@ -129,7 +112,7 @@ __global__ void layer_norm(LayerNormArgs a) {
         }
       }
     }
-    const float rstd = rsqrtf(row_sum<kWarpsPerRow>(sq, red) * inv_c + a.eps);
+    const float rstd = rsqrtf(row_reduce<kWarpsPerRow>(sq, red) * inv_c + a.eps);
     V* __restrict__ y = static_cast<V*>(a.y) + row * vectors;
 #pragma unroll
     for (int i = 0; i < kVpt; ++i) {
@@ -164,7 +147,7 @@ __global__ void layer_norm(LayerNormArgs a) {
           for (int j = 0; j < kPer; ++j) amax = fmaxf(amax, fabsf(to_float(in[i].v[j])));
         }
       }
-      const float s = e4m3_row_scale(row_max<kWarpsPerRow>(amax, red));
+      const float s = e4m3_row_scale(row_reduce<kWarpsPerRow, true>(amax, red));
       const float inv = 1.f / s;
       if (live && t == 0) a.q_scale[row] = s;
       uint2* __restrict__ q = static_cast<uint2*>(a.q) + row * vectors;
