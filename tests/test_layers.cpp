@@ -596,6 +596,30 @@ class TestLayers : public QObject {
   // strided_rows: which views fold into one evenly strided run of rows (what the tanh GELU kernel
   // and the tuned GEMM take), and gelu_tanh_out on the CPU (ATen's gelu_out into the view; the
   // CUDA kernel is checked by diffract-gpu-checks geglu).
+  // linear_into writes linear()'s values into one stream's rows of a joint tensor and leaves the
+  // other rows alone (on the CPU through linear() and a copy; the strided-batch GEMM is CUDA's);
+  // an out of the wrong shape is named.
+  void linearIntoAView() {
+    at::NoGradGuard no_grad;
+    at::Generator g = at::detail::createCPUGenerator(4);
+    const auto x = at::randn({2, 5, 8}, g), c = at::randn({2, 3, 8}, g);
+    const auto w = at::randn({6, 8}, g), b = at::randn({6}, g);
+    auto all = at::full({2, 8, 6}, 7.f);
+    auto text_rows = all.slice(1, 5);
+    models::linear_into(text_rows, c, w, b);
+    QVERIFY(at::equal(all.slice(1, 5), models::linear(c, w, b)));
+    QVERIFY(at::equal(all.slice(1, 0, 5), at::full({2, 5, 6}, 7.f)));
+    auto image_rows = all.slice(1, 0, 5);
+    models::linear_into(image_rows, x, w, b);
+    QVERIFY(at::equal(all.slice(1, 0, 5), models::linear(x, w, b)));
+    QVERIFY(!models::gemm_strided_batch_enabled());  // off by default
+    auto wrong = at::empty({2, 4, 6});
+    QVERIFY_THROWS_EXCEPTION(std::exception, models::linear_into(wrong, x, w, b));
+    // linear() of rows that fold into no single stride (a token slice at batch 2): ATen's values.
+    const auto joint = at::randn({2, 8, 8}, g);
+    QVERIFY(at::allclose(models::linear(joint.slice(1, 0, 5), w, b), at::linear(joint.slice(1, 0, 5).contiguous(), w, b)));
+  }
+
   void stridedRowsAndGeluIntoAView() {
     const auto rows = [](const at::Tensor& t) {
       const auto r = models::strided_rows(t);

@@ -37,6 +37,7 @@ enum class Id {
   ConvBiasKernel,
   GroupNormStatsBlocks,
   GemmGelu,
+  GemmStridedBatch,
   GemmTuning,
   FusedTaesd,
   NcclTrace,

@@ -1847,6 +1847,7 @@ void check_parallel_vae() {
 // what the timing chose (ms per call: at::linear, cuBLASLt's first proposal, the one kept).
 void check_gemm() {
   need_gpus(1);
+  ::setenv("DIFFRACT_GEMM_STRIDED_BATCH", "1", 1);  // off by default; read once, at the first call
   at::NoGradGuard no_grad;
   at::manual_seed(2);
   const auto o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
@@ -1879,6 +1880,46 @@ void check_gemm() {
   std::cout << "  all shapes once: at::linear " << aten << " ms, kept " << kept << " ms\n";
   // 32 shapes here; more when other checks ran in this process first.
   expect(report.size() >= 32, "every shape was tuned (" + std::to_string(report.size()) + " in the table)");
+
+  // SD3's joint sequence at batch 2 (DIFFRACT_GEMM_STRIDED_BATCH): each stream's projection
+  // written into its rows of the joint tensor, and the out projections reading their rows of the
+  // attention's output where they lie, each one strided-batch GEMM.
+  const auto rel32 = [](const at::Tensor& got, const at::Tensor& want) {
+    return ((got.to(at::kFloat) - want).norm() / want.norm()).item<double>();
+  };
+  const auto f = [](const at::Tensor& t) { return t.to(at::kFloat); };
+  const auto x = at::randn({2, 4096, 1536}, o), c = at::randn({2, 333, 1536}, o);
+  const auto wi = at::randn({4608, 1536}, o) * 0.03, wt = at::randn({4608, 1536}, o) * 0.03;
+  const auto bi = at::randn({4608}, o), bt = at::randn({4608}, o);
+  auto all = at::empty({2, 4429, 4608}, o);
+  auto image_rows = all.slice(1, 0, 4096), text_rows = all.slice(1, 4096);
+  models::linear_into(image_rows, x, wi, bi);
+  models::linear_into(text_rows, c, wt, bt);
+  const auto want = at::cat({at::linear(f(x), f(wi), f(bi)), at::linear(f(c), f(wt), f(bt))}, 1);
+  const double joint_err = rel32(all, want);
+  const auto att = at::randn({2, 4429, 1536}, o);
+  const auto wo = at::randn({1536, 1536}, o) * 0.03, bo = at::randn({1536}, o);
+  const auto image_att = att.slice(1, 0, 4096), text_att = att.slice(1, 4096);
+  const double out_err = rel32(models::linear(image_att, wo, bo), at::linear(f(image_att), f(wo), f(bo)));
+  const double text_err = rel32(models::linear(text_att, wo, bo), at::linear(f(text_att), f(wo), f(bo)));
+  std::cout << "  strided batch: joint projections rel-L2 " << joint_err << ", out projections " << out_err << " / "
+            << text_err << "\n";
+  expect(joint_err < 1e-2 && out_err < 1e-2 && text_err < 1e-2,
+         "strided-batch GEMMs equal fp32 ones up to bf16 rounding (joint rows written, strided rows read)");
+  int batched = 0;
+  for (const auto& r : nlohmann::json::parse(models::gemm_tuning_report()))
+    if (r.value("batch", 1) == 2 && r["cublaslt"].get<bool>()) ++batched;
+  expect(batched >= 3, "the strided-batch shapes ran cuBLASLt (" + std::to_string(batched) + " of 4 kept it)");
+  const double into = graph_ms_per_call([&] {
+    models::linear_into(image_rows, x, wi, bi);
+    models::linear_into(text_rows, c, wt, bt);
+  });
+  const double cat = graph_ms_per_call([&] { at::cat({models::linear(x, wi, bi), models::linear(c, wt, bt)}, 1); });
+  const double in_place = graph_ms_per_call([&] { models::linear(image_att, wo, bo); });
+  const double copied = graph_ms_per_call([&] { models::linear(image_att.contiguous(), wo, bo); });
+  std::cout << "  ms per call: joint projections written in place " << into << ", the GEMMs and ATen's cat " << cat
+            << "; out projection read in place " << in_place << ", after a copy " << copied << "\n";
+  expect(into < cat && in_place < copied, "the strided-batch GEMMs are faster than the GEMMs with ATen's cat or copy");
 }
 
 // The feed-forward GELU (tanh) in the GEMM's cuBLASLt epilogue (models::linear_gelu_tanh with

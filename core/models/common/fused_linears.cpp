@@ -93,6 +93,16 @@ at::Tensor FusedLinears::project(const at::Tensor& x) const {
   return linear(x, weight_, bias_);
 }
 
+void FusedLinears::project_into(at::Tensor& out, const at::Tensor& x) const {
+  if (index_.at(owners_.front()).layers.front()->fp8) {
+    if (auto y = fp8_linear(x, fp8_.get(), weight_, bias_); y.defined()) {
+      out.copy_(y);
+      return;
+    }
+  }
+  linear_into(out, x, weight_, bias_);
+}
+
 at::Tensor FusedLinears::part(const at::Tensor& projected, const void* owner, int i) const {
   const auto it = index_.find(owner);
   if (it == index_.end() || i < 0 || i >= static_cast<int>(it->second.layers.size())) return {};

@@ -37,6 +37,10 @@ class FusedLinears {
   // x [..., in] -> [..., sum of the layers' outputs]; in fp8 where the first layer may
   // (allow_fp8) and the job wants it (fp8_linear.h), the e4m3 copy made of the fused weight.
   at::Tensor project(const at::Tensor& x) const;
+  // project(x) written into `out` [..., sum of the outputs], a view (linear_into, layers.h).
+  void project_into(at::Tensor& out, const at::Tensor& x) const;
+  // The sum of the layers' output widths: project()'s last dimension.
+  std::int64_t out_features() const { return weight_.size(0); }
   // The columns of `owner`'s layer `i` in project()'s result; undefined for a non-member.
   at::Tensor part(const at::Tensor& projected, const void* owner, int i) const;
 

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -47,9 +48,12 @@ struct Shape {
   bool bias;
   int align;  // bytes every operand's address is a multiple of (16, 8, 4, 2)
   bool gelu;  // GELU (tanh) in the epilogue
+  // A strided batch: `batch` GEMMs of m rows, x's and out's batch items x_stride and out_stride
+  // elements apart (their rows k and n apart); 1, 0, 0 for one GEMM.
+  std::int64_t batch = 1, x_stride = 0, out_stride = 0;
   bool operator<(const Shape& o) const {
-    return std::tie(device, m, n, k, dtype, bias, align, gelu) <
-           std::tie(o.device, o.m, o.n, o.k, o.dtype, o.bias, o.align, o.gelu);
+    return std::tie(device, m, n, k, dtype, bias, align, gelu, batch, x_stride, out_stride) <
+           std::tie(o.device, o.m, o.n, o.k, o.dtype, o.bias, o.align, o.gelu, o.batch, o.x_stride, o.out_stride);
   }
 };
 
@@ -100,6 +104,19 @@ struct Problem {
     check(cublasLtMatrixLayoutCreate(&a, type, s.k, s.n, s.k), "layout A");
     check(cublasLtMatrixLayoutCreate(&b, type, s.k, s.m, s.k), "layout B");
     check(cublasLtMatrixLayoutCreate(&c, type, s.n, s.m, s.n), "layout C");
+    if (s.batch > 1) {
+      // The weight is shared (offset 0); each batch item's bias is the same (the default).
+      const std::int32_t count = static_cast<std::int32_t>(s.batch);
+      const std::int64_t offsets[] = {0, s.x_stride, s.out_stride};
+      const cublasLtMatrixLayout_t layouts[] = {a, b, c};
+      for (int i = 0; i < 3; ++i) {
+        check(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)),
+              "batch count");
+        check(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &offsets[i],
+                                               sizeof(offsets[i])),
+              "batch offset");
+      }
+    }
   }
   ~Problem() {
     if (c) cublasLtMatrixLayoutDestroy(c);
@@ -130,13 +147,11 @@ void* workspace_for(int device, cudaStream_t stream) {
   return w.data_ptr();
 }
 
+// `aten`: what runs where cuBLASLt is not kept, timed against its proposals.
 Choice tune(const Shape& s, Problem& p, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
-            at::Tensor& out, cudaStream_t stream) {
+            at::Tensor& out, cudaStream_t stream, const std::function<void()>& aten) {
   Choice best;
-  best.aten_ms = time_ms(stream, [&] {
-    if (s.gelu) at::gelu(at::linear(x, w, bias), "tanh");
-    else at::linear(x, w, bias);
-  });
+  best.aten_ms = time_ms(stream, aten);
   best.best_ms = best.aten_ms;
   cublasLtMatmulPreference_t pref;
   check(cublasLtMatmulPreferenceCreate(&pref), "preference");
@@ -171,7 +186,10 @@ Choice tune(const Shape& s, Problem& p, const at::Tensor& x, const at::Tensor& w
 
 std::string store_key(const Shape& s) {
   return std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k) + " " + c10::toString(s.dtype) +
-         (s.bias ? " bias" : "") + " align" + std::to_string(s.align) + (s.gelu ? " gelu" : "");
+         (s.bias ? " bias" : "") + " align" + std::to_string(s.align) + (s.gelu ? " gelu" : "") +
+         (s.batch > 1 ? " batch" + std::to_string(s.batch) + " x" + std::to_string(s.x_stride) + " out" +
+                            std::to_string(s.out_stride)
+                      : "");
 }
 
 nlohmann::json to_record(const Choice& c) {
@@ -225,22 +243,15 @@ bool g_tuning = tuning_from_env();
 bool gemm_tuning_enabled() { return g_tuning; }
 void set_gemm_tuning(bool on) { g_tuning = on; }
 
-bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out, bool gelu) {
-  // x [M, K] contiguous, w [N, K] rows contiguous, bias [N] or undefined; bf16 / fp16 alike.
-  // With `gelu`, out = gelu_tanh(x w^T + bias), or false where the timing kept ATen's two ops.
-  const auto dtype = x.scalar_type();
-  if (dtype != at::kBFloat16 && dtype != at::kHalf) return false;
-  if (w.scalar_type() != dtype || (bias.defined() && (bias.scalar_type() != dtype || !bias.is_contiguous()))) return false;
-  if (x.dim() != 2 || !x.is_contiguous() || w.dim() != 2 || w.stride(1) != 1 || w.stride(0) != w.size(1)) return false;
-  const std::int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  if (m < 1 || n < 1 || k < 1 || w.size(1) != k || (bias.defined() && bias.numel() != n)) return false;
+namespace {
+
+// The kept choice for shape s (timed on its first call, or read from the tuning store), run into
+// `out` (made [rows, n] here where undefined); false where ATen's path was kept (or where a
+// capture meets a shape not yet timed).
+bool run_tuned(const Shape& s, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out,
+               const std::function<void()>& aten) {
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream(x.device().index()).stream();
-  // `out` only where cuBLASLt runs (where at::linear was kept it makes its own); a fresh tensor
-  // from the caching allocator is 16-byte aligned or better.
-  Shape s{x.device().index(), m, n, k, dtype, bias.defined(),
-          std::min({alignment(x.data_ptr()), alignment(w.data_ptr()), bias.defined() ? alignment(bias.data_ptr()) : 16}),
-          gelu};
   // The descriptors per shape, made once per thread (run() sets the bias pointer on them, so
   // threads must not share them); eager models call linear() hundreds of times a step.
   thread_local std::map<Shape, std::unique_ptr<Problem>> problems;
@@ -263,8 +274,8 @@ bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         it = g_choices.emplace(s, *stored).first;
         count_tuning("gemm", true, ms_between(t0, now_ns()));
       } else {
-        out = at::empty({m, n}, x.options());
-        it = g_choices.emplace(s, tune(s, p, x, w, bias, out, stream)).first;
+        if (!out.defined()) out = at::empty({s.m, s.n}, x.options());
+        it = g_choices.emplace(s, tune(s, p, x, w, bias, out, stream, aten)).first;
         store.put("gemm", key, to_record(it->second));
         count_tuning("gemm", false, ms_between(t0, now_ns()));
       }
@@ -273,9 +284,54 @@ bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     if (choice.lt) ws = workspace_for(s.device, stream);
   }
   if (!choice.lt) return false;
-  if (!out.defined()) out = at::empty({m, n}, x.options());
+  if (!out.defined()) out = at::empty({s.m, s.n}, x.options());
   check(p.run(choice.algo, choice.workspace, x, w, bias, out, ws, stream), "matmul");
   return true;
+}
+
+bool operands_ok(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  const auto dtype = x.scalar_type();
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return false;
+  if (w.scalar_type() != dtype || (bias.defined() && (bias.scalar_type() != dtype || !bias.is_contiguous()))) return false;
+  return w.dim() == 2 && w.stride(1) == 1 && w.stride(0) == w.size(1) && w.size(0) >= 1 && w.size(1) >= 1 &&
+         x.size(-1) == w.size(1) && (!bias.defined() || bias.numel() == w.size(0));
+}
+
+int operand_alignment(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  return std::min({alignment(x.data_ptr()), alignment(w.data_ptr()), bias.defined() ? alignment(bias.data_ptr()) : 16});
+}
+
+}  // namespace
+
+bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out, bool gelu) {
+  // x [M, K] contiguous, w [N, K] rows contiguous, bias [N] or undefined; bf16 / fp16 alike.
+  // With `gelu`, out = gelu_tanh(x w^T + bias), or false where the timing kept ATen's two ops.
+  if (x.dim() != 2 || !x.is_contiguous() || x.size(0) < 1 || !operands_ok(x, w, bias)) return false;
+  // `out` only where cuBLASLt runs (where at::linear was kept it makes its own); a fresh tensor
+  // from the caching allocator is 16-byte aligned or better.
+  const Shape s{x.device().index(), x.size(0), w.size(0), x.size(1), x.scalar_type(), bias.defined(),
+                operand_alignment(x, w, bias), gelu};
+  return run_tuned(s, x, w, bias, out, [&] {
+    if (gelu) at::gelu(at::linear(x, w, bias), "tanh");
+    else at::linear(x, w, bias);
+  });
+}
+
+bool tuned_linear_batched_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out) {
+  // x [B, M, K] and out [B, M, N], each batch item's rows contiguous and adjacent, the items at
+  // any stride that does not overlap them.
+  if (x.dim() != 3 || out.dim() != 3 || !operands_ok(x, w, bias) || out.scalar_type() != x.scalar_type() ||
+      out.device() != x.device())
+    return false;
+  const std::int64_t b = x.size(0), m = x.size(1), k = x.size(2), n = w.size(0);
+  if (b < 2 || m < 1 || out.size(0) != b || out.size(1) != m || out.size(2) != n) return false;
+  if (x.stride(2) != 1 || x.stride(1) != k || x.stride(0) < m * k || out.stride(2) != 1 || out.stride(1) != n ||
+      out.stride(0) < m * n)
+    return false;
+  const Shape s{x.device().index(), m, n, k, x.scalar_type(), bias.defined(),
+                std::min(operand_alignment(x, w, bias), alignment(out.data_ptr())), false, b, x.stride(0),
+                out.stride(0)};
+  return run_tuned(s, x, w, bias, out, [&] { out.copy_(at::linear(x, w, bias)); });
 }
 
 std::string gemm_tuning_report() {
@@ -283,7 +339,7 @@ std::string gemm_tuning_report() {
   nlohmann::json j = nlohmann::json::array();
   for (const auto& [s, c] : g_choices)
     j.push_back({{"m", s.m}, {"n", s.n}, {"k", s.k}, {"bias", s.bias}, {"dtype", c10::toString(s.dtype)},
-                 {"gelu", s.gelu}, {"aten_ms", c.aten_ms}, {"first_ms", c.first_ms}, {"best_ms", c.best_ms},
+                 {"gelu", s.gelu}, {"batch", s.batch}, {"aten_ms", c.aten_ms}, {"first_ms", c.first_ms}, {"best_ms", c.best_ms},
                  {"cublaslt", c.lt},
                  {"tried", c.tried}});
   return j.dump();

@@ -120,6 +120,7 @@ at::Tensor LinearImpl::forward(const at::Tensor& x) {
 // gemm_cuda.cpp: false when the tuned path does not take the case.
 bool tuned_linear_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out,
                        bool gelu = false);
+bool tuned_linear_batched_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out);
 bool tuned_conv2d_cuda(const at::Tensor& x, const at::Tensor& w, int64_t stride, int64_t padding, at::Tensor& out);
 #else
 bool gemm_tuning_enabled() { return false; }
@@ -178,10 +179,53 @@ at::Tensor tuned_linear([[maybe_unused]] const at::Tensor& x, [[maybe_unused]] c
 
 }  // namespace
 
+bool gemm_strided_batch_enabled() {
+  static const bool on = options::flag(options::Id::GemmStridedBatch);  // process scope: read once
+  return on;
+}
+
+namespace {
+
+// Whether x [B, T, K] is a case for the strided-batch GEMM: switched on, CUDA inference, each
+// batch item's rows contiguous and adjacent (the callers send it only x or an out whose items lie
+// apart: a plain GEMM takes the rest).
+bool strided_batch_case(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  return gemm_strided_batch_enabled() && x.is_cuda() && x.dim() == 3 && x.size(0) > 1 && x.size(1) > 0 && x.stride(2) == 1 &&
+         x.stride(1) == x.size(2) && gemm_tuning_enabled() &&
+         !(at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() ||
+                                          (bias.defined() && bias.requires_grad())));
+}
+
+// The strided-batch GEMM into out [B, T, N]; false where it does not take the case.
+bool batched_linear([[maybe_unused]] at::Tensor& out, [[maybe_unused]] const at::Tensor& x,
+                    [[maybe_unused]] const at::Tensor& weight, [[maybe_unused]] const at::Tensor& bias) {
+#ifdef DIFFRACT_HAS_CUDA_KERNELS
+  return out.dim() == 3 && tuned_linear_batched_cuda(x, weight, bias, out);
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  if (!x.is_contiguous() && strided_batch_case(x, weight, bias)) {
+    auto out = at::empty({x.size(0), x.size(1), weight.size(0)}, x.options());
+    if (batched_linear(out, x, weight, bias)) return out;
+  }
   const auto in = gemm_input(x);
   auto y = tuned_linear(in, weight, bias, /*gelu=*/false);
   return y.defined() ? y : at::linear(in, weight, bias);
+}
+
+void linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  TORCH_CHECK(out.dim() == x.dim() && out.sizes().slice(0, x.dim() - 1) == x.sizes().slice(0, x.dim() - 1) &&
+                  out.size(-1) == weight.size(0),
+              "linear_into: out ", out.sizes(), " for x ", x.sizes(), " and weight ", weight.sizes());
+  if (!(x.is_contiguous() && out.is_contiguous()) && strided_batch_case(x, weight, bias) &&
+      batched_linear(out, x, weight, bias))
+    return;
+  out.copy_(linear(x, weight, bias));
 }
 
 at::Tensor linear_gelu_tanh(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {

@@ -95,6 +95,14 @@ TORCH_MODULE(Embedding);
 // first call chose by timing cuBLASLt's proposals against at::linear (gemm_cuda.cpp). Its first
 // call inside a CUDA graph capture, with no choice made yet, stays with at::linear.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+// linear(x, weight, bias) written into `out` [..., N], a view (e.g. one stream's tokens of a joint
+// sequence another projection fills too). With DIFFRACT_GEMM_STRIDED_BATCH=1, where x and out are
+// [B, T, *] with each batch item's rows contiguous and adjacent, one strided-batch cuBLASLt GEMM
+// writes there (and linear() reads such an x in place, without gemm_input's copy); elsewhere
+// linear() and a copy.
+void linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+// Whether DIFFRACT_GEMM_STRIDED_BATCH is on (read once).
+bool gemm_strided_batch_enabled();
 // gelu(linear(x, weight, bias)) with the tanh approximation, what diffusers' GELU(approximate=
 // "tanh") projection runs. On CUDA (unless DIFFRACT_GEMM_GELU=0) the GELU runs in the epilogue of the
 // tuned cuBLASLt GEMM, on the fp32 accumulator before the rounding to x's dtype, instead of as a
