@@ -99,19 +99,23 @@ __global__ void layer_norm(LayerNormArgs a) {
         for (int j = 0; j < kPer; ++j) sum += to_float(in[i].v[j]);
       }
     }
-    const float mean = row_reduce<kWarpsPerRow>(sum, red) * inv_c;
-    float sq = 0.f;
+    // f(value) for each value this thread holds of the row.
+    const auto each_held = [&](auto&& f) {
 #pragma unroll
-    for (int i = 0; i < kVpt; ++i) {
-      const int v = t + i * kRowThreads;
-      if (live && v < vectors) {
+      for (int i = 0; i < kVpt; ++i) {
+        const int v = t + i * kRowThreads;
+        if (live && v < vectors) {
 #pragma unroll
-        for (int j = 0; j < kPer; ++j) {
-          const float d = to_float(in[i].v[j]) - mean;
-          sq += d * d;
+          for (int j = 0; j < kPer; ++j) f(to_float(in[i].v[j]));
         }
       }
-    }
+    };
+    const float mean = row_reduce<kWarpsPerRow>(sum, red) * inv_c;
+    float sq = 0.f;
+    each_held([&](float e) {
+      const float d = e - mean;
+      sq += d * d;
+    });
     const float rstd = rsqrtf(row_reduce<kWarpsPerRow>(sq, red) * inv_c + a.eps);
     V* __restrict__ y = static_cast<V*>(a.y) + row * vectors;
 #pragma unroll
@@ -139,14 +143,7 @@ __global__ void layer_norm(LayerNormArgs a) {
     }
     if constexpr (kFp8) {
       float amax = 0.f;
-#pragma unroll
-      for (int i = 0; i < kVpt; ++i) {
-        const int v = t + i * kRowThreads;
-        if (live && v < vectors) {
-#pragma unroll
-          for (int j = 0; j < kPer; ++j) amax = fmaxf(amax, fabsf(to_float(in[i].v[j])));
-        }
-      }
+      each_held([&](float e) { amax = fmaxf(amax, fabsf(e)); });
       const float s = e4m3_row_scale(row_reduce<kWarpsPerRow, true>(amax, red));
       const float inv = 1.f / s;
       if (live && t == 0) a.q_scale[row] = s;
