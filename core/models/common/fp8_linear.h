@@ -10,8 +10,8 @@
 //   GEMM and keeps fp8 only where it saves at least 5 % (fp8_cuda.cpp): small GEMMs gain nothing
 //   from fp8 and lose the quantisation (shared/anchors: fp8 GEMMs 1.6-1.8x at DiT shapes, none at
 //   small UNet ones). Where a kernel offered the input's e4m3 rows (offer_fp8_rows), the shape
-//   is timed with them, without a quantisation pass. Needs an
-//   sm_89+ GPU (fp8 tensor cores) and a bf16 model; elsewhere on CUDA the layers stay bf16.
+//   is timed with them, without a quantisation pass. Needs an sm_89+ GPU (fp8 tensor cores) and
+//   a bf16 model; elsewhere on CUDA the layers stay bf16.
 //   DIFFRACT_FP8_LAYERS=all skips the timing: every eligible layer runs in fp8.
 //  On the CPU the same arithmetic is emulated in fp32 (both operands rounded to e4m3 with their
 //   scales, the product in fp32) on every eligible layer, so tests and the quality report see
