@@ -635,6 +635,23 @@ class TestLayers : public QObject {
     QCOMPARE(rows(buf.select(1, 2).unsqueeze(1)), (std::vector<int64_t>{2, 10, 60}));  // a size-1 middle dim
     QCOMPARE(rows(at::zeros({1, 10}).expand({3, 10})), (std::vector<int64_t>{3, 10, 0}));
     QCOMPARE(rows(at::zeros({0, 4})), (std::vector<int64_t>{0, 4, 4}));
+    // Two levels: batch items of evenly strided rows ({rows_per_batch, batches, cols, row_stride,
+    // batch_stride}), what the fp8 quantisation kernel reads.
+    const auto batches = [](const at::Tensor& t) {
+      const auto r = models::strided_row_batches(t);
+      return r ? std::vector<int64_t>{r->rows_per_batch, r->batches, r->cols, r->row_stride, r->batch_stride}
+               : std::vector<int64_t>{};
+    };
+    QCOMPARE(batches(buf), (std::vector<int64_t>{12, 1, 10, 10, 120}));
+    QCOMPARE(batches(buf.narrow(1, 0, 4)), (std::vector<int64_t>{4, 2, 10, 10, 60}));  // tokens of each item
+    QCOMPARE(batches(buf.narrow(1, 4, 2).narrow(2, 0, 8)), (std::vector<int64_t>{2, 2, 8, 10, 60}));
+    const auto four = at::zeros({3, 2, 6, 10});
+    QCOMPARE(batches(four.narrow(2, 0, 4)), (std::vector<int64_t>{4, 6, 10, 10, 60}));  // items fold too
+    QCOMPARE(batches(four.narrow(2, 0, 4).narrow(1, 0, 1)), (std::vector<int64_t>{4, 3, 10, 10, 120}));
+    QCOMPARE(batches(four.narrow(2, 0, 4).narrow(0, 0, 2).narrow(1, 0, 1).squeeze(1).unsqueeze(1).expand({2, 2, 4, 10})),
+             std::vector<int64_t>{});  // a third level (an expanded dimension between the items)
+    QCOMPARE(batches(buf.transpose(1, 2)), std::vector<int64_t>{});
+    QCOMPARE(batches(at::zeros({5})), (std::vector<int64_t>{1, 1, 5, 5, 5}));
 
     at::manual_seed(8);
     auto joined = at::zeros({1, 5, 24});

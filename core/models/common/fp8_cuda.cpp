@@ -23,6 +23,7 @@
 #include "core/util/options.h"
 #include "core/models/common/kernel_dtype.h"
 #include "core/models/common/layers.h"
+#include "core/models/common/strided_rows.h"
 #include "core/util/error.h"
 
 namespace diffract::models {
@@ -76,33 +77,17 @@ bool fp8_capable(int device) {
   return it->second;
 }
 
-// x's rows as the kernel reads them (its last dimension contiguous, the others folding into batch
-// items of evenly strided rows, the items evenly strided too); false for any other layout.
+// x's rows as the kernel reads them (strided_rows.h: batch items of evenly strided rows); false
+// for any other layout, and for rows that overlap.
 bool row_layout(const at::Tensor& x, kernels::QuantizeRowsArgs& a) {
-  if (x.dim() < 1 || x.stride(-1) != 1) return false;
-  std::int64_t inner = 1, inner_stride = x.size(-1), outer = 1, outer_stride = 0;
-  for (std::int64_t i = x.dim() - 2; i >= 0; --i) {
-    const auto size = x.size(i), stride = x.stride(i);
-    if (size == 1) continue;
-    if (outer == 1 && inner == 1) {
-      inner = size, inner_stride = stride;
-    } else if (outer == 1 && stride == inner * inner_stride) {
-      inner *= size;
-    } else if (outer == 1) {
-      outer = size, outer_stride = stride;
-    } else if (stride == outer * outer_stride) {
-      outer *= size;
-    } else {
-      return false;
-    }
-  }
-  if (inner_stride < x.size(-1)) return false;  // overlapping rows
+  const auto b = strided_row_batches(x);
+  if (!b || b->row_stride < b->cols) return false;
   a.x = x.const_data_ptr();
-  a.rows = inner * outer;
-  a.cols = x.size(-1);
-  a.row_stride = inner_stride;
-  a.rows_per_batch = inner;
-  a.batch_stride = outer == 1 ? inner * inner_stride : outer_stride;
+  a.rows = b->rows_per_batch * b->batches;
+  a.cols = b->cols;
+  a.row_stride = b->row_stride;
+  a.rows_per_batch = b->rows_per_batch;
+  a.batch_stride = b->batch_stride;
   return true;
 }
 
@@ -169,7 +154,6 @@ bool fp8_linear_cuda(const at::Tensor& x, const Fp8Rows* rows, Fp8WeightCache& c
   const auto in = rows || fused ? x : x.reshape({-1, x.size(-1)}).contiguous();
   if (options::value(options::Id::Fp8Layers) == "all") {
     out = run(in, rows, *cache.get(weight), bias, stream);
-    if (!rows) count_fp8_quantised();
     return true;
   }
   const Shape s{device, x.numel() / x.size(-1), weight.size(0), weight.size(1), bias.defined(), rows != nullptr};
@@ -210,7 +194,6 @@ bool fp8_linear_cuda(const at::Tensor& x, const Fp8Rows* rows, Fp8WeightCache& c
   }
   if (!choice.fp8) return false;
   out = run(in, rows, *cache.get(weight), bias, stream);
-  if (!rows) count_fp8_quantised();
   return true;
 }
 
