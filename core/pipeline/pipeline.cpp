@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/ScopeExit.h>
 
 #include "core/models/common/cancel_point.h"
 #include "core/models/common/fp8_linear.h"
@@ -346,9 +347,7 @@ job::GenerationResult Pipeline::run_job(const job::GenerationRequest& request, c
   // The models' blocks stop a long step within a block once the job is cancelled.
   const models::CancelScope cancel_scope(&cancel);
   // The e4m3 rows a job's kernels offered and no layer took are not kept past it (fp8_linear.h).
-  const struct DropFp8Rows {
-    ~DropFp8Rows() { models::drop_fp8_rows(); }
-  } drop_fp8_rows;
+  const auto drop_fp8_rows = c10::make_scope_exit([] { models::drop_fp8_rows(); });
   if (models::fp8_wanted() && !s.device.is_cuda())
     log::get("pipeline").info("fp8 on the CPU is emulated in fp32: it shows fp8's rounding, not its speed");
 

@@ -112,20 +112,18 @@ at::Tensor fp8_linear(const at::Tensor& x, Fp8WeightCache* cache, const at::Tens
                 c10::str(x.sizes()));
   auto sizes = x.sizes().vec();
   sizes.back() = n;
+  at::Tensor out;
 #ifdef DIFFRACT_HAS_CUDA_KERNELS
-  if (x.is_cuda()) {
-    at::Tensor out;
-    if (!fp8_linear_cuda(x, rows ? &*rows : nullptr, *cache, weight, bias, out)) return {};
-    if (rows) ++g_taken;
-    return out.view(sizes);
-  }
+  if (x.is_cuda() && !fp8_linear_cuda(x, rows ? &*rows : nullptr, *cache, weight, bias, out)) return {};
 #endif
-  if (x.is_cuda()) return {};
-  const auto w = cache->get(weight);
-  if (rows) ++g_taken;
-  else ++g_quantised;
-  const auto [q, scale] = rows ? std::pair(rows->q, rows->scale) : quantize_rows_fp8(x.reshape({-1, k}));
-  return scaled_linear_fp8_reference(q, scale, *w, bias, x.scalar_type()).view(sizes);
+  if (x.is_cuda() && !out.defined()) return {};
+  if (!x.is_cuda()) {
+    const auto w = cache->get(weight);
+    const auto [q, scale] = rows ? std::pair(rows->q, rows->scale) : quantize_rows_fp8(x.reshape({-1, k}));
+    out = scaled_linear_fp8_reference(q, scale, *w, bias, x.scalar_type());
+  }
+  ++(rows ? g_taken : g_quantised);
+  return out.view(sizes);
 }
 
 bool fp8_rows_wanted(const at::Tensor& x) {
@@ -155,8 +153,6 @@ std::optional<Fp8Rows> offered_fp8_rows(const at::Tensor& x) { return find_offer
 void drop_fp8_rows() { t_offers.clear(); }
 
 Fp8RowsCounts fp8_rows_counts() { return {g_offered.load(), g_taken.load(), g_quantised.load()}; }
-
-void count_fp8_quantised() { ++g_quantised; }
 
 bool fp8_wanted() { return options::value(options::Id::Precision) == "fp8"; }
 

@@ -97,8 +97,6 @@ struct Fp8RowsCounts {
   std::int64_t offered = 0, taken = 0, quantised = 0;
 };
 Fp8RowsCounts fp8_rows_counts();
-// fp8 GEMMs that quantised their input in a pass of their own (fp8_cuda.cpp and the CPU path).
-void count_fp8_quantised();
 // An fp8 MLP's activation between its two layers, applied to the first layer's output y.
 enum class Fp8RowsActivation {
   GeluTanh,     // gelu(y, "tanh"): y [..., N] -> [..., N]

@@ -101,7 +101,7 @@ void check_launch(int rc, const char* what) {
 // too, offered to that GEMM (fp8_linear.h).
 void launch(kernels::LayerNormArgs a, const at::Tensor& y, const char* what) {
   std::optional<Fp8Rows> rows;
-  if (a.dtype == kernels::DType::BFloat16 && fp8_rows_wanted(y)) {
+  if (fp8_rows_wanted(y)) {  // bf16 only, as the kernel's rows
     rows = Fp8Rows{at::empty({a.rows, a.c}, y.options().dtype(at::kFloat8_e4m3fn)),
                    at::empty({a.rows, 1}, y.options().dtype(at::kFloat))};
     a.q = rows->q.mutable_data_ptr();
