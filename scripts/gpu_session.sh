@@ -527,6 +527,10 @@ for r in results:
         g = s.get("unet_graphs", {})
         print(f"  {s['size']}: first {s['first_image_ms']:.0f} ms, later {s['later_ms']:.0f} ms, added {s['added_ms']:.0f} ms, "
               f"capture {g.get('last_capture_ms', 0):.0f} ms, repeatable {s.get('repeatable')}; {brief(s['tuning'])}")
+        c = g.get("last_capture")
+        if c:
+            print(f"    {c['warmups']} eager calls {c['warm_up_ms']:.0f} ms (host), capture {c['capture_ms']:.0f} ms, "
+                  f"redone {c['redone']}")
     plans = r.get("conv_plans", [])
     bench = [p for p in plans if p["plan"] == "benchmark"]
     print(f"  conv plans: {len(plans)} shapes, {len(bench)} benchmarked; gain where kept: "

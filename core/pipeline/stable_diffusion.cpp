@@ -51,6 +51,10 @@ using namespace detail;
 
 namespace {
 
+nlohmann::json capture_json(const CaptureStats& c) {
+  return {{"warm_up_ms", c.warm_up_ms}, {"capture_ms", c.capture_ms}, {"warmups", c.warmups}, {"redone", c.redone}};
+}
+
 // Channel -> RGB projections of the latent spaces, for previews without a TAESD: least-squares
 // fits of decoded colours to latents, as the SD community uses them.
 at::Tensor latent_rgb_factors(job::ModelFamily family) {
@@ -859,6 +863,7 @@ void StableDiffusion::add_metadata(const JobContext& job, nlohmann::json& meta) 
   if (p.device.is_cuda())
     meta["unet_graphs"] = {{"graphs", p.runner->graphs()},
                            {"last_capture_ms", p.runner->last_capture_ms()},
+                           {"last_capture", capture_json(p.runner->last_capture())},
                            {"stage_graphs", p.runner->stage_graphs()},
                            {"replicas_ms", p.replica_ms},
                            {"channels_last", p.runner->options().channels_last},

@@ -22,6 +22,7 @@ namespace diffract {
 
 struct GraphCache::Cache {
   double last_capture_ms = 0;
+  CaptureStats last_capture;
 #ifdef DIFFRACT_HAS_CUDA
   struct Entry {
     std::vector<std::int64_t> tag;
@@ -65,6 +66,7 @@ int GraphCache::graphs() const {
 }
 
 double GraphCache::last_capture_ms() const { return cache_->last_capture_ms; }
+CaptureStats GraphCache::last_capture() const { return cache_->last_capture; }
 
 void GraphCache::set_max_graphs(int n) {
   max_graphs_ = n;
@@ -104,9 +106,64 @@ void capture_graph(at::cuda::CUDAGraph& graph, const std::function<void()>& f) {
 }
 
 int graph_warmups() {
-  static const int n = std::stoi(options::value(options::Id::GraphWarmups));
+  static const int n = [] {
+    const auto v = options::value(options::Id::GraphWarmups);
+    return v == "auto" ? 0 : std::stoi(v);
+  }();
   return n;
 }
+
+namespace {
+thread_local std::int64_t t_unprepared = 0;
+}
+
+void note_unprepared_in_capture() { ++t_unprepared; }
+
+#ifdef DIFFRACT_HAS_CUDA
+std::unique_ptr<at::cuda::CUDAGraph> capture_warmed_up(const std::function<void()>& f, CaptureStats& stats) {
+  using clock = std::chrono::steady_clock;
+  const auto ms_since = [](clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(clock::now() - t).count();
+  };
+  const auto warm_up = [&](int n) {
+    const auto t = clock::now();
+    for (int i = 0; i < n; ++i) f();  // tuning, plans and workspaces
+    stats.warm_up_ms += ms_since(t);
+    stats.warmups += n;
+  };
+  const auto capture = [&] {
+    auto graph = std::make_unique<at::cuda::CUDAGraph>();
+    const auto t = clock::now();
+    try {
+      capture_graph(*graph, f);
+    } catch (...) {
+      stats.capture_ms += ms_since(t);
+      throw;
+    }
+    stats.capture_ms += ms_since(t);
+    return graph;
+  };
+  stats = {};
+  if (graph_warmups() > 0) {
+    warm_up(graph_warmups());
+    return capture();
+  }
+  const auto before = t_unprepared;
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+  try {
+    graph = capture();
+  } catch (const c10::OutOfMemoryError&) {
+    throw;  // eager calls would not fit either
+  } catch (const std::exception&) {
+    graph.reset();  // tried again below, after the eager calls
+  }
+  if (graph && t_unprepared == before) return graph;
+  graph.reset();
+  stats.redone = true;
+  warm_up(2);
+  return capture();
+}
+#endif
 
 void GraphCache::clear() {
 #ifdef DIFFRACT_HAS_CUDA
@@ -147,7 +204,6 @@ std::vector<at::Tensor> GraphCache::run(const std::vector<std::int64_t>& tag, co
       // On the caller's stream, where the replays read them.
       for (const auto& t : inputs)
         e.inputs.push_back(layout && t.dim() == 4 ? t.clone(*layout) : t.clone());
-      e.graph = std::make_unique<at::cuda::CUDAGraph>();
       // Captures need a stream other than the legacy default one; the caller's may be either.
       auto capture = capture_stream(index);
       at::cuda::CUDAEvent behind;
@@ -155,9 +211,8 @@ std::vector<at::Tensor> GraphCache::run(const std::vector<std::int64_t>& tag, co
       behind.block(capture);
       {
         c10::cuda::CUDAStreamGuard stream_guard(capture);
-        for (int i = 0; i < graph_warmups(); ++i) f(e.inputs);  // tuning, plans and workspaces
         // Thread-local capture: other threads (ranks) keep launching work on their own devices.
-        capture_graph(*e.graph, [&] { e.outputs = f(e.inputs); });
+        e.graph = capture_warmed_up([&] { e.outputs = f(e.inputs); }, cache_->last_capture);
       }
       at::cuda::CUDAEvent captured;
       captured.record(capture);

@@ -1,7 +1,7 @@
 #pragma once
 // Functions of tensors replayed from CUDA graphs, one per set of input shapes and dtypes, as
 // UNetGraphRunner does for the whole UNet (unet_graphs.h): the first call for a shape runs it
-// eagerly (graph_warmups() times: cuDNN's plans, GEMM tuning, workspaces) and captures it; later
+// eagerly (capture_warmed_up: cuDNN's plans, GEMM tuning, workspaces) and captures it; later
 // calls copy into the static inputs and replay.
 //  GraphCache: the machinery, for functions of several tensors to several tensors, keyed also
 //   by a caller's tag (which function: UNetGraphRunner's stage calls keep one cache for all of
@@ -40,8 +40,33 @@ c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device);
 // every later job fails. CUDA builds only.
 void capture_graph(at::cuda::CUDAGraph& graph, const std::function<void()>& f);
 
-// How many times a function runs eagerly before its capture (DIFFRACT_GRAPH_WARMUPS, read once).
+// How many times a function runs eagerly before its capture (DIFFRACT_GRAPH_WARMUPS, read once):
+// 1 or 2, or 0 for "auto" (capture_warmed_up's first capture comes without any).
 int graph_warmups();
+
+// Work inside a capture that an eager call should have done first calls this: a shape without
+// its tuning choice (it took the untimed path), a workspace or fp8 weight made inside the capture.
+// capture_warmed_up redoes such a capture after eager calls. Counts per thread (captures are
+// thread-local).
+void note_unprepared_in_capture();
+
+// What a graph's first call spent before its replay, in host wall time (the GPU may still be
+// running the warm-ups when the capture starts).
+struct CaptureStats {
+  double warm_up_ms = 0;  // the eager calls before the kept capture
+  double capture_ms = 0;  // capturing and instantiating it (a discarded capture included)
+  int warmups = 0;        // eager calls made
+  bool redone = false;    // a capture without warm-ups met unprepared work and was discarded
+};
+
+#ifdef DIFFRACT_HAS_CUDA
+// `f` (which runs the function and keeps its outputs) captured into a new graph on the current
+// stream, which must be a capture stream: graph_warmups() eager calls of f first; with "auto"
+// none, and where that capture met unprepared work (note_unprepared_in_capture) or threw, the
+// graph is discarded and f captured again after two eager calls. A size whose tuning choices are
+// all known (the tuning store) is captured with no eager call.
+std::unique_ptr<at::cuda::CUDAGraph> capture_warmed_up(const std::function<void()>& f, CaptureStats& stats);
+#endif
 
 class GraphCache {
  public:
@@ -55,8 +80,7 @@ class GraphCache {
   // True when run() would replay a graph: max_graphs > 0 and the inputs on a CUDA device.
   bool graphable(const std::vector<at::Tensor>& inputs) const;
   // f(inputs), replayed from the graph of the key (tag, every input's sizes and dtype, the
-  // device), captured on the key's first call (f run eagerly graph_warmups() times first, on the inputs'
-  // copies);
+  // device), captured on the key's first call (capture_warmed_up, on the inputs' copies);
   // f(inputs) itself when !graphable(inputs). `f` must be capturable (no host synchronisation,
   // no CPU tensors) and do the same work for a given key. Every input must be a defined tensor on
   // one device. The outputs are tensors of their own (copies of the graph's static outputs, made
@@ -70,6 +94,7 @@ class GraphCache {
   int max_graphs() const { return max_graphs_; }
   void set_max_graphs(int n);      // drops the least recently used graphs above n
   double last_capture_ms() const;  // the last capture's wall time (warm-up calls included); 0 before
+  CaptureStats last_capture() const;
   void clear();                    // drops every graph and its memory
 
  private:

@@ -120,8 +120,9 @@ const std::vector<Option>& build_table() {
        {}},
       {Id::GraphWarmups, "DIFFRACT_GRAPH_WARMUPS", Type::Choice, "2", Scope::Process,
        "eager calls before a CUDA graph's capture (the tuning, plans and workspaces happen in the first; the "
-       "capture itself must not tune)",
-       {"1", "2"}},
+       "capture itself must not tune); auto: none, the capture redone after two where it met a shape without "
+       "its tuning choice",
+       {"auto", "1", "2"}},
   };
   for (std::size_t i = 0; i < t.size(); ++i)
     if (static_cast<std::size_t>(t[i].id) != i) throw std::logic_error("options table out of order");

@@ -1,5 +1,5 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm|flux|flux_files|caches|fp8|tuning|prepare|gemm_gelu|modulation|fp8_rows
+//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|graph_warmups|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm|flux|flux_files|caches|fp8|tuning|prepare|gemm_gelu|modulation|fp8_rows
 // Exit 0: passed; 1: one failed (the reasons printed); 77: all skipped (too few GPUs).
 #include <algorithm>
 #include <array>
@@ -356,6 +356,40 @@ void check_graphs() {
   }
   const auto last = nlohmann::json::parse(graphed->generate(req, {}, never).metadata_json);
   expect(last["unet_graphs"]["graphs"].get<int>() <= 3, "the graph cache keeps at most 3 shapes");
+}
+
+// DIFFRACT_GRAPH_WARMUPS=auto: a size whose tuning choices are all known is captured with no
+// eager call first, one with shapes not yet timed is captured again after two, and both replay
+// what the eager UNet computes.
+void check_graph_warmups() {
+  need_gpus(1);
+  setenv("DIFFRACT_GRAPH_WARMUPS", "auto", 1);
+  setenv("DIFFRACT_TUNING_STORE", "0", 1);  // every choice made in this process
+  expect(graph_warmups() == 0, "DIFFRACT_GRAPH_WARMUPS=auto reads as no eager call first");
+  auto eager = tiny_sdxl(false), graphed = tiny_sdxl(true);
+  job::CancelToken never;
+  const auto at_size = [&](int size) {
+    auto r = request();
+    r.width = r.height = size;
+    return r;
+  };
+  const auto capture = [](const job::GenerationResult& r) {
+    return nlohmann::json::parse(r.metadata_json)["unet_graphs"]["last_capture"];
+  };
+  // The first capture also makes the capture stream's GEMM workspace: it is redone.
+  const auto first = graphed->generate(at_size(128), {}, never);
+  std::cout << "  first size, nothing timed before: " << capture(first).dump() << "\n";
+  expect(capture(first)["redone"] == true && capture(first)["warmups"] == 2,
+         "a capture that met shapes not timed yet is redone after two eager calls");
+  expect(rel_l2(first, eager->generate(at_size(128), {}, never)) < 1e-2, "that graph replays the eager result");
+  // An eager job at another size times its shapes; the graph at that size then needs no eager call.
+  const auto e = eager->generate(at_size(96), {}, never);
+  const auto g = graphed->generate(at_size(96), {}, never);
+  std::cout << "  a size timed by an eager job: " << capture(g).dump() << ", rel-L2 against eager " << rel_l2(g, e)
+            << "\n";
+  expect(capture(g)["redone"] == false && capture(g)["warmups"] == 0, "a size with every choice known is captured straight away");
+  expect(rel_l2(g, e) < 1e-2, "the graph captured without eager calls replays the eager result");
+  expect(rel_l2(graphed->generate(at_size(96), {}, never), g) == 0.0, "and replays it bit for bit");
 }
 
 // The strategies' stage calls replayed from CUDA graphs (UNetGraphRunner::forward_range, the U
@@ -2664,7 +2698,7 @@ void check_fp8_rows() {
 int main(int argc, char** argv) {
   g_program = argv[0];
   const std::map<std::string, std::function<void()>> checks = {
-      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"layernorm", check_layernorm}, {"conv_bias", check_conv_bias}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"stage_graphs", check_stage_graphs},
+      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"layernorm", check_layernorm}, {"conv_bias", check_conv_bias}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"graph_warmups", check_graph_warmups}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"oom", check_oom}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}, {"gemm", check_gemm}, {"flux", check_flux}, {"flux_files", check_flux_files},

@@ -31,6 +31,7 @@
 #include "core/models/common/gpu_timing.h"
 #include "core/models/common/gpu_tuning.h"
 #include "core/models/common/layers.h"
+#include "core/util/graphed_function.h"
 #include "core/util/options.h"
 
 namespace diffract::models {
@@ -101,7 +102,10 @@ bool tuned_conv2d_cuda(const at::Tensor& x, const at::Tensor& w, int64_t stride,
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_choices.find(s);
     if (it == g_choices.end()) {
-      if (capturing(stream)) return false;  // no timing inside a capture: ATen's path
+      if (capturing(stream)) {
+        note_unprepared_in_capture();
+        return false;  // no timing inside a capture: ATen's path
+      }
       auto& store = tuning_store_for(s.device);
       const auto key = store_key(s);
       const auto t0 = now_ns();

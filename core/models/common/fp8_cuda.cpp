@@ -20,6 +20,7 @@
 #include "core/models/common/fp8_linear.h"
 #include "core/models/common/gpu_timing.h"
 #include "core/models/common/gpu_tuning.h"
+#include "core/util/graphed_function.h"
 #include "core/util/options.h"
 #include "core/models/common/kernel_dtype.h"
 #include "core/models/common/layers.h"
@@ -148,6 +149,10 @@ bool fp8_linear_cuda(const at::Tensor& x, const Fp8Rows* rows, Fp8WeightCache& c
   if (!fp8_capable(device)) return false;
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream(device).stream();
+  if (capturing(stream) && !cache.ready_for(weight)) {
+    note_unprepared_in_capture();
+    return false;  // the e4m3 weight is made by an eager call, not inside a capture
+  }
   // Without the fused rows, x is read as it lies only where DIFFRACT_FP8_FUSED_ROWS is on (the
   // behaviour measured before it: a contiguous copy, then the kernel).
   static const bool fused = options::flag(options::Id::Fp8FusedRows);  // process scope: read once
@@ -162,7 +167,6 @@ bool fp8_linear_cuda(const at::Tensor& x, const Fp8Rows* rows, Fp8WeightCache& c
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_choices.find(s);
     if (it == g_choices.end()) {
-      if (capturing(stream)) return false;  // no timing inside a capture: bf16
       auto& store = tuning_store_for(device);
       const auto key = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k) +
                        (s.bias ? " bias" : "") + (s.rows ? " rows" : "");
@@ -178,6 +182,10 @@ bool fp8_linear_cuda(const at::Tensor& x, const Fp8Rows* rows, Fp8WeightCache& c
           stored = true;
         } catch (const std::exception&) {
         }
+      }
+      if (!stored && capturing(stream)) {
+        note_unprepared_in_capture();
+        return false;  // no timing inside a capture: bf16
       }
       if (!stored) {
         const auto w = cache.get(weight);

@@ -89,10 +89,19 @@ at::Tensor scaled_linear_fp8_reference(const at::Tensor& q, const at::Tensor& x_
   return at::linear(x, weight, bias.defined() ? bias.to(at::kFloat) : at::Tensor()).to(out);
 }
 
+bool Fp8WeightCache::made_from(const at::Tensor& weight, std::uint64_t generation) const {
+  return fp8_ && source_ == weight.data_ptr() && generation_ == generation && fp8_->weight.device() == weight.device();
+}
+
+bool Fp8WeightCache::ready_for(const at::Tensor& weight) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return made_from(weight, g_generation.load());
+}
+
 std::shared_ptr<const Fp8Weight> Fp8WeightCache::get(const at::Tensor& weight) {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto generation = g_generation.load();
-  if (!fp8_ || source_ != weight.data_ptr() || generation_ != generation || fp8_->weight.device() != weight.device()) {
+  if (!made_from(weight, generation)) {
     fp8_ = std::make_shared<const Fp8Weight>(quantize_weight_fp8(weight));
     source_ = weight.data_ptr();
     generation_ = generation;

@@ -53,8 +53,11 @@ at::Tensor scaled_linear_fp8_reference(const at::Tensor& q, const at::Tensor& x_
 class Fp8WeightCache {
  public:
   std::shared_ptr<const Fp8Weight> get(const at::Tensor& weight);
+  // Whether get(weight) would return the e4m3 weight already made, without making it.
+  bool ready_for(const at::Tensor& weight);
 
  private:
+  bool made_from(const at::Tensor& weight, std::uint64_t generation) const;  // mutex_ held
   std::mutex mutex_;
   std::shared_ptr<const Fp8Weight> fp8_;
   const void* source_ = nullptr;

@@ -32,6 +32,7 @@
 #include "core/models/common/gpu_timing.h"
 #include "core/models/common/gpu_tuning.h"
 #include "core/util/error.h"
+#include "core/util/graphed_function.h"
 #include "core/util/options.h"
 
 namespace diffract::models {
@@ -141,9 +142,11 @@ struct Problem {
 
 void* workspace_for(int device, cudaStream_t stream) {
   auto& w = g_workspaces[{device, stream}];
-  if (!w.defined())
+  if (!w.defined()) {
+    if (capturing(stream)) note_unprepared_in_capture();  // kept for good, yet from the graph's pool
     w = at::empty({static_cast<std::int64_t>(kWorkspaceBytes)},
                   at::TensorOptions().dtype(at::kByte).device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  }
   return w.data_ptr();
 }
 
@@ -264,7 +267,6 @@ bool run_tuned(const Shape& s, const at::Tensor& x, const at::Tensor& w, const a
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_choices.find(s);
     if (it == g_choices.end()) {
-      if (capturing(stream)) return false;  // no timing inside a capture: ATen's GEMM
       auto& store = tuning_store_for(s.device);
       const auto key = store_key(s);
       const auto t0 = now_ns();
@@ -273,6 +275,9 @@ bool run_tuned(const Shape& s, const at::Tensor& x, const at::Tensor& w, const a
       if (stored) {
         it = g_choices.emplace(s, *stored).first;
         count_tuning("gemm", true, ms_between(t0, now_ns()));
+      } else if (capturing(stream)) {
+        note_unprepared_in_capture();
+        return false;  // no timing inside a capture: ATen's GEMM
       } else {
         if (!out.defined()) out = at::empty({s.m, s.n}, x.options());
         it = g_choices.emplace(s, tune(s, p, x, w, bias, out, stream, aten)).first;

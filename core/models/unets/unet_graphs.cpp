@@ -33,6 +33,7 @@ Key key_of(const at::Tensor& x, const UNetConditioning& c) {
 
 struct UNetGraphRunner::Cache {
   double last_capture_ms = 0;
+  CaptureStats last_capture;
 #ifdef DIFFRACT_HAS_CUDA
   struct Entry {
     Key key;
@@ -74,6 +75,7 @@ int UNetGraphRunner::graphs() const {
 }
 
 double UNetGraphRunner::last_capture_ms() const { return cache_->last_capture_ms; }
+CaptureStats UNetGraphRunner::last_capture() const { return cache_->last_capture; }
 
 int UNetGraphRunner::stage_graphs() const { return stages_.graphs(); }
 
@@ -118,7 +120,6 @@ at::Tensor UNetGraphRunner::forward(const at::Tensor& sample, const at::Tensor& 
       if (cond.time_ids.defined()) e.cond.time_ids = cond.time_ids.clone();
       for (const auto& r : cond.down_residuals) e.cond.down_residuals.push_back(r.clone());
       if (cond.mid_residual.defined()) e.cond.mid_residual = cond.mid_residual.clone();
-      e.graph = std::make_unique<at::cuda::CUDAGraph>();
       const auto main = c10::cuda::getCurrentCUDAStream(index);
       auto side = capture_stream(index);
       at::cuda::CUDAEvent behind;
@@ -126,9 +127,8 @@ at::Tensor UNetGraphRunner::forward(const at::Tensor& sample, const at::Tensor& 
       behind.block(side);
       {
         c10::cuda::CUDAStreamGuard stream_guard(side);
-        for (int i = 0; i < graph_warmups(); ++i) unet_->forward(e.x, e.t, e.cond);  // tuning, plans, workspaces
         // Thread-local capture: other ranks' threads keep launching work on their own devices.
-        capture_graph(*e.graph, [&] { e.out = unet_->forward(e.x, e.t, e.cond); });
+        e.graph = capture_warmed_up([&] { e.out = unet_->forward(e.x, e.t, e.cond); }, cache_->last_capture);
       }
       at::cuda::CUDAEvent captured;
       captured.record(side);
