@@ -67,10 +67,9 @@ const std::vector<Option>& build_table() {
        "SD3's and Flux's feed-forward GELU (tanh) in the first GEMM's cuBLASLt epilogue on CUDA (0: a GELU pass "
        "after the GEMM)",
        {}},
-      {Id::GemmStridedBatch, "DIFFRACT_GEMM_STRIDED_BATCH", Type::Flag, "0", Scope::Process,
+      {Id::GemmStridedBatch, "DIFFRACT_GEMM_STRIDED_BATCH", Type::Flag, "1", Scope::Process,
        "SD3's joint attention: its projections written into the joint sequence and its out projections read from it "
-       "by strided-batch GEMMs, without ATen's cat and copy (1; off until `diffract-gpu-checks gemm` and a whole "
-       "step have run on a GPU: docs/benchmarks.md)",
+       "by strided-batch GEMMs, without ATen's cat and copy (0: the GEMMs, then the cat and the copy)",
        {}},
       {Id::GemmTuning, "DIFFRACT_GEMM_TUNING", Type::Flag, "1", Scope::Process,
        "time cuBLASLt's algorithms per linear-layer shape and keep the fastest (0: at::linear)", {}},
