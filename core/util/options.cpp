@@ -104,6 +104,11 @@ const std::vector<Option>& build_table() {
        "an fp8 job's GEMM inputs quantised by the kernels that write them (the LayerNorms, the MLPs' GELU and "
        "GEGLU; the out projections' strided inputs without a copy; 0: a contiguous copy and a pass of their own)",
        {}},
+      {Id::Fp8JoinedRows, "DIFFRACT_FP8_JOINED_ROWS", Type::Flag, "0", Scope::Process,
+       "Flux's single blocks in an fp8 job: proj_out's input (the attention's output, then the MLP's GELU) joined, "
+       "activated and quantised by one kernel instead of a GELU, a copy and a quantisation pass (1; off until "
+       "`diffract-gpu-checks fp8_rows` and a whole step have run on a GPU: docs/benchmarks.md)",
+       {}},
       {Id::TuningStore, "DIFFRACT_TUNING_STORE", Type::Flag, "1", Scope::Process,
        "keep the GPU tuning choices (GEMM algorithms, convolution plans, fp8 or bf16 per layer) on disk, per GPU "
        "model, driver and library versions, so a size tuned once starts without tuning (0: memory only)", {}},

@@ -49,6 +49,7 @@ enum class Id {
   CacheWarmup,
   Fp8Layers,
   Fp8FusedRows,
+  Fp8JoinedRows,
   TuningStore,
   TuningDir,
   ConvTuning,

@@ -2620,6 +2620,25 @@ void check_fp8_rows() {
                                                                    std::to_string(rows) + "x" + std::to_string(cols));
     if (h.defined()) same_rows(h, "GEGLU");
   }
+  // Flux's single blocks: proj_out's input [attention, GELU(mlp)] joined by one kernel with its
+  // rows, the MLP's part read where it lies in the fused projection (q, k, v, then the MLP's).
+  {
+    const auto projected = at::randn({1, 4608, 21504}, o) * 2;
+    const auto attn = at::randn({1, 4608, 3072}, o);
+    const auto mlp = projected.narrow(2, 9216, 12288);
+    auto joined = at::empty({1, 4608, 15360}, o);
+    models::drop_fp8_rows();
+    const bool written = models::join_gelu_with_fp8_rows(joined, attn, mlp);
+    expect(written, "Flux's joined proj_out input is written by the kernel");
+    if (written) {
+      expect(at::equal(joined, at::cat({attn, at::gelu(mlp, "tanh")}, 2)),
+             "the joined rows equal the attention's output, then at::gelu(mlp, \"tanh\")");
+      same_rows(joined, "attention + GELU joined");
+    }
+    auto odd = at::empty({1, 64, 3076}, o);
+    expect(!models::join_gelu_with_fp8_rows(odd, at::randn({1, 64, 4}, o), at::randn({1, 64, 3072}, o)),
+           "no joined rows where the attention's part is no multiple of 8 wide");
+  }
   expect(!models::activation_with_fp8_rows(at::randn({4, 64}, o.dtype(at::kHalf)), models::Fp8RowsActivation::GeluTanh).defined(),
          "no rows for a half-precision output (fp8 GEMMs take bf16)");
   expect(!models::activation_with_fp8_rows(at::randn({5, 48}, o), models::Fp8RowsActivation::GegluHalves).defined(),
@@ -2680,6 +2699,16 @@ void check_fp8_rows() {
     const double gelu_rows = graph_ms_per_call([&] { models::activation_with_fp8_rows(y, models::Fp8RowsActivation::GeluTanh); });
     const auto act = at::gelu(y, "tanh");
     const double quant_wide = graph_ms_per_call([&] { models::quantize_rows_fp8_kernel(act); });
+    const auto projected = at::randn({1, 4608, 21504}, o), attn = at::randn({1, 4608, 3072}, o);
+    const auto mlp = projected.narrow(2, 9216, 12288);
+    auto joined = at::empty({1, 4608, 15360}, o);
+    const double joined_apart = ms_plain([&] {
+      auto activated = joined.narrow(2, 3072, 12288);
+      models::gelu_tanh_out(activated, mlp);
+      joined.narrow(2, 0, 3072).copy_(attn);
+      models::quantize_rows_fp8_kernel(joined);
+    });
+    const double joined_rows = graph_ms_per_call([&] { models::join_gelu_with_fp8_rows(joined, attn, mlp); });
     const double joint_copy = graph_ms_per_call([&] { models::quantize_rows_fp8_kernel(joint.slice(1, 0, 4096).contiguous()); });
     const double joint_strided = graph_ms_per_call([&] { models::quantize_rows_fp8_kernel(joint.slice(1, 0, 4096)); });
     std::cout << "  ms per call: modulated LayerNorm [2, 4096, 1536] " << norm_plain << ", with rows " << norm_rows
@@ -2687,10 +2716,13 @@ void check_fp8_rows() {
               << "  ms per call: GELU [8192, 6144] " << gelu_plain << ", with rows " << gelu_rows
               << ", the quantisation pass it saves " << quant_wide << "\n"
               << "  ms per call: SD3's image tokens quantised after a copy " << joint_copy << ", where they lie "
-              << joint_strided << "\n";
+              << joint_strided << "\n"
+              << "  ms per call: Flux's proj_out input [1, 4608, 15360]: GELU, copy and pass " << joined_apart
+              << ", joined by one kernel with rows " << joined_rows << "\n";
     expect(norm_rows < norm_plain + quant, "the LayerNorm with rows costs less than the LayerNorm and the pass");
     expect(gelu_rows < gelu_plain + quant_wide, "the GELU with rows costs less than the GELU and the pass");
     expect(joint_strided < joint_copy, "strided rows quantise faster than a copy and the pass");
+    expect(joined_rows < joined_apart, "Flux's joined input with rows costs less than the GELU, the copy and the pass");
   }
   models::drop_fp8_rows();
 }

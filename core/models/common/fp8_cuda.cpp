@@ -232,6 +232,35 @@ at::Tensor activation_with_fp8_rows(const at::Tensor& y, Fp8RowsActivation act) 
   return out;
 }
 
+bool join_gelu_with_fp8_rows(at::Tensor& joined, const at::Tensor& prefix, const at::Tensor& y) {
+  if (!joined.defined() || !joined.is_cuda() || joined.scalar_type() != at::kBFloat16 || !joined.is_contiguous() ||
+      joined.dim() < 2 || joined.numel() == 0 || !prefix.defined() || !y.defined() ||
+      prefix.scalar_type() != at::kBFloat16 || y.scalar_type() != at::kBFloat16 || prefix.device() != joined.device() ||
+      y.device() != joined.device() || prefix.size(-1) + y.size(-1) != joined.size(-1) ||
+      prefix.sizes().slice(0, prefix.dim() - 1) != joined.sizes().slice(0, joined.dim() - 1) ||
+      y.sizes().slice(0, y.dim() - 1) != joined.sizes().slice(0, joined.dim() - 1))
+    return false;
+  const auto p = strided_rows(prefix);
+  kernels::QuantizeRowsArgs a;
+  if (!p || !row_layout(y, a) || a.rows != p->rows || !fp8_rows_wanted(joined)) return false;
+  const c10::cuda::CUDAGuard guard(joined.device());
+  Fp8Rows rows{at::empty({a.rows, joined.size(-1)}, joined.options().dtype(at::kFloat8_e4m3fn)),
+               at::empty({a.rows, 1}, joined.options().dtype(at::kFloat))};
+  a.prefix = prefix.const_data_ptr();
+  a.prefix_cols = p->cols;
+  a.prefix_stride = p->stride;
+  a.act = kernels::RowActivation::GeluTanh;
+  a.y = joined.mutable_data_ptr();
+  a.q = rows.q.mutable_data_ptr();
+  a.scale = rows.scale.mutable_data_ptr<float>();
+  a.dtype = kernels::DType::BFloat16;
+  const int err = kernels::quantize_rows_fp8(a, at::cuda::getCurrentCUDAStream(joined.device().index()).stream());
+  if (err == cudaErrorInvalidValue) return false;  // a layout the kernel does not take: nothing launched
+  check(err, "join + GELU + quantize_rows");
+  offer_fp8_rows(joined, std::move(rows));
+  return true;
+}
+
 std::pair<at::Tensor, at::Tensor> quantize_rows_fp8_kernel(const at::Tensor& x) {
   if (!x.is_cuda() || x.dim() < 1 || x.numel() == 0 || !kernel_dtype(x.scalar_type()))
     throw Error("quantize_rows_fp8_kernel: wants a non-empty CUDA tensor of float, half or bfloat16");

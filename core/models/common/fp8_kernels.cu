@@ -44,17 +44,25 @@ __device__ __forceinline__ T activated(const T* row, int64_t c, int64_t cols) {
 // registers (after the activation) between the amax and the quantisation; kChunks of them a
 // thread at most, as few as the row needs (the registers held decide how many blocks an SM runs:
 // with room for 8 chunks always, a row of 1536 ran at a third of the memory bandwidth).
-template <typename T, RowActivation kAct, int kChunks>
+// kPrefix: the row's first prefix_cols / 8 chunks come from a.prefix as they are.
+template <typename T, RowActivation kAct, int kChunks, bool kPrefix = false>
 __global__ void __launch_bounds__(kThreads) quantize_rows_held(QuantizeRowsArgs a) {
   struct alignas(16) V { T v[8]; };
-  const int64_t row = blockIdx.x, chunks = a.cols / 8;
-  const V* xr = reinterpret_cast<const V*>(static_cast<const T*>(a.x) + row_start(a, row));
+  const int64_t row = blockIdx.x, lead = kPrefix ? a.prefix_cols / 8 : 0, chunks = lead + a.cols / 8;
+  const int64_t width = kPrefix ? a.prefix_cols + a.cols : a.cols;  // of y's and q's rows
+  const V* xr = reinterpret_cast<const V*>(static_cast<const T*>(a.x) + row_start(a, row)) - lead;
+  const V* pr = kPrefix ? reinterpret_cast<const V*>(static_cast<const T*>(a.prefix) + row * a.prefix_stride) : nullptr;
   V held[kChunks];
   float amax = 0.f;
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
     const int64_t c = threadIdx.x + static_cast<int64_t>(j) * kThreads;
-    if (c < chunks) {
+    if (kPrefix && c < lead) {
+      held[j] = pr[c];
+      reinterpret_cast<V*>(static_cast<T*>(a.y) + row * width)[c] = held[j];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(to_float(held[j].v[i])));
+    } else if (c < chunks) {
       held[j] = xr[c];
       if constexpr (kAct != RowActivation::None) {
         V gate;
@@ -66,7 +74,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_held(QuantizeRowsArgs 
           else
             held[j].v[i] = from_float<T>(gelu_tanh(to_float(held[j].v[i])));
         }
-        reinterpret_cast<V*>(static_cast<T*>(a.y) + row * a.cols)[c] = held[j];
+        reinterpret_cast<V*>(static_cast<T*>(a.y) + row * width)[c] = held[j];
       }
 #pragma unroll
       for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(to_float(held[j].v[i])));
@@ -75,7 +83,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_held(QuantizeRowsArgs 
   const float s = e4m3_row_scale(block_max(amax));
   const float inv = 1.f / s;
   if (threadIdx.x == 0) a.scale[row] = s;
-  uint2* qr = reinterpret_cast<uint2*>(static_cast<uint8_t*>(a.q) + row * a.cols);
+  uint2* qr = reinterpret_cast<uint2*>(static_cast<uint8_t*>(a.q) + row * width);
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
     const int64_t c = threadIdx.x + static_cast<int64_t>(j) * kThreads;
@@ -104,24 +112,35 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_any(QuantizeRowsArgs a
   for (int64_t c = threadIdx.x; c < a.cols; c += kThreads) qr[c] = e4m3(to_float(vr[c]), inv);
 }
 
+template <typename T, RowActivation kAct, bool kPrefix>
+void launch_held(const QuantizeRowsArgs& a, CUstream_st* stream) {
+  const dim3 grid(static_cast<unsigned>(a.rows));
+  const int64_t per_thread = ((a.prefix_cols + a.cols) / 8 + kThreads - 1) / kThreads;
+  if (per_thread <= 1) quantize_rows_held<T, kAct, 1, kPrefix><<<grid, kThreads, 0, stream>>>(a);
+  else if (per_thread <= 2) quantize_rows_held<T, kAct, 2, kPrefix><<<grid, kThreads, 0, stream>>>(a);
+  else if (per_thread <= 4) quantize_rows_held<T, kAct, 4, kPrefix><<<grid, kThreads, 0, stream>>>(a);
+  else quantize_rows_held<T, kAct, kMaxChunks, kPrefix><<<grid, kThreads, 0, stream>>>(a);
+}
+
 template <typename T, RowActivation kAct>
 int launch(QuantizeRowsArgs a, CUstream_st* stream) {
-  const dim3 grid(static_cast<unsigned>(a.rows));
   const auto at16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool prefix = a.prefix != nullptr;
   bool held = false;
   if constexpr (sizeof(T) == 2) {
     held = at16(a.x) && reinterpret_cast<uintptr_t>(a.q) % 8 == 0 && (kAct == RowActivation::None || at16(a.y)) &&
            a.cols % 8 == 0 && a.row_stride % 8 == 0 && a.batch_stride % 8 == 0 &&
-           a.cols / 8 <= static_cast<int64_t>(kThreads) * kMaxChunks;
-    if (held) {
-      const int64_t per_thread = (a.cols / 8 + kThreads - 1) / kThreads;
-      if (per_thread <= 1) quantize_rows_held<T, kAct, 1><<<grid, kThreads, 0, stream>>>(a);
-      else if (per_thread <= 2) quantize_rows_held<T, kAct, 2><<<grid, kThreads, 0, stream>>>(a);
-      else if (per_thread <= 4) quantize_rows_held<T, kAct, 4><<<grid, kThreads, 0, stream>>>(a);
-      else quantize_rows_held<T, kAct, kMaxChunks><<<grid, kThreads, 0, stream>>>(a);
+           (!prefix || (at16(a.prefix) && a.prefix_cols % 8 == 0 && a.prefix_stride % 8 == 0)) &&
+           (a.prefix_cols + a.cols) / 8 <= static_cast<int64_t>(kThreads) * kMaxChunks;
+    if (held && prefix) {
+      if constexpr (kAct == RowActivation::GeluTanh) launch_held<T, kAct, true>(a, stream);
+      else return static_cast<int>(cudaErrorInvalidValue);
+    } else if (held) {
+      launch_held<T, kAct, false>(a, stream);
     }
   }
-  if (!held) quantize_rows_any<T, kAct><<<grid, kThreads, 0, stream>>>(a);
+  if (!held && prefix) return static_cast<int>(cudaErrorInvalidValue);  // joined rows: the held kernel's only
+  if (!held) quantize_rows_any<T, kAct><<<dim3(static_cast<unsigned>(a.rows)), kThreads, 0, stream>>>(a);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -133,7 +152,9 @@ int quantize_rows_fp8(const QuantizeRowsArgs& a, CUstream_st* stream) {
   if (b.row_stride == 0) b.row_stride = width;
   if (b.rows_per_batch == 0) b.rows_per_batch = a.rows > 0 ? a.rows : 1, b.batch_stride = b.rows_per_batch * b.row_stride;
   if (!a.x || !a.q || !a.scale || a.rows < 0 || a.cols < 1 || a.rows > 0x7fffffff || b.row_stride < width ||
-      b.rows_per_batch < 1 || b.batch_stride < 0 || (a.act != RowActivation::None) != (a.y != nullptr))
+      b.rows_per_batch < 1 || b.batch_stride < 0 || (a.act != RowActivation::None) != (a.y != nullptr) ||
+      (a.prefix && (a.act != RowActivation::GeluTanh || a.prefix_cols < 1 || a.prefix_stride < a.prefix_cols)) ||
+      (!a.prefix && a.prefix_cols != 0))
     return cudaErrorInvalidValue;
   if (a.rows == 0) return cudaSuccess;
   return with_element_type(a.dtype, [&](auto v) {

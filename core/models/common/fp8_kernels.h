@@ -34,13 +34,19 @@ struct QuantizeRowsArgs {
   int64_t rows = 0, cols = 0;
   RowActivation act = RowActivation::None;
   DType dtype = DType::BFloat16;
+  // With GeluTanh, rows joined from two sources (Flux's single blocks: the attention's output,
+  // then the MLP's GELU): the first prefix_cols values of row r taken as they are from prefix +
+  // r * prefix_stride elements, then act's cols; y's and q's rows are then prefix_cols + cols
+  // wide. 16-bit types with every row 16-byte aligned and both widths multiples of 8 only.
+  const void* prefix = nullptr;
+  int64_t prefix_cols = 0, prefix_stride = 0;
 };
 
 // v = act(x) rounded to dtype (x itself with None); y[r, c] = v where y is given;
 // scale[r] = max(max_c |v[r, c]| * (1 / 448), 1e-12) and q[r, c] = e4m3(v[r, c] * (1 / scale[r])),
 // rounded to nearest even and saturated to +-448, computed in fp32: v[r, c] ~ q[r, c] * scale[r].
-// Returns the CUDA error code of the launch (0: ok; cudaErrorInvalidValue without a launch for
-// arguments it does not take).
+// With a prefix, v = [prefix's row, act(x's row)]. Returns the CUDA error code of the launch (0:
+// ok; cudaErrorInvalidValue without a launch for arguments it does not take).
 int quantize_rows_fp8(const QuantizeRowsArgs& a, CUstream_st* stream);
 
 }  // namespace diffract::models::kernels

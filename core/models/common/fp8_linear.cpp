@@ -65,6 +65,7 @@ bool fp8_linear_cuda(const at::Tensor& x, const Fp8Rows* rows, Fp8WeightCache& c
 bool fp8_rows_useful(const at::Tensor& x);
 #else
 at::Tensor activation_with_fp8_rows(const at::Tensor&, Fp8RowsActivation) { return {}; }
+bool join_gelu_with_fp8_rows(at::Tensor&, const at::Tensor&, const at::Tensor&) { return false; }
 std::string fp8_tuning_report() { return "[]"; }
 std::pair<at::Tensor, at::Tensor> quantize_rows_fp8_kernel(const at::Tensor&) {
   throw Error("this build of Diffract has no CUDA kernels (fp8 quantisation)");

@@ -110,6 +110,13 @@ enum class Fp8RowsActivation {
 // Elsewhere (and for a y the kernel cannot read: not bf16 CUDA, rows not one stride apart) an
 // undefined tensor, and the caller runs its op as before.
 at::Tensor activation_with_fp8_rows(const at::Tensor& y, Fp8RowsActivation act);
+// joined [..., P + N] = [prefix, gelu(y, "tanh")] along the last dimension (Flux's single blocks:
+// the attention's output, then the MLP's activation, both proj_out's input) by one kernel that
+// writes joined's e4m3 rows beside it and offers them, where fp8_rows_wanted(joined) says
+// proj_out takes them: bit for bit the two written apart. False where it does not take the case
+// (then nothing is written): joined contiguous, prefix [..., P] and y [..., N] rows of one stride
+// each, bf16 CUDA, P and N multiples of 8.
+bool join_gelu_with_fp8_rows(at::Tensor& joined, const at::Tensor& prefix, const at::Tensor& y);
 
 // Whether the job on this thread wants fp8 (DIFFRACT_PRECISION is "fp8").
 bool fp8_wanted();

@@ -12,10 +12,12 @@
 #include "core/io/json_file.h"
 #include "core/io/weights.h"
 #include "core/models/common/cancel_point.h"
+#include "core/models/common/fp8_linear.h"
 #include "core/models/common/geglu.h"
 #include "core/models/common/layer_norm.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/options.h"
 
 namespace diffract::models {
 
@@ -288,20 +290,25 @@ at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& x, const at
                                                    const SequenceShard* shard, const FluxPatch* patch) {
   const auto n = norm->forward(x, temb);
   const int64_t dim = x.size(2), hidden = proj_mlp->weight.size(0);
-  // proj_out reads [attention, GELU(mlp)]: both written into one buffer, no concatenation.
-  auto joined = at::empty({x.size(0), x.size(1), dim + hidden}, x.options());
-  auto mlp = joined.narrow(2, dim, hidden);
-  at::Tensor attn_out;
+  at::Tensor attn_out, mlp;
   if (in_ && in_->intact()) {
     const auto p = in_->project(n.x);
-    gelu_tanh_out(mlp, in_->part(p, this, 3));
+    mlp = in_->part(p, this, 3);
     attn_out =
         attn->attend(in_->part(p, this, 0), in_->part(p, this, 1), in_->part(p, this, 2), {}, rope, shard, patch).first;
   } else {
-    gelu_tanh_out(mlp, proj_mlp->forward(n.x));
+    mlp = proj_mlp->forward(n.x);
     attn_out = attn->forward(n.x, {}, rope, shard, patch).first;
   }
-  joined.narrow(2, 0, dim).copy_(attn_out);
+  // proj_out reads [attention, GELU(mlp)]: both written into one buffer, no concatenation; in an
+  // fp8 job by one kernel that writes the buffer's e4m3 rows too (DIFFRACT_FP8_JOINED_ROWS).
+  auto joined = at::empty({x.size(0), x.size(1), dim + hidden}, x.options());
+  static const bool joined_rows = options::flag(options::Id::Fp8JoinedRows);  // process scope: read once
+  if (!joined_rows || !join_gelu_with_fp8_rows(joined, attn_out, mlp)) {
+    auto activated = joined.narrow(2, dim, hidden);
+    gelu_tanh_out(activated, mlp);
+    joined.narrow(2, 0, dim).copy_(attn_out);
+  }
   auto out = gated_residual(x, n.gate, proj_out->forward(joined));
   if (out.scalar_type() == at::kHalf) out = out.clamp(-65504, 65504);
   return out;
