@@ -593,9 +593,6 @@ class TestLayers : public QObject {
     DIFFRACT_EXPECT_ERROR(models::geglu_halves(at::randn({3, 5})), "geglu_halves", "even");
   }
 
-  // strided_rows: which views fold into one evenly strided run of rows (what the tanh GELU kernel
-  // and the tuned GEMM take), and gelu_tanh_out on the CPU (ATen's gelu_out into the view; the
-  // CUDA kernel is checked by diffract-gpu-checks geglu).
   // linear_into writes linear()'s values into one stream's rows of a joint tensor and leaves the
   // other rows alone (on the CPU through linear() and a copy; the strided-batch GEMM is CUDA's);
   // an out of the wrong shape is named.
@@ -620,6 +617,9 @@ class TestLayers : public QObject {
     QVERIFY(at::allclose(models::linear(joint.slice(1, 0, 5), w, b), at::linear(joint.slice(1, 0, 5).contiguous(), w, b)));
   }
 
+  // strided_rows: which views fold into one evenly strided run of rows (what the tanh GELU kernel
+  // and the tuned GEMM take), and gelu_tanh_out on the CPU (ATen's gelu_out into the view; the
+  // CUDA kernel is checked by diffract-gpu-checks geglu).
   void stridedRowsAndGeluIntoAView() {
     const auto rows = [](const at::Tensor& t) {
       const auto r = models::strided_rows(t);

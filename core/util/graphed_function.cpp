@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/util/ScopeExit.h>
 
 #ifdef DIFFRACT_HAS_CUDA
 #include <ATen/cuda/CUDAEvent.h>
@@ -21,7 +22,6 @@
 namespace diffract {
 
 struct GraphCache::Cache {
-  double last_capture_ms = 0;
   CaptureStats last_capture;
 #ifdef DIFFRACT_HAS_CUDA
   struct Entry {
@@ -65,8 +65,7 @@ int GraphCache::graphs() const {
 #endif
 }
 
-double GraphCache::last_capture_ms() const { return cache_->last_capture_ms; }
-CaptureStats GraphCache::last_capture() const { return cache_->last_capture; }
+double GraphCache::last_capture_ms() const { return cache_->last_capture.total_ms; }
 
 void GraphCache::set_max_graphs(int n) {
   max_graphs_ = n;
@@ -134,13 +133,8 @@ std::unique_ptr<at::cuda::CUDAGraph> capture_warmed_up(const std::function<void(
   const auto capture = [&] {
     auto graph = std::make_unique<at::cuda::CUDAGraph>();
     const auto t = clock::now();
-    try {
-      capture_graph(*graph, f);
-    } catch (...) {
-      stats.capture_ms += ms_since(t);
-      throw;
-    }
-    stats.capture_ms += ms_since(t);
+    const auto timed = c10::make_scope_exit([&] { stats.capture_ms += ms_since(t); });  // a failed capture too
+    capture_graph(*graph, f);
     return graph;
   };
   stats = {};
@@ -228,7 +222,7 @@ std::vector<at::Tensor> GraphCache::run(const std::vector<std::int64_t>& tag, co
       entries.push_front(std::move(e));
       it = entries.begin();
       current.synchronize();
-      cache_->last_capture_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      cache_->last_capture.total_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     } else if (it != entries.begin()) {
       entries.splice(entries.begin(), entries, it);
       it = entries.begin();

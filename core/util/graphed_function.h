@@ -53,6 +53,7 @@ void note_unprepared_in_capture();
 // What a graph's first call spent before its replay, in host wall time (the GPU may still be
 // running the warm-ups when the capture starts).
 struct CaptureStats {
+  double total_ms = 0;    // the whole first call until the capture is done and the device caught up
   double warm_up_ms = 0;  // the eager calls before the kept capture
   double capture_ms = 0;  // capturing and instantiating it (a discarded capture included)
   int warmups = 0;        // eager calls made
@@ -94,7 +95,6 @@ class GraphCache {
   int max_graphs() const { return max_graphs_; }
   void set_max_graphs(int n);      // drops the least recently used graphs above n
   double last_capture_ms() const;  // the last capture's wall time (warm-up calls included); 0 before
-  CaptureStats last_capture() const;
   void clear();                    // drops every graph and its memory
 
  private:

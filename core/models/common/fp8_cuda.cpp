@@ -149,15 +149,19 @@ bool fp8_linear_cuda(const at::Tensor& x, const Fp8Rows* rows, Fp8WeightCache& c
   if (!fp8_capable(device)) return false;
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream(device).stream();
-  if (capturing(stream) && !cache.ready_for(weight)) {
+  // The e4m3 weight is made by an eager call, not inside a capture (where its kernels would only
+  // be recorded); asked only where fp8 runs, so shapes that keep bf16 never want one.
+  const auto weight_at_hand = [&] {
+    if (cache.ready_for(weight) || !capturing(stream)) return true;
     note_unprepared_in_capture();
-    return false;  // the e4m3 weight is made by an eager call, not inside a capture
-  }
+    return false;
+  };
   // Without the fused rows, x is read as it lies only where DIFFRACT_FP8_FUSED_ROWS is on (the
   // behaviour measured before it: a contiguous copy, then the kernel).
   static const bool fused = options::flag(options::Id::Fp8FusedRows);  // process scope: read once
   const auto in = rows || fused ? x : x.reshape({-1, x.size(-1)}).contiguous();
   if (options::value(options::Id::Fp8Layers) == "all") {
+    if (!weight_at_hand()) return false;
     out = run(in, rows, *cache.get(weight), bias, stream);
     return true;
   }
@@ -200,10 +204,33 @@ bool fp8_linear_cuda(const at::Tensor& x, const Fp8Rows* rows, Fp8WeightCache& c
     }
     choice = it->second;
   }
-  if (!choice.fp8) return false;
+  if (!choice.fp8 || !weight_at_hand()) return false;
   out = run(in, rows, *cache.get(weight), bias, stream);
   return true;
 }
+
+namespace {
+
+// Runs the row kernel `a` (its inputs and activation set) writing y_out and its rows' e4m3 codes
+// and scales, and offers them for y_out. False where the kernel does not take the layout
+// (nothing launched).
+bool write_and_offer_rows(kernels::QuantizeRowsArgs& a, at::Tensor& y_out, const char* what) {
+  const c10::cuda::CUDAGuard guard(y_out.device());
+  const std::int64_t width = a.prefix_cols + a.cols;
+  Fp8Rows rows{at::empty({a.rows, width}, y_out.options().dtype(at::kFloat8_e4m3fn)),
+               at::empty({a.rows, 1}, y_out.options().dtype(at::kFloat))};
+  a.y = y_out.mutable_data_ptr();
+  a.q = rows.q.mutable_data_ptr();
+  a.scale = rows.scale.mutable_data_ptr<float>();
+  a.dtype = kernels::DType::BFloat16;
+  const int err = kernels::quantize_rows_fp8(a, at::cuda::getCurrentCUDAStream(y_out.device().index()).stream());
+  if (err == cudaErrorInvalidValue) return false;
+  check(err, what);
+  offer_fp8_rows(y_out, std::move(rows));
+  return true;
+}
+
+}  // namespace
 
 at::Tensor activation_with_fp8_rows(const at::Tensor& y, Fp8RowsActivation act) {
   const bool halves = act == Fp8RowsActivation::GegluHalves;
@@ -214,21 +241,12 @@ at::Tensor activation_with_fp8_rows(const at::Tensor& y, Fp8RowsActivation act) 
   if (!fp8_rows_wanted(halves ? y.narrow(-1, 0, width) : y)) return {};
   kernels::QuantizeRowsArgs a;
   if (!row_layout(y, a)) return {};
-  const c10::cuda::CUDAGuard guard(y.device());
   auto sizes = y.sizes().vec();
   sizes.back() = width;
   auto out = at::empty(sizes, y.options());
-  Fp8Rows rows{at::empty({a.rows, width}, y.options().dtype(at::kFloat8_e4m3fn)),
-               at::empty({a.rows, 1}, y.options().dtype(at::kFloat))};
   a.cols = width;
   a.act = halves ? kernels::RowActivation::GegluHalves : kernels::RowActivation::GeluTanh;
-  a.y = out.mutable_data_ptr();
-  a.q = rows.q.mutable_data_ptr();
-  a.scale = rows.scale.mutable_data_ptr<float>();
-  a.dtype = kernels::DType::BFloat16;
-  check(kernels::quantize_rows_fp8(a, at::cuda::getCurrentCUDAStream(y.device().index()).stream()),
-        halves ? "GEGLU + quantize_rows" : "GELU + quantize_rows");
-  offer_fp8_rows(out, std::move(rows));
+  if (!write_and_offer_rows(a, out, halves ? "GEGLU + quantize_rows" : "GELU + quantize_rows")) return {};
   return out;
 }
 
@@ -243,22 +261,11 @@ bool join_gelu_with_fp8_rows(at::Tensor& joined, const at::Tensor& prefix, const
   const auto p = strided_rows(prefix);
   kernels::QuantizeRowsArgs a;
   if (!p || !row_layout(y, a) || a.rows != p->rows || !fp8_rows_wanted(joined)) return false;
-  const c10::cuda::CUDAGuard guard(joined.device());
-  Fp8Rows rows{at::empty({a.rows, joined.size(-1)}, joined.options().dtype(at::kFloat8_e4m3fn)),
-               at::empty({a.rows, 1}, joined.options().dtype(at::kFloat))};
   a.prefix = prefix.const_data_ptr();
   a.prefix_cols = p->cols;
   a.prefix_stride = p->stride;
   a.act = kernels::RowActivation::GeluTanh;
-  a.y = joined.mutable_data_ptr();
-  a.q = rows.q.mutable_data_ptr();
-  a.scale = rows.scale.mutable_data_ptr<float>();
-  a.dtype = kernels::DType::BFloat16;
-  const int err = kernels::quantize_rows_fp8(a, at::cuda::getCurrentCUDAStream(joined.device().index()).stream());
-  if (err == cudaErrorInvalidValue) return false;  // a layout the kernel does not take: nothing launched
-  check(err, "join + GELU + quantize_rows");
-  offer_fp8_rows(joined, std::move(rows));
-  return true;
+  return write_and_offer_rows(a, joined, "join + GELU + quantize_rows");
 }
 
 std::pair<at::Tensor, at::Tensor> quantize_rows_fp8_kernel(const at::Tensor& x) {

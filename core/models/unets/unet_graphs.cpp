@@ -32,7 +32,6 @@ Key key_of(const at::Tensor& x, const UNetConditioning& c) {
 }  // namespace
 
 struct UNetGraphRunner::Cache {
-  double last_capture_ms = 0;
   CaptureStats last_capture;
 #ifdef DIFFRACT_HAS_CUDA
   struct Entry {
@@ -74,7 +73,7 @@ int UNetGraphRunner::graphs() const {
 #endif
 }
 
-double UNetGraphRunner::last_capture_ms() const { return cache_->last_capture_ms; }
+double UNetGraphRunner::last_capture_ms() const { return cache_->last_capture.total_ms; }
 CaptureStats UNetGraphRunner::last_capture() const { return cache_->last_capture; }
 
 int UNetGraphRunner::stage_graphs() const { return stages_.graphs(); }
@@ -136,7 +135,7 @@ at::Tensor UNetGraphRunner::forward(const at::Tensor& sample, const at::Tensor& 
       entries.push_front(std::move(e));
       it = entries.begin();
       main.synchronize();
-      cache_->last_capture_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      cache_->last_capture.total_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     } else if (it != entries.begin()) {
       entries.splice(entries.begin(), entries, it);
       it = entries.begin();
