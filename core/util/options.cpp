@@ -104,10 +104,9 @@ const std::vector<Option>& build_table() {
        "an fp8 job's GEMM inputs quantised by the kernels that write them (the LayerNorms, the MLPs' GELU and "
        "GEGLU; the out projections' strided inputs without a copy; 0: a contiguous copy and a pass of their own)",
        {}},
-      {Id::Fp8JoinedRows, "DIFFRACT_FP8_JOINED_ROWS", Type::Flag, "0", Scope::Process,
+      {Id::Fp8JoinedRows, "DIFFRACT_FP8_JOINED_ROWS", Type::Flag, "1", Scope::Process,
        "Flux's single blocks in an fp8 job: proj_out's input (the attention's output, then the MLP's GELU) joined, "
-       "activated and quantised by one kernel instead of a GELU, a copy and a quantisation pass (1; off until "
-       "`diffract-gpu-checks fp8_rows` and a whole step have run on a GPU: docs/benchmarks.md)",
+       "activated and quantised by one kernel (0: a GELU, a copy and a quantisation pass)",
        {}},
       {Id::TuningStore, "DIFFRACT_TUNING_STORE", Type::Flag, "1", Scope::Process,
        "keep the GPU tuning choices (GEMM algorithms, convolution plans, fp8 or bf16 per layer) on disk, per GPU "
@@ -122,10 +121,10 @@ const std::vector<Option>& build_table() {
       {Id::BackgroundTuning, "DIFFRACT_BACKGROUND_TUNING", Type::Flag, "1", Scope::Process,
        "after a model loads on a GPU, prepare the offered sizes near its native one while no job waits (the GUI)",
        {}},
-      {Id::GraphWarmups, "DIFFRACT_GRAPH_WARMUPS", Type::Choice, "2", Scope::Process,
+      {Id::GraphWarmups, "DIFFRACT_GRAPH_WARMUPS", Type::Choice, "auto", Scope::Process,
        "eager calls before a CUDA graph's capture (the tuning, plans and workspaces happen in the first; the "
-       "capture itself must not tune); auto: none, the capture redone after two where it met a shape without "
-       "its tuning choice",
+       "capture itself must not tune); auto: none where every choice is known, the capture redone after two "
+       "where it met a shape without its tuning choice",
        {"auto", "1", "2"}},
   };
   for (std::size_t i = 0; i < t.size(); ++i)
