@@ -408,6 +408,41 @@ class TestParallel : public QObject {
     QCOMPARE(ran.load(), 3);
   }
 
+  // A rank running out of memory comes back typed, naming its device, with LibTorch's first line
+  // and without its backtrace (the pipeline turns it into its out-of-memory error); the group
+  // stays usable.
+  void outOfMemoryOnARankIsTyped() {
+    auto group = DeviceGroup::virtual_cpu(2);
+    bool typed = false;
+    try {
+      group->run([&](int rank, Communicator& c) {
+        if (rank == 1) TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate 2.00 GiB.\nmore");
+        c.all_gather(at::ones({1}));
+      });
+    } catch (const DeviceOutOfMemory& e) {
+      typed = true;
+      QCOMPARE(e.device(), std::string("cpu:virtual 1"));
+      QCOMPARE(e.why(), std::string("CUDA out of memory. Tried to allocate 2.00 GiB."));
+      QCOMPARE(std::string(e.what()), std::string("device 1 (cpu:virtual 1): CUDA out of memory. Tried to allocate 2.00 GiB."));
+    }
+    QVERIFY(typed);
+    // Other LibTorch errors keep their whole message but lose the backtrace.
+    try {
+      group->run([&](int rank, Communicator&) { TORCH_CHECK(rank != 0, "shape mismatch"); });
+      QFAIL("expected an error");
+    } catch (const DeviceOutOfMemory&) {
+      QFAIL("not an out-of-memory error");
+    } catch (const Error& e) {
+      QCOMPARE(std::string(e.what()), std::string("device 0 (cpu:virtual 0): shape mismatch"));
+    }
+    std::atomic<int> ran{0};
+    group->run([&](int, Communicator& c) {
+      c.barrier();
+      ++ran;
+    });
+    QCOMPARE(ran.load(), 2);
+  }
+
   void strategyFailureIsOneError() {
     fail_rank_ = 1;
     auto in = inputs(schedulers::SamplerKind::Euler, 3, 1, 5.0);

@@ -393,6 +393,39 @@ class TestPipeline : public QObject {
     expect(q, "component 'unet' is unusable");
   }
 
+  // A rank of a multi-device strategy running out of memory (LibTorch's error thrown where the
+  // rank reports a step): the same error as one device's, naming that rank's device, and the
+  // engine runs the next job.
+  void outOfMemoryOnARankNamesItsDevice() {
+    job::GenerationRequest r;
+    r.model = (test::fixtures() / "tiny-sd").string();
+    r.prompt = "x";
+    r.steps = 4;
+    r.cfg = 5;
+    r.strategy.name = "cfg-parallel";
+    r.strategy.devices = 2;
+    job::CancelToken never;
+    job::JobObserver o;
+    int steps = 0;
+    o.on_step = [&](const job::StepEvent&) {
+      if (++steps == 2) TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate 2.00 GiB");
+    };
+    try {
+      engine_.run(r, o, never);
+      QFAIL("expected an out-of-memory error");
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      qInfo("%s", msg.c_str());
+      QVERIFY2(msg.rfind("out of memory on cpu:virtual 0 (after ", 0) == 0, msg.c_str());
+      QVERIFY2(msg.find(", 2 steps done; native size, batch 1, cfg-parallel): CUDA out of memory. Tried to allocate "
+                        "2.00 GiB. What the job held is freed") != std::string::npos,
+               msg.c_str());
+      QVERIFY2(msg.find("Exception raised from") == std::string::npos, msg.c_str());
+    }
+    const auto next = engine_.run(r, {}, never);
+    QCOMPARE(next.images.size(), std::size_t{1});
+  }
+
   void reportsNaNsInsteadOfABlackImage() {
     job::GenerationRequest r;
     r.model = (test::fixtures() / "tiny-sd-nan").string();  // the oracle poisons conv_out.bias

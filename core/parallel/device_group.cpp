@@ -1,5 +1,6 @@
 #include "core/parallel/device_group.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -10,6 +11,7 @@
 
 #include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
 
 #include "core/job/job.h"
 #include "core/util/options.h"
@@ -240,14 +242,21 @@ void DeviceGroup::run(const std::function<void(int rank, Communicator& comm)>& f
   });
   if (!first) return;
   comms_.clear();  // an aborted or half-used set is not reused
+  const std::string where = "device " + std::to_string(first_rank) + " (" + device_name(first_rank) + "): ";
   try {
     std::rethrow_exception(first);
   } catch (const job::Cancelled&) {
     throw;
+  } catch (const c10::OutOfMemoryError& e) {
+    std::string why = e.what_without_backtrace();
+    why = why.substr(0, std::min(why.find('\n'), std::size_t{300}));  // the first line
+    throw DeviceOutOfMemory(device_name(first_rank), why, where + why);
+  } catch (const c10::Error& e) {
+    throw Error(where + e.what_without_backtrace());
   } catch (const std::exception& e) {
-    throw Error("device " + std::to_string(first_rank) + " (" + device_name(first_rank) + "): " + e.what());
+    throw Error(where + e.what());
   } catch (...) {
-    throw Error("device " + std::to_string(first_rank) + " (" + device_name(first_rank) + "): unknown error");
+    throw Error(where + "unknown error");
   }
 }
 

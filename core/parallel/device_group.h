@@ -5,13 +5,28 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <c10/core/Device.h>
 
 #include "core/parallel/communicator.h"
+#include "core/util/error.h"
 
 namespace diffract::parallel {
+
+// A rank of a group ran out of device memory: "device <rank> (<name>): <the allocator's first
+// line>". The pipeline reports it as it reports its own device running out, naming this device.
+class DeviceOutOfMemory : public Error {
+ public:
+  DeviceOutOfMemory(std::string device, std::string why, const std::string& message)
+      : Error(message), device_(std::move(device)), why_(std::move(why)) {}
+  const std::string& device() const { return device_; }  // "cuda:1", "cpu:virtual 1"
+  const std::string& why() const { return why_; }        // "CUDA out of memory. Tried to allocate ..."
+
+ private:
+  std::string device_, why_;
+};
 
 class DeviceGroup {
  public:
@@ -35,8 +50,9 @@ class DeviceGroup {
   // measured many times slower, docs/benchmarks.md). Virtual groups get
   // fresh communicators each run; NCCL ones keep theirs until a run fails. Either way a failed
   // run leaves the group usable. The workers run under at::NoGradGuard, bound to their device. The first exception on any rank aborts the communicators (ranks
-  // blocked in collectives are released) and is rethrown here: job::Cancelled as is,
-  // anything else as diffract::Error "device <rank> (<name>): <message>".
+  // blocked in collectives are released) and is rethrown here: job::Cancelled as is, running out
+  // of memory as DeviceOutOfMemory, anything else as diffract::Error "device <rank> (<name>):
+  // <message>" (LibTorch's messages without their C++ backtrace).
   void run(const std::function<void(int rank, Communicator& comm)>& fn);
 
   // Runs f() on rank `rank`'s worker thread (no communicator) and waits; rethrows what it throws.

@@ -305,22 +305,27 @@ job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, 
     ++steps;
     if (inner) inner(e);
   };
+  // What ran out, where the job was and its size; the caches of every device are emptied first.
+  const auto out_of_memory = [&](const std::string& device, const std::string& why) {
+    release_cached_memory();
+    const std::string size = request.width && request.height
+                                 ? std::to_string(request.width) + "x" + std::to_string(request.height)
+                                 : "native size";
+    return Error("out of memory on " + device + " (" + stage +
+                 (steps ? ", " + std::to_string(steps) + " steps done" : std::string()) + "; " + size + ", batch " +
+                 std::to_string(request.batch) + (request.strategy.name.empty() ? "" : ", " + request.strategy.name) +
+                 "): " + why + ". What the job held is freed; try a smaller size or batch, or another device");
+  };
   try {
     auto result = run_job(request, watched, cancel, inputs);
     models::save_tuning();  // shapes this job tuned, for the next process (io/tuning_store.h)
     return result;
   } catch (const c10::OutOfMemoryError& e) {
-    release_cached_memory();
     std::string why = e.what_without_backtrace();
-    if (const auto nl = why.find('\n'); nl != std::string::npos) why.resize(nl);
-    if (why.size() > 300) why.resize(300);
-    const std::string size = request.width && request.height
-                                 ? std::to_string(request.width) + "x" + std::to_string(request.height)
-                                 : "native size";
-    throw Error("out of memory on " + request.device + " (" + stage +
-                (steps ? ", " + std::to_string(steps) + " steps done" : std::string()) + "; " + size + ", batch " +
-                std::to_string(request.batch) + (request.strategy.name.empty() ? "" : ", " + request.strategy.name) +
-                "): " + why + ". What the job held is freed; try a smaller size or batch, or another device");
+    why = why.substr(0, std::min(why.find('\n'), std::size_t{300}));  // the first line
+    throw out_of_memory(request.device, why);
+  } catch (const parallel::DeviceOutOfMemory& e) {  // a rank of a multi-device strategy
+    throw out_of_memory(e.device(), e.why());
   }
 }
 

@@ -1,5 +1,5 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|graph_warmups|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm|flux|flux_files|caches|fp8|tuning|prepare|gemm_gelu|modulation|fp8_rows
+//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|graph_warmups|oom_parallel|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm|flux|flux_files|caches|fp8|tuning|prepare|gemm_gelu|modulation|fp8_rows
 // Exit 0: passed; 1: one failed (the reasons printed); 77: all skipped (too few GPUs).
 #include <algorithm>
 #include <array>
@@ -1492,57 +1492,79 @@ std::int64_t cuda_allocated(int device) {
 // leaving 1.5 GB free): an Error naming out of memory, the device, where the job was and its
 // size; a second failure holds no more memory than the first (the graphs and buffers a first
 // attempt caches for the new shape stay, nothing grows); once the memory is there, the same
-// pipeline runs the same job. With and without CUDA graphs.
+// pipeline runs the same job. `strategy` empty: one GPU; otherwise that strategy over GPUs 0 and
+// 1, the filler on `filled` (the rank that runs out, whose error must name its GPU; the
+// communicators are rebuilt for the next job).
+void oom_case(bool graphs, const std::string& strategy, int filled) {
+  auto sd = tiny_sdxl(graphs);
+  job::CancelToken never;
+  auto small = request(4);
+  if (!strategy.empty()) {
+    small.strategy.name = strategy;
+    small.strategy.devices = 2;
+  }
+  auto big = small;
+  big.width = big.height = 4096;
+  big.batch = 8;
+  sd->generate(small, {}, never);  // loaded, warm (a strategy's replicas too)
+  release_cached_memory();         // what earlier pipelines left is not counted as free
+  const auto before = cuda_allocated(filled);
+  std::size_t free = 0, total = 0;
+  {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(filled));
+    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  }
+  auto filler = at::empty({static_cast<std::int64_t>(free) - (std::int64_t(3) << 29)},
+                          at::TensorOptions().dtype(at::kByte).device(at::kCUDA, filled));
+  std::vector<std::string> errors;
+  std::vector<std::int64_t> held;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    std::string error;
+    try {
+      sd->generate(big, {}, never);
+    } catch (const Error& e) {
+      error = e.what();
+    } catch (const std::exception& e) {
+      error = std::string("not a diffract::Error: ") + e.what();
+    }
+    errors.push_back(error);
+    held.push_back(cuda_allocated(filled) - filler.nbytes());
+  }
+  filler.reset();
+  release_cached_memory();  // as the engine does when it drops a model for another
+  const std::string what = (strategy.empty() ? std::string("one GPU") : strategy + " on 2 GPUs, cuda:" + std::to_string(filled) + " full") +
+                           ", graphs " + (graphs ? "on" : "off");
+  std::cout << "  " << what << ": " << errors[0].substr(0, 600) << "\n";
+  const std::string device = "out of memory on cuda:" + std::to_string(filled);
+  const bool named = std::all_of(errors.begin(), errors.end(), [&](const std::string& e) {
+    return e.find(device) != std::string::npos && e.find("4096x4096, batch 8") != std::string::npos &&
+           e.find("Exception raised from") == std::string::npos;
+  });
+  expect(named, "a job too large for what is free is an error naming it and its GPU, twice (" + what + ")");
+  std::cout << "  allocated on cuda:" << filled << " before " << before / 1e6 << " MB, after one failed job "
+            << held[0] / 1e6 << " MB, after two " << held[1] / 1e6 << " MB\n";
+  expect(held[1] <= held[0] + (std::int64_t(8) << 20), "a second failure holds no more than the first (" + what + ")");
+  bool ok = true;
+  try {
+    const auto r = sd->generate(big, {}, never);
+    ok = r.images.size() == 8;
+  } catch (const std::exception& e) {
+    ok = false;
+    std::cout << "  " << e.what() << "\n";
+  }
+  expect(ok, "the same pipeline runs the job once the memory is there (" + what + ")");
+}
+
 void check_oom() {
   need_gpus(1);
-  for (const bool graphs : {true, false}) {
-    auto sd = tiny_sdxl(graphs);
-    job::CancelToken never;
-    auto big = request(4);
-    big.width = big.height = 4096;
-    big.batch = 8;
-    sd->generate(request(4), {}, never);  // loaded, warm
-    release_cached_memory();               // what earlier pipelines left is not counted as free
-    const auto before = cuda_allocated(0);
-    std::size_t free = 0, total = 0;
-    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-    auto filler = at::empty({static_cast<std::int64_t>(free) - (std::int64_t(3) << 29)},
-                            at::TensorOptions().dtype(at::kByte).device(at::kCUDA, 0));
-    std::vector<std::string> errors;
-    std::vector<std::int64_t> held;
-    for (int attempt = 0; attempt < 2; ++attempt) {
-      std::string error;
-      try {
-        sd->generate(big, {}, never);
-      } catch (const Error& e) {
-        error = e.what();
-      } catch (const std::exception& e) {
-        error = std::string("not a diffract::Error: ") + e.what();
-      }
-      errors.push_back(error);
-      held.push_back(cuda_allocated(0) - filler.nbytes());
-    }
-    filler.reset();
-    release_cached_memory();  // as the engine does when it drops a model for another
-    std::cout << "  graphs " << (graphs ? "on" : "off") << ": " << errors[0].substr(0, 600) << "\n";
-    const bool named = std::all_of(errors.begin(), errors.end(), [](const std::string& e) {
-      return e.find("out of memory on cuda:0") != std::string::npos && e.find("4096x4096, batch 8") != std::string::npos;
-    });
-    expect(named, std::string("a job too large for what is free is an error naming it, twice (graphs ") +
-                      (graphs ? "on)" : "off)"));
-    std::cout << "  allocated before " << before / 1e6 << " MB, after one failed job " << held[0] / 1e6
-              << " MB, after two " << held[1] / 1e6 << " MB\n";
-    expect(held[1] <= held[0] + (std::int64_t(8) << 20), "a second failure holds no more than the first");
-    bool ok = true;
-    try {
-      const auto r = sd->generate(big, {}, never);
-      ok = r.images.size() == 8;
-    } catch (const std::exception& e) {
-      ok = false;
-      std::cout << "  " << e.what() << "\n";
-    }
-    expect(ok, "the same pipeline runs the job once the memory is there");
-  }
+  for (const bool graphs : {true, false}) oom_case(graphs, "", 0);
+}
+
+// The same with a strategy's second GPU full: its rank runs out, the error names cuda:1, the
+// NCCL communicators are torn down and rebuilt, and the next job runs on both GPUs.
+void check_oom_parallel() {
+  need_gpus(2);
+  for (const bool graphs : {true, false}) oom_case(graphs, "cfg-parallel", 1);
 }
 
 // x -> 0.1 x, failing on one rank at one step.
@@ -2730,7 +2752,7 @@ void check_fp8_rows() {
 int main(int argc, char** argv) {
   g_program = argv[0];
   const std::map<std::string, std::function<void()>> checks = {
-      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"layernorm", check_layernorm}, {"conv_bias", check_conv_bias}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"graph_warmups", check_graph_warmups}, {"stage_graphs", check_stage_graphs},
+      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"layernorm", check_layernorm}, {"conv_bias", check_conv_bias}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"graph_warmups", check_graph_warmups}, {"oom_parallel", check_oom_parallel}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"oom", check_oom}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}, {"gemm", check_gemm}, {"flux", check_flux}, {"flux_files", check_flux_files},
