@@ -15,6 +15,8 @@
 #ifdef DIFFRACT_HAS_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <ATen/core/CachingHostAllocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -85,9 +87,40 @@ c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device) {
 }
 #endif
 
+#ifdef DIFFRACT_HAS_CUDA
+namespace {
+// When cudaStreamEndCapture fails (a capture invalidated, e.g. by the allocator's own
+// out-of-memory path inside it), LibTorch's CUDAGraph::capture_end throws before it tells the
+// allocators the capture is over, and its reset() hands back only the pool of a capture that
+// ended. Left so, the device allocator keeps a capture underway for good: emptyCache then frees
+// none of the ordinary pools, and every later large job on that device runs out of memory (an
+// H100 with the captures made without eager calls first). A capture that did not end is ended
+// with the allocators here, and its pool handed back.
+void abandon_capture(at::cuda::CUDAGraph& graph, c10::MempoolId_t pool) {
+  try {
+    (void)graph.pool();
+    return;  // it ended: the graph's reset() hands its pool back
+  } catch (const c10::Error&) {
+  }
+  const auto device = c10::cuda::current_device();
+  try {
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool);
+  } catch (const c10::Error&) {  // capture_end got as far as this
+  }
+  try {
+    at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(pool);
+  } catch (const c10::Error&) {
+  }
+  c10::cuda::CUDACachingAllocator::releasePool(device, pool);
+  at::getHostAllocator(at::kCUDA)->release_pool(pool);
+}
+}  // namespace
+#endif
+
 void capture_graph(at::cuda::CUDAGraph& graph, const std::function<void()>& f) {
 #ifdef DIFFRACT_HAS_CUDA
-  graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+  const auto pool = at::cuda::graph_pool_handle();  // known here, for abandon_capture
+  graph.capture_begin(pool, cudaStreamCaptureModeThreadLocal);
   try {
     f();
   } catch (...) {
@@ -95,9 +128,15 @@ void capture_graph(at::cuda::CUDAGraph& graph, const std::function<void()>& f) {
       graph.capture_end();
     } catch (...) {  // an invalidated capture: ending it is all that matters
     }
+    abandon_capture(graph, pool);
     throw;
   }
-  graph.capture_end();
+  try {
+    graph.capture_end();
+  } catch (...) {
+    abandon_capture(graph, pool);
+    throw;
+  }
 #else
   (void)graph;
   f();

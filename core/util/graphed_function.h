@@ -35,9 +35,10 @@ c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device);
 #endif
 
 // graph.capture_begin (this thread's work only), f(), graph.capture_end(). Should f throw (out of
-// memory mid-capture), the capture is ended before the exception goes on: otherwise the stream
-// stays in capture mode and the allocator keeps serving this thread from the graph's pool, and
-// every later job fails. CUDA builds only.
+// memory mid-capture) or the capture fail to end, the capture is ended and, where LibTorch left
+// it so, the allocators told it is over and its pool handed back before the exception goes on:
+// otherwise the allocator keeps serving this thread from the graph's pool, frees no cached memory
+// again, and every later large job fails. CUDA builds only.
 void capture_graph(at::cuda::CUDAGraph& graph, const std::function<void()>& f);
 
 // How many times a function runs eagerly before its capture (DIFFRACT_GRAPH_WARMUPS, read once):
