@@ -2,6 +2,9 @@
 
 #include <chrono>
 #include <deque>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include <ATen/ATen.h>
 
@@ -121,10 +124,21 @@ struct SideStreamTask::Impl {
   }
 };
 
+#ifdef DIFFRACT_HAS_CUDA
+c10::cuda::CUDAStream kept_stream(c10::DeviceIndex device, KeptStream use) {
+  static std::mutex mutex;
+  static std::map<std::pair<c10::DeviceIndex, KeptStream>, c10::cuda::CUDAStream> streams;
+  std::lock_guard lock(mutex);
+  auto it = streams.find({device, use});
+  if (it == streams.end()) it = streams.emplace(std::pair{device, use}, c10::cuda::getStreamFromPool(false, device)).first;
+  return it->second;
+}
+#endif
+
 SideStreamTask::SideStreamTask(const c10::Device& device, int capacity)
     : impl_(std::make_unique<Impl>(device, capacity)) {
 #ifdef DIFFRACT_HAS_CUDA
-  if (device.is_cuda()) impl_->side = c10::cuda::getStreamFromPool(false, device.index());
+  if (device.is_cuda()) impl_->side = kept_stream(device.index(), KeptStream::Side);
 #endif
 }
 

@@ -11,7 +11,21 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#ifdef DIFFRACT_HAS_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 namespace diffract {
+
+#ifdef DIFFRACT_HAS_CUDA
+// A pool stream of `device` kept for one use for the process's life, instead of the next pool
+// stream each time: cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it has run on,
+// for good, so a new pool stream for every job (its previews, or its graph captures) could hold
+// up to 32 of them (on an H100, 256 MiB more after 200 cancelled jobs with previews on new
+// streams: `diffract-gpu-checks cancel_any`).
+enum class KeptStream { Capture, Side };
+c10::cuda::CUDAStream kept_stream(c10::DeviceIndex device, KeptStream use);
+#endif
 
 // Step i's duration is the device time between the end of step i-1 (or start()) and the end of
 // step i, so gaps where the device waited on the host count too: the figures add up to the loop.

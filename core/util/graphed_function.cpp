@@ -1,5 +1,6 @@
 #include "core/util/graphed_function.h"
 
+#include "core/util/device_work.h"
 #include "core/util/options.h"
 
 #include <algorithm>
@@ -75,17 +76,6 @@ void GraphCache::set_max_graphs(int n) {
   while (static_cast<int>(cache_->entries.size()) > std::max(n, 0)) cache_->drop_last();
 #endif
 }
-
-#ifdef DIFFRACT_HAS_CUDA
-c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device) {
-  static std::mutex mutex;
-  static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
-  std::lock_guard lock(mutex);
-  auto it = streams.find(device);
-  if (it == streams.end()) it = streams.emplace(device, c10::cuda::getStreamFromPool(false, device)).first;
-  return it->second;
-}
-#endif
 
 #ifdef DIFFRACT_HAS_CUDA
 namespace {
@@ -238,7 +228,7 @@ std::vector<at::Tensor> GraphCache::run(const std::vector<std::int64_t>& tag, co
       for (const auto& t : inputs)
         e.inputs.push_back(layout && t.dim() == 4 ? t.clone(*layout) : t.clone());
       // Captures need a stream other than the legacy default one; the caller's may be either.
-      auto capture = capture_stream(index);
+      auto capture = kept_stream(index, KeptStream::Capture);  // captures need a stream other than the legacy default
       at::cuda::CUDAEvent behind;
       behind.record(current);
       behind.block(capture);

@@ -17,22 +17,12 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/MemoryFormat.h>
-#ifdef DIFFRACT_HAS_CUDA
-#include <c10/cuda/CUDAStream.h>
-#endif
 
 namespace at::cuda {
 struct CUDAGraph;
 }
 
 namespace diffract {
-
-#ifdef DIFFRACT_HAS_CUDA
-// The one stream of a device that captures run on (captures need a stream other than the legacy
-// default). One, not a fresh pool stream per capture: cuBLAS keeps a workspace (tens of MB) per
-// stream it has seen, so every new stream held that much more for good.
-c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device);
-#endif
 
 // graph.capture_begin (this thread's work only), f(), graph.capture_end(). Should f throw (out of
 // memory mid-capture) or the capture fail to end, the capture is ended and, where LibTorch left

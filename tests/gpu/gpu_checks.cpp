@@ -1,6 +1,8 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
-//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|graph_warmups|oom_parallel|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm|flux|flux_files|caches|fp8|tuning|prepare|gemm_gelu|modulation|fp8_rows
+//   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|graph_warmups|oom_parallel|cancel_any|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm|flux|flux_files|caches|fp8|tuning|prepare|gemm_gelu|modulation|fp8_rows
 // Exit 0: passed; 1: one failed (the reasons printed); 77: all skipped (too few GPUs).
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -8,9 +10,12 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
+#include <mutex>
+#include <random>
 #include <sstream>
 #include <thread>
 #include <tuple>
@@ -30,6 +35,7 @@
 
 #include "core/io/upload.h"
 #include "core/engine/compare.h"
+#include "core/engine/engine.h"
 #include "core/metrics/metrics.h"
 #include "core/models/autoencoders/autoencoder_kl.h"
 #include "core/models/autoencoders/taesd.h"
@@ -1567,6 +1573,98 @@ void check_oom_parallel() {
   for (const bool graphs : {true, false}) oom_case(graphs, "cfg-parallel", 1);
 }
 
+// Cancel at any moment, 200 times in a row: an engine on cuda:0 alternating between two paths of
+// a tiny SD folder (DIFFRACT_CANCEL_MODEL), so every job loads its model again and a cancel lands
+// in the load, the warm-up with its graph captures, the text encoding, a step, a preview or the
+// decode (or after the job). Every job must end, cancelled or done, within 60 s and with no
+// error; a job run to its end after the 20th and after the 200th must then leave the process's
+// resident memory and the GPU memory where they were.
+void check_cancel_any() {
+  need_gpus(1);
+  const char* model = std::getenv("DIFFRACT_CANCEL_MODEL");
+  if (!model) throw Skip{"DIFFRACT_CANCEL_MODEL (a tiny SD folder) not given"};
+  // No sizes prepared while the engine idles: the two measures below then see the same graphs.
+  setenv("DIFFRACT_BACKGROUND_TUNING", "0", 1);
+  const auto other = std::filesystem::temp_directory_path() / "diffract-cancel-any-model";
+  std::filesystem::remove(other);
+  std::filesystem::create_directory_symlink(std::filesystem::absolute(model), other);
+  const std::string paths[2] = {std::filesystem::absolute(model).string(), other.string()};
+  job::GenerationRequest r;
+  r.prompt = "a red apple";
+  r.steps = 6;
+  r.width = r.height = 64;
+  r.device = "cuda:0";
+  r.preview_every = 1;
+  const auto rss = [] {
+    std::ifstream statm("/proc/self/statm");
+    long pages = 0, resident = 0;
+    statm >> pages >> resident;
+    return static_cast<std::int64_t>(resident) * ::sysconf(_SC_PAGESIZE);
+  };
+  engine::Engine engine;
+  const auto run_to_end = [&] {  // on paths[0], so both measures see the same model loaded
+    auto q = r;
+    q.model = paths[0];
+    job::CancelToken never;
+    engine.run(q, {}, never);
+    return std::make_pair(rss(), cuda_allocated(0));
+  };
+  std::mt19937 rng(11);
+  int cancelled = 0, finished = 0, hung = 0;
+  std::vector<std::string> errors;
+  std::pair<std::int64_t, std::int64_t> at20{}, at200{};
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 200; ++i) {
+    std::atomic<bool> ended{false};
+    std::mutex m;
+    std::string error;
+    job::JobObserver o;
+    o.on_preview = [](const job::PreviewEvent&) {};
+    o.on_done = [&](const job::GenerationResult&) {
+      ++finished;
+      ended = true;
+    };
+    o.on_cancelled = [&] {
+      ++cancelled;
+      ended = true;
+    };
+    o.on_error = [&](const std::string& e) {
+      std::lock_guard lock(m);
+      error = e;
+      ended = true;
+    };
+    auto q = r;
+    q.model = paths[i % 2];
+    auto job = engine.submit(q, o);
+    // Mostly inside the load and warm-up, every fourth later (into the steps and the decode).
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % (i % 4 ? 150000 : 900000)));
+    job->cancel();
+    int waited = 0;
+    for (; !ended.load() && waited < 60000; ++waited) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (!ended.load()) {
+      ++hung;
+      break;
+    }
+    {
+      std::lock_guard lock(m);
+      if (!error.empty()) errors.push_back(error);
+    }
+    if (i == 19) at20 = run_to_end();
+  }
+  at200 = run_to_end();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::cout << "  200 jobs in " << s << " s: cancelled " << cancelled << ", finished " << finished << ", errors "
+            << errors.size() << (errors.empty() ? "" : " (first: " + errors.front().substr(0, 300) + ")") << "\n";
+  std::cout << "  resident after 20 jobs " << at20.first / 1e6 << " MB, after 200 " << at200.first / 1e6
+            << " MB; GPU allocated " << at20.second / 1e6 << " / " << at200.second / 1e6 << " MB\n";
+  expect(hung == 0, "every cancelled job ends within 60 s");
+  expect(errors.empty(), "no job ends in an error");
+  expect(cancelled > 100, "most jobs were cancelled before their end");
+  expect(at200.second - at20.second < (std::int64_t(16) << 20), "GPU memory is back to its level after 200 jobs");
+  expect(at200.first - at20.first < (std::int64_t(128) << 20), "resident memory does not grow with cancelled jobs");
+  std::filesystem::remove(other);
+}
+
 // x -> 0.1 x, failing on one rank at one step.
 class Scaled final : public parallel::Denoiser {
  public:
@@ -2752,7 +2850,7 @@ void check_fp8_rows() {
 int main(int argc, char** argv) {
   g_program = argv[0];
   const std::map<std::string, std::function<void()>> checks = {
-      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"layernorm", check_layernorm}, {"conv_bias", check_conv_bias}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"graph_warmups", check_graph_warmups}, {"oom_parallel", check_oom_parallel}, {"stage_graphs", check_stage_graphs},
+      {"groupnorm", check_groupnorm}, {"geglu", check_geglu}, {"layernorm", check_layernorm}, {"conv_bias", check_conv_bias}, {"upload", check_upload}, {"clip_graph", check_clip_graph}, {"graphs", check_graphs}, {"graph_warmups", check_graph_warmups}, {"oom_parallel", check_oom_parallel}, {"cancel_any", check_cancel_any}, {"stage_graphs", check_stage_graphs},
       {"previews", check_previews}, {"taesd", check_taesd}, {"nccl", check_nccl},
       {"strategies", check_strategies}, {"wide", check_wide}, {"qkv", check_qkv}, {"cancel", check_cancel}, {"failure", check_failure}, {"sd3", check_sd3},
       {"cfg_pipefusion", check_cfg_pipefusion}, {"oom", check_oom}, {"parallel_vae", check_parallel_vae}, {"vae_bands", check_vae_bands}, {"gemm", check_gemm}, {"flux", check_flux}, {"flux_files", check_flux_files},

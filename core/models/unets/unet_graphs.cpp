@@ -16,6 +16,7 @@
 #endif
 
 #include "core/models/common/patch_parallel.h"
+#include "core/util/device_work.h"
 #include "core/util/options.h"
 
 namespace diffract::models {
@@ -120,7 +121,7 @@ at::Tensor UNetGraphRunner::forward(const at::Tensor& sample, const at::Tensor& 
       for (const auto& r : cond.down_residuals) e.cond.down_residuals.push_back(r.clone());
       if (cond.mid_residual.defined()) e.cond.mid_residual = cond.mid_residual.clone();
       const auto main = c10::cuda::getCurrentCUDAStream(index);
-      auto side = capture_stream(index);
+      auto side = kept_stream(index, KeptStream::Capture);
       at::cuda::CUDAEvent behind;
       behind.record(main);
       behind.block(side);
