@@ -29,6 +29,7 @@
 #include "core/util/error.h"
 #include "core/util/log.h"
 #include "core/util/options.h"
+#include "core/util/torch_errors.h"
 
 namespace fs = std::filesystem;
 using namespace diffract;
@@ -709,7 +710,7 @@ int main(int argc, char** argv) {
     log::get("cli").error(e.what());
     return 1;
   } catch (const std::exception& e) {
-    log::get("cli").error(std::string("internal error: ") + e.what());
+    log::get("cli").error("internal error: " + message_of(e));
     return 2;
   }
   return 0;

@@ -426,6 +426,25 @@ class TestPipeline : public QObject {
     QCOMPARE(next.images.size(), std::size_t{1});
   }
 
+  // The CPU allocator refusing memory mid-job (a real refusal: a petabyte asked where a step is
+  // reported) is the pipeline's out-of-memory error naming the CPU, not an internal error with
+  // LibTorch's backtrace.
+  void outOfHostMemoryNamesTheCpu() {
+    job::GenerationRequest r;
+    r.model = (test::fixtures() / "tiny-sd").string();
+    r.prompt = "x";
+    r.steps = 3;
+    job::CancelToken never;
+    job::JobObserver o;
+    o.on_step = [](const job::StepEvent& e) {
+      if (e.index == 1) (void)at::empty({std::int64_t(1) << 50}, at::kByte);
+    };
+    DIFFRACT_EXPECT_ERROR(engine_.run(r, o, never), "out of memory on cpu (after text_encode, ",
+                          "; native size, batch 1): DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                          "1125899906842624 bytes");
+    QCOMPARE(engine_.run(r, {}, never).images.size(), std::size_t{1});
+  }
+
   void reportsNaNsInsteadOfABlackImage() {
     job::GenerationRequest r;
     r.model = (test::fixtures() / "tiny-sd-nan").string();  // the oracle poisons conv_out.bias

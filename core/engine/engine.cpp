@@ -19,6 +19,7 @@
 #include "core/util/error.h"
 #include "core/util/log.h"
 #include "core/util/options.h"
+#include "core/util/torch_errors.h"
 
 namespace diffract::engine {
 
@@ -218,7 +219,7 @@ struct Engine::Impl {
       });
     } catch (const std::exception& e) {
       // Out of memory at a large size, say: the sizes after it on that device are not tried.
-      log::get("engine").warn(log::str("preparing ", r.width, "x", r.height, " on ", r.device, " failed: ", e.what()));
+      log::get("engine").warn(log::str("preparing ", r.width, "x", r.height, " on ", r.device, " failed: ", message_of(e)));
       std::lock_guard lock(mutex);
       drop_preparing(r.device);
     }
@@ -279,8 +280,8 @@ struct Engine::Impl {
           auto result = run_lanes(request, *q.lanes, q.enabled_gpus, q.lane_observer, job->token());
           if (q.lane_end.on_done) q.lane_end.on_done(result);
         } catch (const std::exception& e) {
-          log::get("engine").error(e.what());
-          if (q.lane_end.on_error) q.lane_end.on_error(e.what());
+          log::get("engine").error(message_of(e));
+          if (q.lane_end.on_error) q.lane_end.on_error(message_of(e));
         }
         std::lock_guard lock(mutex);
         running.reset();
@@ -302,9 +303,9 @@ struct Engine::Impl {
       } catch (const job::Cancelled&) {
         if (observer.on_cancelled) observer.on_cancelled();
       } catch (const std::exception& e) {
-        // Out-of-memory and other torch errors arrive here too; the engine stays usable.
-        log::get("engine").error(e.what());
-        if (observer.on_error) observer.on_error(e.what());
+        // Other LibTorch errors arrive here too, told without their backtrace; the engine stays usable.
+        log::get("engine").error(message_of(e));
+        if (observer.on_error) observer.on_error(message_of(e));
       }
       std::lock_guard lock(mutex);
       running.reset();

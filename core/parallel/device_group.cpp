@@ -1,6 +1,5 @@
 #include "core/parallel/device_group.h"
 
-#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -11,10 +10,10 @@
 
 #include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
-#include <c10/util/Exception.h>
 
 #include "core/job/job.h"
 #include "core/util/options.h"
+#include "core/util/torch_errors.h"
 
 #ifdef DIFFRACT_HAS_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -247,14 +246,9 @@ void DeviceGroup::run(const std::function<void(int rank, Communicator& comm)>& f
     std::rethrow_exception(first);
   } catch (const job::Cancelled&) {
     throw;
-  } catch (const c10::OutOfMemoryError& e) {
-    std::string why = e.what_without_backtrace();
-    why = why.substr(0, std::min(why.find('\n'), std::size_t{300}));  // the first line
-    throw DeviceOutOfMemory(device_name(first_rank), why, where + why);
-  } catch (const c10::Error& e) {
-    throw Error(where + e.what_without_backtrace());
   } catch (const std::exception& e) {
-    throw Error(where + e.what());
+    if (const auto why = out_of_memory_reason(e)) throw DeviceOutOfMemory(device_name(first_rank), *why, where + *why);
+    throw Error(where + message_of(e));
   } catch (...) {
     throw Error(where + "unknown error");
   }

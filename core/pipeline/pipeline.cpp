@@ -23,6 +23,7 @@
 #include "core/util/error.h"
 #include "core/util/log.h"
 #include "core/util/options.h"
+#include "core/util/torch_errors.h"
 
 namespace diffract::pipeline {
 
@@ -320,12 +321,11 @@ job::GenerationResult Pipeline::generate(const job::GenerationRequest& request, 
     auto result = run_job(request, watched, cancel, inputs);
     models::save_tuning();  // shapes this job tuned, for the next process (io/tuning_store.h)
     return result;
-  } catch (const c10::OutOfMemoryError& e) {
-    std::string why = e.what_without_backtrace();
-    why = why.substr(0, std::min(why.find('\n'), std::size_t{300}));  // the first line
-    throw out_of_memory(request.device, why);
   } catch (const parallel::DeviceOutOfMemory& e) {  // a rank of a multi-device strategy
     throw out_of_memory(e.device(), e.why());
+  } catch (const std::exception& e) {
+    if (const auto why = out_of_memory_reason(e)) throw out_of_memory(request.device, *why);
+    throw;
   }
 }
 
