@@ -4,7 +4,9 @@
 # several space-separated run one after the other, the first deciding the build and the logs'
 # folder):
 #   checks  any GPUs: the GPU checks, all of `ctest -L gpu` or those matching CHECKS (a ctest -R
-#           pattern); the lines matching GREP are printed besides the verdicts.
+#           pattern); the lines matching GREP are printed besides the verdicts. gpu_cancel_any
+#           needs DIFFRACT_CANCEL_MODEL, a tiny SD folder (cp -r build/default/fixtures/tiny-sd
+#           .carry/; DIFFRACT_CANCEL_MODEL=$PWD/.carry/tiny-sd), and skips without it.
 #   lean    one GPU: the diffusers anchor (ANCHOR, default diffusers_sdxl_sd3.py; diffusers_flux.py
 #           for the flux configs), then diffract-bench (LEAN_CONFIGS, default sdxl-1024) on the
 #           same GPU, one after the other, and their ratios: a side-by-side of one run;
