@@ -1,5 +1,3 @@
-#include <unistd.h>
-
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -9,16 +7,13 @@
 #include <random>
 #include <thread>
 
-#if defined(__SANITIZE_ADDRESS__)
-// The sanitizers' allocator interface (gcc ships no header for it).
-extern "C" std::size_t __sanitizer_get_current_allocated_bytes();
-#endif
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
 
 #include "core/engine/engine.h"
 #include "core/io/weights.h"
 #include "core/util/error.h"
+#include "cancel_storm.h"
 #include "test_util.h"
 
 using namespace diffract;
@@ -271,57 +266,27 @@ class TestPipeline : public QObject {
     r.steps = 4;
     r.width = r.height = 32;
     r.preview_every = 1;
-    const auto rss = [] {
-#if defined(__SANITIZE_ADDRESS__)
-      // ASan keeps freed blocks in its quarantine (256 MB by default), which the resident size
-      // would count as growth: the bytes still allocated are the measure there.
-      return static_cast<std::int64_t>(__sanitizer_get_current_allocated_bytes());
-#else
-      std::ifstream statm("/proc/self/statm");
-      long pages = 0, resident = 0;
-      statm >> pages >> resident;
-      return static_cast<std::int64_t>(resident) * ::sysconf(_SC_PAGESIZE);
-#endif
-    };
     engine::Engine engine;
     std::mt19937 rng(7);
-    std::atomic<int> cancelled{0}, finished{0};
     std::int64_t settled = 0;
-    for (int i = 0; i < 200; ++i) {
-      std::atomic<bool> ended{false};
-      std::string error;
-      job::JobObserver o;
-      o.on_preview = [](const job::PreviewEvent&) {};
-      o.on_done = [&](const job::GenerationResult&) {
-        ++finished;
-        ended = true;
-      };
-      o.on_cancelled = [&] {
-        ++cancelled;
-        ended = true;
-      };
-      o.on_error = [&](const std::string& m) {
-        error = m;
-        ended = true;
-      };
-      auto job = engine.submit(r, o);
-      // Mostly early (inside the job), every fourth late enough for some jobs to have finished.
-      std::this_thread::sleep_for(std::chrono::microseconds(rng() % (i == 0 ? 400000 : i % 4 ? 40000 : 400000)));
-      job->cancel();
-      for (int waited = 0; !ended.load() && waited < 60000; ++waited) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      QVERIFY(ended.load());
-      QVERIFY2(error.empty(), error.c_str());
-      if (i == 19) settled = rss();
-    }
-    const auto growth = rss() - settled;
-    qInfo("cancelled %d, finished %d; %s after 20 jobs %.1f MB, after 200 %+.1f MB", cancelled.load(), finished.load(),
+    const auto storm = test::cancel_storm(
+        engine, 200, [&](int) { return r; },
+        // Mostly early (inside the job), every fourth late enough for some jobs to have finished.
+        [&](int i) { return std::chrono::microseconds(rng() % (i == 0 ? 400000 : i % 4 ? 40000 : 400000)); },
+        [&](int i) {
+          if (i == 19) settled = test::process_memory_bytes();
+        });
+    QVERIFY2(!storm.hung, "a cancelled job had not ended a minute later");
+    QVERIFY2(storm.errors.empty(), storm.errors.empty() ? "" : storm.errors.front().c_str());
+    const auto growth = test::process_memory_bytes() - settled;
+    qInfo("cancelled %d, finished %d; %s after 20 jobs %.1f MB, after 200 %+.1f MB", storm.cancelled, storm.finished,
 #if defined(__SANITIZE_ADDRESS__)
           "allocated",
 #else
           "RSS",
 #endif
           settled / 1e6, growth / 1e6);
-    QVERIFY(cancelled.load() > 0);
+    QVERIFY(storm.cancelled > 0);
     QVERIFY2(growth < (std::int64_t(64) << 20), "memory grows with cancelled jobs");
   }
 

@@ -1,8 +1,6 @@
 // Checks that need CUDA devices (and for some, two GPUs and NCCL), run on the GPU machine:
 //   diffract-gpu-checks CHECK [CHECK...], each of groupnorm|geglu|layernorm|conv_bias|upload|clip_graph|graphs|graph_warmups|oom_parallel|cancel_any|stage_graphs|previews|taesd|nccl|strategies|wide|qkv|cancel|failure|sd3|cfg_pipefusion|parallel_vae|vae_bands|gemm|flux|flux_files|caches|fp8|tuning|prepare|gemm_gelu|modulation|fp8_rows
 // Exit 0: passed; 1: one failed (the reasons printed); 77: all skipped (too few GPUs).
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -10,11 +8,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
-#include <mutex>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -66,6 +62,7 @@
 #include "core/util/error.h"
 #include "core/util/graphed_function.h"
 #include "core/util/options.h"
+#include "tests/cancel_storm.h"
 
 using namespace diffract;
 
@@ -1595,71 +1592,40 @@ void check_cancel_any() {
   r.width = r.height = 64;
   r.device = "cuda:0";
   r.preview_every = 1;
-  const auto rss = [] {
-    std::ifstream statm("/proc/self/statm");
-    long pages = 0, resident = 0;
-    statm >> pages >> resident;
-    return static_cast<std::int64_t>(resident) * ::sysconf(_SC_PAGESIZE);
-  };
   engine::Engine engine;
   const auto run_to_end = [&] {  // on paths[0], so both measures see the same model loaded
     auto q = r;
     q.model = paths[0];
     job::CancelToken never;
     engine.run(q, {}, never);
-    return std::make_pair(rss(), cuda_allocated(0));
+    return std::make_pair(test::process_memory_bytes(), cuda_allocated(0));
   };
   std::mt19937 rng(11);
-  int cancelled = 0, finished = 0, hung = 0;
-  std::vector<std::string> errors;
-  std::pair<std::int64_t, std::int64_t> at20{}, at200{};
+  std::pair<std::int64_t, std::int64_t> at20{};
   const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < 200; ++i) {
-    std::atomic<bool> ended{false};
-    std::mutex m;
-    std::string error;
-    job::JobObserver o;
-    o.on_preview = [](const job::PreviewEvent&) {};
-    o.on_done = [&](const job::GenerationResult&) {
-      ++finished;
-      ended = true;
-    };
-    o.on_cancelled = [&] {
-      ++cancelled;
-      ended = true;
-    };
-    o.on_error = [&](const std::string& e) {
-      std::lock_guard lock(m);
-      error = e;
-      ended = true;
-    };
-    auto q = r;
-    q.model = paths[i % 2];
-    auto job = engine.submit(q, o);
-    // Mostly inside the load and warm-up, every fourth later (into the steps and the decode).
-    std::this_thread::sleep_for(std::chrono::microseconds(rng() % (i % 4 ? 150000 : 900000)));
-    job->cancel();
-    int waited = 0;
-    for (; !ended.load() && waited < 60000; ++waited) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    if (!ended.load()) {
-      ++hung;
-      break;
-    }
-    {
-      std::lock_guard lock(m);
-      if (!error.empty()) errors.push_back(error);
-    }
-    if (i == 19) at20 = run_to_end();
-  }
-  at200 = run_to_end();
+  const auto storm = test::cancel_storm(
+      engine, 200,
+      [&](int i) {
+        auto q = r;
+        q.model = paths[i % 2];
+        return q;
+      },
+      // Mostly inside the load and warm-up, every fourth later (into the steps and the decode).
+      [&](int i) { return std::chrono::microseconds(rng() % (i % 4 ? 150000 : 900000)); },
+      [&](int i) {
+        if (i == 19) at20 = run_to_end();
+      });
+  const auto at200 = run_to_end();
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::cout << "  200 jobs in " << s << " s: cancelled " << cancelled << ", finished " << finished << ", errors "
-            << errors.size() << (errors.empty() ? "" : " (first: " + errors.front().substr(0, 300) + ")") << "\n";
+  const auto& errors = storm.errors;
+  std::cout << "  200 jobs in " << s << " s: cancelled " << storm.cancelled << ", finished " << storm.finished
+            << ", errors " << errors.size() << (errors.empty() ? "" : " (first: " + errors.front().substr(0, 300) + ")")
+            << "\n";
   std::cout << "  resident after 20 jobs " << at20.first / 1e6 << " MB, after 200 " << at200.first / 1e6
             << " MB; GPU allocated " << at20.second / 1e6 << " / " << at200.second / 1e6 << " MB\n";
-  expect(hung == 0, "every cancelled job ends within 60 s");
+  expect(!storm.hung, "every cancelled job ends within 60 s");
   expect(errors.empty(), "no job ends in an error");
-  expect(cancelled > 100, "most jobs were cancelled before their end");
+  expect(storm.cancelled > 100, "most jobs were cancelled before their end");
   expect(at200.second - at20.second < (std::int64_t(16) << 20), "GPU memory is back to its level after 200 jobs");
   expect(at200.first - at20.first < (std::int64_t(128) << 20), "resident memory does not grow with cancelled jobs");
   std::filesystem::remove(other);
