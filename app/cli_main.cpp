@@ -377,6 +377,9 @@ void apply_devices(job::GenerationRequest& req, const DeviceOptions& d) {
                                     " taken as its skip factor (say --skip ", d.devices, ")"));
   } else if (d.skip > 0) {
     throw Error("--skip applies to step-skip and deepcache, not to " + req.strategy.display_name());
+  } else if (d.devices > 0 && info.devices.fixed > 0 && d.devices != info.devices.fixed) {
+    throw Error("--devices " + std::to_string(d.devices) + ": " + std::string(info.name) + " runs on " +
+                info.devices.describe());
   }
   if (req.strategy.single() && d.devices <= 1 && d.gpus.empty()) return;
   const std::vector<int> enabled = enabled_gpus(req.device, d.gpus);
@@ -700,8 +703,8 @@ int main(int argc, char** argv) {
       return generate(req, out_path, preview_dir);
     }
     if (cmp_cmd->parsed()) {
-      if (device_options.devices == 0 && req.device == "cpu" &&
-          !parallel::strategy_info(req.strategy.name).takes(parallel::Param::Skip))
+      const auto& info = parallel::strategy_info(req.strategy.name);
+      if (device_options.devices == 0 && req.device == "cpu" && !info.takes(parallel::Param::Skip) && info.devices.fixed == 0)
         device_options.devices = 2;
       apply_devices(req, device_options);
       return compare(req, out_dir);
