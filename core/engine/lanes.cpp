@@ -22,6 +22,7 @@
 #include "core/schedulers/sampler.h"
 #include "core/util/error.h"
 #include "core/util/log.h"
+#include "core/util/torch_errors.h"
 
 namespace diffract::engine {
 
@@ -389,7 +390,7 @@ LaneGroupResult run_lane_group(const LaneSet& set, std::vector<LanePlan> plans, 
       if (obs.on_cancelled) obs.on_cancelled();
     } catch (const std::exception& e) {
       out.state = LaneOutcome::State::Failed;
-      out.error = e.what();
+      out.error = message_of(e);
       log::get("lanes").error("lane " + std::to_string(i + 1) + ": " + out.error);
       if (obs.on_error) obs.on_error(out.error);
     }
