@@ -1,4 +1,6 @@
+#include <algorithm>
 #include <fstream>
+#include <random>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
@@ -210,6 +212,33 @@ class TestSingleFile : public QObject {
       const auto vae = io::map_ldm_vae(all);
       EXPECT_LAYOUT(vae, expected.at("vae"));
       compare_vae(pipeline::infer_vae_config(vae, c.family, c.name), c.vae);
+    }
+  }
+
+  // Detection reads names, not the order a file lists them in; a name listed twice keeps its first
+  // shape (a safetensors header with a repeated name is refused before detection; a .pth's state
+  // dict and the fuzzer's inputs are not).
+  void detectionIgnoresOrderAndKeepsFirstOfARepeatedName() {
+    for (const char* name : {"sd15", "sd21", "sdxl"}) {
+      const auto shapes = shapes_of(layout_json(name).at("checkpoint"));
+      const auto sorted = io::detect_single_file(shapes, name);
+      auto shuffled = shapes;
+      std::mt19937 random(7);
+      std::shuffle(shuffled.begin(), shuffled.end(), random);
+      const auto layout = io::detect_single_file(shuffled, name);
+      QVERIFY2(layout.family == sorted.family, name);
+      QCOMPARE(layout.context_dim, sorted.context_dim);
+      QCOMPARE(layout.open_clip_blocks, sorted.open_clip_blocks);
+      QCOMPARE(layout.text_encoder_prefix, sorted.text_encoder_prefix);
+      QCOMPARE(layout.text_encoder_2_prefix, sorted.text_encoder_2_prefix);
+
+      const io::TensorShape inpainting_conv_in{"model.diffusion_model.input_blocks.0.0.weight", {320, 9, 3, 3}};
+      auto repeated_last = shuffled;
+      repeated_last.push_back(inpainting_conv_in);
+      QVERIFY2(io::detect_single_file(repeated_last, name).family == sorted.family, name);
+      auto repeated_first = shuffled;
+      repeated_first.insert(repeated_first.begin(), inpainting_conv_in);
+      DIFFRACT_EXPECT_ERROR(io::detect_single_file(repeated_first, name), name, "inpainting");
     }
   }
 

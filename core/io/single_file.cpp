@@ -41,14 +41,17 @@ bool take_index(const std::string& s, const std::string& head, int64_t& index, s
   return starts_with(s, head) && take_index(s.substr(head.size()), index, rest);
 }
 
-// The distinct N of keys "head.N.*", ascending.
-template <typename Keys>
-std::set<int64_t> indices(const Keys& keys, const std::string& head) {
+const std::string& name_of(const StateDict::value_type& entry) { return entry.first; }
+const std::string& name_of(const TensorShape* tensor) { return tensor->name; }
+
+// The distinct N of names "head.N.*" among `entries` (a state dict, or an index's range), ascending.
+template <typename Entries>
+std::set<int64_t> indices(const Entries& entries, const std::string& head) {
   std::set<int64_t> out;
   int64_t n = 0;
   std::string rest;
-  for (auto it = keys.lower_bound(head); it != keys.end() && starts_with(it->first, head); ++it)
-    if (take_index(it->first, head, n, rest)) out.insert(n);
+  for (const auto& entry : entries)
+    if (take_index(name_of(entry), head, n, rest)) out.insert(n);
   return out;
 }
 
@@ -84,18 +87,60 @@ at::Tensor as_linear(const at::Tensor& t) {
   return t.reshape({t.size(0), t.size(1)});
 }
 
-// Tensor shapes by name and the lookups detection makes on them (no tensor data is read).
-struct ShapeIndex {
+// A file's tensors sorted by name, and the lookups detection makes on them. It points into the
+// list it was made from (no name or shape is copied: detection runs on every file a user opens,
+// and a fuzzer runs it millions of times). A name given twice keeps its first tensor.
+class ShapeIndex {
+ public:
+  using Entries = std::vector<const TensorShape*>;
+  struct Range {
+    Entries::const_iterator first, last;
+    Entries::const_iterator begin() const { return first; }
+    Entries::const_iterator end() const { return last; }
+  };
+
   explicit ShapeIndex(const std::vector<TensorShape>& tensors) {
-    for (const auto& t : tensors) shapes.emplace(t.name, t.shape);
+    sorted_.reserve(tensors.size());
+    for (const auto& t : tensors) sorted_.push_back(&t);
+    const auto by_name = [](const TensorShape* a, const TensorShape* b) { return a->name < b->name; };
+    if (!std::is_sorted(sorted_.begin(), sorted_.end(), by_name))  // most files list their tensors in order
+      std::stable_sort(sorted_.begin(), sorted_.end(), by_name);
+    const auto same_name = [](const TensorShape* a, const TensorShape* b) { return a->name == b->name; };
+    sorted_.erase(std::unique(sorted_.begin(), sorted_.end(), same_name), sorted_.end());
   }
-  bool has(const std::string& key) const { return shapes.count(key) > 0; }
+  bool empty() const { return sorted_.empty(); }
+  Entries::const_iterator begin() const { return sorted_.begin(); }
+  Entries::const_iterator end() const { return sorted_.end(); }
+
+  // The shape of tensor `key`, or null.
+  const std::vector<int64_t>* find(const std::string& key) const {
+    const auto it = lower_bound(key);
+    return it != sorted_.end() && (*it)->name == key ? &(*it)->shape : nullptr;
+  }
+  bool has(const std::string& key) const { return find(key) != nullptr; }
+  const std::vector<int64_t>& at(const std::string& key) const {
+    if (const auto* shape = find(key)) return *shape;
+    throw Error("no tensor '" + key + "'");
+  }
+  // The tensors whose names start with `prefix`, in name order.
+  Range with_prefix(const std::string& prefix) const {
+    const auto first = lower_bound(prefix);
+    const auto last = std::partition_point(first, sorted_.end(),
+                                           [&](const TensorShape* t) { return starts_with(t->name, prefix); });
+    return {first, last};
+  }
   std::string first_with_prefix(const std::string& prefix) const {
-    auto it = shapes.lower_bound(prefix);
-    return it != shapes.end() && starts_with(it->first, prefix) ? it->first : std::string();
+    const auto range = with_prefix(prefix);
+    return range.first != range.last ? (*range.first)->name : std::string();
   }
   bool any_prefix(const std::string& prefix) const { return !first_with_prefix(prefix).empty(); }
-  std::map<std::string, std::vector<int64_t>> shapes;
+
+ private:
+  Entries::const_iterator lower_bound(const std::string& key) const {
+    return std::lower_bound(sorted_.begin(), sorted_.end(), key,
+                            [](const TensorShape* t, const std::string& k) { return t->name < k; });
+  }
+  Entries sorted_;
 };
 
 std::string family_guess(int64_t context_dim, bool label_emb) {
@@ -141,16 +186,15 @@ SingleFileLayout detect_single_file(const SafetensorsArchive& archive) {
 
 SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, const std::string& what) {
   const ShapeIndex index(tensors);
-  const auto& shapes = index.shapes;
   const auto any_contains = [&](const std::string& part) {
-    for (const auto& kv : shapes)
-      if (kv.first.find(part) != std::string::npos) return kv.first;
+    for (const TensorShape* t : index)
+      if (t->name.find(part) != std::string::npos) return t->name;
     return std::string();
   };
   const std::string supported = "; only Stable Diffusion 1.x, 2.x and SDXL base single files are supported";
   const auto unsupported = [&](const std::string& found) { throw Error(what + ": " + found + supported); };
 
-  if (shapes.empty()) throw Error(what + ": holds no tensors, so it is no Stable Diffusion checkpoint");
+  if (index.empty()) throw Error(what + ": holds no tensors, so it is no Stable Diffusion checkpoint");
 
   // Other architectures, recognised by their distinctive keys.
   // SD3 files load through the SD3 pipeline (detect_sd3_single_file); reaching here means a caller
@@ -191,16 +235,16 @@ SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, con
       found = "a diffusers-layout state dict (conv_in, down_blocks.*): load its diffusers folder instead";
     else
       found = "none of model.diffusion_model.*, first_stage_model.*, cond_stage_model.* or conditioner.* (first key '" +
-              shapes.begin()->first + "')";
+              (*index.begin())->name + "')";
     throw Error(what + ": not a Stable Diffusion single-file checkpoint: " + found);
   }
 
   // The UNet's shape facts.
   const bool label_emb = index.has(unet + "label_emb.0.0.weight");
   int64_t context_dim = 0;
-  for (auto it = shapes.lower_bound(unet); it != shapes.end() && starts_with(it->first, unet); ++it)
-    if (ends_with(it->first, ".attn2.to_k.weight") && it->second.size() == 2) {
-      context_dim = it->second[1];
+  for (const TensorShape* t : index.with_prefix(unet))
+    if (ends_with(t->name, ".attn2.to_k.weight") && t->shape.size() == 2) {
+      context_dim = t->shape[1];
       break;
     }
 
@@ -232,7 +276,7 @@ SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, con
   }
 
   // UNet variants of the same families that this engine does not run.
-  const auto& conv_in = shapes.at(unet + "input_blocks.0.0.weight");
+  const auto& conv_in = index.at(unet + "input_blocks.0.0.weight");
   const int64_t in_channels = conv_in.size() == 4 ? conv_in[1] : -1;
   if (index.has(unet + "label_emb.weight")) unsupported("an x4 upscaler UNet (label_emb.weight: noise-level classes)");
   if (in_channels == 9) unsupported("an inpainting " + family_text + " UNet (9 input channels)");
@@ -247,7 +291,7 @@ SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, con
   if (context_dim == 0) throw Error(what + ": the UNet has no cross-attention (no *.attn2.to_k.weight)");
 
   // The text encoders must produce what the UNet attends to.
-  const auto width = [&](const std::string& key) { return shapes.at(key).size() == 2 ? shapes.at(key)[1] : -1; };
+  const auto width = [&](const std::string& key) { return index.at(key).size() == 2 ? index.at(key)[1] : -1; };
   int64_t text_width = 0;
   switch (layout.family) {
     case SingleFileFamily::SD1:
@@ -275,7 +319,7 @@ SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, con
   const std::string open_clip =
       layout.text_encoder_open_clip ? layout.text_encoder_prefix : layout.text_encoder_2_prefix;
   if (!open_clip.empty()) {
-    layout.open_clip_blocks = static_cast<int64_t>(indices(shapes, open_clip + "transformer.resblocks.").size());
+    layout.open_clip_blocks = static_cast<int64_t>(indices(index.with_prefix(open_clip + "transformer.resblocks."), open_clip + "transformer.resblocks.").size());
     if (layout.open_clip_blocks == 0)
       throw Error(what + ": the OpenCLIP text encoder at " + open_clip + " has no transformer.resblocks.*");
   }
@@ -530,12 +574,9 @@ const char* kClipL = "text_encoders.clip_l.transformer.";
 const char* kClipG = "text_encoders.clip_g.transformer.";
 const char* kT5 = "text_encoders.t5xxl.transformer.";
 
-std::string sd3_transformer_prefix(const std::map<std::string, std::vector<int64_t>>& shapes) {
-  for (const std::string prefix : {"model.diffusion_model.", ""}) {
-    const std::string head = prefix + "joint_blocks.";
-    auto it = shapes.lower_bound(head);
-    if (it != shapes.end() && starts_with(it->first, head)) return prefix;
-  }
+std::string sd3_transformer_prefix(const ShapeIndex& index) {
+  for (const std::string prefix : {"model.diffusion_model.", ""})
+    if (index.any_prefix(prefix + "joint_blocks.")) return prefix;
   return "-";
 }
 
@@ -549,24 +590,22 @@ bool is_sd3_single_file(const std::vector<TensorShape>& tensors) {
 
 SD3SingleFileLayout detect_sd3_single_file(const std::vector<TensorShape>& tensors, const std::string& what) {
   const ShapeIndex index(tensors);
-  const auto& shapes = index.shapes;
   SD3SingleFileLayout l;
-  l.transformer_prefix = sd3_transformer_prefix(shapes);
+  l.transformer_prefix = sd3_transformer_prefix(index);
   if (l.transformer_prefix == "-")
     throw Error(what + ": not an SD3 / SD3.5 checkpoint: no MMDiT (model.diffusion_model.joint_blocks.*)");
   const std::string& tp = l.transformer_prefix;
   const std::string mmdit = "the MMDiT (" + tp + "*)";
   const auto need = [&](const std::string& key, std::size_t rank) -> const std::vector<int64_t>& {
-    auto it = shapes.find(tp + key);
-    if (it == shapes.end())
-      throw Error(what + ": " + mmdit + " lacks '" + tp + key + "' (a truncated or partial SD3 checkpoint?)");
-    if (it->second.size() != rank)
-      throw Error(what + ": " + mmdit + ": '" + tp + key + "' has shape " + shape_str(it->second) + ", expected " +
+    const auto* shape = index.find(tp + key);
+    if (!shape) throw Error(what + ": " + mmdit + " lacks '" + tp + key + "' (a truncated or partial SD3 checkpoint?)");
+    if (shape->size() != rank)
+      throw Error(what + ": " + mmdit + ": '" + tp + key + "' has shape " + shape_str(*shape) + ", expected " +
                   std::to_string(rank) + " dimensions");
-    return it->second;
+    return *shape;
   };
   const auto bad_shape = [&](const std::string& key, const std::string& expected) {
-    throw Error(what + ": " + mmdit + ": '" + tp + key + "' has shape " + shape_str(shapes.at(tp + key)) +
+    throw Error(what + ": " + mmdit + ": '" + tp + key + "' has shape " + shape_str(index.at(tp + key)) +
                 ", expected " + expected + " (a damaged file or mixed-up components?)");
   };
 
@@ -593,7 +632,7 @@ SD3SingleFileLayout detect_sd3_single_file(const std::vector<TensorShape>& tenso
   if (final_mod[0] != 2 * l.hidden_size)
     bad_shape("final_layer.adaLN_modulation.1.weight", "[" + std::to_string(2 * l.hidden_size) + ", D]");
 
-  const auto blocks = indices(shapes, tp + "joint_blocks.");
+  const auto blocks = indices(index.with_prefix(tp + "joint_blocks."), tp + "joint_blocks.");
   l.depth = static_cast<int64_t>(blocks.size());
   if (l.depth == 0 || *blocks.rbegin() != l.depth - 1)
     throw Error(what + ": " + mmdit + ": joint_blocks are not numbered 0.." + std::to_string(l.depth - 1) +
@@ -626,7 +665,7 @@ SD3SingleFileLayout detect_sd3_single_file(const std::vector<TensorShape>& tenso
   const std::string vae = "first_stage_model.";
   if (index.has(vae + "encoder.conv_in.weight") && index.has(vae + "decoder.conv_in.weight")) {
     l.vae_prefix = vae;
-    const auto& dec = shapes.at(vae + "decoder.conv_in.weight");  // [C, latent, 3, 3]
+    const auto& dec = index.at(vae + "decoder.conv_in.weight");  // [C, latent, 3, 3]
     if (dec.size() != 4 || dec[1] != l.in_channels)
       throw Error(what + ": the VAE (" + vae + "*) decodes " + (dec.size() == 4 ? std::to_string(dec[1]) : "?") +
                   " latent channels, the MMDiT makes " + std::to_string(l.in_channels) + " (mixed-up components?)");
@@ -642,7 +681,7 @@ SD3SingleFileLayout detect_sd3_single_file(const std::vector<TensorShape>& tenso
     const std::string token = prefix + "text_model.embeddings.token_embedding.weight";
     if (index.has(token)) {
       *slot = prefix;
-      if (shapes.at(token).size() == 2) clip_width += shapes.at(token)[1];
+      if (index.at(token).size() == 2) clip_width += index.at(token)[1];
     } else if (index.any_prefix(prefix)) {
       throw Error(what + ": the " + std::string(name) + " text encoder (" + prefix + "*) lacks '" + token +
                   "' (a truncated file?)");
@@ -654,8 +693,8 @@ SD3SingleFileLayout detect_sd3_single_file(const std::vector<TensorShape>& tenso
                 " (mixed-up components?)");
   if (index.has(std::string(kT5) + "shared.weight") || index.has(std::string(kT5) + "encoder.embed_tokens.weight")) {
     l.t5_prefix = kT5;
-    const auto& emb = index.has(std::string(kT5) + "shared.weight") ? shapes.at(std::string(kT5) + "shared.weight")
-                                                                : shapes.at(std::string(kT5) + "encoder.embed_tokens.weight");
+    const auto& emb = index.has(std::string(kT5) + "shared.weight") ? index.at(std::string(kT5) + "shared.weight")
+                                                                : index.at(std::string(kT5) + "encoder.embed_tokens.weight");
     if (emb.size() == 2 && emb[1] != l.joint_attention_dim)
       throw Error(what + ": the T5 text encoder (" + std::string(kT5) + "*) gives " + std::to_string(emb[1]) +
                   " features; the MMDiT's context width is " + std::to_string(l.joint_attention_dim) +
@@ -789,22 +828,21 @@ bool flux_activation_scale_key(const std::string& key) {
 }  // namespace
 
 bool is_flux_single_file(const std::vector<TensorShape>& tensors) {
+  std::vector<std::string> heads;
+  for (const char* prefix : kFluxPrefixes) heads.push_back(std::string(prefix) + "double_blocks.");
   for (const auto& t : tensors)
-    for (const char* prefix : kFluxPrefixes)
-      if (starts_with(t.name, std::string(prefix) + "double_blocks.") && t.name.find(".img_attn.") != std::string::npos)
-        return true;
+    for (const auto& head : heads)
+      if (starts_with(t.name, head) && t.name.find(".img_attn.") != std::string::npos) return true;
   return false;
 }
 
 FluxSingleFileLayout detect_flux_single_file(const std::vector<TensorShape>& tensors, const std::string& what) {
-  std::map<std::string, const TensorShape*> by_name;
-  for (const auto& t : tensors) by_name.emplace(t.name, &t);
+  const ShapeIndex index(tensors);
   FluxSingleFileLayout l;
   bool found = false;
   for (const char* prefix : kFluxPrefixes) {
-    const std::string head = std::string(prefix) + "double_blocks.";
-    for (auto it = by_name.lower_bound(head); it != by_name.end() && starts_with(it->first, head); ++it)
-      if (it->first.find(".img_attn.") != std::string::npos) found = true;
+    for (const TensorShape* t : index.with_prefix(std::string(prefix) + "double_blocks."))
+      if (t->name.find(".img_attn.") != std::string::npos) found = true;
     if (found) {
       l.transformer_prefix = prefix;
       break;
@@ -813,15 +851,15 @@ FluxSingleFileLayout detect_flux_single_file(const std::vector<TensorShape>& ten
   if (!found) throw Error(what + ": no FLUX transformer tensors (double_blocks.N.img_attn.*)");
   const std::string& p = l.transformer_prefix;
   const std::string where = what + " (transformer at " + (p.empty() ? std::string("the top level") : p + "*") + ")";
-  if (by_name.count(p + "double_stream_modulation_img.lin.weight") || by_name.count(p + "single_stream_modulation.lin.weight"))
+  if (index.has(p + "double_stream_modulation_img.lin.weight") || index.has(p + "single_stream_modulation.lin.weight"))
     throw Error(where + ": a FLUX.2 transformer (shared stream modulations), which Diffract does not run; it runs FLUX.1");
   const auto shape = [&](const std::string& key, std::size_t rank) -> const std::vector<int64_t>& {
-    const auto it = by_name.find(p + key);
-    if (it == by_name.end()) throw Error(where + ": incomplete FLUX.1 transformer: no tensor '" + p + key + "'");
-    if (it->second->shape.size() != rank)
-      throw Error(where + ": '" + p + key + "' is " + shape_str(it->second->shape) + ", expected " + std::to_string(rank) +
+    const auto* found_shape = index.find(p + key);
+    if (!found_shape) throw Error(where + ": incomplete FLUX.1 transformer: no tensor '" + p + key + "'");
+    if (found_shape->size() != rank)
+      throw Error(where + ": '" + p + key + "' is " + shape_str(*found_shape) + ", expected " + std::to_string(rank) +
                   " dimensions");
-    return it->second->shape;
+    return *found_shape;
   };
   const auto expect = [&](const std::string& key, const std::vector<int64_t>& want) {
     const auto& got = shape(key, want.size());
@@ -841,7 +879,7 @@ FluxSingleFileLayout detect_flux_single_file(const std::vector<TensorShape>& ten
   expect("time_in.out_layer.weight", {d, d});
   expect("vector_in.out_layer.weight", {d, d});
   shape("time_in.in_layer.weight", 2);
-  l.guidance = by_name.count(p + "guidance_in.in_layer.weight") > 0;
+  l.guidance = index.has(p + "guidance_in.in_layer.weight");
   if (l.guidance) expect("guidance_in.out_layer.weight", {d, d});
   const auto& final_linear = shape("final_layer.linear.weight", 2);
   expect("final_layer.adaLN_modulation.1.weight", {2 * d, d});
@@ -852,11 +890,7 @@ FluxSingleFileLayout detect_flux_single_file(const std::vector<TensorShape>& ten
                 "Diffract does not run yet; it runs text-to-image FLUX.1 (dev, schnell and their fine-tunes)");
 
   const auto numbered = [&](const std::string& head) {
-    std::set<int64_t> ids;
-    int64_t n = 0;
-    std::string rest;
-    for (auto it = by_name.lower_bound(p + head); it != by_name.end() && starts_with(it->first, p + head); ++it)
-      if (take_index(it->first.substr(p.size()), head, n, rest)) ids.insert(n);
+    const auto ids = indices(index.with_prefix(p + head), p + head);
     if (!ids.empty() && (*ids.begin() != 0 || *ids.rbegin() != static_cast<int64_t>(ids.size()) - 1))
       throw Error(where + ": " + head + "N are not numbered 0.." + std::to_string(ids.size() - 1) + " (found up to " +
                   std::to_string(*ids.rbegin()) + ")");
@@ -899,11 +933,10 @@ FluxSingleFileLayout detect_flux_single_file(const std::vector<TensorShape>& ten
     if (flux_scale_key(t.name)) l.fp8_scaled = true;
   }
 
-  const auto has = [&](const std::string& key) { return by_name.count(key) > 0; };
   for (const std::string vae : {"vae.", "first_stage_model."})
-    if (has(vae + "decoder.conv_in.weight")) {
+    if (index.has(vae + "decoder.conv_in.weight")) {
       l.vae_prefix = vae;
-      const auto& conv_in = by_name.at(vae + "decoder.conv_in.weight")->shape;
+      const auto& conv_in = index.at(vae + "decoder.conv_in.weight");
       if (conv_in.size() != 4)
         throw Error(what + ": '" + vae + "decoder.conv_in.weight' is " + shape_str(conv_in) + ", not a convolution");
       const int64_t z = conv_in[1];
@@ -912,9 +945,9 @@ FluxSingleFileLayout detect_flux_single_file(const std::vector<TensorShape>& ten
                     std::to_string(l.in_channels) + " (4 x the latent channels, packed 2x2)");
       break;
     }
-  if (has("text_encoders.clip_l.transformer.text_model.embeddings.token_embedding.weight"))
+  if (index.has("text_encoders.clip_l.transformer.text_model.embeddings.token_embedding.weight"))
     l.clip_l_prefix = "text_encoders.clip_l.transformer.";
-  if (has("text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight"))
+  if (index.has("text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight"))
     l.t5_prefix = "text_encoders.t5xxl.transformer.";
   const bool full = d == 3072 && l.head_dim == 128 && l.double_blocks == 19 && l.single_blocks == 38 &&
                     l.in_channels == 64 && l.joint_attention_dim == 4096 && l.pooled_projection_dim == 768;
