@@ -148,7 +148,9 @@ thread_local std::int64_t t_unprepared = 0;
 void note_unprepared_in_capture() { ++t_unprepared; }
 
 #ifdef DIFFRACT_HAS_CUDA
-std::unique_ptr<at::cuda::CUDAGraph> capture_warmed_up(const std::function<void()>& f, CaptureStats& stats) {
+namespace {
+
+std::unique_ptr<at::cuda::CUDAGraph> capture_on_current_stream(const std::function<void()>& f, CaptureStats& stats) {
   using clock = std::chrono::steady_clock;
   const auto ms_since = [](clock::time_point t) {
     return std::chrono::duration<double, std::milli>(clock::now() - t).count();
@@ -186,6 +188,30 @@ std::unique_ptr<at::cuda::CUDAGraph> capture_warmed_up(const std::function<void(
   warm_up(2);
   return capture();
 }
+
+}  // namespace
+
+std::unique_ptr<at::cuda::CUDAGraph> capture_warmed_up(c10::DeviceIndex device, const std::function<void()>& f,
+                                                       CaptureStats& stats) {
+  const auto t0 = std::chrono::steady_clock::now();
+  c10::cuda::CUDAGuard device_guard(device);
+  const auto current = c10::cuda::getCurrentCUDAStream(device);
+  const auto capture = kept_stream(device, KeptStream::Capture);
+  at::cuda::CUDAEvent behind;
+  behind.record(current);
+  behind.block(capture);
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+  {
+    c10::cuda::CUDAStreamGuard stream_guard(capture);
+    graph = capture_on_current_stream(f, stats);
+  }
+  at::cuda::CUDAEvent captured;
+  captured.record(capture);
+  captured.block(current);
+  current.synchronize();
+  stats.total_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return graph;
+}
 #endif
 
 void GraphCache::clear() {
@@ -214,10 +240,7 @@ std::vector<at::Tensor> GraphCache::run(const std::vector<std::int64_t>& tag, co
       return e.tag == key_tag && e.sizes == sizes && e.dtypes == dtypes && e.device == device;
     });
     if (it == entries.end()) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const auto index = device.index();
       c10::cuda::CUDAGuard device_guard(device);
-      const auto current = c10::cuda::getCurrentCUDAStream(index);
       while (!entries.empty() && static_cast<int>(entries.size()) >= max_graphs_) cache_->drop_last();
       Cache::Entry e;
       e.tag = key_tag;
@@ -227,19 +250,7 @@ std::vector<at::Tensor> GraphCache::run(const std::vector<std::int64_t>& tag, co
       // On the caller's stream, where the replays read them.
       for (const auto& t : inputs)
         e.inputs.push_back(layout && t.dim() == 4 ? t.clone(*layout) : t.clone());
-      // Captures need a stream other than the legacy default one; the caller's may be either.
-      auto capture = kept_stream(index, KeptStream::Capture);  // captures need a stream other than the legacy default
-      at::cuda::CUDAEvent behind;
-      behind.record(current);
-      behind.block(capture);
-      {
-        c10::cuda::CUDAStreamGuard stream_guard(capture);
-        // Thread-local capture: other threads (ranks) keep launching work on their own devices.
-        e.graph = capture_warmed_up([&] { e.outputs = f(e.inputs); }, cache_->last_capture);
-      }
-      at::cuda::CUDAEvent captured;
-      captured.record(capture);
-      captured.block(current);
+      e.graph = capture_warmed_up(device.index(), [&] { e.outputs = f(e.inputs); }, cache_->last_capture);
       for (std::size_t o = 0; o < e.outputs.size(); ++o) {
         int same = -1;
         for (std::size_t i = 0; i < e.inputs.size() && same == -1; ++i)
@@ -250,8 +261,6 @@ std::vector<at::Tensor> GraphCache::run(const std::vector<std::int64_t>& tag, co
       }
       entries.push_front(std::move(e));
       it = entries.begin();
-      current.synchronize();
-      cache_->last_capture.total_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     } else if (it != entries.begin()) {
       entries.splice(entries.begin(), entries, it);
       it = entries.begin();

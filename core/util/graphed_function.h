@@ -52,12 +52,16 @@ struct CaptureStats {
 };
 
 #ifdef DIFFRACT_HAS_CUDA
-// `f` (which runs the function and keeps its outputs) captured into a new graph on the current
-// stream, which must be a capture stream: graph_warmups() eager calls of f first; with "auto"
-// none, and where that capture met unprepared work (note_unprepared_in_capture) or threw, the
-// graph is discarded and f captured again after two eager calls. A size whose tuning choices are
-// all known (the tuning store) is captured with no eager call.
-std::unique_ptr<at::cuda::CUDAGraph> capture_warmed_up(const std::function<void()>& f, CaptureStats& stats);
+// `f` (which runs the function and keeps its outputs) captured into a new graph: graph_warmups()
+// eager calls of f first; with "auto" none, and where that capture met unprepared work
+// (note_unprepared_in_capture) or threw, the graph is discarded and f captured again after two
+// eager calls. A size whose tuning choices are all known (the tuning store) is captured with no
+// eager call. The calls and the capture run on the device's kept capture stream (captures need a
+// stream other than the legacy default one, which the caller's may be), after the work queued on
+// the device's current stream; that stream then waits for them, and this returns once the device
+// has caught up. Thread-local capture: other threads (ranks) keep launching work on their devices.
+std::unique_ptr<at::cuda::CUDAGraph> capture_warmed_up(c10::DeviceIndex device, const std::function<void()>& f,
+                                                       CaptureStats& stats);
 #endif
 
 class GraphCache {

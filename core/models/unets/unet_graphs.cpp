@@ -1,6 +1,5 @@
 #include "core/models/unets/unet_graphs.h"
 
-#include <chrono>
 #include <cstdlib>
 #include <list>
 #include <string>
@@ -9,14 +8,12 @@
 #include <ATen/ATen.h>
 
 #ifdef DIFFRACT_HAS_CUDA
-#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
 #include "core/models/common/patch_parallel.h"
-#include "core/util/device_work.h"
 #include "core/util/options.h"
 
 namespace diffract::models {
@@ -103,7 +100,6 @@ at::Tensor UNetGraphRunner::forward(const at::Tensor& sample, const at::Tensor& 
     const Key key = key_of(sample, cond);
     auto it = std::find_if(entries.begin(), entries.end(), [&](const Cache::Entry& e) { return e.key == key; });
     if (it == entries.end()) {
-      const auto t0 = std::chrono::steady_clock::now();
       const auto index = sample.device().index();
       c10::cuda::CUDAGuard device_guard(sample.device());
       if (static_cast<int>(entries.size()) >= options_.max_graphs) {
@@ -120,23 +116,9 @@ at::Tensor UNetGraphRunner::forward(const at::Tensor& sample, const at::Tensor& 
       if (cond.time_ids.defined()) e.cond.time_ids = cond.time_ids.clone();
       for (const auto& r : cond.down_residuals) e.cond.down_residuals.push_back(r.clone());
       if (cond.mid_residual.defined()) e.cond.mid_residual = cond.mid_residual.clone();
-      const auto main = c10::cuda::getCurrentCUDAStream(index);
-      auto side = kept_stream(index, KeptStream::Capture);
-      at::cuda::CUDAEvent behind;
-      behind.record(main);
-      behind.block(side);
-      {
-        c10::cuda::CUDAStreamGuard stream_guard(side);
-        // Thread-local capture: other ranks' threads keep launching work on their own devices.
-        e.graph = capture_warmed_up([&] { e.out = unet_->forward(e.x, e.t, e.cond); }, cache_->last_capture);
-      }
-      at::cuda::CUDAEvent captured;
-      captured.record(side);
-      captured.block(main);
+      e.graph = capture_warmed_up(index, [&] { e.out = unet_->forward(e.x, e.t, e.cond); }, cache_->last_capture);
       entries.push_front(std::move(e));
       it = entries.begin();
-      main.synchronize();
-      cache_->last_capture.total_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     } else if (it != entries.begin()) {
       entries.splice(entries.begin(), entries, it);
       it = entries.begin();
