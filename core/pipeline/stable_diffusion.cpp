@@ -561,7 +561,7 @@ std::string StableDiffusion::profile_unet_step(int size, int rows, int reps) {
     models::set_fused_group_norm(fused_group_norm);
     p.runner->clear();
     p.runner->forward(x, t, cond);
-    j[std::string(name) + "_capture_ms"] = p.runner->last_capture_ms();
+    j[std::string(name) + "_capture_ms"] = p.runner->last_capture().total_ms;
     j[std::string(name) + "_ms"] = time_ms([&] { p.runner->forward(x, t, cond); });
   };
   p.runner->set_channels_last(false);
@@ -862,7 +862,7 @@ void StableDiffusion::add_metadata(const JobContext& job, nlohmann::json& meta) 
   if (meta.contains("strategy") && !p.tiny_vae) meta["vae_decode_devices"] = p.last_decode_ranks;
   if (p.device.is_cuda())
     meta["unet_graphs"] = {{"graphs", p.runner->graphs()},
-                           {"last_capture_ms", p.runner->last_capture_ms()},
+                           {"last_capture_ms", p.runner->last_capture().total_ms},
                            {"last_capture", capture_json(p.runner->last_capture())},
                            {"stage_graphs", p.runner->stage_graphs()},
                            {"replicas_ms", p.replica_ms},

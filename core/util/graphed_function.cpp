@@ -25,7 +25,6 @@
 namespace diffract {
 
 struct GraphCache::Cache {
-  CaptureStats last_capture;
 #ifdef DIFFRACT_HAS_CUDA
   struct Entry {
     std::vector<std::int64_t> tag;
@@ -68,7 +67,6 @@ int GraphCache::graphs() const {
 #endif
 }
 
-double GraphCache::last_capture_ms() const { return cache_->last_capture.total_ms; }
 
 void GraphCache::set_max_graphs(int n) {
   max_graphs_ = n;
@@ -250,7 +248,8 @@ std::vector<at::Tensor> GraphCache::run(const std::vector<std::int64_t>& tag, co
       // On the caller's stream, where the replays read them.
       for (const auto& t : inputs)
         e.inputs.push_back(layout && t.dim() == 4 ? t.clone(*layout) : t.clone());
-      e.graph = capture_warmed_up(device.index(), [&] { e.outputs = f(e.inputs); }, cache_->last_capture);
+      CaptureStats stats;
+      e.graph = capture_warmed_up(device.index(), [&] { e.outputs = f(e.inputs); }, stats);
       for (std::size_t o = 0; o < e.outputs.size(); ++o) {
         int same = -1;
         for (std::size_t i = 0; i < e.inputs.size() && same == -1; ++i)

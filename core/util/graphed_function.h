@@ -89,7 +89,6 @@ class GraphCache {
   int graphs() const;
   int max_graphs() const { return max_graphs_; }
   void set_max_graphs(int n);      // drops the least recently used graphs above n
-  double last_capture_ms() const;  // the last capture's wall time (warm-up calls included); 0 before
   void clear();                    // drops every graph and its memory
 
  private:

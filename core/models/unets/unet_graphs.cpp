@@ -71,7 +71,6 @@ int UNetGraphRunner::graphs() const {
 #endif
 }
 
-double UNetGraphRunner::last_capture_ms() const { return cache_->last_capture.total_ms; }
 CaptureStats UNetGraphRunner::last_capture() const { return cache_->last_capture; }
 
 int UNetGraphRunner::stage_graphs() const { return stages_.graphs(); }

@@ -82,8 +82,7 @@ class UNetGraphRunner {
   void set_channels_last(bool on);
   int graphs() const;               // forward()'s graphs
   int stage_graphs() const;         // the stage calls' graphs
-  double last_capture_ms() const;   // forward()'s last capture; 0 until a capture happened
-  CaptureStats last_capture() const;  // its warm-ups and capture
+  CaptureStats last_capture() const;  // forward()'s last capture (all 0 until one happened)
   void set_stage_graphs(bool on);   // off: the stage calls run eagerly (drops their graphs)
   void clear();                     // drops every graph (forward()'s and the stages') and its memory
 
