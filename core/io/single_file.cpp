@@ -143,6 +143,11 @@ class ShapeIndex {
   Entries sorted_;
 };
 
+// The distinct N of the index's names "head.N.*", ascending.
+std::set<int64_t> indices(const ShapeIndex& index, const std::string& head) {
+  return indices(index.with_prefix(head), head);
+}
+
 std::string family_guess(int64_t context_dim, bool label_emb) {
   if (label_emb || context_dim == 2048) return "SDXL-like";
   if (context_dim == 768) return "SD 1.x-like";
@@ -319,7 +324,7 @@ SingleFileLayout detect_single_file(const std::vector<TensorShape>& tensors, con
   const std::string open_clip =
       layout.text_encoder_open_clip ? layout.text_encoder_prefix : layout.text_encoder_2_prefix;
   if (!open_clip.empty()) {
-    layout.open_clip_blocks = static_cast<int64_t>(indices(index.with_prefix(open_clip + "transformer.resblocks."), open_clip + "transformer.resblocks.").size());
+    layout.open_clip_blocks = static_cast<int64_t>(indices(index, open_clip + "transformer.resblocks.").size());
     if (layout.open_clip_blocks == 0)
       throw Error(what + ": the OpenCLIP text encoder at " + open_clip + " has no transformer.resblocks.*");
   }
@@ -632,7 +637,7 @@ SD3SingleFileLayout detect_sd3_single_file(const std::vector<TensorShape>& tenso
   if (final_mod[0] != 2 * l.hidden_size)
     bad_shape("final_layer.adaLN_modulation.1.weight", "[" + std::to_string(2 * l.hidden_size) + ", D]");
 
-  const auto blocks = indices(index.with_prefix(tp + "joint_blocks."), tp + "joint_blocks.");
+  const auto blocks = indices(index, tp + "joint_blocks.");
   l.depth = static_cast<int64_t>(blocks.size());
   if (l.depth == 0 || *blocks.rbegin() != l.depth - 1)
     throw Error(what + ": " + mmdit + ": joint_blocks are not numbered 0.." + std::to_string(l.depth - 1) +
@@ -890,7 +895,7 @@ FluxSingleFileLayout detect_flux_single_file(const std::vector<TensorShape>& ten
                 "Diffract does not run yet; it runs text-to-image FLUX.1 (dev, schnell and their fine-tunes)");
 
   const auto numbered = [&](const std::string& head) {
-    const auto ids = indices(index.with_prefix(p + head), p + head);
+    const auto ids = indices(index, p + head);
     if (!ids.empty() && (*ids.begin() != 0 || *ids.rbegin() != static_cast<int64_t>(ids.size()) - 1))
       throw Error(where + ": " + head + "N are not numbered 0.." + std::to_string(ids.size() - 1) + " (found up to " +
                   std::to_string(*ids.rbegin()) + ")");
