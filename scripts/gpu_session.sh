@@ -29,7 +29,8 @@
 #           a comma-separated set of settings of its own (several variables A/B'd in one call);
 #           AB_OPS=N lists each step's N largest kernels by the ATen op that launched them,
 #           AB_STRATEGIES adds strategy runs.
-#   pair    two GPUs: the 2-GPU checks, then the SDXL strategy bench (PAIR_STRATEGIES) and SD3's
+#   pair    two GPUs: every 2-GPU check (NCCL, the strategies, cancel mid-job, a failing device,
+#           out of memory on a rank), then the SDXL strategy bench (PAIR_STRATEGIES) and SD3's
 #           (SD3_STRATEGIES; empty skips it) against our one GPU in the same run.
 #   wide    four or eight GPUs: the link map, the checks over all GPUs, then the SDXL strategies
 #           (WIDE_STRATEGIES), a batch of 8 data-parallel, SD3's strategies and SDXL 2048².
@@ -432,7 +433,8 @@ pair)
   # The VAE decode overlapped over both GPUs and DRiffusion without its paired rounds, each
   # beside the default in the same run.
   if [ -z "${SKIP_CHECKS:-}" ]; then
-    checks checks_pair "gpu_nccl|gpu_strategies|gpu_parallel_vae|gpu_sd3" 150 "rel-L2|rounds|paired|overlapped|decode"
+    checks checks_pair "gpu_(nccl|strategies|parallel_vae|sd3|cancel|failure|cfg_pipefusion|oom_parallel)$" 150 \
+      "rel-L2|rounds|paired|overlapped|decode|out of memory|cancelled"
   fi
   o=@DIFFRACT_PARALLEL_VAE=overlap
   sd3="${SD3_STRATEGIES-cfg-parallel,pipefusion:2}"
