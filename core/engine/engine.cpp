@@ -280,8 +280,9 @@ struct Engine::Impl {
           auto result = run_lanes(request, *q.lanes, q.enabled_gpus, q.lane_observer, job->token());
           if (q.lane_end.on_done) q.lane_end.on_done(result);
         } catch (const std::exception& e) {
-          log::get("engine").error(message_of(e));
-          if (q.lane_end.on_error) q.lane_end.on_error(message_of(e));
+          const auto message = message_of(e);
+          log::get("engine").error(message);
+          if (q.lane_end.on_error) q.lane_end.on_error(message);
         }
         std::lock_guard lock(mutex);
         running.reset();
@@ -304,8 +305,9 @@ struct Engine::Impl {
         if (observer.on_cancelled) observer.on_cancelled();
       } catch (const std::exception& e) {
         // Other LibTorch errors arrive here too, told without their backtrace; the engine stays usable.
-        log::get("engine").error(message_of(e));
-        if (observer.on_error) observer.on_error(message_of(e));
+        const auto message = message_of(e);
+        log::get("engine").error(message);
+        if (observer.on_error) observer.on_error(message);
       }
       std::lock_guard lock(mutex);
       running.reset();
