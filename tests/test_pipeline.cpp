@@ -27,6 +27,15 @@ namespace {
 constexpr int kMaxLevels = 1;
 constexpr double kMaxMeanLevels = 0.05;
 
+// A job on a fixture's model (the tiny SD folder unless named), the rest left at the defaults.
+job::GenerationRequest fixture_request(const std::string& prompt, int steps, const std::string& model = "tiny-sd") {
+  job::GenerationRequest r;
+  r.model = (test::fixtures() / model).string();
+  r.prompt = prompt;
+  r.steps = steps;
+  return r;
+}
+
 job::GenerationRequest request_for(const nlohmann::json& c, const std::string& model) {
   job::GenerationRequest r;
   r.model = (test::fixtures() / model).string();
@@ -114,10 +123,7 @@ class TestPipeline : public QObject {
   }
 
   void streamsEventsAndPreviews() {
-    job::GenerationRequest r;
-    r.model = (test::fixtures() / "tiny-sd").string();
-    r.prompt = "a cat";
-    r.steps = 4;
+    auto r = fixture_request("a cat", 4);
     r.width = r.height = 64;
     r.preview_every = 2;
     std::vector<int> steps, previews;
@@ -140,11 +146,8 @@ class TestPipeline : public QObject {
   }
 
   void previewsThroughTAESD() {
-    job::GenerationRequest r;
-    r.model = (test::fixtures() / "tiny-sd").string();
+    auto r = fixture_request("a cat", 2);
     r.taesd = (test::fixtures() / "vae" / "tiny4").string();  // a 4-channel AutoencoderTiny from the VAE oracle
-    r.prompt = "a cat";
-    r.steps = 2;
     r.width = 64;
     r.height = 48;
     r.preview_max_side = 0;  // full size
@@ -179,10 +182,7 @@ class TestPipeline : public QObject {
   }
 
   void cancelsPromptlyAndStaysUsable() {
-    job::GenerationRequest r;
-    r.model = (test::fixtures() / "tiny-sd").string();
-    r.prompt = "a cat";
-    r.steps = 50;
+    auto r = fixture_request("a cat", 50);
     r.width = r.height = 64;
     r.preview_every = 0;
     job::CancelToken token;
@@ -260,10 +260,7 @@ class TestPipeline : public QObject {
   // the decode, or after the end): every job ends, cancelled or done, none fails, the engine
   // runs the next, and the process's memory stays where it was after the first 20.
   void cancelAtAnyMomentTwoHundredTimes() {
-    job::GenerationRequest r;
-    r.model = (test::fixtures() / "tiny-sd").string();
-    r.prompt = "a red apple";
-    r.steps = 4;
+    auto r = fixture_request("a red apple", 4);
     r.width = r.height = 32;
     r.preview_every = 1;
     engine::Engine engine;
@@ -291,10 +288,7 @@ class TestPipeline : public QObject {
   }
 
   void workerThreadReportsOutcomes() {
-    job::GenerationRequest good;
-    good.model = (test::fixtures() / "tiny-sd").string();
-    good.prompt = "a cat";
-    good.steps = 2;
+    auto good = fixture_request("a cat", 2);
     good.width = good.height = 64;
     auto bad = good;
     bad.sampler = "heun";
@@ -315,10 +309,7 @@ class TestPipeline : public QObject {
   }
 
   void rejectsBadRequests() {
-    job::GenerationRequest r;
-    r.model = (test::fixtures() / "tiny-sd").string();
-    r.prompt = "x";
-    r.steps = 2;
+    auto r = fixture_request("x", 2);
     job::CancelToken never;
     auto expect = [&](job::GenerationRequest req, const char* fragment) {
       DIFFRACT_EXPECT_ERROR(engine_.run(req, {}, never), fragment);
@@ -362,10 +353,7 @@ class TestPipeline : public QObject {
   // rank reports a step): the same error as one device's, naming that rank's device, and the
   // engine runs the next job.
   void outOfMemoryOnARankNamesItsDevice() {
-    job::GenerationRequest r;
-    r.model = (test::fixtures() / "tiny-sd").string();
-    r.prompt = "x";
-    r.steps = 4;
+    auto r = fixture_request("x", 4);
     r.cfg = 5;
     r.strategy.name = "cfg-parallel";
     r.strategy.devices = 2;
@@ -395,10 +383,7 @@ class TestPipeline : public QObject {
   // reported) is the pipeline's out-of-memory error naming the CPU, not an internal error with
   // LibTorch's backtrace.
   void outOfHostMemoryNamesTheCpu() {
-    job::GenerationRequest r;
-    r.model = (test::fixtures() / "tiny-sd").string();
-    r.prompt = "x";
-    r.steps = 3;
+    auto r = fixture_request("x", 3);
     job::CancelToken never;
     job::JobObserver o;
     o.on_step = [](const job::StepEvent& e) {
@@ -411,10 +396,7 @@ class TestPipeline : public QObject {
   }
 
   void reportsNaNsInsteadOfABlackImage() {
-    job::GenerationRequest r;
-    r.model = (test::fixtures() / "tiny-sd-nan").string();  // the oracle poisons conv_out.bias
-    r.prompt = "x";
-    r.steps = 2;
+    auto r = fixture_request("x", 2, "tiny-sd-nan");  // the oracle poisons conv_out.bias
     r.width = r.height = 64;
     job::CancelToken never;
     DIFFRACT_EXPECT_ERROR(engine_.run(r, {}, never), "NaN or Inf after step 1");
